@@ -1,0 +1,1 @@
+"""The Flask web app: job submission, history, proofs, nodes and the JSON API."""

@@ -1,0 +1,1 @@
+"""Celery settings: broker, queues and routes, and the beat schedule."""

@@ -1,0 +1,1 @@
+"""The store: SQLAlchemy models for jobs, runs, proofs and the node inventory."""

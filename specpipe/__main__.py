@@ -1,0 +1,5 @@
+"""`python -m specpipe` runs the CLI."""
+
+from specpipe.cli import main
+
+main()

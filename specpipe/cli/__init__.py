@@ -1,0 +1,20 @@
+"""The `specpipe` command: the composition root. Each group lives in its own module."""
+
+import click
+
+from specpipe import __version__
+from specpipe.cli.proof import proof
+
+
+@click.group()
+@click.version_option(__version__, prog_name="specpipe")
+def cli() -> None:
+    """specpipe: serve one model across a ring of hosts with lossless speculative sampling."""
+
+
+cli.add_command(proof)
+
+
+def main() -> None:
+    """Console entry point."""
+    cli()

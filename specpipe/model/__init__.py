@@ -1,0 +1,1 @@
+"""Model shards: one decoder-only transformer, loaded one layer range at a time."""
