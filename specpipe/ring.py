@@ -1,0 +1,68 @@
+"""The ring interface: one verify round through every stage, in one process or across hosts.
+
+A *round* sends tokens at absolute positions `start_pos … start_pos+len(tokens)-1` through the
+stages; the last `n_draft` of them are drafts. The tail samples the doctored result vector for
+the `n_draft + 1` positions that follow the last non-draft token (see `Sampler.accept`) and the
+ring returns it. A stage whose cache ends before `start_pos` (it restarted) raises `GapError`;
+the caller then replays the committed prefix as one round from position 0.
+
+`LocalRing` runs the stages in this process; `RedisRing` (the swarm) sends each hop over Redis
+Streams. Both offer the same three calls, so the generation loop cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What the tail needs to sample: the target's parameters and the seed."""
+
+    temp: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
+class GapError(RuntimeError):
+    """A stage was asked to continue from a position beyond its KV cache (it lost its state)."""
+
+
+class Stage(Protocol):
+    """One layer range of the model: what a stage worker holds."""
+
+    first: bool  # holds the embeddings: takes token ids
+    last: bool  # holds the final norm and head: returns logits
+
+    def forward(self, session: str, inputs: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """ids [T] (first) or hidden [T, D] -> hidden [T, D], or logits [T, V] (last).
+
+        Truncates the session's cache to `start_pos` first; raises GapError beyond it."""
+        ...
+
+    def drop(self, session: str) -> None:
+        """Forget a session's cache."""
+        ...
+
+
+class Ring(Protocol):
+    """A path through every stage, ending in the tail's sampler."""
+
+    def reset(self, session: str, params: SamplingParams) -> None:
+        """Start (or restart) a session: clear caches, set the tail's sampling parameters."""
+        ...
+
+    def round(
+        self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int
+    ) -> list[int]:
+        """Run one round; return the doctored result vector (n_draft + 1 ids, -1 padded)."""
+        ...
+
+    def drop(self, session: str) -> None:
+        """End a session everywhere."""
+        ...
