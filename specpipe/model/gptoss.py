@@ -17,7 +17,24 @@ from torch import nn
 from specpipe.model.config import ModelConfig
 
 # The 16 E2M1 values, indexed by the 4-bit code (sign bit high).
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -47,7 +64,9 @@ def yarn_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attn_factor)
 
 
-def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def mxfp4_dequantize(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """[..., R, G, 16] uint8 codes and [..., R, G] uint8 exponents -> [..., R, G*32] values."""
     lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
     # Low nibble first: byte b holds values 2b (low) and 2b+1 (high).
@@ -59,7 +78,7 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 
 def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., R, C] float -> (blocks [..., R, C/32, 16], scales [..., R, C/32]): nearest E2M1 codes."""
+    """[..., R, C] float -> blocks [..., R, C/32, 16], scales [..., R, C/32] (nearest codes)."""
     *lead, C = w.shape
     g = w.float().reshape(*lead, C // 32, 32)
     amax = g.abs().amax(-1).clamp_min(2.0**-126)

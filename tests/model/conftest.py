@@ -140,9 +140,7 @@ def hf_logits(path: Path, ids: torch.Tensor, dtype: torch.dtype = torch.float32)
     """Logits [T, V] of transformers' own model loaded from `path` (as float32)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            reference(path), dtype=dtype
-        )
+        model = transformers.AutoModelForCausalLM.from_pretrained(reference(path), dtype=dtype)
     with torch.no_grad():
         return model(ids[None]).logits[0].float()
 

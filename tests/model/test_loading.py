@@ -40,9 +40,9 @@ def test_stage_reads_only_its_share(sharded, start, end):
     want_bytes = sum(source.info(n)[2] for n in names)
     assert source.bytes_read == want_bytes
     assert source.files_opened == files
-    all_files = set(json.loads((sharded / "model.safetensors.index.json").read_text())[
-        "weight_map"
-    ].values())
+    all_files = set(
+        json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values()
+    )
     if (start, end) != (0, N_LAYERS):
         assert source.files_opened < all_files
 
