@@ -64,7 +64,7 @@ def test_bench_draft_reports_the_cost():
 
     from specpipe.cli import cli
 
-    result = CliRunner().invoke(cli, ["bench", "draft", "--context", "512", "--repeats", "50"])
+    result = CliRunner().invoke(cli, ["bench", "draft", "--repeats", "50"])
     assert result.exit_code == 0, result.output
-    assert "context 512 tokens, K=8: propose" in result.output
+    assert "context 4,096 tokens, K=8: propose" in result.output
     assert "100% of proposals non-empty" in result.output
