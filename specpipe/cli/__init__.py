@@ -4,6 +4,8 @@ import click
 
 from specpipe import __version__
 from specpipe.cli.bench import bench
+from specpipe.cli.generate import generate
+from specpipe.cli.model import model
 from specpipe.cli.proof import proof
 
 
@@ -15,6 +17,8 @@ def cli() -> None:
 
 cli.add_command(bench)
 cli.add_command(proof)
+cli.add_command(model)
+cli.add_command(generate)
 
 
 def main() -> None:
