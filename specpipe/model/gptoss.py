@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specpipe.model.config import ModelConfig
+from specpipe.model.layers import MIN_ROWS, Linear, stable_linear
 
 # The 16 E2M1 values, indexed by the 4-bit code (sign bit high).
 FP4_VALUES = (
@@ -101,6 +101,8 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
 class Experts(nn.Module):
     """E experts, each gate_up [2I, D] and down [D, I] with biases; float or MXFP4-packed."""
 
+    min_rows = MIN_ROWS
+
     def __init__(self, cfg: ModelConfig, packed: bool) -> None:
         super().__init__()
         E, D, inter = cfg.n_experts, cfg.dim, cfg.intermediate_size
@@ -133,8 +135,9 @@ class Experts(nn.Module):
         for e in idx.unique().tolist():
             tok, slot = torch.where(idx == e)
             w_gu, w_down = self.weights(e, x.dtype)
-            h = clamped_swiglu(F.linear(x[tok], w_gu, self.gate_up_bias[e]), self.alpha, self.limit)
-            y = F.linear(h, w_down, self.down_bias[e])
+            gate_up = stable_linear(x[tok], w_gu, self.gate_up_bias[e], self.min_rows)
+            h = clamped_swiglu(gate_up, self.alpha, self.limit)
+            y = stable_linear(h, w_down, self.down_bias[e], self.min_rows)
             out.index_add_(0, tok, y * weight[tok, slot, None])
         return out
 
@@ -145,7 +148,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, packed: bool) -> None:
         super().__init__()
         self.top_k = cfg.experts_per_token
-        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=True)
+        self.router = Linear(cfg.dim, cfg.n_experts, bias=True)
         self.experts = Experts(cfg, packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,9 @@ import torch
 from specpipe.ring import GapError
 
 SLIDING_SLACK = 64  # positions kept beyond a sliding window: the deepest rollback it survives
+# Forgetting happens in whole blocks, so the first key held sits at a multiple of this whatever the
+# rounds were: attention sums keys in the same lanes in a verify and in a plain step.
+FORGET_BLOCK = 256
 
 
 class LayerCache:
@@ -61,7 +64,8 @@ class LayerCache:
             setattr(self, name, new)
 
     def _forget_before(self, pos: int) -> None:
-        drop = min(pos, self.end) - self.first
+        pos = min(pos, self.end) // FORGET_BLOCK * FORGET_BLOCK
+        drop = pos - self.first
         if drop <= 0:
             return
         n = self.end - self.first - drop

@@ -3,6 +3,16 @@
 Every tensor here is one sequence: hidden states are [T, D] (no batch dimension), attention heads
 are [H, T, hd]. Attention reads keys and values from a `LayerCache` addressed by absolute
 position, so the same code runs a prefill, a single decode step and a K-token verify.
+
+Row stability: the logits at a position must be the same numbers whether it is computed alone (a
+plain decode step) or among K drafts (a verify), or speculative and plain sampling could commit
+different tokens. CPU BLAS computes each row of a product identically for any number of rows
+from 4 up, but switches to a matrix-vector kernel, with different rounding, below that. So every
+product here pads its rows to at least `MIN_ROWS` (`row_stable=False` on the stage turns this
+off: single-token steps get faster, and a verify row may then differ from a plain step in the last
+bits). Attention also depends on the number of keys S, which differs between a verify and a
+step; its kernels agree on every row once S is at least `MIN_KEYS`, so short contexts pad the keys
+(masked), and gpt-oss's sink logit goes first, at a fixed index, rather than after the keys.
 """
 
 from __future__ import annotations
@@ -15,6 +25,42 @@ from torch import nn
 
 from specpipe.model.config import ModelConfig
 from specpipe.model.kvcache import LayerCache
+
+MIN_ROWS = 4
+MIN_KEYS = 16
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [..., M, K] with zero rows appended up to `rows`."""
+    pad = rows - x.shape[-2]
+    return torch.cat([x, x.new_zeros(*x.shape[:-2], pad, x.shape[-1])], dim=-2)
+
+
+def stable_linear(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, min_rows: int = MIN_ROWS
+) -> torch.Tensor:
+    """F.linear on [M, K] whose every row is the same numbers for any M."""
+    M = x.shape[-2]
+    if M >= min_rows:
+        return F.linear(x, w, b)
+    return F.linear(_padded(x, min_rows), w, b)[..., :M, :]
+
+
+def stable_bmm(a: torch.Tensor, b: torch.Tensor, min_rows: int = MIN_ROWS) -> torch.Tensor:
+    """a @ b for [B, M, K] x [B, K, N] whose every row is the same numbers for any M."""
+    M = a.shape[-2]
+    if M >= min_rows:
+        return a @ b
+    return (_padded(a, min_rows) @ b)[..., :M, :]
+
+
+class Linear(nn.Linear):
+    """nn.Linear through `stable_linear`."""
+
+    min_rows = MIN_ROWS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return stable_linear(x, self.weight, self.bias, self.min_rows)
 
 
 class RMSNorm(nn.Module):
@@ -77,14 +123,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    min_rows = MIN_ROWS
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.window = cfg.window(layer)
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.o_bias)
+        self.wq = Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.o_bias)
         # gpt-oss: one learned logit per head that competes in the softmax and carries no value.
         self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.has_sinks else None
 
@@ -97,19 +145,23 @@ class Attention(nn.Module):
         v = self.wv(x).view(T, self.n_kv, self.hd).transpose(0, 1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values, first = cache.append(k, v, pos)  # [Hkv, S, hd], absolute position of key 0
+        if self.min_rows > 1 and keys.shape[1] < MIN_KEYS:  # padded keys lie in the future: masked
+            keys, values = _padded(keys, MIN_KEYS), _padded(values, MIN_KEYS)
         S, group = keys.shape[1], self.n_heads // self.n_kv
         # Query heads grouped under their kv head: [Hkv, group*T, hd] x [Hkv, hd, S].
-        scores = (q.reshape(self.n_kv, group * T, self.hd) @ keys.transpose(1, 2)) / math.sqrt(
-            self.hd
-        )
+        q = q.reshape(self.n_kv, group * T, self.hd)
+        scores = stable_bmm(q, keys.transpose(1, 2), self.min_rows)
+        scores = scores / math.sqrt(self.hd)
         scores = scores.view(self.n_heads, T, S) + attention_mask(pos, T, first, S, self.window, x)
         if self.sinks is not None:
             sink = self.sinks.to(scores.dtype).view(-1, 1, 1).expand(-1, T, 1)
-            probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1]
+            probs = torch.softmax(torch.cat([sink, scores], dim=-1).float(), dim=-1)[..., 1:]
         else:
             probs = torch.softmax(scores.float(), dim=-1)
-        probs = probs.to(values.dtype).view(self.n_kv, group * T, S)
-        out = (probs @ values).view(self.n_heads, T, self.hd)  # [H, T, hd]
+        probs = probs.to(values.dtype).reshape(self.n_kv, group * T, S)
+        out = stable_bmm(probs, values, self.min_rows).reshape(
+            self.n_heads, T, self.hd
+        )  # [H, T, hd]
         return self.wo(out.transpose(0, 1).reshape(T, self.n_heads * self.hd))
 
 
@@ -129,9 +181,9 @@ def attention_mask(
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.w_gate = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
-        self.w_up = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
-        self.w_down = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
+        self.w_gate = Linear(cfg.dim, cfg.intermediate_size, bias=False)
+        self.w_up = Linear(cfg.dim, cfg.intermediate_size, bias=False)
+        self.w_down = Linear(cfg.intermediate_size, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))

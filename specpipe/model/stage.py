@@ -14,14 +14,19 @@ from torch import nn
 from specpipe.model.config import ModelConfig
 from specpipe.model.errors import ModelError
 from specpipe.model.kvcache import LayerCache, SessionCache
-from specpipe.model.layers import Block, RMSNorm, Rotary
+from specpipe.model.layers import MIN_ROWS, Block, Linear, RMSNorm, Rotary
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class StageModel(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, start: int, end: int, packed_experts: bool = False
+        self,
+        cfg: ModelConfig,
+        start: int,
+        end: int,
+        packed_experts: bool = False,
+        row_stable: bool = True,
     ) -> None:
         super().__init__()
         self.cfg, self.start, self.end = cfg, start, end
@@ -29,9 +34,13 @@ class StageModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim) if self.first else None
         self.layers = nn.ModuleList(Block(cfg, i, packed_experts) for i in range(start, end))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if self.last else None
-        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if self.last else None
+        self.head = Linear(cfg.dim, cfg.vocab_size, bias=False) if self.last else None
         self.rotary = Rotary(cfg)
         self.sessions: dict[str, SessionCache] = {}
+        # See layers.py: without row stability a verify row may differ from a plain step's.
+        for module in self.modules():
+            if hasattr(module, "min_rows"):
+                module.min_rows = MIN_ROWS if row_stable else 1
 
     @property
     def dtype(self) -> torch.dtype:
@@ -92,6 +101,7 @@ def load_stage(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
     packed_experts: bool = True,
+    row_stable: bool = True,
 ) -> StageModel:
     """Build the stage for layers [start, end) from a checkpoint, reading only its tensors."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
@@ -99,7 +109,7 @@ def load_stage(
     check_range(cfg, start, end, str(source.path))
     packed = packed_experts and cfg.mxfp4
     with torch.device("meta"):
-        model = StageModel(cfg, start, end, packed)
+        model = StageModel(cfg, start, end, packed, row_stable)
     expected = model.state_dict()
     names = source.name_map(start, end, model.first, model.last, packed)
     missing = set(expected) ^ set(names)

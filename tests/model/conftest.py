@@ -49,8 +49,11 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
 
 
 def write_llama(path: Path, kind: str = "llama", seed: int = 0) -> Path:
-    """A tiny LlamaForCausalLM (untied, llama3 rope) or Qwen2ForCausalLM (biases, tied)."""
-    if kind == "llama":
+    """A tiny LlamaForCausalLM (untied, llama3 rope; "plain": no rope scaling) or Qwen2 (tied)."""
+    if kind == "plain":
+        cfg = transformers.LlamaConfig(**_llama_config(), tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "llama":
         cfg = transformers.LlamaConfig(
             **_llama_config(
                 rope_scaling=dict(
@@ -143,6 +146,15 @@ def hf_logits(path: Path, ids: torch.Tensor, dtype: torch.dtype = torch.float32)
         model = transformers.AutoModelForCausalLM.from_pretrained(reference(path), dtype=dtype)
     with torch.no_grad():
         return model(ids[None]).logits[0].float()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: these models are tiny, and threads only fight on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,7 @@ def hf_logits(hf_model, prompt_ids):
         return hf_model(torch.tensor([prompt_ids])).logits[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", [[30], [15, 15], [7, 8, 7, 8]])
 def test_default_model_matches_transformers(hf_logits, prompt_ids, split):
     stages, start = [], 0
@@ -69,6 +70,7 @@ def test_default_model_matches_transformers(hf_logits, prompt_ids, split):
     assert torch.equal(logits.argmax(-1), hf_logits.argmax(-1))
 
 
+@pytest.mark.slow
 def test_greedy_decode_matches_transformers_generate(hf_model, prompt_ids):
     (stage,) = [load_stage(open_checkpoint("default"), 0, 30)]
     n = 12

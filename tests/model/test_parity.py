@@ -83,6 +83,7 @@ def test_sliding_window_cache_forgets_old_positions(checkpoints, reference):
 
     (stage,) = load_split(lambda: SafetensorsCheckpoint(checkpoints["gptoss"]), [4])
     slack, kvcache.SLIDING_SLACK = kvcache.SLIDING_SLACK, 2
+    block, kvcache.FORGET_BLOCK = kvcache.FORGET_BLOCK, 2
     try:
         ids = _ids()
         rows = [stage.forward("s", ids[p : p + 1], p)[0] for p in range(T)]
@@ -92,7 +93,7 @@ def test_sliding_window_cache_forgets_old_positions(checkpoints, reference):
         with pytest.raises(GapError):
             stage.forward("s", ids[:1], 1)  # far behind what the sliding layer keeps
     finally:
-        kvcache.SLIDING_SLACK = slack
+        kvcache.SLIDING_SLACK, kvcache.FORGET_BLOCK = slack, block
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -115,3 +116,22 @@ def test_dequantise_on_load_matches_packed(checkpoints, reference):
     assert not experts.packed and experts.gate_up.dtype == torch.float32
     logits = run_split(stages, "s", _ids(), 0)
     torch.testing.assert_close(logits, reference["gptoss-mxfp4"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_verify_rows_equal_single_steps_exactly(checkpoints, family):
+    """A position's logits are the same numbers in a K+1 verify as in a one-token step."""
+    stages = load_split(lambda: SafetensorsCheckpoint(checkpoints[family]), [1, 3])
+    ids = _ids(seed=3)
+    run_split(stages, "one", ids[:3], 0)
+    single = torch.cat([run_split(stages, "one", ids[p : p + 1], p) for p in range(3, T)])
+    run_split(stages, "many", ids[:3], 0)
+    chunks = [run_split(stages, "many", ids[p : p + 9], p) for p in range(3, T, 9)]
+    assert torch.equal(torch.cat(chunks), single)
+
+
+def test_row_stability_can_be_turned_off(checkpoints, reference):
+    stages = load_split(lambda: SafetensorsCheckpoint(checkpoints["llama"]), [4], row_stable=False)
+    assert stages[0].layers[0].attn.wq.min_rows == 1
+    rows = [run_split(stages, "s", _ids()[p : p + 1], p)[0] for p in range(T)]
+    torch.testing.assert_close(torch.stack(rows), reference["llama"], atol=1e-4, rtol=0)
