@@ -106,3 +106,24 @@ def test_tokenizer_matches_transformers_gguf_tokenizer():
     assert ours.render_chat(messages) == theirs.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [["--no-spec"], ["--draft-k", "8"]])
+def test_generate_local_greedy_matches_transformers(hf_model, prompt_ids, mode):
+    import json
+
+    from click.testing import CliRunner
+
+    from specpipe.cli import cli
+
+    n = 24
+    args = ["generate", "--local", PROMPT, "--json", "--max-new-tokens", str(n), *mode]
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    got = json.loads(result.output)
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, eos_token_id=2
+        )
+    assert got["tokens"] == out[0, len(prompt_ids) :].tolist()
+    assert "Paris" in got["text"]
