@@ -61,6 +61,13 @@ from specpipe.cli.model import ModelInputError
     default=None,
     help="CPU threads for torch (default: torch's choice).",
 )
+@click.option(
+    "--row-stable/--no-row-stable",
+    default=True,
+    show_default=True,
+    help="Make each position's logits independent of how many positions share a forward "
+    "(speculative == plain exactly); off is faster per plain step on CPU.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def generate(
     prompt: str,
@@ -78,6 +85,7 @@ def generate(
     dtype: str,
     device: str,
     threads: int | None,
+    row_stable: bool,
     as_json: bool,
 ) -> None:
     """Generate a reply to PROMPT, streaming it, then report tok/s and tokens per round.
@@ -106,7 +114,9 @@ def generate(
         checkpoint = open_checkpoint(model_name)
         tokenizer = load_tokenizer(checkpoint)
         n_stages = min(stages, checkpoint.config.n_layers)
-        ring = LocalRing(load_stages(model_name, n_stages, dtype=dtype, device=device))
+        ring = LocalRing(
+            load_stages(model_name, n_stages, dtype=dtype, device=device, row_stable=row_stable)
+        )
         prompt_ids = tokenizer.prompt_ids(prompt, raw=raw)
     except ModelError as e:
         raise ModelInputError(str(e)) from None

@@ -152,7 +152,9 @@ class Attention(nn.Module):
         q = q.reshape(self.n_kv, group * T, self.hd)
         scores = stable_bmm(q, keys.transpose(1, 2), self.min_rows)
         scores = scores / math.sqrt(self.hd)
-        scores = scores.view(self.n_heads, T, S) + attention_mask(pos, T, first, S, self.window, x)
+        scores = scores.view(self.n_heads, T, S)
+        if T > 1 or self.window is not None or first + S > pos + T:  # else every key is visible
+            scores = scores + attention_mask(pos, T, first, S, self.window, x)
         if self.sinks is not None:
             sink = self.sinks.to(scores.dtype).view(-1, 1, 1).expand(-1, T, 1)
             probs = torch.softmax(torch.cat([sink, scores], dim=-1).float(), dim=-1)[..., 1:]
