@@ -8,6 +8,7 @@ from flask import Flask, g, request
 from flask_wtf.csrf import CSRFProtect
 
 from models.db import as_utc
+from models.nodes import redact_url
 
 csrf = CSRFProtect()
 
@@ -61,4 +62,10 @@ def _bytes(value) -> str:
     return str(value)
 
 
-FILTERS = {"when": _when, "num": _num, "excerpt": _excerpt, "bytes": _bytes}
+FILTERS = {
+    "when": _when,
+    "num": _num,
+    "excerpt": _excerpt,
+    "bytes": _bytes,
+    "redact_url": redact_url,
+}

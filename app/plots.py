@@ -46,7 +46,7 @@ def tv_plot(proof: Proof) -> bytes:
     ax.set_ylabel("total variation distance", color=INK, fontsize=9)
     ax.set_title(f"TV per case — {proof.kind.replace('_', ' ')}", color=INK, fontsize=10)
     if proof.gate is not None or any(n is not None for n in noise):
-        ax.legend(frameon=False, fontsize=8)
+        ax.legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _png(fig)
 
 
@@ -83,5 +83,8 @@ def histogram_plot(case: ProofCase, top: int = 20) -> bytes:
     bars.bar(labels, values, color=colors)
     if case.proof.gate is not None:
         bars.axhline(case.proof.gate, color=FAIL, linestyle="--", linewidth=1.2)
+        bars.annotate("gate", (1.0, case.proof.gate), xycoords=("axes fraction", "data"),
+                      xytext=(2, 0), textcoords="offset points", color=FAIL, fontsize=7,
+                      va="center")
     bars.set_title("TV", color=INK, fontsize=10)
     return _png(fig)

@@ -7,6 +7,7 @@ A node's status is derived from the age of its last heartbeat, never stored.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from urllib.parse import urlsplit, urlunsplit
 
 from sqlalchemy import BigInteger, DateTime, ForeignKey, Integer, String, select
 from sqlalchemy.orm import Mapped, Session, mapped_column, relationship
@@ -28,6 +29,18 @@ NODE_FIELDS = (
     "software_version",
     "last_heartbeat",
 )
+
+
+def redact_url(url: str | None) -> str | None:
+    """`url` with any password replaced by `***`, for display."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}:" if parts.username else ":"
+    return urlunsplit(parts._replace(netloc=f"{user}***@{netloc}"))
 
 
 def role_order(role: str | None) -> tuple[int, int]:
@@ -71,6 +84,7 @@ class Node(Base):
         return {
             "host": self.host,
             **{f: getattr(self, f) for f in NODE_FIELDS if f != "last_heartbeat"},
+            "redis_url": redact_url(self.redis_url),
             "last_heartbeat": iso_utc(self.last_heartbeat),
             "status": self.status(now),
         }

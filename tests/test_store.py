@@ -169,3 +169,18 @@ def test_timestamps_are_utc(db_session):
 
     created = as_utc(db_session.get(Job, job.id).created_at)
     assert abs(created - utcnow()) < timedelta(minutes=1)
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:hunter2@h:6379/0", "redis://:***@h:6379/0"),
+        ("redis://user:pw@h/1", "redis://user:***@h/1"),
+        ("redis://h:6379/0", "redis://h:6379/0"),
+        (None, None),
+    ],
+)
+def test_redis_password_redacted(url, shown):
+    from models.nodes import redact_url
+
+    assert redact_url(url) == shown

@@ -15,6 +15,9 @@
   function fixed(value, digits) {
     return value === null || value === undefined ? "—" : Number(value).toFixed(digits);
   }
+  function when(iso) {
+    return iso.replace("T", " ").replace(/\.\d+/, "").replace("Z", " UTC");
+  }
   function render(job) {
     root.dataset.status = job.status;
     var badge = document.querySelector("#job-status .badge");
@@ -32,7 +35,8 @@
     if (error) { error.hidden = !job.error; setText("job-error-text", job.error || ""); }
     var cancel = document.getElementById("cancel-form");
     if (cancel) cancel.hidden = finished.indexOf(job.status) >= 0;
-    if (job.finished_at) setText("job-finished", job.finished_at.replace("T", " ").replace(/\.\d+/, "").replace("Z", " UTC"));
+    if (job.started_at) setText("job-started", when(job.started_at));
+    if (job.finished_at) setText("job-finished", when(job.finished_at));
   }
   function poll() {
     fetch(url, { headers: { Accept: "application/json" }, cache: "no-store" })

@@ -108,6 +108,8 @@ def test_submit_watch_history_proofs_nodes(server, page, session, queue):
     page.wait_for_function("document.querySelector('#job-status .badge').textContent === 'done'")
     assert page.text_content("#stat-toks") == "6.0"
     assert page.is_hidden("#cancel-form")
+    assert page.text_content("#job-started").endswith("UTC")
+    page.wait_for_timeout(500)  # let the progress bar's transition finish for the picture
     shot(page, "03-job-done")
 
     page.click("nav >> text=History")
