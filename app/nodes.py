@@ -56,10 +56,17 @@ def index():
     nodes = ring_nodes(get_session())
     now = utcnow()
     points = ring_layout(nodes)
+    counts = {"online": 0, "stale": 0, "offline": 0}
+    for node in nodes:
+        counts[node.status(now)] += 1
+    ends = [n.layer_end for n in nodes if n.layer_end is not None]
     return render_template(
         "nodes/index.html",
         nodes=nodes,
         now=now,
+        counts=counts,
+        layer_total=max(ends) if ends else None,
+        memory_total=sum(n.memory_bytes or 0 for n in nodes) or None,
         points=points,
         arrows=ring_arrows(points),
     )
