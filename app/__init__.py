@@ -9,8 +9,16 @@ from __future__ import annotations
 import secrets
 
 from flask import Flask
+from werkzeug.routing import IntegerConverter
 
 from specpipe import settings
+
+
+class IdConverter(IntegerConverter):
+    """A row id in URLs: 0 … 2^31-1, so an oversized id is a 404, not a database error."""
+
+    def __init__(self, url_map, *args, **kwargs):
+        super().__init__(url_map, min=0, max=2**31 - 1)
 
 
 def default_config() -> dict:
@@ -33,6 +41,7 @@ def default_config() -> dict:
 def create_app(test_config: dict | None = None) -> Flask:
     """Build the app; `test_config` overrides the environment."""
     app = Flask(__name__, instance_path=str(settings.instance_dir()))
+    app.url_map.converters["id"] = IdConverter
     app.config.from_mapping(default_config())
     if test_config:
         app.config.update(test_config)

@@ -93,14 +93,14 @@ def list_jobs():
     )
 
 
-@bp.get("/jobs/<int:job_id>")
+@bp.get("/jobs/<id:job_id>")
 def get_job(job_id: int):
     """One job with its progress and output."""
     job, error = _job_or_404(job_id)
     return error or jsonify(job.to_dict())
 
 
-@bp.post("/jobs/<int:job_id>/cancel")
+@bp.post("/jobs/<id:job_id>/cancel")
 def cancel_job(job_id: int):
     """Request a cooperative cancel; 409 when the job has already finished."""
     job, error = _job_or_404(job_id)
@@ -120,7 +120,7 @@ def list_nodes():
     return jsonify({"nodes": [n.to_dict(now) for n in ring_nodes(get_session())]})
 
 
-@bp.get("/runs/<int:run_id>")
+@bp.get("/runs/<id:run_id>")
 def get_run(run_id: int):
     """A run record in DESIGN.md's schema."""
     try:

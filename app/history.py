@@ -18,6 +18,9 @@ SORTS = {
 }
 
 
+MAX_PAGE = 10**6
+
+
 @dataclass
 class Page:
     """One page of jobs and where it sits in the whole result."""
@@ -51,13 +54,14 @@ def job_page(
         raise ValueError(f"status must be one of {', '.join(JOB_STATUSES)}")
     if sort not in SORTS:
         raise ValueError(f"sort must be one of {', '.join(SORTS)}")
-    if page < 1 or per_page < 1:
-        raise ValueError("page and per_page start at 1")
+    if not (1 <= page <= MAX_PAGE and per_page >= 1):
+        raise ValueError(f"page must be between 1 and {MAX_PAGE}, per_page at least 1")
     query = select(Job)
     if status:
         query = query.where(Job.status == status)
-    if search and search.strip():
-        query = query.where(Job.prompt.ilike(_like_pattern(search.strip()), escape="\\"))
+    search = (search or "").replace("\x00", "").strip()  # PostgreSQL text cannot hold NUL
+    if search:
+        query = query.where(Job.prompt.ilike(_like_pattern(search), escape="\\"))
     total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
     items = session.scalars(
         query.order_by(*SORTS[sort]).offset((page - 1) * per_page).limit(per_page)

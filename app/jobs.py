@@ -16,7 +16,7 @@ from flask import (
 
 from app.db import get_session
 from app.forms import bad_utf8_fields
-from app.history import SORTS, job_page
+from app.history import MAX_PAGE, SORTS, job_page
 from app.submission import QueueUnavailable, limits, rerun_params, submit_job
 from app.validation import FIELDS, JobRequestError, parse_job_request
 from models.jobs import JOB_STATUSES, Job
@@ -90,7 +90,7 @@ def history():
         status=status or None,
         search=search,
         sort=sort,
-        page=max(page, 1),
+        page=min(max(page, 1), MAX_PAGE),
         per_page=current_app.config["HISTORY_PAGE_SIZE"],
     )
     return render_template(
@@ -104,20 +104,20 @@ def history():
     )
 
 
-@bp.get("/jobs/<int:job_id>")
+@bp.get("/jobs/<id:job_id>")
 def detail(job_id: int):
     """One job: live progress, text, parameters, seed, ring, and actions."""
     job = _get_job(job_id)
     return render_template("jobs/detail.html", job=job)
 
 
-@bp.get("/jobs/<int:job_id>/progress")
+@bp.get("/jobs/<id:job_id>/progress")
 def progress(job_id: int):
     """The job's state as JSON, polled by the job page."""
     return jsonify(_get_job(job_id).to_dict())
 
 
-@bp.post("/jobs/<int:job_id>/cancel")
+@bp.post("/jobs/<id:job_id>/cancel")
 def cancel(job_id: int):
     """Ask the coordinator to stop the job at its next round."""
     job = _get_job(job_id)
@@ -130,7 +130,7 @@ def cancel(job_id: int):
     return redirect(url_for("jobs.detail", job_id=job.id))
 
 
-@bp.post("/jobs/<int:job_id>/rerun")
+@bp.post("/jobs/<id:job_id>/rerun")
 def rerun(job_id: int):
     """A new job with the same prompt, parameters and seed: it reproduces the text."""
     job = _get_job(job_id)

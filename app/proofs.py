@@ -25,7 +25,7 @@ def index():
     return render_template("proofs/index.html", runs=runs)
 
 
-@bp.get("/<int:run_id>")
+@bp.get("/<id:run_id>")
 def detail(run_id: int):
     """One proof run: each proof's verdict, case table and plots."""
     run = get_session().get(Run, run_id)
@@ -34,7 +34,7 @@ def detail(run_id: int):
     return render_template("proofs/detail.html", run=run)
 
 
-@bp.get("/plots/<int:proof_id>/tv.png")
+@bp.get("/plots/<id:proof_id>/tv.png")
 def tv_png(proof_id: int):
     """TV per case against the gate."""
     proof = get_session().get(Proof, proof_id)
@@ -43,7 +43,7 @@ def tv_png(proof_id: int):
     return _png(tv_plot(proof))
 
 
-@bp.get("/plots/cases/<int:case_id>.png")
+@bp.get("/plots/cases/<id:case_id>.png")
 def case_png(case_id: int):
     """Spec vs plain histograms for one stop, with the noise floor."""
     case = get_session().get(ProofCase, case_id)

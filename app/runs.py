@@ -12,7 +12,7 @@ from models.records import run_record
 bp = Blueprint("runs", __name__, url_prefix="/runs")
 
 
-@bp.get("/<int:run_id>/record.json")
+@bp.get("/<id:run_id>/record.json")
 def record(run_id: int):
     """The run record as a JSON file download."""
     try:
