@@ -19,6 +19,7 @@ from werkzeug.serving import make_server
 
 from models.db import utcnow
 from models.jobs import Job
+from models.runs import start_run
 from tests.dbfixtures import backend_name
 from tests.factories import gen_node, gen_proof_run, gen_ring
 
@@ -93,7 +94,9 @@ def test_submit_watch_history_proofs_nodes(server, page, session, queue):
     assert page.text_content("#job-seed").startswith("31337")
 
     # Write progress the way the coordinator does; the page must follow without a reload.
+    gen_ring(session, 4)
     job = session.get(Job, job_id)
+    job.run = start_run(session, model="tiny-test")
     job.status, job.started_at = "running", utcnow()
     job.record_progress(list(range(10)), "jumps over the lazy dog", [3, 2, 4], elapsed_s=2.0)
     session.commit()
@@ -110,11 +113,20 @@ def test_submit_watch_history_proofs_nodes(server, page, session, queue):
     assert page.text_content("#stat-toks") == "6.0"
     assert page.is_hidden("#cancel-form")
     assert page.text_content("#job-started").endswith("UTC")
-    page.wait_for_timeout(500)  # let the progress bar's transition finish for the picture
+    page.reload()
+    assert page.locator(".ring-list li").count() == 4
     shot(page, "03-job-done")
 
+    page.click("text=Run again with this seed")
+    page.wait_for_url(lambda url: not url.endswith(f"/jobs/{job_id}"))
+    rerun_id = int(page.url.rsplit("/", 1)[1])
+    assert page.text_content("#job-seed").startswith("31337")
+    assert page.text_content("#job-prompt") == prompt
+    assert queue.job_ids() == [job_id, rerun_id]
+
     page.click("nav >> text=History")
-    row = page.locator("#history tbody tr", has_text="quick")
+    assert page.locator("#history tbody tr", has_text="quick").count() == 2  # and its rerun
+    row = page.locator(f'#history tbody tr:has(a[href="/jobs/{job_id}"])')
     assert row.count() == 1
     assert "done" in row.inner_text().lower() and "31337" in row.inner_text()
     shot(page, "04-history")
