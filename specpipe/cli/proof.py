@@ -96,7 +96,7 @@ def proof_local(draws, vocab, seed, temps, top_ps, top_ks, json_path) -> None:
     """
     from tqdm import tqdm
 
-    from specpipe.proofs import LocalProofConfig, run_local_proof
+    from specpipe.proofs.local import LocalProofConfig, run_local_proof
 
     cfg = LocalProofConfig(
         draws=draws, vocab=vocab, seed=seed, temps=temps, top_ps=top_ps, top_ks=top_ks

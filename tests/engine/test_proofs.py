@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from specpipe import proofs
 from specpipe.cli import cli
-from specpipe.proofs import LocalProofConfig, chi_square_p_value, run_local_proof, total_variation
+from specpipe.proofs import local as proofs
+from specpipe.proofs.local import LocalProofConfig, run_local_proof
+from specpipe.proofs.stats import chi_square_p_value, total_variation
 
 SMALL = dict(
     draws=20_000,

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-from scipy.special import chdtrc
 
+from specpipe.proofs.stats import chi_square_p_value, total_variation
 from specpipe.sampling import (
     Sampler,
     committed_tokens,
@@ -65,36 +65,6 @@ class LocalProofConfig:
     def work_units(self) -> int:
         """How many progress units a run reports: one per case and form, plus the checks."""
         return self.n_cases * (2 + len(MUTANTS)) + 3
-
-
-# ---------------------------------------------------------------------------------------------
-# Statistics
-
-
-def total_variation(counts: np.ndarray, probs: np.ndarray) -> float:
-    """TV distance between an empirical histogram and a distribution."""
-    return 0.5 * float(np.abs(counts / counts.sum() - probs).sum())
-
-
-def chi_square_p_value(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
-    """Goodness-of-fit p-value; bins expecting fewer than 5 are pooled. Mass outside the
-    support of `probs` is impossible under the null: p = 0."""
-    n = counts.sum()
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    expected = n * probs
-    big = expected >= min_expected
-    obs = list(counts[big]) + (
-        [counts[~big & (probs > 0)].sum()] if (~big & (probs > 0)).any() else []
-    )
-    exp = list(expected[big]) + (
-        [expected[~big & (probs > 0)].sum()] if (~big & (probs > 0)).any() else []
-    )
-    obs, exp = np.array(obs, dtype=np.float64), np.array(exp, dtype=np.float64)
-    if len(obs) < 2:
-        return 1.0
-    statistic = float(((obs - exp) ** 2 / exp).sum())
-    return float(chdtrc(len(obs) - 1, statistic))
 
 
 # ---------------------------------------------------------------------------------------------
