@@ -121,6 +121,16 @@ def gen_proof_run(session, kind: str = "proof", passed: bool = True) -> Run:
                                      top_k=0, draws=400, entropy_bits=3.5 + 0.2 * i,
                                      tv=0.03 + 0.001 * i, noise_tv=0.029, passed=True,
                                      spec_counts=spec, plain_counts=plain))
-    run.proofs.extend([local, swarm])
+    summary = {
+        "greedy_temp0": {"text": "The cat sat on the mat.", "tok_s": 4.6, "plain_tok_s": 2.1,
+                         "speedup": 2.19, "accepted_per_round": [2, 3], "identical": True},
+        "sampled_temp0.7_seed7": {"text": "The dog ran home.", "tok_s": 3.9, "plain_tok_s": 2.0,
+                                  "speedup": 1.95, "accepted_per_round": [1, 2],
+                                  "identical": True},
+        "verdict": "PASS",
+    }
+    run.generation_summary = summary
+    generation = Proof(kind="generation", trigger=local.trigger, verdict="pass", summary=summary)
+    run.proofs.extend([local, swarm, generation])
     session.commit()
     return run
