@@ -27,6 +27,18 @@
     setText("stat-rounds", String(job.rounds));
     setText("stat-accepted", fixed(job.accepted_mean, 2));
     setText("job-output", job.output_text || "");
+    var strip = document.getElementById("rounds-strip");
+    var rounds = job.accepted_per_round || [];
+    if (strip && strip.dataset.rounds !== String(rounds.length)) {
+      strip.dataset.rounds = String(rounds.length);
+      var k = parseInt(strip.dataset.k, 10) || 1;
+      strip.textContent = "";
+      rounds.slice(-80).forEach(function (a) {
+        var span = document.createElement("span");
+        span.style.height = (100 * a / k).toFixed(1) + "%";
+        strip.appendChild(span);
+      });
+    }
     var bar = document.getElementById("progress-bar");
     if (bar && maxTokens) bar.style.width = (100 * job.generated_tokens / maxTokens).toFixed(1) + "%";
     var waiting = document.getElementById("job-waiting");

@@ -103,6 +103,7 @@ def test_submit_watch_history_proofs_nodes(server, page, session, queue):
     page.wait_for_function("document.getElementById('stat-tokens').textContent === '10'")
     assert page.text_content("#job-output") == "jumps over the lazy dog"
     assert page.text_content("#job-status .badge") == "running"
+    assert page.locator("#rounds-strip span").count() == 3
     page.wait_for_timeout(500)  # let the progress bar's transition finish for the picture
     shot(page, "02-job-running")
     job.status, job.finished_at = "done", utcnow()
