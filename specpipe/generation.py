@@ -11,7 +11,7 @@ because every token is sampled from the uniform keyed by its own position.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from specpipe.drafting import NgramDrafter
@@ -59,6 +59,7 @@ class Generation:
         eos_ids: Iterable[int] = (),
         drafter: NgramDrafter | None = None,
         resume: Sequence[int] = (),
+        should_stop: Callable[[list[int]], bool] | None = None,
     ):
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
@@ -71,6 +72,7 @@ class Generation:
         self.n_prompt = len(prompt_ids)
         self.drafter = drafter or NgramDrafter()
         self.drafter.extend(self.tokens)
+        self.should_stop = should_stop  # sees the generated ids after each round (stop strings)
         self.stats = GenerationStats()
         self.finished = bool(resume) and resume[-1] in self.eos_ids
 
@@ -80,7 +82,7 @@ class Generation:
         return self.tokens[self.n_prompt :]
 
     def rounds(self) -> Iterator[list[int]]:
-        """Run rounds until EOS or the token budget; yield each round's committed tokens."""
+        """Run rounds until EOS, `should_stop` or the token budget; yield each round's tokens."""
         started = time.perf_counter()
         self.ring.reset(self.session, self.params)
         cached = 0  # positions [0, cached) hold committed tokens in every stage's cache
@@ -97,6 +99,8 @@ class Generation:
                         break
                 self.tokens += committed
                 self.drafter.extend(committed)
+                if self.should_stop is not None and self.should_stop(self.generated):
+                    self.finished = True
                 self.stats.rounds += 1
                 self.stats.drafted += len(drafts)
                 self.stats.accepted += _leading_matches(committed, drafts)

@@ -59,6 +59,11 @@ class Ring(Protocol):
         """Start (or restart) a session: clear caches, set the tail's sampling parameters."""
         ...
 
+    def reseed(self, session: str, params: SamplingParams) -> None:
+        """Change a session's sampling parameters on the tail, keeping every cache (the proofs
+        draw many times from one context)."""
+        ...
+
     def round(self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int) -> list[int]:
         """Run one round; return the doctored result vector (n_draft + 1 ids, -1 padded)."""
         ...
@@ -80,6 +85,9 @@ class LocalRing:
     def reset(self, session: str, params: SamplingParams) -> None:
         for stage in self.stages:
             stage.drop(session)
+        self.reseed(session, params)
+
+    def reseed(self, session: str, params: SamplingParams) -> None:
         self.samplers[session] = Sampler(params.seed, params.temp, params.top_p, params.top_k)
 
     def round(self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int) -> list[int]:

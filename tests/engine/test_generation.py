@@ -61,6 +61,13 @@ def test_stops_at_eos_and_at_the_budget():
     assert generate(params, draft_k=8, max_new=0)[0] == []
 
 
+def test_should_stop_ends_the_generation_after_the_round_that_satisfies_it():
+    params = SamplingParams(temp=0.0)
+    full, _ = generate(params, draft_k=0)
+    stopped, stats = generate(params, draft_k=0, should_stop=lambda ids: len(ids) >= 6)
+    assert stopped == full[:6] and stats.rounds == 6
+
+
 class RestartingStage:
     """Wraps a stage; loses every session's cache once, after a given number of calls."""
 
