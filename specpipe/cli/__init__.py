@@ -25,6 +25,7 @@ def main() -> None:
     """Console entry point."""
     cli()
 
+
 from specpipe.cli.db import db  # noqa: E402
 from specpipe.cli.token import token  # noqa: E402
 from specpipe.cli.web import web  # noqa: E402

@@ -66,6 +66,7 @@ class StageModel(nn.Module):
     @torch.inference_mode()
     def forward(self, session: str, inputs: torch.Tensor, start_pos: int) -> torch.Tensor:
         """ids [T] (first stage) or hidden [T, D] -> hidden [T, D], or logits [T, V] (tail)."""
+        self._check_inputs(inputs)
         cache = self._session(session)
         cache.check(start_pos)  # GapError beyond the cache; truncation is implicit in append
         if self.first:
@@ -79,6 +80,19 @@ class StageModel(nn.Module):
         if not self.last:
             return x
         return self.head(self.norm(x)).float()  # [T, V]
+
+    def _check_inputs(self, inputs: torch.Tensor) -> None:
+        if self.first:
+            if inputs.dim() != 1 or inputs.is_floating_point() or inputs.numel() == 0:
+                raise ValueError(
+                    f"stage 0 takes token ids [T], got {inputs.dtype} {tuple(inputs.shape)}"
+                )
+            if int(inputs.min()) < 0 or int(inputs.max()) >= self.cfg.vocab_size:
+                raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        elif inputs.dim() != 2 or inputs.shape[1] != self.cfg.dim or inputs.shape[0] == 0:
+            raise ValueError(
+                f"this stage takes hidden states [T, {self.cfg.dim}], got {tuple(inputs.shape)}"
+            )
 
     def drop(self, session: str) -> None:
         """Forget a session's cache."""

@@ -135,3 +135,14 @@ def test_row_stability_can_be_turned_off(checkpoints, reference):
     assert stages[0].layers[0].attn.wq.min_rows == 1
     rows = [run_split(stages, "s", _ids()[p : p + 1], p)[0] for p in range(T)]
     torch.testing.assert_close(torch.stack(rows), reference["llama"], atol=1e-4, rtol=0)
+
+
+def test_wrong_inputs_are_refused(checkpoints):
+    first, tail = load_split(lambda: SafetensorsCheckpoint(checkpoints["llama"]), [2, 2])
+    with pytest.raises(ValueError, match="token ids"):
+        first.forward("s", torch.randn(3, 64), 0)
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 97\)"):
+        first.forward("s", torch.tensor([5, 97]), 0)
+    with pytest.raises(ValueError, match=r"hidden states \[T, 64\]"):
+        tail.forward("s", torch.tensor([1, 2]), 0)
+    assert "s" not in first.sessions and "s" not in tail.sessions  # nothing changed
