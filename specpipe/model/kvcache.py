@@ -37,10 +37,7 @@ class LayerCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> tuple[torch.Tensor, ...]:
         """Store k, v [Hkv, T, hd] at positions pos…; return all keys, values and `first`."""
-        if pos > self.end:
-            raise GapError(f"position {pos} is beyond the cache (it ends at {self.end})")
-        if self.window is not None and max(0, pos - self.window + 1) < self.first:
-            raise GapError(f"position {pos} rolls back past the sliding-window cache")
+        self.check(pos)
         T = k.shape[1]
         if self.window is not None:
             self._forget_before(pos - self.window + 1 - SLIDING_SLACK)
@@ -53,6 +50,13 @@ class LayerCache:
         self.end = pos + T
         n = self.end - self.first
         return self.k[:, :n], self.v[:, :n], self.first
+
+    def check(self, pos: int) -> None:
+        """Raise GapError unless this layer can continue from `pos`."""
+        if pos > self.end:
+            raise GapError(f"position {pos} is beyond the cache (it ends at {self.end})")
+        if self.window is not None and max(0, pos - self.window + 1) < self.first:
+            raise GapError(f"position {pos} rolls back past the sliding-window cache")
 
     def _grow(self, need: int) -> None:
         capacity = max(need, 2 * self.k.shape[1])
@@ -88,6 +92,8 @@ class SessionCache:
         """Raise GapError when `start_pos` is beyond what this session holds."""
         if start_pos > self.length or start_pos < 0:
             raise GapError(f"start_pos {start_pos} is beyond the cache (length {self.length})")
+        for layer in self.layers:
+            layer.check(start_pos)
 
     def nbytes(self) -> int:
         return sum(c.k.numel() * c.k.element_size() * 2 for c in self.layers)

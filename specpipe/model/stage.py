@@ -15,6 +15,7 @@ from specpipe.model.config import ModelConfig
 from specpipe.model.errors import ModelError
 from specpipe.model.kvcache import LayerCache, SessionCache
 from specpipe.model.layers import MIN_ROWS, Block, Linear, RMSNorm, Rotary
+from specpipe.ring import GapError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,8 +68,10 @@ class StageModel(nn.Module):
     def forward(self, session: str, inputs: torch.Tensor, start_pos: int) -> torch.Tensor:
         """ids [T] (first stage) or hidden [T, D] -> hidden [T, D], or logits [T, V] (tail)."""
         self._check_inputs(inputs)
+        if session not in self.sessions and start_pos > 0:
+            raise GapError(f"session {session!r} has no cache here; start_pos {start_pos} > 0")
         cache = self._session(session)
-        cache.check(start_pos)  # GapError beyond the cache; truncation is implicit in append
+        cache.check(start_pos)  # GapError before anything changes; appending truncates
         if self.first:
             x = self.embed(inputs.to(self.device, torch.long))  # [T, D]
         else:
