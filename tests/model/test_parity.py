@@ -74,6 +74,7 @@ def test_gap_is_reported(checkpoints):
         stage.forward("s", _ids()[5:6], 5)
     with pytest.raises(GapError):
         stage.forward("new", _ids()[:1], 3)
+    assert set(stage.sessions) == {"s"} and stage.sessions["s"].length == 4
 
 
 def test_sliding_window_cache_forgets_old_positions(checkpoints, reference):
