@@ -35,10 +35,12 @@ def test_model_info_default_json():
 def test_model_info_checkpoint_counts_parameters_like_transformers(checkpoints):
     import transformers
 
-    for name in ("llama", "qwen2", "gptoss"):
+    from tests.model.conftest import reference
+
+    for name in ("llama", "qwen2", "gptoss", "gptoss-mxfp4"):
         result = invoke("model", "info", str(checkpoints[name]), "--json", "--stages", "3")
         info = json.loads(result.output)
-        model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[name])
+        model = transformers.AutoModelForCausalLM.from_pretrained(reference(checkpoints[name]))
         assert info["parameters"] == model.num_parameters(), name
         assert [s["layers"] for s in info["stages"]] == [[0, 2], [2, 3], [3, 4]]
 

@@ -78,16 +78,21 @@ def write_gguf(path, hf_dir, arch: str = "llama") -> None:
         "mlp.down_proj": "ffn_down",
     }
     w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
+    permute = arch != "qwen2"  # llama.cpp permutes q/k rows for Llama, not for Qwen2
     for i in range(cfg["num_hidden_layers"]):
         for hf, ours in names.items():
-            x = t[f"model.layers.{i}.{hf}.weight"]
-            if ours == "attn_q":
-                x = _permute(x, cfg["num_attention_heads"])
-            if ours == "attn_k":
-                x = _permute(x, cfg["num_key_value_heads"])
-            w.add_tensor(f"blk.{i}.{ours}.weight", x)
+            for kind in ("weight", "bias"):
+                x = t.get(f"model.layers.{i}.{hf}.{kind}")
+                if x is None:
+                    continue
+                if permute and ours == "attn_q":
+                    x = _permute(x, cfg["num_attention_heads"])
+                if permute and ours == "attn_k":
+                    x = _permute(x, cfg["num_key_value_heads"])
+                w.add_tensor(f"blk.{i}.{ours}.{kind}", x)
     w.add_tensor("output_norm.weight", t["model.norm.weight"])
-    w.add_tensor("output.weight", t["lm_head.weight"])
+    if "lm_head.weight" in t:
+        w.add_tensor("output.weight", t["lm_head.weight"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -102,9 +107,17 @@ def tiny(tmp_path_factory):
     return root / "tiny.gguf", hf_dir
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen2(checkpoints, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "qwen2.gguf"
+    write_gguf(path, checkpoints["qwen2"], arch="qwen2")
+    return path, checkpoints["qwen2"]
+
+
 @pytest.mark.parametrize("split", SPLITS)
-def test_gguf_stages_match_transformers(tiny, split):
-    path, hf_dir = tiny
+@pytest.mark.parametrize("family", ["tiny", "tiny_qwen2"])
+def test_gguf_stages_match_transformers(request, family, split):
+    path, hf_dir = request.getfixturevalue(family)
     ids = torch.randint(0, 97, (17,), generator=torch.Generator().manual_seed(1))
     stages = load_split(lambda: GGUFCheckpoint(path), SPLITS[split])
     want = hf_logits(hf_dir, ids)
