@@ -33,3 +33,6 @@ from specpipe.cli.web import web  # noqa: E402
 cli.add_command(db)
 cli.add_command(token)
 cli.add_command(web)
+from specpipe.cli.runs import runs  # noqa: E402
+
+cli.add_command(runs)
