@@ -28,6 +28,7 @@ from specpipe.model.kvcache import LayerCache
 
 MIN_ROWS = 4
 MIN_KEYS = 16
+QUERY_CHUNK = 256
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -147,24 +148,32 @@ class Attention(nn.Module):
         keys, values, first = cache.append(k, v, pos)  # [Hkv, S, hd], absolute position of key 0
         if self.min_rows > 1 and keys.shape[1] < MIN_KEYS:  # padded keys lie in the future: masked
             keys, values = _padded(keys, MIN_KEYS), _padded(values, MIN_KEYS)
-        S, group = keys.shape[1], self.n_heads // self.n_kv
+        # Long prompts attend in chunks of queries, so the scores never outgrow [H, C, S].
+        chunks = [
+            self._attend(q[:, i : i + QUERY_CHUNK], keys, values, first, pos + i)
+            for i in range(0, T, QUERY_CHUNK)
+        ]
+        out = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)  # [H, T, hd]
+        return self.wo(out.transpose(0, 1).reshape(T, self.n_heads * self.hd))
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: int, pos: int
+    ) -> torch.Tensor:
+        """Queries [H, T, hd] at positions pos… over keys/values [Hkv, S, hd] -> [H, T, hd]."""
+        T, S, group = q.shape[1], keys.shape[1], self.n_heads // self.n_kv
         # Query heads grouped under their kv head: [Hkv, group*T, hd] x [Hkv, hd, S].
         q = q.reshape(self.n_kv, group * T, self.hd)
-        scores = stable_bmm(q, keys.transpose(1, 2), self.min_rows)
-        scores = scores / math.sqrt(self.hd)
+        scores = stable_bmm(q, keys.transpose(1, 2), self.min_rows) / math.sqrt(self.hd)
         scores = scores.view(self.n_heads, T, S)
         if T > 1 or self.window is not None or first + S > pos + T:  # else every key is visible
-            scores = scores + attention_mask(pos, T, first, S, self.window, x)
+            scores = scores + attention_mask(pos, T, first, S, self.window, q)
         if self.sinks is not None:
             sink = self.sinks.to(scores.dtype).view(-1, 1, 1).expand(-1, T, 1)
             probs = torch.softmax(torch.cat([sink, scores], dim=-1).float(), dim=-1)[..., 1:]
         else:
             probs = torch.softmax(scores.float(), dim=-1)
         probs = probs.to(values.dtype).reshape(self.n_kv, group * T, S)
-        out = stable_bmm(probs, values, self.min_rows).reshape(
-            self.n_heads, T, self.hd
-        )  # [H, T, hd]
-        return self.wo(out.transpose(0, 1).reshape(T, self.n_heads * self.hd))
+        return stable_bmm(probs, values, self.min_rows).reshape(self.n_heads, T, self.hd)
 
 
 def attention_mask(

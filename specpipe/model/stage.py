@@ -65,8 +65,13 @@ class StageModel(nn.Module):
         return cache
 
     @torch.inference_mode()
-    def forward(self, session: str, inputs: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """ids [T] (first stage) or hidden [T, D] -> hidden [T, D], or logits [T, V] (tail)."""
+    def forward(
+        self, session: str, inputs: torch.Tensor, start_pos: int, last_rows: int | None = None
+    ) -> torch.Tensor:
+        """ids [T] (first stage) or hidden [T, D] -> hidden [T, D], or logits [T, V] (tail).
+
+        On the tail, `last_rows` keeps only the logits of the last rows (a verify needs K+1 of
+        them; a long prompt's others would cost T x V floats)."""
         self._check_inputs(inputs)
         if session not in self.sessions and start_pos > 0:
             raise GapError(f"session {session!r} has no cache here; start_pos {start_pos} > 0")
@@ -82,6 +87,8 @@ class StageModel(nn.Module):
         cache.length = start_pos + x.shape[0]
         if not self.last:
             return x
+        if last_rows is not None:
+            x = x[-last_rows:]
         return self.head(self.norm(x)).float()  # [T, V]
 
     def _check_inputs(self, inputs: torch.Tensor) -> None:

@@ -147,3 +147,20 @@ def test_wrong_inputs_are_refused(checkpoints):
     with pytest.raises(ValueError, match=r"hidden states \[T, 64\]"):
         tail.forward("s", torch.tensor([1, 2]), 0)
     assert "s" not in first.sessions and "s" not in tail.sessions  # nothing changed
+
+
+def test_chunked_attention_and_last_rows(checkpoints, reference, monkeypatch):
+    """Queries attended in chunks give the same numbers; the tail can return only its last rows."""
+    from specpipe.model import layers
+
+    for family in ("llama", "gptoss-mxfp4"):
+        (stage,) = load_split(lambda f=family: SafetensorsCheckpoint(checkpoints[f]), [4])
+        whole = stage.forward("a", _ids(), 0)
+        monkeypatch.setattr(layers, "QUERY_CHUNK", 3)
+        chunked = stage.forward("b", _ids(), 0)
+        monkeypatch.undo()
+        assert torch.equal(chunked, whole)
+        torch.testing.assert_close(chunked, reference[family], atol=1e-4, rtol=0)
+        tail = stage.forward("c", _ids(), 0, last_rows=5)
+        assert torch.equal(tail, whole[-5:])
+        assert stage.sessions["c"].length == T  # every position is still cached
