@@ -29,8 +29,20 @@ from specpipe.cli.model import ModelInputError
     show_default=True,
     help="Drafted tokens verified per round.",
 )
-@click.option("--temp", type=float, default=0.0, show_default=True, help="Temperature (0: greedy).")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass.")
+@click.option(
+    "--temp",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Temperature (0: greedy).",
+)
+@click.option(
+    "--top-p",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Nucleus mass.",
+)
 @click.option(
     "--top-k",
     type=click.IntRange(min=0),

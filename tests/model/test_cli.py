@@ -105,3 +105,11 @@ def test_generate_default_streams_and_reports():
     assert result.exit_code == 0
     assert "Paris" in result.output
     assert "tok/s" in result.output and "tokens per round" in result.output
+
+
+@pytest.mark.parametrize(
+    "option", [["--temp", "-1"], ["--top-p", "0"], ["--top-k", "-2"], ["--draft-k", "0"]]
+)
+def test_generate_refuses_bad_sampling_options(option):
+    result = CliRunner().invoke(cli, ["generate", "--local", "hi", *option])
+    assert result.exit_code == 2 and "Invalid value" in result.output
