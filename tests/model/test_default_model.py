@@ -127,3 +127,22 @@ def test_generate_local_greedy_matches_transformers(hf_model, prompt_ids, mode):
         )
     assert got["tokens"] == out[0, len(prompt_ids) :].tolist()
     assert "Paris" in got["text"]
+
+
+def test_benchmark_twin_holds_the_same_weights(prompt_ids):
+    """The speed benchmark's transformers model computes what ours does (a fair comparison)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmarks" / "model_speed.py"
+    spec = importlib.util.spec_from_file_location("model_speed", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    stage = load_stage(open_checkpoint("default"), 0, 30)
+    twin = bench.transformers_twin(stage)
+    ids = torch.tensor(prompt_ids)
+    with torch.no_grad():
+        theirs = twin(ids[None]).logits[0]
+    torch.testing.assert_close(stage.forward("s", ids, 0), theirs, atol=1e-4, rtol=0)
+    rows, flips, worst, tv_max, _ = bench.row_stability(stage, prompt_ids, 6, 3)
+    assert (rows, flips, worst, tv_max) == (0, 0, 0.0, 0.0)
