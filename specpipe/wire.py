@@ -147,7 +147,7 @@ def decode(data: bytes, swarm: str, key: bytes, max_bytes: int = MAX_MESSAGE_BYT
     head = body[PREFIX.size : PREFIX.size + head_len]
     payload = memoryview(body)[PREFIX.size + head_len :]
     try:
-        header = msgpack.unpackb(head, raw=False, strict_map_key=True, max_buffer_size=head_len)
+        header = msgpack.unpackb(head, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
         raise WireError(f"header is not msgpack: {exc}") from None
     if not isinstance(header, dict):
