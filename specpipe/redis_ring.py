@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from specpipe import streams, wire
 from specpipe.inventory import NodeInfo
 from specpipe.ring import GapError, SamplingParams
+from specpipe.sampling import Sampler
 
 
 class RingError(RuntimeError):
@@ -52,6 +53,7 @@ class RedisRing:
 
     def reset(self, session: str, params: SamplingParams) -> None:
         """Clear every stage's cache for the session and give the tail its sampling parameters."""
+        Sampler(params.seed, params.temp, params.top_p, params.top_k)  # ValueError if invalid
         self._params[session] = params
         self.connections.get(self.reply_url).delete(streams.reply_key(self.swarm, session))
         self._cursor[session] = "0-0"

@@ -139,8 +139,9 @@ class StageWorker:
                 top_k=int(p["top_k"]),
                 seed=int(p["seed"]),
             )
-        except (KeyError, ValueError, TypeError):
-            self._drop("reset without temp, top_p, top_k and seed")
+            Sampler(params.seed, params.temp, params.top_p, params.top_k)  # validates them
+        except (KeyError, ValueError, TypeError) as exc:
+            self._drop(f"reset with bad sampling parameters: {exc}")
             return
         self._remember(self._params, message.session, params)
 

@@ -134,13 +134,17 @@ def test_dtype_outside_the_whitelist_is_refused_even_when_signed(dtype):
     "shape", [[3], [2, 3], [-1, 2], [], [1, 1, 1, 1, 4], "4", [1.5, 2], [True, 4]]
 )
 def test_shape_that_does_not_match_the_bytes_is_refused(shape):
-    data = sign(raw({"swarm": SWARM, "kind": "round", "dtype": "float32", "shape": shape}, b"\0" * 16))
+    data = sign(
+        raw({"swarm": SWARM, "kind": "round", "dtype": "float32", "shape": shape}, b"\0" * 16)
+    )
     with pytest.raises(wire.WireError):
         wire.decode(data, SWARM, KEY)
 
 
 def test_the_matching_shape_is_accepted():
-    data = sign(raw({"swarm": SWARM, "kind": "round", "dtype": "float32", "shape": [2, 2]}, b"\0" * 16))
+    data = sign(
+        raw({"swarm": SWARM, "kind": "round", "dtype": "float32", "shape": [2, 2]}, b"\0" * 16)
+    )
     assert wire.decode(data, SWARM, KEY).tensor.shape == (2, 2)
 
 

@@ -1,0 +1,296 @@
+"""The swarm end to end: RedisRing through real stage worker processes on real Redis."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+import torch
+
+from specpipe import streams, wire
+from specpipe.inventory import NodeInfo
+from specpipe.redis_ring import RedisRing, RingError
+from specpipe.ring import GapError, SamplingParams
+from specpipe.sampling import Sampler, committed_tokens
+from tests.swarm.toy_stage import ToyConfig, ToyStage
+
+PARAMS = SamplingParams(temp=0.9, top_p=0.95, top_k=30, seed=11)
+PROMPT = [3, 17, 42, 8, 8, 21]
+
+
+class ReferenceRing:
+    """The same toy model in this process: what every swarm must reproduce exactly."""
+
+    def __init__(self, bounds: list[tuple[int, int]]) -> None:
+        self.stages = [ToyStage(ToyConfig(), a, b) for a, b in bounds]
+        self.params: dict[str, SamplingParams] = {}
+
+    def reset(self, session, params):
+        self.params[session] = params
+        for stage in self.stages:
+            stage.drop(session)
+
+    def round(self, session, tokens, start_pos, n_draft):
+        x = torch.tensor(tokens, dtype=torch.int64)
+        for stage in self.stages:
+            x = stage.forward(session, x, start_pos)
+        p = self.params[session]
+        drafts = list(tokens[len(tokens) - n_draft :]) if n_draft else []
+        sampler = Sampler(p.seed, p.temp, p.top_p, p.top_k)
+        return sampler.accept(x[-(n_draft + 1) :], drafts, start_pos + len(tokens) - n_draft)
+
+    def drop(self, session):
+        for stage in self.stages:
+            stage.drop(session)
+
+
+def drafts_for(committed: list[int], k: int) -> list[int]:
+    """A cheap deterministic drafter: repeats the last tokens (accepted now and then)."""
+    return [committed[-1 - (i % 2)] for i in range(k)]
+
+
+def drive(ring, session, rounds: int, k: int, committed=None, log=None):
+    """Prefill, then `rounds` verify rounds; returns the committed ids and every result vector."""
+    log = [] if log is None else log
+    if committed is None:
+        committed = list(PROMPT)
+        result = ring.round(session, committed, 0, 0)
+        log.append(result)
+        committed += committed_tokens([], result)
+    for _ in range(rounds):
+        drafts = drafts_for(committed, k)
+        start = len(committed) - 1
+        result = ring.round(session, [committed[-1], *drafts], start, len(drafts))
+        log.append(result)
+        committed += committed_tokens(drafts, result)
+    return committed, log
+
+
+def reference(bounds, rounds, k, params=PARAMS):
+    ring = ReferenceRing(bounds)
+    ring.reset("ref", params)
+    return drive(ring, "ref", rounds, k)
+
+
+def nodes(*hosts: tuple[str, str]) -> list[NodeInfo]:
+    return [NodeInfo(host=h, layer_start=0, layer_end=1, redis_url=u) for h, u in hosts]
+
+
+def stats(url, swarm, host) -> dict[str, int]:
+    client = redis.Redis.from_url(url)
+    raw = client.hgetall(streams.stats_key(swarm, host))
+    client.close()
+    return {k.decode(): int(v) for k, v in raw.items()}
+
+
+def wait_for(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_round_trip_through_three_stage_processes(stages, swarm, key, redis_url):
+    for host, layers in [("h0", "0:1"), ("h1", "1:3"), ("h2", "3:4")]:
+        stages.start(host, layers, redis_url, wait=False)
+    stages.wait_ready(["h0", "h1", "h2"])
+    ring = RedisRing(
+        nodes(("h0", redis_url), ("h1", redis_url), ("h2", redis_url)),
+        swarm,
+        key,
+        redis_url,
+        timeout_s=20,
+    )
+    ring.reset("s", PARAMS)
+    got = drive(ring, "s", rounds=6, k=3)
+    assert got == reference([(0, 1), (1, 3), (3, 4)], rounds=6, k=3)
+    assert len(got[0]) > len(PROMPT) + 6  # every round committed at least one token
+
+    # A second session with greedy parameters runs on the same stages, unaffected by the first.
+    greedy = SamplingParams(temp=0.0, seed=0)
+    ring.reset("g", greedy)
+    assert drive(ring, "g", rounds=3, k=2) == reference([(0, 1), (1, 3), (3, 4)], 3, 2, greedy)
+    ring.drop("s")
+    ring.drop("g")
+    ring.close()
+    assert wait_for(lambda: stats(redis_url, swarm, "h2").get("processed") == 1 + 6 + 1 + 3)
+
+
+def test_per_host_redis_each_stream_lives_on_its_hosts_server(
+    stages, swarm, key, redis_url, second_redis
+):
+    stages.start("a", "0:2", redis_url, wait=False)
+    stages.start("b", "2:4", second_redis, wait=False)
+    stages.wait_ready(["a", "b"])
+    ring = RedisRing(nodes(("a", redis_url), ("b", second_redis)), swarm, key, redis_url)
+    ring.reset("s", PARAMS)
+    assert drive(ring, "s", rounds=4, k=2) == reference([(0, 2), (2, 4)], rounds=4, k=2)
+    ring.close()
+    main, other = redis.Redis.from_url(redis_url), redis.Redis.from_url(second_redis)
+    assert other.exists(streams.stage_key(swarm, "b")) and not other.exists(
+        streams.stage_key(swarm, "a")
+    )
+    assert main.exists(streams.stage_key(swarm, "a")) and not main.exists(
+        streams.stage_key(swarm, "b")
+    )
+    # b read 1 reset + 5 rounds from its own server
+    assert other.xlen(streams.stage_key(swarm, "b")) == 6
+    other.delete(streams.stage_key(swarm, "b"), streams.stats_key(swarm, "b"))
+    main.close()
+    other.close()
+
+
+def test_bad_messages_are_dropped_and_counted_while_serving_goes_on(stages, swarm, key, redis_url):
+    stages.start("h0", "0:2", redis_url, wait=False)
+    stages.start("h1", "2:4", redis_url, wait=False)
+    stages.wait_ready(["h0", "h1"])
+    route = nodes(("h0", redis_url), ("h1", redis_url))
+    ring = RedisRing(route, swarm, key, redis_url, timeout_s=20)
+    ring.reset("s", PARAMS)
+    committed, _ = drive(ring, "s", rounds=1, k=2)
+
+    client = redis.Redis.from_url(redis_url)
+    stream = streams.stage_key(swarm, "h1")
+    good = wire.Message(
+        kind="round", session="s", round_id="x", start_pos=len(committed) - 1,
+        tokens=(committed[-1],), tensor=torch.zeros(1, ToyConfig.dim),
+        route=tuple(wire.Hop(n.host, n.redis_url) for n in route), hop=1, reply=redis_url,
+    )  # fmt: skip
+    signed = wire.encode(good, swarm, key)
+    bad = [
+        b"not a message at all",  # malformed
+        signed[: -wire.TAG_BYTES] + bytes(wire.TAG_BYTES),  # unsigned (zero tag)
+        wire.encode(good, swarm, b"another swarm's key"),  # wrong key
+        signed[:40],  # truncated
+        wire.encode(  # signed, but the hidden states have the wrong width for this model
+            wire.Message(**{**good.__dict__, "tensor": torch.zeros(1, 5), "round_id": "y"}),
+            swarm,
+            key,
+        ),
+    ]
+    for data in bad:
+        streams.send(client, stream, data)
+    client.xadd(stream, {b"other": b"field"})  # an entry without a message
+    assert wait_for(lambda: stats(redis_url, swarm, "h1").get("dropped") == 5)
+    # The shape error is not a drop (the message was valid) but an error reply for its round.
+    assert wait_for(lambda: stats(redis_url, swarm, "h1").get("errors") == 1)
+
+    # The stage kept serving: the session continues exactly as the reference does.
+    got = drive(ring, "s", rounds=3, k=2, committed=committed)
+    assert got[0] == reference([(0, 2), (2, 4)], rounds=4, k=2)[0]
+    client.close()
+    ring.close()
+
+
+def test_duplicate_round_ids_are_ignored(stages, swarm, key, redis_url):
+    stages.start("h0", "0:2", redis_url, wait=False)
+    stages.start("h1", "2:4", redis_url, wait=False)
+    stages.wait_ready(["h0", "h1"])
+    route = (wire.Hop("h0", redis_url), wire.Hop("h1", redis_url))
+    ring = RedisRing(route, swarm, key, redis_url)
+    ring.reset("s", PARAMS)
+    data = wire.encode(
+        wire.Message(kind="round", session="s", round_id="same", tokens=tuple(PROMPT),
+                     route=route, reply=redis_url),
+        swarm, key,
+    )  # fmt: skip
+    client = redis.Redis.from_url(redis_url)
+    for _ in range(3):
+        streams.send(client, streams.stage_key(swarm, "h0"), data)
+    assert wait_for(lambda: stats(redis_url, swarm, "h0").get("duplicates") == 2)
+    time.sleep(0.3)
+    replies = client.xrange(streams.reply_key(swarm, "s"))
+    assert len(replies) == 1
+    reply = wire.decode(replies[0][1][streams.FIELD], swarm, key)
+    expected = ReferenceRing([(0, 2), (2, 4)])
+    expected.reset("s", PARAMS)
+    assert reply.kind == "result" and list(reply.tokens) == expected.round("s", PROMPT, 0, 0)
+    assert stats(redis_url, swarm, "h1").get("processed") == 1
+    client.close()
+    ring.close()
+
+
+def test_killed_stage_answers_gap_and_a_replay_restores_the_same_output(
+    stages, swarm, key, redis_url
+):
+    bounds = [(0, 1), (1, 3), (3, 4)]
+    for host, (a, b) in zip(["h0", "h1", "h2"], bounds, strict=True):
+        stages.start(host, f"{a}:{b}", redis_url, wait=False)
+    stages.wait_ready(["h0", "h1", "h2"])
+    ring = RedisRing(
+        nodes(*[(h, redis_url) for h in ["h0", "h1", "h2"]]), swarm, key, redis_url, timeout_s=30
+    )
+    ring.reset("s", PARAMS)
+    committed, _ = drive(ring, "s", rounds=3, k=2)
+
+    stages.kill9("h1")
+    stages.restart("h1")
+    drafts = drafts_for(committed, 2)
+    with pytest.raises(GapError, match="h1"):
+        ring.round("s", [committed[-1], *drafts], len(committed) - 1, 2)
+    # Replay the committed prefix as one round, as the generation loop does, and go on.
+    result = ring.round("s", committed, 0, 0)
+    committed.append(committed_tokens([], result)[0])
+    got, _ = drive(ring, "s", rounds=3, k=2, committed=committed)
+
+    ref = ReferenceRing(bounds)
+    ref.reset("r", PARAMS)
+    expected, _ = drive(ref, "r", rounds=3, k=2)
+    result = ref.round("r", expected, 0, 0)
+    expected.append(committed_tokens([], result)[0])
+    expected, _ = drive(ref, "r", rounds=3, k=2, committed=expected)
+    assert got == expected
+    # The restart kept the undisturbed output: plain decoding from the prompt agrees.
+    assert got[: len(PROMPT) + 4] == reference(bounds, rounds=3, k=0)[0][: len(PROMPT) + 4]
+    ring.close()
+
+
+def test_killed_tail_lost_its_parameters_and_gets_them_back(stages, swarm, key, redis_url):
+    stages.start("h0", "0:2", redis_url, wait=False)
+    stages.start("h1", "2:4", redis_url, wait=False)
+    stages.wait_ready(["h0", "h1"])
+    ring = RedisRing(nodes(("h0", redis_url), ("h1", redis_url)), swarm, key, redis_url)
+    ring.reset("s", PARAMS)
+    committed, _ = drive(ring, "s", rounds=2, k=1)
+    stages.kill9("h1")
+    stages.restart("h1")
+    with pytest.raises(GapError):
+        ring.round("s", [committed[-1]], len(committed) - 1, 0)
+    result = ring.round("s", committed, 0, 0)  # replay: the tail has its parameters again
+    ref = ReferenceRing([(0, 2), (2, 4)])
+    ref.reset("r", PARAMS)
+    expected, _ = drive(ref, "r", rounds=2, k=1)
+    assert result == ref.round("r", expected, 0, 0)
+    ring.close()
+
+
+def test_a_round_nobody_answers_is_resent_with_its_id_then_fails(swarm, key, redis_url):
+    ring = RedisRing(
+        [wire.Hop("nobody", redis_url)], swarm, key, redis_url, timeout_s=0.2, retries=2
+    )
+    ring.reset("s", PARAMS)
+    with pytest.raises(RingError, match="no reply from the ring after 3 tries"):
+        ring.round("s", [1, 2], 0, 1)
+    client = redis.Redis.from_url(redis_url)
+    entries = client.xrange(streams.stage_key(swarm, "nobody"))
+    rounds = [wire.decode(f[streams.FIELD], swarm, key) for _, f in entries]
+    assert [m.kind for m in rounds] == ["reset", "round", "round", "round"]
+    assert len({m.round_id for m in rounds[1:]}) == 1
+    client.close()
+    ring.close()
+
+
+def test_ring_refuses_bad_rounds_and_parameters(swarm, key, redis_url):
+    ring = RedisRing([wire.Hop("h", redis_url)], swarm, key, redis_url)
+    with pytest.raises(RingError, match="not reset"):
+        ring.round("s", [1], 0, 0)
+    with pytest.raises(ValueError, match="top_p"):
+        ring.reset("s", SamplingParams(temp=1.0, top_p=1.5))
+    ring.reset("s", PARAMS)
+    with pytest.raises(ValueError, match="drafts"):
+        ring.round("s", [1, 2], 0, 2)
+    ring.close()
