@@ -57,9 +57,7 @@ class Ring(Protocol):
         """Start (or restart) a session: clear caches, set the tail's sampling parameters."""
         ...
 
-    def round(
-        self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int
-    ) -> list[int]:
+    def round(self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int) -> list[int]:
         """Run one round; return the doctored result vector (n_draft + 1 ids, -1 padded)."""
         ...
 

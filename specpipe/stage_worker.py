@@ -122,11 +122,15 @@ class StageWorker:
             self._drop(f"a {message.kind!r} message does not belong on a stage stream")
 
     def _drop(self, reason: str) -> None:
-        self.counters["dropped"] += 1
         log.warning("%s: dropped %s", self.config.host, reason)
-        # Drops are rare and worth seeing at once, not at the next heartbeat.
+        self._count("dropped")
+
+    def _count(self, event: str) -> None:
+        # Drops, gaps, duplicates and errors are rare and worth seeing at once; the processed
+        # count waits for the next heartbeat.
+        self.counters[event] += 1
         key = streams.stats_key(self.config.swarm, self.config.host)
-        self.client.hset(key, "dropped", self.counters["dropped"])
+        self.client.hset(key, event, self.counters[event])
 
     def _reset(self, message: wire.Message) -> None:
         self.stage.drop(message.session)
@@ -155,7 +159,7 @@ class StageWorker:
             return
         seen = self._seen.get(message.session)
         if seen is not None and message.round_id in seen:
-            self.counters["duplicates"] += 1
+            self._count("duplicates")
             return
         if self.stage.first:
             inputs = torch.tensor(message.tokens, dtype=torch.int64)
@@ -168,11 +172,11 @@ class StageWorker:
         try:
             out = self.stage.forward(message.session, inputs, message.start_pos)
         except GapError as exc:
-            self.counters["gaps"] += 1
+            self._count("gaps")
             self._reply(message, "gap", reason=f"{self.config.host}: {exc}")
             return
         except Exception as exc:  # a bad round must not take the stage down
-            self.counters["errors"] += 1
+            self._count("errors")
             log.exception("%s: round %s failed", self.config.host, message.round_id)
             self._reply(message, "error", reason=f"{self.config.host}: {exc}")
             return
@@ -197,7 +201,7 @@ class StageWorker:
         params = self._params.get(message.session)
         if params is None:
             # The tail restarted and lost the reset; the coordinator re-sends it on a gap.
-            self.counters["gaps"] += 1
+            self._count("gaps")
             self._reply(message, "gap", reason=f"{self.config.host}: no sampling parameters")
             return
         k = message.n_draft

@@ -209,6 +209,8 @@ def test_duplicate_round_ids_are_ignored(stages, swarm, key, redis_url):
     expected = ReferenceRing([(0, 2), (2, 4)])
     expected.reset("s", PARAMS)
     assert reply.kind == "result" and list(reply.tokens) == expected.round("s", PROMPT, 0, 0)
+    assert wait_for(lambda: stats(redis_url, swarm, "h1").get("processed") == 1)
+    time.sleep(0.6)  # a heartbeat later, still one
     assert stats(redis_url, swarm, "h1").get("processed") == 1
     client.close()
     ring.close()

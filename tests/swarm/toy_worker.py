@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("--swarm", required=True)
     parser.add_argument("--n-layers", type=int, default=ToyConfig.n_layers)
     parser.add_argument("--delay-ms", type=float, default=0.0)
+    parser.add_argument("--heartbeat-s", type=float, default=0.5)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     start, end = (int(x) for x in args.layers.split(":"))
@@ -36,6 +37,7 @@ def main() -> None:
         redis_url=args.redis,
         registry_url=args.registry,
         block_ms=200,
+        heartbeat_s=args.heartbeat_s,
     )
     node = inventory.NodeInfo(
         host=args.host,
