@@ -87,7 +87,7 @@ class StreamConsumer:
         self.consumer = consumer
         self.group = group
         self.claim_idle_ms = claim_idle_ms
-        self._backlog = True  # re-read our own pending entries before new ones
+        self._backlog: str | None = "0-0"  # cursor over our own pending entries, read first
         self._claim_from = "0-0"
         self._claim_every_s = claim_every_s
         self._next_claim = 0.0
@@ -103,11 +103,13 @@ class StreamConsumer:
 
     def read(self, count: int = 16, block_ms: int = 1000) -> list[tuple[bytes, bytes | None]]:
         """Next entries as (id, message bytes); message is None for an entry without one."""
-        if self._backlog:
-            entries = self._xreadgroup("0", count, None)
+        if self._backlog is not None:
+            entries = self._xreadgroup(self._backlog, count, None)
             if entries:
+                last = entries[-1][0]
+                self._backlog = last.decode() if isinstance(last, bytes) else str(last)
                 return entries
-            self._backlog = False
+            self._backlog = None
         if time.monotonic() >= self._next_claim:
             claimed = self._autoclaim(count)
             if claimed:
@@ -131,7 +133,9 @@ class StreamConsumer:
                 raise
             self.ensure_group()  # the stream was deleted under us
             return []
-        return [(eid, fields.get(FIELD)) for _, entries in reply or [] for eid, fields in entries]
+        return [
+            (eid, (fields or {}).get(FIELD)) for _, entries in reply or [] for eid, fields in entries
+        ]
 
     def _autoclaim(self, count: int) -> list[tuple[bytes, bytes | None]]:
         # XAUTOCLAIM walks the pending list from a cursor; entries another consumer left idle
