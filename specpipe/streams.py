@@ -133,9 +133,8 @@ class StreamConsumer:
                 raise
             self.ensure_group()  # the stream was deleted under us
             return []
-        return [
-            (eid, (fields or {}).get(FIELD)) for _, entries in reply or [] for eid, fields in entries
-        ]
+        # A pending entry trimmed from the stream comes back without fields.
+        return [(eid, (f or {}).get(FIELD)) for _, entries in reply or [] for eid, f in entries]
 
     def _autoclaim(self, count: int) -> list[tuple[bytes, bytes | None]]:
         # XAUTOCLAIM walks the pending list from a cursor; entries another consumer left idle
