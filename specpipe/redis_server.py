@@ -82,12 +82,12 @@ class RedisServer:
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
-                if self.process.poll() is not None:
+                code = self.process.poll()
+                if code is not None:
                     err = self.process.stderr.read().decode(errors="replace").strip()
                     self.stop()
-                    raise RedisUnavailable(
-                        f"redis-server exited with {self.process.returncode}: {err[-300:]}"
-                    )
+                    last = err.splitlines()[-1] if err else "no message"
+                    raise RedisUnavailable(f"redis-server exited with {code}: {last[-300:]}")
                 try:
                     if client.ping():
                         return self.url
