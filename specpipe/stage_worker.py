@@ -80,6 +80,7 @@ class StageWorker:
             for entry_id, data in self.consumer.read(block_ms=self.config.block_ms):
                 self.handle(data)
                 self.consumer.ack([entry_id])
+        self.consumer.flush()
         self.flush_counters()
 
     def heartbeat(self, force: bool = False) -> None:

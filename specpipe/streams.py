@@ -91,6 +91,7 @@ class StreamConsumer:
         self._claim_from = "0-0"
         self._claim_every_s = claim_every_s
         self._next_claim = 0.0
+        self._unacked: list[bytes] = []
         self.ensure_group()
 
     def ensure_group(self) -> None:
@@ -118,20 +119,30 @@ class StreamConsumer:
         return self._xreadgroup(">", count, block_ms)
 
     def ack(self, entry_ids: Iterable[bytes]) -> None:
-        """Acknowledge processed entries."""
-        ids = list(entry_ids)
-        if ids:
-            self.client.xack(self.key, self.group, *ids)
+        """Acknowledge processed entries: sent with the next read, or by `flush`."""
+        self._unacked.extend(entry_ids)
+
+    def flush(self) -> None:
+        """Send the acknowledgements still held back."""
+        if self._unacked:
+            self.client.xack(self.key, self.group, *self._unacked)
+            self._unacked.clear()
 
     def _xreadgroup(self, start: str, count: int, block_ms: int | None):
+        # The acks ride in the same round trip as the next read: one less hop of latency per
+        # message. An entry processed just before a crash stays pending and is read again.
+        pipe = self.client.pipeline(transaction=False)
+        if self._unacked:
+            pipe.xack(self.key, self.group, *self._unacked)
+        pipe.xreadgroup(self.group, self.consumer, {self.key: start}, count=count, block=block_ms)
         try:
-            reply = self.client.xreadgroup(
-                self.group, self.consumer, {self.key: start}, count=count, block=block_ms
-            )
+            reply = pipe.execute()[-1]
+            self._unacked.clear()
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            self.ensure_group()  # the stream was deleted under us
+            self._unacked.clear()  # the stream was deleted under us, its pending list with it
+            self.ensure_group()
             return []
         # A pending entry trimmed from the stream comes back without fields.
         return [(eid, (f or {}).get(FIELD)) for _, entries in reply or [] for eid, f in entries]
@@ -155,7 +166,7 @@ class StreamConsumer:
             if eid is None:
                 continue
             if not fields:  # trimmed while pending (Redis 6.2 still lists it)
-                self.ack([eid])
+                self._unacked.append(eid)
                 continue
             claimed.append((eid, fields.get(FIELD)))
         return claimed

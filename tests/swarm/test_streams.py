@@ -23,12 +23,30 @@ def test_unacked_entries_come_back_to_a_restarted_consumer_first(swarm, redis_ur
     got = first.read(block_ms=100)
     assert [d for _, d in got] == [b"m0", b"m1", b"m2"]
     first.ack([got[0][0]])  # m1 and m2 were being processed when the worker died
+    first.flush()
 
     streams.send(client, key, b"m3")
     again = streams.StreamConsumer(client, key, "h")  # same name: the restarted worker
     assert entries(again) == [b"m1", b"m2"]
     assert entries(again) == [b"m3"]
     assert entries(again) == []
+    client.close()
+
+
+def test_acks_go_out_with_the_next_read_or_a_flush(swarm, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    key = streams.stage_key(swarm, "h")
+    consumer = streams.StreamConsumer(client, key, "h")
+    streams.send(client, key, b"a")
+    streams.send(client, key, b"b")
+    (first, _), (second, _) = consumer.read(block_ms=100)
+    consumer.ack([first])
+    assert client.xpending(key, streams.GROUP)["pending"] == 2
+    assert consumer.read(block_ms=10) == []
+    assert client.xpending(key, streams.GROUP)["pending"] == 1
+    consumer.ack([second])
+    consumer.flush()
+    assert client.xpending(key, streams.GROUP)["pending"] == 0
     client.close()
 
 

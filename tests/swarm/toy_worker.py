@@ -22,12 +22,13 @@ def main() -> None:
     parser.add_argument("--registry")
     parser.add_argument("--swarm", required=True)
     parser.add_argument("--n-layers", type=int, default=ToyConfig.n_layers)
+    parser.add_argument("--dim", type=int, default=ToyConfig.dim)
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--heartbeat-s", type=float, default=0.5)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     start, end = (int(x) for x in args.layers.split(":"))
-    stage = ToyStage(ToyConfig(n_layers=args.n_layers), start, end)
+    stage = ToyStage(ToyConfig(n_layers=args.n_layers, dim=args.dim), start, end)
     if args.delay_ms:
         stage = DelayedStage(stage, args.delay_ms / 1000)
     config = WorkerConfig(
