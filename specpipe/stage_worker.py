@@ -75,13 +75,27 @@ class StageWorker:
     def serve(self, stop: threading.Event | None = None) -> None:
         """Process messages until `stop` is set."""
         stop = stop or threading.Event()
+        wait_s = 0.0
         while not stop.is_set():
-            self.heartbeat()
-            for entry_id, data in self.consumer.read(block_ms=self.config.block_ms):
-                self.handle(data)
-                self.consumer.ack([entry_id])
-        self.consumer.flush()
-        self.flush_counters()
+            try:
+                self.heartbeat()
+                for entry_id, data in self.consumer.read(block_ms=self.config.block_ms):
+                    self.handle(data)
+                    self.consumer.ack([entry_id])
+                wait_s = 0.0
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # Our own Redis is away: keep the caches and wait for it to come back, then
+                # re-read what we had taken but not acknowledged.
+                wait_s = min(max(2 * wait_s, 0.1), 5.0)
+                log.warning("%s: Redis unavailable (%s); retrying in %.1f s", self.config.host,
+                            exc, wait_s)  # fmt: skip
+                self.consumer.rewind()
+                stop.wait(wait_s)
+        try:
+            self.consumer.flush()
+            self.flush_counters()
+        except redis.RedisError as exc:
+            log.warning("%s: could not flush acks and counters: %s", self.config.host, exc)
 
     def heartbeat(self, force: bool = False) -> None:
         """Refresh this node's inventory record and counters when one is due."""
@@ -188,15 +202,21 @@ class StageWorker:
             self._reply(message, "error", reason=f"route ends at {self.config.host}, not a tail")
         else:
             nxt = route[hop + 1]
-            data = wire.encode(
-                replace(message, tensor=out, hop=hop + 1), self.config.swarm, self.config.key
-            )
-            streams.send(
-                self.connections.get(nxt.redis_url),
-                streams.stage_key(self.config.swarm, nxt.host),
-                data,
-                self.config.maxlen,
-            )
+            try:
+                data = wire.encode(
+                    replace(message, tensor=out, hop=hop + 1), self.config.swarm, self.config.key
+                )
+                streams.send(
+                    self.connections.get(nxt.redis_url),
+                    streams.stage_key(self.config.swarm, nxt.host),
+                    data,
+                    self.config.maxlen,
+                )
+            except (redis.RedisError, wire.WireError) as exc:
+                self._count("errors")
+                reason = f"{self.config.host}: cannot pass the round to {nxt.host}: {exc}"
+                log.warning("%s", reason)
+                self._reply(message, "error", reason=reason)
 
     def _sample(self, message: wire.Message, logits: torch.Tensor) -> None:
         params = self._params.get(message.session)
@@ -217,10 +237,15 @@ class StageWorker:
             kind=kind, session=message.session, round_id=message.round_id, **fields
         )
         data = wire.encode(reply, self.config.swarm, self.config.key)
-        client = self.connections.get(message.reply)
-        streams.send_reply(
-            client, streams.reply_key(self.config.swarm, message.session), data, self.config.maxlen
-        )
+        try:
+            streams.send_reply(
+                self.connections.get(message.reply),
+                streams.reply_key(self.config.swarm, message.session),
+                data,
+                self.config.maxlen,
+            )
+        except redis.RedisError as exc:  # the coordinator times out and re-sends
+            log.warning("%s: cannot reply to %s: %s", self.config.host, message.reply, exc)
 
     def _mark_seen(self, message: wire.Message) -> None:
         seen = self._seen.get(message.session)

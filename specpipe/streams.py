@@ -105,6 +105,8 @@ class StreamConsumer:
     def read(self, count: int = 16, block_ms: int = 1000) -> list[tuple[bytes, bytes | None]]:
         """Next entries as (id, message bytes); message is None for an entry without one."""
         if self._backlog is not None:
+            # Acks still held back go out first in the same pipeline, so what we already
+            # processed is no longer pending when the backlog is read.
             entries = self._xreadgroup(self._backlog, count, None)
             if entries:
                 last = entries[-1][0]
@@ -117,6 +119,10 @@ class StreamConsumer:
                 return claimed
             self._next_claim = time.monotonic() + self._claim_every_s
         return self._xreadgroup(">", count, block_ms)
+
+    def rewind(self) -> None:
+        """Re-read our own pending entries before new ones (after losing the connection)."""
+        self._backlog = "0-0"
 
     def ack(self, entry_ids: Iterable[bytes]) -> None:
         """Acknowledge processed entries: sent with the next read, or by `flush`."""

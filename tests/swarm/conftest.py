@@ -77,7 +77,7 @@ class Stages:
             "--registry", self.registry, "--swarm", self.swarm, *extra,
         ]  # fmt: skip
         self.args[host] = argv
-        env = {**os.environ, "SPECPIPE_SWARM_KEY": self.key.decode()}
+        env = {**os.environ, "SPECPIPE_SWARM_KEY": self.key.decode(), "OMP_NUM_THREADS": "1"}
         self.procs[host] = subprocess.Popen(argv, cwd=ROOT, env=env)
         if wait:
             self.wait_ready([host])
@@ -107,7 +107,7 @@ class Stages:
 
     def restart(self, host: str) -> None:
         argv = self.args[host]
-        env = {**os.environ, "SPECPIPE_SWARM_KEY": self.key.decode()}
+        env = {**os.environ, "SPECPIPE_SWARM_KEY": self.key.decode(), "OMP_NUM_THREADS": "1"}
         self.procs[host] = subprocess.Popen(argv, cwd=ROOT, env=env)
         self.wait_ready([host])
 

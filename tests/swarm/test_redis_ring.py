@@ -296,3 +296,29 @@ def test_ring_refuses_bad_rounds_and_parameters(swarm, key, redis_url):
     with pytest.raises(ValueError, match="drafts"):
         ring.round("s", [1, 2], 0, 2)
     ring.close()
+
+
+def test_a_stage_rides_out_a_restart_of_its_redis(stages, swarm, key, redis_url):
+    from specpipe.redis_server import RedisServer, free_port
+
+    port = free_port()
+    server = RedisServer(port=port)
+    own = server.start()
+    try:
+        stages.start("a", "0:2", own, wait=False)
+        stages.start("b", "2:4", redis_url, wait=False)
+        stages.wait_ready(["a", "b"])
+        ring = RedisRing(nodes(("a", own), ("b", redis_url)), swarm, key, redis_url, timeout_s=20)
+        ring.reset("s", PARAMS)
+        committed, _ = drive(ring, "s", rounds=2, k=2)
+        server.stop()
+        time.sleep(0.5)
+        server = RedisServer(port=port)
+        server.start()
+        # The new Redis is empty, but stage a kept its caches: the session goes on unchanged.
+        got, _ = drive(ring, "s", rounds=2, k=2, committed=committed)
+        assert got == reference([(0, 2), (2, 4)], rounds=4, k=2)[0]
+        ring.close()
+    finally:
+        stages.stop()
+        server.stop()

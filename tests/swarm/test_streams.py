@@ -81,3 +81,16 @@ def test_a_deleted_stream_is_recreated_with_its_group(swarm, redis_url):
     streams.send(client, key, b"after")
     assert entries(consumer) == [b"after"]
     client.close()
+
+
+def test_rewind_rereads_only_what_was_not_processed(swarm, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    key = streams.stage_key(swarm, "h")
+    consumer = streams.StreamConsumer(client, key, "h")
+    streams.send(client, key, b"done")
+    streams.send(client, key, b"lost")
+    (done, _), _ = consumer.read(block_ms=100)
+    consumer.ack([done])  # processed; the connection dropped before "lost" was
+    consumer.rewind()
+    assert entries(consumer) == [b"lost"]
+    client.close()
