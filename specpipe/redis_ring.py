@@ -15,7 +15,9 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from specpipe import streams, wire
+import redis
+
+from specpipe import inventory, streams, wire
 from specpipe.inventory import NodeInfo
 from specpipe.ring import GapError, SamplingParams
 from specpipe.sampling import Sampler
@@ -50,6 +52,26 @@ class RedisRing:
         self.connections = streams.Connections()
         self._params: dict[str, SamplingParams] = {}
         self._cursor: dict[str, bytes | str] = {}  # last reply entry id read, per session
+
+    @classmethod
+    def from_inventory(
+        cls,
+        registry_url: str,
+        swarm: str,
+        key: bytes,
+        n_layers: int,
+        model: str | None = None,
+        reply_url: str | None = None,
+        **options,
+    ) -> RedisRing:
+        """A ring over the online stages the registry's inventory lists (RouteError if none)."""
+        client = redis.Redis.from_url(registry_url)
+        try:
+            nodes = inventory.load(client, swarm)
+        finally:
+            client.close()
+        chain = inventory.route(nodes, n_layers, model=model)
+        return cls(chain, swarm, key, reply_url or registry_url, **options)
 
     def reset(self, session: str, params: SamplingParams) -> None:
         """Clear every stage's cache for the session and give the tail its sampling parameters."""

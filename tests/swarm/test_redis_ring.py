@@ -9,7 +9,7 @@ import redis
 import torch
 
 from specpipe import streams, wire
-from specpipe.inventory import NodeInfo
+from specpipe.inventory import NodeInfo, RouteError
 from specpipe.redis_ring import RedisRing, RingError
 from specpipe.ring import GapError, SamplingParams
 from specpipe.sampling import Sampler, committed_tokens
@@ -126,7 +126,9 @@ def test_per_host_redis_each_stream_lives_on_its_hosts_server(
     stages.start("a", "0:2", redis_url, wait=False)
     stages.start("b", "2:4", second_redis, wait=False)
     stages.wait_ready(["a", "b"])
-    ring = RedisRing(nodes(("a", redis_url), ("b", second_redis)), swarm, key, redis_url)
+    # The route comes from the inventory the stages registered in (on the main Redis).
+    ring = RedisRing.from_inventory(redis_url, swarm, key, n_layers=4, model="toy")
+    assert ring.route == (wire.Hop("a", redis_url), wire.Hop("b", second_redis))
     ring.reset("s", PARAMS)
     assert drive(ring, "s", rounds=4, k=2) == reference([(0, 2), (2, 4)], rounds=4, k=2)
     ring.close()
@@ -284,6 +286,15 @@ def test_a_round_nobody_answers_is_resent_with_its_id_then_fails(swarm, key, red
     assert len({m.round_id for m in rounds[1:]}) == 1
     client.close()
     ring.close()
+
+
+def test_a_ring_needs_every_layer_served(stages, swarm, key, redis_url):
+    stages.start("a", "0:2", redis_url)
+    with pytest.raises(RouteError, match="no online stage serves layers 2:4"):
+        RedisRing.from_inventory(redis_url, swarm, key, n_layers=4)
+    stages.stop()  # a clean stop takes the node out of the inventory
+    with pytest.raises(RouteError, match="layers 0:4"):
+        RedisRing.from_inventory(redis_url, swarm, key, n_layers=4)
 
 
 def test_ring_refuses_bad_rounds_and_parameters(swarm, key, redis_url):
