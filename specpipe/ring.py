@@ -18,6 +18,8 @@ from typing import Protocol
 
 import torch
 
+from specpipe.sampling import Sampler
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -57,6 +59,11 @@ class Ring(Protocol):
         """Start (or restart) a session: clear caches, set the tail's sampling parameters."""
         ...
 
+    def reseed(self, session: str, params: SamplingParams) -> None:
+        """Change a session's sampling parameters on the tail, keeping every cache (the proofs
+        draw many times from one context)."""
+        ...
+
     def round(self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int) -> list[int]:
         """Run one round; return the doctored result vector (n_draft + 1 ids, -1 padded)."""
         ...
@@ -64,3 +71,36 @@ class Ring(Protocol):
     def drop(self, session: str) -> None:
         """End a session everywhere."""
         ...
+
+
+class LocalRing:
+    """Every stage in this process, called in order: the one-process ring."""
+
+    def __init__(self, stages: Sequence[Stage]):
+        if not stages or not stages[0].first or not stages[-1].last:
+            raise ValueError("a ring needs stages from the embeddings (first) to the head (last)")
+        self.stages = list(stages)
+        self.samplers: dict[str, Sampler] = {}
+
+    def reset(self, session: str, params: SamplingParams) -> None:
+        for stage in self.stages:
+            stage.drop(session)
+        self.reseed(session, params)
+
+    def reseed(self, session: str, params: SamplingParams) -> None:
+        self.samplers[session] = Sampler(params.seed, params.temp, params.top_p, params.top_k)
+
+    def round(self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int) -> list[int]:
+        sampler = self.samplers.get(session)
+        if sampler is None:
+            raise KeyError(f"session {session!r} was never reset")
+        hidden = torch.tensor(list(tokens), dtype=torch.long)
+        for stage in self.stages:
+            hidden = stage.forward(session, hidden, start_pos)
+        drafts = list(tokens)[len(tokens) - n_draft :]
+        return sampler.accept(hidden[-(n_draft + 1) :], drafts, start_pos + len(tokens) - n_draft)
+
+    def drop(self, session: str) -> None:
+        for stage in self.stages:
+            stage.drop(session)
+        self.samplers.pop(session, None)

@@ -180,11 +180,23 @@ def draw(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
     probs `[..., V]` and u `[...]` broadcast together; returns int64 ids of the batch shape. A
     zero-probability token is never returned.
     """
-    cdf = np.cumsum(probs, axis=-1)
-    ids = (cdf <= np.asarray(u)[..., None]).sum(axis=-1)
+    cdf = np.cumsum(probs, axis=-1)  # non-decreasing: adding p >= 0 never rounds down
+    u = np.asarray(u)
+    batch = np.broadcast_shapes(cdf.shape[:-1], u.shape)
+    rows = cdf.reshape(-1, cdf.shape[-1])
+    extra = len(batch) - (cdf.ndim - 1)  # leading dims of u over which rows are shared
+    if extra > 0 and batch[extra:] == cdf.shape[:-1]:
+        # Few distinct rows under many uniforms (the proofs): a binary search per row.
+        u_rows = np.broadcast_to(u, batch).reshape(-1, len(rows))
+        ids = np.empty(u_rows.shape, dtype=np.int64)
+        for j, row in enumerate(rows):
+            ids[:, j] = np.searchsorted(row, u_rows[:, j], side="right")
+        ids = ids.reshape(batch)
+    else:
+        ids = (cdf <= u[..., None]).sum(axis=-1)
     # Rounding can leave cdf[-1] a hair below 1; such u fall to the last token with mass.
     last_positive = probs.shape[-1] - 1 - np.argmax(probs[..., ::-1] > 0, axis=-1)
-    return np.minimum(ids, last_positive).astype(np.int64)
+    return np.minimum(ids, last_positive, dtype=np.int64)
 
 
 def _accepted_count(matches: np.ndarray) -> np.ndarray:

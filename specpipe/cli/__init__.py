@@ -3,6 +3,7 @@
 import click
 
 from specpipe import __version__
+from specpipe.cli.bench import bench
 from specpipe.cli.proof import proof
 
 
@@ -12,6 +13,7 @@ def cli() -> None:
     """specpipe: serve one model across a ring of hosts with lossless speculative sampling."""
 
 
+cli.add_command(bench)
 cli.add_command(proof)
 
 

@@ -1,0 +1,136 @@
+"""The generation loop: draft, one round through the ring, the equality accept loop, commit.
+
+The same loop runs over a `LocalRing` (one process) and a `RedisRing` (the swarm). Positions
+are absolute: after a round the stages' caches hold every position sent; the next round starts
+at the first position whose cached token was not committed, and the stages truncate there
+(this is how rejected drafts roll back). A stage that lost its state answers with a gap; the
+loop then replays the committed prefix from position 0, which changes nothing in the output
+because every token is sampled from the uniform keyed by its own position.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from specpipe.drafting import NgramDrafter
+from specpipe.ring import GapError, Ring, SamplingParams
+from specpipe.sampling import committed_tokens
+
+
+@dataclass
+class GenerationStats:
+    """What a generation cost and how well the drafts did."""
+
+    rounds: int = 0
+    drafted: int = 0  # draft tokens sent for verification
+    accepted: int = 0  # of those, how many were committed
+    generated: int = 0  # new tokens committed
+    replays: int = 0  # prefix replays after a gap
+    seconds: float = 0.0
+
+    @property
+    def tok_s(self) -> float:
+        return self.generated / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def accepted_per_round(self) -> float:
+        """Tokens committed per verify round (accepted drafts plus the target's own token)."""
+        return self.generated / self.rounds if self.rounds else 0.0
+
+    @property
+    def draft_acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class Generation:
+    """One session's generation over a ring. Iterate `rounds()` to stream committed tokens."""
+
+    def __init__(
+        self,
+        ring: Ring,
+        session: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        max_new_tokens: int,
+        draft_k: int = 4,
+        eos_ids: Iterable[int] = (),
+        drafter: NgramDrafter | None = None,
+        resume: Sequence[int] = (),
+        should_stop: Callable[[list[int]], bool] | None = None,
+    ):
+        if not prompt_ids:
+            raise ValueError("the prompt has no tokens")
+        if max_new_tokens < 0 or draft_k < 0:
+            raise ValueError("max_new_tokens and draft_k must be >= 0")
+        self.ring, self.session, self.params = ring, session, params
+        self.max_new_tokens, self.draft_k = max_new_tokens, draft_k
+        self.eos_ids = set(eos_ids)
+        self.tokens = list(prompt_ids) + list(resume)  # everything committed, prompt included
+        self.n_prompt = len(prompt_ids)
+        self.drafter = drafter or NgramDrafter()
+        self.drafter.extend(self.tokens)
+        self.should_stop = should_stop  # sees the generated ids after each round (stop strings)
+        self.stats = GenerationStats()
+        self.finished = bool(resume) and resume[-1] in self.eos_ids
+
+    @property
+    def generated(self) -> list[int]:
+        """The new tokens committed so far."""
+        return self.tokens[self.n_prompt :]
+
+    def rounds(self) -> Iterator[list[int]]:
+        """Run rounds until EOS, `should_stop` or the token budget; yield each round's tokens."""
+        started = time.perf_counter()
+        self.ring.reset(self.session, self.params)
+        cached = 0  # positions [0, cached) hold committed tokens in every stage's cache
+        try:
+            while not self.finished and len(self.generated) < self.max_new_tokens:
+                budget = self.max_new_tokens - len(self.generated)
+                drafts = self.drafter.propose(min(self.draft_k, budget - 1))
+                result = self._round(self.tokens[cached:] + drafts, cached, drafts)
+                committed = committed_tokens(drafts, result)
+                cached = len(self.tokens) + len(committed) - 1
+                for i, token in enumerate(committed):
+                    if token in self.eos_ids:
+                        committed, self.finished = committed[: i + 1], True
+                        break
+                self.tokens += committed
+                self.drafter.extend(committed)
+                if self.should_stop is not None and self.should_stop(self.generated):
+                    self.finished = True
+                self.stats.rounds += 1
+                self.stats.drafted += len(drafts)
+                self.stats.accepted += _leading_matches(committed, drafts)
+                self.stats.generated += len(committed)
+                self.stats.seconds = time.perf_counter() - started
+                yield committed
+        finally:
+            self.stats.seconds = time.perf_counter() - started
+
+    def _round(self, send: list[int], start_pos: int, drafts: list[int]) -> list[int]:
+        try:
+            return self.ring.round(self.session, send, start_pos, len(drafts))
+        except GapError:
+            # A stage restarted: rebuild every cache from the committed prefix, once.
+            self.stats.replays += 1
+            self.ring.reset(self.session, self.params)
+            return self.ring.round(self.session, self.tokens + drafts, 0, len(drafts))
+
+    def run(self) -> list[int]:
+        """Generate to the end; return the new tokens."""
+        for _ in self.rounds():
+            pass
+        return self.generated
+
+
+def _leading_matches(committed: Sequence[int], drafts: Sequence[int]) -> int:
+    """How many drafts were committed as proposed."""
+    n = 0
+    for token, draft in zip(committed, drafts, strict=False):
+        if token != draft:
+            break
+        n += 1
+    return n

@@ -1,0 +1,121 @@
+"""The generation loop over a LocalRing: speculative output equals plain output, token for
+token, greedy and sampled; stops, gaps and resumes change nothing."""
+
+import pytest
+
+from specpipe.generation import Generation
+from specpipe.ring import GapError, LocalRing, SamplingParams
+from tests.engine.toy_stages import VOCAB, toy_stages
+
+PROMPT = [3, 7, 1, 9, 3, 7, 1, 9, 3, 7, 1, 9, 3, 7]
+
+
+def generate(params, draft_k, max_new=40, ring=None, **kwargs):
+    gen = Generation(
+        ring or LocalRing(toy_stages()),
+        "s",
+        PROMPT,
+        params,
+        max_new_tokens=max_new,
+        draft_k=draft_k,
+        **kwargs,
+    )
+    return gen.run(), gen.stats
+
+
+def test_greedy_speculative_equals_plain_and_takes_fewer_rounds():
+    params = SamplingParams(temp=0.0)
+    plain, plain_stats = generate(params, draft_k=0)
+    spec, spec_stats = generate(params, draft_k=4)
+    assert spec == plain and len(plain) == 40
+    assert plain_stats.rounds == 40
+    assert spec_stats.rounds < plain_stats.rounds
+    assert spec_stats.accepted_per_round > 1
+    assert plain_stats.replays == spec_stats.replays == 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("temp,top_p,top_k", [(0.7, 0.95, 0), (1.0, 1.0, 0), (1.3, 0.9, 10)])
+def test_sampled_speculative_equals_plain(seed, temp, top_p, top_k):
+    params = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, seed=seed)
+    plain, _ = generate(params, draft_k=0)
+    for k in (1, 3, 8):
+        spec, stats = generate(params, draft_k=k)
+        assert spec == plain, k
+        assert stats.drafted >= stats.accepted
+
+
+def test_different_seeds_give_different_text():
+    outputs = {tuple(generate(SamplingParams(temp=1.0, seed=s), draft_k=4)[0]) for s in range(5)}
+    assert len(outputs) > 1
+
+
+def test_stops_at_eos_and_at_the_budget():
+    params = SamplingParams(temp=0.0)
+    full, _ = generate(params, draft_k=3)
+    eos = full[5]
+    stopped, _ = generate(params, draft_k=3, eos_ids=[eos])
+    assert stopped == full[: full.index(eos) + 1]
+    for budget in (1, 2, 7):
+        assert generate(params, draft_k=8, max_new=budget)[0] == full[:budget]
+    assert generate(params, draft_k=8, max_new=0)[0] == []
+
+
+def test_should_stop_ends_the_generation_after_the_round_that_satisfies_it():
+    params = SamplingParams(temp=0.0)
+    full, _ = generate(params, draft_k=0)
+    stopped, stats = generate(params, draft_k=0, should_stop=lambda ids: len(ids) >= 6)
+    assert stopped == full[:6] and stats.rounds == 6
+
+
+class RestartingStage:
+    """Wraps a stage; loses every session's cache once, after a given number of calls."""
+
+    def __init__(self, stage, restart_after):
+        self.stage, self.restart_after = stage, restart_after
+        self.first, self.last = stage.first, stage.last
+
+    def forward(self, session, inputs, start_pos):
+        if self.stage.calls == self.restart_after:
+            self.stage.cache.clear()
+        return self.stage.forward(session, inputs, start_pos)
+
+    def drop(self, session):
+        self.stage.drop(session)
+
+
+def test_a_stage_restart_is_replayed_without_changing_the_output():
+    params = SamplingParams(temp=0.8, seed=42)
+    expected, _ = generate(params, draft_k=4)
+    first, tail = toy_stages()
+    ring = LocalRing([RestartingStage(first, restart_after=5), tail])
+    got, stats = generate(params, draft_k=4, ring=ring)
+    assert got == expected
+    assert stats.replays == 1
+
+
+def test_a_stage_never_skips_positions():
+    first, tail = toy_stages()
+    ring = LocalRing([first, tail])
+    ring.reset("s", SamplingParams())
+    ring.round("s", [1, 2, 3], 0, 0)
+    with pytest.raises(GapError):
+        ring.round("s", [4], 5, 0)
+
+
+def test_resuming_from_persisted_tokens_reproduces_the_run():
+    params = SamplingParams(temp=1.0, seed=9)
+    full, _ = generate(params, draft_k=4)
+    resumed, _ = generate(params, draft_k=4, resume=full[:17])
+    assert resumed == full
+
+
+def test_bad_arguments_are_refused():
+    ring = LocalRing(toy_stages())
+    with pytest.raises(ValueError):
+        Generation(ring, "s", [], SamplingParams(), max_new_tokens=3)
+    with pytest.raises(ValueError):
+        Generation(ring, "s", [1], SamplingParams(), max_new_tokens=-1)
+    with pytest.raises(ValueError):
+        LocalRing(list(reversed(toy_stages())))
+    assert max(PROMPT) < VOCAB
