@@ -81,6 +81,15 @@ class RedisRing:
         self._cursor[session] = "0-0"
         self._control(session, "reset", params)
 
+    def reseed(self, session: str, params: SamplingParams) -> None:
+        """New sampling parameters for the tail; every stage keeps its cache."""
+        if session not in self._params:
+            raise RingError(f"session {session!r} was not reset on this ring")
+        Sampler(params.seed, params.temp, params.top_p, params.top_k)  # ValueError if invalid
+        self._params[session] = params
+        # Only the tail samples. Its stream is FIFO and this lands there before the next round.
+        self._control(session, "reseed", params, hops=self.route[-1:])
+
     def round(self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int) -> list[int]:
         """Send one round, wait for the tail's result vector; GapError or RingError otherwise."""
         if session not in self._params:
@@ -138,7 +147,13 @@ class RedisRing:
         """Close the Redis connections."""
         self.connections.close()
 
-    def _control(self, session: str, kind: str, params: SamplingParams | None) -> None:
+    def _control(
+        self,
+        session: str,
+        kind: str,
+        params: SamplingParams | None,
+        hops: Sequence[wire.Hop] | None = None,
+    ) -> None:
         fields = {}
         if params is not None:
             fields = {
@@ -149,7 +164,7 @@ class RedisRing:
             }
         message = wire.Message(kind=kind, session=session, params=fields)
         data = wire.encode(message, self.swarm, self.key)
-        for hop in self.route:
+        for hop in self.route if hops is None else hops:
             streams.send(
                 self.connections.get(hop.redis_url),
                 streams.stage_key(self.swarm, hop.host),

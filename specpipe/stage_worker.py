@@ -7,8 +7,9 @@ sends the hidden states to the next hop's stream on that hop's Redis, or, on the
 the doctored result vector with the session's parameters and sends it to the coordinator's
 reply stream. A stage that has lost a session's cache answers `gap`. A round id already
 processed for a session is ignored, so a coordinator may re-send a round safely. Per-session
-`reset` (the tail keeps temp, top_p, top_k and seed) and `drop` arrive as signed messages on the
-same stream, so they are ordered with the rounds. One process per stage: nothing is forked.
+`reset` (the tail keeps temp, top_p, top_k and seed), `reseed` (new parameters, caches kept) and
+`drop` arrive as signed messages on the same stream, so they are ordered with the rounds. One
+process per stage: nothing is forked.
 """
 
 from __future__ import annotations
@@ -127,8 +128,8 @@ class StageWorker:
             return
         if message.kind == "round":
             self._round(message)
-        elif message.kind == "reset":
-            self._reset(message)
+        elif message.kind in ("reset", "reseed"):
+            self._set_params(message)
         elif message.kind == "drop":
             self.stage.drop(message.session)
             self._params.pop(message.session, None)
@@ -147,9 +148,10 @@ class StageWorker:
         key = streams.stats_key(self.config.swarm, self.config.host)
         self.client.hset(key, event, self.counters[event])
 
-    def _reset(self, message: wire.Message) -> None:
-        self.stage.drop(message.session)
-        self._seen.pop(message.session, None)
+    def _set_params(self, message: wire.Message) -> None:
+        if message.kind == "reset":  # a reseed keeps the caches (many draws from one context)
+            self.stage.drop(message.session)
+            self._seen.pop(message.session, None)
         p = message.params
         try:
             params = SamplingParams(

@@ -32,7 +32,7 @@ MAX_DIMS = 4
 
 # Kinds of message: a round travelling through the stages, the tail's result, the replies a
 # stage sends the coordinator when it cannot go on, and the per-session controls.
-KINDS = frozenset({"round", "result", "gap", "error", "reset", "drop"})
+KINDS = frozenset({"round", "result", "gap", "error", "reset", "reseed", "drop"})
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -72,7 +72,7 @@ class Message:
     hop: int = 0  # index into `route` of the stage this message is addressed to
     route: tuple[Hop, ...] = ()
     reply: str = ""  # Redis URL holding the coordinator's reply stream
-    params: dict[str, float | int] = field(default_factory=dict)  # reset: temp, top_p, ...
+    params: dict[str, float | int] = field(default_factory=dict)  # reset/reseed: temp, ...
     reason: str = ""  # gap / error: what went wrong
 
 
