@@ -231,7 +231,12 @@ class StageWorker:
         drafts = list(message.tokens[len(message.tokens) - k :]) if k else []
         first_sampled = message.start_pos + len(message.tokens) - k
         sampler = Sampler(params.seed, params.temp, params.top_p, params.top_k)
-        result = sampler.accept(logits[-(k + 1) :], drafts, first_sampled)
+        try:
+            result = sampler.accept(logits[-(k + 1) :], drafts, first_sampled)
+        except ValueError as exc:  # e.g. a draft id outside the vocabulary, NaN logits
+            self._count("errors")
+            self._reply(message, "error", reason=f"{self.config.host}: {exc}")
+            return
         self._reply(message, "result", tokens=tuple(int(t) for t in result))
 
     def _reply(self, message: wire.Message, kind: str, **fields) -> None:

@@ -160,6 +160,11 @@ def test_bad_messages_are_dropped_and_counted_while_serving_goes_on(stages, swar
     assert wait_for(lambda: stats(redis_url, swarm, "h1").get("dropped") == 5)
     # The shape error is not a drop (the message was valid) but an error reply for its round.
     assert wait_for(lambda: stats(redis_url, swarm, "h1").get("errors") == 1)
+    assert stages.procs["h0"].poll() is None and stages.procs["h1"].poll() is None
+
+    # A signed round the model cannot run is an error reply, not a dead stage.
+    with pytest.raises(RingError, match="h0: .*index"):
+        ring.round("s", [committed[-1], 10_000], len(committed) - 1, 1)
 
     # The stage kept serving: the session continues exactly as the reference does.
     got = drive(ring, "s", rounds=3, k=2, committed=committed)
