@@ -186,3 +186,27 @@ def route(
     pos = max(dead)
     end = min((n.layer_start for n in usable if n.layer_start > pos), default=n_layers)
     raise RouteError(f"no online stage serves layers {pos}:{end}")
+
+
+def table(nodes: list[NodeInfo], now: float | None = None) -> list[str]:
+    """The inventory as aligned text lines, in ring order (what `specpipe nodes` prints)."""
+    now = time.time() if now is None else now
+    rows = [("HOST", "ROLE", "LAYERS", "STATUS", "SEEN", "REDIS", "GEO", "PUBLIC IP", "GPU", "MEM")]
+    for n in sorted(nodes, key=lambda n: (n.layer_start, n.layer_end, n.host)):
+        gpu = n.cpu_model if n.gpu_name == "cpu" and n.cpu_model else n.gpu_name
+        rows.append(
+            (
+                n.host,
+                n.role or "-",
+                n.layers,
+                n.status(now),
+                f"{max(0.0, now - n.last_heartbeat):.0f}s ago",
+                n.redis_url,
+                n.geo or "-",
+                n.public_ip or "-",
+                gpu,
+                f"{n.memory_bytes / 2**30:.1f} GiB",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]

@@ -121,3 +121,16 @@ def test_hardware_describes_this_machine_without_a_gpu():
 def test_records_from_a_newer_version_still_load():
     text = NodeInfo("a", 0, 1, "redis://x").to_json().replace('{"', '{"future_field": 1, "', 1)
     assert NodeInfo.from_json(text).host == "a"
+
+
+def test_table_lists_nodes_in_ring_order_with_status():
+    nodes = [
+        node("nj", 27, 36, age=200, role="tail", geo="NJ"),
+        node("wa", 0, 9, age=3, role="stage0", geo="WA", public_ip="203.0.113.5",
+             gpu_name="NVIDIA GeForce RTX 4090", memory_bytes=24 * 2**30),
+    ]  # fmt: skip
+    header, first, second = inventory.table(nodes, now=NOW)
+    assert header.split()[:4] == ["HOST", "ROLE", "LAYERS", "STATUS"]
+    assert first.split()[:5] == ["wa", "stage0", "0:9", "online", "3s"]
+    assert "203.0.113.5" in first and "RTX 4090" in first and "24.0 GiB" in first
+    assert second.split()[:4] == ["nj", "tail", "27:36", "offline"]
