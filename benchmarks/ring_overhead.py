@@ -101,6 +101,18 @@ class LocalToyRing:
             stage.drop(session)
 
 
+def sleep_overshoot(delay_s: float, n: int = 40) -> float:
+    """Median extra time a time.sleep(delay_s) takes here: part of an injected delay's cost."""
+    if delay_s <= 0:
+        return 0.0
+    extra = []
+    for _ in range(n):
+        started = time.perf_counter()
+        time.sleep(delay_s)
+        extra.append(time.perf_counter() - started - delay_s)
+    return statistics.median(extra)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=4)
@@ -144,11 +156,13 @@ def main() -> None:
                     client.delete(k)
             median = statistics.median(times)
             p90 = sorted(times)[int(0.9 * len(times))]
-            injected = delay * args.stages / 1e3
+            overshoot = sleep_overshoot(delay / 1e3)
+            injected = (delay / 1e3 + overshoot) * args.stages
             per_hop = (median - local - injected) / hops
             print(f"hop delay {delay:5.1f} ms: round median {median * 1e3:7.3f} ms, "
                   f"p90 {p90 * 1e3:7.3f} ms, tok-round rate {1 / median:7.1f}/s, "
-                  f"overhead per hop {per_hop * 1e3:.3f} ms ({hops} hops)")  # fmt: skip
+                  f"overhead per hop {per_hop * 1e3:.3f} ms ({hops} hops; "
+                  f"sleep overshoot here {overshoot * 1e3:.2f} ms)")  # fmt: skip
     finally:
         if server is not None:
             server.stop()
