@@ -76,10 +76,13 @@ class RedisRing:
     def reset(self, session: str, params: SamplingParams) -> None:
         """Clear every stage's cache for the session and give the tail its sampling parameters."""
         Sampler(params.seed, params.temp, params.top_p, params.top_k)  # ValueError if invalid
-        self._params[session] = params
-        self.connections.get(self.reply_url).delete(streams.reply_key(self.swarm, session))
+        try:
+            self.connections.get(self.reply_url).delete(streams.reply_key(self.swarm, session))
+        except redis.RedisError as exc:
+            raise RingError(f"cannot reach the reply Redis at {self.reply_url}: {exc}") from None
         self._cursor[session] = "0-0"
         self._control(session, "reset", params)
+        self._params[session] = params
 
     def reseed(self, session: str, params: SamplingParams) -> None:
         """New sampling parameters for the tail; every stage keeps its cache."""
@@ -112,15 +115,22 @@ class RedisRing:
             self.key,
         )
         first = self.route[0]
+        problem = f"no reply in {self.timeout_s:g} s"
         for _ in range(self.retries + 1):
-            streams.send(
-                self.connections.get(first.redis_url),
-                streams.stage_key(self.swarm, first.host),
-                data,
-                self.maxlen,
-            )
-            reply = self._wait(session, round_id)
+            try:
+                streams.send(
+                    self.connections.get(first.redis_url),
+                    streams.stage_key(self.swarm, first.host),
+                    data,
+                    self.maxlen,
+                )
+                reply = self._wait(session, round_id)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                problem = f"Redis unavailable: {exc}"
+                time.sleep(min(1.0, self.timeout_s))
+                continue
             if reply is None:
+                problem = f"no reply in {self.timeout_s:g} s"
                 continue
             if reply.kind == "result":
                 if len(reply.tokens) != n_draft + 1:
@@ -130,11 +140,8 @@ class RedisRing:
                 self._control(session, "reset", self._params[session])
                 raise GapError(reply.reason or "a stage lost the session's cache")
             raise RingError(f"round failed: {reply.reason or reply.kind}")
-        tries = self.retries + 1
-        raise RingError(
-            f"no reply from the ring after {tries} tries of {self.timeout_s:g} s "
-            f"(route {' -> '.join(h.host for h in self.route)})"
-        )
+        route = " -> ".join(h.host for h in self.route)
+        raise RingError(f"round failed after {self.retries + 1} tries ({problem}; route {route})")
 
     def drop(self, session: str) -> None:
         """Forget the session on every stage and delete its reply stream."""
@@ -165,12 +172,17 @@ class RedisRing:
         message = wire.Message(kind=kind, session=session, params=fields)
         data = wire.encode(message, self.swarm, self.key)
         for hop in self.route if hops is None else hops:
-            streams.send(
-                self.connections.get(hop.redis_url),
-                streams.stage_key(self.swarm, hop.host),
-                data,
-                self.maxlen,
-            )
+            try:
+                streams.send(
+                    self.connections.get(hop.redis_url),
+                    streams.stage_key(self.swarm, hop.host),
+                    data,
+                    self.maxlen,
+                )
+            except redis.RedisError as exc:
+                raise RingError(
+                    f"cannot reach {hop.host}'s Redis at {hop.redis_url}: {exc}"
+                ) from None
 
     def _wait(self, session: str, round_id: str) -> wire.Message | None:
         """The reply for `round_id`, or None after the timeout. Other replies are stale."""

@@ -262,7 +262,7 @@ def test_a_round_nobody_answers_is_resent_with_its_id_then_fails(swarm, key, red
         [wire.Hop("nobody", redis_url)], swarm, key, redis_url, timeout_s=0.2, retries=2
     )
     ring.reset("s", PARAMS)
-    with pytest.raises(RingError, match="no reply from the ring after 3 tries"):
+    with pytest.raises(RingError, match=r"after 3 tries \(no reply in 0.2 s; route nobody\)"):
         ring.round("s", [1, 2], 0, 1)
     client = redis.Redis.from_url(redis_url)
     entries = client.xrange(streams.stage_key(swarm, "nobody"))
@@ -280,6 +280,19 @@ def test_a_ring_needs_every_layer_served(stages, swarm, key, redis_url):
     stages.stop()  # a clean stop takes the node out of the inventory
     with pytest.raises(RouteError, match="layers 0:4"):
         RedisRing.from_inventory(redis_url, swarm, key, n_layers=4)
+
+
+def test_an_unreachable_first_stage_is_a_clear_ring_error(swarm, key, redis_url):
+    from specpipe.redis_server import free_port
+
+    gone = f"redis://127.0.0.1:{free_port()}/0"
+    ring = RedisRing([wire.Hop("h", gone)], swarm, key, redis_url, timeout_s=0.1, retries=1)
+    with pytest.raises(RingError, match="cannot reach h's Redis"):
+        ring.reset("s", PARAMS)
+    ring._params["s"] = PARAMS  # as if h's Redis went away after the reset
+    with pytest.raises(RingError, match="after 2 tries \\(Redis unavailable"):
+        ring.round("s", [1], 0, 0)
+    ring.close()
 
 
 def test_ring_refuses_bad_rounds_and_parameters(swarm, key, redis_url):
