@@ -154,6 +154,7 @@ class StreamConsumer:
         return [(eid, (f or {}).get(FIELD)) for _, entries in reply or [] for eid, f in entries]
 
     def _autoclaim(self, count: int) -> list[tuple[bytes, bytes | None]]:
+        self.flush()  # what we processed must not look idle and come back to us
         # XAUTOCLAIM walks the pending list from a cursor; entries another consumer left idle
         # longer than claim_idle_ms become ours.
         reply = self.client.xautoclaim(
