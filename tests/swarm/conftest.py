@@ -105,8 +105,13 @@ class Stages:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
 
-    def restart(self, host: str) -> None:
-        argv = self.args[host]
+    def restart(self, host: str, drop_args: tuple[str, ...] = ()) -> None:
+        """Start `host` again with the same arguments, less the flags (and values) named."""
+        argv = list(self.args[host])
+        for flag in drop_args:
+            i = argv.index(flag)
+            del argv[i : i + 2]
+        self.args[host] = argv
         env = {**os.environ, "SPECPIPE_SWARM_KEY": self.key.decode(), "OMP_NUM_THREADS": "1"}
         self.procs[host] = subprocess.Popen(argv, cwd=ROOT, env=env)
         self.wait_ready([host])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -235,6 +236,44 @@ def test_killed_stage_answers_gap_and_a_replay_restores_the_same_output(
     assert got == expected
     # The restart kept the undisturbed output: plain decoding from the prompt agrees.
     assert got[: len(PROMPT) + 4] == reference(bounds, rounds=3, k=0)[0][: len(PROMPT) + 4]
+    ring.close()
+
+
+def test_a_round_taken_by_a_stage_killed_mid_round_is_finished_by_its_restart(
+    stages, swarm, key, redis_url
+):
+    stages.start("h0", "0:1", redis_url, wait=False)
+    stages.start("h1", "1:3", redis_url, "--delay-ms", "2000", wait=False)  # the middle stage
+    stages.start("h2", "3:4", redis_url, wait=False)
+    stages.wait_ready(["h0", "h1", "h2"])
+    ring = RedisRing(nodes(("h0", redis_url), ("h1", redis_url), ("h2", redis_url)), swarm, key,
+                     redis_url, timeout_s=60, retries=0)  # fmt: skip
+    ring.reset("s", PARAMS)
+    client = redis.Redis.from_url(redis_url)
+
+    def taken_by_h1():
+        pending = client.xpending(streams.stage_key(swarm, "h1"), streams.GROUP)
+        return pending["pending"] >= 1 and pending
+
+    def kill_when_taken():
+        assert wait_for(taken_by_h1, timeout_s=30)  # h1 holds the round, inside its 2 s forward
+        stages.kill9("h1")
+        stages.restart("h1", drop_args=("--delay-ms",))
+
+    killer = threading.Thread(target=kill_when_taken)
+    started = time.monotonic()
+    killer.start()
+    result = ring.round("s", PROMPT, 0, 0)  # a prefill: a fresh stage can run it
+    killer.join()
+    # No re-send happened (retries=0, well inside the timeout): the restarted h1 re-read the
+    # entry it had left pending, ran it and sent the result on.
+    assert time.monotonic() - started < 50
+    ref = ReferenceRing([(0, 1), (1, 3), (3, 4)])
+    ref.reset("r", PARAMS)
+    assert result == ref.round("r", PROMPT, 0, 0)
+    assert wait_for(lambda: client.xpending(streams.stage_key(swarm, "h1"), streams.GROUP)[
+        "pending"] == 0)  # fmt: skip
+    client.close()
     ring.close()
 
 
