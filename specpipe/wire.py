@@ -29,6 +29,8 @@ PREFIX = struct.Struct("<4sI")
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a long prefill's hidden states fit; Redis allows 512 MiB
 MAX_HEADER_BYTES = 1024 * 1024
 MAX_DIMS = 4
+TOKEN_LIMIT = 2**31  # token ids (and the result vector's -1) fit in 32 bits
+POSITION_LIMIT = 2**40
 
 # Kinds of message: a round travelling through the stages, the tail's result, the replies a
 # stage sends the coordinator when it cannot go on, and the per-session controls.
@@ -76,7 +78,7 @@ class Message:
     reason: str = ""  # gap / error: what went wrong
 
 
-def _tag(key: bytes, data: bytes) -> bytes:
+def _tag(key: bytes, data: bytes | memoryview) -> bytes:
     return hmac.new(key, data, hashlib.sha256).digest()
 
 
@@ -130,22 +132,22 @@ def decode(data: bytes, swarm: str, key: bytes, max_bytes: int = MAX_MESSAGE_BYT
     _check_key(key)
     if not isinstance(data, bytes | bytearray | memoryview):
         raise WireError("message is not bytes")
-    data = bytes(data)
-    if len(data) > max_bytes:
-        raise WireError(f"message of {len(data)} bytes is over the {max_bytes} limit")
-    if len(data) < PREFIX.size + TAG_BYTES:
-        raise WireError(f"message of {len(data)} bytes is too short")
-    magic, head_len = PREFIX.unpack_from(data)
+    view = memoryview(data).cast("B")
+    if len(view) > max_bytes:
+        raise WireError(f"message of {len(view)} bytes is over the {max_bytes} limit")
+    if len(view) < PREFIX.size + TAG_BYTES:
+        raise WireError(f"message of {len(view)} bytes is too short")
+    magic, head_len = PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise WireError("not a specpipe message (bad magic)")
-    if head_len > MAX_HEADER_BYTES or PREFIX.size + head_len + TAG_BYTES > len(data):
+    if head_len > MAX_HEADER_BYTES or PREFIX.size + head_len + TAG_BYTES > len(view):
         raise WireError("header length is out of bounds")
-    body, tag = data[:-TAG_BYTES], data[-TAG_BYTES:]
-    if not hmac.compare_digest(tag, _tag(key, body)):
+    body, tag = view[:-TAG_BYTES], view[-TAG_BYTES:]
+    if not hmac.compare_digest(bytes(tag), _tag(key, body)):
         raise WireError("bad signature")
     # Signed by a key holder from here on; still parse defensively.
-    head = body[PREFIX.size : PREFIX.size + head_len]
-    payload = memoryview(body)[PREFIX.size + head_len :]
+    head = bytes(body[PREFIX.size : PREFIX.size + head_len])
+    payload = body[PREFIX.size + head_len :]
     try:
         header = msgpack.unpackb(head, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
@@ -171,8 +173,11 @@ def _message(header: dict) -> Message:
     if kind not in KINDS:
         raise WireError(f"unknown message kind {kind!r}")
     tokens = _field(header, "tokens", list, [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise WireError("token ids must be integers")
+    if not all(
+        isinstance(t, int) and not isinstance(t, bool) and -TOKEN_LIMIT <= t < TOKEN_LIMIT
+        for t in tokens
+    ):
+        raise WireError("token ids must be 32-bit integers")
     route = []
     for hop in _field(header, "route", list, []):
         if not (isinstance(hop, list) and len(hop) == 2 and all(isinstance(s, str) for s in hop)):
@@ -187,8 +192,8 @@ def _message(header: dict) -> Message:
     start_pos = _field(header, "start_pos", int, 0)
     n_draft = _field(header, "n_draft", int, 0)
     hop = _field(header, "hop", int, 0)
-    if start_pos < 0 or n_draft < 0 or hop < 0:
-        raise WireError("start_pos, n_draft and hop must not be negative")
+    if not (0 <= start_pos < POSITION_LIMIT and 0 <= n_draft < TOKEN_LIMIT and 0 <= hop < 256):
+        raise WireError("start_pos, n_draft or hop is out of range")
     if route and hop >= len(route):
         raise WireError("hop is beyond the route")
     return Message(

@@ -51,6 +51,12 @@ def test_round_trip_keeps_every_field_and_the_exact_tensor(dtype):
     assert got.route == sent.route and got.reply == sent.reply
 
 
+def test_round_trip_from_a_bytearray_and_a_memoryview():
+    data = wire.encode(message(torch.arange(6, dtype=torch.int64).view(2, 3)), SWARM, KEY)
+    for view in (bytearray(data), memoryview(data)):
+        assert wire.decode(view, SWARM, KEY).tensor.tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
 def test_message_without_tensor_and_with_params():
     sent = wire.Message(kind="reset", session="s", params={"temp": 0.7, "top_k": 40})
     got = wire.decode(wire.encode(sent, SWARM, KEY), SWARM, KEY)
@@ -154,6 +160,8 @@ def test_the_matching_shape_is_accepted():
         {"kind": "exec"},
         {"kind": "round", "tokens": ["a"]},
         {"kind": "round", "start_pos": -1},
+        {"kind": "round", "start_pos": 2**63},
+        {"kind": "round", "tokens": [2**40]},
         {"kind": "round", "start_pos": True},
         {"kind": "round", "route": [["a"]]},
         {"kind": "round", "route": [["a", "u"]], "hop": 1},
