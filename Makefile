@@ -4,7 +4,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install up test lint proof clean
+.PHONY: install up test lint proof clean browser
+
+# The suite runs on SQLite, then its database tests again on this PostgreSQL database
+# (each test worker creates and drops its own database beside it).
+PG_TEST_URL ?= postgresql://postgres@127.0.0.1:5432/test
 
 install: $(STAMP)
 
@@ -20,9 +24,16 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 up: install
 	$(BIN)/specpipe proof local --json proof-local.json
 
-test: install
+test: install browser
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
+	TESTING_DATABASE_URL=$(PG_TEST_URL) $(BIN)/pytest -q -m db
+
+# The web UI tests drive Debian's chromium; install it when missing and we can.
+browser:
+	@test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium) \
+	  >/dev/null 2>&1 || (sudo -n apt-get update -qq && sudo -n apt-get install -y -qq chromium) \
+	  >/dev/null 2>&1 || echo "chromium is missing and could not be installed: browser tests skip"
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,1 +1,67 @@
-"""The Flask web app: job submission, history, proofs, nodes and the JSON API."""
+"""The Flask web app: job submission, history, proofs, nodes and the JSON API.
+
+`create_app` is the factory: configuration from the environment through `specpipe.settings`,
+overridden by `test_config`; one database session per request; blueprints by area.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from flask import Flask
+from werkzeug.routing import IntegerConverter
+
+from specpipe import settings
+
+
+class IdConverter(IntegerConverter):
+    """A row id in URLs: 0 … 2^31-1, so an oversized id is a 404, not a database error."""
+
+    def __init__(self, url_map, *args, **kwargs):
+        super().__init__(url_map, min=0, max=2**31 - 1)
+
+
+def default_config() -> dict:
+    """Configuration read from the environment."""
+    limits = settings.web_limits()
+    return {
+        "DATABASE_URL": settings.database_url(),
+        "REDIS_URL": settings.redis_url(),
+        "SECRET_KEY": settings.secret_key(),
+        "COORDINATOR_QUEUE": "coordinator",
+        "MODEL": settings.default_model(),
+        "MAX_PROMPT_CHARS": limits["max_prompt_chars"],
+        "MAX_NEW_TOKENS": limits["max_new_tokens"],
+        "MAX_DRAFT_K": limits["max_draft_k"],
+        "MAX_CONTENT_LENGTH": 1 << 20,
+        "HISTORY_PAGE_SIZE": 25,
+    }
+
+
+def create_app(test_config: dict | None = None) -> Flask:
+    """Build the app; `test_config` overrides the environment."""
+    app = Flask(__name__, instance_path=str(settings.instance_dir()))
+    app.url_map.converters["id"] = IdConverter
+    app.config.from_mapping(default_config())
+    if test_config:
+        app.config.update(test_config)
+    if not app.config.get("SECRET_KEY"):
+        if not (app.testing or app.debug):
+            raise RuntimeError(
+                "SECRET_KEY is not set: export SECRET_KEY, or run `specpipe up`, "
+                "which keeps one in the instance folder"
+            )
+        app.config["SECRET_KEY"] = secrets.token_hex(32)
+
+    from app import api, db, errors, forms, jobs, nodes, ops, proofs, queue, runs
+
+    db.init_app(app)
+    queue.init_app(app)
+    forms.init_app(app)
+    errors.init_app(app)
+    for blueprint in (jobs.bp, proofs.bp, nodes.bp, runs.bp, ops.bp, api.bp):
+        app.register_blueprint(blueprint)
+    forms.csrf.exempt(api.bp)
+    app.jinja_env.globals["site_name"] = "specpipe"
+    app.jinja_env.filters.update(forms.FILTERS)
+    return app

@@ -44,3 +44,51 @@ class Settings:
             swarm=os.environ.get("SPECPIPE_SWARM", "default"),
             swarm_key=os.environ.get("SPECPIPE_SWARM_KEY") or None,
         )
+
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+SECRET_KEY_FILE = "secret_key"
+
+
+def redis_url() -> str:
+    """`REDIS_URL`, else the local default Redis."""
+    return os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
+
+
+def secret_key() -> str | None:
+    """`SECRET_KEY`, else the key `specpipe up` keeps in the instance folder, else None."""
+    key = os.environ.get("SECRET_KEY")
+    if key:
+        return key
+    path = instance_dir() / SECRET_KEY_FILE
+    return (path.read_text().strip() or None) if path.is_file() else None
+
+
+def ensure_secret_key() -> str:
+    """The secret key, generating one into the instance folder (mode 0600) when there is none."""
+    key = secret_key()
+    if key:
+        return key
+    import secrets
+
+    path = instance_dir() / SECRET_KEY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_hex(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(key + "\n")
+    return key
+
+
+def web_limits() -> dict[str, int]:
+    """Limits on job requests: prompt length in characters, new tokens, draft K."""
+    return {
+        "max_prompt_chars": int(os.environ.get("SPECPIPE_MAX_PROMPT_CHARS") or 8000),
+        "max_new_tokens": int(os.environ.get("SPECPIPE_MAX_NEW_TOKENS") or 4096),
+        "max_draft_k": int(os.environ.get("SPECPIPE_MAX_DRAFT_K") or 32),
+    }
+
+
+def default_model() -> str:
+    """The model jobs run on: `SPECPIPE_MODEL`, else the embedded default."""
+    return os.environ.get("SPECPIPE_MODEL") or "SmolLM2-135M-Instruct"

@@ -1,1 +1,2 @@
 """Shared pytest fixtures."""
+pytest_plugins = ["tests.dbfixtures"]

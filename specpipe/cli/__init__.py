@@ -22,3 +22,11 @@ cli.add_command(nodes)
 def main() -> None:
     """Console entry point."""
     cli()
+
+from specpipe.cli.db import db  # noqa: E402
+from specpipe.cli.token import token  # noqa: E402
+from specpipe.cli.web import web  # noqa: E402
+
+cli.add_command(db)
+cli.add_command(token)
+cli.add_command(web)

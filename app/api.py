@@ -1,0 +1,131 @@
+"""The JSON API under /api/v1: jobs, nodes and run records, behind bearer tokens.
+
+Errors are JSON objects with an `error` reason (and `fields` for bad job fields).
+"""
+
+from __future__ import annotations
+
+from flask import Blueprint, g, jsonify, request, url_for
+
+from app.db import get_session
+from app.errors import json_error
+from app.history import job_page
+from app.submission import QueueUnavailable, limits, submit_job
+from app.validation import FIELDS, JobRequestError, parse_job_request
+from models.db import utcnow
+from models.jobs import Job
+from models.nodes import ring_nodes
+from models.records import run_record
+from models.tokens import check_token
+
+bp = Blueprint("api", __name__, url_prefix="/api/v1")
+MAX_PER_PAGE = 100
+
+
+@bp.before_request
+def require_token():
+    """Every API call needs `Authorization: Bearer <token>` with an active token."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    row = check_token(get_session(), token.strip()) if scheme.lower() == "bearer" else None
+    if row is None:
+        response = json_error(401, "a valid API token is required (Authorization: Bearer ...)")
+        response.headers["WWW-Authenticate"] = 'Bearer realm="specpipe"'
+        return response
+    get_session().commit()
+    g.api_token = row.name
+    return None
+
+
+def _job_or_404(job_id: int):
+    job = get_session().get(Job, job_id)
+    return job, (None if job else json_error(404, f"no job {job_id}"))
+
+
+@bp.post("/jobs")
+def create_job():
+    """Create and enqueue a job from a JSON object of the job fields."""
+    body = request.get_json(silent=True)
+    if not isinstance(body, dict):
+        return json_error(400, "the body must be a JSON object (Content-Type: application/json)")
+    unknown = sorted(set(body) - set(FIELDS))
+    if unknown:
+        return json_error(400, f"unknown fields: {', '.join(unknown)}", allowed=list(FIELDS))
+    try:
+        params = parse_job_request(body, limits(), from_text=False)
+    except JobRequestError as exc:
+        return json_error(400, "invalid job", fields=exc.errors)
+    try:
+        job = submit_job(get_session(), params)
+    except QueueUnavailable as exc:
+        return json_error(503, str(exc), job=exc.job.to_dict())
+    response = jsonify(job.to_dict())
+    response.status_code = 201
+    response.headers["Location"] = url_for("api.get_job", job_id=job.id)
+    return response
+
+
+@bp.get("/jobs")
+def list_jobs():
+    """Jobs newest first; `status`, `q`, `sort`, `page` and `per_page` filter and page."""
+    page = request.args.get("page", "1")
+    per_page = request.args.get("per_page", "25")
+    if not (page.isdigit() and per_page.isdigit()):
+        return json_error(400, "page and per_page must be positive whole numbers")
+    try:
+        result = job_page(
+            get_session(),
+            status=request.args.get("status") or None,
+            search=request.args.get("q"),
+            sort=request.args.get("sort", "newest"),
+            page=int(page),
+            per_page=min(int(per_page), MAX_PER_PAGE),
+        )
+    except ValueError as exc:
+        return json_error(400, str(exc))
+    return jsonify(
+        {
+            "jobs": [job.to_dict() for job in result.items],
+            "page": result.page,
+            "per_page": result.per_page,
+            "pages": result.pages,
+            "total": result.total,
+        }
+    )
+
+
+@bp.get("/jobs/<id:job_id>")
+def get_job(job_id: int):
+    """One job with its progress and output."""
+    job, error = _job_or_404(job_id)
+    return error or jsonify(job.to_dict())
+
+
+@bp.post("/jobs/<id:job_id>/cancel")
+def cancel_job(job_id: int):
+    """Request a cooperative cancel; 409 when the job has already finished."""
+    job, error = _job_or_404(job_id)
+    if error:
+        return error
+    if job.finished:
+        return json_error(409, f"job {job_id} has already finished ({job.status})")
+    job.request_cancel()
+    get_session().commit()
+    return jsonify(job.to_dict())
+
+
+@bp.get("/nodes")
+def list_nodes():
+    """The node inventory in ring order, with heartbeat status."""
+    now = utcnow()
+    return jsonify({"nodes": [n.to_dict(now) for n in ring_nodes(get_session())]})
+
+
+@bp.get("/runs/<id:run_id>")
+def get_run(run_id: int):
+    """A run record in DESIGN.md's schema."""
+    try:
+        return jsonify(run_record(get_session(), run_id))
+    except LookupError:
+        return json_error(404, f"no run {run_id}")
+
+

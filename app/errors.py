@@ -1,0 +1,46 @@
+"""Error pages: JSON under /api/, a friendly page elsewhere. Nothing reaches the user as a 500
+traceback; unexpected errors are logged and answered with a short message."""
+
+from __future__ import annotations
+
+from flask import Flask, jsonify, render_template, request
+from flask_wtf.csrf import CSRFError
+from werkzeug.exceptions import HTTPException, InternalServerError
+
+
+def _wants_json() -> bool:
+    return request.path.startswith("/api/")
+
+
+def json_error(status: int, error: str, **extra):
+    """A JSON error response: {"error": ..., **extra}."""
+    response = jsonify({"error": error, **extra})
+    response.status_code = status
+    return response
+
+
+def init_app(app: Flask) -> None:
+    """Register the handlers."""
+
+    @app.errorhandler(CSRFError)
+    def csrf_error(exc: CSRFError):
+        return render_template("error.html", code=400, message=exc.description), 400
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException):
+        if _wants_json():
+            response = json_error(exc.code or 500, exc.description or exc.name)
+            if exc.code == 405 and exc.valid_methods:
+                response.headers["Allow"] = ", ".join(exc.valid_methods)
+            return response
+        return render_template("error.html", code=exc.code, message=exc.description), exc.code
+
+    @app.errorhandler(Exception)
+    def unexpected(exc: Exception):
+        app.logger.exception("unhandled error on %s", request.path)
+        if isinstance(exc, HTTPException):
+            return http_error(exc)
+        message = InternalServerError.description
+        if _wants_json():
+            return json_error(500, "internal error")
+        return render_template("error.html", code=500, message=message), 500

@@ -1,0 +1,143 @@
+"""Pages for jobs: the submit form, the history, and one job's live page."""
+
+from __future__ import annotations
+
+from flask import (
+    Blueprint,
+    abort,
+    current_app,
+    flash,
+    jsonify,
+    redirect,
+    render_template,
+    request,
+    url_for,
+)
+
+from app.db import get_session
+from app.forms import bad_utf8_fields
+from app.history import MAX_PAGE, SORTS, job_page
+from app.submission import QueueUnavailable, limits, rerun_params, submit_job
+from app.validation import FIELDS, JobRequestError, parse_job_request
+from models.jobs import JOB_STATUSES, Job
+
+bp = Blueprint("jobs", __name__)
+
+FORM_DEFAULTS = {
+    "prompt": "",
+    "max_new_tokens": "128",
+    "temp": "0.8",
+    "top_p": "0.95",
+    "top_k": "0",
+    "seed": "",
+    "draft_k": "4",
+    "speculate": "on",
+}
+
+
+def _get_job(job_id: int) -> Job:
+    job = get_session().get(Job, job_id)
+    if job is None:
+        abort(404, f"There is no job {job_id}.")
+    return job
+
+
+@bp.route("/", methods=("GET", "POST"))
+def submit():
+    """The job form: check every field, store and enqueue, then go to the job's page."""
+    values = dict(FORM_DEFAULTS)
+    errors: dict[str, str] = {}
+    if request.method == "POST":
+        values = {name: request.form.get(name, "") for name in FIELDS}
+        values["speculate"] = "on" if request.form.get("speculate") else ""
+        raw = {name: values[name] for name in FIELDS}
+        if not values["speculate"]:
+            raw["draft_k"] = "0"
+        try:
+            params = parse_job_request(raw, limits(), from_text=True)
+        except JobRequestError as exc:
+            errors = dict(exc.errors)
+        for name in bad_utf8_fields() & set(FIELDS):
+            errors[name] = "is not valid UTF-8"
+        if values["speculate"] and not errors and params["draft_k"] == 0:
+            errors["draft_k"] = "must be at least 1 when speculation is on"
+        if not errors:
+            try:
+                job = submit_job(get_session(), params)
+            except QueueUnavailable as exc:
+                flash(f"Job {exc.job.id} was saved but not queued: {exc}", "error")
+                return redirect(url_for("jobs.detail", job_id=exc.job.id))
+            return redirect(url_for("jobs.detail", job_id=job.id))
+    status = 400 if errors else 200
+    return render_template(
+        "jobs/submit.html", values=values, errors=errors, limits=limits()
+    ), status
+
+
+@bp.get("/history")
+def history():
+    """All jobs, newest first, 25 a page, with status filter, prompt search and sort."""
+    status = request.args.get("status", "")
+    search = request.args.get("q", "")
+    sort = request.args.get("sort", "newest")
+    page = request.args.get("page", 1, type=int) or 1
+    if status not in JOB_STATUSES:
+        status = ""
+    if sort not in SORTS:
+        sort = "newest"
+    result = job_page(
+        get_session(),
+        status=status or None,
+        search=search,
+        sort=sort,
+        page=min(max(page, 1), MAX_PAGE),
+        per_page=current_app.config["HISTORY_PAGE_SIZE"],
+    )
+    return render_template(
+        "jobs/history.html",
+        result=result,
+        status=status,
+        search=search,
+        sort=sort,
+        statuses=JOB_STATUSES,
+        sorts=list(SORTS),
+    )
+
+
+@bp.get("/jobs/<id:job_id>")
+def detail(job_id: int):
+    """One job: live progress, text, parameters, seed, ring, and actions."""
+    job = _get_job(job_id)
+    return render_template("jobs/detail.html", job=job)
+
+
+@bp.get("/jobs/<id:job_id>/progress")
+def progress(job_id: int):
+    """The job's state as JSON, polled by the job page."""
+    return jsonify(_get_job(job_id).to_dict())
+
+
+@bp.post("/jobs/<id:job_id>/cancel")
+def cancel(job_id: int):
+    """Ask the coordinator to stop the job at its next round."""
+    job = _get_job(job_id)
+    if job.finished:
+        flash(f"Job {job.id} has already finished ({job.status}).", "info")
+    else:
+        job.request_cancel()
+        get_session().commit()
+        flash(f"Cancel requested for job {job.id}.", "info")
+    return redirect(url_for("jobs.detail", job_id=job.id))
+
+
+@bp.post("/jobs/<id:job_id>/rerun")
+def rerun(job_id: int):
+    """A new job with the same prompt, parameters and seed: it reproduces the text."""
+    job = _get_job(job_id)
+    try:
+        new = submit_job(get_session(), rerun_params(job))
+    except QueueUnavailable as exc:
+        flash(f"Job {exc.job.id} was saved but not queued: {exc}", "error")
+        return redirect(url_for("jobs.detail", job_id=exc.job.id))
+    flash(f"Running job {job.id} again with seed {job.seed}.", "info")
+    return redirect(url_for("jobs.detail", job_id=new.id))

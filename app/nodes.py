@@ -1,0 +1,72 @@
+"""The nodes page: the inventory with heartbeat status, and the ring as a diagram."""
+
+from __future__ import annotations
+
+import math
+
+from flask import Blueprint, render_template
+
+from app.db import get_session
+from models.db import utcnow
+from models.nodes import Node, ring_nodes
+
+bp = Blueprint("nodes", __name__, url_prefix="/nodes")
+
+
+def ring_layout(nodes: list[Node], size: int = 420) -> list[dict]:
+    """Positions on a circle for the ring diagram, stage 0 at the top, clockwise."""
+    centre, radius = size / 2, size / 2 - 80
+    count = max(len(nodes), 1)
+    points = []
+    for i, node in enumerate(nodes):
+        angle = -math.pi / 2 + 2 * math.pi * i / count
+        points.append(
+            {
+                "node": node,
+                "x": centre + radius * math.cos(angle),
+                "y": centre + radius * math.sin(angle),
+            }
+        )
+    return points
+
+
+def ring_arrows(points: list[dict], node_radius: float = 34) -> list[dict]:
+    """Arrow segments from each node to the next, shortened to stop at the circles."""
+    arrows = []
+    if len(points) < 2:
+        return arrows
+    for a, b in zip(points, points[1:] + points[:1], strict=True):
+        dx, dy = b["x"] - a["x"], b["y"] - a["y"]
+        length = math.hypot(dx, dy) or 1
+        ux, uy = dx / length, dy / length
+        arrows.append(
+            {
+                "x1": a["x"] + ux * node_radius,
+                "y1": a["y"] + uy * node_radius,
+                "x2": b["x"] - ux * (node_radius + 6),
+                "y2": b["y"] - uy * (node_radius + 6),
+            }
+        )
+    return arrows
+
+
+@bp.get("/")
+def index():
+    """All nodes in ring order with status and last heartbeat."""
+    nodes = ring_nodes(get_session())
+    now = utcnow()
+    points = ring_layout(nodes)
+    counts = {"online": 0, "stale": 0, "offline": 0}
+    for node in nodes:
+        counts[node.status(now)] += 1
+    ends = [n.layer_end for n in nodes if n.layer_end is not None]
+    return render_template(
+        "nodes/index.html",
+        nodes=nodes,
+        now=now,
+        counts=counts,
+        layer_total=max(ends) if ends else None,
+        memory_total=sum(n.memory_bytes or 0 for n in nodes) or None,
+        points=points,
+        arrows=ring_arrows(points),
+    )

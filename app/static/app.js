@@ -1,0 +1,63 @@
+// Live job progress: poll the job's JSON while it is queued or running, update the page in
+// place (textContent only, so output is never parsed as HTML), stop when it finishes.
+(function () {
+  "use strict";
+  var root = document.getElementById("job");
+  if (!root) return;
+  var url = root.dataset.progressUrl;
+  var maxTokens = parseInt(root.dataset.maxTokens, 10) || 0;
+  var finished = ["done", "failed", "cancelled"];
+
+  function setText(id, value) {
+    var el = document.getElementById(id);
+    if (el && el.textContent !== value) el.textContent = value;
+  }
+  function fixed(value, digits) {
+    return value === null || value === undefined ? "—" : Number(value).toFixed(digits);
+  }
+  function when(iso) {
+    return iso.replace("T", " ").replace(/\.\d+/, "").replace("Z", " UTC");
+  }
+  function render(job) {
+    root.dataset.status = job.status;
+    var badge = document.querySelector("#job-status .badge");
+    if (badge) { badge.textContent = job.status; badge.className = "badge badge-" + job.status; }
+    setText("stat-tokens", String(job.generated_tokens));
+    setText("stat-toks", fixed(job.tok_s, 1));
+    setText("stat-rounds", String(job.rounds));
+    setText("stat-accepted", fixed(job.accepted_mean, 2));
+    setText("job-output", job.output_text || "");
+    var strip = document.getElementById("rounds-strip");
+    var rounds = job.accepted_per_round || [];
+    if (strip && strip.dataset.rounds !== String(rounds.length)) {
+      strip.dataset.rounds = String(rounds.length);
+      var k = parseInt(strip.dataset.k, 10) || 1;
+      strip.textContent = "";
+      rounds.slice(-80).forEach(function (a) {
+        var span = document.createElement("span");
+        span.style.height = (100 * a / k).toFixed(1) + "%";
+        strip.appendChild(span);
+      });
+    }
+    var bar = document.getElementById("progress-bar");
+    if (bar && maxTokens) bar.style.width = (100 * job.generated_tokens / maxTokens).toFixed(1) + "%";
+    var waiting = document.getElementById("job-waiting");
+    if (waiting) waiting.hidden = Boolean(job.output_text) || finished.indexOf(job.status) >= 0;
+    var error = document.getElementById("job-error");
+    if (error) { error.hidden = !job.error; setText("job-error-text", job.error || ""); }
+    var cancel = document.getElementById("cancel-form");
+    if (cancel) cancel.hidden = finished.indexOf(job.status) >= 0;
+    if (job.started_at) setText("job-started", when(job.started_at));
+    if (job.finished_at) setText("job-finished", when(job.finished_at));
+  }
+  function poll() {
+    fetch(url, { headers: { Accept: "application/json" }, cache: "no-store" })
+      .then(function (r) { return r.ok ? r.json() : null; })
+      .then(function (job) {
+        if (job) render(job);
+        if (!job || finished.indexOf(job.status) < 0) setTimeout(poll, 1000);
+      })
+      .catch(function () { setTimeout(poll, 3000); });
+  }
+  if (finished.indexOf(root.dataset.status) < 0) poll();
+})();

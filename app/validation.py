@@ -1,0 +1,145 @@
+"""Checking a job request, shared by the web form (text fields) and the API (JSON values).
+
+Every field is checked and every problem reported at once, keyed by field name. Temperature 0
+means greedy; a negative temperature is refused rather than silently treated as greedy.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+
+from models.db import UINT64_MAX
+
+FIELDS = ("prompt", "max_new_tokens", "temp", "top_p", "top_k", "seed", "draft_k")
+API_DEFAULTS = {
+    "max_new_tokens": 128,
+    "temp": 0.8,
+    "top_p": 0.95,
+    "top_k": 0,
+    "seed": None,
+    "draft_k": 4,
+}
+MAX_TEMP = 100.0
+MAX_TOP_K = 2**31 - 1
+_INTEGER_TEXT = re.compile(r"[+-]?\d{1,30}")
+
+
+class JobRequestError(ValueError):
+    """A job request with bad fields; `errors` maps field name to a readable reason."""
+
+    def __init__(self, errors: dict[str, str]):
+        super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
+        self.errors = errors
+
+
+def _integer(value: object, from_text: bool) -> int:
+    if from_text and isinstance(value, str):
+        text = value.strip()
+        if not text:
+            raise ValueError("is required")
+        if not _INTEGER_TEXT.fullmatch(text):
+            raise ValueError("must be a whole number")
+        return int(text)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("must be a whole number")
+    return value
+
+
+def _number(value: object, from_text: bool) -> float:
+    if from_text and isinstance(value, str):
+        text = value.strip()
+        if not text:
+            raise ValueError("is required")
+        try:
+            number = float(text)
+        except ValueError:
+            raise ValueError("must be a number") from None
+    elif isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError("must be a number")
+    else:
+        number = float(value)
+    if not math.isfinite(number):
+        raise ValueError("must be a finite number")
+    return number
+
+
+def _in_range(value, low, high, what: str):
+    if not low <= value <= high:
+        raise ValueError(what)
+    return value
+
+
+def check_prompt(value: object, max_chars: int) -> str:
+    """The prompt, or ValueError saying what is wrong with it."""
+    if not isinstance(value, str):
+        raise ValueError("must be text")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("is not valid UTF-8") from None
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    if not value.strip():
+        raise ValueError("is empty")
+    if len(value) > max_chars:
+        raise ValueError(f"is longer than {max_chars} characters")
+    return value
+
+
+def parse_job_request(
+    raw: Mapping[str, object], limits: Mapping[str, int], from_text: bool
+) -> dict:
+    """Check `raw` and return clean values; raises JobRequestError listing every bad field.
+
+    `from_text` accepts form strings for the numbers; a blank or missing seed means random.
+    """
+    errors: dict[str, str] = {}
+    clean: dict[str, object] = {}
+    max_tokens, max_k = limits["max_new_tokens"], limits["max_draft_k"]
+    checks = {
+        "prompt": lambda v: check_prompt(v, limits["max_prompt_chars"]),
+        "max_new_tokens": lambda v: _in_range(
+            _integer(v, from_text), 1, max_tokens, f"must be between 1 and {max_tokens}"
+        ),
+        "temp": lambda v: _in_range(
+            _number(v, from_text), 0.0, MAX_TEMP, f"must be between 0 (greedy) and {MAX_TEMP:g}"
+        ),
+        "top_p": lambda v: _top_p(_number(v, from_text)),
+        "top_k": lambda v: _in_range(
+            _integer(v, from_text), 0, MAX_TOP_K, "must be 0 (off) or a positive whole number"
+        ),
+        "seed": lambda v: _seed(v, from_text),
+        "draft_k": lambda v: _in_range(
+            _integer(v, from_text), 0, max_k, f"must be between 0 (no speculation) and {max_k}"
+        ),
+    }
+    for name, check in checks.items():
+        if name not in raw:
+            if name == "prompt":
+                errors[name] = "is required"
+            else:
+                clean[name] = API_DEFAULTS[name]
+            continue
+        try:
+            clean[name] = check(raw[name])
+        except ValueError as exc:
+            errors[name] = str(exc)
+    if errors:
+        raise JobRequestError(errors)
+    return clean
+
+
+def _top_p(value: float) -> float:
+    if not 0.0 < value <= 1.0:
+        raise ValueError("must be above 0 and at most 1")
+    return value
+
+
+def _seed(value: object, from_text: bool) -> int | None:
+    if value is None or (from_text and isinstance(value, str) and not value.strip()):
+        return None
+    return _in_range(
+        _integer(value, from_text), 0, UINT64_MAX, "must be between 0 and 2^64-1"
+    )

@@ -1,0 +1,143 @@
+"""Jobs: one generation request from the web form or the API, its parameters and its result."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import (
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+)
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from models.db import Base, Uint64, iso_utc, utcnow
+
+JOB_STATUSES = ("queued", "running", "done", "failed", "cancelled")
+FINISHED_STATUSES = ("done", "failed", "cancelled")
+
+
+class Job(Base):
+    """A generation job. The coordinator writes committed tokens and stats every round."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        CheckConstraint(
+            "status IN ('queued', 'running', 'done', 'failed', 'cancelled')", name="status"
+        ),
+        Index("ix_jobs_status_created_at", "status", "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, index=True
+    )
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, onupdate=utcnow
+    )
+
+    prompt: Mapped[str] = mapped_column(Text)
+    model: Mapped[str] = mapped_column(String(200))
+    max_new_tokens: Mapped[int] = mapped_column(Integer)
+    temp: Mapped[float] = mapped_column(Float)
+    top_p: Mapped[float] = mapped_column(Float)
+    top_k: Mapped[int] = mapped_column(Integer)
+    seed: Mapped[int] = mapped_column(Uint64)
+    seed_was_random: Mapped[bool] = mapped_column(Boolean, default=False)
+    draft_k: Mapped[int] = mapped_column(Integer)  # 0: plain sampling, no speculation
+
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    error: Mapped[str | None] = mapped_column(Text)
+    task_id: Mapped[str | None] = mapped_column(String(64))
+
+    output_text: Mapped[str] = mapped_column(Text, default="")
+    output_ids: Mapped[list] = mapped_column(default=list)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    generated_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    tok_s: Mapped[float | None] = mapped_column(Float)
+    rounds: Mapped[int] = mapped_column(Integer, default=0)
+    accepted_per_round: Mapped[list] = mapped_column(default=list)
+
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))
+    run: Mapped[Run | None] = relationship(back_populates="jobs")  # noqa: F821
+
+    @property
+    def speculative(self) -> bool:
+        """Whether the drafter proposes tokens for this job."""
+        return self.draft_k > 0
+
+    @property
+    def finished(self) -> bool:
+        """Whether the job has reached a final status."""
+        return self.status in FINISHED_STATUSES
+
+    @property
+    def accepted_mean(self) -> float | None:
+        """Mean number of drafts accepted per round, None before the first round."""
+        counts = self.accepted_per_round or []
+        return sum(counts) / len(counts) if counts else None
+
+    def params(self) -> dict:
+        """The sampling parameters as the API and run records show them."""
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temp": self.temp,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "draft_k": self.draft_k,
+        }
+
+    def request_cancel(self) -> None:
+        """Ask for a cooperative stop: a queued job ends now, a running one at its next round."""
+        if self.finished:
+            return
+        self.cancel_requested = True
+        if self.status == "queued":
+            self.status = "cancelled"
+            self.finished_at = utcnow()
+
+    def record_progress(
+        self, ids: list[int], text: str, accepted_per_round: list[int], elapsed_s: float
+    ) -> None:
+        """Store what has been committed so far; called by the coordinator every round."""
+        self.output_ids = list(ids)
+        self.output_text = text
+        self.generated_tokens = len(ids)
+        self.accepted_per_round = list(accepted_per_round)
+        self.rounds = len(accepted_per_round)
+        self.tok_s = len(ids) / elapsed_s if elapsed_s > 0 else None
+
+    def to_dict(self) -> dict:
+        """The job as the JSON API returns it."""
+        return {
+            "id": self.id,
+            "status": self.status,
+            "created_at": iso_utc(self.created_at),
+            "started_at": iso_utc(self.started_at),
+            "finished_at": iso_utc(self.finished_at),
+            "prompt": self.prompt,
+            "model": self.model,
+            **self.params(),
+            "seed_was_random": self.seed_was_random,
+            "cancel_requested": self.cancel_requested,
+            "output_text": self.output_text,
+            "output_ids": self.output_ids or [],
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "tok_s": self.tok_s,
+            "rounds": self.rounds,
+            "accepted_per_round": self.accepted_per_round or [],
+            "accepted_mean": self.accepted_mean,
+            "error": self.error,
+            "run_id": self.run_id,
+        }

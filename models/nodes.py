@@ -1,0 +1,155 @@
+"""The node inventory: every stage host of the swarm, and a snapshot of the ring on each run.
+
+Stage workers report heartbeats into Redis; a sync task copies them here through `upsert_node`.
+A node's status is derived from the age of its last heartbeat, never stored.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from urllib.parse import urlsplit, urlunsplit
+
+from sqlalchemy import BigInteger, DateTime, ForeignKey, Integer, String, select
+from sqlalchemy.orm import Mapped, Session, mapped_column, relationship
+
+from models.db import Base, as_utc, iso_utc, utcnow
+
+ONLINE_WITHIN = timedelta(seconds=30)
+STALE_WITHIN = timedelta(seconds=120)
+NODE_FIELDS = (
+    "role",
+    "layer_start",
+    "layer_end",
+    "redis_url",
+    "public_ip",
+    "geo",
+    "gpu_name",
+    "gpu_uuid",
+    "memory_bytes",
+    "software_version",
+    "last_heartbeat",
+)
+
+
+def redact_url(url: str | None) -> str | None:
+    """`url` with any password replaced by `***`, for display."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}:" if parts.username else ":"
+    return urlunsplit(parts._replace(netloc=f"{user}***@{netloc}"))
+
+
+def role_order(role: str | None) -> tuple[int, int]:
+    """Sort key putting stage0, stage1, … before the tail."""
+    if role and role.startswith("stage") and role[5:].isdigit():
+        return (0, int(role[5:]))
+    return (1, 0) if role == "tail" else (2, 0)
+
+
+class Node(Base):
+    """One stage host. `layer_end` is exclusive: a host with 0 and 9 runs layers 0 … 8."""
+
+    __tablename__ = "nodes"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    host: Mapped[str] = mapped_column(String(255), unique=True)
+    role: Mapped[str | None] = mapped_column(String(32))  # stage0 … stageN, tail
+    layer_start: Mapped[int | None] = mapped_column(Integer)
+    layer_end: Mapped[int | None] = mapped_column(Integer)
+    redis_url: Mapped[str | None] = mapped_column(String(500))
+    public_ip: Mapped[str | None] = mapped_column(String(64))
+    geo: Mapped[str | None] = mapped_column(String(200))
+    gpu_name: Mapped[str | None] = mapped_column(String(200))
+    gpu_uuid: Mapped[str | None] = mapped_column(String(100))
+    memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    software_version: Mapped[str | None] = mapped_column(String(100))
+    last_heartbeat: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), index=True)
+
+    def status(self, now: datetime | None = None) -> str:
+        """online (< 30 s since the last heartbeat), stale (< 120 s) or offline."""
+        beat = as_utc(self.last_heartbeat)
+        if beat is None:
+            return "offline"
+        age = (now or utcnow()) - beat
+        if age < ONLINE_WITHIN:
+            return "online"
+        return "stale" if age < STALE_WITHIN else "offline"
+
+    def to_dict(self, now: datetime | None = None) -> dict:
+        """The node as the JSON API returns it."""
+        return {
+            "host": self.host,
+            **{f: getattr(self, f) for f in NODE_FIELDS if f != "last_heartbeat"},
+            "redis_url": redact_url(self.redis_url),
+            "last_heartbeat": iso_utc(self.last_heartbeat),
+            "status": self.status(now),
+        }
+
+
+class RunNode(Base):
+    """A node as it was when a run started: the ring that run ran on."""
+
+    __tablename__ = "run_nodes"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    position: Mapped[int] = mapped_column(Integer)
+    host: Mapped[str] = mapped_column(String(255))
+    role: Mapped[str | None] = mapped_column(String(32))
+    layer_start: Mapped[int | None] = mapped_column(Integer)
+    layer_end: Mapped[int | None] = mapped_column(Integer)
+    public_ip: Mapped[str | None] = mapped_column(String(64))
+    geo: Mapped[str | None] = mapped_column(String(200))
+    gpu_name: Mapped[str | None] = mapped_column(String(200))
+    gpu_uuid: Mapped[str | None] = mapped_column(String(100))
+    memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    software_version: Mapped[str | None] = mapped_column(String(100))
+
+    run: Mapped[Run] = relationship(back_populates="node_snapshots")  # noqa: F821
+
+
+def upsert_node(session: Session, host: str, **fields) -> Node:
+    """Insert or update the node `host` with `fields`; the caller commits."""
+    unknown = set(fields) - set(NODE_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown node fields: {', '.join(sorted(unknown))}")
+    node = session.scalar(select(Node).where(Node.host == host))
+    if node is None:
+        node = Node(host=host)
+        session.add(node)
+    for name, value in fields.items():
+        setattr(node, name, value)
+    session.flush()
+    return node
+
+
+def ring_nodes(session: Session) -> list[Node]:
+    """Every node in ring order: stage0, stage1, …, tail."""
+    nodes = session.scalars(select(Node)).all()
+    return sorted(nodes, key=lambda n: (role_order(n.role), n.layer_start or 0, n.host))
+
+
+def snapshot_nodes(session: Session, run) -> list[RunNode]:
+    """Copy the current inventory, in ring order, onto `run`; the caller commits."""
+    copied = [
+        RunNode(
+            position=i,
+            host=n.host,
+            role=n.role,
+            layer_start=n.layer_start,
+            layer_end=n.layer_end,
+            public_ip=n.public_ip,
+            geo=n.geo,
+            gpu_name=n.gpu_name,
+            gpu_uuid=n.gpu_uuid,
+            memory_bytes=n.memory_bytes,
+            software_version=n.software_version,
+        )
+        for i, n in enumerate(ring_nodes(session))
+    ]
+    run.node_snapshots = copied
+    return copied

@@ -1,0 +1,186 @@
+"""The store: migrations on both backends, the schema matching the models, and model helpers."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect, select
+
+from models import Base, Job
+from models.db import UINT64_MAX, get_engine, utcnow
+from models.migrate import current, downgrade, heads, upgrade
+from models.nodes import Node, upsert_node
+from models.records import PROOF_1_FIELDS, PROOF_2_FIELDS, run_record
+from models.runs import start_run
+from models.tokens import check_token, create_token, revoke_token
+from tests.factories import gen_job, gen_node, gen_proof_run, gen_ring
+
+TABLES = {"jobs", "runs", "proofs", "proof_cases", "nodes", "run_nodes", "api_tokens"}
+
+
+def test_one_head():
+    assert len(heads()) == 1
+
+
+def test_upgrade_from_empty_and_downgrade_to_base(fresh_database_url):
+    url = fresh_database_url
+    assert current(url) is None
+    upgrade(url)
+    assert current(url) == heads()[0]
+    assert TABLES <= set(inspect(get_engine(url)).get_table_names())
+    downgrade(url, "base")
+    assert current(url) is None
+    assert not TABLES & set(inspect(get_engine(url)).get_table_names())
+    upgrade(url)  # and back up again: the downgrade left nothing behind
+    assert current(url) == heads()[0]
+
+
+def test_models_match_migrated_schema(database_url):
+    with get_engine(database_url).connect() as conn:
+        context = MigrationContext.configure(conn, opts={"compare_type": True})
+        diff = compare_metadata(context, Base.metadata)
+    assert diff == []
+
+
+def test_seed_keeps_every_uint64(db_session):
+    for seed in (0, 1, 2**63 - 1, 2**63, UINT64_MAX):
+        job = gen_job(db_session, seed=seed)
+        db_session.expire_all()
+        assert db_session.get(Job, job.id).seed == seed
+    with pytest.raises(Exception, match="outside"):
+        gen_job(db_session, seed=UINT64_MAX + 1)
+
+
+def test_seed_sorts_numerically(db_session):
+    for seed in (10, 9, 2**64 - 1, 100):
+        gen_job(db_session, seed=seed)
+    seeds = db_session.scalars(select(Job.seed).order_by(Job.seed)).all()
+    assert seeds == [9, 10, 100, 2**64 - 1]
+
+
+def test_cancel_queued_ends_now_running_waits(db_session):
+    queued = gen_job(db_session)
+    running = gen_job(db_session, status="running")
+    done = gen_job(db_session, status="done")
+    for job in (queued, running, done):
+        job.request_cancel()
+    assert (queued.status, queued.cancel_requested) == ("cancelled", True)
+    assert (running.status, running.cancel_requested) == ("running", True)
+    assert (done.status, done.cancel_requested) == ("done", False)
+
+
+def test_record_progress(db_session):
+    job = gen_job(db_session, status="running")
+    job.record_progress([5, 6, 7, 8], "abcd", [2, 0], elapsed_s=2.0)
+    db_session.commit()
+    assert job.generated_tokens == 4 and job.rounds == 2
+    assert job.tok_s == pytest.approx(2.0)
+    assert job.accepted_mean == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("age_s", "status"), [(0, "online"), (29, "online"), (31, "stale"), (119, "stale"),
+                          (121, "offline")]
+)
+def test_node_status_from_heartbeat_age(db_session, age_s, status):
+    node = gen_node(db_session, "h1", age_s=age_s)
+    assert node.status() == status
+
+
+def test_node_without_heartbeat_is_offline(db_session):
+    assert upsert_node(db_session, "h1", role="tail").status() == "offline"
+
+
+def test_upsert_node_updates_in_place(db_session):
+    upsert_node(db_session, "h1", role="stage0", layer_start=0, layer_end=9)
+    upsert_node(db_session, "h1", gpu_name="RTX 4090", last_heartbeat=utcnow())
+    db_session.commit()
+    nodes = db_session.scalars(select(Node)).all()
+    assert len(nodes) == 1
+    assert (nodes[0].role, nodes[0].layer_end, nodes[0].gpu_name) == ("stage0", 9, "RTX 4090")
+    with pytest.raises(ValueError, match="unknown node fields: colour"):
+        upsert_node(db_session, "h1", colour="red")
+
+
+def test_run_snapshot_is_frozen(db_session):
+    gen_ring(db_session, 4)
+    run = start_run(db_session, model="tiny-test")
+    db_session.commit()
+    upsert_node(db_session, "host0.example", geo="Elsewhere")
+    db_session.commit()
+    assert [n.role for n in run.node_snapshots] == ["stage0", "stage1", "stage2", "tail"]
+    assert run.node_snapshots[0].geo == "WA"
+
+
+def test_run_record_schema(db_session):
+    gen_ring(db_session, 4)
+    run = gen_proof_run(db_session)
+    run.generation_summary = {"greedy_temp0": {"text": "hi", "tok_s": 4.6}}
+    db_session.commit()
+    record = run_record(db_session, run.id)
+    assert list(record) == [
+        "run_id", "utc", "shard_commit", "claim", "model", "quant", "method",
+        "proof_1_local_math", "proof_2_on_swarm", "proof_3_generation", "nodes", "topology",
+    ]
+    assert list(record["proof_1_local_math"]) == list(PROOF_1_FIELDS)
+    assert list(record["proof_2_on_swarm"]) == list(PROOF_2_FIELDS)
+    assert record["proof_1_local_math"]["worst_tv_committed_vs_target"] == 0.011
+    assert record["proof_2_on_swarm"]["mean_tv_noise_floor_plain_vs_plain"] == 0.03
+    assert record["nodes"][0] == {
+        "role": "stage0", "layer_range": [0, 9], "public_ip": "203.0.113.10", "geo": "WA",
+        "gpu_uuid": "GPU-00000000-test", "gpu_name": "NVIDIA GeForce RTX 4090",
+    }
+    assert record["topology"] == "WA → MN → NC → NJ → back"
+    assert record["utc"].endswith("Z")
+    with pytest.raises(LookupError):
+        run_record(db_session, run.id + 1000)
+
+
+def test_tokens_hashed_checked_revoked(db_session):
+    plaintext = create_token(db_session, "ci")
+    db_session.commit()
+    from models.tokens import ApiToken
+
+    row = db_session.scalar(select(ApiToken))
+    assert plaintext not in row.token_hash and len(row.token_hash) == 64
+    assert check_token(db_session, plaintext).name == "ci"
+    assert check_token(db_session, plaintext + "x") is None
+    with pytest.raises(ValueError, match="already exists"):
+        create_token(db_session, "ci")
+    revoke_token(db_session, "ci")
+    db_session.commit()
+    assert check_token(db_session, plaintext) is None
+    with pytest.raises(LookupError):
+        revoke_token(db_session, "nope")
+
+
+def test_history_indexes_exist(database_url):
+    names = {ix["name"] for ix in inspect(get_engine(database_url)).get_indexes("jobs")}
+    assert {"ix_jobs_created_at", "ix_jobs_status_created_at"} <= names
+
+
+def test_timestamps_are_utc(db_session):
+    job = gen_job(db_session)
+    db_session.expire_all()
+    from models.db import as_utc
+
+    created = as_utc(db_session.get(Job, job.id).created_at)
+    assert abs(created - utcnow()) < timedelta(minutes=1)
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:hunter2@h:6379/0", "redis://:***@h:6379/0"),
+        ("redis://user:pw@h/1", "redis://user:***@h/1"),
+        ("redis://h:6379/0", "redis://h:6379/0"),
+        (None, None),
+    ],
+)
+def test_redis_password_redacted(url, shown):
+    from models.nodes import redact_url
+
+    assert redact_url(url) == shown

@@ -1,0 +1,114 @@
+"""Fixtures for the web app: an app on a fresh store, clients, an API token, the job queue.
+
+Each test publishes to its own coordinator queue name on the real Redis, so tests can read
+exactly what was enqueued and parallel workers never see each other's messages.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+
+import pytest
+import redis
+
+from app import create_app
+from app.queue import GENERATE_TASK
+from models.db import make_session_factory
+from models.tokens import create_token
+from specpipe.settings import redis_url
+
+
+class Queue:
+    """The test's coordinator queue in Redis, decoded."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.redis = redis.Redis.from_url(redis_url())
+
+    def messages(self) -> list[dict]:
+        """Every message waiting in the queue, oldest first."""
+        raw = self.redis.lrange(self.name, 0, -1)
+        return [json.loads(m) for m in reversed(raw)]
+
+    def job_ids(self) -> list[int]:
+        """The job id of every generate task waiting, oldest first."""
+        ids = []
+        for message in self.messages():
+            assert message["headers"]["task"] == GENERATE_TASK
+            assert message["content-type"] == "application/json"
+            args, _kwargs, _embed = json.loads(base64.b64decode(message["body"]))
+            ids.append(args[0])
+        return ids
+
+
+@pytest.fixture
+def queue():
+    """A unique coordinator queue, deleted afterwards."""
+    q = Queue(f"test-coordinator-{uuid.uuid4().hex[:10]}")
+    yield q
+    q.redis.delete(q.name)
+    q.redis.close()
+
+
+@pytest.fixture
+def app(db_url, queue):
+    """The app on a fresh store, CSRF on, publishing to the test's queue."""
+    return create_app(
+        {
+            "TESTING": True,
+            "DATABASE_URL": db_url,
+            "COORDINATOR_QUEUE": queue.name,
+            "MAX_PROMPT_CHARS": 500,
+            "MAX_NEW_TOKENS": 1024,
+            "MODEL": "tiny-test",
+        }
+    )
+
+
+@pytest.fixture
+def client(app):
+    """A test client."""
+    return app.test_client()
+
+
+@pytest.fixture
+def session(db_url):
+    """A session on the test's store."""
+    s = make_session_factory(db_url)()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def api_token(session) -> str:
+    """A fresh active API token's plaintext."""
+    token = create_token(session, f"test-{uuid.uuid4().hex[:6]}")
+    session.commit()
+    return token
+
+
+@pytest.fixture
+def api(client, api_token):
+    """A client helper that sends the bearer token."""
+
+    class Api:
+        def __init__(self):
+            self.headers = {"Authorization": f"Bearer {api_token}"}
+
+        def get(self, path, **kw):
+            return client.get("/api/v1" + path, headers=self.headers, **kw)
+
+        def post(self, path, **kw):
+            return client.post("/api/v1" + path, headers=self.headers, **kw)
+
+    return Api()
+
+
+def csrf_token(client, path: str = "/") -> str:
+    """The CSRF token from a page's form (the session cookie stays in the client)."""
+    html = client.get(path).get_data(as_text=True)
+    marker = 'name="csrf_token" value="'
+    start = html.index(marker) + len(marker)
+    return html[start : html.index('"', start)]

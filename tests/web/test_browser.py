@@ -1,0 +1,200 @@
+"""The web UI in a real headless Chromium: submit a job, watch it update, find it in history,
+open the proofs and nodes pages. Screenshots go to test-artifacts/ for people to look at.
+
+Chromium is Debian's (`apt-get install -y chromium`, which `make test` tries); Playwright drives
+it through `executable_path`, so no browser is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from werkzeug.serving import make_server
+
+from models.db import utcnow
+from models.jobs import Job
+from models.runs import start_run
+from tests.dbfixtures import backend_name
+from tests.factories import gen_node, gen_proof_run, gen_ring
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "web"
+
+pytestmark = pytest.mark.skipif(
+    not os.access(CHROMIUM, os.X_OK),
+    reason=f"{CHROMIUM} is missing: apt-get install -y chromium",
+)
+
+
+@pytest.fixture
+def server(app):
+    """The app served over HTTP on a free port in a background thread."""
+    httpd = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_port}"
+    httpd.shutdown()
+    thread.join(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """One headless Chromium for the module."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser):
+    """A fresh desktop-sized page."""
+    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    yield context.new_page()
+    context.close()
+
+
+def shot(page, name: str) -> None:
+    """Save a full-page screenshot as a test artifact."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{backend_name()}-{name}.png"), full_page=True)
+
+
+def submit_job(page, server: str, prompt: str) -> int:
+    """Fill in and send the form; return the new job's id from the job page's URL."""
+    page.goto(server + "/")
+    page.fill("#f-prompt", prompt)
+    page.fill("#f-max_new_tokens", "24")
+    page.fill("#f-temp", "0.7")
+    page.fill("#f-seed", "31337")
+    shot(page, "01-submit")
+    page.click("button[type=submit]")
+    page.wait_for_url("**/jobs/*")
+    return int(page.url.rsplit("/", 1)[1])
+
+
+def test_submit_watch_history_proofs_nodes(server, page, session, queue):
+    prompt = "The <b>quick</b> brown fox"
+    job_id = submit_job(page, server, prompt)
+    assert queue.job_ids() == [job_id]
+    assert page.text_content("#job-prompt") == prompt  # shown as text, not markup
+    assert page.text_content("#job-status .badge") == "queued"
+    assert page.text_content("#job-seed").startswith("31337")
+
+    # Write progress the way the coordinator does; the page must follow without a reload.
+    gen_ring(session, 4)
+    job = session.get(Job, job_id)
+    job.run = start_run(session, model="tiny-test")
+    job.status, job.started_at = "running", utcnow()
+    job.record_progress(list(range(10)), "jumps over the lazy dog", [3, 2, 4], elapsed_s=2.0)
+    session.commit()
+    page.wait_for_function("document.getElementById('stat-tokens').textContent === '10'")
+    assert page.text_content("#job-output") == "jumps over the lazy dog"
+    assert page.text_content("#job-status .badge") == "running"
+    assert page.locator("#rounds-strip span").count() == 3
+    page.wait_for_timeout(500)  # let the progress bar's transition finish for the picture
+    shot(page, "02-job-running")
+    job.status, job.finished_at = "done", utcnow()
+    job.record_progress(list(range(24)), "jumps over the lazy dog. The end.", [3, 2, 4, 4],
+                        elapsed_s=4.0)
+    session.commit()
+    page.wait_for_function("document.querySelector('#job-status .badge').textContent === 'done'")
+    assert page.text_content("#stat-toks") == "6.0"
+    assert page.is_hidden("#cancel-form")
+    assert page.text_content("#job-started").endswith("UTC")
+    page.reload()
+    assert page.locator(".ring-list li").count() == 4
+    shot(page, "03-job-done")
+
+    page.click("text=Run again with this seed")
+    page.wait_for_url(lambda url: not url.endswith(f"/jobs/{job_id}"))
+    rerun_id = int(page.url.rsplit("/", 1)[1])
+    assert page.text_content("#job-seed").startswith("31337")
+    assert page.text_content("#job-prompt") == prompt
+    assert queue.job_ids() == [job_id, rerun_id]
+
+    page.click("nav >> text=History")
+    assert page.locator("#history tbody tr", has_text="quick").count() == 2  # and its rerun
+    row = page.locator(f'#history tbody tr:has(a[href="/jobs/{job_id}"])')
+    assert row.count() == 1
+    assert "done" in row.inner_text().lower() and "31337" in row.inner_text()
+    shot(page, "04-history")
+    page.fill("input[name=q]", "no such prompt")
+    page.click("form.filters button")
+    assert page.locator("#history").count() == 0 and "No jobs match" in page.content()
+
+
+def test_form_errors_shown(server, page, session, queue):
+    page.goto(server + "/")
+    page.fill("#f-prompt", "   ")
+    page.fill("#f-top_p", "1.5")
+    page.fill("#f-seed", "-4")
+    page.click("button[type=submit]")
+    assert "Prompt is empty" in page.content()
+    assert "Top-p must be above 0 and at most 1" in page.content()
+    assert "Seed must be between 0 and 2^64-1" in page.content()
+    shot(page, "05-form-errors")
+    assert session.query(Job).count() == 0 and queue.messages() == []
+
+
+def test_proofs_and_nodes_pages(server, page, session):
+    gen_ring(session, 4)
+    gen_node(session, "spare.example", age_s=75, role="stage9", layer_start=None,
+             layer_end=None, geo="TX")
+    gen_proof_run(session, kind="nightly")
+    run = gen_proof_run(session, passed=False)
+    page.goto(server + "/proofs/")
+    assert page.locator("#proof-runs tbody tr").count() == 2
+    shot(page, "06-proofs")
+    page.click(f"text={run.name}")
+    page.wait_for_load_state("networkidle")
+    images = page.locator("img.plot")
+    assert images.count() == 5
+    widths = images.evaluate_all("imgs => imgs.map(i => i.complete && i.naturalWidth)")
+    assert all(w and w > 300 for w in widths), widths
+    shot(page, "07-proof-detail")
+
+    page.goto(server + "/nodes/")
+    assert page.locator("svg.ring g.ring-node").count() == 5
+    assert page.locator("#nodes tbody tr").count() == 5
+    shot(page, "08-nodes")
+    page.set_viewport_size({"width": 390, "height": 800})
+    page.goto(server + "/")
+    shot(page, "09-submit-phone")
+
+
+def test_job_finished_by_a_real_worker(server, page, app, db_url, queue):
+    if importlib.util.find_spec("workers.coordinator") is None:
+        pytest.skip("needs workers/coordinator.py with the task workers.coordinator.generate")
+    if importlib.util.find_spec("workers.celery_app") is None:
+        pytest.skip("needs workers/celery_app.py (the Celery app the worker runs)")
+    env = {**os.environ, "DATABASE_URL": db_url, "REDIS_URL": app.config["REDIS_URL"]}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "--pool=solo",
+         "-Q", queue.name, "--concurrency=1", "--loglevel=WARNING"],
+        env=env,
+    )
+    try:
+        job_id = submit_job(page, server, "Hello")
+        page.wait_for_function(
+            "['done', 'failed'].includes(document.querySelector('#job-status .badge')"
+            ".textContent)", timeout=180_000)
+        shot(page, "10-job-finished-by-worker")
+        assert page.text_content("#job-status .badge") == "done", page.text_content("#job-error")
+        assert page.text_content("#job-output").strip()
+        assert job_id
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)

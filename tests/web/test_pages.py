@@ -1,0 +1,181 @@
+"""Pages: history paging and filters, the job page and its actions, proofs, nodes, records,
+health and metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from sqlalchemy import select
+
+from models.jobs import Job
+from models.runs import start_run
+from tests.factories import gen_job, gen_node, gen_proof_run, gen_ring
+from tests.web.conftest import csrf_token
+
+
+def history_ids(html: str) -> list[int]:
+    return [int(i) for i in re.findall(r'<td><a href="/jobs/(\d+)">', html)]
+
+
+def test_history_newest_first_25_a_page(client, session):
+    jobs = [gen_job(session, prompt=f"p{i}") for i in range(60)]
+    first = client.get("/history").get_data(as_text=True)
+    assert history_ids(first) == [j.id for j in reversed(jobs)][:25]
+    assert "Page 1 of 3" in first and "60 jobs" in first
+    third = client.get("/history?page=3").get_data(as_text=True)
+    assert history_ids(third) == [j.id for j in reversed(jobs)][50:]
+    assert client.get("/history?page=99").status_code == 200
+    assert client.get("/history?page=-3").status_code == 200
+
+
+def test_history_filters_search_sort(client, session):
+    gen_job(session, prompt="alpha 100% sure", status="done", tok_s=3.0, generated_tokens=9)
+    gen_job(session, prompt="beta_gamma", status="failed", error="boom")
+    gen_job(session, prompt="alphabet soup", status="done", tok_s=5.0, generated_tokens=4)
+    ids = {j.prompt: j.id for j in session.scalars(select(Job))}
+    html = client.get("/history?status=failed").get_data(as_text=True)
+    assert history_ids(html) == [ids["beta_gamma"]]
+    html = client.get("/history?q=ALPHA").get_data(as_text=True)
+    assert sorted(history_ids(html)) == sorted([ids["alpha 100% sure"], ids["alphabet soup"]])
+    # % and _ are searched for literally, not as wildcards
+    assert history_ids(client.get("/history?q=100%25").get_data(as_text=True)) == [
+        ids["alpha 100% sure"]]
+    assert history_ids(client.get("/history?q=a_g").get_data(as_text=True)) == [
+        ids["beta_gamma"]]
+    fastest = history_ids(client.get("/history?sort=fastest").get_data(as_text=True))
+    assert fastest[:2] == [ids["alphabet soup"], ids["alpha 100% sure"]]
+    oldest = history_ids(client.get("/history?sort=oldest").get_data(as_text=True))
+    assert oldest == sorted(ids.values())
+    assert client.get("/history?status=bogus&sort=bogus").status_code == 200
+
+
+def test_history_shows_columns(client, session):
+    gen_job(session, prompt="cols", status="done", seed=987654321, generated_tokens=12,
+            tok_s=4.56, accepted_per_round=[2, 3, 1], draft_k=3, temp=0.5, top_p=0.9, top_k=7)
+    html = client.get("/history").get_data(as_text=True)
+    for text in ("987654321", ">12<", "4.6", "2.00", "T 0.50 · p 0.90 · k 7 · K 3", "done"):
+        assert text in html
+
+
+def test_job_page_and_progress(client, session):
+    gen_ring(session, 2)
+    job = gen_job(session, status="running", seed=5)
+    job.run = start_run(session, model="tiny-test")
+    job.record_progress([1, 2, 3], "The cat", [1, 2], elapsed_s=1.5)
+    session.commit()
+    html = client.get(f"/jobs/{job.id}").get_data(as_text=True)
+    for text in ("The cat", "Run again with this seed", "Cancel", "host0.example", "layers 0–17",
+                 f"/runs/{job.run_id}/record.json", 'data-progress-url'):
+        assert text in html
+    progress = client.get(f"/jobs/{job.id}/progress").get_json()
+    assert (progress["generated_tokens"], progress["output_text"], progress["rounds"]) == (
+        3, "The cat", 2)
+    assert progress["tok_s"] == pytest.approx(2.0)
+    assert client.get("/jobs/424242").status_code == 404
+    assert client.get("/jobs/424242/progress").status_code == 404
+
+
+def test_job_page_shows_failure_reason(client, session):
+    job = gen_job(session, status="failed", error="stage host2 went away")
+    html = client.get(f"/jobs/{job.id}").get_data(as_text=True)
+    assert "stage host2 went away" in html
+
+
+def test_cancel_from_page(client, session, queue):
+    job = gen_job(session, status="running")
+    response = client.post(f"/jobs/{job.id}/cancel", data={"csrf_token": csrf_token(client)})
+    assert response.status_code == 302
+    session.expire_all()
+    assert session.get(Job, job.id).cancel_requested is True
+
+
+def test_rerun_with_same_seed(client, session, queue):
+    job = gen_job(session, status="done", seed=2**64 - 2, prompt="again", temp=1.1, top_k=3)
+    response = client.post(f"/jobs/{job.id}/rerun", data={"csrf_token": csrf_token(client)})
+    assert response.status_code == 302
+    new = session.scalars(select(Job).where(Job.id != job.id)).one()
+    assert new.params() == job.params() and new.prompt == "again"
+    assert new.seed_was_random is False and new.status == "queued"
+    assert queue.job_ids() == [new.id]
+
+
+def test_proofs_pages_and_plots(client, session):
+    gen_ring(session, 4)
+    manual = gen_proof_run(session)
+    nightly = gen_proof_run(session, kind="nightly", passed=False)
+    html = client.get("/proofs/").get_data(as_text=True)
+    assert manual.name in html and nightly.name in html and "nightly" in html
+    detail = client.get(f"/proofs/{nightly.id}").get_data(as_text=True)
+    assert "T=1.3 p=0.8 k=10" in detail and "stop 3" in detail and "badge-fail" in detail
+    pngs = re.findall(r'src="(/proofs/plots/[^"]+\.png)"', detail)
+    assert len(pngs) == 2 + 3  # a TV plot per proof, a histogram per stop
+    for url in pngs:
+        response = client.get(url)
+        assert response.status_code == 200 and response.mimetype == "image/png"
+        assert response.data[:8] == b"\x89PNG\r\n\x1a\n" and len(response.data) > 5000
+    assert client.get("/proofs/99999").status_code == 404
+    assert client.get("/proofs/plots/99999/tv.png").status_code == 404
+    local_case = nightly.proofs[0].cases[0]
+    assert client.get(f"/proofs/plots/cases/{local_case.id}.png").status_code == 404
+
+
+def test_proofs_page_empty(client):
+    assert "No proof runs yet" in client.get("/proofs/").get_data(as_text=True)
+
+
+def test_nodes_page(client, session):
+    gen_ring(session, 4)
+    gen_node(session, "late.example", age_s=60, role="stage9")
+    gen_node(session, "gone.example", age_s=600, role="stage8")
+    html = client.get("/nodes/").get_data(as_text=True)
+    assert html.count('class="ring-node status-online"') == 4
+    assert 'status-stale' in html and 'status-offline' in html
+    assert "WA → MN → NC → gone.example → late.example → NJ → back" in html
+    assert "<svg" in html
+    assert "24.0 GiB" in html and "GPU-00000003-test" in html
+
+
+def test_run_record_download(client, session):
+    gen_ring(session, 2)
+    run = gen_proof_run(session)
+    response = client.get(f"/runs/{run.id}/record.json")
+    assert response.status_code == 200
+    assert "attachment" in response.headers["Content-Disposition"]
+    record = json.loads(response.data)
+    assert record["run_id"] == run.name and record["nodes"][1]["role"] == "tail"
+    assert client.get("/runs/99999/record.json").status_code == 404
+
+
+def test_healthz(client, app):
+    response = client.get("/healthz")
+    assert response.status_code == 200
+    assert response.get_json() == {"status": "ok", "database": "ok", "redis": "ok"}
+    app.config["REDIS_URL"] = "redis://127.0.0.1:1/0"
+    response = client.get("/healthz")
+    assert response.status_code == 503 and response.get_json()["redis"].startswith("error")
+
+
+def test_metrics(client, session):
+    gen_job(session, status="done", generated_tokens=10, tok_s=4.0, accepted_per_round=[1, 3])
+    gen_job(session, status="done", generated_tokens=20, tok_s=6.0, accepted_per_round=[2])
+    gen_job(session, status="queued")
+    gen_ring(session, 2)
+    gen_node(session, "old.example", age_s=500)
+    text = client.get("/metrics").get_data(as_text=True)
+    for line in ('specpipe_jobs{status="done"} 2', 'specpipe_jobs{status="queued"} 1',
+                 "specpipe_tokens_generated_total 30", "specpipe_tokens_per_second 5.0",
+                 "specpipe_accepted_per_round 2.0", 'specpipe_nodes{status="online"} 2',
+                 'specpipe_nodes{status="offline"} 1', "# TYPE specpipe_jobs gauge"):
+        assert line in text.splitlines(), line
+
+
+def test_unknown_page_is_friendly_404(client):
+    response = client.get("/no/such/page")
+    assert response.status_code == 404 and "<!doctype html>" in response.get_data(as_text=True)
+
+
+def test_static_assets_served(client):
+    for name in ("style.css", "app.js", "favicon.svg"):
+        assert client.get(f"/static/{name}").status_code == 200
