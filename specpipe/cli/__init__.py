@@ -4,6 +4,7 @@ import click
 
 from specpipe import __version__
 from specpipe.cli.bench import bench
+from specpipe.cli.nodes import nodes
 from specpipe.cli.proof import proof
 
 
@@ -15,6 +16,7 @@ def cli() -> None:
 
 cli.add_command(bench)
 cli.add_command(proof)
+cli.add_command(nodes)
 
 
 def main() -> None:
