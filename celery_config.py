@@ -1,1 +1,47 @@
-"""Celery settings: broker, queues and routes, and the beat schedule."""
+"""Celery settings: broker, serialisation, queues and routes, and the beat schedule.
+
+Read by the workers' Celery app and by the web app's client. The broker URL is not set here:
+each entry point takes it from `specpipe.settings` (REDIS_URL, or the Redis `specpipe up`
+started).
+"""
+
+from celery.schedules import crontab
+
+from specpipe.settings import nightly_schedule
+
+# JSON only: a message is data, never code (no pickle anywhere).
+task_serializer = "json"
+result_serializer = "json"
+accept_content = ["json"]
+
+broker_connection_retry_on_startup = True
+task_ignore_result = True
+timezone = "UTC"
+
+# One job at a time per coordinator process; a job whose worker dies is taken up again.
+worker_prefetch_multiplier = 1
+task_acks_late = True
+task_reject_on_worker_lost = True
+
+task_default_queue = "coordinator"
+task_routes = {
+    "workers.coordinator.*": {"queue": "coordinator"},
+    "workers.regression.*": {"queue": "coordinator"},
+    "workers.nodes.*": {"queue": "coordinator"},
+}
+
+_minute, _hour = nightly_schedule()
+beat_schedule = {
+    "nightly-lossless-regression": {
+        "task": "workers.regression.nightly",
+        "schedule": crontab(minute=_minute, hour=_hour),
+    },
+    "resume-stalled-jobs": {
+        "task": "workers.coordinator.resume_stalled",
+        "schedule": 15.0,
+    },
+    "sync-node-inventory": {
+        "task": "workers.nodes.sync",
+        "schedule": 10.0,
+    },
+}

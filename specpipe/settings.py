@@ -92,3 +92,12 @@ def web_limits() -> dict[str, int]:
 def default_model() -> str:
     """The model jobs run on: `SPECPIPE_MODEL`, else the embedded default."""
     return os.environ.get("SPECPIPE_MODEL") or "SmolLM2-135M-Instruct"
+
+
+def nightly_schedule() -> tuple[str, str]:
+    """(minute, hour) in UTC of the nightly regression: `SPECPIPE_NIGHTLY` as "HH:MM"."""
+    value = os.environ.get("SPECPIPE_NIGHTLY") or "03:00"
+    hour, _, minute = value.partition(":")
+    if not (hour.isdigit() and minute.isdigit() and int(hour) < 24 and int(minute) < 60):
+        raise ValueError(f"SPECPIPE_NIGHTLY must be HH:MM in UTC, got {value!r}")
+    return str(int(minute)), str(int(hour))

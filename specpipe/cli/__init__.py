@@ -6,6 +6,7 @@ from specpipe import __version__
 from specpipe.cli.bench import bench
 from specpipe.cli.generate import generate
 from specpipe.cli.model import model
+from specpipe.cli.nodes import nodes
 from specpipe.cli.proof import proof
 
 
@@ -19,6 +20,7 @@ cli.add_command(bench)
 cli.add_command(proof)
 cli.add_command(model)
 cli.add_command(generate)
+cli.add_command(nodes)
 
 
 def main() -> None:

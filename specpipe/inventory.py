@@ -1,0 +1,212 @@
+"""The node inventory: who serves which layers, where its Redis is, and whether it is alive.
+
+Every stage worker publishes a `NodeInfo` as JSON into the hash `specpipe:{swarm}:nodes` on the
+swarm's registry Redis and refreshes it (its heartbeat) while it runs. A node is *online* when
+its last heartbeat is at most 30 s old, *stale* up to 120 s, *offline* after that. `route`
+builds a ring from the online nodes: stages that cover every layer exactly once, in order.
+Public IP and geo label come from configuration; nothing here asks the internet.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import redis
+
+from specpipe import __version__
+
+ONLINE_S = 30.0
+STALE_S = 120.0
+
+
+def nodes_key(swarm: str) -> str:
+    """The hash holding one JSON record per host."""
+    return f"specpipe:{swarm}:nodes"
+
+
+class RouteError(RuntimeError):
+    """The online stages cannot form a ring over every layer."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One stage host as the inventory records it. Layers are the half-open range start:end."""
+
+    host: str
+    layer_start: int
+    layer_end: int
+    redis_url: str
+    role: str = ""  # stage0, stage1, …, tail
+    model: str = ""
+    public_ip: str = ""
+    geo: str = ""
+    gpu_name: str = "cpu"
+    gpu_uuid: str = "cpu"
+    cpu_model: str = ""
+    memory_bytes: int = 0
+    software_version: str = __version__
+    last_heartbeat: float = 0.0
+
+    @property
+    def layers(self) -> str:
+        """The layer range as `start:end`."""
+        return f"{self.layer_start}:{self.layer_end}"
+
+    def status(self, now: float | None = None) -> str:
+        """online / stale / offline by the age of the last heartbeat."""
+        age = (time.time() if now is None else now) - self.last_heartbeat
+        if age <= ONLINE_S:
+            return "online"
+        if age <= STALE_S:
+            return "stale"
+        return "offline"
+
+    def to_json(self) -> str:
+        """The record as stored in Redis."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> NodeInfo:
+        """Parse a stored record, ignoring fields this version does not know."""
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (or what platform knows)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def system_memory_bytes() -> int:
+    """Total memory from /proc/meminfo, 0 when unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def hardware() -> dict[str, str | int]:
+    """GPU name, UUID and memory from torch when a GPU is present, else "cpu" and system memory."""
+    info: dict[str, str | int] = {
+        "gpu_name": "cpu",
+        "gpu_uuid": "cpu",
+        "cpu_model": cpu_model(),
+        "memory_bytes": system_memory_bytes(),
+    }
+    try:
+        import torch
+    except ImportError:
+        return info
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info["gpu_name"] = props.name
+        info["gpu_uuid"] = str(getattr(props, "uuid", "")) or "unknown"
+        info["memory_bytes"] = int(props.total_memory)
+    return info
+
+
+def publish(client: redis.Redis, swarm: str, node: NodeInfo, now: float | None = None) -> NodeInfo:
+    """Record (or refresh) a node with the current time as its heartbeat."""
+    node = replace(node, last_heartbeat=time.time() if now is None else now)
+    client.hset(nodes_key(swarm), node.host, node.to_json())
+    return node
+
+
+def remove(client: redis.Redis, swarm: str, host: str) -> None:
+    """Take a node out of the inventory (a clean shutdown)."""
+    client.hdel(nodes_key(swarm), host)
+
+
+def load(client: redis.Redis, swarm: str) -> list[NodeInfo]:
+    """Every recorded node, in ring order (by first layer), unreadable records skipped."""
+    nodes = []
+    for raw in client.hgetall(nodes_key(swarm)).values():
+        try:
+            nodes.append(NodeInfo.from_json(raw))
+        except (ValueError, TypeError):
+            continue
+    return sorted(nodes, key=lambda n: (n.layer_start, n.layer_end, n.host))
+
+
+def route(
+    nodes: list[NodeInfo], n_layers: int, model: str | None = None, now: float | None = None
+) -> list[NodeInfo]:
+    """The ring: online stages covering layers 0:n_layers exactly once, in order.
+
+    Where several hosts serve the same range the freshest heartbeat wins. Raises RouteError
+    naming the first layers no online stage serves."""
+    if n_layers <= 0:
+        raise RouteError(f"a model needs at least one layer, got {n_layers}")
+    now = time.time() if now is None else now
+    usable = [
+        n
+        for n in nodes
+        if n.status(now) == "online"
+        and 0 <= n.layer_start < n.layer_end <= n_layers
+        and (model is None or not n.model or n.model == model)
+    ]
+    by_start: dict[int, list[NodeInfo]] = {}
+    for node in sorted(usable, key=lambda n: -n.last_heartbeat):
+        by_start.setdefault(node.layer_start, []).append(node)
+
+    # Depth-first over layer boundaries; `dead` remembers boundaries no chain can finish from.
+    dead: set[int] = set()
+
+    def chain_from(pos: int) -> list[NodeInfo] | None:
+        if pos == n_layers:
+            return []
+        if pos in dead:
+            return None
+        for node in by_start.get(pos, []):
+            rest = chain_from(node.layer_end)
+            if rest is not None:
+                return [node, *rest]
+        dead.add(pos)
+        return None
+
+    chain = chain_from(0)
+    if chain is not None:
+        last = len(chain) - 1
+        return [replace(n, role="tail" if i == last else f"stage{i}") for i, n in enumerate(chain)]
+    # Every boundary visited is dead; the furthest one is where no online stage starts.
+    pos = max(dead)
+    end = min((n.layer_start for n in usable if n.layer_start > pos), default=n_layers)
+    raise RouteError(f"no online stage serves layers {pos}:{end}")
+
+
+def table(nodes: list[NodeInfo], now: float | None = None) -> list[str]:
+    """The inventory as aligned text lines, in ring order (what `specpipe nodes` prints)."""
+    now = time.time() if now is None else now
+    rows = [("HOST", "ROLE", "LAYERS", "STATUS", "SEEN", "REDIS", "GEO", "PUBLIC IP", "GPU", "MEM")]
+    for n in sorted(nodes, key=lambda n: (n.layer_start, n.layer_end, n.host)):
+        gpu = n.cpu_model if n.gpu_name == "cpu" and n.cpu_model else n.gpu_name
+        rows.append(
+            (
+                n.host,
+                n.role or "-",
+                n.layers,
+                n.status(now),
+                f"{max(0.0, now - n.last_heartbeat):.0f}s ago",
+                n.redis_url,
+                n.geo or "-",
+                n.public_ip or "-",
+                gpu,
+                f"{n.memory_bytes / 2**30:.1f} GiB",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]

@@ -1,0 +1,205 @@
+"""`RedisRing`: the `Ring` interface over the swarm's per-host Redis Streams.
+
+A round is signed and XADDed to stage 0's stream on stage 0's Redis, carrying its route (each
+hop's host and Redis URL, from the inventory) and the Redis holding this coordinator's reply
+stream. The ring then waits on `specpipe:{swarm}:reply:{session}` for the reply with this
+round's id, re-sending the same round (stages ignore a round id they have processed) a bounded
+number of times before it gives up with a `RingError`. A `gap` reply re-sends the session's
+reset to every stage and raises `GapError`, so the caller's replay from position 0 finds the
+tail with its sampling parameters again.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+
+import redis
+
+from specpipe import inventory, streams, wire
+from specpipe.inventory import NodeInfo
+from specpipe.ring import GapError, SamplingParams
+from specpipe.sampling import Sampler
+
+
+class RingError(RuntimeError):
+    """The ring did not answer a round, or answered with an error."""
+
+
+class RedisRing:
+    """A ring of stage workers reached through Redis Streams."""
+
+    def __init__(
+        self,
+        route: Sequence[NodeInfo | wire.Hop],
+        swarm: str,
+        key: bytes,
+        reply_url: str,
+        timeout_s: float = 30.0,
+        retries: int = 2,
+        maxlen: int = streams.DEFAULT_MAXLEN,
+    ) -> None:
+        if not route:
+            raise ValueError("a ring needs at least one stage")
+        self.route = tuple(wire.Hop(h.host, h.redis_url) for h in route)
+        self.swarm = swarm
+        self.key = key
+        self.reply_url = reply_url
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.maxlen = maxlen
+        self.connections = streams.Connections()
+        self._params: dict[str, SamplingParams] = {}
+        self._cursor: dict[str, bytes | str] = {}  # last reply entry id read, per session
+
+    @classmethod
+    def from_inventory(
+        cls,
+        registry_url: str,
+        swarm: str,
+        key: bytes,
+        n_layers: int,
+        model: str | None = None,
+        reply_url: str | None = None,
+        **options,
+    ) -> RedisRing:
+        """A ring over the online stages the registry's inventory lists (RouteError if none)."""
+        client = redis.Redis.from_url(registry_url)
+        try:
+            nodes = inventory.load(client, swarm)
+        finally:
+            client.close()
+        chain = inventory.route(nodes, n_layers, model=model)
+        return cls(chain, swarm, key, reply_url or registry_url, **options)
+
+    def reset(self, session: str, params: SamplingParams) -> None:
+        """Clear every stage's cache for the session and give the tail its sampling parameters."""
+        Sampler(params.seed, params.temp, params.top_p, params.top_k)  # ValueError if invalid
+        try:
+            self.connections.get(self.reply_url).delete(streams.reply_key(self.swarm, session))
+        except redis.RedisError as exc:
+            raise RingError(f"cannot reach the reply Redis at {self.reply_url}: {exc}") from None
+        self._cursor[session] = "0-0"
+        self._control(session, "reset", params)
+        self._params[session] = params
+
+    def reseed(self, session: str, params: SamplingParams) -> None:
+        """New sampling parameters for the tail; every stage keeps its cache."""
+        if session not in self._params:
+            raise RingError(f"session {session!r} was not reset on this ring")
+        Sampler(params.seed, params.temp, params.top_p, params.top_k)  # ValueError if invalid
+        self._params[session] = params
+        # Only the tail samples. Its stream is FIFO and this lands there before the next round.
+        self._control(session, "reseed", params, hops=self.route[-1:])
+
+    def round(self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int) -> list[int]:
+        """Send one round, wait for the tail's result vector; GapError or RingError otherwise."""
+        if session not in self._params:
+            raise RingError(f"session {session!r} was not reset on this ring")
+        if not tokens or not 0 <= n_draft < len(tokens):
+            raise ValueError(f"a round needs more tokens ({len(tokens)}) than drafts ({n_draft})")
+        round_id = uuid.uuid4().hex
+        data = wire.encode(
+            wire.Message(
+                kind="round",
+                session=session,
+                round_id=round_id,
+                start_pos=start_pos,
+                n_draft=n_draft,
+                tokens=tuple(int(t) for t in tokens),
+                route=self.route,
+                reply=self.reply_url,
+            ),
+            self.swarm,
+            self.key,
+        )
+        first = self.route[0]
+        problem = f"no reply in {self.timeout_s:g} s"
+        for _ in range(self.retries + 1):
+            try:
+                streams.send(
+                    self.connections.get(first.redis_url),
+                    streams.stage_key(self.swarm, first.host),
+                    data,
+                    self.maxlen,
+                )
+                reply = self._wait(session, round_id)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                problem = f"Redis unavailable: {exc}"
+                time.sleep(min(1.0, self.timeout_s))
+                continue
+            if reply is None:
+                problem = f"no reply in {self.timeout_s:g} s"
+                continue
+            if reply.kind == "result":
+                if len(reply.tokens) != n_draft + 1:
+                    raise RingError(f"result of {len(reply.tokens)} ids for {n_draft} drafts")
+                return list(reply.tokens)
+            if reply.kind == "gap":
+                self._control(session, "reset", self._params[session])
+                raise GapError(reply.reason or "a stage lost the session's cache")
+            raise RingError(f"round failed: {reply.reason or reply.kind}")
+        route = " -> ".join(h.host for h in self.route)
+        raise RingError(f"round failed after {self.retries + 1} tries ({problem}; route {route})")
+
+    def drop(self, session: str) -> None:
+        """Forget the session on every stage and delete its reply stream."""
+        self._control(session, "drop", None)
+        self.connections.get(self.reply_url).delete(streams.reply_key(self.swarm, session))
+        self._params.pop(session, None)
+        self._cursor.pop(session, None)
+
+    def close(self) -> None:
+        """Close the Redis connections."""
+        self.connections.close()
+
+    def _control(
+        self,
+        session: str,
+        kind: str,
+        params: SamplingParams | None,
+        hops: Sequence[wire.Hop] | None = None,
+    ) -> None:
+        fields = {}
+        if params is not None:
+            fields = {
+                "temp": float(params.temp),
+                "top_p": float(params.top_p),
+                "top_k": int(params.top_k),
+                "seed": int(params.seed),
+            }
+        message = wire.Message(kind=kind, session=session, params=fields)
+        data = wire.encode(message, self.swarm, self.key)
+        for hop in self.route if hops is None else hops:
+            try:
+                streams.send(
+                    self.connections.get(hop.redis_url),
+                    streams.stage_key(self.swarm, hop.host),
+                    data,
+                    self.maxlen,
+                )
+            except redis.RedisError as exc:
+                raise RingError(
+                    f"cannot reach {hop.host}'s Redis at {hop.redis_url}: {exc}"
+                ) from None
+
+    def _wait(self, session: str, round_id: str) -> wire.Message | None:
+        """The reply for `round_id`, or None after the timeout. Other replies are stale."""
+        client = self.connections.get(self.reply_url)
+        key = streams.reply_key(self.swarm, session)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                return None
+            entries = client.xread({key: self._cursor.get(session, "0-0")}, block=left_ms)
+            for _, items in entries or []:
+                for entry_id, fields in items:
+                    self._cursor[session] = entry_id
+                    try:
+                        reply = wire.decode(fields.get(streams.FIELD), self.swarm, self.key)
+                    except wire.WireError:
+                        continue
+                    if reply.round_id == round_id and reply.session == session:
+                        return reply

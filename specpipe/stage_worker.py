@@ -1,0 +1,288 @@
+"""The stage worker's loop: read rounds from this host's stream, run the stage, pass them on.
+
+Generic over the `Stage` protocol: it reads `specpipe:{swarm}:stage:{host}` on its own Redis as
+a member of the stage consumer group, verifies each message (anything malformed, oversized,
+misrouted or unsigned is dropped and counted, and serving goes on), runs `stage.forward`, and
+sends the hidden states to the next hop's stream on that hop's Redis, or, on the tail, samples
+the doctored result vector with the session's parameters and sends it to the coordinator's
+reply stream. A stage that has lost a session's cache answers `gap`. A round id already
+processed for a session is ignored, so a coordinator may re-send a round safely. Per-session
+`reset` (the tail keeps temp, top_p, top_k and seed), `reseed` (new parameters, caches kept) and
+`drop` arrive as signed messages on the same stream, so they are ordered with the rounds. One
+process per stage: nothing is forked.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, replace
+
+import redis
+import torch
+
+from specpipe import inventory, streams, wire
+from specpipe.ring import GapError, SamplingParams, Stage
+from specpipe.sampling import Sampler
+
+log = logging.getLogger("specpipe.stage")
+
+SEEN_PER_SESSION = 64  # round ids remembered per session for duplicate detection
+MAX_SESSIONS = 4096  # sessions whose state (params, seen ids) is remembered
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Where a stage worker reads, where it registers, and how it signs."""
+
+    host: str
+    swarm: str
+    key: bytes
+    redis_url: str  # this host's Redis: its input stream lives here
+    registry_url: str | None = None  # the inventory's Redis; default: redis_url
+    consumer: str | None = None  # consumer name in the group; default: host
+    maxlen: int = streams.DEFAULT_MAXLEN
+    block_ms: int = 1000
+    heartbeat_s: float = 10.0
+    claim_idle_ms: int = 30_000
+    max_message_bytes: int = wire.MAX_MESSAGE_BYTES
+
+
+class StageWorker:
+    """Serves one stage from its Redis stream until stopped."""
+
+    def __init__(
+        self, stage: Stage, config: WorkerConfig, node: inventory.NodeInfo | None = None
+    ) -> None:
+        self.stage = stage
+        self.config = config
+        self.node = node
+        self.connections = streams.Connections()
+        self.client = self.connections.get(config.redis_url)
+        self.consumer = streams.StreamConsumer(
+            self.client,
+            streams.stage_key(config.swarm, config.host),
+            config.consumer or config.host,
+            claim_idle_ms=config.claim_idle_ms,
+        )
+        self.counters = {"processed": 0, "dropped": 0, "gaps": 0, "duplicates": 0, "errors": 0}
+        self._params: OrderedDict[str, SamplingParams] = OrderedDict()
+        self._seen: OrderedDict[str, deque[str]] = OrderedDict()
+        self._next_heartbeat = 0.0
+
+    def serve(self, stop: threading.Event | None = None) -> None:
+        """Process messages until `stop` is set."""
+        stop = stop or threading.Event()
+        wait_s = 0.0
+        while not stop.is_set():
+            try:
+                self.heartbeat()
+                for entry_id, data in self.consumer.read(block_ms=self.config.block_ms):
+                    self.handle(data)
+                    self.consumer.ack([entry_id])
+                wait_s = 0.0
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # Our own Redis is away: keep the caches and wait for it to come back, then
+                # re-read what we had taken but not acknowledged.
+                wait_s = min(max(2 * wait_s, 0.1), 5.0)
+                log.warning("%s: Redis unavailable (%s); retrying in %.1f s", self.config.host,
+                            exc, wait_s)  # fmt: skip
+                self.consumer.rewind()
+                stop.wait(wait_s)
+        try:
+            self.consumer.flush()
+            self.flush_counters()
+        except redis.RedisError as exc:
+            log.warning("%s: could not flush acks and counters: %s", self.config.host, exc)
+
+    def heartbeat(self, force: bool = False) -> None:
+        """Refresh this node's inventory record and counters when one is due."""
+        now = time.monotonic()
+        if not force and now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + self.config.heartbeat_s
+        try:
+            if self.node is not None:
+                registry = self.connections.get(self.config.registry_url or self.config.redis_url)
+                inventory.publish(registry, self.config.swarm, self.node)
+            self.flush_counters()
+        except redis.RedisError as exc:
+            log.warning("%s: heartbeat failed: %s", self.config.host, exc)
+
+    def flush_counters(self) -> None:
+        """Write the counters where `specpipe nodes` and the tests can read them."""
+        key = streams.stats_key(self.config.swarm, self.config.host)
+        self.client.hset(key, mapping=self.counters)
+
+    def handle(self, data: bytes | None) -> None:
+        """Process one stream entry; never raises for a bad message."""
+        try:
+            message = wire.decode(
+                data, self.config.swarm, self.config.key, self.config.max_message_bytes
+            )
+        except wire.WireError as exc:
+            self._drop(f"undecodable message: {exc}")
+            return
+        if message.kind == "round":
+            self._round(message)
+        elif message.kind in ("reset", "reseed"):
+            self._set_params(message)
+        elif message.kind == "drop":
+            self.stage.drop(message.session)
+            self._params.pop(message.session, None)
+            self._seen.pop(message.session, None)
+        else:
+            self._drop(f"a {message.kind!r} message does not belong on a stage stream")
+
+    def _drop(self, reason: str) -> None:
+        log.warning("%s: dropped %s", self.config.host, reason)
+        self._count("dropped")
+
+    def _count(self, event: str) -> None:
+        # Drops, gaps, duplicates and errors are rare and worth seeing at once; the processed
+        # count waits for the next heartbeat.
+        self.counters[event] += 1
+        key = streams.stats_key(self.config.swarm, self.config.host)
+        self.client.hset(key, event, self.counters[event])
+
+    def _set_params(self, message: wire.Message) -> None:
+        if message.kind == "reset":  # a reseed keeps the caches (many draws from one context)
+            self.stage.drop(message.session)
+            self._seen.pop(message.session, None)
+        p = message.params
+        try:
+            params = SamplingParams(
+                temp=float(p["temp"]),
+                top_p=float(p["top_p"]),
+                top_k=int(p["top_k"]),
+                seed=int(p["seed"]),
+            )
+            Sampler(params.seed, params.temp, params.top_p, params.top_k)  # validates them
+        except (KeyError, ValueError, TypeError) as exc:
+            self._drop(f"reset with bad sampling parameters: {exc}")
+            return
+        self._remember(self._params, message.session, params)
+
+    def _round(self, message: wire.Message) -> None:
+        route, hop = message.route, message.hop
+        if not route or route[hop].host != self.config.host or not message.reply:
+            self._drop(f"round {message.round_id!r} is not addressed to {self.config.host}")
+            return
+        if not message.tokens or message.n_draft >= len(message.tokens):
+            self._drop(f"round {message.round_id!r} has {len(message.tokens)} tokens")
+            return
+        seen = self._seen.get(message.session)
+        if seen is not None and message.round_id in seen:
+            self._count("duplicates")
+            return
+        if self.stage.first:
+            inputs = torch.tensor(message.tokens, dtype=torch.int64)
+        elif message.tensor is None or message.tensor.dim() != 2:
+            self._drop(f"round {message.round_id!r} carries no hidden states")
+            return
+        else:
+            inputs = message.tensor
+        self._mark_seen(message)
+        try:
+            out = self.stage.forward(message.session, inputs, message.start_pos)
+        except GapError as exc:
+            self._count("gaps")
+            self._reply(message, "gap", reason=f"{self.config.host}: {exc}")
+            return
+        except Exception as exc:  # a bad round must not take the stage down
+            self._count("errors")
+            log.exception("%s: round %s failed", self.config.host, message.round_id)
+            self._reply(message, "error", reason=f"{self.config.host}: {exc}")
+            return
+        self.counters["processed"] += 1
+        if self.stage.last:
+            self._sample(message, out)
+        elif hop + 1 >= len(route):
+            self._reply(message, "error", reason=f"route ends at {self.config.host}, not a tail")
+        else:
+            nxt = route[hop + 1]
+            try:
+                data = wire.encode(
+                    replace(message, tensor=out, hop=hop + 1), self.config.swarm, self.config.key
+                )
+                streams.send(
+                    self.connections.get(nxt.redis_url),
+                    streams.stage_key(self.config.swarm, nxt.host),
+                    data,
+                    self.config.maxlen,
+                )
+            except (redis.RedisError, wire.WireError) as exc:
+                self._count("errors")
+                reason = f"{self.config.host}: cannot pass the round to {nxt.host}: {exc}"
+                log.warning("%s", reason)
+                self._reply(message, "error", reason=reason)
+
+    def _sample(self, message: wire.Message, logits: torch.Tensor) -> None:
+        params = self._params.get(message.session)
+        if params is None:
+            # The tail restarted and lost the reset; the coordinator re-sends it on a gap.
+            self._count("gaps")
+            self._reply(message, "gap", reason=f"{self.config.host}: no sampling parameters")
+            return
+        k = message.n_draft
+        drafts = list(message.tokens[len(message.tokens) - k :]) if k else []
+        first_sampled = message.start_pos + len(message.tokens) - k
+        sampler = Sampler(params.seed, params.temp, params.top_p, params.top_k)
+        try:
+            result = sampler.accept(logits[-(k + 1) :], drafts, first_sampled)
+        except ValueError as exc:  # e.g. a draft id outside the vocabulary, NaN logits
+            self._count("errors")
+            self._reply(message, "error", reason=f"{self.config.host}: {exc}")
+            return
+        self._reply(message, "result", tokens=tuple(int(t) for t in result))
+
+    def _reply(self, message: wire.Message, kind: str, **fields) -> None:
+        reply = wire.Message(
+            kind=kind, session=message.session, round_id=message.round_id, **fields
+        )
+        data = wire.encode(reply, self.config.swarm, self.config.key)
+        try:
+            streams.send_reply(
+                self.connections.get(message.reply),
+                streams.reply_key(self.config.swarm, message.session),
+                data,
+                self.config.maxlen,
+            )
+        except redis.RedisError as exc:  # the coordinator times out and re-sends
+            log.warning("%s: cannot reply to %s: %s", self.config.host, message.reply, exc)
+
+    def _mark_seen(self, message: wire.Message) -> None:
+        seen = self._seen.get(message.session)
+        if seen is None:
+            seen = deque(maxlen=SEEN_PER_SESSION)
+            self._remember(self._seen, message.session, seen)
+        seen.append(message.round_id)
+
+    @staticmethod
+    def _remember(table: OrderedDict, session: str, value) -> None:
+        table[session] = value
+        table.move_to_end(session)
+        while len(table) > MAX_SESSIONS:
+            table.popitem(last=False)
+
+
+def run(stage: Stage, config: WorkerConfig, node: inventory.NodeInfo | None = None) -> None:
+    """Serve until SIGINT or SIGTERM, then leave the inventory cleanly."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    worker = StageWorker(stage, config, node)
+    log.info("%s: serving %s", config.host, streams.stage_key(config.swarm, config.host))
+    try:
+        worker.serve(stop)
+    finally:
+        if node is not None:
+            try:
+                registry = worker.connections.get(config.registry_url or config.redis_url)
+                inventory.remove(registry, config.swarm, node.host)
+            except redis.RedisError:
+                pass
+        worker.connections.close()

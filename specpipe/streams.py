@@ -1,0 +1,179 @@
+"""Redis Streams transport for the swarm's data plane.
+
+Each stage host reads its input stream `specpipe:{swarm}:stage:{host}` from its own Redis with a
+consumer group; senders XADD straight into the receiving host's Redis, so a hop crosses the
+network once. Streams are bounded (approximate MAXLEN), entries are acked after processing, a
+restarted consumer (same name) re-reads its own pending entries first, and entries a dead
+consumer left pending are claimed with XAUTOCLAIM. The coordinator waits on its reply stream
+`specpipe:{swarm}:reply:{session}` with plain XREAD.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import redis
+
+FIELD = b"m"  # the one field of every entry: the wire message
+GROUP = "stage"
+DEFAULT_MAXLEN = 1000
+REPLY_TTL_S = 3600  # reply streams of abandoned sessions expire
+
+
+def stage_key(swarm: str, host: str) -> str:
+    """The input stream of one stage host."""
+    return f"specpipe:{swarm}:stage:{host}"
+
+
+def reply_key(swarm: str, session: str) -> str:
+    """The coordinator's reply stream for one session."""
+    return f"specpipe:{swarm}:reply:{session}"
+
+
+def stats_key(swarm: str, host: str) -> str:
+    """A hash of counters a stage worker keeps (processed, dropped, gaps, duplicates)."""
+    return f"specpipe:{swarm}:stats:{host}"
+
+
+class Connections:
+    """One client per Redis URL, reused for every send to that host."""
+
+    def __init__(self) -> None:
+        self._clients: dict[str, redis.Redis] = {}
+
+    def get(self, url: str) -> redis.Redis:
+        """The client for `url`, created on first use."""
+        client = self._clients.get(url)
+        if client is None:
+            client = redis.Redis.from_url(url, socket_keepalive=True)
+            self._clients[url] = client
+        return client
+
+    def close(self) -> None:
+        """Close every client."""
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+
+def send(client: redis.Redis, key: str, data: bytes, maxlen: int = DEFAULT_MAXLEN) -> bytes:
+    """XADD one message to a bounded stream; return its entry id."""
+    return client.xadd(key, {FIELD: data}, maxlen=maxlen, approximate=True)
+
+
+def send_reply(client: redis.Redis, key: str, data: bytes, maxlen: int = DEFAULT_MAXLEN) -> None:
+    """XADD to a reply stream and keep it from outliving an abandoned session."""
+    pipe = client.pipeline(transaction=False)
+    pipe.xadd(key, {FIELD: data}, maxlen=maxlen, approximate=True)
+    pipe.expire(key, REPLY_TTL_S)
+    pipe.execute()
+
+
+class StreamConsumer:
+    """Reads one stage's input stream as a named member of the stage's consumer group."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        key: str,
+        consumer: str,
+        group: str = GROUP,
+        claim_idle_ms: int = 30_000,
+        claim_every_s: float = 5.0,
+    ) -> None:
+        self.client = client
+        self.key = key
+        self.consumer = consumer
+        self.group = group
+        self.claim_idle_ms = claim_idle_ms
+        self._backlog: str | None = "0-0"  # cursor over our own pending entries, read first
+        self._claim_from = "0-0"
+        self._claim_every_s = claim_every_s
+        self._next_claim = 0.0
+        self._unacked: list[bytes] = []
+        self.ensure_group()
+
+    def ensure_group(self) -> None:
+        """Create the stream and the group if they do not exist yet."""
+        try:
+            self.client.xgroup_create(self.key, self.group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def read(self, count: int = 16, block_ms: int = 1000) -> list[tuple[bytes, bytes | None]]:
+        """Next entries as (id, message bytes); message is None for an entry without one."""
+        if self._backlog is not None:
+            # Acks still held back go out first in the same pipeline, so what we already
+            # processed is no longer pending when the backlog is read.
+            entries = self._xreadgroup(self._backlog, count, None)
+            if entries:
+                last = entries[-1][0]
+                self._backlog = last.decode() if isinstance(last, bytes) else str(last)
+                return entries
+            self._backlog = None
+        if time.monotonic() >= self._next_claim:
+            claimed = self._autoclaim(count)
+            if claimed:
+                return claimed
+            self._next_claim = time.monotonic() + self._claim_every_s
+        return self._xreadgroup(">", count, block_ms)
+
+    def rewind(self) -> None:
+        """Re-read our own pending entries before new ones (after losing the connection)."""
+        self._backlog = "0-0"
+
+    def ack(self, entry_ids: Iterable[bytes]) -> None:
+        """Acknowledge processed entries: sent with the next read, or by `flush`."""
+        self._unacked.extend(entry_ids)
+
+    def flush(self) -> None:
+        """Send the acknowledgements still held back."""
+        if self._unacked:
+            self.client.xack(self.key, self.group, *self._unacked)
+            self._unacked.clear()
+
+    def _xreadgroup(self, start: str, count: int, block_ms: int | None):
+        # The acks ride in the same round trip as the next read: one less hop of latency per
+        # message. An entry processed just before a crash stays pending and is read again.
+        pipe = self.client.pipeline(transaction=False)
+        if self._unacked:
+            pipe.xack(self.key, self.group, *self._unacked)
+        pipe.xreadgroup(self.group, self.consumer, {self.key: start}, count=count, block=block_ms)
+        try:
+            reply = pipe.execute()[-1]
+            self._unacked.clear()
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self._unacked.clear()  # the stream was deleted under us, its pending list with it
+            self.ensure_group()
+            return []
+        # A pending entry trimmed from the stream comes back without fields.
+        return [(eid, (f or {}).get(FIELD)) for _, entries in reply or [] for eid, f in entries]
+
+    def _autoclaim(self, count: int) -> list[tuple[bytes, bytes | None]]:
+        self.flush()  # what we processed must not look idle and come back to us
+        # XAUTOCLAIM walks the pending list from a cursor; entries another consumer left idle
+        # longer than claim_idle_ms become ours.
+        reply = self.client.xautoclaim(
+            self.key,
+            self.group,
+            self.consumer,
+            self.claim_idle_ms,
+            start_id=self._claim_from,
+            count=count,
+        )
+        cursor = reply[0]
+        self._claim_from = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
+        claimed = []
+        for entry in reply[1]:
+            eid, fields = entry if entry else (None, None)
+            if eid is None:
+                continue
+            if not fields:  # trimmed while pending (Redis 6.2 still lists it)
+                self._unacked.append(eid)
+                continue
+            claimed.append((eid, fields.get(FIELD)))
+        return claimed

@@ -1,0 +1,236 @@
+"""The swarm's wire format: a signed msgpack header plus raw little-endian tensor bytes.
+
+A message on the wire is
+
+    MAGIC (4 bytes) | header length (u32, little-endian) | header (msgpack) | payload | tag
+
+where `tag` is HMAC-SHA256 under the swarm key over everything before it. The header names the
+swarm, the session, the round id, positions, the token ids and the payload's dtype and shape;
+the payload is the tensor's bytes, nothing else. `decode` checks the size limits and the
+signature (constant-time) before it parses the header, and the dtype whitelist and the
+shape-versus-byte-count before it reads the payload. No pickle, no code from the wire.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import struct
+import sys
+from dataclasses import dataclass, field, replace
+
+import msgpack
+import torch
+
+MAGIC = b"SPW1"
+TAG_BYTES = 32
+PREFIX = struct.Struct("<4sI")
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a long prefill's hidden states fit; Redis allows 512 MiB
+MAX_HEADER_BYTES = 1024 * 1024
+MAX_DIMS = 4
+TOKEN_LIMIT = 2**31  # token ids (and the result vector's -1) fit in 32 bits
+POSITION_LIMIT = 2**40
+
+# Kinds of message: a round travelling through the stages, the tail's result, the replies a
+# stage sends the coordinator when it cannot go on, and the per-session controls.
+KINDS = frozenset({"round", "result", "gap", "error", "reset", "reseed", "drop"})
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+if sys.byteorder != "little":  # the payload is the tensor's memory, sent as is
+    raise ImportError("specpipe's wire format needs a little-endian machine")
+
+
+class WireError(ValueError):
+    """A message that must be dropped: malformed, oversized, unsigned or of the wrong shape."""
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One stage on a round's route: its host name and the Redis that holds its input stream."""
+
+    host: str
+    redis_url: str
+
+
+@dataclass(frozen=True)
+class Message:
+    """One decoded message. `tensor` is the payload (hidden states), None when there is none."""
+
+    kind: str
+    session: str
+    round_id: str = ""
+    start_pos: int = 0
+    n_draft: int = 0
+    tokens: tuple[int, ...] = ()
+    tensor: torch.Tensor | None = None
+    hop: int = 0  # index into `route` of the stage this message is addressed to
+    route: tuple[Hop, ...] = ()
+    reply: str = ""  # Redis URL holding the coordinator's reply stream
+    params: dict[str, float | int] = field(default_factory=dict)  # reset/reseed: temp, ...
+    reason: str = ""  # gap / error: what went wrong
+
+
+def _tag(key: bytes, data: bytes | memoryview) -> bytes:
+    return hmac.new(key, data, hashlib.sha256).digest()
+
+
+def _check_key(key: bytes) -> bytes:
+    if not key:
+        raise WireError("no swarm key: set SPECPIPE_SWARM_KEY")
+    return key
+
+
+def encode(message: Message, swarm: str, key: bytes) -> bytes:
+    """Serialise and sign one message for `swarm`."""
+    _check_key(key)
+    if message.kind not in KINDS:
+        raise WireError(f"unknown message kind {message.kind!r}")
+    header: dict = {
+        "swarm": swarm,
+        "kind": message.kind,
+        "session": message.session,
+        "round": message.round_id,
+        "start_pos": message.start_pos,
+        "n_draft": message.n_draft,
+        "tokens": list(message.tokens),
+        "hop": message.hop,
+        "route": [[h.host, h.redis_url] for h in message.route],
+        "reply": message.reply,
+        "params": dict(message.params),
+        "reason": message.reason,
+    }
+    payload = b""
+    if message.tensor is not None:
+        tensor = message.tensor.detach()
+        if tensor.dtype not in DTYPE_NAMES:
+            raise WireError(f"dtype {tensor.dtype} cannot be sent")
+        if tensor.dim() > MAX_DIMS:
+            raise WireError(f"a tensor of {tensor.dim()} dims cannot be sent")
+        tensor = tensor.cpu().contiguous()
+        header["dtype"] = DTYPE_NAMES[tensor.dtype]
+        header["shape"] = list(tensor.shape)
+        payload = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+    head = msgpack.packb(header, use_bin_type=True)
+    if len(head) > MAX_HEADER_BYTES:
+        raise WireError(f"header of {len(head)} bytes is over the {MAX_HEADER_BYTES} limit")
+    body = PREFIX.pack(MAGIC, len(head)) + head + payload
+    if len(body) + TAG_BYTES > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(body)} bytes is over the {MAX_MESSAGE_BYTES} limit")
+    return body + _tag(key, body)
+
+
+def decode(data: bytes, swarm: str, key: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """Verify and parse one message for `swarm`; raise WireError with the reason to drop it."""
+    _check_key(key)
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise WireError("message is not bytes")
+    view = memoryview(data).cast("B")
+    if len(view) > max_bytes:
+        raise WireError(f"message of {len(view)} bytes is over the {max_bytes} limit")
+    if len(view) < PREFIX.size + TAG_BYTES:
+        raise WireError(f"message of {len(view)} bytes is too short")
+    magic, head_len = PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise WireError("not a specpipe message (bad magic)")
+    if head_len > MAX_HEADER_BYTES or PREFIX.size + head_len + TAG_BYTES > len(view):
+        raise WireError("header length is out of bounds")
+    body, tag = view[:-TAG_BYTES], view[-TAG_BYTES:]
+    if not hmac.compare_digest(bytes(tag), _tag(key, body)):
+        raise WireError("bad signature")
+    # Signed by a key holder from here on; still parse defensively.
+    head = bytes(body[PREFIX.size : PREFIX.size + head_len])
+    payload = body[PREFIX.size + head_len :]
+    try:
+        header = msgpack.unpackb(head, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise WireError(f"header is not msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise WireError("header is not a map")
+    if header.get("swarm") != swarm:
+        raise WireError(f"message for swarm {header.get('swarm')!r}, not {swarm!r}")
+    message = _message(header)
+    tensor = _tensor(header, payload)
+    return message if tensor is None else replace(message, tensor=tensor)
+
+
+def _field(header: dict, name: str, kind: type, default):
+    value = header.get(name, default)
+    if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
+        raise WireError(f"header field {name!r} has the wrong type")
+    return value
+
+
+def _message(header: dict) -> Message:
+    kind = _field(header, "kind", str, "")
+    if kind not in KINDS:
+        raise WireError(f"unknown message kind {kind!r}")
+    tokens = _field(header, "tokens", list, [])
+    if not all(
+        isinstance(t, int) and not isinstance(t, bool) and -TOKEN_LIMIT <= t < TOKEN_LIMIT
+        for t in tokens
+    ):
+        raise WireError("token ids must be 32-bit integers")
+    route = []
+    for hop in _field(header, "route", list, []):
+        if not (isinstance(hop, list) and len(hop) == 2 and all(isinstance(s, str) for s in hop)):
+            raise WireError("route entries must be [host, redis_url]")
+        route.append(Hop(hop[0], hop[1]))
+    params = _field(header, "params", dict, {})
+    if not all(
+        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
+        for k, v in params.items()
+    ):
+        raise WireError("params must map names to numbers")
+    start_pos = _field(header, "start_pos", int, 0)
+    n_draft = _field(header, "n_draft", int, 0)
+    hop = _field(header, "hop", int, 0)
+    if not (0 <= start_pos < POSITION_LIMIT and 0 <= n_draft < TOKEN_LIMIT and 0 <= hop < 256):
+        raise WireError("start_pos, n_draft or hop is out of range")
+    if route and hop >= len(route):
+        raise WireError("hop is beyond the route")
+    return Message(
+        kind=kind,
+        session=_field(header, "session", str, ""),
+        round_id=_field(header, "round", str, ""),
+        start_pos=start_pos,
+        n_draft=n_draft,
+        tokens=tuple(tokens),
+        hop=hop,
+        route=tuple(route),
+        reply=_field(header, "reply", str, ""),
+        params=params,
+        reason=_field(header, "reason", str, ""),
+    )
+
+
+def _tensor(header: dict, payload: memoryview) -> torch.Tensor | None:
+    if "dtype" not in header and "shape" not in header:
+        if len(payload):
+            raise WireError("payload without dtype and shape")
+        return None
+    name = header.get("dtype")
+    if name not in DTYPES:
+        raise WireError(f"dtype {name!r} is not allowed")
+    shape = header.get("shape")
+    if (
+        not isinstance(shape, list)
+        or not 1 <= len(shape) <= MAX_DIMS
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise WireError(f"bad shape {shape!r}")
+    dtype = DTYPES[name]
+    expected = math.prod(shape) * dtype.itemsize
+    if expected != len(payload):
+        raise WireError(f"shape {shape} of {name} needs {expected} bytes, got {len(payload)}")
+    if not expected:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape)

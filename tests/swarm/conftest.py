@@ -1,0 +1,136 @@
+"""Fixtures for the swarm tests: real Redis servers and real stage worker processes."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+from specpipe import inventory
+from specpipe.redis_server import RedisServer
+
+ROOT = Path(__file__).resolve().parents[2]
+MAIN_REDIS = os.environ.get("TESTING_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The Redis every test may use; the suite needs one running."""
+    client = redis.Redis.from_url(MAIN_REDIS)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"the swarm tests need Redis at {MAIN_REDIS} (TESTING_REDIS_URL): {exc}")
+    finally:
+        client.close()
+    return MAIN_REDIS
+
+
+@pytest.fixture(scope="session")
+def second_redis() -> str:
+    """A second, private redis-server on another port: another host's Redis."""
+    with RedisServer() as server:
+        yield server.url
+
+
+def clean(url: str, swarm: str) -> None:
+    client = redis.Redis.from_url(url)
+    keys = list(client.scan_iter(f"specpipe:{swarm}:*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@pytest.fixture
+def swarm(redis_url):
+    """A swarm name of its own, so tests never see each other's streams."""
+    name = f"t{uuid.uuid4().hex[:10]}"
+    yield name
+    clean(redis_url, name)
+
+
+@pytest.fixture(scope="session")
+def key() -> bytes:
+    return secrets.token_hex(16).encode()
+
+
+class Stages:
+    """Starts toy stage worker processes and stops every one of them at the end."""
+
+    def __init__(self, swarm: str, key: bytes, registry: str) -> None:
+        self.swarm, self.key, self.registry = swarm, key, registry
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.args: dict[str, list[str]] = {}
+
+    def start(self, host: str, layers: str, redis_url: str, *extra: str, wait: bool = True):
+        argv = [
+            sys.executable, "-m", "tests.swarm.toy_worker",
+            "--host", host, "--layers", layers, "--redis", redis_url,
+            "--registry", self.registry, "--swarm", self.swarm, *extra,
+        ]  # fmt: skip
+        self.args[host] = argv
+        env = {**os.environ, "SPECPIPE_SWARM_KEY": self.key.decode(), "OMP_NUM_THREADS": "1"}
+        self.procs[host] = subprocess.Popen(argv, cwd=ROOT, env=env)
+        if wait:
+            self.wait_ready([host])
+
+    def wait_ready(self, hosts, timeout_s: float = 60.0) -> None:
+        """Wait until each host has heartbeated since it was (re)started."""
+        client = redis.Redis.from_url(self.registry)
+        since = time.time() - 0.5
+        deadline = time.monotonic() + timeout_s
+        pending = set(hosts)
+        while pending and time.monotonic() < deadline:
+            for node in inventory.load(client, self.swarm):
+                if node.host in pending and node.last_heartbeat >= since:
+                    pending.discard(node.host)
+            for host in list(pending):
+                if self.procs[host].poll() is not None:
+                    raise RuntimeError(f"stage {host} exited with {self.procs[host].returncode}")
+            time.sleep(0.05)
+        client.close()
+        if pending:
+            raise TimeoutError(f"stages {sorted(pending)} did not come up")
+
+    def kill9(self, host: str) -> None:
+        proc = self.procs[host]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    def restart(self, host: str, drop_args: tuple[str, ...] = ()) -> None:
+        """Start `host` again with the same arguments, less the flags (and values) named."""
+        argv = list(self.args[host])
+        for flag in drop_args:
+            i = argv.index(flag)
+            del argv[i : i + 2]
+        self.args[host] = argv
+        env = {**os.environ, "SPECPIPE_SWARM_KEY": self.key.decode(), "OMP_NUM_THREADS": "1"}
+        self.procs[host] = subprocess.Popen(argv, cwd=ROOT, env=env)
+        self.wait_ready([host])
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def stages(swarm, key, redis_url):
+    """Start toy stages with `stages.start(host, "A:B", redis_url)`; all stop afterwards."""
+    group = Stages(swarm, key, redis_url)
+    yield group
+    group.stop()

@@ -1,0 +1,179 @@
+"""The coordinator's job loop on a real store, over in-process and real swarm rings."""
+
+from __future__ import annotations
+
+import string
+
+import pytest
+
+from models import Job
+from models.db import make_session_factory
+from specpipe.generation import Generation
+from specpipe.redis_ring import RedisRing
+from specpipe.ring import LocalRing, SamplingParams
+from tests.swarm.toy_stage import ToyConfig, ToyStage
+from workers import coordinator
+
+BOUNDS = [(0, 2), (2, 4)]
+ALPHABET = string.ascii_letters + string.digits + " ."  # one character per toy token id
+EOS = 63  # "."
+
+
+class ToyCodec:
+    """Text to toy token ids and back, one character per id."""
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        return [ALPHABET.index(c) for c in prompt if c in ALPHABET]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(ALPHABET[i] for i in ids)
+
+
+def local_ring(_job=None) -> LocalRing:
+    return LocalRing([ToyStage(ToyConfig(), a, b) for a, b in BOUNDS])
+
+
+def add_job(db_url, **fields) -> int:
+    values = dict(prompt="the cat sat on the mat", model="toy", max_new_tokens=24, temp=0.0,
+                  top_p=1.0, top_k=0, seed=5, draft_k=3)  # fmt: skip
+    values.update(fields)
+    with make_session_factory(db_url)() as session:
+        job = Job(**values)
+        session.add(job)
+        session.commit()
+        return job.id
+
+
+def load(db_url, job_id) -> Job:
+    with make_session_factory(db_url)() as session:
+        return session.get(Job, job_id)
+
+
+def undisturbed(job: Job) -> list[int]:
+    params = SamplingParams(temp=job.temp, top_p=job.top_p, top_k=job.top_k, seed=job.seed)
+    prompt = ToyCodec().prompt_ids(job.prompt)
+    return Generation(local_ring(), "ref", prompt, params, max_new_tokens=job.max_new_tokens,
+                      draft_k=job.draft_k, eos_ids={EOS}).run()  # fmt: skip
+
+
+class DyingRing:
+    """A ring whose coordinator process dies (SystemExit) after `rounds` rounds."""
+
+    def __init__(self, ring, rounds: int, on_round=None) -> None:
+        self.ring, self.left, self.on_round = ring, rounds, on_round
+
+    def reset(self, session, params):
+        self.ring.reset(session, params)
+
+    def round(self, session, tokens, start_pos, n_draft):
+        if self.on_round is not None:
+            self.on_round()
+        if self.left == 0:
+            raise SystemExit("coordinator killed")
+        self.left -= 1
+        return self.ring.round(session, tokens, start_pos, n_draft)
+
+    def drop(self, session):
+        self.ring.drop(session)
+
+
+@pytest.mark.parametrize(("temp", "draft_k"), [(0.0, 3), (0.9, 4), (0.7, 0)])
+def test_a_job_runs_to_the_end_and_records_every_round(db_url, temp, draft_k):
+    job_id = add_job(db_url, temp=temp, draft_k=draft_k)
+    sessions = make_session_factory(db_url)
+    assert coordinator.run_job(sessions, job_id, local_ring, ToyCodec(), {EOS}) == "done"
+    job = load(db_url, job_id)
+    assert job.status == "done" and job.error is None and job.finished_at
+    assert job.output_ids == undisturbed(job)
+    assert job.output_text == ToyCodec().decode([t for t in job.output_ids if t != EOS])
+    assert job.generated_tokens == len(job.output_ids)
+    assert job.prompt_tokens == len(ToyCodec().prompt_ids(job.prompt))
+    assert job.rounds == len(job.accepted_per_round) >= 1
+    if draft_k == 0:
+        assert job.accepted_per_round == [0] * job.rounds
+    assert all(0 <= a <= draft_k for a in job.accepted_per_round)
+
+
+def test_a_rerun_after_the_coordinator_died_resumes_to_the_same_output(db_url):
+    job_id = add_job(db_url, temp=0.9, draft_k=3, max_new_tokens=30)
+    sessions = make_session_factory(db_url)
+    with pytest.raises(SystemExit):
+        coordinator.run_job(sessions, job_id, lambda j: DyingRing(local_ring(), 4), ToyCodec(),
+                            {EOS})  # fmt: skip
+    partial = load(db_url, job_id)
+    assert partial.status == "running" and 0 < len(partial.output_ids) < 30
+    calls = []
+    counting = DyingRing(local_ring(), rounds=100, on_round=lambda: calls.append(1))
+    assert coordinator.run_job(sessions, job_id, lambda j: counting, ToyCodec(), {EOS}) == "done"
+    job = load(db_url, job_id)
+    assert job.output_ids == undisturbed(job)
+    assert job.output_ids[: len(partial.output_ids)] == partial.output_ids
+    # It went on from the stored tokens: the re-run needed fewer rounds than a whole run.
+    assert len(calls) == job.rounds - partial.rounds < job.rounds
+
+
+def test_a_job_with_missing_layers_fails_with_the_reason(db_url, swarm, key, redis_url):
+    job_id = add_job(db_url)
+    sessions = make_session_factory(db_url)
+
+    def from_inventory(_job):
+        return RedisRing.from_inventory(redis_url, swarm, key, n_layers=4)
+
+    assert coordinator.run_job(sessions, job_id, from_inventory, ToyCodec()) == "failed"
+    job = load(db_url, job_id)
+    assert job.error == "RouteError: no online stage serves layers 0:4"
+    assert job.output_ids == [] and job.finished_at
+
+
+def test_a_cancel_request_stops_the_job_at_its_next_round(db_url):
+    job_id = add_job(db_url, max_new_tokens=40, draft_k=0)
+    sessions = make_session_factory(db_url)
+    calls = []
+
+    def cancel_from_the_web_app():
+        calls.append(1)
+        if len(calls) == 3:
+            with sessions() as other:
+                other.get(Job, job_id).request_cancel()
+                other.commit()
+
+    ring = DyingRing(local_ring(), rounds=100, on_round=cancel_from_the_web_app)
+    assert coordinator.run_job(sessions, job_id, lambda j: ring, ToyCodec(), {EOS}) == "cancelled"
+    job = load(db_url, job_id)
+    assert job.status == "cancelled" and job.rounds == 3 and len(job.output_ids) == 3
+
+
+def test_finished_missing_and_cancelled_jobs_are_left_alone(db_url):
+    sessions = make_session_factory(db_url)
+    assert coordinator.run_job(sessions, 10_000, local_ring, ToyCodec()) is None
+    done = add_job(db_url, status="done", output_ids=[1, 2])
+    assert coordinator.run_job(sessions, done, local_ring, ToyCodec()) == "done"
+    assert load(db_url, done).output_ids == [1, 2]
+    queued = add_job(db_url, cancel_requested=True)
+    assert coordinator.run_job(sessions, queued, local_ring, ToyCodec()) == "cancelled"
+    assert load(db_url, queued).rounds == 0
+
+
+def test_a_job_over_real_stage_processes_equals_the_local_run(db_url, stages, swarm, key,
+                                                               redis_url):  # fmt: skip
+    stages.start("a", "0:2", redis_url, wait=False)
+    stages.start("b", "2:4", redis_url, wait=False)
+    stages.wait_ready(["a", "b"])
+    job_id = add_job(db_url, temp=0.8, top_p=0.9, top_k=20, seed=123, draft_k=4)
+    sessions = make_session_factory(db_url)
+
+    def from_inventory(_job):
+        return RedisRing.from_inventory(redis_url, swarm, key, n_layers=4, timeout_s=20)
+
+    assert coordinator.run_job(sessions, job_id, from_inventory, ToyCodec(), {EOS}) == "done"
+    job = load(db_url, job_id)
+    assert job.output_ids == undisturbed(job)
+
+
+def test_the_task_fails_a_job_whose_model_cannot_be_opened(db_url, monkeypatch):
+    monkeypatch.setenv("DATABASE_URL", db_url)
+    job_id = add_job(db_url, model="/nonexistent/model")
+    assert coordinator.generate(job_id) == "failed"
+    job = load(db_url, job_id)
+    assert job.error.startswith("cannot open model '/nonexistent/model'")
+    assert coordinator.generate(10_000) is None

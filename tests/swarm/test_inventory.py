@@ -1,0 +1,136 @@
+"""The node inventory: records in Redis, status by heartbeat age, and building the ring."""
+
+import time
+
+import pytest
+import redis
+
+from specpipe import inventory
+from specpipe.inventory import NodeInfo, RouteError, route
+
+NOW = 1_000_000.0
+
+
+def node(host, start, end, age=0.0, **kw):
+    return NodeInfo(host=host, layer_start=start, layer_end=end,
+                    redis_url=f"redis://{host}:6379/0", last_heartbeat=NOW - age, **kw)  # fmt: skip
+
+
+def hosts(chain):
+    return [(n.host, n.layers, n.role) for n in chain]
+
+
+@pytest.mark.parametrize(
+    ("age", "status"),
+    [(0, "online"), (30, "online"), (30.5, "stale"), (120, "stale"), (121, "offline")],
+)
+def test_status_by_heartbeat_age(age, status):
+    assert node("a", 0, 1, age=age).status(NOW) == status
+
+
+def test_route_orders_stages_by_layer_and_names_their_roles():
+    nodes = [node("nj", 27, 36), node("wa", 0, 9), node("nc", 18, 27), node("mn", 9, 18)]
+    chain = route(nodes, 36, now=NOW)
+    assert hosts(chain) == [
+        ("wa", "0:9", "stage0"),
+        ("mn", "9:18", "stage1"),
+        ("nc", "18:27", "stage2"),
+        ("nj", "27:36", "tail"),
+    ]
+
+
+def test_missing_layers_are_named():
+    nodes = [node("wa", 0, 9), node("mn", 9, 18), node("nj", 27, 36)]
+    with pytest.raises(RouteError, match="no online stage serves layers 18:27"):
+        route(nodes, 36, now=NOW)
+
+
+def test_stale_and_offline_stages_do_not_count():
+    nodes = [node("wa", 0, 9), node("mn", 9, 18), node("nc", 18, 27, age=60), node("nj", 27, 36)]
+    with pytest.raises(RouteError, match="layers 18:27"):
+        route(nodes, 36, now=NOW)
+    nodes[-1] = node("nj", 27, 36, age=500)
+    with pytest.raises(RouteError, match="layers 18:36"):
+        route(nodes, 36, now=NOW)
+
+
+def test_missing_tail_and_missing_head():
+    with pytest.raises(RouteError, match="layers 18:36"):
+        route([node("a", 0, 9), node("b", 9, 18)], 36, now=NOW)
+    with pytest.raises(RouteError, match="layers 0:9"):
+        route([node("b", 9, 36)], 36, now=NOW)
+    with pytest.raises(RouteError, match="layers 0:4"):
+        route([], 4, now=NOW)
+
+
+def test_overlapping_stages_never_serve_a_layer_twice():
+    # 0:10 overlaps 9:18; the only exact cover is 0:9 + 9:18 + 18:36.
+    nodes = [node("big", 0, 10), node("a", 0, 9), node("b", 9, 18), node("c", 18, 36)]
+    assert [n.host for n in route(nodes, 36, now=NOW)] == ["a", "b", "c"]
+    with pytest.raises(RouteError, match="layers 10:18"):
+        route([node("big", 0, 10), node("b", 9, 18), node("c", 18, 36)], 36, now=NOW)
+
+
+def test_dead_end_is_backtracked():
+    nodes = [node("x", 0, 5), node("a", 0, 3), node("b", 3, 8), node("y", 5, 6)]
+    assert [n.host for n in route(nodes, 8, now=NOW)] == ["a", "b"]
+
+
+def test_freshest_of_two_replicas_wins():
+    nodes = [node("old", 0, 2, age=20), node("new", 0, 2, age=1), node("t", 2, 4)]
+    assert [n.host for n in route(nodes, 4, now=NOW)] == ["new", "t"]
+
+
+def test_layers_beyond_the_model_and_other_models_are_ignored():
+    nodes = [node("a", 0, 2, model="m"), node("b", 2, 5, model="m"), node("c", 2, 4, model="x")]
+    with pytest.raises(RouteError, match="layers 2:4"):
+        route(nodes, 4, model="m", now=NOW)
+    with pytest.raises(RouteError, match="at least one layer"):
+        route(nodes, 0, now=NOW)
+
+
+def test_publish_load_and_remove_in_redis(swarm, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    before = time.time()
+    inventory.publish(client, swarm, NodeInfo("b", 2, 4, redis_url, geo="MN", public_ip="10.0.0.2"))
+    inventory.publish(client, swarm, NodeInfo("a", 0, 2, redis_url, geo="WA"))
+    client.hset(inventory.nodes_key(swarm), "junk", "{not json")
+    loaded = inventory.load(client, swarm)
+    assert [(n.host, n.geo) for n in loaded] == [("a", "WA"), ("b", "MN")]
+    assert loaded[1].public_ip == "10.0.0.2"
+    assert all(before <= n.last_heartbeat <= time.time() for n in loaded)
+    assert [n.host for n in route(loaded, 4)] == ["a", "b"]
+    inventory.remove(client, swarm, "a")
+    with pytest.raises(RouteError, match="layers 0:2"):
+        route(inventory.load(client, swarm), 4)
+    client.close()
+
+
+def test_hardware_describes_this_machine_without_a_gpu():
+    info = inventory.hardware()
+    import torch
+
+    if torch.cuda.is_available():
+        assert info["gpu_name"] != "cpu" and info["gpu_uuid"]
+    else:
+        assert info["gpu_name"] == "cpu" and info["gpu_uuid"] == "cpu"
+        assert info["cpu_model"]
+    assert info["memory_bytes"] > 2**20
+
+
+def test_records_from_a_newer_version_still_load():
+    text = NodeInfo("a", 0, 1, "redis://x").to_json().replace('{"', '{"future_field": 1, "', 1)
+    assert NodeInfo.from_json(text).host == "a"
+
+
+def test_table_lists_nodes_in_ring_order_with_status():
+    nodes = [
+        node("nj", 27, 36, age=200, role="tail", geo="NJ"),
+        node("wa", 0, 9, age=3, role="stage0", geo="WA", public_ip="203.0.113.5",
+             gpu_name="NVIDIA GeForce RTX 4090", memory_bytes=24 * 2**30),
+    ]  # fmt: skip
+    header, first, second = inventory.table(nodes, now=NOW)
+    assert header.split()[:4] == ["HOST", "ROLE", "LAYERS", "STATUS"]
+    assert first.split()[:5] == ["wa", "stage0", "0:9", "online", "3s"]
+    assert "203.0.113.5" in first and "RTX 4090" in first and "24.0 GiB" in first
+    assert second.split()[:4] == ["nj", "tail", "27:36", "offline"]

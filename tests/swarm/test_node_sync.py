@@ -1,0 +1,51 @@
+"""The beat task's work: the live inventory in Redis copied into the store's nodes table."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from models.nodes import ring_nodes
+from specpipe import inventory
+from workers.nodes import sync_inventory
+
+
+def test_heartbeats_reach_the_nodes_table(redis_url, swarm, db_session):
+    client = redis.Redis.from_url(redis_url)
+    now = time.time()
+    for i, (start, end) in enumerate([(0, 15), (15, 30)]):
+        node = inventory.NodeInfo(
+            host=f"h{i}",
+            layer_start=start,
+            layer_end=end,
+            redis_url=redis_url,
+            role="stage0" if i == 0 else "tail",
+            geo=["WA", "NJ"][i],
+            cpu_model="Test CPU",
+            memory_bytes=2**30,
+        )
+        inventory.publish(client, swarm, node, now=now - 100 * i)
+    assert sync_inventory(db_session, inventory.load(client, swarm)) == 2
+    db_session.commit()
+    stored = ring_nodes(db_session)
+    assert [(n.host, n.role, n.layer_start, n.layer_end, n.geo) for n in stored] == [
+        ("h0", "stage0", 0, 15, "WA"),
+        ("h1", "tail", 15, 30, "NJ"),
+    ]
+    assert stored[0].status() == "online" and stored[1].status() == "stale"
+    assert stored[0].gpu_name == "cpu (Test CPU)"
+
+    # A later heartbeat updates the same row, never a second one.
+    inventory.publish(
+        client,
+        swarm,
+        inventory.NodeInfo(
+            host="h1", layer_start=15, layer_end=30, redis_url=redis_url, role="tail"
+        ),
+        now=time.time(),
+    )
+    sync_inventory(db_session, inventory.load(client, swarm))
+    db_session.commit()
+    assert [n.status() for n in ring_nodes(db_session)] == ["online", "online"]
+    client.close()

@@ -1,0 +1,413 @@
+"""The swarm end to end: RedisRing through real stage worker processes on real Redis."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+import torch
+
+from specpipe import streams, wire
+from specpipe.generation import Generation
+from specpipe.inventory import NodeInfo, RouteError
+from specpipe.redis_ring import RedisRing, RingError
+from specpipe.ring import GapError, LocalRing, SamplingParams
+from specpipe.sampling import committed_tokens
+from tests.swarm.toy_stage import ToyConfig, ToyStage
+
+PARAMS = SamplingParams(temp=0.9, top_p=0.95, top_k=30, seed=11)
+PROMPT = [3, 17, 42, 8, 8, 21]
+
+
+def ReferenceRing(bounds: list[tuple[int, int]]) -> LocalRing:
+    """The same toy model in this process: what every swarm must reproduce exactly."""
+    return LocalRing([ToyStage(ToyConfig(), a, b) for a, b in bounds])
+
+
+def drafts_for(committed: list[int], k: int) -> list[int]:
+    """A cheap deterministic drafter: repeats the last tokens (accepted now and then)."""
+    return [committed[-1 - (i % 2)] for i in range(k)]
+
+
+def drive(ring, session, rounds: int, k: int, committed=None, log=None):
+    """Prefill, then `rounds` verify rounds; returns the committed ids and every result vector."""
+    log = [] if log is None else log
+    if committed is None:
+        committed = list(PROMPT)
+        result = ring.round(session, committed, 0, 0)
+        log.append(result)
+        committed += committed_tokens([], result)
+    for _ in range(rounds):
+        drafts = drafts_for(committed, k)
+        start = len(committed) - 1
+        result = ring.round(session, [committed[-1], *drafts], start, len(drafts))
+        log.append(result)
+        committed += committed_tokens(drafts, result)
+    return committed, log
+
+
+def reference(bounds, rounds, k, params=PARAMS):
+    ring = ReferenceRing(bounds)
+    ring.reset("ref", params)
+    return drive(ring, "ref", rounds, k)
+
+
+def nodes(*hosts: tuple[str, str]) -> list[NodeInfo]:
+    return [NodeInfo(host=h, layer_start=0, layer_end=1, redis_url=u) for h, u in hosts]
+
+
+def stats(url, swarm, host) -> dict[str, int]:
+    client = redis.Redis.from_url(url)
+    raw = client.hgetall(streams.stats_key(swarm, host))
+    client.close()
+    return {k.decode(): int(v) for k, v in raw.items()}
+
+
+def wait_for(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_round_trip_through_three_stage_processes(stages, swarm, key, redis_url):
+    for host, layers in [("h0", "0:1"), ("h1", "1:3"), ("h2", "3:4")]:
+        stages.start(host, layers, redis_url, wait=False)
+    stages.wait_ready(["h0", "h1", "h2"])
+    ring = RedisRing(
+        nodes(("h0", redis_url), ("h1", redis_url), ("h2", redis_url)),
+        swarm,
+        key,
+        redis_url,
+        timeout_s=20,
+    )
+    ring.reset("s", PARAMS)
+    got = drive(ring, "s", rounds=6, k=3)
+    assert got == reference([(0, 1), (1, 3), (3, 4)], rounds=6, k=3)
+    assert len(got[0]) > len(PROMPT) + 6  # every round committed at least one token
+
+    # A second session with greedy parameters runs on the same stages, unaffected by the first.
+    greedy = SamplingParams(temp=0.0, seed=0)
+    ring.reset("g", greedy)
+    assert drive(ring, "g", rounds=3, k=2) == reference([(0, 1), (1, 3), (3, 4)], 3, 2, greedy)
+    ring.drop("s")
+    ring.drop("g")
+    ring.close()
+    assert wait_for(lambda: stats(redis_url, swarm, "h2").get("processed") == 1 + 6 + 1 + 3)
+
+
+def test_per_host_redis_each_stream_lives_on_its_hosts_server(
+    stages, swarm, key, redis_url, second_redis
+):
+    stages.start("a", "0:2", redis_url, wait=False)
+    stages.start("b", "2:4", second_redis, wait=False)
+    stages.wait_ready(["a", "b"])
+    # The route comes from the inventory the stages registered in (on the main Redis).
+    ring = RedisRing.from_inventory(redis_url, swarm, key, n_layers=4, model="toy")
+    assert ring.route == (wire.Hop("a", redis_url), wire.Hop("b", second_redis))
+    ring.reset("s", PARAMS)
+    assert drive(ring, "s", rounds=4, k=2) == reference([(0, 2), (2, 4)], rounds=4, k=2)
+    ring.close()
+    main, other = redis.Redis.from_url(redis_url), redis.Redis.from_url(second_redis)
+    assert other.exists(streams.stage_key(swarm, "b")) and not other.exists(
+        streams.stage_key(swarm, "a")
+    )
+    assert main.exists(streams.stage_key(swarm, "a")) and not main.exists(
+        streams.stage_key(swarm, "b")
+    )
+    # b read 1 reset + 5 rounds from its own server
+    assert other.xlen(streams.stage_key(swarm, "b")) == 6
+    other.delete(streams.stage_key(swarm, "b"), streams.stats_key(swarm, "b"))
+    main.close()
+    other.close()
+
+
+def test_bad_messages_are_dropped_and_counted_while_serving_goes_on(stages, swarm, key, redis_url):
+    stages.start("h0", "0:2", redis_url, wait=False)
+    stages.start("h1", "2:4", redis_url, wait=False)
+    stages.wait_ready(["h0", "h1"])
+    route = nodes(("h0", redis_url), ("h1", redis_url))
+    ring = RedisRing(route, swarm, key, redis_url, timeout_s=20)
+    ring.reset("s", PARAMS)
+    committed, _ = drive(ring, "s", rounds=1, k=2)
+
+    client = redis.Redis.from_url(redis_url)
+    stream = streams.stage_key(swarm, "h1")
+    good = wire.Message(
+        kind="round", session="s", round_id="x", start_pos=len(committed) - 1,
+        tokens=(committed[-1],), tensor=torch.zeros(1, ToyConfig.dim),
+        route=tuple(wire.Hop(n.host, n.redis_url) for n in route), hop=1, reply=redis_url,
+    )  # fmt: skip
+    signed = wire.encode(good, swarm, key)
+    bad = [
+        b"not a message at all",  # malformed
+        signed[: -wire.TAG_BYTES] + bytes(wire.TAG_BYTES),  # unsigned (zero tag)
+        wire.encode(good, swarm, b"another swarm's key"),  # wrong key
+        signed[:40],  # truncated
+        wire.encode(  # signed, but the hidden states have the wrong width for this model
+            wire.Message(**{**good.__dict__, "tensor": torch.zeros(1, 5), "round_id": "y"}),
+            swarm,
+            key,
+        ),
+    ]
+    for data in bad:
+        streams.send(client, stream, data)
+    client.xadd(stream, {b"other": b"field"})  # an entry without a message
+    assert wait_for(lambda: stats(redis_url, swarm, "h1").get("dropped") == 5)
+    # The shape error is not a drop (the message was valid) but an error reply for its round.
+    assert wait_for(lambda: stats(redis_url, swarm, "h1").get("errors") == 1)
+    assert stages.procs["h0"].poll() is None and stages.procs["h1"].poll() is None
+
+    # A signed round the model cannot run is an error reply, not a dead stage.
+    with pytest.raises(RingError, match="h0: .*index"):
+        ring.round("s", [committed[-1], 10_000], len(committed) - 1, 1)
+
+    # The stage kept serving: the session continues exactly as the reference does.
+    got = drive(ring, "s", rounds=3, k=2, committed=committed)
+    assert got[0] == reference([(0, 2), (2, 4)], rounds=4, k=2)[0]
+    client.close()
+    ring.close()
+
+
+def test_duplicate_round_ids_are_ignored(stages, swarm, key, redis_url):
+    stages.start("h0", "0:2", redis_url, wait=False)
+    stages.start("h1", "2:4", redis_url, wait=False)
+    stages.wait_ready(["h0", "h1"])
+    route = (wire.Hop("h0", redis_url), wire.Hop("h1", redis_url))
+    ring = RedisRing(route, swarm, key, redis_url)
+    ring.reset("s", PARAMS)
+    data = wire.encode(
+        wire.Message(kind="round", session="s", round_id="same", tokens=tuple(PROMPT),
+                     route=route, reply=redis_url),
+        swarm, key,
+    )  # fmt: skip
+    client = redis.Redis.from_url(redis_url)
+    for _ in range(3):
+        streams.send(client, streams.stage_key(swarm, "h0"), data)
+    assert wait_for(lambda: stats(redis_url, swarm, "h0").get("duplicates") == 2)
+    time.sleep(0.3)
+    replies = client.xrange(streams.reply_key(swarm, "s"))
+    assert len(replies) == 1
+    reply = wire.decode(replies[0][1][streams.FIELD], swarm, key)
+    expected = ReferenceRing([(0, 2), (2, 4)])
+    expected.reset("s", PARAMS)
+    assert reply.kind == "result" and list(reply.tokens) == expected.round("s", PROMPT, 0, 0)
+    assert wait_for(lambda: stats(redis_url, swarm, "h1").get("processed") == 1)
+    time.sleep(0.6)  # a heartbeat later, still one
+    assert stats(redis_url, swarm, "h1").get("processed") == 1
+    client.close()
+    ring.close()
+
+
+def test_killed_stage_answers_gap_and_a_replay_restores_the_same_output(
+    stages, swarm, key, redis_url
+):
+    bounds = [(0, 1), (1, 3), (3, 4)]
+    for host, (a, b) in zip(["h0", "h1", "h2"], bounds, strict=True):
+        stages.start(host, f"{a}:{b}", redis_url, wait=False)
+    stages.wait_ready(["h0", "h1", "h2"])
+    ring = RedisRing(
+        nodes(*[(h, redis_url) for h in ["h0", "h1", "h2"]]), swarm, key, redis_url, timeout_s=30
+    )
+    ring.reset("s", PARAMS)
+    committed, _ = drive(ring, "s", rounds=3, k=2)
+
+    stages.kill9("h1")
+    stages.restart("h1")
+    drafts = drafts_for(committed, 2)
+    with pytest.raises(GapError, match="h1"):
+        ring.round("s", [committed[-1], *drafts], len(committed) - 1, 2)
+    # Replay the committed prefix as one round, as the generation loop does, and go on.
+    result = ring.round("s", committed, 0, 0)
+    committed.append(committed_tokens([], result)[0])
+    got, _ = drive(ring, "s", rounds=3, k=2, committed=committed)
+
+    ref = ReferenceRing(bounds)
+    ref.reset("r", PARAMS)
+    expected, _ = drive(ref, "r", rounds=3, k=2)
+    result = ref.round("r", expected, 0, 0)
+    expected.append(committed_tokens([], result)[0])
+    expected, _ = drive(ref, "r", rounds=3, k=2, committed=expected)
+    assert got == expected
+    # The restart kept the undisturbed output: plain decoding from the prompt agrees.
+    assert got[: len(PROMPT) + 4] == reference(bounds, rounds=3, k=0)[0][: len(PROMPT) + 4]
+    ring.close()
+
+
+def test_a_round_taken_by_a_stage_killed_mid_round_is_finished_by_its_restart(
+    stages, swarm, key, redis_url
+):
+    stages.start("h0", "0:1", redis_url, wait=False)
+    stages.start("h1", "1:3", redis_url, "--delay-ms", "2000", wait=False)  # the middle stage
+    stages.start("h2", "3:4", redis_url, wait=False)
+    stages.wait_ready(["h0", "h1", "h2"])
+    ring = RedisRing(nodes(("h0", redis_url), ("h1", redis_url), ("h2", redis_url)), swarm, key,
+                     redis_url, timeout_s=60, retries=0)  # fmt: skip
+    ring.reset("s", PARAMS)
+    client = redis.Redis.from_url(redis_url)
+
+    def taken_by_h1():
+        pending = client.xpending(streams.stage_key(swarm, "h1"), streams.GROUP)
+        return pending["pending"] >= 1 and pending
+
+    def kill_when_taken():
+        assert wait_for(taken_by_h1, timeout_s=30)  # h1 holds the round, inside its 2 s forward
+        stages.kill9("h1")
+        stages.restart("h1", drop_args=("--delay-ms",))
+
+    killer = threading.Thread(target=kill_when_taken)
+    started = time.monotonic()
+    killer.start()
+    result = ring.round("s", PROMPT, 0, 0)  # a prefill: a fresh stage can run it
+    killer.join()
+    # No re-send happened (retries=0, well inside the timeout): the restarted h1 re-read the
+    # entry it had left pending, ran it and sent the result on.
+    assert time.monotonic() - started < 50
+    ref = ReferenceRing([(0, 1), (1, 3), (3, 4)])
+    ref.reset("r", PARAMS)
+    assert result == ref.round("r", PROMPT, 0, 0)
+    assert wait_for(lambda: client.xpending(streams.stage_key(swarm, "h1"), streams.GROUP)[
+        "pending"] == 0)  # fmt: skip
+    client.close()
+    ring.close()
+
+
+def test_killed_tail_lost_its_parameters_and_gets_them_back(stages, swarm, key, redis_url):
+    stages.start("h0", "0:2", redis_url, wait=False)
+    stages.start("h1", "2:4", redis_url, wait=False)
+    stages.wait_ready(["h0", "h1"])
+    ring = RedisRing(nodes(("h0", redis_url), ("h1", redis_url)), swarm, key, redis_url)
+    ring.reset("s", PARAMS)
+    committed, _ = drive(ring, "s", rounds=2, k=1)
+    stages.kill9("h1")
+    stages.restart("h1")
+    with pytest.raises(GapError):
+        ring.round("s", [committed[-1]], len(committed) - 1, 0)
+    result = ring.round("s", committed, 0, 0)  # replay: the tail has its parameters again
+    ref = ReferenceRing([(0, 2), (2, 4)])
+    ref.reset("r", PARAMS)
+    expected, _ = drive(ref, "r", rounds=2, k=1)
+    assert result == ref.round("r", expected, 0, 0)
+    ring.close()
+
+
+def test_a_round_nobody_answers_is_resent_with_its_id_then_fails(swarm, key, redis_url):
+    ring = RedisRing(
+        [wire.Hop("nobody", redis_url)], swarm, key, redis_url, timeout_s=0.2, retries=2
+    )
+    ring.reset("s", PARAMS)
+    with pytest.raises(RingError, match=r"after 3 tries \(no reply in 0.2 s; route nobody\)"):
+        ring.round("s", [1, 2], 0, 1)
+    client = redis.Redis.from_url(redis_url)
+    entries = client.xrange(streams.stage_key(swarm, "nobody"))
+    rounds = [wire.decode(f[streams.FIELD], swarm, key) for _, f in entries]
+    assert [m.kind for m in rounds] == ["reset", "round", "round", "round"]
+    assert len({m.round_id for m in rounds[1:]}) == 1
+    client.close()
+    ring.close()
+
+
+def test_a_ring_needs_every_layer_served(stages, swarm, key, redis_url):
+    stages.start("a", "0:2", redis_url)
+    with pytest.raises(RouteError, match="no online stage serves layers 2:4"):
+        RedisRing.from_inventory(redis_url, swarm, key, n_layers=4)
+    stages.stop()  # a clean stop takes the node out of the inventory
+    with pytest.raises(RouteError, match="layers 0:4"):
+        RedisRing.from_inventory(redis_url, swarm, key, n_layers=4)
+
+
+def test_an_unreachable_first_stage_is_a_clear_ring_error(swarm, key, redis_url):
+    from specpipe.redis_server import free_port
+
+    gone = f"redis://127.0.0.1:{free_port()}/0"
+    ring = RedisRing([wire.Hop("h", gone)], swarm, key, redis_url, timeout_s=0.1, retries=1)
+    with pytest.raises(RingError, match="cannot reach h's Redis"):
+        ring.reset("s", PARAMS)
+    ring._params["s"] = PARAMS  # as if h's Redis went away after the reset
+    with pytest.raises(RingError, match="after 2 tries \\(Redis unavailable"):
+        ring.round("s", [1], 0, 0)
+    ring.close()
+
+
+def test_ring_refuses_bad_rounds_and_parameters(swarm, key, redis_url):
+    ring = RedisRing([wire.Hop("h", redis_url)], swarm, key, redis_url)
+    with pytest.raises(RingError, match="not reset"):
+        ring.round("s", [1], 0, 0)
+    with pytest.raises(ValueError, match="top_p"):
+        ring.reset("s", SamplingParams(temp=1.0, top_p=1.5))
+    ring.reset("s", PARAMS)
+    with pytest.raises(ValueError, match="drafts"):
+        ring.round("s", [1, 2], 0, 2)
+    ring.close()
+
+
+def test_a_stage_rides_out_a_restart_of_its_redis(stages, swarm, key, redis_url):
+    from specpipe.redis_server import RedisServer, free_port
+
+    port = free_port()
+    server = RedisServer(port=port)
+    own = server.start()
+    try:
+        stages.start("a", "0:2", own, wait=False)
+        stages.start("b", "2:4", redis_url, wait=False)
+        stages.wait_ready(["a", "b"])
+        ring = RedisRing(nodes(("a", own), ("b", redis_url)), swarm, key, redis_url, timeout_s=20)
+        ring.reset("s", PARAMS)
+        committed, _ = drive(ring, "s", rounds=2, k=2)
+        server.stop()
+        time.sleep(0.5)
+        server = RedisServer(port=port)
+        server.start()
+        # The new Redis is empty, but stage a kept its caches: the session goes on unchanged.
+        got, _ = drive(ring, "s", rounds=2, k=2, committed=committed)
+        assert got == reference([(0, 2), (2, 4)], rounds=4, k=2)[0]
+        ring.close()
+    finally:
+        stages.stop()
+        server.stop()
+
+
+def test_generation_over_the_swarm_survives_a_killed_stage_with_the_same_output(
+    stages, swarm, key, redis_url
+):
+    bounds = [(0, 1), (1, 3), (3, 4)]
+    for host, (a, b) in zip(["h0", "h1", "h2"], bounds, strict=True):
+        stages.start(host, f"{a}:{b}", redis_url, wait=False)
+    stages.wait_ready(["h0", "h1", "h2"])
+    ring = RedisRing.from_inventory(redis_url, swarm, key, n_layers=4, timeout_s=30)
+    # Greedy on the toy model soon repeats itself, so the n-gram drafts get accepted.
+    greedy = SamplingParams(temp=0.0)
+    options = dict(max_new_tokens=30, draft_k=3)
+
+    local = Generation(ReferenceRing(bounds), "l", PROMPT * 2, greedy, **options)
+    expected = local.run()
+    plain = Generation(ReferenceRing(bounds), "p", PROMPT * 2, greedy, max_new_tokens=30, draft_k=0)
+    assert plain.run() == expected  # lossless: speculative equals plain decoding here
+
+    swarm_run = Generation(ring, "s", PROMPT * 2, greedy, **options)
+    for i, _ in enumerate(swarm_run.rounds()):
+        if i == 2:
+            stages.kill9("h1")
+            stages.restart("h1")
+    assert swarm_run.generated == expected
+    assert swarm_run.stats.replays == 1
+    assert swarm_run.stats.accepted > 0  # the n-gram drafts did get verified in one trip
+
+    # reseed: new parameters on the tail, caches kept; the same as in-process.
+    other = SamplingParams(temp=1.3, top_p=0.8, top_k=0, seed=99)
+    ref = ReferenceRing(bounds)
+    ref.reset("s", PARAMS)
+    ring.reset("s", PARAMS)
+    committed, _ = drive(ring, "s", rounds=1, k=2)
+    assert committed == drive(ref, "s", rounds=1, k=2)[0]
+    ring.reseed("s", other)
+    ref.reseed("s", other)
+    assert drive(ring, "s", 3, 2, committed=list(committed)) == drive(
+        ref, "s", 3, 2, committed=list(committed)
+    )
+    ring.close()

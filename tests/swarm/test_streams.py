@@ -1,0 +1,96 @@
+"""The Redis Streams transport against a real Redis: groups, acks, pending re-reads, claims."""
+
+import redis
+
+from specpipe import streams
+
+
+def entries(consumer, **kw):
+    return [data for _, data in consumer.read(block_ms=100, **kw)]
+
+
+def test_keys_name_the_swarm_and_the_host():
+    assert streams.stage_key("sw", "wa") == "specpipe:sw:stage:wa"
+    assert streams.reply_key("sw", "job-1") == "specpipe:sw:reply:job-1"
+
+
+def test_unacked_entries_come_back_to_a_restarted_consumer_first(swarm, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    key = streams.stage_key(swarm, "h")
+    first = streams.StreamConsumer(client, key, "h")
+    for i in range(3):
+        streams.send(client, key, b"m%d" % i)
+    got = first.read(block_ms=100)
+    assert [d for _, d in got] == [b"m0", b"m1", b"m2"]
+    first.ack([got[0][0]])  # m1 and m2 were being processed when the worker died
+    first.flush()
+
+    streams.send(client, key, b"m3")
+    again = streams.StreamConsumer(client, key, "h")  # same name: the restarted worker
+    assert entries(again) == [b"m1", b"m2"]
+    assert entries(again) == [b"m3"]
+    assert entries(again) == []
+    client.close()
+
+
+def test_acks_go_out_with_the_next_read_or_a_flush(swarm, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    key = streams.stage_key(swarm, "h")
+    consumer = streams.StreamConsumer(client, key, "h")
+    streams.send(client, key, b"a")
+    streams.send(client, key, b"b")
+    (first, _), (second, _) = consumer.read(block_ms=100)
+    consumer.ack([first])
+    assert client.xpending(key, streams.GROUP)["pending"] == 2
+    assert consumer.read(block_ms=10) == []
+    assert client.xpending(key, streams.GROUP)["pending"] == 1
+    consumer.ack([second])
+    consumer.flush()
+    assert client.xpending(key, streams.GROUP)["pending"] == 0
+    client.close()
+
+
+def test_entries_a_dead_consumer_left_are_claimed_by_another(swarm, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    key = streams.stage_key(swarm, "h")
+    dead = streams.StreamConsumer(client, key, "h-old")
+    streams.send(client, key, b"left behind")
+    assert entries(dead) == [b"left behind"]
+    other = streams.StreamConsumer(client, key, "h-new", claim_idle_ms=0)
+    assert entries(other) == [b"left behind"]
+    pending = client.xpending_range(key, streams.GROUP, "-", "+", 10)
+    assert [p["consumer"] for p in pending] == [b"h-new"]
+    client.close()
+
+
+def test_streams_stay_bounded(swarm, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    key = streams.stage_key(swarm, "h")
+    for _ in range(2000):
+        streams.send(client, key, b"x", maxlen=100)
+    assert 100 <= client.xlen(key) < 300  # approximate trimming keeps whole nodes
+    client.close()
+
+
+def test_a_deleted_stream_is_recreated_with_its_group(swarm, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    key = streams.stage_key(swarm, "h")
+    consumer = streams.StreamConsumer(client, key, "h")
+    client.delete(key)
+    assert entries(consumer) == []
+    streams.send(client, key, b"after")
+    assert entries(consumer) == [b"after"]
+    client.close()
+
+
+def test_rewind_rereads_only_what_was_not_processed(swarm, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    key = streams.stage_key(swarm, "h")
+    consumer = streams.StreamConsumer(client, key, "h")
+    streams.send(client, key, b"done")
+    streams.send(client, key, b"lost")
+    (done, _), _ = consumer.read(block_ms=100)
+    consumer.ack([done])  # processed; the connection dropped before "lost" was
+    consumer.rewind()
+    assert entries(consumer) == [b"lost"]
+    client.close()

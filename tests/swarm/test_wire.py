@@ -1,0 +1,193 @@
+"""The wire format: round trips, and every way a message must be refused."""
+
+import hashlib
+import hmac
+import struct
+
+import msgpack
+import pytest
+import torch
+
+from specpipe import wire
+
+KEY = b"k" * 32
+SWARM = "test"
+
+
+def message(tensor=None, **fields):
+    base = dict(
+        kind="round",
+        session="s1",
+        round_id="r1",
+        start_pos=7,
+        n_draft=2,
+        tokens=(5, 6, 7),
+        hop=1,
+        route=(wire.Hop("a", "redis://h:1/0"), wire.Hop("b", "redis://h:2/0")),
+        reply="redis://h:3/0",
+    )
+    base.update(fields)
+    return wire.Message(tensor=tensor, **base)
+
+
+def sign(body: bytes, key: bytes = KEY) -> bytes:
+    return body + hmac.new(key, body, hashlib.sha256).digest()
+
+
+def raw(header: dict, payload: bytes = b"") -> bytes:
+    head = msgpack.packb(header)
+    return wire.PREFIX.pack(wire.MAGIC, len(head)) + head + payload
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_round_trip_keeps_every_field_and_the_exact_tensor(dtype):
+    tensor = (torch.randn(3, 5) * 100).to(dtype)
+    sent = message(tensor)
+    got = wire.decode(wire.encode(sent, SWARM, KEY), SWARM, KEY)
+    assert got.tensor.dtype == dtype
+    assert torch.equal(got.tensor, tensor)
+    assert (got.kind, got.session, got.round_id) == ("round", "s1", "r1")
+    assert (got.start_pos, got.n_draft, got.tokens, got.hop) == (7, 2, (5, 6, 7), 1)
+    assert got.route == sent.route and got.reply == sent.reply
+
+
+def test_round_trip_from_a_bytearray_and_a_memoryview():
+    data = wire.encode(message(torch.arange(6, dtype=torch.int64).view(2, 3)), SWARM, KEY)
+    for view in (bytearray(data), memoryview(data)):
+        assert wire.decode(view, SWARM, KEY).tensor.tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_message_without_tensor_and_with_params():
+    sent = wire.Message(kind="reset", session="s", params={"temp": 0.7, "top_k": 40})
+    got = wire.decode(wire.encode(sent, SWARM, KEY), SWARM, KEY)
+    assert got.tensor is None and got.params == {"temp": 0.7, "top_k": 40}
+
+
+def test_payload_is_raw_little_endian_bytes():
+    tensor = torch.tensor([[1.0, -2.0]], dtype=torch.float32)
+    data = wire.encode(message(tensor), SWARM, KEY)
+    assert data[-wire.TAG_BYTES - 8 : -wire.TAG_BYTES] == struct.pack("<2f", 1.0, -2.0)
+
+
+def test_tampered_payload_is_refused():
+    data = bytearray(wire.encode(message(torch.ones(2, 2)), SWARM, KEY))
+    data[-wire.TAG_BYTES - 1] ^= 1
+    with pytest.raises(wire.WireError, match="signature"):
+        wire.decode(bytes(data), SWARM, KEY)
+
+
+def test_tampered_header_is_refused():
+    data = wire.encode(message(), SWARM, KEY)
+    with pytest.raises(wire.WireError, match="signature"):
+        wire.decode(data.replace(b"s1", b"s2", 1), SWARM, KEY)
+
+
+def test_wrong_key_is_refused():
+    data = wire.encode(message(torch.ones(1, 1)), SWARM, b"other key")
+    with pytest.raises(wire.WireError, match="signature"):
+        wire.decode(data, SWARM, KEY)
+
+
+def test_unsigned_message_is_refused():
+    body = raw({"swarm": SWARM, "kind": "round", "session": "s"})
+    with pytest.raises(wire.WireError):
+        wire.decode(body, SWARM, KEY)
+    with pytest.raises(wire.WireError, match="signature"):
+        wire.decode(body + b"\0" * wire.TAG_BYTES, SWARM, KEY)
+
+
+def test_pickle_is_not_a_message():
+    import pickle
+
+    data = pickle.dumps({"kind": "round"})
+    with pytest.raises(wire.WireError):
+        wire.decode(data + b"\0" * 40, SWARM, KEY)
+
+
+@pytest.mark.parametrize("cut", [1, wire.TAG_BYTES, 50])
+def test_truncated_message_is_refused(cut):
+    data = wire.encode(message(torch.ones(4, 4)), SWARM, KEY)
+    with pytest.raises(wire.WireError):
+        wire.decode(data[:-cut], SWARM, KEY)
+
+
+def test_oversized_message_is_refused_before_anything_else():
+    data = wire.encode(message(torch.ones(64, 64)), SWARM, KEY)
+    with pytest.raises(wire.WireError, match="over the 1000 limit"):
+        wire.decode(data, SWARM, KEY, max_bytes=1000)
+
+
+def test_header_length_beyond_the_message_is_refused():
+    data = wire.PREFIX.pack(wire.MAGIC, 10_000) + b"x" * 100
+    with pytest.raises(wire.WireError, match="header length"):
+        wire.decode(data, SWARM, KEY)
+
+
+def test_message_for_another_swarm_is_refused():
+    data = wire.encode(message(), "other", KEY)
+    with pytest.raises(wire.WireError, match="swarm"):
+        wire.decode(data, SWARM, KEY)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "int32", "uint8", "object", None, 3])
+def test_dtype_outside_the_whitelist_is_refused_even_when_signed(dtype):
+    data = sign(raw({"swarm": SWARM, "kind": "round", "dtype": dtype, "shape": [2]}, b"\0" * 16))
+    with pytest.raises(wire.WireError, match="dtype"):
+        wire.decode(data, SWARM, KEY)
+
+
+@pytest.mark.parametrize(
+    "shape", [[3], [2, 3], [-1, 2], [], [1, 1, 1, 1, 4], "4", [1.5, 2], [True, 4]]
+)
+def test_shape_that_does_not_match_the_bytes_is_refused(shape):
+    data = sign(
+        raw({"swarm": SWARM, "kind": "round", "dtype": "float32", "shape": shape}, b"\0" * 16)
+    )
+    with pytest.raises(wire.WireError):
+        wire.decode(data, SWARM, KEY)
+
+
+def test_the_matching_shape_is_accepted():
+    data = sign(
+        raw({"swarm": SWARM, "kind": "round", "dtype": "float32", "shape": [2, 2]}, b"\0" * 16)
+    )
+    assert wire.decode(data, SWARM, KEY).tensor.shape == (2, 2)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"kind": "exec"},
+        {"kind": "round", "tokens": ["a"]},
+        {"kind": "round", "start_pos": -1},
+        {"kind": "round", "start_pos": 2**63},
+        {"kind": "round", "tokens": [2**40]},
+        {"kind": "round", "start_pos": True},
+        {"kind": "round", "route": [["a"]]},
+        {"kind": "round", "route": [["a", "u"]], "hop": 1},
+        {"kind": "reset", "params": {"temp": "hot"}},
+        {"kind": "round", "session": 5},
+    ],
+)
+def test_malformed_header_fields_are_refused(header):
+    data = sign(raw({"swarm": SWARM, **header}))
+    with pytest.raises(wire.WireError):
+        wire.decode(data, SWARM, KEY)
+
+
+def test_signed_garbage_header_is_refused():
+    body = wire.PREFIX.pack(wire.MAGIC, 3) + b"\xc1\xc1\xc1"
+    with pytest.raises(wire.WireError, match="msgpack"):
+        wire.decode(sign(body), SWARM, KEY)
+
+
+def test_no_key_is_an_error_not_an_unsigned_message():
+    with pytest.raises(wire.WireError, match="no swarm key"):
+        wire.encode(message(), SWARM, b"")
+    with pytest.raises(wire.WireError, match="no swarm key"):
+        wire.decode(b"x" * 100, SWARM, b"")
+
+
+def test_unsupported_tensor_dtype_cannot_be_sent():
+    with pytest.raises(wire.WireError, match="dtype"):
+        wire.encode(message(torch.ones(2, dtype=torch.float64)), SWARM, KEY)

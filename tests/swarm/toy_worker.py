@@ -1,0 +1,72 @@
+"""Run one toy stage as a real stage worker process (the swarm tests start several).
+
+    python -m tests.swarm.toy_worker --host h0 --layers 0:2 --redis URL --swarm NAME
+
+The swarm key comes from SPECPIPE_SWARM_KEY, as for a real worker.
+"""
+
+import argparse
+import logging
+import os
+
+from specpipe import inventory
+from specpipe.stage_worker import WorkerConfig, run
+from tests.swarm.toy_stage import ToyConfig, ToyStage
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--layers", required=True)
+    parser.add_argument("--redis", required=True)
+    parser.add_argument("--registry")
+    parser.add_argument("--swarm", required=True)
+    parser.add_argument("--n-layers", type=int, default=ToyConfig.n_layers)
+    parser.add_argument("--dim", type=int, default=ToyConfig.dim)
+    parser.add_argument("--delay-ms", type=float, default=0.0)
+    parser.add_argument("--heartbeat-s", type=float, default=0.5)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    start, end = (int(x) for x in args.layers.split(":"))
+    stage = ToyStage(ToyConfig(n_layers=args.n_layers, dim=args.dim), start, end)
+    if args.delay_ms:
+        stage = DelayedStage(stage, args.delay_ms / 1000)
+    config = WorkerConfig(
+        host=args.host,
+        swarm=args.swarm,
+        key=os.environ["SPECPIPE_SWARM_KEY"].encode(),
+        redis_url=args.redis,
+        registry_url=args.registry,
+        block_ms=200,
+        heartbeat_s=args.heartbeat_s,
+    )
+    node = inventory.NodeInfo(
+        host=args.host,
+        layer_start=start,
+        layer_end=end,
+        redis_url=args.redis,
+        model="toy",
+        **inventory.hardware(),
+    )
+    run(stage, config, node)
+
+
+class DelayedStage:
+    """A stage behind a slow link: sleeps before each forward (for the latency benchmark)."""
+
+    def __init__(self, stage, delay_s: float) -> None:
+        self.stage, self.delay_s = stage, delay_s
+        self.first, self.last = stage.first, stage.last
+
+    def forward(self, session, inputs, start_pos):
+        import time
+
+        time.sleep(self.delay_s)
+        return self.stage.forward(session, inputs, start_pos)
+
+    def drop(self, session):
+        self.stage.drop(session)
+
+
+if __name__ == "__main__":
+    main()

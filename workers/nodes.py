@@ -1,0 +1,41 @@
+"""Copying the live node inventory (heartbeats in Redis) into the store's nodes table, so the
+web app, the metrics and each run's node snapshot see the ring as it is."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import redis
+from celery import shared_task
+from sqlalchemy.orm import Session
+
+from models.nodes import NODE_FIELDS, upsert_node
+from specpipe import inventory
+from specpipe.settings import Settings, redis_url
+
+SYNC_TASK = "workers.nodes.sync"
+
+
+def sync_inventory(session: Session, nodes: list[inventory.NodeInfo]) -> int:
+    """Upsert every node's record; return how many were written. The caller commits."""
+    for node in nodes:
+        fields = {name: getattr(node, name) for name in NODE_FIELDS if hasattr(node, name)}
+        fields["last_heartbeat"] = datetime.fromtimestamp(node.last_heartbeat, UTC)
+        if node.gpu_name == "cpu" and node.cpu_model:
+            fields["gpu_name"] = f"cpu ({node.cpu_model})"
+        upsert_node(session, node.host, **fields)
+    return len(nodes)
+
+
+@shared_task(name=SYNC_TASK, bind=True)
+def sync(self) -> int:
+    """Celery beat task: read the inventory from the swarm's Redis and store it."""
+    settings = Settings.from_env()
+    client = redis.Redis.from_url(redis_url(), socket_connect_timeout=3)
+    try:
+        nodes = inventory.load(client, settings.swarm)
+    finally:
+        client.close()
+    count = sync_inventory(self.session, nodes)
+    self.session.commit()
+    return count
