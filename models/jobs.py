@@ -86,6 +86,11 @@ class Job(Base):
         counts = self.accepted_per_round or []
         return sum(counts) / len(counts) if counts else None
 
+    @property
+    def tokens_per_round(self) -> float | None:
+        """Tokens committed per round (accepted drafts plus the target's own), None before any."""
+        return self.generated_tokens / self.rounds if self.rounds else None
+
     def params(self) -> dict:
         """The sampling parameters as the API and run records show them."""
         return {
@@ -138,6 +143,7 @@ class Job(Base):
             "rounds": self.rounds,
             "accepted_per_round": self.accepted_per_round or [],
             "accepted_mean": self.accepted_mean,
+            "tokens_per_round": self.tokens_per_round,
             "error": self.error,
             "run_id": self.run_id,
         }

@@ -40,9 +40,9 @@ class Settings:
         return cls(
             home=instance_dir(),
             database_url=database_url(),
-            redis_url=os.environ.get("REDIS_URL") or None,
-            swarm=os.environ.get("SPECPIPE_SWARM", "default"),
-            swarm_key=os.environ.get("SPECPIPE_SWARM_KEY") or None,
+            redis_url=os.environ.get("REDIS_URL") or swarm_file().get("redis_url") or None,
+            swarm=swarm_name(),
+            swarm_key=swarm_key(),
         )
 
 
@@ -50,9 +50,49 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 SECRET_KEY_FILE = "secret_key"
 
 
+SWARM_KEY_FILE = "swarm_key"
+SWARM_FILE = "swarm.json"
+
+
+def swarm_file() -> dict:
+    """What `specpipe up` wrote about the swarm it runs (redis_url, web_url, swarm, pid), or {}."""
+    import json
+
+    path = instance_dir() / SWARM_FILE
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def redis_url() -> str:
-    """`REDIS_URL`, else the local default Redis."""
-    return os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
+    """`REDIS_URL`, else the Redis of the swarm `specpipe up` runs here, else the local default."""
+    return os.environ.get("REDIS_URL") or swarm_file().get("redis_url") or DEFAULT_REDIS_URL
+
+
+def swarm_name() -> str:
+    """`SPECPIPE_SWARM`, else the name `specpipe up` recorded, else "default"."""
+    return os.environ.get("SPECPIPE_SWARM") or swarm_file().get("swarm") or "default"
+
+
+def swarm_key() -> str | None:
+    """`SPECPIPE_SWARM_KEY`, else the key `specpipe up` keeps in the instance folder, else None."""
+    key = os.environ.get("SPECPIPE_SWARM_KEY")
+    if key:
+        return key
+    path = instance_dir() / SWARM_KEY_FILE
+    return (path.read_text().strip() or None) if path.is_file() else None
+
+
+def ensure_swarm_key() -> str:
+    """The swarm key, generating one into the instance folder (mode 0600) when there is none."""
+    return swarm_key() or _write_secret(SWARM_KEY_FILE)
+
+
+def stalled_after_s() -> float:
+    """Seconds without progress after which a running job's coordinator counts as dead."""
+    return float(os.environ.get("SPECPIPE_STALLED_S") or 60)
 
 
 def secret_key() -> str | None:
@@ -66,12 +106,14 @@ def secret_key() -> str | None:
 
 def ensure_secret_key() -> str:
     """The secret key, generating one into the instance folder (mode 0600) when there is none."""
-    key = secret_key()
-    if key:
-        return key
+    return secret_key() or _write_secret(SECRET_KEY_FILE)
+
+
+def _write_secret(name: str) -> str:
+    """A new random key written to the instance folder, readable by its owner only."""
     import secrets
 
-    path = instance_dir() / SECRET_KEY_FILE
+    path = instance_dir() / name
     path.parent.mkdir(parents=True, exist_ok=True)
     key = secrets.token_hex(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -90,8 +132,10 @@ def web_limits() -> dict[str, int]:
 
 
 def default_model() -> str:
-    """The model jobs run on: `SPECPIPE_MODEL`, else the embedded default."""
-    return os.environ.get("SPECPIPE_MODEL") or "SmolLM2-135M-Instruct"
+    """The model jobs run on: `SPECPIPE_MODEL`, else the swarm's, else the embedded default."""
+    return (
+        os.environ.get("SPECPIPE_MODEL") or swarm_file().get("model") or "SmolLM2-135M-Instruct"
+    )
 
 
 def nightly_schedule() -> tuple[str, str]:

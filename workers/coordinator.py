@@ -1,35 +1,50 @@
 """The coordinator: one job's generation loop over the swarm.
 
-The Celery task `workers.coordinator.generate(job_id)` (queue `coordinator`) reads the job,
-builds the ring from the live node inventory (the stages must cover every layer exactly once,
-in order, or the job fails with the layers nobody serves), resets the session and runs rounds:
-n-gram drafts, one trip around the ring, the equality accept loop. The committed token ids and
-the stats are stored every round, so the web app shows progress and a coordinator re-run after a
-crash resumes from what was committed; because every token is sampled from the uniform keyed by
-its position, the output is the one an undisturbed run gives. A cancel request stops the job at
-its next round. Any failure ends the job with a one-line reason.
+The Celery task `workers.coordinator.generate(job_id)` (queue `coordinator`) takes a per-job
+Redis lock (a duplicate delivery never runs a job twice at once), reads the job, builds the ring
+from the live node inventory (the stages must cover every layer exactly once, in order, or the
+job fails with the layers nobody serves), records a generation run with a snapshot of that ring,
+resets the session and runs rounds: n-gram drafts, one trip around the ring, the equality accept
+loop. The committed token ids and the stats are stored every round, so the web app shows
+progress and a coordinator re-run after a crash resumes from what was committed; because every
+token is sampled from the uniform keyed by its position, the output is the one an undisturbed
+run gives. The beat task `workers.coordinator.resume_stalled` re-enqueues running jobs whose
+coordinator died. A cancel request stops the job at its next round. Any failure ends the job
+with a one-line reason.
+
+A job's `accepted_per_round` lists the drafts accepted in each round (0 … draft_k); tokens
+committed per round are those plus the target's own token (`Job.tokens_per_round`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from datetime import timedelta
+from functools import lru_cache
 from typing import Protocol
 
+import redis
 from celery import shared_task
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from models import Job
-from models.db import make_session_factory, utcnow
+from models.db import utcnow
+from models.runs import start_run
+from specpipe import inventory
 from specpipe.generation import Generation
 from specpipe.inventory import RouteError
 from specpipe.redis_ring import RedisRing, RingError
 from specpipe.ring import GapError, Ring, SamplingParams
-from specpipe.settings import Settings
+from specpipe.settings import Settings, redis_url, stalled_after_s
+from workers.celery_app import DbTask
+from workers.nodes import sync_inventory
 
 log = logging.getLogger("specpipe.coordinator")
 
 GENERATE_TASK = "workers.coordinator.generate"
+RESUME_TASK = "workers.coordinator.resume_stalled"
 
 
 class Codec(Protocol):
@@ -41,66 +56,97 @@ class Codec(Protocol):
 
 
 def run_job(
-    sessions: sessionmaker[Session],
+    session: Session,
     job_id: int,
     make_ring: Callable[[Job], Ring],
     codec: Codec,
     eos_ids: Iterable[int] = (),
+    keep_alive: Callable[[], bool] | None = None,
 ) -> str | None:
-    """Run (or resume) one job to its end and return its status; None when there is no job."""
-    eos = set(eos_ids)
-    with sessions() as session:
-        job = session.get(Job, job_id)
-        if job is None:
-            log.warning("job %s does not exist", job_id)
-            return None
-        if job.finished:
-            return job.status
-        if job.cancel_requested:
-            return _finish(session, job, "cancelled")
-        job.status, job.error = "running", None
-        job.started_at = job.started_at or utcnow()
-        session.commit()
+    """Run (or resume) one job to its end and return its status; None when there is no job.
 
-        ring = None
-        try:
-            ring = make_ring(job)
-            prompt_ids = codec.prompt_ids(job.prompt)
-            job.prompt_tokens = len(prompt_ids)
-            params = SamplingParams(temp=job.temp, top_p=job.top_p, top_k=job.top_k, seed=job.seed)
-            accepted = list(job.accepted_per_round or [])
-            generation = Generation(
-                ring,
-                f"job-{job.id}",
-                prompt_ids,
-                params,
-                max_new_tokens=job.max_new_tokens,
-                draft_k=job.draft_k,
-                eos_ids=eos,
-                resume=list(job.output_ids or []),  # a re-run continues from what was stored
-            )
-            status, counted = "done", 0
-            for _ in generation.rounds():
-                accepted.append(generation.stats.accepted - counted)
-                counted = generation.stats.accepted
-                ids = generation.generated
-                text = codec.decode([t for t in ids if t not in eos])
-                job.record_progress(ids, text, accepted, generation.stats.seconds)
-                session.commit()
-                session.refresh(job, ["cancel_requested"])  # the web app may have asked
-                if job.cancel_requested:
-                    status = "cancelled"
-                    break
-            return _finish(session, job, status)
-        except (RouteError, RingError, GapError, ValueError) as exc:
-            return _finish(session, job, "failed", f"{type(exc).__name__}: {exc}")
-        finally:
-            if ring is not None:
-                _drop_quietly(ring, f"job-{job.id}")
+    `keep_alive` is called every round (it refreshes the job's lock); when it returns False
+    another coordinator owns the job, and this one stops without touching it further."""
+    eos = set(eos_ids)
+    job = session.get(Job, job_id)
+    if job is None:
+        log.warning("job %s does not exist", job_id)
+        return None
+    if job.finished:
+        return job.status
+    if job.cancel_requested:
+        return _finish(session, job, "cancelled")
+    job.status, job.error = "running", None
+    job.started_at = job.started_at or utcnow()
+    session.commit()
+
+    ring = None
+    try:
+        ring = make_ring(job)
+        if job.run is None:
+            job.run = _start_run(session, job, ring)
+            session.commit()
+        prompt_ids = codec.prompt_ids(job.prompt)
+        job.prompt_tokens = len(prompt_ids)
+        params = SamplingParams(temp=job.temp, top_p=job.top_p, top_k=job.top_k, seed=job.seed)
+        resume = list(job.output_ids or [])
+        accepted = list(job.accepted_per_round or [])
+        # The time already spent, so tok/s after a resume still counts the whole job.
+        spent_s = len(resume) / job.tok_s if resume and job.tok_s else 0.0
+        generation = Generation(
+            ring,
+            f"job-{job.id}",
+            prompt_ids,
+            params,
+            max_new_tokens=job.max_new_tokens,
+            draft_k=job.draft_k,
+            eos_ids=eos,
+            resume=resume,  # a re-run continues from what was stored
+        )
+        status, counted = "done", 0
+        for _ in generation.rounds():
+            accepted.append(generation.stats.accepted - counted)
+            counted = generation.stats.accepted
+            ids = generation.generated
+            text = codec.decode([t for t in ids if t not in eos])
+            job.record_progress(ids, text, accepted, spent_s + generation.stats.seconds)
+            session.commit()
+            session.refresh(job, ["cancel_requested"])  # the web app may have asked
+            if job.cancel_requested:
+                status = "cancelled"
+                break
+            if keep_alive is not None and not keep_alive():
+                log.warning("job %s: lost its lock to another coordinator; stopping", job.id)
+                return job.status
+        return _finish(session, job, status)
+    except (RouteError, RingError, GapError, ValueError) as exc:
+        return _finish(session, job, "failed", f"{type(exc).__name__}: {exc}")
+    finally:
+        if ring is not None:
+            _drop_quietly(ring, f"job-{job.id}")
+
+
+def _start_run(session: Session, job: Job, ring: Ring):
+    """A generation run for `job`, its node snapshot cut down to the ring the job runs on."""
+    hosts = [hop.host for hop in getattr(ring, "route", ())]
+    method = f"speculative, n-gram drafter, K={job.draft_k}" if job.draft_k else "plain"
+    run = start_run(
+        session, "generation", model=job.model, method=method,
+        topology=" -> ".join(hosts) if hosts else None,
+    )  # fmt: skip
+    if hosts:
+        kept = [s for s in run.node_snapshots if s.host in hosts]
+        kept.sort(key=lambda s: hosts.index(s.host))
+        for position, snapshot in enumerate(kept):
+            snapshot.position = position
+        run.node_snapshots = kept
+    return run
 
 
 def _finish(session: Session, job: Job, status: str, error: str | None = None) -> str:
     job.status, job.error, job.finished_at = status, error, utcnow()
+    if job.run is not None and job.run.kind == "generation":
+        job.run.finished_at = job.finished_at
     session.commit()
     return status
 
@@ -128,47 +174,102 @@ class _ModelCodec:
         return self.tokenizer.decode(ids)
 
 
-@shared_task(name=GENERATE_TASK, ignore_result=True)
-def generate(job_id: int) -> str | None:
-    """Celery task: run job `job_id` over the swarm the inventory describes."""
-    settings = Settings.from_env()
-    sessions = make_session_factory(settings.database_url)
-    with sessions() as session:
-        job = session.get(Job, job_id)
-        model = job.model if job is not None else None
-    if model is None:
-        log.warning("job %s does not exist", job_id)
-        return None
-    try:
-        # The model package is needed only here, for the tokenizer and the layer count.
-        from specpipe.model.resolve import load_tokenizer, open_checkpoint
+@lru_cache(maxsize=4)
+def _open_model(model: str) -> tuple[int, str, _ModelCodec, frozenset[int]]:
+    """(layer count, inventory label, codec, end-of-sequence ids) of a model, read once."""
+    # The model package is needed only here, for the tokenizer and the layer count.
+    from specpipe.model.resolve import load_tokenizer, model_label, open_checkpoint
 
-        checkpoint = open_checkpoint(model)
-        tokenizer = load_tokenizer(checkpoint)
-    except Exception as exc:
-        return _fail(sessions, job_id, f"cannot open model {model!r}: {exc}")
-    if not settings.redis_url or not settings.swarm_key:
-        return _fail(sessions, job_id, "the swarm is not configured: REDIS_URL and "
-                                       "SPECPIPE_SWARM_KEY must be set")  # fmt: skip
+    checkpoint = open_checkpoint(model)
+    tokenizer = load_tokenizer(checkpoint)
     eos = set(checkpoint.config.eos_token_ids)
     eos_token = getattr(tokenizer, "eos_token", None)
     if eos_token and tokenizer.token_id(eos_token) is not None:
         eos.add(tokenizer.token_id(eos_token))
+    return checkpoint.config.n_layers, model_label(model), _ModelCodec(tokenizer), frozenset(eos)
+
+
+def lock_key(swarm: str, job_id: int) -> str:
+    """The Redis key of a job's lock, held while a coordinator runs it."""
+    return f"specpipe:{swarm}:job-lock:{job_id}"
+
+
+@shared_task(name=GENERATE_TASK, bind=True, base=DbTask, ignore_result=True)
+def generate(self, job_id: int) -> str | None:
+    """Celery task: run job `job_id` over the swarm the inventory describes."""
+    session: Session = self.session
+    job = session.get(Job, job_id)
+    if job is None:
+        log.warning("job %s does not exist", job_id)
+        return None
+    if job.finished:
+        return job.status
+    try:
+        n_layers, label, codec, eos = _open_model(job.model)
+    except Exception as exc:
+        return _finish(session, job, "failed", f"cannot open model {job.model!r}: {exc}")
+    settings = Settings.from_env()
+    if not settings.swarm_key:
+        return _finish(session, job, "failed", "the swarm is not configured: "
+                                                 "SPECPIPE_SWARM_KEY is not set")  # fmt: skip
+    registry = redis_url()
+    client = redis.Redis.from_url(registry, socket_connect_timeout=5)
+    lock = client.lock(lock_key(settings.swarm, job_id), timeout=stalled_after_s())
+    try:
+        if not lock.acquire(blocking=False):
+            log.info("job %s is already running elsewhere; this delivery is dropped", job_id)
+            return "running"
+    except redis.RedisError as exc:
+        client.close()
+        return _finish(session, job, "failed", f"cannot reach Redis at {registry}: {exc}")
 
     def make_ring(_job: Job) -> RedisRing:
-        return RedisRing.from_inventory(
-            settings.redis_url,
-            settings.swarm,
-            settings.swarm_key.encode(),
-            n_layers=checkpoint.config.n_layers,
-        )
+        nodes = inventory.load(client, settings.swarm)
+        chain = inventory.route(nodes, n_layers, model=label)
+        sync_inventory(session, chain)  # the run's snapshot is the ring as it is now
+        return RedisRing(chain, settings.swarm, settings.swarm_key.encode(), registry)
 
-    return run_job(sessions, job_id, make_ring, _ModelCodec(tokenizer), eos)
+    def keep_alive() -> bool:
+        try:
+            lock.reacquire()
+            return True
+        except redis.exceptions.LockNotOwnedError:
+            return False
+        except redis.RedisError as exc:  # the ring itself will tell if Redis is really gone
+            log.warning("job %s: could not refresh its lock: %s", job_id, exc)
+            return True
+
+    try:
+        return run_job(session, job_id, make_ring, codec, eos, keep_alive)
+    finally:
+        try:
+            lock.release()
+        except redis.RedisError:
+            pass
+        client.close()
 
 
-def _fail(sessions: sessionmaker[Session], job_id: int, reason: str) -> str | None:
-    with sessions() as session:
-        job = session.get(Job, job_id)
-        if job is None or job.finished:
-            return None if job is None else job.status
-        return _finish(session, job, "failed", reason)
+@shared_task(name=RESUME_TASK, bind=True, base=DbTask, ignore_result=True)
+def resume_stalled(self) -> list[int]:
+    """Celery beat task: re-enqueue running jobs whose coordinator stopped making progress."""
+    session: Session = self.session
+    cutoff = utcnow() - timedelta(seconds=stalled_after_s())
+    stalled = session.scalars(
+        select(Job.id).where(Job.status == "running", Job.updated_at < cutoff)
+    ).all()
+    if not stalled:
+        return []
+    swarm = Settings.from_env().swarm
+    client = redis.Redis.from_url(redis_url(), socket_connect_timeout=5)
+    resumed = []
+    try:
+        for job_id in stalled:
+            if client.exists(lock_key(swarm, job_id)):
+                continue  # its coordinator is alive, only slow
+            generate.apply_async(args=[job_id])
+            resumed.append(job_id)
+    finally:
+        client.close()
+    if resumed:
+        log.warning("re-enqueued stalled jobs %s", resumed)
+    return resumed

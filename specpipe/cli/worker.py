@@ -1,0 +1,174 @@
+"""`specpipe worker …`: run one process of the swarm (a stage, the coordinator, or beat)."""
+
+from __future__ import annotations
+
+import click
+
+from specpipe.cli.model import ModelInputError
+
+
+@click.group(name="worker")
+def worker() -> None:
+    """Run one swarm process: a stage, the coordinator or the beat scheduler."""
+
+
+def _layer_range(_ctx, _param, value: str) -> tuple[int, int]:
+    start, sep, end = value.partition(":")
+    if not sep or not start.strip().isdigit() or not end.strip().isdigit():
+        raise click.BadParameter(f"{value!r} is not A:B (two layer numbers)")
+    a, b = int(start), int(end)
+    if a >= b:
+        raise click.BadParameter(f"{value!r} is empty or reversed: A must be below B")
+    return a, b
+
+
+@worker.command(name="stage")
+@click.option("--host", required=True, help="This stage's name in the inventory (unique).")
+@click.option("--layers", required=True, callback=_layer_range,
+              help="Layer range A:B (half-open) this stage serves.")  # fmt: skip
+@click.option("--model", "model_name", default="default", show_default=True, help="Model.")
+@click.option("--redis", "redis_url", default=None,
+              help="This host's Redis (its input stream); default: REDIS_URL.")  # fmt: skip
+@click.option("--registry", "registry_url", default=None,
+              help="The Redis holding the inventory; default: --redis.")  # fmt: skip
+@click.option("--public-ip", default="", help="Public IP to record in the inventory.")
+@click.option("--geo", default="", help="Location label to record (e.g. WA).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              default="float32", show_default=True, help="Compute dtype.")  # fmt: skip
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads for torch (default: torch's choice).")  # fmt: skip
+@click.option("--heartbeat-s", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              help="Seconds between inventory heartbeats.")  # fmt: skip
+def worker_stage(
+    host: str,
+    layers: tuple[int, int],
+    model_name: str,
+    redis_url: str | None,
+    registry_url: str | None,
+    public_ip: str,
+    geo: str,
+    dtype: str,
+    device: str,
+    threads: int | None,
+    heartbeat_s: float,
+) -> None:
+    """Serve one layer range of the model from this host's Redis stream.
+
+    Loads only its own layers, registers in the inventory, heartbeats, and serves rounds until
+    Ctrl-C or SIGTERM. One process: nothing that holds the model is forked.
+
+    Example:
+
+        SPECPIPE_SWARM_KEY=... specpipe worker stage --host wa --layers 0:9 --geo WA
+    """
+    import logging
+
+    import redis
+    import torch
+
+    from specpipe import inventory, settings
+    from specpipe.model.errors import ModelError
+    from specpipe.model.resolve import model_label, open_checkpoint
+    from specpipe.model.stage import load_stage
+    from specpipe.stage_worker import WorkerConfig, run
+
+    config = settings.Settings.from_env()
+    if not config.swarm_key:
+        raise click.ClickException(
+            "no swarm key: set SPECPIPE_SWARM_KEY (or run `specpipe up`, which keeps one)"
+        )
+    redis_url = redis_url or settings.redis_url()
+    for url in {redis_url, registry_url or redis_url}:
+        client = redis.Redis.from_url(url, socket_connect_timeout=3)
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            raise click.ClickException(f"cannot reach Redis at {url}: {exc}") from None
+        finally:
+            client.close()
+    if threads:
+        torch.set_num_threads(threads)
+    start, end = layers
+    try:
+        stage = load_stage(open_checkpoint(model_name), start, end, dtype=dtype, device=device)
+        label = model_label(model_name)
+    except ModelError as exc:
+        raise ModelInputError(str(exc)) from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    node = inventory.NodeInfo(
+        host=host,
+        layer_start=start,
+        layer_end=end,
+        redis_url=redis_url,
+        model=label,
+        public_ip=public_ip,
+        geo=geo,
+        **inventory.hardware(),
+    )
+    click.echo(f"stage {host}: layers {start}:{end} of {label}, swarm {config.swarm!r}")
+    run(
+        stage,
+        WorkerConfig(
+            host=host,
+            swarm=config.swarm,
+            key=config.swarm_key.encode(),
+            redis_url=redis_url,
+            registry_url=registry_url,
+            heartbeat_s=heartbeat_s,
+        ),
+        node,
+    )
+
+
+@worker.command(name="coordinator")
+@click.option("--queue", default="coordinator", show_default=True, help="Celery queue to serve.")
+@click.option("--loglevel", default="INFO", show_default=True, help="Celery log level.")
+def worker_coordinator(queue: str, loglevel: str) -> None:
+    """Run the coordinator: the Celery worker that runs jobs (one at a time, JSON only).
+
+    Example:
+
+        REDIS_URL=redis://127.0.0.1:6379/0 specpipe worker coordinator
+    """
+    celery = _celery_app()
+    celery.worker_main(
+        ["worker", "--pool=solo", "--concurrency=1", "-Q", queue, f"--loglevel={loglevel}"]
+    )
+
+
+@worker.command(name="beat")
+@click.option("--loglevel", default="INFO", show_default=True, help="Celery log level.")
+def worker_beat(loglevel: str) -> None:
+    """Run Celery beat: stalled-job recovery, inventory sync and the nightly regression.
+
+    Its schedule file lives in the instance folder.
+
+    Example:
+
+        specpipe worker beat
+    """
+    from specpipe import settings
+
+    home = settings.instance_dir()
+    home.mkdir(parents=True, exist_ok=True)
+    celery = _celery_app()
+    celery.start(["beat", "-s", str(home / "celerybeat-schedule"), f"--loglevel={loglevel}"])
+
+
+def _celery_app():
+    import redis
+
+    from specpipe import settings
+
+    url = settings.redis_url()
+    client = redis.Redis.from_url(url, socket_connect_timeout=3)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise click.ClickException(f"cannot reach the broker Redis at {url}: {exc}") from None
+    finally:
+        client.close()
+    from workers.celery_app import celery
+
+    return celery
