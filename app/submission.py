@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import logging
-import secrets
-
 from flask import current_app
 from sqlalchemy.orm import Session
 
 from app.queue import enqueue_job
-from models.db import utcnow
 from models.jobs import Job
+from workers import queue
+from workers.queue import QueueUnavailable
 
-log = logging.getLogger(__name__)
-
-
-class QueueUnavailable(RuntimeError):
-    """The job was stored but could not be handed to the coordinator."""
-
-    def __init__(self, job: Job, reason: str):
-        super().__init__(reason)
-        self.job = job
+__all__ = ["QueueUnavailable", "limits", "rerun_params", "submit_job"]
 
 
 def limits() -> dict[str, int]:
@@ -34,36 +24,8 @@ def limits() -> dict[str, int]:
 
 
 def submit_job(session: Session, params: dict) -> Job:
-    """Store a queued job for `params` (seed drawn when None) and enqueue it.
-
-    Raises QueueUnavailable, with the job marked failed, when the broker cannot be reached.
-    """
-    seed = params.get("seed")
-    job = Job(
-        prompt=params["prompt"],
-        model=current_app.config["MODEL"],
-        max_new_tokens=params["max_new_tokens"],
-        temp=params["temp"],
-        top_p=params["top_p"],
-        top_k=params["top_k"],
-        seed=secrets.randbits(64) if seed is None else seed,
-        seed_was_random=seed is None,
-        draft_k=params["draft_k"],
-        status="queued",
-    )
-    session.add(job)
-    session.commit()
-    try:
-        job.task_id = enqueue_job(job.id)
-    except Exception as exc:  # kombu and redis raise several types; all mean the same here
-        log.warning("could not enqueue job %s: %s", job.id, exc)
-        job.status = "failed"
-        job.error = f"could not reach the job queue: {exc}"
-        job.finished_at = utcnow()
-        session.commit()
-        raise QueueUnavailable(job, job.error) from exc
-    session.commit()
-    return job
+    """Store a queued job for `params` on the app's model and enqueue it (QueueUnavailable)."""
+    return queue.submit_job(session, params, current_app.config["MODEL"], enqueue_job)
 
 
 def rerun_params(job: Job) -> dict:

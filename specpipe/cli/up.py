@@ -1,0 +1,138 @@
+"""`specpipe up`: the whole swarm on this machine, as supervised child processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+import click
+
+from specpipe.cli.model import ModelInputError
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@click.command(name="up")
+@click.option("--stages", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Stage workers, each serving an even share of the layers.")  # fmt: skip
+@click.option("--model", "model_name", default="default", show_default=True, help="Model.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True,
+              help="Port of the web app (on 127.0.0.1).")  # fmt: skip
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              default="float32", show_default=True, help="Stages' compute dtype.")  # fmt: skip
+@click.option("--status-every", type=click.FloatRange(min=0), default=60.0, show_default=True,
+              help="Seconds between status lines (0: only at start and on changes).")  # fmt: skip
+def up(stages: int, model_name: str, port: int, dtype: str, status_every: float) -> None:
+    """Run the swarm here: Redis, stage workers, coordinator, beat and the web app.
+
+    Without REDIS_URL a private Redis is started on a free port. The swarm key and SECRET_KEY
+    are made on first start and kept in the instance folder ($SPECPIPE_HOME, else ./instance),
+    mode 0600; the store is migrated. Every process is restarted when it dies; Ctrl-C stops
+    them all. Other commands (`specpipe generate`, `specpipe nodes`) find the swarm through
+    instance/swarm.json.
+
+    Example:
+
+        specpipe up --stages 4 --port 8000
+    """
+    from models import migrate as migrations
+    from specpipe import settings
+    from specpipe.model.errors import ModelError
+    from specpipe.model.resolve import even_split, open_checkpoint
+    from specpipe.redis_server import RedisUnavailable, ensure_redis
+    from specpipe.supervisor import ProcessSpec, Supervisor
+
+    home = settings.instance_dir()
+    state_file = home / settings.SWARM_FILE
+    previous = settings.swarm_file()
+    if _alive(previous.get("pid")) and previous.get("pid") != os.getpid():
+        raise click.ClickException(
+            f"a swarm already runs from {home} (pid {previous['pid']}, {previous.get('web_url')})"
+        )
+    try:
+        n_layers = open_checkpoint(model_name).config.n_layers
+        split = even_split(n_layers, stages)
+    except ModelError as exc:
+        raise ModelInputError(str(exc)) from None
+    if not _port_free(port):
+        raise click.ClickException(f"port {port} is in use: pass --port")
+
+    home.mkdir(parents=True, exist_ok=True)
+    swarm_key = settings.ensure_swarm_key()
+    secret_key = settings.ensure_secret_key()
+    database_url = settings.database_url()
+    try:
+        migrations.upgrade(database_url)
+    except Exception as exc:  # an unreachable or broken database is one line
+        raise click.ClickException(f"could not migrate the database: {exc}") from exc
+    try:
+        redis_url, private_redis = ensure_redis(os.environ.get("REDIS_URL") or None)
+    except RedisUnavailable as exc:
+        raise click.ClickException(str(exc)) from None
+
+    swarm = settings.swarm_name() if os.environ.get("SPECPIPE_SWARM") else "default"
+    env = {
+        "REDIS_URL": redis_url,
+        "SPECPIPE_SWARM_KEY": swarm_key,
+        "SPECPIPE_SWARM": swarm,
+        "SECRET_KEY": secret_key,
+        "DATABASE_URL": database_url,
+        "SPECPIPE_HOME": str(home),
+        "SPECPIPE_MODEL": model_name,
+        "PYTHONUNBUFFERED": "1",
+    }
+    python = [sys.executable, "-m", "specpipe"]
+    threads = max(1, (os.cpu_count() or 1) // stages)
+    host = socket.gethostname().split(".")[0] or "local"
+    specs = [
+        ProcessSpec(
+            f"stage{i}",
+            [*python, "worker", "stage", "--host", f"{host}-stage{i}", "--layers", f"{a}:{b}",
+             "--model", model_name, "--dtype", dtype, "--threads", str(threads)],
+            env,
+        )  # fmt: skip
+        for i, (a, b) in enumerate(split)
+    ]
+    specs += [
+        ProcessSpec("coordinator", [*python, "worker", "coordinator", "--loglevel", "WARN"], env),
+        ProcessSpec("beat", [*python, "worker", "beat", "--loglevel", "WARN"], env),
+        ProcessSpec("web", [*python, "web", "--port", str(port), "--no-migrate"], env),
+    ]
+    web_url = f"http://127.0.0.1:{port}/"
+    state = {"redis_url": redis_url, "web_url": web_url, "swarm": swarm, "pid": os.getpid(),
+             "model": model_name, "stages": stages}  # fmt: skip
+    state_file.write_text(json.dumps(state, indent=2) + "\n")
+    where = "private Redis" if private_redis else "Redis"
+    click.echo(f"specpipe up: {web_url}  ({stages} stages of {model_name}, {where} {redis_url})")
+    supervisor = Supervisor(specs, out=lambda line: click.echo(line))
+    try:
+        supervisor.run(status_every_s=status_every)
+    finally:
+        # The children are stopped by now; only then may their Redis go.
+        if private_redis is not None:
+            private_redis.stop()
+        if settings.swarm_file().get("pid") == os.getpid():
+            state_file.unlink(missing_ok=True)
+        click.echo("specpipe up: stopped")
