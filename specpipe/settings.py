@@ -18,8 +18,9 @@ def instance_dir() -> Path:
 
 
 def database_url() -> str:
-    """`DATABASE_URL` when set, else a SQLite file in the instance folder."""
-    url = os.environ.get("DATABASE_URL")
+    """`DATABASE_URL`, else the store of the swarm `specpipe up` runs here, else a SQLite file in
+    the instance folder."""
+    url = os.environ.get("DATABASE_URL") or swarm_file().get("database_url")
     if url:
         return url
     return f"sqlite:///{instance_dir() / 'specpipe.sqlite3'}"

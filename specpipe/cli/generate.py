@@ -1,4 +1,4 @@
-"""`specpipe generate`: generate text from a prompt, here with every stage in this process."""
+"""`specpipe generate`: generate text from a prompt, on the swarm or with every stage here."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from specpipe.cli.model import ModelInputError
 @click.command(name="generate")
 @click.argument("prompt")
 @click.option("--local", is_flag=True, help="Run every stage in this process (no swarm).")
-@click.option("--model", "model_name", default="default", show_default=True, help="Model.")
+@click.option("--model", "model_name", default="default", show_default=True,
+              help="Model (on the swarm, `default` is the model the swarm serves).")  # fmt: skip
 @click.option(
     "--stages",
     type=click.IntRange(min=1),
@@ -102,7 +103,13 @@ def generate(
 ) -> None:
     """Generate a reply to PROMPT, streaming it, then report tok/s and tokens per round.
 
-    Example:
+    Without --local the job goes to the running swarm (the one `specpipe up` started, or
+    REDIS_URL's) exactly as a job from the web app does, and its text streams as the
+    coordinator records it.
+
+    Examples:
+
+        specpipe generate "Why is the sky blue?" --temp 0.8 --seed 1
 
         specpipe generate --local "Summarise: the cat sat on the mat." --max-new-tokens 64
     """
@@ -114,12 +121,17 @@ def generate(
     from specpipe.ring import LocalRing, SamplingParams
     from specpipe.sampling import check_params
 
-    if not local:
-        raise click.UsageError("only --local generation is available from this command")
     try:
         check_params(temp, top_p, top_k)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+    if not local:
+        if raw:
+            raise click.UsageError("--raw needs --local: swarm jobs always use the chat template")
+        params = dict(prompt=prompt, max_new_tokens=max_new_tokens, temp=temp, top_p=top_p,
+                      top_k=top_k, seed=seed, draft_k=0 if no_spec else draft_k)  # fmt: skip
+        generate_on_swarm(params, None if model_name == "default" else model_name, as_json)
+        return
     if threads:
         torch.set_num_threads(threads)
     try:
@@ -176,5 +188,91 @@ def generate(
     click.echo(
         f"\n{stats.generated} tokens in {stats.seconds:.2f} s: {stats.tok_s:.2f} tok/s, "
         f"{stats.rounds} rounds, {stats.accepted_per_round:.2f} tokens per round",
+        err=True,
+    )
+
+
+def generate_on_swarm(params: dict, model: str | None, as_json: bool) -> None:
+    """Submit a job to the running swarm, stream its text as it is recorded, report its stats."""
+    import time
+
+    import redis
+
+    from models.db import make_session_factory
+    from models.jobs import Job
+    from specpipe import inventory, settings
+    from workers.queue import QueueUnavailable, make_client, send_generate, submit_job
+
+    url, swarm = settings.redis_url(), settings.swarm_name()
+    hint = "start one with `specpipe up`, or set REDIS_URL"
+    client = redis.Redis.from_url(url, socket_connect_timeout=3)
+    try:
+        nodes = inventory.load(client, swarm)
+    except redis.RedisError as exc:
+        raise click.ClickException(f"no swarm running: cannot reach Redis at {url} ({exc}); "
+                                   f"{hint}") from None  # fmt: skip
+    finally:
+        client.close()
+    if not any(n.status() == "online" for n in nodes):
+        raise click.ClickException(f"no swarm running: no stage is online in swarm {swarm!r} "
+                                   f"at {url}; {hint}")  # fmt: skip
+
+    sessions = make_session_factory(settings.database_url())
+    celery = make_client(url)
+    with sessions() as session:
+        try:
+            job = submit_job(
+                session, params, model or settings.default_model(),
+                lambda job_id: send_generate(celery, job_id),
+            )  # fmt: skip
+        except QueueUnavailable as exc:
+            raise click.ClickException(f"job {exc.job.id}: {exc}") from None
+        except Exception as exc:  # e.g. a store that was never migrated
+            raise click.ClickException(f"cannot store the job in {settings.database_url()}: "
+                                       f"{exc}") from None  # fmt: skip
+        job_id = job.id
+    shown, warned, queued_since = "", False, time.monotonic()
+    try:
+        while True:
+            with sessions() as session:
+                job = session.get(Job, job_id)
+            if not as_json:
+                text = job.output_text or ""
+                if not text.endswith("\ufffd") and text.startswith(shown):
+                    click.echo(text[len(shown) :], nl=False)
+                    sys.stdout.flush()
+                    shown = text
+            if job.finished:
+                break
+            if job.status == "queued" and not warned and time.monotonic() - queued_since > 10:
+                click.echo(f"job {job_id} is still queued: is a coordinator running?", err=True)
+                warned = True
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        with sessions() as session:
+            session.get(Job, job_id).request_cancel()
+            session.commit()
+        raise click.ClickException(f"job {job_id}: cancelled") from None
+    if job.status != "done":
+        raise click.ClickException(f"job {job_id} {job.status}: {job.error or 'no reason given'}")
+    tok_s, per_round = job.tok_s or 0.0, job.tokens_per_round or 0.0
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "tokens": list(job.output_ids or []),
+                    "text": job.output_text,
+                    "tok_s": round(tok_s, 3),
+                    "rounds": job.rounds,
+                    "accepted_per_round": round(per_round, 3),
+                }
+            )
+        )
+        return
+    rest = job.output_text
+    click.echo(rest[len(shown) :] if rest.startswith(shown) else "")
+    click.echo(
+        f"\njob {job_id}: {job.generated_tokens} tokens, {tok_s:.2f} tok/s, {job.rounds} rounds, "
+        f"{per_round:.2f} tokens per round",
         err=True,
     )

@@ -122,8 +122,11 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
     ]
     web_url = f"http://127.0.0.1:{port}/"
     state = {"redis_url": redis_url, "web_url": web_url, "swarm": swarm, "pid": os.getpid(),
-             "model": model_name, "stages": stages}  # fmt: skip
-    state_file.write_text(json.dumps(state, indent=2) + "\n")
+             "model": model_name, "stages": stages, "database_url": database_url}  # fmt: skip
+    # Owner-only: the database URL may carry a password.
+    fd = os.open(state_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(json.dumps(state, indent=2) + "\n")
     where = "private Redis" if private_redis else "Redis"
     click.echo(f"specpipe up: {web_url}  ({stages} stages of {model_name}, {where} {redis_url})")
     supervisor = Supervisor(specs, out=lambda line: click.echo(line))

@@ -49,6 +49,12 @@ def load(db_url, job_id) -> Job:
         return session.get(Job, job_id)
 
 
+def run_job(sessions, job_id, make_ring, codec, eos=(), keep_alive=None):
+    """The coordinator's loop in a session of its own, as the Celery task gives it one."""
+    with sessions() as session:
+        return coordinator.run_job(session, job_id, make_ring, codec, eos, keep_alive)
+
+
 def undisturbed(job: Job) -> list[int]:
     params = SamplingParams(temp=job.temp, top_p=job.top_p, top_k=job.top_k, seed=job.seed)
     prompt = ToyCodec().prompt_ids(job.prompt)
@@ -81,7 +87,7 @@ class DyingRing:
 def test_a_job_runs_to_the_end_and_records_every_round(db_url, temp, draft_k):
     job_id = add_job(db_url, temp=temp, draft_k=draft_k)
     sessions = make_session_factory(db_url)
-    assert coordinator.run_job(sessions, job_id, local_ring, ToyCodec(), {EOS}) == "done"
+    assert run_job(sessions, job_id, local_ring, ToyCodec(), {EOS}) == "done"
     job = load(db_url, job_id)
     assert job.status == "done" and job.error is None and job.finished_at
     assert job.output_ids == undisturbed(job)
@@ -98,13 +104,13 @@ def test_a_rerun_after_the_coordinator_died_resumes_to_the_same_output(db_url):
     job_id = add_job(db_url, temp=0.9, draft_k=3, max_new_tokens=30)
     sessions = make_session_factory(db_url)
     with pytest.raises(SystemExit):
-        coordinator.run_job(sessions, job_id, lambda j: DyingRing(local_ring(), 4), ToyCodec(),
+        run_job(sessions, job_id, lambda j: DyingRing(local_ring(), 4), ToyCodec(),
                             {EOS})  # fmt: skip
     partial = load(db_url, job_id)
     assert partial.status == "running" and 0 < len(partial.output_ids) < 30
     calls = []
     counting = DyingRing(local_ring(), rounds=100, on_round=lambda: calls.append(1))
-    assert coordinator.run_job(sessions, job_id, lambda j: counting, ToyCodec(), {EOS}) == "done"
+    assert run_job(sessions, job_id, lambda j: counting, ToyCodec(), {EOS}) == "done"
     job = load(db_url, job_id)
     assert job.output_ids == undisturbed(job)
     assert job.output_ids[: len(partial.output_ids)] == partial.output_ids
@@ -119,7 +125,7 @@ def test_a_job_with_missing_layers_fails_with_the_reason(db_url, swarm, key, red
     def from_inventory(_job):
         return RedisRing.from_inventory(redis_url, swarm, key, n_layers=4)
 
-    assert coordinator.run_job(sessions, job_id, from_inventory, ToyCodec()) == "failed"
+    assert run_job(sessions, job_id, from_inventory, ToyCodec()) == "failed"
     job = load(db_url, job_id)
     assert job.error == "RouteError: no online stage serves layers 0:4"
     assert job.output_ids == [] and job.finished_at
@@ -138,19 +144,19 @@ def test_a_cancel_request_stops_the_job_at_its_next_round(db_url):
                 other.commit()
 
     ring = DyingRing(local_ring(), rounds=100, on_round=cancel_from_the_web_app)
-    assert coordinator.run_job(sessions, job_id, lambda j: ring, ToyCodec(), {EOS}) == "cancelled"
+    assert run_job(sessions, job_id, lambda j: ring, ToyCodec(), {EOS}) == "cancelled"
     job = load(db_url, job_id)
     assert job.status == "cancelled" and job.rounds == 3 and len(job.output_ids) == 3
 
 
 def test_finished_missing_and_cancelled_jobs_are_left_alone(db_url):
     sessions = make_session_factory(db_url)
-    assert coordinator.run_job(sessions, 10_000, local_ring, ToyCodec()) is None
+    assert run_job(sessions, 10_000, local_ring, ToyCodec()) is None
     done = add_job(db_url, status="done", output_ids=[1, 2])
-    assert coordinator.run_job(sessions, done, local_ring, ToyCodec()) == "done"
+    assert run_job(sessions, done, local_ring, ToyCodec()) == "done"
     assert load(db_url, done).output_ids == [1, 2]
     queued = add_job(db_url, cancel_requested=True)
-    assert coordinator.run_job(sessions, queued, local_ring, ToyCodec()) == "cancelled"
+    assert run_job(sessions, queued, local_ring, ToyCodec()) == "cancelled"
     assert load(db_url, queued).rounds == 0
 
 
@@ -165,7 +171,7 @@ def test_a_job_over_real_stage_processes_equals_the_local_run(db_url, stages, sw
     def from_inventory(_job):
         return RedisRing.from_inventory(redis_url, swarm, key, n_layers=4, timeout_s=20)
 
-    assert coordinator.run_job(sessions, job_id, from_inventory, ToyCodec(), {EOS}) == "done"
+    assert run_job(sessions, job_id, from_inventory, ToyCodec(), {EOS}) == "done"
     job = load(db_url, job_id)
     assert job.output_ids == undisturbed(job)
 
