@@ -6,10 +6,11 @@ import click
 
 
 @click.command(name="nodes")
-@click.option("--redis", "redis_url", envvar="REDIS_URL", help="The swarm's registry Redis.")
-@click.option("--swarm", envvar="SPECPIPE_SWARM", default="default", show_default=True,
-              help="The swarm's name.")  # fmt: skip
-def nodes(redis_url: str | None, swarm: str) -> None:
+@click.option("--redis", "redis_url", envvar="REDIS_URL",
+              help="The swarm's registry Redis (default: the one `specpipe up` runs).")  # fmt: skip
+@click.option("--swarm", envvar="SPECPIPE_SWARM", default=None,
+              help="The swarm's name (default: the running swarm's, else `default`).")  # fmt: skip
+def nodes(redis_url: str | None, swarm: str | None) -> None:
     """List every stage host: role, layers, status by heartbeat, Redis, geo, GPU.
 
     Example:
@@ -18,8 +19,10 @@ def nodes(redis_url: str | None, swarm: str) -> None:
     """
     import redis
 
-    from specpipe import inventory
+    from specpipe import inventory, settings
 
+    redis_url = redis_url or settings.swarm_file().get("redis_url")
+    swarm = swarm or settings.swarm_name()
     if not redis_url:
         raise click.ClickException("no swarm Redis: set REDIS_URL or pass --redis")
     client = redis.Redis.from_url(redis_url, socket_connect_timeout=3)

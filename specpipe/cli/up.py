@@ -115,9 +115,10 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
         )  # fmt: skip
         for i, (a, b) in enumerate(split)
     ]
+    quiet = ["--loglevel", "WARNING"]
     specs += [
-        ProcessSpec("coordinator", [*python, "worker", "coordinator", "--loglevel", "WARN"], env),
-        ProcessSpec("beat", [*python, "worker", "beat", "--loglevel", "WARN"], env),
+        ProcessSpec("coordinator", [*python, "worker", "coordinator", *quiet], env),
+        ProcessSpec("beat", [*python, "worker", "beat", *quiet], env),
         ProcessSpec("web", [*python, "web", "--port", str(port), "--no-migrate"], env),
     ]
     web_url = f"http://127.0.0.1:{port}/"

@@ -1,0 +1,107 @@
+"""Real swarm processes for tests: a tiny checkpoint with a tokenizer, `specpipe worker stage`
+processes serving it, and a `specpipe worker coordinator` process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from specpipe import inventory
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECPIPE = [sys.executable, "-m", "specpipe"]
+
+
+def write_tiny_model(path: Path) -> Path:
+    """A 4-layer random Llama checkpoint with a 90-word tokenizer and a chat template."""
+    from tests.model.conftest import write_llama
+    from tests.model.test_tokenizer import _write_tokenizer
+
+    write_llama(path, "llama", seed=11)
+    _write_tokenizer(path, 90)
+    return path
+
+
+def swarm_env(redis_url: str, swarm: str, key: str, **extra: str) -> dict[str, str]:
+    """The environment a swarm process needs."""
+    return {
+        **os.environ,
+        "REDIS_URL": redis_url,
+        "SPECPIPE_SWARM": swarm,
+        "SPECPIPE_SWARM_KEY": key,
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
+
+
+class Swarm:
+    """Starts stage and coordinator processes; `stop` ends every one of them."""
+
+    def __init__(self, redis_url: str, swarm: str, key: str, model: Path, **env: str) -> None:
+        self.redis_url, self.swarm, self.key, self.model = redis_url, swarm, key, model
+        self.env = swarm_env(redis_url, swarm, key, **env)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.argv: dict[str, list[str]] = {}
+
+    def start_stage(self, host: str, layers: str) -> None:
+        """Start `specpipe worker stage` for `host` (not waiting for it)."""
+        argv = [*SPECPIPE, "worker", "stage", "--host", host, "--layers", layers,
+                "--model", str(self.model), "--threads", "1", "--heartbeat-s", "0.5"]  # fmt: skip
+        self._start(host, argv)
+
+    def start_coordinator(self, queue: str = "coordinator") -> None:
+        """Start `specpipe worker coordinator` on `queue`."""
+        self._start("coordinator", [*SPECPIPE, "worker", "coordinator", "--queue", queue,
+                                    "--loglevel", "WARNING"])  # fmt: skip
+
+    def _start(self, name: str, argv: list[str]) -> None:
+        self.argv[name] = argv
+        self.procs[name] = subprocess.Popen(argv, cwd=ROOT, env=self.env)
+
+    def restart(self, name: str) -> None:
+        """Start `name` again with the same arguments."""
+        self._start(name, self.argv[name])
+
+    def kill9(self, name: str) -> None:
+        """SIGKILL: no clean-up of any kind."""
+        proc = self.procs[name]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    def wait_stages(self, hosts, timeout_s: float = 90.0) -> None:
+        """Wait until each host has heartbeated since now."""
+        client = redis.Redis.from_url(self.redis_url)
+        since = time.time() - 0.5
+        deadline = time.monotonic() + timeout_s
+        pending = set(hosts)
+        try:
+            while pending and time.monotonic() < deadline:
+                for node in inventory.load(client, self.swarm):
+                    if node.host in pending and node.last_heartbeat >= since:
+                        pending.discard(node.host)
+                for host in list(pending):
+                    if self.procs[host].poll() is not None:
+                        raise RuntimeError(f"{host} exited with {self.procs[host].returncode}")
+                time.sleep(0.05)
+        finally:
+            client.close()
+        if pending:
+            raise TimeoutError(f"stages {sorted(pending)} did not come up")
+
+    def stop(self) -> None:
+        """SIGTERM everything still running, SIGKILL what does not stop."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
