@@ -19,6 +19,7 @@ committed per round are those plus the target's own token (`Job.tokens_per_round
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from functools import lru_cache
@@ -214,10 +215,11 @@ def generate(self, job_id: int) -> str | None:
                                                  "SPECPIPE_SWARM_KEY is not set")  # fmt: skip
     registry = redis_url()
     client = redis.Redis.from_url(registry, socket_connect_timeout=5)
-    lock = client.lock(lock_key(settings.swarm, job_id), timeout=stalled_after_s())
+    keeper = LockKeeper(client.lock(lock_key(settings.swarm, job_id), timeout=stalled_after_s()))
     try:
-        if not lock.acquire(blocking=False):
+        if not keeper.start():
             log.info("job %s is already running elsewhere; this delivery is dropped", job_id)
+            client.close()
             return "running"
     except redis.RedisError as exc:
         client.close()
@@ -229,24 +231,60 @@ def generate(self, job_id: int) -> str | None:
         sync_inventory(session, chain)  # the run's snapshot is the ring as it is now
         return RedisRing(chain, settings.swarm, settings.swarm_key.encode(), registry)
 
-    def keep_alive() -> bool:
-        try:
-            lock.reacquire()
-            return True
-        except redis.exceptions.LockNotOwnedError:
-            return False
-        except redis.RedisError as exc:  # the ring itself will tell if Redis is really gone
-            log.warning("job %s: could not refresh its lock: %s", job_id, exc)
-            return True
-
     try:
-        return run_job(session, job_id, make_ring, codec, eos, keep_alive)
+        return run_job(session, job_id, make_ring, codec, eos, keeper.owned)
     finally:
-        try:
-            lock.release()
-        except redis.RedisError:
-            pass
+        keeper.stop()
         client.close()
+
+
+class LockKeeper:
+    """Holds a job's Redis lock while this process runs the job, refreshing it from a thread.
+
+    The lock lapses only when the process stops (or cannot reach Redis for a whole lock
+    lifetime), so a long round never lets a second coordinator in."""
+
+    def __init__(self, lock: redis.lock.Lock) -> None:
+        self.lock = lock
+        self._stop = threading.Event()
+        self._lost = False
+        self._thread = threading.Thread(target=self._refresh, daemon=True)
+
+    def start(self) -> bool:
+        """Take the lock (False when another holder has it) and start refreshing it."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        self._thread.start()
+        return True
+
+    def owned(self) -> bool:
+        """Whether this process still owns the lock."""
+        return not self._lost
+
+    def stop(self) -> None:
+        """Stop refreshing and release the lock."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        try:
+            self.lock.release()
+        except redis.RedisError:
+            pass  # expired or taken: nothing of ours to release
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(self.lock.timeout / 3):
+            try:
+                self.lock.reacquire()
+            except redis.exceptions.LockNotOwnedError:
+                # It lapsed (Redis was away): take it again unless someone else has.
+                try:
+                    self._lost = not self.lock.acquire(blocking=False)
+                except redis.RedisError:
+                    continue
+                if self._lost:
+                    return
+            except redis.RedisError as exc:
+                log.warning("could not refresh a job lock: %s", exc)
 
 
 @shared_task(name=RESUME_TASK, bind=True, base=DbTask, ignore_result=True)

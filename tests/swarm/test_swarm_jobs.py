@@ -1,0 +1,213 @@
+"""Whole jobs on a real swarm: `specpipe worker stage` processes serving a tiny checkpoint, a
+real Celery coordinator process, a private Redis, and `specpipe generate` submitting the job.
+
+Every output is compared with `specpipe generate --local` on the same checkpoint: a job's
+tokens depend only on (model, prompt, parameters, seed), whatever is killed on the way.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import threading
+import time
+import uuid
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from models import Job
+from models.db import make_session_factory
+from models.runs import Run
+from specpipe.cli import cli
+from specpipe.redis_server import RedisServer, free_port
+from tests.swarmprocs import Swarm, write_tiny_model
+from workers.queue import make_client
+
+PROMPT = "hello world"
+LONG = dict(temp=0.8, seed=1, max_new_tokens=150)  # runs to the budget: no EOS on the way
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def private_redis():
+    with RedisServer() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny, private_redis, database_url):
+    """Two stages (layers 0:2, 2:4) and a coordinator that counts a job stalled after 2 s."""
+    group = Swarm(private_redis, f"t{uuid.uuid4().hex[:8]}", secrets.token_hex(16), tiny,
+                  DATABASE_URL=database_url, SPECPIPE_STALLED_S="2")  # fmt: skip
+    try:
+        group.start_stage("s0", "0:2")
+        group.start_stage("s1", "2:4")
+        group.start_coordinator()
+        group.wait_stages(["s0", "s1"])
+        yield group
+    finally:
+        group.stop()
+
+
+@pytest.fixture
+def env(monkeypatch, swarm, db_url):
+    """This process talks to the test swarm and its store, as a user's shell would."""
+    monkeypatch.setenv("REDIS_URL", swarm.redis_url)
+    monkeypatch.setenv("SPECPIPE_SWARM", swarm.swarm)
+    monkeypatch.setenv("DATABASE_URL", db_url)
+    return db_url
+
+
+def options(tiny, temp=0.0, seed=0, max_new_tokens=40, draft_k=None) -> list[str]:
+    spec = ["--no-spec"] if draft_k == 0 else ["--draft-k", str(draft_k or 4)]
+    return ["--model", str(tiny), "--json", "--temp", str(temp), "--seed", str(seed),
+            "--max-new-tokens", str(max_new_tokens), *spec]  # fmt: skip
+
+
+def generate(*args: str) -> dict:
+    result = CliRunner().invoke(cli, ["generate", PROMPT, *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def local(tiny, **kw) -> dict:
+    return generate("--local", "--stages", "2", *options(tiny, **kw))
+
+
+def latest_job(db_url) -> Job | None:
+    with make_session_factory(db_url)() as session:
+        return session.query(Job).order_by(Job.id.desc()).first()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(temp=0.0, max_new_tokens=60), dict(temp=0.9, seed=3), dict(temp=0.7, seed=5, top=1)],
+    ids=["greedy", "sampled", "sampled-top-k"],
+)
+def test_a_swarm_job_equals_the_local_run_spec_and_plain(tiny, env, kw):
+    extra = ["--top-k", "20", "--top-p", "0.9"] if kw.pop("top", None) else []
+    want = local(tiny, **kw, draft_k=0)
+    spec = generate(*options(tiny, **kw, draft_k=4), *extra)
+    plain = generate(*options(tiny, **kw, draft_k=0), *extra)
+    if extra:
+        want = generate("--local", "--stages", "2", *options(tiny, **kw, draft_k=0), *extra)
+    assert spec["tokens"] == plain["tokens"] == want["tokens"] and want["tokens"]
+    assert spec["text"] == plain["text"] == want["text"]
+    assert set(spec) == set(want) == {"tokens", "text", "tok_s", "rounds", "accepted_per_round"}
+    assert plain["rounds"] == len(plain["tokens"]) and plain["accepted_per_round"] == 1.0
+    assert spec["accepted_per_round"] == pytest.approx(len(spec["tokens"]) / spec["rounds"], 1e-2)
+    job = latest_job(env)
+    # Each job is a generation run with the ring it ran on.
+    with make_session_factory(env)() as session:
+        run = session.get(Run, job.run_id)
+        assert run.kind == "generation" and run.finished_at and run.topology == "s0 -> s1"
+        assert [(n.host, n.layer_start, n.layer_end) for n in run.node_snapshots] == [
+            ("s0", 0, 2),
+            ("s1", 2, 4),
+        ]
+
+
+def watch(db_url, until, timeout_s: float = 60.0) -> Job:
+    """Poll the newest job until `until(job)`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = latest_job(db_url)
+        if job is not None and until(job):
+            return job
+        time.sleep(0.01)
+    raise TimeoutError("the job never got there")
+
+
+def in_background(*args: str) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def target():
+        out["result"] = CliRunner().invoke(cli, ["generate", PROMPT, *args])
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_stage_killed_mid_job_is_restarted_and_the_output_is_unchanged(tiny, env, swarm):
+    want = local(tiny, **LONG, draft_k=0)
+    thread, out = in_background(*options(tiny, **LONG, draft_k=0))
+    job = watch(env, lambda j: j.generated_tokens >= 10)
+    swarm.kill9("s1")  # the tail: its caches and the session's sampling parameters are gone
+    assert latest_job(env).status == "running"
+    swarm.restart("s1")
+    thread.join(120)
+    result = out["result"]
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["tokens"] == want["tokens"]
+    assert latest_job(env).id == job.id
+
+
+def test_a_coordinator_killed_mid_job_is_resumed_with_the_same_output(tiny, env, swarm):
+    want = local(tiny, **LONG, draft_k=0)
+    thread, out = in_background(*options(tiny, **LONG, draft_k=0))
+    watch(env, lambda j: j.generated_tokens >= 10)
+    swarm.kill9("coordinator")
+    partial = latest_job(env)
+    assert partial.status == "running" and partial.generated_tokens < 150
+    swarm.restart("coordinator")
+    # What beat does every 15 s: find running jobs without progress whose lock expired.
+    client = make_client(swarm.redis_url)
+    deadline = time.monotonic() + 60
+    while latest_job(env).status == "running" and latest_job(env).generated_tokens == \
+            partial.generated_tokens and time.monotonic() < deadline:  # fmt: skip
+        client.send_task("workers.coordinator.resume_stalled", queue="coordinator")
+        time.sleep(1.0)
+    thread.join(120)
+    result = out["result"]
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["tokens"] == want["tokens"]
+    job = latest_job(env)
+    assert job.output_ids[: partial.generated_tokens] == partial.output_ids
+    assert job.rounds == len(job.accepted_per_round) == 150  # plain: one round per token
+
+
+def test_a_model_nobody_serves_fails_with_the_missing_layers(tiny, env, tmp_path):
+    other = shutil.copytree(tiny, tmp_path / "other")
+    result = CliRunner().invoke(cli, ["generate", PROMPT, *options(other)])
+    assert result.exit_code == 1
+    assert "failed: RouteError: no online stage serves layers 0:4" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_a_duplicate_delivery_never_runs_a_job_twice(tiny, env, swarm):
+    client = make_client(swarm.redis_url)
+    thread, out = in_background(*options(tiny, **LONG, draft_k=0))
+    job = watch(env, lambda j: j.status == "running")
+    for _ in range(3):
+        client.send_task("workers.coordinator.generate", args=[job.id], queue="coordinator")
+    thread.join(120)
+    assert out["result"].exit_code == 0, out["result"].output
+    done = latest_job(env)
+    # A second run of the same job would have appended its rounds after the first's.
+    assert done.status == "done" and done.rounds == done.generated_tokens == 150
+
+
+def test_no_swarm_running_is_one_line(monkeypatch, db_url, private_redis):
+    monkeypatch.setenv("DATABASE_URL", db_url)
+    monkeypatch.setenv("REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
+    result = CliRunner().invoke(cli, ["generate", "hi"])
+    assert result.exit_code == 1 and "no swarm running: cannot reach Redis" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    monkeypatch.setenv("REDIS_URL", private_redis)
+    monkeypatch.setenv("SPECPIPE_SWARM", "nobody-here")
+    result = CliRunner().invoke(cli, ["generate", "hi"])
+    assert result.exit_code == 1
+    assert "no swarm running: no stage is online in swarm 'nobody-here'" in result.output
+    with make_session_factory(db_url)() as session:
+        assert session.query(Job).count() == 0  # nothing was stored
+    client = redis.Redis.from_url(private_redis)
+    assert client.llen("coordinator") == 0
+    client.close()
