@@ -103,6 +103,8 @@ def test_a_swarm_job_equals_the_local_run_spec_and_plain(tiny, env, kw):
     assert set(spec) == set(want) == {"tokens", "text", "tok_s", "rounds", "accepted_per_round"}
     assert plain["rounds"] == len(plain["tokens"]) and plain["accepted_per_round"] == 1.0
     assert spec["accepted_per_round"] == pytest.approx(len(spec["tokens"]) / spec["rounds"], 1e-2)
+    if kw["temp"] == 0:  # greedy on this checkpoint repeats itself: some drafts get accepted
+        assert spec["rounds"] < len(spec["tokens"])
     job = latest_job(env)
     # Each job is a generation run with the ring it ran on.
     with make_session_factory(env)() as session:

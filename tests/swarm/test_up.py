@@ -1,0 +1,130 @@
+"""`specpipe up` on a fresh instance folder: the whole swarm as child processes, a job through
+it, a stage that dies and comes back, and nothing left behind after SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import time
+import urllib.request
+
+import psutil
+import pytest
+import redis
+from click.testing import CliRunner
+
+from specpipe import inventory
+from specpipe.cli import cli
+from specpipe.redis_server import free_port
+from tests.swarmprocs import ROOT, SPECPIPE, write_tiny_model
+
+CLEARED = ("REDIS_URL", "DATABASE_URL", "SPECPIPE_SWARM_KEY", "SECRET_KEY", "SPECPIPE_SWARM",
+           "SPECPIPE_MODEL")  # fmt: skip
+
+
+def wait_for(check, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "healthz", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def online_hosts(redis_url: str, swarm: str) -> set[str]:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return {n.host for n in inventory.load(client, swarm) if n.status() == "online"}
+    finally:
+        client.close()
+
+
+def stage_pids(up: psutil.Process) -> dict[str, int]:
+    pids = {}
+    for child in up.children(recursive=True):
+        try:
+            argv = child.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if "stage" in argv and "--host" in argv:
+            pids[argv[argv.index("--host") + 1]] = child.pid
+    return pids
+
+
+def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkeypatch):
+    tiny = write_tiny_model(tmp_path / "tiny")
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if k not in CLEARED}
+    env.update(SPECPIPE_HOME=str(home), OMP_NUM_THREADS="1")
+    port = free_port()
+    log = open(tmp_path / "up.log", "w")
+    proc = subprocess.Popen(
+        [*SPECPIPE, "up", "--stages", "2", "--model", str(tiny), "--port", str(port),
+         "--status-every", "0"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    up = psutil.Process(proc.pid)
+    try:
+        state_file = home / "swarm.json"
+        state = wait_for(
+            lambda: state_file.is_file() and json.loads(state_file.read_text()), 60, "no state"
+        )
+        assert state["pid"] == proc.pid and state["web_url"] == f"http://127.0.0.1:{port}/"
+        assert state["redis_url"] != "redis://127.0.0.1:6379/0"  # a private Redis of its own
+        for name in ("swarm.json", "swarm_key", "secret_key"):
+            assert stat.S_IMODE((home / name).stat().st_mode) == 0o600, name
+        wait_for(lambda: healthy(state["web_url"]), 90, "the web app never became healthy")
+        wait_for(lambda: len(online_hosts(state["redis_url"], state["swarm"])) == 2, 90,
+                 "the stages never came online")  # fmt: skip
+
+        # Another shell: only SPECPIPE_HOME, and `generate` finds the swarm.
+        for key in CLEARED:
+            monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv("SPECPIPE_HOME", str(home))
+        args = ["--model", str(tiny), "--max-new-tokens", "24", "--temp", "0.9", "--seed", "4",
+                "--json"]  # fmt: skip
+        want = json.loads(CliRunner().invoke(cli, ["generate", "hello", "--local", *args]).output)
+        first = subprocess.run([*SPECPIPE, "generate", "hello", *args], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert first.returncode == 0, first.stderr
+        assert json.loads(first.stdout)["tokens"] == want["tokens"] and want["tokens"]
+
+        # A stage that dies is started again and serves the next job.
+        before = stage_pids(up)
+        assert len(before) == 2
+        host, pid = sorted(before.items())[-1]
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: stage_pids(up).get(host, pid) != pid, 30, "the stage was not restarted")
+        again = subprocess.run([*SPECPIPE, "generate", "hello", *args], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert again.returncode == 0, again.stderr
+        assert json.loads(again.stdout)["tokens"] == want["tokens"]
+
+        children = up.children(recursive=True)
+        assert len(children) >= 6  # 2 stages, coordinator, beat, web, Redis
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert alive == [], [p.pid for p in alive]
+        assert not (home / "swarm.json").exists()
+    finally:
+        if proc.poll() is None:
+            for child in up.children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.wait()
+        log.close()
+        if proc.returncode not in (0, None):
+            pytest.fail((tmp_path / "up.log").read_text()[-3000:])
