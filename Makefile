@@ -20,9 +20,9 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
-# Until the swarm lands, the main job is proof 1 (the local math) on the default grid.
+# The whole swarm on this machine: Redis, 4 stage workers, coordinator, beat, web app.
 up: install
-	$(BIN)/specpipe proof local --json proof-local.json
+	$(BIN)/specpipe up
 
 test: install browser
 	$(BIN)/ruff check .

@@ -25,7 +25,7 @@
     setText("stat-tokens", String(job.generated_tokens));
     setText("stat-toks", fixed(job.tok_s, 1));
     setText("stat-rounds", String(job.rounds));
-    setText("stat-accepted", fixed(job.accepted_mean, 2));
+    setText("stat-per-round", fixed(job.tokens_per_round, 2));
     setText("job-output", job.output_text || "");
     var strip = document.getElementById("rounds-strip");
     var rounds = job.accepted_per_round || [];

@@ -7,17 +7,16 @@ it through `executable_path`, so no browser is ever downloaded.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
-import sys
+import secrets
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
 from werkzeug.serving import make_server
 
-from models.db import utcnow
+from models.db import make_session_factory, utcnow
 from models.jobs import Job
 from models.runs import start_run
 from tests.dbfixtures import backend_name
@@ -110,6 +109,7 @@ def test_submit_watch_history_proofs_nodes(server, page, session, queue):
     assert page.text_content("#job-output") == "jumps over the lazy dog"
     assert page.text_content("#job-status .badge") == "running"
     assert page.locator("#rounds-strip span").count() == 3
+    assert page.text_content("#stat-per-round") == "3.33"  # 10 tokens in 3 rounds
     page.wait_for_timeout(500)  # let the progress bar's transition finish for the picture
     shot(page, "02-job-running")
     job.status, job.finished_at = "done", utcnow()
@@ -189,38 +189,32 @@ def test_proofs_and_nodes_pages(server, page, session):
     shot(page, "09-submit-phone")
 
 
-def test_job_finished_by_a_real_worker(server, page, app, db_url, queue):
-    if importlib.util.find_spec("workers.coordinator") is None:
-        pytest.skip("needs workers/coordinator.py with the task workers.coordinator.generate")
-    if importlib.util.find_spec("workers.celery_app") is None:
-        pytest.skip("needs workers/celery_app.py (the Celery app the worker runs)")
-    env = {**os.environ, "DATABASE_URL": db_url, "REDIS_URL": app.config["REDIS_URL"]}
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "workers.celery_app",
-            "worker",
-            "--pool=solo",
-            "-Q",
-            queue.name,
-            "--concurrency=1",
-            "--loglevel=WARNING",
-        ],
-        env=env,
-    )
+def test_job_finished_by_a_real_worker(server, page, app, db_url, queue, tmp_path):
+    """The form's job runs on real stage workers serving a tiny checkpoint, through a real
+    Celery coordinator, and the page follows it to the end."""
+    from tests.swarmprocs import Swarm, write_tiny_model
+
+    tiny = write_tiny_model(tmp_path / "tiny")
+    app.config["MODEL"] = str(tiny)
+    swarm = Swarm(app.config["REDIS_URL"], f"web{uuid.uuid4().hex[:8]}", secrets.token_hex(16),
+                  tiny, DATABASE_URL=db_url)  # fmt: skip
     try:
-        job_id = submit_job(page, server, "Hello")
+        swarm.start_stage("s0", "0:2")
+        swarm.start_stage("s1", "2:4")
+        swarm.start_coordinator(queue.name)
+        swarm.wait_stages(["s0", "s1"])
+        job_id = submit_job(page, server, "hello world")
         page.wait_for_function(
             "['done', 'failed'].includes(document.querySelector('#job-status .badge').textContent)",
-            timeout=180_000,
+            timeout=120_000,
         )
         shot(page, "10-job-finished-by-worker")
         assert page.text_content("#job-status .badge") == "done", page.text_content("#job-error")
         assert page.text_content("#job-output").strip()
-        assert job_id
+        page.reload()
+        assert page.locator(".ring-list li").count() == 2  # the run's snapshot of the ring
     finally:
-        worker.terminate()
-        worker.wait(timeout=30)
+        swarm.stop()
+    with make_session_factory(db_url)() as session:
+        job = session.get(Job, job_id)
+        assert job.model == str(tiny) and job.generated_tokens == len(job.output_ids) > 0
