@@ -36,12 +36,16 @@ beat_schedule = {
         "task": "workers.regression.nightly",
         "schedule": crontab(minute=_minute, hour=_hour),
     },
+    # A busy coordinator runs one job at a time: checks it could not run in time are dropped
+    # rather than piling up behind the job.
     "resume-stalled-jobs": {
         "task": "workers.coordinator.resume_stalled",
         "schedule": 15.0,
+        "options": {"expires": 14.0},
     },
     "sync-node-inventory": {
         "task": "workers.nodes.sync",
         "schedule": 10.0,
+        "options": {"expires": 9.0},
     },
 }

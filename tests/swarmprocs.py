@@ -55,14 +55,20 @@ class Swarm:
                 "--model", str(self.model), "--threads", "1", "--heartbeat-s", "0.5"]  # fmt: skip
         self._start(host, argv)
 
-    def start_coordinator(self, queue: str = "coordinator") -> None:
-        """Start `specpipe worker coordinator` on `queue`."""
-        self._start("coordinator", [*SPECPIPE, "worker", "coordinator", "--queue", queue,
-                                    "--loglevel", "WARNING"])  # fmt: skip
+    def start_coordinator(
+        self, queue: str = "coordinator", name: str = "coordinator", log: Path | None = None
+    ) -> None:
+        """Start `specpipe worker coordinator` on `queue` (its output to `log` when given)."""
+        argv = [*SPECPIPE, "worker", "coordinator", "--queue", queue, "--loglevel", "WARNING"]
+        self._start(name, argv, log)
 
-    def _start(self, name: str, argv: list[str]) -> None:
+    def _start(self, name: str, argv: list[str], log: Path | None = None) -> None:
         self.argv[name] = argv
-        self.procs[name] = subprocess.Popen(argv, cwd=ROOT, env=self.env)
+        out = open(log, "a") if log else None  # noqa: SIM115 (the child keeps it open)
+        self.procs[name] = subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=out,
+                                            stderr=subprocess.STDOUT if out else None)  # fmt: skip
+        if out:
+            out.close()
 
     def restart(self, name: str) -> None:
         """Start `name` again with the same arguments."""

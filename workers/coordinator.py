@@ -218,7 +218,7 @@ def generate(self, job_id: int) -> str | None:
     keeper = LockKeeper(client.lock(lock_key(settings.swarm, job_id), timeout=stalled_after_s()))
     try:
         if not keeper.start():
-            log.info("job %s is already running elsewhere; this delivery is dropped", job_id)
+            log.warning("job %s is already running elsewhere; this delivery is dropped", job_id)
             client.close()
             return "running"
     except redis.RedisError as exc:

@@ -93,9 +93,14 @@ def test_generate_tiny_checkpoint_spec_equals_plain(checkpoints, tmp_path):
     assert spec["accepted_per_round"] == pytest.approx(len(spec["tokens"]) / spec["rounds"], 1e-2)
 
 
-def test_generate_without_local_is_a_usage_error():
+def test_generate_without_local_needs_a_running_swarm(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECPIPE_HOME", str(tmp_path))
+    monkeypatch.setenv("SPECPIPE_SWARM", "nobody-runs-this-swarm")
     result = CliRunner().invoke(cli, ["generate", "hi"])
-    assert result.exit_code == 2 and "--local" in result.output
+    assert result.exit_code == 1 and "no swarm running" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    result = CliRunner().invoke(cli, ["generate", "hi", "--raw"])
+    assert result.exit_code == 2 and "--raw needs --local" in result.output
 
 
 def test_generate_default_streams_and_reports():

@@ -184,17 +184,28 @@ def test_a_model_nobody_serves_fails_with_the_missing_layers(tiny, env, tmp_path
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
 
 
-def test_a_duplicate_delivery_never_runs_a_job_twice(tiny, env, swarm):
-    client = make_client(swarm.redis_url)
-    thread, out = in_background(*options(tiny, **LONG, draft_k=0))
-    job = watch(env, lambda j: j.status == "running")
-    for _ in range(3):
+def test_a_duplicate_delivery_never_runs_a_job_twice_at_once(tiny, env, swarm, tmp_path):
+    log = tmp_path / "second.log"
+    swarm.start_coordinator(name="second", log=log)  # idle while the first runs the job
+    try:
+        client = make_client(swarm.redis_url)
+        time.sleep(3)  # let it connect to the broker
+        want = local(tiny, **LONG, draft_k=0)
+        thread, out = in_background(*options(tiny, **LONG, draft_k=0))
+        job = watch(env, lambda j: j.status == "running" and j.generated_tokens > 0)
         client.send_task("workers.coordinator.generate", args=[job.id], queue="coordinator")
-    thread.join(120)
-    assert out["result"].exit_code == 0, out["result"].output
-    done = latest_job(env)
-    # A second run of the same job would have appended its rounds after the first's.
-    assert done.status == "done" and done.rounds == done.generated_tokens == 150
+        thread.join(120)
+        assert out["result"].exit_code == 0, out["result"].output
+        assert json.loads(out["result"].output)["tokens"] == want["tokens"]
+        wait_for_text = time.monotonic() + 20
+        while "already running elsewhere" not in log.read_text():
+            assert time.monotonic() < wait_for_text, log.read_text()
+            time.sleep(0.2)
+        assert f"job {job.id} is already running elsewhere" in log.read_text()
+    finally:
+        proc = swarm.procs.pop("second")
+        proc.terminate()
+        proc.wait(20)
 
 
 def test_no_swarm_running_is_one_line(monkeypatch, db_url, private_redis):

@@ -60,13 +60,15 @@ def test_history_shows_columns(client, session):
         generated_tokens=12,
         tok_s=4.56,
         accepted_per_round=[2, 3, 1],
+        rounds=3,
         draft_k=3,
         temp=0.5,
         top_p=0.9,
         top_k=7,
     )
     html = client.get("/history").get_data(as_text=True)
-    for text in ("987654321", ">12<", "4.6", "2.00", "T 0.50 · p 0.90 · k 7 · K 3", "done"):
+    # Tokens per round: 12 tokens in 3 rounds.
+    for text in ("987654321", ">12<", "4.6", "4.00", "T 0.50 · p 0.90 · k 7 · K 3", "done"):
         assert text in html
 
 
