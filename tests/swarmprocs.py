@@ -48,6 +48,7 @@ class Swarm:
         self.env = swarm_env(redis_url, swarm, key, **env)
         self.procs: dict[str, subprocess.Popen] = {}
         self.argv: dict[str, list[str]] = {}
+        self.logs: dict[str, Path | None] = {}
 
     def start_stage(self, host: str, layers: str) -> None:
         """Start `specpipe worker stage` for `host` (not waiting for it)."""
@@ -63,7 +64,7 @@ class Swarm:
         self._start(name, argv, log)
 
     def _start(self, name: str, argv: list[str], log: Path | None = None) -> None:
-        self.argv[name] = argv
+        self.argv[name], self.logs[name] = argv, log
         out = open(log, "a") if log else None  # noqa: SIM115 (the child keeps it open)
         self.procs[name] = subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=out,
                                             stderr=subprocess.STDOUT if out else None)  # fmt: skip
@@ -72,7 +73,7 @@ class Swarm:
 
     def restart(self, name: str) -> None:
         """Start `name` again with the same arguments."""
-        self._start(name, self.argv[name])
+        self._start(name, self.argv[name], self.logs[name])
 
     def kill9(self, name: str) -> None:
         """SIGKILL: no clean-up of any kind."""

@@ -215,7 +215,10 @@ def generate(self, job_id: int) -> str | None:
                                                  "SPECPIPE_SWARM_KEY is not set")  # fmt: skip
     registry = redis_url()
     client = redis.Redis.from_url(registry, socket_connect_timeout=5)
-    keeper = LockKeeper(client.lock(lock_key(settings.swarm, job_id), timeout=stalled_after_s()))
+    # Not thread-local: the keeper's thread refreshes the token this thread took.
+    lock = client.lock(lock_key(settings.swarm, job_id), timeout=stalled_after_s(),
+                       thread_local=False)  # fmt: skip
+    keeper = LockKeeper(lock)
     try:
         if not keeper.start():
             log.warning("job %s is already running elsewhere; this delivery is dropped", job_id)
