@@ -29,7 +29,6 @@ from sqlalchemy.orm import Session
 from models.db import utcnow
 from models.proof_store import save_proof_run
 from models.runs import Proof, Run
-from workers.nodes import sync_inventory
 from specpipe import __version__, inventory
 from specpipe.proofs.generation import run_generation_proof
 from specpipe.proofs.local import LocalProofConfig, run_local_proof
@@ -43,6 +42,7 @@ from specpipe.proofs.target import (
 from specpipe.redis_ring import RedisRing, RingError
 from specpipe.ring import GapError
 from specpipe.settings import Settings, default_model, nightly_sizes, redis_url
+from workers.nodes import sync_inventory
 
 log = logging.getLogger("specpipe.regression")
 

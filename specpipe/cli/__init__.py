@@ -33,3 +33,6 @@ cli.add_command(web)
 from specpipe.cli.runs import runs  # noqa: E402
 
 cli.add_command(runs)
+from specpipe.cli.regression import regression  # noqa: E402
+
+cli.add_command(regression)
