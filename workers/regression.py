@@ -172,6 +172,14 @@ def run_nightly(
         ),
         topology=topology,
     )
+    on_swarm = run.proof("on_swarm")
+    if on_swarm is not None and swarm_result is not None:  # why it failed, for the web page
+        on_swarm.summary = {
+            **on_swarm.summary,
+            "reasons": swarm_result["reasons"],
+            "exact_check": swarm_result["exact_check"],
+            "mutant_flagged": swarm_result["mutant"]["flagged"],
+        }
     for kind, reason in errors.items():
         run.proofs.append(_error_proof(kind, reason))
     verdicts = [p.verdict for p in run.proofs]
