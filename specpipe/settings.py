@@ -121,6 +121,8 @@ def nightly_sizes() -> dict[str, int]:
         "generation_tokens": _env_int("SPECPIPE_NIGHTLY_GENERATION_TOKENS", 48),
         "pilot_draws": _env_int("SPECPIPE_NIGHTLY_PILOT_DRAWS", 16),
         "max_new_tokens": _env_int("SPECPIPE_NIGHTLY_MAX_NEW_TOKENS", 64),
+        # 0: the night's date as YYYYMMDD; set it to replay a night with its recorded seed
+        "seed": _env_int("SPECPIPE_NIGHTLY_SEED", 0, 0),
     }
 
 

@@ -60,6 +60,11 @@ def lock_key(swarm: str, key: str) -> str:
     return f"specpipe:{swarm}:nightly:lock:{key}"
 
 
+def attempts_key(swarm: str, key: str) -> str:
+    """Every worker that tried to run the key, lock won or not (for the logs and the tests)."""
+    return f"specpipe:{swarm}:nightly:attempts:{key}"
+
+
 def result_key(swarm: str, key: str) -> str:
     """Where a run's outcome (JSON: run_id, name, verdict) is left for whoever waits on it."""
     return f"specpipe:{swarm}:nightly:result:{key}"
@@ -200,7 +205,10 @@ def nightly(self, key: str | None = None) -> dict:
     client = redis.Redis.from_url(registry, socket_connect_timeout=5)
     holder = f"{socket.gethostname()}:{os.getpid()}"
     try:
-        if not client.set(lock_key(settings.swarm, key), holder, nx=True, ex=LOCK_TTL_S):
+        won = bool(client.set(lock_key(settings.swarm, key), holder, nx=True, ex=LOCK_TTL_S))
+        client.rpush(attempts_key(settings.swarm, key), f"{holder} {'ran' if won else 'skipped'}")
+        client.expire(attempts_key(settings.swarm, key), RESULT_TTL_S)
+        if not won:
             log.info("nightly %s is already running or done elsewhere", key)
             return {"key": key, "skipped": True}
         try:
@@ -209,13 +217,14 @@ def nightly(self, key: str | None = None) -> dict:
             target = str(exc)
         if settings.swarm_key is None and not isinstance(target, str):
             target = "the swarm is not configured: SPECPIPE_SWARM_KEY is not set"
+        sizes = nightly_sizes()
         try:
             run = run_nightly(
                 self.session,
                 target,
                 (registry, settings.swarm, (settings.swarm_key or "").encode()),
-                nightly_seed(today),
-                nightly_sizes(),
+                sizes["seed"] or nightly_seed(today),
+                sizes,
             )
         except Exception:
             client.delete(lock_key(settings.swarm, key))  # let a retry run it
