@@ -133,3 +133,9 @@ def live_swarm(private_redis, db_url):
     swarm = Swarm(private_redis, db_url)
     yield swarm
     swarm.stop()
+
+
+@pytest.fixture
+def redis_url_for_cli(private_redis) -> str:
+    """The private Redis, for commands that only read the inventory."""
+    return private_redis
