@@ -1,2 +1,3 @@
 """Shared pytest fixtures."""
+
 pytest_plugins = ["tests.dbfixtures"]

@@ -34,9 +34,7 @@ def gen_node(session, host: str, age_s: float = 1.0, **fields):
     """A node whose last heartbeat was `age_s` seconds ago."""
     values = {"role": "stage0", "layer_start": 0, "layer_end": 9}
     values.update(fields)
-    node = upsert_node(
-        session, host, last_heartbeat=utcnow() - timedelta(seconds=age_s), **values
-    )
+    node = upsert_node(session, host, last_heartbeat=utcnow() - timedelta(seconds=age_s), **values)
     session.commit()
     return node
 
@@ -91,12 +89,22 @@ def gen_proof_run(session, kind: str = "proof", passed: bool = True) -> Run:
             "verdict": "pass" if passed else "fail",
         },
     )
-    for i, (temp, top_p, top_k) in enumerate([(0.7, 1.0, 0), (1.0, 0.9, 0), (1.0, 1.0, 5),
-                                               (1.3, 0.8, 10)]):
+    for i, (temp, top_p, top_k) in enumerate(
+        [(0.7, 1.0, 0), (1.0, 0.9, 0), (1.0, 1.0, 5), (1.3, 0.8, 10)]
+    ):
         tv = 0.008 + 0.001 * i + (0.04 if not passed and i == 3 else 0.0)
-        local.cases.append(ProofCase(position=i, label=f"T={temp} p={top_p} k={top_k}",
-                                     temp=temp, top_p=top_p, top_k=top_k, draws=20000,
-                                     tv=tv, passed=tv < 0.02))
+        local.cases.append(
+            ProofCase(
+                position=i,
+                label=f"T={temp} p={top_p} k={top_k}",
+                temp=temp,
+                top_p=top_p,
+                top_k=top_k,
+                draws=20000,
+                tv=tv,
+                passed=tv < 0.02,
+            )
+        )
     swarm = Proof(
         kind="on_swarm",
         trigger=local.trigger,
@@ -117,16 +125,39 @@ def gen_proof_run(session, kind: str = "proof", passed: bool = True) -> Run:
     for i in range(3):
         spec = {str(t): 40 - 3 * t + i for t in range(12)}
         plain = {str(t): 41 - 3 * t for t in range(12)}
-        swarm.cases.append(ProofCase(position=i, label=f"stop {i + 1}", temp=1.0, top_p=1.0,
-                                     top_k=0, draws=400, entropy_bits=3.5 + 0.2 * i,
-                                     tv=0.03 + 0.001 * i, noise_tv=0.029, passed=True,
-                                     spec_counts=spec, plain_counts=plain))
+        swarm.cases.append(
+            ProofCase(
+                position=i,
+                label=f"stop {i + 1}",
+                temp=1.0,
+                top_p=1.0,
+                top_k=0,
+                draws=400,
+                entropy_bits=3.5 + 0.2 * i,
+                tv=0.03 + 0.001 * i,
+                noise_tv=0.029,
+                passed=True,
+                spec_counts=spec,
+                plain_counts=plain,
+            )
+        )
     summary = {
-        "greedy_temp0": {"text": "The cat sat on the mat.", "tok_s": 4.6, "plain_tok_s": 2.1,
-                         "speedup": 2.19, "accepted_per_round": [2, 3], "identical": True},
-        "sampled_temp0.7_seed7": {"text": "The dog ran home.", "tok_s": 3.9, "plain_tok_s": 2.0,
-                                  "speedup": 1.95, "accepted_per_round": [1, 2],
-                                  "identical": True},
+        "greedy_temp0": {
+            "text": "The cat sat on the mat.",
+            "tok_s": 4.6,
+            "plain_tok_s": 2.1,
+            "speedup": 2.19,
+            "accepted_per_round": [2, 3],
+            "identical": True,
+        },
+        "sampled_temp0.7_seed7": {
+            "text": "The dog ran home.",
+            "tok_s": 3.9,
+            "plain_tok_s": 2.0,
+            "speedup": 1.95,
+            "accepted_per_round": [1, 2],
+            "identical": True,
+        },
         "verdict": "PASS",
     }
     run.generation_summary = summary

@@ -82,8 +82,8 @@ def test_record_progress(db_session):
 
 
 @pytest.mark.parametrize(
-    ("age_s", "status"), [(0, "online"), (29, "online"), (31, "stale"), (119, "stale"),
-                          (121, "offline")]
+    ("age_s", "status"),
+    [(0, "online"), (29, "online"), (31, "stale"), (119, "stale"), (121, "offline")],
 )
 def test_node_status_from_heartbeat_age(db_session, age_s, status):
     node = gen_node(db_session, "h1", age_s=age_s)
@@ -122,16 +122,30 @@ def test_run_record_schema(db_session):
     db_session.commit()
     record = run_record(db_session, run.id)
     assert list(record) == [
-        "run_id", "utc", "shard_commit", "claim", "model", "quant", "method",
-        "proof_1_local_math", "proof_2_on_swarm", "proof_3_generation", "nodes", "topology",
+        "run_id",
+        "utc",
+        "shard_commit",
+        "claim",
+        "model",
+        "quant",
+        "method",
+        "proof_1_local_math",
+        "proof_2_on_swarm",
+        "proof_3_generation",
+        "nodes",
+        "topology",
     ]
     assert list(record["proof_1_local_math"]) == list(PROOF_1_FIELDS)
     assert list(record["proof_2_on_swarm"]) == list(PROOF_2_FIELDS)
     assert record["proof_1_local_math"]["worst_tv_committed_vs_target"] == 0.011
     assert record["proof_2_on_swarm"]["mean_tv_noise_floor_plain_vs_plain"] == 0.03
     assert record["nodes"][0] == {
-        "role": "stage0", "layer_range": [0, 9], "public_ip": "203.0.113.10", "geo": "WA",
-        "gpu_uuid": "GPU-00000000-test", "gpu_name": "NVIDIA GeForce RTX 4090",
+        "role": "stage0",
+        "layer_range": [0, 9],
+        "public_ip": "203.0.113.10",
+        "geo": "WA",
+        "gpu_uuid": "GPU-00000000-test",
+        "gpu_name": "NVIDIA GeForce RTX 4090",
     }
     assert record["topology"] == "WA → MN → NC → NJ → back"
     assert record["utc"].endswith("Z")

@@ -1,11 +1,19 @@
-"""The `specpipe` command: the composition root. Each group lives in its own module."""
+"""The `specpipe` command: the composition root. Each group lives in its own module, and
+commands import the store, the workers or the web app only inside their own bodies."""
 
 import click
 
 from specpipe import __version__
 from specpipe.cli.bench import bench
+from specpipe.cli.db import db
+from specpipe.cli.generate import generate
+from specpipe.cli.model import model
 from specpipe.cli.nodes import nodes
 from specpipe.cli.proof import proof
+from specpipe.cli.regression import regression
+from specpipe.cli.runs import runs
+from specpipe.cli.token import token
+from specpipe.cli.web import web
 
 
 @click.group()
@@ -14,25 +22,10 @@ def cli() -> None:
     """specpipe: serve one model across a ring of hosts with lossless speculative sampling."""
 
 
-cli.add_command(bench)
-cli.add_command(proof)
-cli.add_command(nodes)
+for command in (generate, model, proof, regression, bench, nodes, runs, db, token, web):
+    cli.add_command(command)
 
 
 def main() -> None:
     """Console entry point."""
     cli()
-
-from specpipe.cli.db import db  # noqa: E402
-from specpipe.cli.token import token  # noqa: E402
-from specpipe.cli.web import web  # noqa: E402
-
-cli.add_command(db)
-cli.add_command(token)
-cli.add_command(web)
-from specpipe.cli.runs import runs  # noqa: E402
-
-cli.add_command(runs)
-from specpipe.cli.regression import regression  # noqa: E402
-
-cli.add_command(regression)

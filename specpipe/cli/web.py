@@ -9,8 +9,12 @@ import click
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--threads", default=8, show_default=True, type=click.IntRange(1, 64))
-@click.option("--migrate/--no-migrate", default=True, show_default=True,
-              help="Upgrade the database to the latest schema first.")
+@click.option(
+    "--migrate/--no-migrate",
+    default=True,
+    show_default=True,
+    help="Upgrade the database to the latest schema first.",
+)
 def web(host: str, port: int, threads: int, migrate: bool) -> None:
     """Serve the web app (forms, history, proofs, nodes, /api/v1).
 

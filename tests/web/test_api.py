@@ -9,8 +9,15 @@ from models.jobs import Job
 from models.tokens import revoke_token
 from tests.factories import gen_job, gen_proof_run, gen_ring
 
-GOOD = {"prompt": "hello", "max_new_tokens": 16, "temp": 0.0, "top_p": 1.0, "top_k": 0,
-        "seed": 7, "draft_k": 3}
+GOOD = {
+    "prompt": "hello",
+    "max_new_tokens": 16,
+    "temp": 0.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "seed": 7,
+    "draft_k": 3,
+}
 
 
 def job_count(session) -> int:
@@ -20,13 +27,23 @@ def job_count(session) -> int:
 
 @pytest.mark.parametrize(
     "headers",
-    [{}, {"Authorization": "Bearer"}, {"Authorization": "Bearer sp_nope"},
-     {"Authorization": "Basic dXNlcjpwdw=="}, {"Authorization": "sp_x"}],
+    [
+        {},
+        {"Authorization": "Bearer"},
+        {"Authorization": "Bearer sp_nope"},
+        {"Authorization": "Basic dXNlcjpwdw=="},
+        {"Authorization": "sp_x"},
+    ],
 )
 def test_api_requires_a_valid_token(client, session, queue, headers):
-    for method, path in [("get", "/api/v1/jobs"), ("post", "/api/v1/jobs"),
-                         ("get", "/api/v1/jobs/1"), ("post", "/api/v1/jobs/1/cancel"),
-                         ("get", "/api/v1/nodes"), ("get", "/api/v1/runs/1")]:
+    for method, path in [
+        ("get", "/api/v1/jobs"),
+        ("post", "/api/v1/jobs"),
+        ("get", "/api/v1/jobs/1"),
+        ("post", "/api/v1/jobs/1/cancel"),
+        ("get", "/api/v1/nodes"),
+        ("get", "/api/v1/runs/1"),
+    ]:
         response = getattr(client, method)(path, headers=headers, json=GOOD)
         assert response.status_code == 401, path
         assert "API token" in response.get_json()["error"]
@@ -112,8 +129,11 @@ def test_non_finite_temperature_literal(api, session, queue, literal):
         (b"not json", "application/json", "JSON object"),
         (b"[1, 2]", "application/json", "JSON object"),
         (b'{"prompt": "hi"}', "text/plain", "JSON object"),
-        (b'{"prompt": "hi", "colour": "red", "n": 1}', "application/json",
-         "unknown fields: colour, n"),
+        (
+            b'{"prompt": "hi", "colour": "red", "n": 1}',
+            "application/json",
+            "unknown fields: colour, n",
+        ),
         (b'{"max_new_tokens": 5}', "application/json", "invalid job"),
     ],
 )
@@ -125,8 +145,9 @@ def test_bad_bodies(api, session, queue, data, content_type, reason):
 
 
 def test_oversized_body_is_json_413(api, session, queue):
-    response = api.post("/jobs", data=b'{"prompt": "' + b"x" * (2 << 20) + b'"}',
-                        content_type="application/json")
+    response = api.post(
+        "/jobs", data=b'{"prompt": "' + b"x" * (2 << 20) + b'"}', content_type="application/json"
+    )
     assert response.status_code == 413 and "error" in response.get_json()
     assert job_count(session) == 0
 

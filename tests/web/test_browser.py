@@ -25,8 +25,14 @@ from tests.factories import gen_node, gen_proof_run, gen_ring
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "web"
 
@@ -107,8 +113,9 @@ def test_submit_watch_history_proofs_nodes(server, page, session, queue):
     page.wait_for_timeout(500)  # let the progress bar's transition finish for the picture
     shot(page, "02-job-running")
     job.status, job.finished_at = "done", utcnow()
-    job.record_progress(list(range(24)), "jumps over the lazy dog. The end.", [3, 2, 4, 4],
-                        elapsed_s=4.0)
+    job.record_progress(
+        list(range(24)), "jumps over the lazy dog. The end.", [3, 2, 4, 4], elapsed_s=4.0
+    )
     session.commit()
     page.wait_for_function("document.querySelector('#job-status .badge').textContent === 'done'")
     assert page.text_content("#stat-toks") == "6.0"
@@ -151,8 +158,15 @@ def test_form_errors_shown(server, page, session, queue):
 
 def test_proofs_and_nodes_pages(server, page, session):
     gen_ring(session, 4)
-    gen_node(session, "spare.example", age_s=75, role="stage9", layer_start=None,
-             layer_end=None, geo="TX")
+    gen_node(
+        session,
+        "spare.example",
+        age_s=75,
+        role="stage9",
+        layer_start=None,
+        layer_end=None,
+        geo="TX",
+    )
     gen_proof_run(session, kind="nightly")
     run = gen_proof_run(session, passed=False)
     page.goto(server + "/proofs/")
@@ -182,15 +196,27 @@ def test_job_finished_by_a_real_worker(server, page, app, db_url, queue):
         pytest.skip("needs workers/celery_app.py (the Celery app the worker runs)")
     env = {**os.environ, "DATABASE_URL": db_url, "REDIS_URL": app.config["REDIS_URL"]}
     worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "--pool=solo",
-         "-Q", queue.name, "--concurrency=1", "--loglevel=WARNING"],
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "workers.celery_app",
+            "worker",
+            "--pool=solo",
+            "-Q",
+            queue.name,
+            "--concurrency=1",
+            "--loglevel=WARNING",
+        ],
         env=env,
     )
     try:
         job_id = submit_job(page, server, "Hello")
         page.wait_for_function(
-            "['done', 'failed'].includes(document.querySelector('#job-status .badge')"
-            ".textContent)", timeout=180_000)
+            "['done', 'failed'].includes(document.querySelector('#job-status .badge').textContent)",
+            timeout=180_000,
+        )
         shot(page, "10-job-finished-by-worker")
         assert page.text_content("#job-status .badge") == "done", page.text_content("#job-error")
         assert page.text_content("#job-output").strip()

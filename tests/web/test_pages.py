@@ -41,9 +41,9 @@ def test_history_filters_search_sort(client, session):
     assert sorted(history_ids(html)) == sorted([ids["alpha 100% sure"], ids["alphabet soup"]])
     # % and _ are searched for literally, not as wildcards
     assert history_ids(client.get("/history?q=100%25").get_data(as_text=True)) == [
-        ids["alpha 100% sure"]]
-    assert history_ids(client.get("/history?q=a_g").get_data(as_text=True)) == [
-        ids["beta_gamma"]]
+        ids["alpha 100% sure"]
+    ]
+    assert history_ids(client.get("/history?q=a_g").get_data(as_text=True)) == [ids["beta_gamma"]]
     fastest = history_ids(client.get("/history?sort=fastest").get_data(as_text=True))
     assert fastest[:2] == [ids["alphabet soup"], ids["alpha 100% sure"]]
     oldest = history_ids(client.get("/history?sort=oldest").get_data(as_text=True))
@@ -52,8 +52,19 @@ def test_history_filters_search_sort(client, session):
 
 
 def test_history_shows_columns(client, session):
-    gen_job(session, prompt="cols", status="done", seed=987654321, generated_tokens=12,
-            tok_s=4.56, accepted_per_round=[2, 3, 1], draft_k=3, temp=0.5, top_p=0.9, top_k=7)
+    gen_job(
+        session,
+        prompt="cols",
+        status="done",
+        seed=987654321,
+        generated_tokens=12,
+        tok_s=4.56,
+        accepted_per_round=[2, 3, 1],
+        draft_k=3,
+        temp=0.5,
+        top_p=0.9,
+        top_k=7,
+    )
     html = client.get("/history").get_data(as_text=True)
     for text in ("987654321", ">12<", "4.6", "2.00", "T 0.50 · p 0.90 · k 7 · K 3", "done"):
         assert text in html
@@ -66,12 +77,22 @@ def test_job_page_and_progress(client, session):
     job.record_progress([1, 2, 3], "The cat", [1, 2], elapsed_s=1.5)
     session.commit()
     html = client.get(f"/jobs/{job.id}").get_data(as_text=True)
-    for text in ("The cat", "Run again with this seed", "Cancel", "host0.example", "layers 0–17",
-                 f"/runs/{job.run_id}/record.json", 'data-progress-url'):
+    for text in (
+        "The cat",
+        "Run again with this seed",
+        "Cancel",
+        "host0.example",
+        "layers 0–17",
+        f"/runs/{job.run_id}/record.json",
+        "data-progress-url",
+    ):
         assert text in html
     progress = client.get(f"/jobs/{job.id}/progress").get_json()
     assert (progress["generated_tokens"], progress["output_text"], progress["rounds"]) == (
-        3, "The cat", 2)
+        3,
+        "The cat",
+        2,
+    )
     assert progress["tok_s"] == pytest.approx(2.0)
     assert client.get("/jobs/424242").status_code == 404
     assert client.get("/jobs/424242/progress").status_code == 404
@@ -131,7 +152,7 @@ def test_nodes_page(client, session):
     gen_node(session, "gone.example", age_s=600, role="stage8")
     html = client.get("/nodes/").get_data(as_text=True)
     assert html.count('class="ring-node status-online"') == 4
-    assert 'status-stale' in html and 'status-offline' in html
+    assert "status-stale" in html and "status-offline" in html
     assert "WA → MN → NC → gone.example → late.example → NJ → back" in html
     assert "<svg" in html
     assert "24.0 GiB" in html and "GPU-00000003-test" in html
@@ -164,10 +185,16 @@ def test_metrics(client, session):
     gen_ring(session, 2)
     gen_node(session, "old.example", age_s=500)
     text = client.get("/metrics").get_data(as_text=True)
-    for line in ('specpipe_jobs{status="done"} 2', 'specpipe_jobs{status="queued"} 1',
-                 "specpipe_tokens_generated_total 30", "specpipe_tokens_per_second 5.0",
-                 "specpipe_accepted_per_round 2.0", 'specpipe_nodes{status="online"} 2',
-                 'specpipe_nodes{status="offline"} 1', "# TYPE specpipe_jobs gauge"):
+    for line in (
+        'specpipe_jobs{status="done"} 2',
+        'specpipe_jobs{status="queued"} 1',
+        "specpipe_tokens_generated_total 30",
+        "specpipe_tokens_per_second 5.0",
+        "specpipe_accepted_per_round 2.0",
+        'specpipe_nodes{status="online"} 2',
+        'specpipe_nodes{status="offline"} 1',
+        "# TYPE specpipe_jobs gauge",
+    ):
         assert line in text.splitlines(), line
 
 

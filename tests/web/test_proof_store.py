@@ -13,8 +13,16 @@ from specpipe.ring import LocalRing
 from tests.engine.toy_stages import toy_stages
 from tests.factories import gen_ring
 
-LOCAL = LocalProofConfig(draws=4_000, temps=(0.8,), top_ps=(0.9, 1.0), top_ks=(0,),
-                         greedy_rows=100, coupling_trials=500, sampler_trials=20, gate_tv=0.05)
+LOCAL = LocalProofConfig(
+    draws=4_000,
+    temps=(0.8,),
+    top_ps=(0.9, 1.0),
+    top_ks=(0,),
+    greedy_rows=100,
+    coupling_trials=500,
+    sampler_trials=20,
+    gate_tv=0.05,
+)
 SWARM = SwarmProofConfig(stops=3, draws=100, temp=1.0, top_p=1.0, generation_tokens=16)
 PROMPTS = [[3, 7, 1, 9, 3, 7, 1, 9], [5, 6, 7, 8]]
 
@@ -23,10 +31,16 @@ def test_real_proofs_saved_exported_and_shown(session, client):
     gen_ring(session, 2)
     local = run_local_proof(LOCAL)
     swarm = run_swarm_proof(LocalRing(toy_stages()), PROMPTS, SWARM)
-    generation = run_generation_proof(LocalRing(toy_stages()), PROMPTS[0], str,
-                                      max_new_tokens=12)
-    run = save_proof_run(session, nightly=True, local=local, swarm=swarm,
-                         generation=generation, model="toy", quant="fp32")
+    generation = run_generation_proof(LocalRing(toy_stages()), PROMPTS[0], str, max_new_tokens=12)
+    run = save_proof_run(
+        session,
+        nightly=True,
+        local=local,
+        swarm=swarm,
+        generation=generation,
+        model="toy",
+        quant="fp32",
+    )
     session.commit()
 
     record = run_record(session, run.id)

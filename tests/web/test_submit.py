@@ -33,8 +33,17 @@ def job_count(session) -> int:
 
 def test_form_page_renders_fields(client):
     html = client.get("/").get_data(as_text=True)
-    for name in ("prompt", "max_new_tokens", "temp", "top_p", "top_k", "seed", "draft_k",
-                 "speculate", "csrf_token"):
+    for name in (
+        "prompt",
+        "max_new_tokens",
+        "temp",
+        "top_p",
+        "top_k",
+        "seed",
+        "draft_k",
+        "speculate",
+        "csrf_token",
+    ):
         assert f'name="{name}"' in html
 
 
@@ -43,8 +52,16 @@ def test_submit_creates_enqueues_redirects(client, session, queue):
     assert response.status_code == 302
     job = session.scalars(select(Job)).one()
     assert response.headers["Location"].endswith(f"/jobs/{job.id}")
-    assert (job.prompt, job.max_new_tokens, job.temp, job.top_p, job.top_k, job.seed,
-            job.draft_k, job.status) == ("Once upon a time", 64, 0.7, 0.9, 40, 42, 4, "queued")
+    assert (
+        job.prompt,
+        job.max_new_tokens,
+        job.temp,
+        job.top_p,
+        job.top_k,
+        job.seed,
+        job.draft_k,
+        job.status,
+    ) == ("Once upon a time", 64, 0.7, 0.9, 40, 42, 4, "queued")
     assert job.seed_was_random is False and job.model == "tiny-test"
     assert queue.job_ids() == [job.id]
     assert job.task_id == queue.messages()[0]["headers"]["id"]
@@ -97,8 +114,9 @@ def test_largest_seed_accepted(client, session, queue):
         ({"draft_k": "999"}, "Draft K must be between 0 (no speculation) and 32"),
     ],
 )
-def test_bad_field_rerenders_with_error_and_stores_nothing(client, session, queue, changes,
-                                                           message):
+def test_bad_field_rerenders_with_error_and_stores_nothing(
+    client, session, queue, changes, message
+):
     response = post_form(client, **changes)
     assert response.status_code == 400
     html = response.get_data(as_text=True)
@@ -120,8 +138,10 @@ def test_rerender_keeps_what_was_typed(client, queue):
 
 
 def test_invalid_utf8_prompt_rejected(client, session, queue):
-    body = ("csrf_token=" + csrf_token(client) + "&prompt=%FF%FEhi&max_new_tokens=5&temp=1"
-            "&top_p=1&top_k=0&seed=&speculate=on&draft_k=4")
+    body = (
+        "csrf_token=" + csrf_token(client) + "&prompt=%FF%FEhi&max_new_tokens=5&temp=1"
+        "&top_p=1&top_k=0&seed=&speculate=on&draft_k=4"
+    )
     response = client.post("/", data=body, content_type="application/x-www-form-urlencoded")
     assert response.status_code == 400
     assert "Prompt is not valid UTF-8" in response.get_data(as_text=True)

@@ -24,7 +24,10 @@ def test_web_command_serves(fresh_database_url, tmp_path):
     env.pop("SECRET_KEY", None)
     process = subprocess.Popen(
         [sys.executable, "-m", "specpipe", "web", "--port", str(port)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 30

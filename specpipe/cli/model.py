@@ -1,0 +1,70 @@
+"""`specpipe model …`: inspect a checkpoint without loading its weights."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+class ModelInputError(click.ClickException):
+    """A model, file or layer range that cannot be used: one line, exit status 2."""
+
+    exit_code = 2
+
+
+@click.group(name="model")
+def model() -> None:
+    """Model checkpoints."""
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+@model.command(name="info")
+@click.argument("model_name", metavar="MODEL")
+@click.option(
+    "--stages",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Stages to split into.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def model_info(model_name: str, stages: int, as_json: bool) -> None:
+    """Architecture, layers, parameters, dtype, bytes per layer and an even split into stages.
+
+    MODEL is `default` (SmolLM2-135M-Instruct), a checkpoint directory or a GGUF file.
+
+    Example:
+
+        specpipe model info default --stages 4
+    """
+    from specpipe.model.errors import ModelError
+    from specpipe.model.info import model_info as info_of
+    from specpipe.model.resolve import open_checkpoint
+
+    try:
+        checkpoint = open_checkpoint(model_name)
+        stages = min(stages, checkpoint.config.n_layers)
+        info = info_of(checkpoint, stages)
+    except ModelError as e:
+        raise ModelInputError(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(f"{info['path']} ({info['format']})")
+    click.echo(
+        f"architecture {info['architecture']}, {info['layers']} layers, "
+        f"hidden {info['hidden_size']}, vocabulary {info['vocab_size']:,}"
+        + (f", {info['experts']} experts" if info["experts"] else "")
+    )
+    click.echo(
+        f"parameters {info['parameters']:,}, stored as {info['dtype']}, "
+        f"{_gib(info['bytes'])} in all, {_gib(info['bytes_per_layer'])} per layer"
+    )
+    click.echo(f"even split into {len(info['stages'])} stages:")
+    for i, stage in enumerate(info["stages"]):
+        a, b = stage["layers"]
+        click.echo(f"  stage {i}: layers [{a}, {b}) {_gib(stage['bytes'])}")

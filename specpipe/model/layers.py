@@ -1,0 +1,222 @@
+"""The Llama-family building blocks: RMSNorm, half-split RoPE, grouped-query attention, SwiGLU.
+
+Every tensor here is one sequence: hidden states are [T, D] (no batch dimension), attention heads
+are [H, T, hd]. Attention reads keys and values from a `LayerCache` addressed by absolute
+position, so the same code runs a prefill, a single decode step and a K-token verify.
+
+Row stability: the logits at a position must be the same numbers whether it is computed alone (a
+plain decode step) or among K drafts (a verify), or speculative and plain sampling could commit
+different tokens. CPU BLAS computes each row of a product identically for any number of rows
+from 4 up, but switches to a matrix-vector kernel, with different rounding, below that. So every
+product here pads its rows to at least `MIN_ROWS` (`row_stable=False` on the stage turns this
+off: single-token steps get faster, and a verify row may then differ from a plain step in the last
+bits). Attention also depends on the number of keys S, which differs between a verify and a
+step; its kernels agree on every row once S is at least `MIN_KEYS`, so short contexts pad the keys
+(masked), and gpt-oss's sink logit goes first, at a fixed index, rather than after the keys.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specpipe.model.config import ModelConfig
+from specpipe.model.kvcache import LayerCache
+
+MIN_ROWS = 4
+MIN_KEYS = 16
+QUERY_CHUNK = 256
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [..., M, K] with zero rows appended up to `rows`."""
+    pad = rows - x.shape[-2]
+    return torch.cat([x, x.new_zeros(*x.shape[:-2], pad, x.shape[-1])], dim=-2)
+
+
+def stable_linear(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, min_rows: int = MIN_ROWS
+) -> torch.Tensor:
+    """F.linear on [M, K] whose every row is the same numbers for any M."""
+    M = x.shape[-2]
+    if M >= min_rows:
+        return F.linear(x, w, b)
+    return F.linear(_padded(x, min_rows), w, b)[..., :M, :]
+
+
+def stable_bmm(a: torch.Tensor, b: torch.Tensor, min_rows: int = MIN_ROWS) -> torch.Tensor:
+    """a @ b for [B, M, K] x [B, K, N] whose every row is the same numbers for any M."""
+    M = a.shape[-2]
+    if M >= min_rows:
+        return a @ b
+    return (_padded(a, min_rows) @ b)[..., :M, :]
+
+
+class Linear(nn.Linear):
+    """nn.Linear through `stable_linear`."""
+
+    min_rows = MIN_ROWS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return stable_linear(x, self.weight, self.bias, self.min_rows)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the model dtype, as the reference implementations do.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3 rope scaling: slow the low frequencies by `factor`, blend the middle band."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    middle = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(middle, blended, scaled)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for absolute positions, computed per call (cheap, exact, any length)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+        self.scale = 1.0  # YaRN scales cos/sin ("attention factor")
+        rope_type = (cfg.rope_scaling or {}).get("rope_type", "default")
+        if rope_type == "llama3":
+            inv_freq = llama3_inv_freq(inv_freq, cfg.rope_scaling)
+        elif rope_type == "yarn":
+            from specpipe.model.gptoss import yarn_inv_freq
+
+            inv_freq, self.scale = yarn_inv_freq(cfg)
+        elif rope_type not in ("default", "linear"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}")
+        if rope_type == "linear":
+            inv_freq = inv_freq / cfg.rope_scaling["factor"]
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, start_pos: int, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        pos = torch.arange(start_pos, start_pos + T, device=self.inv_freq.device).float()
+        freqs = pos[:, None] * self.inv_freq[None, :]  # [T, hd/2]
+        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [H, T, hd] by half-split pairs (i, i + hd/2), the transformers convention."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    min_rows = MIN_ROWS
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.window = cfg.window(layer)
+        self.wq = Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.o_bias)
+        # gpt-oss: one learned logit per head that competes in the softmax and carries no value.
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.has_sinks else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache, pos: int
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.wq(x).view(T, self.n_heads, self.hd).transpose(0, 1)  # [H, T, hd]
+        k = self.wk(x).view(T, self.n_kv, self.hd).transpose(0, 1)  # [Hkv, T, hd]
+        v = self.wv(x).view(T, self.n_kv, self.hd).transpose(0, 1)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values, first = cache.append(k, v, pos)  # [Hkv, S, hd], absolute position of key 0
+        if self.min_rows > 1 and keys.shape[1] < MIN_KEYS:  # padded keys lie in the future: masked
+            keys, values = _padded(keys, MIN_KEYS), _padded(values, MIN_KEYS)
+        # Long prompts attend in chunks of queries, so the scores never outgrow [H, C, S].
+        chunks = [
+            self._attend(q[:, i : i + QUERY_CHUNK], keys, values, first, pos + i)
+            for i in range(0, T, QUERY_CHUNK)
+        ]
+        out = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)  # [H, T, hd]
+        return self.wo(out.transpose(0, 1).reshape(T, self.n_heads * self.hd))
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: int, pos: int
+    ) -> torch.Tensor:
+        """Queries [H, T, hd] at positions pos… over keys/values [Hkv, S, hd] -> [H, T, hd]."""
+        T, S, group = q.shape[1], keys.shape[1], self.n_heads // self.n_kv
+        # Query heads grouped under their kv head: [Hkv, group*T, hd] x [Hkv, hd, S].
+        q = q.reshape(self.n_kv, group * T, self.hd)
+        scores = stable_bmm(q, keys.transpose(1, 2), self.min_rows) / math.sqrt(self.hd)
+        scores = scores.view(self.n_heads, T, S)
+        if T > 1 or self.window is not None or first + S > pos + T:  # else every key is visible
+            scores = scores + attention_mask(pos, T, first, S, self.window, q)
+        if self.sinks is not None:
+            sink = self.sinks.to(scores.dtype).view(-1, 1, 1).expand(-1, T, 1)
+            probs = torch.softmax(torch.cat([sink, scores], dim=-1).float(), dim=-1)[..., 1:]
+        else:
+            probs = torch.softmax(scores.float(), dim=-1)
+        probs = probs.to(values.dtype).reshape(self.n_kv, group * T, S)
+        return stable_bmm(probs, values, self.min_rows).reshape(self.n_heads, T, self.hd)
+
+
+def attention_mask(
+    pos: int, T: int, first: int, S: int, window: int | None, like: torch.Tensor
+) -> torch.Tensor:
+    """[T, S] additive mask: query at pos+i sees keys at first+j <= pos+i (and within window)."""
+    q_pos = torch.arange(pos, pos + T, device=like.device)[:, None]
+    k_pos = torch.arange(first, first + S, device=like.device)[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    zero = torch.zeros((), dtype=like.dtype, device=like.device)
+    return torch.where(visible, zero, torch.finfo(like.dtype).min)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w_gate = Linear(cfg.dim, cfg.intermediate_size, bias=False)
+        self.w_up = Linear(cfg.dim, cfg.intermediate_size, bias=False)
+        self.w_down = Linear(cfg.intermediate_size, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    """One decoder layer: pre-norm attention and pre-norm MLP (SwiGLU or mixture of experts)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, packed_experts: bool = False) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        if cfg.is_moe:
+            from specpipe.model.gptoss import MoE
+
+            self.mlp = MoE(cfg, packed_experts)
+        else:
+            self.mlp = SwiGLU(cfg)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache, pos: int
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, pos)
+        return x + self.mlp(self.mlp_norm(x))

@@ -1,0 +1,158 @@
+"""StageModel: one layer range of the model, with a KV cache per session (the `Stage` protocol).
+
+Stage 0 also holds the embeddings and takes token ids; the tail also holds the final norm and the
+head and returns float32 logits; a single stage holding every layer is the whole model. The model
+is built on the meta device and its parameters are assigned straight from the checkpoint, so no
+weight is held twice and no layer outside the range is ever read.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specpipe.model.config import ModelConfig
+from specpipe.model.errors import ModelError
+from specpipe.model.kvcache import LayerCache, SessionCache
+from specpipe.model.layers import MIN_ROWS, Block, Linear, RMSNorm, Rotary
+from specpipe.ring import GapError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class StageModel(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        start: int,
+        end: int,
+        packed_experts: bool = False,
+        row_stable: bool = True,
+    ) -> None:
+        super().__init__()
+        self.cfg, self.start, self.end = cfg, start, end
+        self.first, self.last = start == 0, end == cfg.n_layers
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim) if self.first else None
+        self.layers = nn.ModuleList(Block(cfg, i, packed_experts) for i in range(start, end))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if self.last else None
+        self.head = Linear(cfg.dim, cfg.vocab_size, bias=False) if self.last else None
+        self.rotary = Rotary(cfg)
+        self.sessions: dict[str, SessionCache] = {}
+        # See layers.py: without row stability a verify row may differ from a plain step's.
+        for module in self.modules():
+            if hasattr(module, "min_rows"):
+                module.min_rows = MIN_ROWS if row_stable else 1
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].attn_norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].attn_norm.weight.device
+
+    def _session(self, session: str) -> SessionCache:
+        cache = self.sessions.get(session)
+        if cache is None:
+            cfg = self.cfg
+            cache = SessionCache(
+                [
+                    LayerCache(cfg.n_kv_heads, cfg.head_dim, self.dtype, self.device, cfg.window(i))
+                    for i in range(self.start, self.end)
+                ]
+            )
+            self.sessions[session] = cache
+        return cache
+
+    @torch.inference_mode()
+    def forward(
+        self, session: str, inputs: torch.Tensor, start_pos: int, last_rows: int | None = None
+    ) -> torch.Tensor:
+        """ids [T] (first stage) or hidden [T, D] -> hidden [T, D], or logits [T, V] (tail).
+
+        On the tail, `last_rows` keeps only the logits of the last rows (a verify needs K+1 of
+        them; a long prompt's others would cost T x V floats)."""
+        self._check_inputs(inputs)
+        if session not in self.sessions and start_pos > 0:
+            raise GapError(f"session {session!r} has no cache here; start_pos {start_pos} > 0")
+        cache = self._session(session)
+        cache.check(start_pos)  # GapError before anything changes; appending truncates
+        if self.first:
+            x = self.embed(inputs.to(self.device, torch.long))  # [T, D]
+        else:
+            x = inputs.to(self.device, self.dtype)
+        cos, sin = self.rotary(start_pos, x.shape[0], self.dtype)
+        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+            x = layer(x, cos, sin, layer_cache, start_pos)
+        cache.length = start_pos + x.shape[0]
+        if not self.last:
+            return x
+        if last_rows is not None:
+            x = x[-last_rows:]
+        return self.head(self.norm(x)).float()  # [T, V]
+
+    def _check_inputs(self, inputs: torch.Tensor) -> None:
+        if self.first:
+            if inputs.dim() != 1 or inputs.is_floating_point() or inputs.numel() == 0:
+                raise ValueError(
+                    f"stage 0 takes token ids [T], got {inputs.dtype} {tuple(inputs.shape)}"
+                )
+            if int(inputs.min()) < 0 or int(inputs.max()) >= self.cfg.vocab_size:
+                raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        elif inputs.dim() != 2 or inputs.shape[1] != self.cfg.dim or inputs.shape[0] == 0:
+            raise ValueError(
+                f"this stage takes hidden states [T, {self.cfg.dim}], got {tuple(inputs.shape)}"
+            )
+
+    def drop(self, session: str) -> None:
+        """Forget a session's cache."""
+        self.sessions.pop(session, None)
+
+
+def check_range(cfg: ModelConfig, start: int, end: int, source: str) -> None:
+    """Raise ModelError unless 0 <= start < end <= n_layers."""
+    if not 0 <= start < end <= cfg.n_layers:
+        what = "empty" if start == end else "reversed" if start > end else "out of range"
+        raise ModelError(
+            f"{source}: layer range [{start}, {end}) is {what} (the model has {cfg.n_layers})"
+        )
+
+
+def load_stage(
+    source,
+    start: int,
+    end: int,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+    packed_experts: bool = True,
+    row_stable: bool = True,
+) -> StageModel:
+    """Build the stage for layers [start, end) from a checkpoint, reading only its tensors."""
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    cfg = source.config
+    check_range(cfg, start, end, str(source.path))
+    packed = packed_experts and cfg.mxfp4
+    with torch.device("meta"):
+        model = StageModel(cfg, start, end, packed, row_stable)
+    expected = model.state_dict()
+    names = source.name_map(start, end, model.first, model.last, packed)
+    missing = set(expected) ^ set(names)
+    assert not missing, f"name map and model disagree on {sorted(missing)}"
+    done: dict[tuple[str, ...], torch.Tensor] = {}  # a tied head reuses the embedding
+    state = {}
+    for key, (srcs, convert) in names.items():
+        if srcs not in done:
+            t = convert(*(source.read(s) for s in srcs))
+            if t.is_floating_point():
+                t = t.to(dtype)
+            done[srcs] = t.to(device)
+        t = done[srcs]
+        if t.shape != expected[key].shape:
+            raise ModelError(
+                f"{source.path}: {', '.join(srcs)} has shape {tuple(t.shape)}, "
+                f"expected {tuple(expected[key].shape)}"
+            )
+        state[key] = t
+    model.load_state_dict(state, assign=True, strict=True)
+    model.rotary = Rotary(cfg).to(device)
+    return model.eval()

@@ -1,0 +1,115 @@
+"""`specpipe model info` and `specpipe generate --local` through click's test runner."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from specpipe.cli import cli
+from specpipe.model.resolve import default_model_path
+from tests.model.test_tokenizer import _write_tokenizer
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_model_info_default_json():
+    from gguf import GGUFReader
+
+    result = invoke("model", "info", "default", "--json", "--stages", "4")
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    reader = GGUFReader(default_model_path())
+    assert info["architecture"] == "llama" and info["layers"] == 30
+    assert info["parameters"] == sum(int(t.n_elements) for t in reader.tensors)
+    assert info["bytes"] == sum(int(t.n_bytes) for t in reader.tensors)
+    assert [s["layers"] for s in info["stages"]] == [[0, 8], [8, 16], [16, 23], [23, 30]]
+    # The tied embedding is held by both the first stage and the tail.
+    embed = next(int(t.n_bytes) for t in reader.tensors if t.name == "token_embd.weight")
+    assert sum(s["bytes"] for s in info["stages"]) == info["bytes"] + embed
+
+
+def test_model_info_checkpoint_counts_parameters_like_transformers(checkpoints):
+    import transformers
+
+    from tests.model.conftest import reference
+
+    for name in ("llama", "qwen2", "gptoss", "gptoss-mxfp4"):
+        result = invoke("model", "info", str(checkpoints[name]), "--json", "--stages", "3")
+        info = json.loads(result.output)
+        model = transformers.AutoModelForCausalLM.from_pretrained(reference(checkpoints[name]))
+        assert info["parameters"] == model.num_parameters(), name
+        assert [s["layers"] for s in info["stages"]] == [[0, 2], [2, 3], [3, 4]]
+
+
+def test_model_info_text():
+    result = invoke("model", "info", "default", "--stages", "2")
+    assert result.exit_code == 0
+    assert "architecture llama, 30 layers" in result.output
+    assert "stage 1: layers [15, 30)" in result.output
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["model", "info", "/no/such/model"], "/no/such/model: no such file or directory"),
+        (["generate", "--local", "hi", "--model", "/no/such/model"], "no such file or directory"),
+    ],
+)
+def test_bad_model_is_one_line_exit_2(args, message):
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
+    assert "Traceback" not in result.output
+
+
+def test_generate_needs_a_tokenizer_that_fits(checkpoints, tmp_path):
+    import shutil
+
+    path = shutil.copytree(checkpoints["llama"], tmp_path / "m")
+    result = CliRunner().invoke(cli, ["generate", "--local", "hi", "--model", str(path)])
+    assert result.exit_code == 2 and "tokenizer.json: no such file" in result.output
+    _write_tokenizer(path, 150)
+    result = CliRunner().invoke(cli, ["generate", "--local", "hi", "--model", str(path)])
+    assert result.exit_code == 2 and "tokenizer has 150 tokens" in result.output
+
+
+def test_generate_tiny_checkpoint_spec_equals_plain(checkpoints, tmp_path):
+    """Sampled at temp 1: speculative and plain commit the same tokens, and --json is complete."""
+    import shutil
+
+    path = shutil.copytree(checkpoints["gptoss"], tmp_path / "g")
+    _write_tokenizer(path, 90)
+    common = ["generate", "--local", "hello world", "--model", str(path), "--json", "--temp", "1"]
+    common += ["--seed", "7", "--max-new-tokens", "30", "--stages", "2"]
+    spec = json.loads(invoke(*common, "--draft-k", "4").output)
+    plain = json.loads(invoke(*common, "--no-spec").output)
+    assert spec["tokens"] == plain["tokens"] and len(spec["tokens"]) > 0
+    assert plain["rounds"] == len(plain["tokens"])
+    assert set(spec) == {"tokens", "text", "tok_s", "rounds", "accepted_per_round"}
+    assert spec["accepted_per_round"] == pytest.approx(len(spec["tokens"]) / spec["rounds"], 1e-2)
+
+
+def test_generate_without_local_is_a_usage_error():
+    result = CliRunner().invoke(cli, ["generate", "hi"])
+    assert result.exit_code == 2 and "--local" in result.output
+
+
+def test_generate_default_streams_and_reports():
+    result = invoke(
+        "generate", "--local", "What is the capital of France?", "--max-new-tokens", "8"
+    )
+    assert result.exit_code == 0
+    assert "Paris" in result.output
+    assert "tok/s" in result.output and "tokens per round" in result.output
+
+
+@pytest.mark.parametrize(
+    "option", [["--temp", "-1"], ["--top-p", "0"], ["--top-k", "-2"], ["--draft-k", "0"]]
+)
+def test_generate_refuses_bad_sampling_options(option):
+    result = CliRunner().invoke(cli, ["generate", "--local", "hi", *option])
+    assert result.exit_code == 2 and "Invalid value" in result.output

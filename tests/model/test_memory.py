@@ -1,0 +1,58 @@
+"""Sizes from the real gpt-oss-120b configuration, built on the meta device (no weights)."""
+
+from __future__ import annotations
+
+import torch
+
+from specpipe.model.config import ModelConfig
+from specpipe.model.resolve import even_split
+from specpipe.model.stage import StageModel
+
+GPT_OSS_120B = {  # the published config.json's numbers
+    "model_type": "gpt_oss",
+    "vocab_size": 201088,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_local_experts": 128,
+    "num_experts_per_tok": 4,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "rope_theta": 150000,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096,
+        "truncate": False,
+    },
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "quantization_config": {"quant_method": "mxfp4"},
+}
+
+
+def _bytes(model: StageModel, dtype: torch.dtype) -> int:
+    """Resident bytes with float tensors in `dtype` (packed MXFP4 stays uint8)."""
+    size = torch.finfo(dtype).bits // 8
+    return sum(
+        t.numel() * (size if t.is_floating_point() else t.element_size())
+        for t in [*model.parameters(), *model.buffers()]
+    )
+
+
+def test_nine_layer_gpt_oss_120b_stage_fits_24_gb_only_packed():
+    cfg = ModelConfig.from_hf(GPT_OSS_120B)
+    assert cfg.mxfp4 and cfg.window(0) == 128 and cfg.window(1) is None
+    gib = 2**30
+    for start, end in even_split(cfg.n_layers, 4):
+        assert end - start == 9
+        with torch.device("meta"):
+            packed = StageModel(cfg, start, end, packed_experts=True)
+            unpacked = StageModel(cfg, start, end, packed_experts=False)
+        assert _bytes(packed, torch.bfloat16) < 20 * gib  # room left for the KV cache
+        assert _bytes(unpacked, torch.bfloat16) > 24 * gib
