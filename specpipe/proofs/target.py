@@ -40,6 +40,7 @@ class Target:
     load_stages: Callable[[int], Sequence[Stage]] | None = field(default=None, repr=False)
 
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _OPENERS: dict[str, Callable[[], Target]] = {}
 
 
@@ -65,8 +66,10 @@ def open_target(name: str) -> Target:
         from specpipe.model.resolve import load_stages, load_tokenizer, open_checkpoint
     except ImportError as exc:
         raise ValueError(f"cannot open model {name!r}: model support is missing ({exc})") from None
+    # The settings name the embedded default model by its name; resolve knows it as `default`.
+    source = "default" if name == DEFAULT_MODEL_NAME else name
     try:
-        checkpoint = open_checkpoint(name)
+        checkpoint = open_checkpoint(source)
         tokenizer = load_tokenizer(checkpoint)
     except Exception as exc:  # ModelError, OSError, bad files: all one line for the caller
         raise ValueError(f"cannot open model {name!r}: {exc}") from None
@@ -81,5 +84,5 @@ def open_target(name: str) -> Target:
         decode=tokenizer.decode,
         eos_ids=tuple(sorted(eos)),
         quant=_quant(checkpoint),
-        load_stages=lambda n: load_stages(name, n),
+        load_stages=lambda n: load_stages(source, n),
     )
