@@ -41,10 +41,13 @@ class Stage(Protocol):
     first: bool  # holds the embeddings: takes token ids
     last: bool  # holds the final norm and head: returns logits
 
-    def forward(self, session: str, inputs: torch.Tensor, start_pos: int) -> torch.Tensor:
+    def forward(
+        self, session: str, inputs: torch.Tensor, start_pos: int, last_rows: int | None = None
+    ) -> torch.Tensor:
         """ids [T] (first) or hidden [T, D] -> hidden [T, D], or logits [T, V] (last).
 
-        Truncates the session's cache to `start_pos` first; raises GapError beyond it."""
+        Truncates the session's cache to `start_pos` first; raises GapError beyond it. On the
+        last stage, `last_rows` keeps only the logits of the last rows (a round needs K+1)."""
         ...
 
     def drop(self, session: str) -> None:
@@ -95,8 +98,9 @@ class LocalRing:
         if sampler is None:
             raise KeyError(f"session {session!r} was never reset")
         hidden = torch.tensor(list(tokens), dtype=torch.long)
-        for stage in self.stages:
+        for stage in self.stages[:-1]:
             hidden = stage.forward(session, hidden, start_pos)
+        hidden = self.stages[-1].forward(session, hidden, start_pos, last_rows=n_draft + 1)
         drafts = list(tokens)[len(tokens) - n_draft :]
         return sampler.accept(hidden[-(n_draft + 1) :], drafts, start_pos + len(tokens) - n_draft)
 

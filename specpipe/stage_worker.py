@@ -188,7 +188,8 @@ class StageWorker:
             inputs = message.tensor
         self._mark_seen(message)
         try:
-            out = self.stage.forward(message.session, inputs, message.start_pos)
+            rows = message.n_draft + 1 if self.stage.last else None
+            out = self.stage.forward(message.session, inputs, message.start_pos, last_rows=rows)
         except GapError as exc:
             self._count("gaps")
             self._reply(message, "gap", reason=f"{self.config.host}: {exc}")

@@ -75,10 +75,10 @@ class RestartingStage:
         self.stage, self.restart_after = stage, restart_after
         self.first, self.last = stage.first, stage.last
 
-    def forward(self, session, inputs, start_pos):
+    def forward(self, session, inputs, start_pos, last_rows=None):
         if self.stage.calls == self.restart_after:
             self.stage.cache.clear()
-        return self.stage.forward(session, inputs, start_pos)
+        return self.stage.forward(session, inputs, start_pos, last_rows)
 
     def drop(self, session):
         self.stage.drop(session)

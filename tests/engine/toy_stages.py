@@ -22,7 +22,9 @@ class ToyStage:
         self.cache: dict[str, list[torch.Tensor]] = {}
         self.calls = 0
 
-    def forward(self, session: str, inputs: torch.Tensor, start_pos: int) -> torch.Tensor:
+    def forward(
+        self, session: str, inputs: torch.Tensor, start_pos: int, last_rows: int | None = None
+    ) -> torch.Tensor:
         self.calls += 1
         states = self.cache.setdefault(session, [])
         if start_pos > len(states):

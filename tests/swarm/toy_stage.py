@@ -81,7 +81,9 @@ class ToyStage:
         return 0 if cache is None else cache[0][0].shape[0]
 
     @torch.no_grad()
-    def forward(self, session: str, inputs: torch.Tensor, start_pos: int) -> torch.Tensor:
+    def forward(
+        self, session: str, inputs: torch.Tensor, start_pos: int, last_rows: int | None = None
+    ) -> torch.Tensor:
         have = self.cache_len(session)
         if start_pos > have:
             raise GapError(f"cache holds {have} positions, round starts at {start_pos}")

@@ -58,11 +58,11 @@ class DelayedStage:
         self.stage, self.delay_s = stage, delay_s
         self.first, self.last = stage.first, stage.last
 
-    def forward(self, session, inputs, start_pos):
+    def forward(self, session, inputs, start_pos, last_rows=None):
         import time
 
         time.sleep(self.delay_s)
-        return self.stage.forward(session, inputs, start_pos)
+        return self.stage.forward(session, inputs, start_pos, last_rows)
 
     def drop(self, session):
         self.stage.drop(session)
