@@ -70,20 +70,28 @@ class Swarm:
         self.procs.append(proc)
         return proc
 
-    def start_stages(self, lossy_tail: bool = False) -> None:
-        """Both toy stages; the tail deliberately lossy when asked (the test-only switch)."""
-        for i, (host, layers, geo, ip) in enumerate(STAGES):
+    def start_stages(self, lossy_tail: bool = False, model: str | None = None) -> None:
+        """Both toy stages (or a real model's halves); the tail deliberately lossy when asked
+        (the test-only switch)."""
+        stages = STAGES
+        if model:
+            from specpipe.model.resolve import open_checkpoint
+
+            n = open_checkpoint(model).config.n_layers
+            stages = ((STAGES[0][0], f"0:{n // 2}", *STAGES[0][2:]),
+                      (STAGES[1][0], f"{n // 2}:{n}", *STAGES[1][2:]))  # fmt: skip
+        for i, (host, layers, geo, ip) in enumerate(stages):
             lossy = {"SPECPIPE_TEST_LOSSY_TAIL": "1"} if lossy_tail and i == len(STAGES) - 1 else {}
             self._spawn(
                 [sys.executable, "-m", "tests.regression.stage", "--host", host, "--layers",
                  layers, "--redis", self.redis_url, "--swarm", self.name, "--geo", geo,
-                 "--public-ip", ip],
+                 "--public-ip", ip, *(["--model", model] if model else [])],
                 **lossy,
             )  # fmt: skip
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             online = {n.host for n in inventory.load(self.client, self.name)}
-            if online >= {s[0] for s in STAGES}:
+            if online >= {s[0] for s in stages}:
                 return
             if any(p.poll() is not None for p in self.procs):
                 raise RuntimeError("a stage process exited")

