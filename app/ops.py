@@ -7,9 +7,11 @@ from flask import Blueprint, Response, current_app, jsonify
 from sqlalchemy import func, select, text
 
 from app.db import get_session
-from models.db import utcnow
+from app.nightly import latest_nightly
+from models.db import as_utc, utcnow
 from models.jobs import JOB_STATUSES, Job
 from models.nodes import Node
+from models.runs import Run
 
 bp = Blueprint("ops", __name__)
 
@@ -75,4 +77,21 @@ def metrics():
             [({}, sum(accepted) / len(accepted) if accepted else 0.0)])
     _metric(lines, "specpipe_nodes", "gauge", "Nodes by heartbeat status.",
             [({"status": s}, n) for s, n in node_states.items()])
+    _nightly_metrics(lines, session)
     return Response("\n".join(lines) + "\n", mimetype="text/plain; version=0.0.4")
+
+
+def _nightly_metrics(lines: list[str], session) -> None:
+    """The nightly regression: the newest verdict, when it ran, and how many failed."""
+    latest = latest_nightly()
+    failures = session.scalar(
+        select(func.count()).where(Run.kind == "nightly", Run.verdict.in_(("fail", "error")))
+    )
+    verdict = -1 if latest is None else 1 if latest.verdict == "pass" else 0
+    _metric(lines, "specpipe_nightly_last_verdict", "gauge",
+            "Newest nightly regression: 1 pass, 0 fail or error, -1 none yet.", [({}, verdict)])
+    _metric(lines, "specpipe_nightly_last_run_timestamp_seconds", "gauge",
+            "When the newest nightly regression started (Unix time, 0 if none).",
+            [({}, as_utc(latest.created_at).timestamp() if latest else 0)])
+    _metric(lines, "specpipe_nightly_failures_total", "counter",
+            "Nightly regression runs that failed or errored.", [({}, failures or 0)])

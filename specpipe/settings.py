@@ -146,3 +146,32 @@ def nightly_schedule() -> tuple[str, str]:
     if not (hour.isdigit() and minute.isdigit() and int(hour) < 24 and int(minute) < 60):
         raise ValueError(f"SPECPIPE_NIGHTLY must be HH:MM in UTC, got {value!r}")
     return str(int(minute)), str(int(hour))
+
+
+def _env_int(name: str, default: int, minimum: int = 1) -> int:
+    value = os.environ.get(name)
+    if not value:
+        return default
+    if not value.strip().isdigit() or int(value) < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def nightly_sizes() -> dict[str, int]:
+    """The nightly regression's proof sizes; the defaults are the reference run's."""
+    return {
+        "local_draws": _env_int("SPECPIPE_NIGHTLY_LOCAL_DRAWS", 120_000, 1000),
+        "stops": _env_int("SPECPIPE_NIGHTLY_STOPS", 12),
+        "draws": _env_int("SPECPIPE_NIGHTLY_DRAWS", 140),
+        "generation_tokens": _env_int("SPECPIPE_NIGHTLY_GENERATION_TOKENS", 48),
+        "pilot_draws": _env_int("SPECPIPE_NIGHTLY_PILOT_DRAWS", 16),
+        "max_new_tokens": _env_int("SPECPIPE_NIGHTLY_MAX_NEW_TOKENS", 64),
+        # 0: the night's date as YYYYMMDD; set it to replay a night with its recorded seed
+        "seed": _env_int("SPECPIPE_NIGHTLY_SEED", 0, 0),
+    }
+
+
+def test_lossy_tail() -> bool:
+    """TEST ONLY: `SPECPIPE_TEST_LOSSY_TAIL=1` makes the tail commit biased tokens on rejection,
+    so a test can show the regression catches a lossy swarm. Never set it in production."""
+    return os.environ.get("SPECPIPE_TEST_LOSSY_TAIL") == "1"

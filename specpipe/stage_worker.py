@@ -27,6 +27,7 @@ import torch
 from specpipe import inventory, streams, wire
 from specpipe.ring import GapError, SamplingParams, Stage
 from specpipe.sampling import Sampler
+from specpipe.settings import test_lossy_tail
 
 log = logging.getLogger("specpipe.stage")
 
@@ -231,7 +232,7 @@ class StageWorker:
         k = message.n_draft
         drafts = list(message.tokens[len(message.tokens) - k :]) if k else []
         first_sampled = message.start_pos + len(message.tokens) - k
-        sampler = Sampler(params.seed, params.temp, params.top_p, params.top_k)
+        sampler = _sampler_class()(params.seed, params.temp, params.top_p, params.top_k)
         try:
             result = sampler.accept(logits[-(k + 1) :], drafts, first_sampled)
         except ValueError as exc:  # e.g. a draft id outside the vocabulary, NaN logits
@@ -268,6 +269,15 @@ class StageWorker:
         table.move_to_end(session)
         while len(table) > MAX_SESSIONS:
             table.popitem(last=False)
+
+
+def _sampler_class() -> type[Sampler]:
+    """The tail's sampler: the lossless one, unless a test switched on the lossy one."""
+    if test_lossy_tail():
+        from specpipe.lossy import LossySampler
+
+        return LossySampler
+    return Sampler
 
 
 def run(stage: Stage, config: WorkerConfig, node: inventory.NodeInfo | None = None) -> None:

@@ -10,6 +10,7 @@ from specpipe.cli.generate import generate
 from specpipe.cli.model import model
 from specpipe.cli.nodes import nodes
 from specpipe.cli.proof import proof
+from specpipe.cli.regression import regression
 from specpipe.cli.runs import runs
 from specpipe.cli.token import token
 from specpipe.cli.up import up
@@ -23,7 +24,7 @@ def cli() -> None:
     """specpipe: serve one model across a ring of hosts with lossless speculative sampling."""
 
 
-for command in (generate, model, proof, bench, nodes, runs, db, token, web):
+for command in (generate, model, proof, regression, bench, nodes, runs, db, token, web):
     cli.add_command(command)
 for command in (worker, up):
     cli.add_command(command)

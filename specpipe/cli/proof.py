@@ -153,3 +153,370 @@ def format_local_summary(result: dict, elapsed: float) -> str:
     lines = ["proof 1: the local math"] + [f"  {name:<{width}}  {value}" for name, value in rows]
     lines.append(f"verdict: {head['verdict']} ({elapsed:.1f} s)")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Proofs 2 and 3 run on a ring: the live swarm (RedisRing) or the model in this process.
+
+
+def ring_options(func):
+    """--redis / --local / --model, shared by the commands that need a ring."""
+    func = click.option(
+        "--model",
+        help="The model the swarm serves (for its tokenizer and layer count) "
+        "[default: SPECPIPE_MODEL, else the default model].",
+    )(func)
+    func = click.option(
+        "--local",
+        "local_model",
+        metavar="MODEL",
+        help="Run in this process on a LocalRing of MODEL's stages instead of the swarm.",
+    )(func)
+    func = click.option(
+        "--redis",
+        "redis_option",
+        metavar="URL",
+        help="The swarm's registry Redis [default: REDIS_URL, else the local Redis].",
+    )(func)
+    return func
+
+
+def open_ring(redis_option: str | None, local_model: str | None, model: str | None):
+    """(ring, target, description) for the options; ClickException with one line otherwise."""
+    import redis
+
+    from specpipe import inventory
+    from specpipe.proofs.target import open_target
+    from specpipe.redis_ring import RedisRing
+    from specpipe.ring import LocalRing
+    from specpipe.settings import Settings, default_model, redis_url
+
+    if local_model and (redis_option or model):
+        raise click.UsageError("--local runs without the swarm: drop --redis and --model")
+    try:
+        target = open_target(local_model or model or default_model())
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    if local_model:
+        if target.load_stages is None:
+            raise click.ClickException(f"model {target.name!r} cannot be loaded in-process")
+        try:
+            return LocalRing(target.load_stages(1)), target, f"local ({target.name})"
+        except Exception as exc:  # a checkpoint that fails to load: one line
+            raise click.ClickException(f"cannot load {target.name!r}: {exc}") from None
+    settings = Settings.from_env()
+    if not settings.swarm_key:
+        raise click.ClickException("SPECPIPE_SWARM_KEY is not set: the swarm's key is needed")
+    url = redis_option or settings.redis_url or redis_url()
+    client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=5)
+    try:
+        chain = inventory.route(inventory.load(client, settings.swarm), target.n_layers)
+    except redis.RedisError as exc:
+        raise click.ClickException(f"no swarm reachable: Redis at {url}: {exc}") from None
+    except inventory.RouteError as exc:
+        raise click.ClickException(f"no complete ring in swarm {settings.swarm!r}: {exc}") from None
+    finally:
+        client.close()
+    ring = RedisRing(chain, settings.swarm, settings.swarm_key.encode(), url)
+    return ring, target, " → ".join(n.host for n in chain)
+
+
+def _ring_errors() -> tuple[type[Exception], ...]:
+    import redis
+
+    from specpipe.redis_ring import RingError
+    from specpipe.ring import GapError
+
+    return (RingError, GapError, redis.RedisError)
+
+
+def _write_json(json_path: Path | None, result: dict) -> None:
+    if not json_path:
+        return
+    try:
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {json_path}: {exc.strerror}") from None
+    click.echo(f"wrote {json_path}")
+
+
+@proof.command(name="swarm")
+@ring_options
+@click.option(
+    "--stops",
+    type=click.IntRange(1, 1000),
+    default=12,
+    show_default=True,
+    help="Stops (highest-entropy generated positions) to test.",
+)
+@click.option(
+    "--draws",
+    type=click.IntRange(10, 100_000),
+    default=140,
+    show_default=True,
+    help="Draws per mode (plain, speculative, plain noise floor) per stop.",
+)
+@click.option(
+    "--temp",
+    type=click.FloatRange(0, 100, min_open=True),
+    default=0.7,
+    show_default=True,
+    help="Temperature (> 0: the proof compares distributions).",
+)
+@click.option(
+    "--top-p",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=0.95,
+    show_default=True,
+    help="Top-p in (0, 1].",
+)
+@click.option(
+    "--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="Top-k (0 = off)."
+)
+@click.option(
+    "--draft-k",
+    type=click.IntRange(1, 32),
+    default=4,
+    show_default=True,
+    help="Drafts verified per round.",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(0, 2**63 - 1),
+    default=0,
+    show_default=True,
+    help="Base seed; every draw has its own seed derived from it.",
+)
+@click.option(
+    "--prompt",
+    "prompts",
+    multiple=True,
+    help="A prompt to generate stops from (repeatable) [default: built-in prompts].",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, writable=True, path_type=Path),
+    help="Write the full result document here.",
+)
+def proof_swarm(
+    redis_option,
+    local_model,
+    model,
+    stops,
+    draws,
+    temp,
+    top_p,
+    top_k,
+    draft_k,
+    seed,
+    prompts,
+    json_path,
+) -> None:
+    """Proof 2: speculative draws on the ring have the plain draws' law, stop by stop.
+
+    Picks high-entropy stops inside real generations, draws plain, speculative and plain
+    again at each with their own seeds, and compares them (TV and a two-sample chi-square),
+    shows a lossy mutant is flagged, and checks same-seed speculative and plain draws are
+    identical. Exits 0 only on PASS.
+
+    Examples:
+
+        specpipe proof swarm --json proof2.json
+
+        specpipe proof swarm --local default --stops 4 --draws 60
+    """
+    from tqdm import tqdm
+
+    from specpipe.proofs.swarm import SwarmProofConfig, run_swarm_proof
+    from specpipe.proofs.target import DEFAULT_PROMPTS
+
+    texts = [p for p in prompts if p.strip()] or list(DEFAULT_PROMPTS)
+    if len(texts) != len(prompts) and prompts:
+        raise click.BadParameter("a prompt may not be empty", param_hint="--prompt")
+    cfg = SwarmProofConfig(
+        stops=stops, draws=draws, temp=temp, top_p=top_p, top_k=top_k, draft_k=draft_k, seed=seed
+    )
+    ring, target, where = open_ring(redis_option, local_model, model)
+    prompt_ids = [target.prompt_ids(t) for t in texts]
+    total = cfg.stops * cfg.candidates_per_stop + cfg.stops
+    started = time.perf_counter()
+    try:
+        with tqdm(total=total, desc="proof swarm", unit="stop", leave=False) as bar:
+            result = run_swarm_proof(ring, prompt_ids, cfg, progress=bar.update)
+    except _ring_errors() as exc:
+        raise click.ClickException(f"the ring failed: {exc}") from None
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        getattr(ring, "close", lambda: None)()
+    click.echo(format_swarm_summary(result, where, time.perf_counter() - started))
+    _write_json(json_path, result)
+    if result["proof_2_on_swarm"]["verdict"] != "PASS":
+        raise SystemExit(1)
+
+
+def format_swarm_summary(result: dict, where: str, elapsed: float) -> str:
+    """The per-stop table and the summary of proof 2."""
+    head = result["proof_2_on_swarm"]
+    lines = [
+        f"proof 2: speculative vs plain on the ring ({where})",
+        f"  {'stop':>4}  {'pos':>5}  {'entropy':>8}  {'TV spec/plain':>13}  "
+        f"{'TV plain/plain':>14}  {'p-value':>9}  {'same seed':>9}",
+    ]
+    for r in result["per_stop"]:
+        lines.append(
+            f"  {r['stop'] + 1:>4}  {r['position']:>5}  {r['entropy_bits']:>6.2f} b  "
+            f"{r['tv_spec_vs_plain']:>13.4f}  {r['tv_plain_vs_plain']:>14.4f}  "
+            f"{r['p_value']:>9.3g}  {r['exact_identical']:>4}/{r['exact_pairs']:<4}"
+        )
+    mutant, exact = result["mutant"], result["exact_check"]
+    rows = [
+        ("temp / top_p / top_k", f"{head['temp']:g} / {head['top_p']:g} / {result['top_k']}"),
+        ("draws per mode per stop", str(head["draws_per_mode_per_stop"])),
+        (
+            "stops",
+            f"{head['stops']} ({head['high_entropy_stops_ge_1bit']} with >= 1 bit, "
+            f"max {head['max_entropy_bits']:.2f} bits)",
+        ),
+        ("mean TV spec vs plain", f"{head['mean_tv_spec_vs_plain']:.4f}"),
+        (
+            "mean TV plain vs plain",
+            f"{head['mean_tv_noise_floor_plain_vs_plain']:.4f} (noise floor)",
+        ),
+        (
+            "min p-value",
+            f"{result['min_p_value']:.3g} (alpha {result['alpha_per_stop']:.2g} per stop)",
+        ),
+        (
+            "lossy mutant",
+            f"TV {mutant['mean_tv_vs_plain']:.4f}, flagged at {mutant['stops_flagged']} stops",
+        ),
+        ("same-seed draws", f"{exact['identical']}/{exact['pairs']} identical"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines += [f"  {name:<{width}}  {value}" for name, value in rows]
+    lines += [f"  reason: {reason}" for reason in result["reasons"]]
+    lines.append(f"verdict: {head['verdict']} ({elapsed:.1f} s)")
+    return "\n".join(lines)
+
+
+@proof.command(name="generation")
+@ring_options
+@click.option("--prompt", help="The prompt [default: a built-in one].")
+@click.option(
+    "--temp",
+    type=click.FloatRange(0, 100, min_open=True),
+    default=0.7,
+    show_default=True,
+    help="Temperature of the sampled runs.",
+)
+@click.option(
+    "--top-p",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=0.95,
+    show_default=True,
+    help="Top-p of the sampled runs.",
+)
+@click.option(
+    "--top-k",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Top-k of the sampled runs (0 = off).",
+)
+@click.option(
+    "--seed",
+    "seeds",
+    type=click.IntRange(0, 2**63 - 1),
+    multiple=True,
+    help="Seeds of the sampled runs (repeatable) [default: 7 and 99].",
+)
+@click.option(
+    "--draft-k",
+    type=click.IntRange(1, 32),
+    default=4,
+    show_default=True,
+    help="Drafts verified per round in the speculative runs.",
+)
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(1, 4096),
+    default=64,
+    show_default=True,
+    help="Tokens to generate per run.",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, writable=True, path_type=Path),
+    help="Write the full result document here.",
+)
+def proof_generation(
+    redis_option,
+    local_model,
+    model,
+    prompt,
+    temp,
+    top_p,
+    top_k,
+    seeds,
+    draft_k,
+    max_new_tokens,
+    json_path,
+) -> None:
+    """Proof 3: one prompt greedy and sampled, speculative and plain, side by side.
+
+    The speculative and plain texts must be identical (same seed, same tokens); the tok/s
+    show what speculation gains. Exits 0 only when every pair is identical.
+
+    Example:
+
+        specpipe proof generation --seed 7 --seed 99
+    """
+    from specpipe.proofs.generation import run_generation_proof
+    from specpipe.proofs.target import DEFAULT_GENERATION_PROMPT
+
+    if prompt is not None and not prompt.strip():
+        raise click.BadParameter("the prompt is empty", param_hint="--prompt")
+    ring, target, where = open_ring(redis_option, local_model, model)
+    try:
+        result = run_generation_proof(
+            ring,
+            target.prompt_ids(prompt or DEFAULT_GENERATION_PROMPT),
+            target.decode,
+            temp=temp,
+            top_p=top_p,
+            top_k=top_k,
+            seeds=seeds or (7, 99),
+            draft_k=draft_k,
+            max_new_tokens=max_new_tokens,
+            eos_ids=target.eos_ids,
+        )
+    except _ring_errors() as exc:
+        raise click.ClickException(f"the ring failed: {exc}") from None
+    finally:
+        getattr(ring, "close", lambda: None)()
+    click.echo(format_generation(result, where))
+    _write_json(json_path, result)
+    if result["verdict"] != "PASS":
+        raise SystemExit(1)
+
+
+def format_generation(result: dict, where: str) -> str:
+    """Each mode's speculative and plain text with their tok/s."""
+    lines = [f"proof 3: generation, speculative vs plain ({where})"]
+    for name, mode in result.items():
+        if not isinstance(mode, dict):
+            continue
+        speedup = f"{mode['speedup']:.2f}×" if mode["speedup"] else "—"
+        same = "identical" if mode["identical"] else "DIFFERENT"
+        lines.append(
+            f"\n[{name}] speculative {mode['tok_s']:.1f} tok/s, plain {mode['plain_tok_s']:.1f} "
+            f"tok/s ({speedup}), texts {same}"
+        )
+        lines.append(f"  speculative: {mode['text']!r}")
+        if not mode["identical"]:
+            lines.append(f"  plain:       {mode['plain']['text']!r}")
+    lines.append(f"\nverdict: {result['verdict']}")
+    return "\n".join(lines)

@@ -236,7 +236,9 @@ def multi_position_check(cfg: LocalProofConfig, alpha: float) -> dict:
         probs_all = np.append(target, 0.0)
         tv = total_variation(counts_all, probs_all)
         p_value = chi_square_p_value(counts_all, probs_all)
-        ok = tv <= cfg.gate_tv and p_value > alpha
+        # Over ~100 sequences the TV of a sample is mostly noise, so the chi-square test (with
+        # impossible sequences at p = 0) is the gate here; the TV is reported.
+        ok = p_value > alpha
         out[name] = {"tv": tv, "p_value": p_value, "impossible_sequences": outside, "pass": ok}
         passed = passed and ok
     out["pass"] = passed

@@ -1,0 +1,68 @@
+"""`specpipe regression …`: the nightly lossless regression, on demand."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import click
+
+
+@click.group(name="regression")
+def regression() -> None:
+    """The nightly lossless regression."""
+
+
+@regression.command(name="run")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(1, 86_400),
+    default=3600,
+    show_default=True,
+    help="Seconds to wait for the verdict.",
+)
+def regression_run(timeout: float) -> None:
+    """Run the nightly regression now and wait for its verdict.
+
+    Enqueues `workers.regression.nightly` on the `coordinator` queue (a coordinator worker
+    must be running), waits for the run to be stored and prints its verdict; the last line is
+    the run id. Exits 0 on pass, 1 otherwise.
+
+    Example:
+
+        specpipe regression run --timeout 1800
+    """
+    import redis
+
+    from specpipe.settings import Settings, redis_url
+    from workers.celery_app import celery
+    from workers.regression import NIGHTLY_TASK, result_key
+
+    settings = Settings.from_env()
+    url = settings.redis_url or redis_url()
+    key = f"manual-{uuid.uuid4().hex[:12]}"
+    client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=5)
+    try:
+        client.ping()
+        celery.send_task(NIGHTLY_TASK, kwargs={"key": key}, queue="coordinator")
+        click.echo(f"enqueued {NIGHTLY_TASK} ({key}); waiting up to {timeout:g} s", err=True)
+        deadline = time.monotonic() + timeout
+        outcome = None
+        while outcome is None and time.monotonic() < deadline:
+            outcome = client.get(result_key(settings.swarm, key))
+            if outcome is None:
+                time.sleep(0.5)
+    except redis.RedisError as exc:
+        raise click.ClickException(f"cannot reach Redis at {url}: {exc}") from None
+    finally:
+        client.close()
+    if outcome is None:
+        raise click.ClickException(
+            f"no verdict within {timeout:g} s (is a coordinator worker running?)"
+        )
+    result = json.loads(outcome)
+    click.echo(f"verdict: {result['verdict']}")
+    click.echo(result["name"])
+    if result["verdict"] != "pass":
+        raise SystemExit(1)

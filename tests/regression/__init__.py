@@ -1,0 +1,1 @@
+"""Tests of the nightly regression: real Redis, real stage processes, a real Celery worker."""

@@ -1,0 +1,149 @@
+"""Fixtures for the regression tests: a private Redis, toy stage processes, Celery workers.
+
+Everything runs on a redis-server of its own, so the Celery workers started here never take
+another test's (or another suite's) coordinator tasks, and nothing else takes theirs.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+from specpipe import inventory
+from specpipe.redis_server import RedisServer
+from workers.regression import result_key
+
+ROOT = Path(__file__).resolve().parents[2]
+# Small proofs: seconds, not the reference run's minutes.
+SMALL_SIZES = {
+    "SPECPIPE_NIGHTLY_LOCAL_DRAWS": "40000",
+    "SPECPIPE_NIGHTLY_STOPS": "3",
+    "SPECPIPE_NIGHTLY_DRAWS": "120",
+    "SPECPIPE_NIGHTLY_GENERATION_TOKENS": "16",
+    "SPECPIPE_NIGHTLY_PILOT_DRAWS": "8",
+    "SPECPIPE_NIGHTLY_MAX_NEW_TOKENS": "16",
+    "SPECPIPE_NIGHTLY_SEED": "20261129",
+}
+STAGES = (("wa-1", "0:2", "WA", "198.51.100.7"), ("nj-1", "2:4", "NJ", "203.0.113.9"))
+
+
+@pytest.fixture(scope="session")
+def private_redis() -> str:
+    """A redis-server of this suite's own on a free port."""
+    with RedisServer() as server:
+        yield server.url
+
+
+class Swarm:
+    """A swarm on the private Redis: its name, key, stage processes and Celery workers."""
+
+    def __init__(self, redis_url: str, db_url: str) -> None:
+        self.redis_url, self.db_url = redis_url, db_url
+        self.name = f"n{uuid.uuid4().hex[:10]}"
+        self.key = secrets.token_hex(16)
+        self.procs: list[subprocess.Popen] = []
+        self.client = redis.Redis.from_url(redis_url)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {
+            **os.environ,
+            **SMALL_SIZES,
+            "DATABASE_URL": self.db_url,
+            "REDIS_URL": self.redis_url,
+            "SPECPIPE_SWARM": self.name,
+            "SPECPIPE_SWARM_KEY": self.key,
+            "SPECPIPE_MODEL": "toy",
+            "OMP_NUM_THREADS": "1",
+            **extra,
+        }
+
+    def _spawn(self, argv: list[str], **extra: str) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=self.env(**extra))
+        self.procs.append(proc)
+        return proc
+
+    def start_stages(self, lossy_tail: bool = False, model: str | None = None) -> None:
+        """Both toy stages (or a real model's halves); the tail deliberately lossy when asked
+        (the test-only switch)."""
+        stages = STAGES
+        if model:
+            from specpipe.model.resolve import open_checkpoint
+
+            n = open_checkpoint(model).config.n_layers
+            stages = ((STAGES[0][0], f"0:{n // 2}", *STAGES[0][2:]),
+                      (STAGES[1][0], f"{n // 2}:{n}", *STAGES[1][2:]))  # fmt: skip
+        for i, (host, layers, geo, ip) in enumerate(stages):
+            lossy = {"SPECPIPE_TEST_LOSSY_TAIL": "1"} if lossy_tail and i == len(STAGES) - 1 else {}
+            self._spawn(
+                [sys.executable, "-m", "tests.regression.stage", "--host", host, "--layers",
+                 layers, "--redis", self.redis_url, "--swarm", self.name, "--geo", geo,
+                 "--public-ip", ip, *(["--model", model] if model else [])],
+                **lossy,
+            )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            online = {n.host for n in inventory.load(self.client, self.name)}
+            if online >= {s[0] for s in stages}:
+                return
+            if any(p.poll() is not None for p in self.procs):
+                raise RuntimeError("a stage process exited")
+            time.sleep(0.1)
+        raise TimeoutError("the stages did not come up")
+
+    def start_workers(self, n: int = 1) -> None:
+        """n Celery worker processes on the coordinator queue (one task at a time each)."""
+        for i in range(n):
+            self._spawn(
+                [sys.executable, "-m", "celery", "-A", "tests.regression.celery_toy", "worker",
+                 "-Q", "coordinator", "--pool=solo", "--loglevel=WARNING", "--without-gossip",
+                 "--without-mingle", "--without-heartbeat", "-n", f"{self.name}-{i}@%h"],
+            )  # fmt: skip
+
+    def wait_result(self, key: str, timeout_s: float = 150) -> bytes:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = self.client.get(result_key(self.name, key))
+            if value is not None:
+                return value
+            if any(p.poll() is not None for p in self.procs):
+                raise RuntimeError("a stage or worker process exited")
+            time.sleep(0.2)
+        raise TimeoutError(f"no nightly result for {key} in {timeout_s} s")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        keys = list(self.client.scan_iter(f"specpipe:{self.name}:*"))
+        if keys:
+            self.client.delete(*keys)
+        self.client.delete("coordinator")
+        self.client.close()
+
+
+@pytest.fixture
+def live_swarm(private_redis, db_url):
+    """A swarm on the private Redis and the test's fresh store; every process stops after."""
+    swarm = Swarm(private_redis, db_url)
+    yield swarm
+    swarm.stop()
+
+
+@pytest.fixture
+def redis_url_for_cli(private_redis) -> str:
+    """The private Redis, for commands that only read the inventory."""
+    return private_redis

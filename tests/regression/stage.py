@@ -1,0 +1,55 @@
+"""One stage as a real stage worker process, with a public IP and a geo label: the toy
+transformer's layers, or with `--model` a real checkpoint's.
+
+    python -m tests.regression.stage --host h0 --layers 0:2 --redis URL --swarm NAME --geo WA \
+        --public-ip 198.51.100.7 [--model default]
+"""
+
+import argparse
+import logging
+import os
+
+from specpipe import inventory
+from specpipe.stage_worker import WorkerConfig, run
+from tests.regression.toy_target import CONFIG
+from tests.swarm.toy_stage import ToyStage
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for flag in ("--host", "--layers", "--redis", "--swarm", "--geo", "--public-ip"):
+        parser.add_argument(flag, required=True)
+    parser.add_argument("--model")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    start, end = (int(x) for x in args.layers.split(":"))
+    config = WorkerConfig(
+        host=args.host,
+        swarm=args.swarm,
+        key=os.environ["SPECPIPE_SWARM_KEY"].encode(),
+        redis_url=args.redis,
+        block_ms=200,
+        heartbeat_s=0.5,
+    )
+    node = inventory.NodeInfo(
+        host=args.host,
+        layer_start=start,
+        layer_end=end,
+        redis_url=args.redis,
+        model=args.model or "toy",
+        public_ip=args.public_ip,
+        geo=args.geo,
+        **inventory.hardware(),
+    )
+    if args.model:
+        from specpipe.model.resolve import open_checkpoint
+        from specpipe.model.stage import load_stage
+
+        stage = load_stage(open_checkpoint(args.model), start, end)
+    else:
+        stage = ToyStage(CONFIG, start, end)
+    run(stage, config, node)
+
+
+if __name__ == "__main__":
+    main()

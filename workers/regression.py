@@ -1,0 +1,237 @@
+"""The nightly lossless regression: all three proofs on the live swarm, stored as one run.
+
+`workers.regression.nightly` (queue `coordinator`, fired by beat at `SPECPIPE_NIGHTLY`) runs
+proof 1 (the local math), proof 2 (speculative against plain on the ring, with the exact
+same-seed check) and proof 3 (generation, speculative and plain side by side) and stores ONE run
+of kind `nightly`: seed, proofs, a snapshot of the ring it ran on, the project's commit, and a
+verdict. A proof that cannot run (no ring, no model) is stored as an `error` proof, so a broken
+swarm fails the nightly rather than skipping it.
+
+Two schedulers firing at once run it once: each run takes a Redis lock on its key (the UTC
+date for beat's runs, a fresh key for `specpipe regression run`) with SET NX and an expiry.
+The outcome is also left in Redis under the key, where `specpipe regression run` waits for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+from datetime import date
+from pathlib import Path
+
+import redis
+from celery import shared_task
+from sqlalchemy.orm import Session
+
+from models.db import utcnow
+from models.proof_store import save_proof_run
+from models.runs import Proof, Run
+from specpipe import __version__, inventory
+from specpipe.proofs.generation import run_generation_proof
+from specpipe.proofs.local import LocalProofConfig, run_local_proof
+from specpipe.proofs.swarm import SwarmProofConfig, run_swarm_proof
+from specpipe.proofs.target import (
+    DEFAULT_GENERATION_PROMPT,
+    DEFAULT_PROMPTS,
+    Target,
+    open_target,
+)
+from specpipe.redis_ring import RedisRing, RingError
+from specpipe.ring import GapError
+from specpipe.settings import Settings, default_model, nightly_sizes, redis_url
+from workers.nodes import sync_inventory
+
+log = logging.getLogger("specpipe.regression")
+
+NIGHTLY_TASK = "workers.regression.nightly"
+LOCK_TTL_S = 20 * 3600  # longer than any run, shorter than a day
+RESULT_TTL_S = 7 * 24 * 3600
+CLAIM = (
+    "Speculative sampling on the swarm is lossless: committed tokens follow the target's "
+    "temperature/top-p/top-k distribution, and equal plain sampling's for the same seed."
+)
+RING_ERRORS = (inventory.RouteError, RingError, GapError, ValueError, redis.RedisError)
+
+
+def lock_key(swarm: str, key: str) -> str:
+    return f"specpipe:{swarm}:nightly:lock:{key}"
+
+
+def attempts_key(swarm: str, key: str) -> str:
+    """Every worker that tried to run the key, lock won or not (for the logs and the tests)."""
+    return f"specpipe:{swarm}:nightly:attempts:{key}"
+
+
+def result_key(swarm: str, key: str) -> str:
+    """Where a run's outcome (JSON: run_id, name, verdict) is left for whoever waits on it."""
+    return f"specpipe:{swarm}:nightly:result:{key}"
+
+
+def project_commit() -> str:
+    """`git describe` of the checkout this code runs from, else the package version."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--tags"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        )
+        described = out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        described = ""
+    return described or f"v{__version__}"
+
+
+def nightly_seed(day: date) -> int:
+    """One seed per night, readable in the record: the date as YYYYMMDD."""
+    return int(day.strftime("%Y%m%d"))
+
+
+def _error_proof(kind: str, reason: str) -> Proof:
+    return Proof(kind=kind, trigger="nightly", verdict="error", summary={"error": reason})
+
+
+def run_nightly(
+    session: Session,
+    target: Target | str,
+    ring_source: tuple[str, str, bytes],
+    seed: int,
+    sizes: dict[str, int],
+) -> Run:
+    """Run the three proofs and store them as one nightly run; committed before it returns.
+
+    `target` is the model (or why it could not be opened); `ring_source` is (registry Redis
+    URL, swarm, swarm key), from which the ring is routed over the online stages.
+    """
+    local = run_local_proof(LocalProofConfig(draws=sizes["local_draws"], seed=seed))
+    errors: dict[str, str] = {}
+    swarm_result = generation = None
+    topology = None
+    ring = None
+    if isinstance(target, str):
+        errors["on_swarm"] = errors["generation"] = target
+    else:
+        try:
+            registry, swarm, key = ring_source
+            client = redis.Redis.from_url(registry, socket_connect_timeout=5)
+            try:
+                chain = inventory.route(inventory.load(client, swarm), target.n_layers)
+            finally:
+                client.close()
+            sync_inventory(session, chain)  # the run's node snapshot is this ring, with roles
+            session.commit()
+            topology = " → ".join([*(n.geo or n.host for n in chain), "back"])
+            ring = RedisRing(chain, swarm, key, registry)
+            prompts = [target.prompt_ids(p) for p in DEFAULT_PROMPTS]
+            swarm_result = run_swarm_proof(
+                ring,
+                prompts,
+                SwarmProofConfig(
+                    stops=sizes["stops"],
+                    draws=sizes["draws"],
+                    seed=seed,
+                    generation_tokens=sizes["generation_tokens"],
+                    pilot_draws=sizes["pilot_draws"],
+                ),
+            )
+        except RING_ERRORS as exc:
+            errors["on_swarm"] = f"{type(exc).__name__}: {exc}"
+        if ring is not None:
+            try:
+                generation = run_generation_proof(
+                    ring,
+                    target.prompt_ids(DEFAULT_GENERATION_PROMPT),
+                    target.decode,
+                    max_new_tokens=sizes["max_new_tokens"],
+                    eos_ids=target.eos_ids,
+                )
+            except RING_ERRORS as exc:
+                errors["generation"] = f"{type(exc).__name__}: {exc}"
+            ring.close()
+        elif "generation" not in errors:
+            errors["generation"] = errors["on_swarm"]
+
+    model = target if isinstance(target, str) else target.name
+    run = save_proof_run(
+        session,
+        nightly=True,
+        local=local,
+        swarm=swarm_result,
+        generation=generation,
+        shard_commit=project_commit(),
+        claim=CLAIM,
+        model=default_model() if isinstance(target, str) else model,
+        quant=None if isinstance(target, str) else target.quant,
+        method=(
+            f"nightly regression, seed {seed}: proof 1 local math ({sizes['local_draws']:,} "
+            f"draws per case); proof 2 on the swarm ({sizes['stops']} stops × "
+            f"{sizes['draws']} draws per mode, n-gram drafts K=4, coupled verify keyed by "
+            f"(seed, position), exact same-seed check); proof 3 generation greedy and seeds "
+            f"7, 99, speculative vs plain"
+        ),
+        topology=topology,
+    )
+    on_swarm = run.proof("on_swarm")
+    if on_swarm is not None and swarm_result is not None:  # why it failed, for the web page
+        on_swarm.summary = {
+            **on_swarm.summary,
+            "reasons": swarm_result["reasons"],
+            "exact_check": swarm_result["exact_check"],
+            "mutant_flagged": swarm_result["mutant"]["flagged"],
+        }
+    for kind, reason in errors.items():
+        run.proofs.append(_error_proof(kind, reason))
+    verdicts = [p.verdict for p in run.proofs]
+    run.verdict = "pass" if all(v == "pass" for v in verdicts) else (
+        "fail" if "fail" in verdicts else "error")  # fmt: skip
+    run.finished_at = utcnow()
+    session.commit()
+    return run
+
+
+@shared_task(name=NIGHTLY_TASK, bind=True)
+def nightly(self, key: str | None = None) -> dict:
+    """Celery task: the nightly regression once per key (default: tonight's UTC date)."""
+    settings = Settings.from_env()
+    today = utcnow().date()
+    key = key or f"night-{today.isoformat()}"
+    registry = settings.redis_url or redis_url()
+    client = redis.Redis.from_url(registry, socket_connect_timeout=5)
+    holder = f"{socket.gethostname()}:{os.getpid()}"
+    try:
+        won = bool(client.set(lock_key(settings.swarm, key), holder, nx=True, ex=LOCK_TTL_S))
+        client.rpush(attempts_key(settings.swarm, key), f"{holder} {'ran' if won else 'skipped'}")
+        client.expire(attempts_key(settings.swarm, key), RESULT_TTL_S)
+        if not won:
+            log.info("nightly %s is already running or done elsewhere", key)
+            return {"key": key, "skipped": True}
+        try:
+            target: Target | str = open_target(default_model())
+        except ValueError as exc:
+            target = str(exc)
+        if settings.swarm_key is None and not isinstance(target, str):
+            target = "the swarm is not configured: SPECPIPE_SWARM_KEY is not set"
+        sizes = nightly_sizes()
+        try:
+            run = run_nightly(
+                self.session,
+                target,
+                (registry, settings.swarm, (settings.swarm_key or "").encode()),
+                sizes["seed"] or nightly_seed(today),
+                sizes,
+            )
+        except Exception:
+            client.delete(lock_key(settings.swarm, key))  # let a retry run it
+            raise
+        outcome = {"key": key, "run_id": run.id, "name": run.name, "verdict": run.verdict}
+        client.set(result_key(settings.swarm, key), json.dumps(outcome), ex=RESULT_TTL_S)
+        log.info("nightly %s: run %s %s", key, run.name, run.verdict)
+        return outcome
+    finally:
+        client.close()
