@@ -188,11 +188,27 @@ def route(
     raise RouteError(f"no online stage serves layers {pos}:{end}")
 
 
+def with_roles(nodes: list[NodeInfo]) -> list[NodeInfo]:
+    """Nodes in layer order with a role each: stage0, stage1, … by where their range starts,
+    and tail for the ones ending at the last layer any node serves. A role a node published
+    itself is kept."""
+    ordered = sorted(nodes, key=lambda n: (n.layer_start, n.layer_end, n.host))
+    if not ordered:
+        return []
+    starts = sorted({n.layer_start for n in ordered})
+    last_layer = max(n.layer_end for n in ordered)
+
+    def role(n: NodeInfo) -> str:
+        return "tail" if n.layer_end == last_layer else f"stage{starts.index(n.layer_start)}"
+
+    return [n if n.role else replace(n, role=role(n)) for n in ordered]
+
+
 def table(nodes: list[NodeInfo], now: float | None = None) -> list[str]:
     """The inventory as aligned text lines, in ring order (what `specpipe nodes` prints)."""
     now = time.time() if now is None else now
     rows = [("HOST", "ROLE", "LAYERS", "STATUS", "SEEN", "REDIS", "GEO", "PUBLIC IP", "GPU", "MEM")]
-    for n in sorted(nodes, key=lambda n: (n.layer_start, n.layer_end, n.host)):
+    for n in with_roles(nodes):
         gpu = n.cpu_model if n.gpu_name == "cpu" and n.cpu_model else n.gpu_name
         rows.append(
             (

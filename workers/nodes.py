@@ -18,7 +18,7 @@ SYNC_TASK = "workers.nodes.sync"
 
 def sync_inventory(session: Session, nodes: list[inventory.NodeInfo]) -> int:
     """Upsert every node's record; return how many were written. The caller commits."""
-    for node in nodes:
+    for node in inventory.with_roles(nodes):
         fields = {name: getattr(node, name) for name in NODE_FIELDS if hasattr(node, name)}
         fields["last_heartbeat"] = datetime.fromtimestamp(node.last_heartbeat, UTC)
         if node.gpu_name == "cpu" and node.cpu_model:

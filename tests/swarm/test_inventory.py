@@ -134,3 +134,15 @@ def test_table_lists_nodes_in_ring_order_with_status():
     assert first.split()[:5] == ["wa", "stage0", "0:9", "online", "3s"]
     assert "203.0.113.5" in first and "RTX 4090" in first and "24.0 GiB" in first
     assert second.split()[:4] == ["nj", "tail", "27:36", "offline"]
+
+
+def test_roles_follow_the_layer_order_unless_published():
+    nodes = [
+        inventory.NodeInfo(host="c", layer_start=20, layer_end=30, redis_url="redis://c"),
+        inventory.NodeInfo(host="a", layer_start=0, layer_end=10, redis_url="redis://a"),
+        inventory.NodeInfo(host="b", layer_start=10, layer_end=20, redis_url="redis://b",
+                           role="middle"),
+    ]
+    assert [(n.host, n.role) for n in inventory.with_roles(nodes)] == [
+        ("a", "stage0"), ("b", "middle"), ("c", "tail")]
+    assert inventory.with_roles([]) == []
