@@ -39,6 +39,7 @@ class RedisRing:
         timeout_s: float = 30.0,
         retries: int = 2,
         maxlen: int = streams.DEFAULT_MAXLEN,
+        link_delay_s: float = 0.0,
     ) -> None:
         if not route:
             raise ValueError("a ring needs at least one stage")
@@ -49,6 +50,7 @@ class RedisRing:
         self.timeout_s = timeout_s
         self.retries = retries
         self.maxlen = maxlen
+        self.link_delay_s = link_delay_s  # simulated latency of the link to stage 0 (benchmarks)
         self.connections = streams.Connections()
         self._params: dict[str, SamplingParams] = {}
         self._cursor: dict[str, bytes | str] = {}  # last reply entry id read, per session
@@ -117,6 +119,8 @@ class RedisRing:
         first = self.route[0]
         problem = f"no reply in {self.timeout_s:g} s"
         for _ in range(self.retries + 1):
+            if self.link_delay_s > 0:
+                time.sleep(self.link_delay_s)
             try:
                 streams.send(
                     self.connections.get(first.redis_url),

@@ -50,6 +50,7 @@ class WorkerConfig:
     heartbeat_s: float = 10.0
     claim_idle_ms: int = 30_000
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
+    link_delay_s: float = 0.0  # simulated latency of this host's outgoing link (benchmarks)
 
 
 class StageWorker:
@@ -206,6 +207,7 @@ class StageWorker:
             self._reply(message, "error", reason=f"route ends at {self.config.host}, not a tail")
         else:
             nxt = route[hop + 1]
+            self._link_delay()
             try:
                 data = wire.encode(
                     replace(message, tensor=out, hop=hop + 1), self.config.swarm, self.config.key
@@ -246,6 +248,7 @@ class StageWorker:
             kind=kind, session=message.session, round_id=message.round_id, **fields
         )
         data = wire.encode(reply, self.config.swarm, self.config.key)
+        self._link_delay()
         try:
             streams.send_reply(
                 self.connections.get(message.reply),
@@ -255,6 +258,10 @@ class StageWorker:
             )
         except redis.RedisError as exc:  # the coordinator times out and re-sends
             log.warning("%s: cannot reply to %s: %s", self.config.host, message.reply, exc)
+
+    def _link_delay(self) -> None:
+        if self.config.link_delay_s > 0:
+            time.sleep(self.config.link_delay_s)
 
     def _mark_seen(self, message: wire.Message) -> None:
         seen = self._seen.get(message.session)

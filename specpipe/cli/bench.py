@@ -76,3 +76,137 @@ def bench_draft(context: int, draft_k: int, vocab: int, repeats: int) -> None:
         f"(target ≤ 50 µs), commit one token {extend_us:.1f} µs, "
         f"{hits / repeats:.0%} of proposals non-empty"
     )
+
+
+def _write_json(path, doc: dict) -> None:
+    import json
+
+    if path:
+        try:
+            with open(path, "w") as out:
+                json.dump(doc, out, indent=2)
+        except OSError as exc:
+            raise click.ClickException(f"cannot write {path}: {exc.strerror}") from None
+        click.echo(f"wrote {path}")
+
+
+def _model_errors(func):
+    """Turn engine errors about the model or Redis into one-line CLI errors."""
+    import functools
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        from specpipe.model.errors import ModelError
+        from specpipe.redis_server import RedisUnavailable
+
+        try:
+            return func(*args, **kwargs)
+        except (ModelError, RedisUnavailable, RuntimeError) as exc:
+            raise click.ClickException(str(exc)) from None
+
+    return wrapper
+
+
+@bench.command(name="ring")
+@click.option("--model", default="default", show_default=True, help="Model to serve.")
+@click.option(
+    "--stages", type=click.IntRange(1, 16), default=4, show_default=True, help="Stage processes."
+)
+@click.option(
+    "--tokens",
+    type=click.IntRange(4, 4096),
+    default=48,
+    show_default=True,
+    help="New tokens per generation.",
+)
+@click.option(
+    "--hop-delay-ms",
+    "delays",
+    type=click.FloatRange(0, 10_000),
+    multiple=True,
+    default=(0.0, 10.0, 25.0),
+    show_default=True,
+    help="Simulated one-way latency per hop; repeat for several.",
+)
+@click.option("--temp", type=click.FloatRange(min=0), default=0.7, show_default=True)
+@click.option(
+    "--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95, show_default=True
+)
+@click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=7, show_default=True)
+@click.option("--draft-k", type=click.IntRange(1, 64), default=8, show_default=True)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="torch threads per process.",
+)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write results here.")
+@_model_errors
+def bench_ring(model, stages, tokens, delays, temp, top_p, seed, draft_k, threads, json_path):
+    """The ring's cost per hop, and speculative vs plain over slow links.
+
+    Starts a private Redis and STAGES `specpipe worker stage` processes of MODEL, measures the
+    overhead per hop against the same model in one process, then for each hop delay runs an
+    input-grounded and an open-ended prompt speculative and plain.
+
+    Example:
+
+        specpipe bench ring --stages 4 --hop-delay-ms 0 --hop-delay-ms 25
+    """
+    from specpipe import ringbench
+
+    click.echo(f"bench ring: {model}, {stages} stages, {tokens} tokens, temp {temp}")
+    result = {"overhead": ringbench.overhead(model, stages, tokens, threads, click.echo)}
+    o = result["overhead"]
+    click.echo(
+        f"overhead per hop: {o['overhead_per_hop_ms']:.2f} ms (target <= 1 ms); ring/local "
+        f"tok/s {o['tok_s_ratio_ring_vs_local']:.2f}; same tokens {o['same_tokens']}"
+    )
+    params = {"temp": temp, "top_p": top_p, "seed": seed}
+    result["latency"] = ringbench.latency(
+        model, stages, delays, tokens, params, draft_k, threads, click.echo
+    )
+    _write_json(json_path, result)
+
+
+@bench.command(name="exact")
+@click.option("--model", default="default", show_default=True, help="Model to serve.")
+@click.option("--stages", type=click.IntRange(1, 16), default=4, show_default=True)
+@click.option(
+    "--pairs",
+    type=click.IntRange(1, 1000),
+    default=20,
+    show_default=True,
+    help="(prompt, seed) pairs.",
+)
+@click.option("--tokens", type=click.IntRange(1, 4096), default=64, show_default=True)
+@click.option("--temp", type=click.FloatRange(min=0), default=0.7, show_default=True)
+@click.option(
+    "--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95, show_default=True
+)
+@click.option("--draft-k", type=click.IntRange(1, 64), default=8, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write results here.")
+@_model_errors
+def bench_exact(model, stages, pairs, tokens, temp, top_p, draft_k, threads, json_path):
+    """Exactness on real stage processes: speculative == plain for every (prompt, seed), and
+    greedy through the ring == greedy in one process. Exits 1 on any difference.
+
+    Example:
+
+        specpipe bench exact --pairs 20 --tokens 64
+    """
+    from specpipe import ringbench
+
+    params = {"temp": temp, "top_p": top_p}
+    result = ringbench.exactness(model, stages, pairs, tokens, params, draft_k, threads, click.echo)
+    greedy_ok = result["greedy_prompts"] - len(result["greedy_ring_vs_local_mismatches"])
+    spec_ok = pairs - len(result["spec_vs_plain_mismatches"])
+    click.echo(
+        f"spec == plain: {spec_ok}/{pairs} pairs; greedy ring == local: {greedy_ok}/"
+        f"{result['greedy_prompts']} prompts; verdict {result['verdict']}"
+    )
+    _write_json(json_path, result)
+    if result["verdict"] != "PASS":
+        raise SystemExit(1)

@@ -40,6 +40,8 @@ def _layer_range(_ctx, _param, value: str) -> tuple[int, int]:
               help="CPU threads for torch (default: torch's choice).")  # fmt: skip
 @click.option("--heartbeat-s", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
               help="Seconds between inventory heartbeats.")  # fmt: skip
+@click.option("--link-delay-ms", type=click.FloatRange(min=0), default=0.0,
+              help="Simulate a slow link: wait this long before each send onward (benchmarks).")
 def worker_stage(
     host: str,
     layers: tuple[int, int],
@@ -52,6 +54,7 @@ def worker_stage(
     device: str,
     threads: int | None,
     heartbeat_s: float,
+    link_delay_ms: float,
 ) -> None:
     """Serve one layer range of the model from this host's Redis stream.
 
@@ -116,6 +119,7 @@ def worker_stage(
             redis_url=redis_url,
             registry_url=registry_url,
             heartbeat_s=heartbeat_s,
+            link_delay_s=link_delay_ms / 1000,
         ),
         node,
     )

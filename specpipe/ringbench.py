@@ -1,0 +1,255 @@
+"""The ring benchmarks: a model as N real stage processes on this machine, over Redis Streams.
+
+- Overhead: the same plain greedy generation through N `specpipe worker stage` processes and
+  through the same model in one process; (ring round - local round) / (N + 1) is the cost of one
+  hop (a round makes N + 1: coordinator -> stage 0 -> … -> tail -> coordinator).
+- Latency: every link delayed by D ms (each stage and the coordinator wait D before sending),
+  speculative against plain on an input-grounded and on an open-ended prompt, with tokens per
+  round and the latency ceiling (tokens per round / ring latency, the tok/s a round trip allows
+  when compute is free).
+- Exactness: speculative and plain generations through the ring must give the same tokens for
+  every (prompt, seed), and greedy through the ring the same tokens as in one process.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import redis
+
+from specpipe import inventory
+from specpipe.generation import Generation
+from specpipe.model.resolve import even_split, load_stages, load_tokenizer, open_checkpoint
+from specpipe.redis_ring import RedisRing
+from specpipe.redis_server import RedisServer
+from specpipe.ring import LocalRing, Ring, SamplingParams
+
+GROUNDED_PROMPT = (
+    "Repeat the following text exactly, word for word:\n\n"
+    "The Amazon rainforest covers much of the Amazon basin of South America. The basin covers "
+    "seven million square kilometres, of which five and a half million are covered by the "
+    "rainforest. The region includes territory belonging to nine nations. The majority of the "
+    "forest is contained within Brazil, with 60% of the rainforest, followed by Peru with 13%, "
+    "and Colombia with 10%."
+)
+NOVEL_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+EXACT_PROMPTS = (
+    GROUNDED_PROMPT,
+    NOVEL_PROMPT,
+    "Explain why the sky is blue to a ten-year-old.",
+    "List five uses for a paperclip.",
+    "Summarise: The cat sat on the mat. The dog sat on the rug. They were both happy.",
+)
+
+Log = Callable[[str], None]
+
+
+class LocalSwarm:
+    """N `specpipe worker stage` processes of one model on a private Redis (context manager)."""
+
+    def __init__(self, model: str, n_stages: int, link_delay_ms: float = 0.0,
+                 threads: int = 1) -> None:  # fmt: skip
+        self.model, self.n_stages = model, n_stages
+        self.link_delay_ms, self.threads = link_delay_ms, threads
+        self.swarm = f"bench{uuid.uuid4().hex[:8]}"
+        self.key = secrets.token_hex(32)
+        self.redis = RedisServer()
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> LocalSwarm:
+        self.url = self.redis.start()
+        checkpoint = open_checkpoint(self.model)
+        self.n_layers = checkpoint.config.n_layers
+        env = {**os.environ, "REDIS_URL": self.url, "SPECPIPE_SWARM": self.swarm,
+               "SPECPIPE_SWARM_KEY": self.key, "OMP_NUM_THREADS": str(self.threads)}  # fmt: skip
+        try:
+            for i, (a, b) in enumerate(even_split(self.n_layers, self.n_stages)):
+                argv = [sys.executable, "-m", "specpipe", "worker", "stage", "--host", f"s{i}",
+                        "--layers", f"{a}:{b}", "--model", self.model, "--redis", self.url,
+                        "--threads", str(self.threads), "--heartbeat-s", "1",
+                        "--link-delay-ms", str(self.link_delay_ms)]  # fmt: skip
+                self.procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL))
+            self._wait_online()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_online(self, timeout_s: float = 300.0) -> None:
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if len(inventory.load(client, self.swarm)) == self.n_stages:
+                    return
+                if any(p.poll() is not None for p in self.procs):
+                    raise RuntimeError("a stage worker exited while loading")
+                time.sleep(0.2)
+        finally:
+            client.close()
+        raise RuntimeError(f"the stages were not online within {timeout_s:g} s")
+
+    def ring(self) -> RedisRing:
+        return RedisRing.from_inventory(
+            self.url,
+            self.swarm,
+            self.key.encode(),
+            self.n_layers,
+            timeout_s=120,
+            link_delay_s=self.link_delay_ms / 1000,
+        )
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.redis.stop()
+
+
+@dataclass
+class Timed:
+    """One generation: its tokens and what it cost."""
+
+    tokens: list[int]
+    tok_s: float
+    rounds: int
+    tokens_per_round: float
+    round_ms: float
+
+
+def timed_generation(ring: Ring, prompt_ids: Sequence[int], params: SamplingParams,
+                     draft_k: int, max_new_tokens: int) -> Timed:  # fmt: skip
+    """Generate once; time the rounds after the first (the prefill is not a decode round)."""
+    gen = Generation(ring, f"bench-{uuid.uuid4().hex[:10]}", prompt_ids, params,
+                     max_new_tokens=max_new_tokens, draft_k=draft_k)  # fmt: skip
+    stamps, counts = [], []
+    for committed in gen.rounds():
+        stamps.append(time.perf_counter())
+        counts.append(len(committed))
+    ring.drop(gen.session)
+    decode_s = stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
+    decoded = sum(counts[1:])
+    return Timed(
+        tokens=gen.generated,
+        tok_s=decoded / decode_s if decode_s > 0 else 0.0,
+        rounds=gen.stats.rounds,
+        tokens_per_round=gen.stats.accepted_per_round,
+        round_ms=decode_s / (len(stamps) - 1) * 1000 if len(stamps) > 1 else 0.0,
+    )
+
+
+def overhead(model: str, n_stages: int, tokens: int, threads: int, log: Log) -> dict:
+    """Per-hop cost of the ring against the same model in one process (plain greedy)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    tokenizer = load_tokenizer(open_checkpoint(model))
+    prompt = tokenizer.prompt_ids(NOVEL_PROMPT)
+    greedy = SamplingParams(temp=0.0)
+    local_ring = LocalRing(load_stages(model, 1))
+    local = timed_generation(local_ring, prompt, greedy, 0, tokens)
+    log(f"one process: {local.round_ms:.1f} ms per plain round")
+    with LocalSwarm(model, n_stages, threads=threads) as swarm:
+        ring = swarm.ring()
+        remote = timed_generation(ring, prompt, greedy, 0, tokens)
+        ring.close()
+    hops = n_stages + 1
+    log(f"{n_stages} stage processes: {remote.round_ms:.1f} ms per plain round")
+    return {
+        "stages": n_stages,
+        "hops_per_round": hops,
+        "local_round_ms": local.round_ms,
+        "ring_round_ms": remote.round_ms,
+        "overhead_per_hop_ms": (remote.round_ms - local.round_ms) / hops,
+        "tok_s_ratio_ring_vs_local": remote.tok_s / local.tok_s if local.tok_s else None,
+        "same_tokens": remote.tokens == local.tokens,
+    }
+
+
+def latency(model: str, n_stages: int, delays_ms: Sequence[float], tokens: int, params: dict,
+            draft_k: int, threads: int, log: Log) -> list[dict]:  # fmt: skip
+    """Speculative against plain through the ring, each link delayed by D ms."""
+    tokenizer = load_tokenizer(open_checkpoint(model))
+    prompts = {"grounded": GROUNDED_PROMPT, "novel": NOVEL_PROMPT}
+    rows = []
+    for delay in delays_ms:
+        with LocalSwarm(model, n_stages, link_delay_ms=delay, threads=threads) as swarm:
+            ring = swarm.ring()
+            for name, text in prompts.items():
+                ids = tokenizer.prompt_ids(text)
+                sampling = SamplingParams(**params)
+                plain = timed_generation(ring, ids, sampling, 0, tokens)
+                spec = timed_generation(ring, ids, sampling, draft_k, tokens)
+                ring_latency_s = (n_stages + 1) * delay / 1000
+                row = {
+                    "hop_delay_ms": delay,
+                    "prompt": name,
+                    "plain_tok_s": plain.tok_s,
+                    "spec_tok_s": spec.tok_s,
+                    "speedup": spec.tok_s / plain.tok_s if plain.tok_s else None,
+                    "tokens_per_round": spec.tokens_per_round,
+                    "latency_ceiling_tok_s": (
+                        spec.tokens_per_round / ring_latency_s if ring_latency_s else None
+                    ),  # fmt: skip
+                    "identical": spec.tokens == plain.tokens,
+                }
+                rows.append(row)
+                log(
+                    f"delay {delay:g} ms, {name}: plain {plain.tok_s:.2f} tok/s, spec "
+                    f"{spec.tok_s:.2f} tok/s ({row['speedup']:.2f}x), "
+                    f"{spec.tokens_per_round:.2f} tokens/round, identical {row['identical']}"
+                )
+            ring.close()
+    return rows
+
+
+def exactness(model: str, n_stages: int, pairs: int, tokens: int, params: dict, draft_k: int,
+              threads: int, log: Log) -> dict:  # fmt: skip
+    """Speculative == plain through the ring for `pairs` (prompt, seed) pairs; greedy through
+    the ring == greedy in one process."""
+    import torch
+
+    torch.set_num_threads(threads)
+    tokenizer = load_tokenizer(open_checkpoint(model))
+    local_ring = LocalRing(load_stages(model, 1))
+    mismatched, greedy_mismatched = [], []
+    with LocalSwarm(model, n_stages, threads=threads) as swarm:
+        ring = swarm.ring()
+        for i, text in enumerate(EXACT_PROMPTS):
+            ids = tokenizer.prompt_ids(text)
+            greedy = SamplingParams(temp=0.0)
+            on_ring = timed_generation(ring, ids, greedy, draft_k, tokens).tokens
+            if on_ring != timed_generation(local_ring, ids, greedy, 0, tokens).tokens:
+                greedy_mismatched.append(i)
+        for i in range(pairs):
+            text, seed = EXACT_PROMPTS[i % len(EXACT_PROMPTS)], 1000 + i
+            sampling = SamplingParams(seed=seed, **params)
+            ids = tokenizer.prompt_ids(text)
+            spec = timed_generation(ring, ids, sampling, draft_k, tokens).tokens
+            plain = timed_generation(ring, ids, sampling, 0, tokens).tokens
+            if spec != plain:
+                mismatched.append({"prompt": i % len(EXACT_PROMPTS), "seed": seed})
+            log(f"pair {i + 1}/{pairs}: {'identical' if spec == plain else 'DIFFERENT'}")
+        ring.close()
+    return {
+        "pairs": pairs,
+        "tokens": tokens,
+        "params": params,
+        "spec_vs_plain_mismatches": mismatched,
+        "greedy_prompts": len(EXACT_PROMPTS),
+        "greedy_ring_vs_local_mismatches": greedy_mismatched,
+        "verdict": "PASS" if not mismatched and not greedy_mismatched else "FAIL",
+    }
