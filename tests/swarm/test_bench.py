@@ -1,0 +1,78 @@
+"""`specpipe bench ring` and `bench exact` on a tiny checkpoint: real stage processes, a private
+Redis, and the numbers they report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from specpipe.cli import cli
+from tests.swarmprocs import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
+
+
+def test_bench_exact_passes_on_real_stage_processes(tiny, tmp_path):
+    out = tmp_path / "exact.json"
+    result = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "exact",
+            "--model",
+            str(tiny),
+            "--stages",
+            "2",
+            "--pairs",
+            "3",
+            "--tokens",
+            "12",
+            "--json",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["verdict"] == "PASS" and doc["pairs"] == 3
+    assert doc["spec_vs_plain_mismatches"] == [] and doc["greedy_ring_vs_local_mismatches"] == []
+
+
+def test_bench_ring_reports_overhead_and_delays(tiny, tmp_path):
+    out = tmp_path / "ring.json"
+    args = [
+        "bench",
+        "ring",
+        "--model",
+        str(tiny),
+        "--stages",
+        "2",
+        "--tokens",
+        "10",
+        "--hop-delay-ms",
+        "0",
+        "--hop-delay-ms",
+        "20",
+        "--json",
+        str(out),
+    ]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["overhead"]["same_tokens"] is True
+    assert doc["overhead"]["hops_per_round"] == 3
+    delayed = [row for row in doc["latency"] if row["hop_delay_ms"] == 20]
+    assert {row["prompt"] for row in delayed} == {"grounded", "novel"}
+    assert all(row["identical"] for row in doc["latency"])
+    # Three delayed links per round: a plain round cannot beat 60 ms.
+    assert all(row["plain_tok_s"] < 1000 / 60 for row in delayed)
+
+
+def test_bench_with_a_missing_model_is_one_line():
+    result = CliRunner().invoke(cli, ["bench", "exact", "--model", "/nonexistent/model"])
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output and "nonexistent" in result.output
