@@ -293,24 +293,24 @@ class LockKeeper:
 @shared_task(name=RESUME_TASK, bind=True, base=DbTask, ignore_result=True)
 def resume_stalled(self) -> list[int]:
     """Celery beat task: re-enqueue running jobs whose coordinator stopped making progress."""
-    session: Session = self.session
-    cutoff = utcnow() - timedelta(seconds=stalled_after_s())
-    stalled = session.scalars(
-        select(Job.id).where(Job.status == "running", Job.updated_at < cutoff)
-    ).all()
-    if not stalled:
-        return []
     swarm = Settings.from_env().swarm
     client = redis.Redis.from_url(redis_url(), socket_connect_timeout=5)
-    resumed = []
     try:
-        for job_id in stalled:
-            if client.exists(lock_key(swarm, job_id)):
-                continue  # its coordinator is alive, only slow
-            generate.apply_async(args=[job_id])
-            resumed.append(job_id)
+        resumed = stalled_jobs(self.session, client, swarm, stalled_after_s())
     finally:
         client.close()
+    for job_id in resumed:
+        generate.apply_async(args=[job_id])
     if resumed:
         log.warning("re-enqueued stalled jobs %s", resumed)
     return resumed
+
+
+def stalled_jobs(session: Session, client: redis.Redis, swarm: str, after_s: float) -> list[int]:
+    """Running jobs without progress for `after_s` seconds whose lock has lapsed."""
+    cutoff = utcnow() - timedelta(seconds=after_s)
+    running = session.scalars(
+        select(Job.id).where(Job.status == "running", Job.updated_at < cutoff).order_by(Job.id)
+    ).all()
+    # A held lock means its coordinator is alive, only slow.
+    return [job_id for job_id in running if not client.exists(lock_key(swarm, job_id))]
