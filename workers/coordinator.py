@@ -19,6 +19,7 @@ committed per round are those plus the target's own token (`Job.tokens_per_round
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -81,6 +82,9 @@ def run_job(
     job.started_at = job.started_at or utcnow()
     session.commit()
 
+    # A name of its own per attempt: rounds a dead coordinator left in flight may still reach
+    # the stages after this attempt's reset, and must not write into this attempt's caches.
+    ring_session = f"job-{job.id}-{secrets.token_hex(4)}"
     ring = None
     try:
         ring = make_ring(job)
@@ -96,7 +100,7 @@ def run_job(
         spent_s = len(resume) / job.tok_s if resume and job.tok_s else 0.0
         generation = Generation(
             ring,
-            f"job-{job.id}",
+            ring_session,
             prompt_ids,
             params,
             max_new_tokens=job.max_new_tokens,
@@ -124,7 +128,7 @@ def run_job(
         return _finish(session, job, "failed", f"{type(exc).__name__}: {exc}")
     finally:
         if ring is not None:
-            _drop_quietly(ring, f"job-{job.id}")
+            _drop_quietly(ring, ring_session)
 
 
 def _start_run(session: Session, job: Job, ring: Ring):
