@@ -19,6 +19,7 @@ committed per round are those plus the target's own token (`Job.tokens_per_round
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -81,6 +82,9 @@ def run_job(
     job.started_at = job.started_at or utcnow()
     session.commit()
 
+    # A name of its own per attempt: rounds a dead coordinator left in flight may still reach
+    # the stages after this attempt's reset, and must not write into this attempt's caches.
+    ring_session = f"job-{job.id}-{secrets.token_hex(4)}"
     ring = None
     try:
         ring = make_ring(job)
@@ -96,7 +100,7 @@ def run_job(
         spent_s = len(resume) / job.tok_s if resume and job.tok_s else 0.0
         generation = Generation(
             ring,
-            f"job-{job.id}",
+            ring_session,
             prompt_ids,
             params,
             max_new_tokens=job.max_new_tokens,
@@ -124,7 +128,7 @@ def run_job(
         return _finish(session, job, "failed", f"{type(exc).__name__}: {exc}")
     finally:
         if ring is not None:
-            _drop_quietly(ring, f"job-{job.id}")
+            _drop_quietly(ring, ring_session)
 
 
 def _start_run(session: Session, job: Job, ring: Ring):
@@ -293,24 +297,24 @@ class LockKeeper:
 @shared_task(name=RESUME_TASK, bind=True, base=DbTask, ignore_result=True)
 def resume_stalled(self) -> list[int]:
     """Celery beat task: re-enqueue running jobs whose coordinator stopped making progress."""
-    session: Session = self.session
-    cutoff = utcnow() - timedelta(seconds=stalled_after_s())
-    stalled = session.scalars(
-        select(Job.id).where(Job.status == "running", Job.updated_at < cutoff)
-    ).all()
-    if not stalled:
-        return []
     swarm = Settings.from_env().swarm
     client = redis.Redis.from_url(redis_url(), socket_connect_timeout=5)
-    resumed = []
     try:
-        for job_id in stalled:
-            if client.exists(lock_key(swarm, job_id)):
-                continue  # its coordinator is alive, only slow
-            generate.apply_async(args=[job_id])
-            resumed.append(job_id)
+        resumed = stalled_jobs(self.session, client, swarm, stalled_after_s())
     finally:
         client.close()
+    for job_id in resumed:
+        generate.apply_async(args=[job_id])
     if resumed:
         log.warning("re-enqueued stalled jobs %s", resumed)
     return resumed
+
+
+def stalled_jobs(session: Session, client: redis.Redis, swarm: str, after_s: float) -> list[int]:
+    """Running jobs without progress for `after_s` seconds whose lock has lapsed."""
+    cutoff = utcnow() - timedelta(seconds=after_s)
+    running = session.scalars(
+        select(Job.id).where(Job.status == "running", Job.updated_at < cutoff).order_by(Job.id)
+    ).all()
+    # A held lock means its coordinator is alive, only slow.
+    return [job_id for job_id in running if not client.exists(lock_key(swarm, job_id))]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import string
+from datetime import timedelta
 
 import pytest
 
@@ -183,3 +184,25 @@ def test_the_task_fails_a_job_whose_model_cannot_be_opened(db_url, monkeypatch):
     job = load(db_url, job_id)
     assert job.error.startswith("cannot open model '/nonexistent/model'")
     assert coordinator.generate(10_000) is None
+
+
+def test_stalled_jobs_are_running_ones_without_progress_or_a_live_lock(db_url, redis_url, swarm):
+    import redis
+
+    from models.db import utcnow
+
+    old = utcnow() - timedelta(seconds=120)
+    stalled = add_job(db_url, status="running", updated_at=old)
+    locked = add_job(db_url, status="running", updated_at=old)
+    add_job(db_url, status="running")  # progress just now
+    add_job(db_url, status="queued", updated_at=old)
+    add_job(db_url, status="done", updated_at=old)
+    client = redis.Redis.from_url(redis_url)
+    client.set(coordinator.lock_key(swarm, locked), "token", ex=30)
+    with make_session_factory(db_url)() as session:
+        assert coordinator.stalled_jobs(session, client, swarm, after_s=60) == [stalled]
+        assert coordinator.stalled_jobs(session, client, swarm, after_s=600) == []
+    client.delete(coordinator.lock_key(swarm, locked))
+    with make_session_factory(db_url)() as session:
+        assert coordinator.stalled_jobs(session, client, swarm, after_s=60) == [stalled, locked]
+    client.close()
