@@ -10,8 +10,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from functools import lru_cache
+from pathlib import Path
 
-from sqlalchemy import JSON, Engine, MetaData, String, TypeDecorator, create_engine, event
+from sqlalchemy import JSON, Engine, MetaData, String, TypeDecorator, create_engine, event, make_url
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
 NAMING_CONVENTION = {
@@ -93,6 +94,9 @@ def make_engine(url: str) -> Engine:
     """A new engine for `url`, with foreign keys and WAL on for SQLite."""
     url = normalize_url(url)
     if url.startswith("sqlite"):
+        database = make_url(url).database
+        if database and database != ":memory:":
+            Path(database).parent.mkdir(parents=True, exist_ok=True)  # a fresh instance folder
         engine = create_engine(url, connect_args={"check_same_thread": False})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine

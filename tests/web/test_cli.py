@@ -83,3 +83,12 @@ def test_production_app_needs_secret_key(monkeypatch, tmp_path):
         create_app()
     monkeypatch.setenv("SECRET_KEY", "from-the-environment")
     assert create_app().config["SECRET_KEY"] == "from-the-environment"
+
+
+def test_db_upgrade_creates_a_fresh_instance_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    home = tmp_path / "not" / "there" / "yet"
+    monkeypatch.setenv("SPECPIPE_HOME", str(home))
+    result = CliRunner().invoke(db, ["upgrade"])
+    assert result.exit_code == 0, result.output
+    assert (home / "specpipe.sqlite3").is_file()
