@@ -6,6 +6,8 @@ import time
 
 import click
 
+from specpipe.cli.options import json_option, sampling_options, write_json
+
 
 @click.group(name="bench")
 def bench() -> None:
@@ -78,18 +80,6 @@ def bench_draft(context: int, draft_k: int, vocab: int, repeats: int) -> None:
     )
 
 
-def _write_json(path, doc: dict) -> None:
-    import json
-
-    if path:
-        try:
-            with open(path, "w") as out:
-                json.dump(doc, out, indent=2)
-        except OSError as exc:
-            raise click.ClickException(f"cannot write {path}: {exc.strerror}") from None
-        click.echo(f"wrote {path}")
-
-
 def _model_errors(func):
     """Turn engine errors about the model or Redis into one-line CLI errors."""
     import functools
@@ -128,10 +118,7 @@ def _model_errors(func):
     show_default=True,
     help="Simulated one-way latency per hop; repeat for several.",
 )
-@click.option("--temp", type=click.FloatRange(min=0), default=0.7, show_default=True)
-@click.option(
-    "--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95, show_default=True
-)
+@sampling_options(0.7, 0.95, greedy=True)
 @click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=7, show_default=True)
 @click.option("--draft-k", type=click.IntRange(1, 64), default=8, show_default=True)
 @click.option(
@@ -141,9 +128,11 @@ def _model_errors(func):
     show_default=True,
     help="torch threads per process.",
 )
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write results here.")
+@json_option
 @_model_errors
-def bench_ring(model, stages, tokens, delays, temp, top_p, seed, draft_k, threads, json_path):
+def bench_ring(
+    model, stages, tokens, delays, temp, top_p, top_k, seed, draft_k, threads, json_path
+):
     """The ring's cost per hop, and speculative vs plain over slow links.
 
     Starts a private Redis and STAGES `specpipe worker stage` processes of MODEL, measures the
@@ -163,11 +152,11 @@ def bench_ring(model, stages, tokens, delays, temp, top_p, seed, draft_k, thread
         f"overhead per hop: {o['overhead_per_hop_ms']:.2f} ms (target <= 1 ms); ring/local "
         f"tok/s {o['tok_s_ratio_ring_vs_local']:.2f}; same tokens {o['same_tokens']}"
     )
-    params = {"temp": temp, "top_p": top_p, "seed": seed}
+    params = {"temp": temp, "top_p": top_p, "top_k": top_k, "seed": seed}
     result["latency"] = ringbench.latency(
         model, stages, delays, tokens, params, draft_k, threads, click.echo
     )
-    _write_json(json_path, result)
+    write_json(json_path, result)
 
 
 @bench.command(name="exact")
@@ -181,15 +170,14 @@ def bench_ring(model, stages, tokens, delays, temp, top_p, seed, draft_k, thread
     help="(prompt, seed) pairs.",
 )
 @click.option("--tokens", type=click.IntRange(1, 4096), default=64, show_default=True)
-@click.option("--temp", type=click.FloatRange(min=0), default=0.7, show_default=True)
-@click.option(
-    "--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95, show_default=True
-)
+@sampling_options(0.7, 0.95, greedy=True)
 @click.option("--draft-k", type=click.IntRange(1, 64), default=8, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write results here.")
+@json_option
 @_model_errors
-def bench_exact(model, stages, pairs, tokens, temp, top_p, draft_k, threads, json_path):
+def bench_exact(
+    model, stages, pairs, tokens, temp, top_p, top_k, draft_k, threads, json_path
+):
     """Exactness on real stage processes: speculative == plain for every (prompt, seed), and
     greedy through the ring == greedy in one process. Exits 1 on any difference.
 
@@ -199,7 +187,7 @@ def bench_exact(model, stages, pairs, tokens, temp, top_p, draft_k, threads, jso
     """
     from specpipe import ringbench
 
-    params = {"temp": temp, "top_p": top_p}
+    params = {"temp": temp, "top_p": top_p, "top_k": top_k}
     result = ringbench.exactness(model, stages, pairs, tokens, params, draft_k, threads, click.echo)
     greedy_ok = result["greedy_prompts"] - len(result["greedy_ring_vs_local_mismatches"])
     spec_ok = pairs - len(result["spec_vs_plain_mismatches"])
@@ -207,6 +195,6 @@ def bench_exact(model, stages, pairs, tokens, temp, top_p, draft_k, threads, jso
         f"spec == plain: {spec_ok}/{pairs} pairs; greedy ring == local: {greedy_ok}/"
         f"{result['greedy_prompts']} prompts; verdict {result['verdict']}"
     )
-    _write_json(json_path, result)
+    write_json(json_path, result)
     if result["verdict"] != "PASS":
         raise SystemExit(1)

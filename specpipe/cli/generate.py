@@ -8,6 +8,7 @@ import sys
 import click
 
 from specpipe.cli.model import ModelInputError
+from specpipe.cli.options import sampling_options
 
 
 @click.command(name="generate")
@@ -30,27 +31,7 @@ from specpipe.cli.model import ModelInputError
     show_default=True,
     help="Drafted tokens verified per round.",
 )
-@click.option(
-    "--temp",
-    type=click.FloatRange(min=0),
-    default=0.0,
-    show_default=True,
-    help="Temperature (0: greedy).",
-)
-@click.option(
-    "--top-p",
-    type=click.FloatRange(0, 1, min_open=True),
-    default=1.0,
-    show_default=True,
-    help="Nucleus mass.",
-)
-@click.option(
-    "--top-k",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Keep the k most likely tokens (0: off).",
-)
+@sampling_options(0.0, 1.0, greedy=True)
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed.")
 @click.option(
     "--max-new-tokens",

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import click
+
+from specpipe.cli.options import json_option, sampling_options, write_json
 
 
 def _number_list(kind: type, check, what: str):
@@ -77,12 +77,7 @@ def proof() -> None:
     show_default=True,
     help="Top-k values to test (0 = off).",
 )
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False, writable=True, path_type=Path),
-    help="Write the full result document here.",
-)
+@json_option
 def proof_local(draws, vocab, seed, temps, top_ps, top_ks, json_path) -> None:
     """Proof 1: the verify rule's committed tokens follow the target exactly.
 
@@ -106,12 +101,7 @@ def proof_local(draws, vocab, seed, temps, top_ps, top_ks, json_path) -> None:
         result = run_local_proof(cfg, progress=bar.update)
     elapsed = time.perf_counter() - started
     click.echo(format_local_summary(result, elapsed))
-    if json_path:
-        try:
-            json_path.write_text(json.dumps(result, indent=2) + "\n")
-        except OSError as exc:
-            raise click.ClickException(f"cannot write {json_path}: {exc.strerror}") from None
-        click.echo(f"wrote {json_path}")
+    write_json(json_path, result)
     if result["proof_1_local_math"]["verdict"] != "PASS":
         raise SystemExit(1)
 
@@ -230,16 +220,6 @@ def _ring_errors() -> tuple[type[Exception], ...]:
     return (RingError, GapError, redis.RedisError)
 
 
-def _write_json(json_path: Path | None, result: dict) -> None:
-    if not json_path:
-        return
-    try:
-        json_path.write_text(json.dumps(result, indent=2) + "\n")
-    except OSError as exc:
-        raise click.ClickException(f"cannot write {json_path}: {exc.strerror}") from None
-    click.echo(f"wrote {json_path}")
-
-
 @proof.command(name="swarm")
 @ring_options
 @click.option(
@@ -256,23 +236,7 @@ def _write_json(json_path: Path | None, result: dict) -> None:
     show_default=True,
     help="Draws per mode (plain, speculative, plain noise floor) per stop.",
 )
-@click.option(
-    "--temp",
-    type=click.FloatRange(0, 100, min_open=True),
-    default=0.7,
-    show_default=True,
-    help="Temperature (> 0: the proof compares distributions).",
-)
-@click.option(
-    "--top-p",
-    type=click.FloatRange(0, 1, min_open=True),
-    default=0.95,
-    show_default=True,
-    help="Top-p in (0, 1].",
-)
-@click.option(
-    "--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="Top-k (0 = off)."
-)
+@sampling_options(0.7, 0.95, greedy=False)
 @click.option(
     "--draft-k",
     type=click.IntRange(1, 32),
@@ -293,12 +257,7 @@ def _write_json(json_path: Path | None, result: dict) -> None:
     multiple=True,
     help="A prompt to generate stops from (repeatable) [default: built-in prompts].",
 )
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False, writable=True, path_type=Path),
-    help="Write the full result document here.",
-)
+@json_option
 def proof_swarm(
     redis_option,
     local_model,
@@ -351,7 +310,7 @@ def proof_swarm(
     finally:
         getattr(ring, "close", lambda: None)()
     click.echo(format_swarm_summary(result, where, time.perf_counter() - started))
-    _write_json(json_path, result)
+    write_json(json_path, result)
     if result["proof_2_on_swarm"]["verdict"] != "PASS":
         raise SystemExit(1)
 
@@ -404,27 +363,7 @@ def format_swarm_summary(result: dict, where: str, elapsed: float) -> str:
 @proof.command(name="generation")
 @ring_options
 @click.option("--prompt", help="The prompt [default: a built-in one].")
-@click.option(
-    "--temp",
-    type=click.FloatRange(0, 100, min_open=True),
-    default=0.7,
-    show_default=True,
-    help="Temperature of the sampled runs.",
-)
-@click.option(
-    "--top-p",
-    type=click.FloatRange(0, 1, min_open=True),
-    default=0.95,
-    show_default=True,
-    help="Top-p of the sampled runs.",
-)
-@click.option(
-    "--top-k",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Top-k of the sampled runs (0 = off).",
-)
+@sampling_options(0.7, 0.95, greedy=False, what="the sampled runs")
 @click.option(
     "--seed",
     "seeds",
@@ -446,12 +385,7 @@ def format_swarm_summary(result: dict, where: str, elapsed: float) -> str:
     show_default=True,
     help="Tokens to generate per run.",
 )
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False, writable=True, path_type=Path),
-    help="Write the full result document here.",
-)
+@json_option
 def proof_generation(
     redis_option,
     local_model,
@@ -498,7 +432,7 @@ def proof_generation(
     finally:
         getattr(ring, "close", lambda: None)()
     click.echo(format_generation(result, where))
-    _write_json(json_path, result)
+    write_json(json_path, result)
     if result["verdict"] != "PASS":
         raise SystemExit(1)
 

@@ -1,0 +1,56 @@
+"""Option sets shared by several commands, bundled as decorators, and a JSON writer."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+
+def sampling_options(
+    temp: float, top_p: float, *, greedy: bool, what: str = ""
+) -> Callable[[Callable], Callable]:
+    """--temp, --top-p and --top-k with this command's defaults.
+
+    `greedy`: whether temperature 0 (greedy) is allowed; proofs that compare distributions
+    need a temperature above 0. `what` names the runs the options apply to, for the help."""
+    runs = f" of {what}" if what else ""
+    temp_type = click.FloatRange(min=0) if greedy else click.FloatRange(0, 100, min_open=True)
+    options = [
+        click.option("--temp", type=temp_type, default=temp, show_default=True,
+                     help=f"Temperature{runs} ({'0: greedy' if greedy else 'above 0'})."),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=top_p,
+                     show_default=True, help=f"Top-p{runs}, in (0, 1] (1: off)."),
+        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+                     help=f"Keep the k most likely tokens{runs} (0: off)."),
+    ]  # fmt: skip
+
+    def decorate(func: Callable) -> Callable:
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return decorate
+
+
+def json_option(func: Callable) -> Callable:
+    """--json PATH: where to write the full result document."""
+    return click.option(
+        "--json",
+        "json_path",
+        type=click.Path(dir_okay=False, writable=True, path_type=Path),
+        help="Write the full result document here.",
+    )(func)
+
+
+def write_json(json_path: Path | None, result: dict) -> None:
+    """Write `result` to `json_path` (nothing when None); one-line error if it cannot."""
+    if not json_path:
+        return
+    try:
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {json_path}: {exc.strerror}") from None
+    click.echo(f"wrote {json_path}")
