@@ -30,6 +30,7 @@ from specpipe.model.resolve import even_split, load_stages, load_tokenizer, open
 from specpipe.redis_ring import RedisRing
 from specpipe.redis_server import RedisServer
 from specpipe.ring import LocalRing, Ring, SamplingParams
+from specpipe.supervisor import terminate_all
 
 GROUNDED_PROMPT = (
     "Repeat the following text exactly, word for word:\n\n"
@@ -107,15 +108,7 @@ class LocalSwarm:
         )
 
     def __exit__(self, *exc) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate_all(self.procs)
         self.redis.stop()
 
 

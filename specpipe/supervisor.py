@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 PR_SET_PDEATHSIG = 1
@@ -179,3 +179,18 @@ class Supervisor:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
             pass
+
+
+def terminate_all(processes: Iterable[subprocess.Popen], timeout_s: float = 20.0) -> None:
+    """SIGTERM every process still running, then SIGKILL the ones not gone by `timeout_s`."""
+    processes = list(processes)
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

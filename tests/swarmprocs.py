@@ -13,6 +13,7 @@ from pathlib import Path
 import redis
 
 from specpipe import inventory
+from specpipe.supervisor import terminate_all
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECPIPE = [sys.executable, "-m", "specpipe"]
@@ -103,12 +104,4 @@ class Swarm:
 
     def stop(self) -> None:
         """SIGTERM everything still running, SIGKILL what does not stop."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate_all(self.procs.values())

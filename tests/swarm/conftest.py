@@ -16,6 +16,7 @@ import redis
 
 from specpipe import inventory
 from specpipe.redis_server import RedisServer
+from specpipe.supervisor import terminate_all
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -117,15 +118,7 @@ class Stages:
         self.wait_ready([host])
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate_all(self.procs.values(), timeout_s=10)
 
 
 @pytest.fixture

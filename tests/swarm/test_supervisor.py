@@ -136,3 +136,31 @@ def test_children_die_with_a_killed_supervisor(tmp_path):
     for p in pids:  # the grandchildren are not covered by that; clean up what is left
         if alive(p):
             os.kill(p, signal.SIGKILL)
+
+
+def test_terminate_all_kills_what_ignores_sigterm():
+    import subprocess
+    import sys
+    import time
+
+    from specpipe.supervisor import terminate_all
+
+    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stubborn = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('ready', flush=True); time.sleep(60)"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert stubborn.stdout.readline().strip() == "ready"
+    started = time.monotonic()
+    terminate_all([polite, stubborn], timeout_s=1.0)
+    assert polite.returncode == -15 and stubborn.returncode == -9
+    assert time.monotonic() - started < 10
+    stubborn.stdout.close()
