@@ -36,7 +36,7 @@ GROUNDED = (
 
 
 def transformers_twin(stage: StageModel):
-    """A transformers LlamaForCausalLM holding exactly the stage's weights."""
+    """A transformers LlamaForCausalLM holding exactly the stage's weights (an unpacked stage)."""
     import transformers
 
     cfg = stage.cfg
@@ -164,7 +164,9 @@ def main() -> None:
         dtype=args.dtype,
         row_stable=False,
     )
-    twin = transformers_twin(stage)
+    plain = load_stage(checkpoint, 0, checkpoint.config.n_layers, dtype=args.dtype, pack=False)
+    twin = transformers_twin(plain)  # packed weights have no plain copy to hand over
+    del plain
     ids = tok.prompt_ids(STORY)
     print(f"default model, {args.dtype}, {args.threads} thread(s), prompt {len(ids)} tokens")
     modes = {"row-stable": stage, "fast rows": fast}

@@ -6,13 +6,16 @@ position, so the same code runs a prefill, a single decode step and a K-token ve
 
 Row stability: the logits at a position must be the same numbers whether it is computed alone (a
 plain decode step) or among K drafts (a verify), or speculative and plain sampling could commit
-different tokens. CPU BLAS computes each row of a product identically for any number of rows
-from 4 up, but switches to a matrix-vector kernel, with different rounding, below that. So every
-product here pads its rows to at least `MIN_ROWS` (`row_stable=False` on the stage turns this
-off: single-token steps get faster, and a verify row may then differ from a plain step in the last
-bits). Attention also depends on the number of keys S, which differs between a verify and a
-step; its kernels agree on every row once S is at least `MIN_KEYS`, so short contexts pad the keys
-(masked), and gpt-oss's sink logit goes first, at a fixed index, rather than after the keys.
+different tokens. Linear layers on the CPU hold their weight packed in oneDNN's blocked layout
+(`Linear.pack`): its kernels give every row the same numbers for any number of rows from 2 up,
+and a few rows cost about what one does. Packing checks this on each weight and keeps the plain
+weight where it does not hold. Unpacked products go through BLAS, which computes each row
+identically from 4 rows up but switches to a matrix-vector kernel, with different rounding, below
+that. So every product pads its rows to at least `MIN_ROWS` (`row_stable=False` on the stage turns
+this off, and a verify row may then differ from a plain step in the last bits). Attention also
+depends on the number of keys S, which differs between a verify and a step; its kernels agree on
+every row once S is at least `MIN_KEYS`, so short contexts pad the keys (masked), and gpt-oss's
+sink logit goes first, at a fixed index, rather than after the keys.
 """
 
 from __future__ import annotations
@@ -55,12 +58,65 @@ def stable_bmm(a: torch.Tensor, b: torch.Tensor, min_rows: int = MIN_ROWS) -> to
     return (_padded(a, min_rows) @ b)[..., :M, :]
 
 
+# Rows at which `pack_weight` checks that a packed product agrees with its longest one.
+PROBE_ROWS = (MIN_ROWS, 5, 9, 17, 64)
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
+    """w [N, K] in oneDNN's blocked layout, or None where packing is unavailable or the packed
+    product would not give every row the same numbers for any number of rows from MIN_ROWS up."""
+    if (
+        w.device.type != "cpu"
+        or w.dtype not in (torch.float32, torch.bfloat16)
+        or not torch.backends.mkldnn.is_available()
+    ):
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+        probe = torch.randn(
+            max(PROBE_ROWS), w.shape[1], generator=torch.Generator().manual_seed(0)
+        ).to(w.dtype)
+        whole = _packed_product(probe, packed, None)
+        rows = (_packed_product(probe[:m], packed, None) for m in PROBE_ROWS)
+        if all(torch.equal(y, whole[: y.shape[0]]) for y in rows):
+            return packed
+    except RuntimeError:  # a build or CPU without these kernels
+        pass
+    return None
+
+
+def _packed_product(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None, min_rows: int = MIN_ROWS
+) -> torch.Tensor:
+    """F.linear on [M, K] with a weight from `pack_weight`, rows padded to at least `min_rows`."""
+    M = x.shape[-2]
+    if M >= min_rows:
+        return _packed_product(x.contiguous(), packed, b)
+    return _packed_product(_padded(x, min_rows), packed, b)[..., :M, :]
+
+
 class Linear(nn.Linear):
-    """nn.Linear through `stable_linear`."""
+    """nn.Linear through `stable_linear`, or `packed_linear` once packed."""
 
     min_rows = MIN_ROWS
+    packed: torch.Tensor | None = None  # set by pack(); not moved by .to()
+
+    def pack(self) -> bool:
+        """Hold the weight packed (see `pack_weight`) instead of plain; False if it stays plain."""
+        packed = pack_weight(self.weight)
+        if packed is None:
+            return False
+        self.packed = packed
+        self.weight = None  # the plain copy is freed (unless another module shares it)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias, self.min_rows)
         return stable_linear(x, self.weight, self.bias, self.min_rows)
 
 

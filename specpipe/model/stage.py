@@ -51,6 +51,10 @@ class StageModel(nn.Module):
     def device(self) -> torch.device:
         return self.layers[0].attn_norm.weight.device
 
+    def pack(self) -> int:
+        """Pack the linear weights for oneDNN where that is row-stable (CPU); how many were."""
+        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+
     def _session(self, session: str) -> SessionCache:
         cache = self.sessions.get(session)
         if cache is None:
@@ -126,8 +130,11 @@ def load_stage(
     device: torch.device | str = "cpu",
     packed_experts: bool = True,
     row_stable: bool = True,
+    pack: bool = True,
 ) -> StageModel:
-    """Build the stage for layers [start, end) from a checkpoint, reading only its tensors."""
+    """Build the stage for layers [start, end) from a checkpoint, reading only its tensors.
+
+    On the CPU the linear weights are then packed for oneDNN (`pack=False` keeps them plain)."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     cfg = source.config
     check_range(cfg, start, end, str(source.path))
@@ -155,4 +162,6 @@ def load_stage(
         state[key] = t
     model.load_state_dict(state, assign=True, strict=True)
     model.rotary = Rotary(cfg).to(device)
+    if pack:
+        model.pack()
     return model.eval()

@@ -66,6 +66,28 @@ def test_default_model_matches_transformers(hf_logits, prompt_ids, split):
         assert source.bytes_read == sum(source.info(k)[2] for k in names)
         start += n
     logits = run_split(stages, "s", torch.tensor(prompt_ids), 0)
+    assert all(stage.head is None or stage.head.packed is not None for stage in stages)
+    assert_close_to_rounding(logits, hf_logits)
+    assert torch.equal(logits.argmax(-1), hf_logits.argmax(-1))
+
+
+def assert_close_to_rounding(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Each row within 1e-4, or within 1e-5 of the row's largest logit where that is larger.
+
+    oneDNN's packed kernels sum in another order than transformers' BLAS; over 30 layers that
+    moves logits whose rows peak at 19-38 by up to 1.4e-4 (5e-6 of the peak): rounding, not math.
+    """
+    worst = (ours - theirs).abs().amax(-1)
+    allowed = torch.clamp(1e-5 * theirs.abs().amax(-1), min=1e-4)
+    assert (worst <= allowed).all(), f"rows differ by up to {worst.max():.3g} (allowed {allowed})"
+
+
+@pytest.mark.slow
+def test_default_model_with_plain_weights_matches_transformers_to_1e4(hf_logits, prompt_ids):
+    """With BLAS (unpacked weights) the same math in the same order agrees to 1e-4 outright."""
+    stage = load_stage(open_checkpoint("default"), 0, 30, pack=False)
+    assert stage.head.packed is None and stage.head.weight is not None
+    logits = stage.forward("s", torch.tensor(prompt_ids), 0)
     torch.testing.assert_close(logits, hf_logits, atol=1e-4, rtol=0)
     assert torch.equal(logits.argmax(-1), hf_logits.argmax(-1))
 
@@ -139,10 +161,10 @@ def test_benchmark_twin_holds_the_same_weights(prompt_ids):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     stage = load_stage(open_checkpoint("default"), 0, 30)
-    twin = bench.transformers_twin(stage)
+    twin = bench.transformers_twin(load_stage(open_checkpoint("default"), 0, 30, pack=False))
     ids = torch.tensor(prompt_ids)
     with torch.no_grad():
         theirs = twin(ids[None]).logits[0]
-    torch.testing.assert_close(stage.forward("s", ids, 0), theirs, atol=1e-4, rtol=0)
+    assert_close_to_rounding(stage.forward("s", ids, 0), theirs)
     rows, flips, worst, tv_max, _ = bench.row_stability(stage, prompt_ids, 6, 3)
     assert (rows, flips, worst, tv_max) == (0, 0, 0.0, 0.0)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specpipe.model.checkpoint import SafetensorsCheckpoint
+from specpipe.model.layers import Linear, pack_weight
 from tests.model.conftest import SLIDING_WINDOW, SPLITS, hf_logits
 from tests.model.helpers import load_split, run_split
 
@@ -103,7 +104,9 @@ def test_half_precision_runs_close(checkpoints, reference, dtype):
     theirs = hf_logits(checkpoints["llama"], _ids(), dtype)
     stages = load_split(lambda: SafetensorsCheckpoint(checkpoints["llama"]), [2, 2], dtype=dtype)
     logits = run_split(stages, "s", _ids(), 0)
-    assert stages[0].layers[0].attn.wq.weight.dtype == dtype and logits.dtype == torch.float32
+    wq = stages[0].layers[0].attn.wq
+    weight = wq.weight if wq.packed is None else wq.packed  # bfloat16 packs, float16 does not
+    assert weight.dtype == dtype and logits.dtype == torch.float32
     want = reference["llama"]
     ours_err, their_err = (logits - want).abs().mean(), (theirs - want).abs().mean()
     assert 0 < ours_err < 1.5 * their_err
@@ -119,16 +122,38 @@ def test_dequantise_on_load_matches_packed(checkpoints, reference):
     torch.testing.assert_close(logits, reference["gptoss-mxfp4"], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "blas"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_verify_rows_equal_single_steps_exactly(checkpoints, family):
+def test_verify_rows_equal_single_steps_exactly(checkpoints, family, pack):
     """A position's logits are the same numbers in a K+1 verify as in a one-token step."""
-    stages = load_split(lambda: SafetensorsCheckpoint(checkpoints[family]), [1, 3])
+    stages = load_split(lambda: SafetensorsCheckpoint(checkpoints[family]), [1, 3], pack=pack)
+    linears = [m for s in stages for m in s.modules() if isinstance(m, Linear)]
+    assert all((m.packed is not None) == pack for m in linears)
     ids = _ids(seed=3)
     run_split(stages, "one", ids[:3], 0)
     single = torch.cat([run_split(stages, "one", ids[p : p + 1], p) for p in range(3, T)])
     run_split(stages, "many", ids[:3], 0)
     chunks = [run_split(stages, "many", ids[p : p + 9], p) for p in range(3, T, 9)]
     assert torch.equal(torch.cat(chunks), single)
+
+
+def test_packing_frees_the_plain_weights_and_keeps_the_numbers(checkpoints, reference):
+    """Packed stages hold no plain copy of a linear weight and agree with the BLAS path."""
+    plain = load_split(lambda: SafetensorsCheckpoint(checkpoints["llama"]), [4], pack=False)
+    packed = load_split(lambda: SafetensorsCheckpoint(checkpoints["llama"]), [4])
+    linears = [m for m in packed[0].modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight is None and m.packed is not None for m in linears)
+    assert "layers.0.attn.wq.weight" not in packed[0].state_dict()
+    ours = run_split(packed, "s", _ids(), 0)
+    torch.testing.assert_close(ours, run_split(plain, "s", _ids(), 0), atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours, reference["llama"], atol=1e-4, rtol=0)
+
+
+def test_pack_weight_keeps_what_it_cannot_pack():
+    assert pack_weight(torch.randn(8, 4, dtype=torch.float16)) is None
+    assert pack_weight(torch.randn(8, 4, device="meta")) is None
+    packed = pack_weight(torch.randn(8, 4))
+    assert packed is not None and packed.is_mkldnn
 
 
 def test_row_stability_can_be_turned_off(checkpoints, reference):
