@@ -116,7 +116,7 @@ def generate(
 
         specpipe generate --local "Summarise: the cat sat on the mat." --max-new-tokens 64
 
-        specpipe generate --local "List three colours:" --stop "4." --stop $'\\n\\n'
+        specpipe generate --local "List three colours:" --stop "4."
     """
     import torch
 
