@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from urllib.parse import unquote_to_bytes
 
 from flask import Flask, g, request
@@ -62,10 +63,16 @@ def _bytes(value) -> str:
     return str(value)
 
 
+def _quoted(text: str) -> str:
+    # Quotes and escapes make a stop string's spaces and newlines visible.
+    return json.dumps(text, ensure_ascii=False)
+
+
 FILTERS = {
     "when": _when,
     "num": _num,
     "excerpt": _excerpt,
     "bytes": _bytes,
+    "quoted": _quoted,
     "redact_url": redact_url,
 }

@@ -31,6 +31,7 @@ FORM_DEFAULTS = {
     "top_k": "0",
     "seed": "",
     "draft_k": "4",
+    "stop": "",
     "speculate": "on",
 }
 

@@ -7,6 +7,7 @@ from sqlalchemy.orm import Session
 
 from app.queue import enqueue_job
 from models.jobs import Job
+from specpipe.stopping import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from workers import queue
 from workers.queue import QueueUnavailable
 
@@ -20,6 +21,8 @@ def limits() -> dict[str, int]:
         "max_prompt_chars": config["MAX_PROMPT_CHARS"],
         "max_new_tokens": config["MAX_NEW_TOKENS"],
         "max_draft_k": config["MAX_DRAFT_K"],
+        "max_stop_strings": MAX_STOP_STRINGS,
+        "max_stop_chars": MAX_STOP_CHARS,
     }
 
 

@@ -6,13 +6,15 @@ means greedy; a negative temperature is refused rather than silently treated as 
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from collections.abc import Mapping
 
 from models.db import UINT64_MAX
+from specpipe.stopping import check_stop_strings
 
-FIELDS = ("prompt", "max_new_tokens", "temp", "top_p", "top_k", "seed", "draft_k")
+FIELDS = ("prompt", "max_new_tokens", "temp", "top_p", "top_k", "seed", "draft_k", "stop")
 API_DEFAULTS = {
     "max_new_tokens": 128,
     "temp": 0.8,
@@ -20,6 +22,7 @@ API_DEFAULTS = {
     "top_k": 0,
     "seed": None,
     "draft_k": 4,
+    "stop": [],
 }
 MAX_TEMP = 100.0
 MAX_TOP_K = 2**31 - 1
@@ -93,7 +96,8 @@ def parse_job_request(
 ) -> dict:
     """Check `raw` and return clean values; raises JobRequestError listing every bad field.
 
-    `from_text` accepts form strings for the numbers; a blank or missing seed means random.
+    `from_text` accepts form strings for the numbers and stop strings one per line; a blank or
+    missing seed means random.
     """
     errors: dict[str, str] = {}
     clean: dict[str, object] = {}
@@ -114,13 +118,14 @@ def parse_job_request(
         "draft_k": lambda v: _in_range(
             _integer(v, from_text), 0, max_k, f"must be between 0 (no speculation) and {max_k}"
         ),
+        "stop": lambda v: _stop_strings(v, from_text),
     }
     for name, check in checks.items():
         if name not in raw:
             if name == "prompt":
                 errors[name] = "is required"
             else:
-                clean[name] = API_DEFAULTS[name]
+                clean[name] = copy.copy(API_DEFAULTS[name])
             continue
         try:
             clean[name] = check(raw[name])
@@ -143,3 +148,18 @@ def _seed(value: object, from_text: bool) -> int | None:
     return _in_range(
         _integer(value, from_text), 0, UINT64_MAX, "must be between 0 and 2^64-1"
     )
+
+
+def _stop_strings(value: object, from_text: bool) -> list[str]:
+    """Form text holds one stop string per line (blank lines skipped); JSON holds a list of
+    strings, one string, or null for none."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        if not from_text:
+            return check_stop_strings([value])
+        lines = value.replace("\r\n", "\n").split("\n")
+        return check_stop_strings([line for line in lines if line.strip()])
+    if from_text or not isinstance(value, list):
+        raise ValueError("must be text or a list of text")
+    return check_stop_strings(value)

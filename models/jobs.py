@@ -14,6 +14,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    text,
 )
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
@@ -53,6 +54,8 @@ class Job(Base):
     seed: Mapped[int] = mapped_column(Uint64)
     seed_was_random: Mapped[bool] = mapped_column(Boolean, default=False)
     draft_k: Mapped[int] = mapped_column(Integer)  # 0: plain sampling, no speculation
+    # Up to 4 strings; the output text ends before the first of them that appears.
+    stop: Mapped[list] = mapped_column(default=list, server_default=text("'[]'"))
 
     status: Mapped[str] = mapped_column(String(16), default="queued")
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
@@ -100,6 +103,7 @@ class Job(Base):
             "top_k": self.top_k,
             "seed": self.seed,
             "draft_k": self.draft_k,
+            "stop": list(self.stop or []),
         }
 
     def request_cancel(self) -> None:

@@ -72,9 +72,12 @@ class Generation:
         self.n_prompt = len(prompt_ids)
         self.drafter = drafter or NgramDrafter()
         self.drafter.extend(self.tokens)
-        self.should_stop = should_stop  # sees the generated ids after each round (stop strings)
+        # Sees the generated ids after each round (stop strings); the whole round stays committed.
+        self.should_stop = should_stop
         self.stats = GenerationStats()
-        self.finished = bool(resume) and resume[-1] in self.eos_ids
+        self.finished = bool(resume) and (
+            resume[-1] in self.eos_ids or (should_stop is not None and should_stop(list(resume)))
+        )
 
     @property
     def generated(self) -> list[int]:

@@ -7,10 +7,10 @@ from datetime import timedelta
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect, select
+from sqlalchemy import MetaData, Table, inspect, select
 
 from models import Base, Job
-from models.db import UINT64_MAX, get_engine, utcnow
+from models.db import UINT64_MAX, get_engine, make_session_factory, utcnow
 from models.migrate import current, downgrade, heads, upgrade
 from models.nodes import Node, upsert_node
 from models.records import PROOF_1_FIELDS, PROOF_2_FIELDS, run_record
@@ -18,6 +18,7 @@ from models.runs import start_run
 from models.tokens import check_token, create_token, revoke_token
 from tests.factories import gen_job, gen_node, gen_proof_run, gen_ring
 
+BEFORE_STOP_STRINGS = "dc866fa56549"  # the revision before jobs had stop strings
 TABLES = {"jobs", "runs", "proofs", "proof_cases", "nodes", "run_nodes", "api_tokens"}
 
 
@@ -43,6 +44,42 @@ def test_models_match_migrated_schema(database_url):
         context = MigrationContext.configure(conn, opts={"compare_type": True})
         diff = compare_metadata(context, Base.metadata)
     assert diff == []
+
+
+def test_stop_strings_round_trip_and_default_to_none(db_session):
+    stops = ["\n\nUser:", "ende ü", " ", "x" * 64]
+    with_stops = gen_job(db_session, stop=stops)
+    without = gen_job(db_session)
+    db_session.expire_all()
+    assert db_session.get(Job, with_stops.id).stop == stops
+    assert db_session.get(Job, without.id).stop == []
+    assert db_session.get(Job, with_stops.id).params()["stop"] == stops
+    assert db_session.get(Job, without.id).to_dict()["stop"] == []
+
+
+def test_jobs_from_before_stop_strings_read_as_none(fresh_database_url):
+    url = fresh_database_url
+    upgrade(url, BEFORE_STOP_STRINGS)
+    engine = get_engine(url)
+    jobs = Table("jobs", MetaData(), autoload_with=engine)
+    assert "stop" not in jobs.c
+    now = utcnow()
+    with engine.begin() as conn:
+        conn.execute(
+            jobs.insert().values(
+                created_at=now, updated_at=now, prompt="old", model="tiny-test",
+                max_new_tokens=8, temp=0.0, top_p=1.0, top_k=0, seed="00000000000000000001",
+                seed_was_random=False, draft_k=0, status="done", cancel_requested=False,
+                output_text="abc", output_ids=[1, 2, 3], generated_tokens=3, rounds=3,
+                accepted_per_round=[0, 0, 0],
+            )
+        )  # fmt: skip
+    upgrade(url)
+    with make_session_factory(url)() as session:
+        job = session.scalars(select(Job)).one()
+        assert (job.prompt, job.stop, job.output_ids) == ("old", [], [1, 2, 3])
+    downgrade(url, BEFORE_STOP_STRINGS)
+    assert "stop" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
 
 
 def test_seed_keeps_every_uint64(db_session):

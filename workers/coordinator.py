@@ -12,6 +12,11 @@ run gives. The beat task `workers.coordinator.resume_stalled` re-enqueues runnin
 coordinator died. A cancel request stops the job at its next round. Any failure ends the job
 with a one-line reason.
 
+A job with stop strings ends after the round whose decoded text first contains one of them;
+its `output_text` is cut just before the earliest occurrence, while `output_ids` (and the token
+count and tok/s that follow from them) keep every token committed up to and including that
+round, so a few ids past the stop may be stored.
+
 A job's `accepted_per_round` lists the drafts accepted in each round (0 … draft_k); tokens
 committed per round are those plus the target's own token (`Job.tokens_per_round`).
 """
@@ -40,6 +45,7 @@ from specpipe.inventory import RouteError
 from specpipe.redis_ring import RedisRing, RingError
 from specpipe.ring import GapError, Ring, SamplingParams
 from specpipe.settings import Settings, redis_url, stalled_after_s
+from specpipe.stopping import cut_at_stop
 from workers.celery_app import DbTask
 from workers.nodes import sync_inventory
 
@@ -98,6 +104,11 @@ def run_job(
         accepted = list(job.accepted_per_round or [])
         # The time already spent, so tok/s after a resume still counts the whole job.
         spent_s = len(resume) / job.tok_s if resume and job.tok_s else 0.0
+        stops = list(job.stop or [])
+
+        def output_text(ids: list[int]) -> tuple[str, bool]:
+            return cut_at_stop(codec.decode([t for t in ids if t not in eos]), stops)
+
         generation = Generation(
             ring,
             ring_session,
@@ -107,13 +118,14 @@ def run_job(
             draft_k=job.draft_k,
             eos_ids=eos,
             resume=resume,  # a re-run continues from what was stored
+            should_stop=(lambda ids: output_text(ids)[1]) if stops else None,
         )
         status, counted = "done", 0
         for _ in generation.rounds():
             accepted.append(generation.stats.accepted - counted)
             counted = generation.stats.accepted
             ids = generation.generated
-            text = codec.decode([t for t in ids if t not in eos])
+            text, _ = output_text(ids)
             job.record_progress(ids, text, accepted, spent_s + generation.stats.seconds)
             session.commit()
             session.refresh(job, ["cancel_requested"])  # the web app may have asked

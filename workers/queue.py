@@ -60,7 +60,8 @@ def send_generate(client: Celery, job_id: int, queue: str = COORDINATOR_QUEUE) -
 def submit_job(
     session: Session, params: dict, model: str, enqueue: Callable[[int], str]
 ) -> Job:
-    """Store a queued job for checked `params` (seed drawn when None) and enqueue it.
+    """Store a queued job for checked `params` (seed drawn when None, no stop strings when
+    `stop` is missing) and enqueue it.
 
     Raises QueueUnavailable, with the job marked failed, when the broker cannot be reached.
     """
@@ -75,6 +76,7 @@ def submit_job(
         seed=secrets.randbits(64) if seed is None else seed,
         seed_was_random=seed is None,
         draft_k=params["draft_k"],
+        stop=list(params.get("stop") or []),
         status="queued",
     )
     session.add(job)

@@ -9,6 +9,19 @@ import click
 
 from specpipe.cli.model import ModelInputError
 from specpipe.cli.options import sampling_options
+from specpipe.stopping import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    check_stop_strings,
+    cut_at_stop,
+    hold_back_stop_prefix,
+)
+
+
+class StopOptionError(click.ClickException):
+    """Stop strings that cannot be used: one line, exit status 2."""
+
+    exit_code = 2
 
 
 @click.command(name="generate")
@@ -39,6 +52,14 @@ from specpipe.cli.options import sampling_options
     default=128,
     show_default=True,
     help="Stop after this many new tokens.",
+)
+@click.option(
+    "--stop",
+    "stops",
+    multiple=True,
+    metavar="TEXT",
+    help=f"End the text just before the first appearance of TEXT (repeatable, up to "
+    f"{MAX_STOP_STRINGS}, each 1-{MAX_STOP_CHARS} characters).",
 )
 @click.option("--raw", is_flag=True, help="Do not apply the model's chat template.")
 @click.option(
@@ -75,6 +96,7 @@ def generate(
     top_k: int,
     seed: int,
     max_new_tokens: int,
+    stops: tuple[str, ...],
     raw: bool,
     dtype: str,
     device: str,
@@ -93,6 +115,8 @@ def generate(
         specpipe generate "Why is the sky blue?" --temp 0.8 --seed 1
 
         specpipe generate --local "Summarise: the cat sat on the mat." --max-new-tokens 64
+
+        specpipe generate --local "List three colours:" --stop "4."
     """
     import torch
 
@@ -106,11 +130,16 @@ def generate(
         check_params(temp, top_p, top_k)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+    try:
+        stop_strings = check_stop_strings(stops)
+    except ValueError as e:
+        raise StopOptionError(f"--stop {e}") from None
     if not local:
         if raw:
             raise click.UsageError("--raw needs --local: swarm jobs always use the chat template")
         params = dict(prompt=prompt, max_new_tokens=max_new_tokens, temp=temp, top_p=top_p,
-                      top_k=top_k, seed=seed, draft_k=0 if no_spec else draft_k)  # fmt: skip
+                      top_k=top_k, seed=seed, draft_k=0 if no_spec else draft_k,
+                      stop=stop_strings)  # fmt: skip
         generate_on_swarm(params, None if model_name == "default" else model_name, as_json)
         return
     if threads:
@@ -128,6 +157,11 @@ def generate(
     eos = set(checkpoint.config.eos_token_ids)
     if tokenizer.eos_token and tokenizer.token_id(tokenizer.eos_token) is not None:
         eos.add(tokenizer.token_id(tokenizer.eos_token))
+
+    def output_text(ids: list[int]) -> tuple[str, bool]:
+        # End markers are not part of the text; a stop string ends it.
+        return cut_at_stop(tokenizer.decode([t for t in ids if t not in eos]), stop_strings)
+
     run = Generation(
         ring,
         "local",
@@ -136,22 +170,20 @@ def generate(
         max_new_tokens=max_new_tokens,
         draft_k=0 if no_spec else draft_k,
         eos_ids=eos,
+        should_stop=(lambda ids: output_text(ids)[1]) if stop_strings else None,
     )
     shown = ""
     for _ in run.rounds():
         if as_json:
             continue
-        text = tokenizer.decode([t for t in run.generated if t not in eos])
+        text = hold_back_stop_prefix(output_text(run.generated)[0], stop_strings)
         # Hold back an incomplete UTF-8 sequence until its last byte arrives.
         if not text.endswith("\ufffd") and text.startswith(shown):
             click.echo(text[len(shown) :], nl=False)
             sys.stdout.flush()
             shown = text
     stats = run.stats
-    shown_ids = run.generated
-    if shown_ids and shown_ids[-1] in eos:  # the end marker is not part of the text
-        shown_ids = shown_ids[:-1]
-    text = tokenizer.decode(shown_ids)
+    text, _ = output_text(run.generated)
     if as_json:
         click.echo(
             json.dumps(
@@ -218,7 +250,8 @@ def generate_on_swarm(params: dict, model: str | None, as_json: bool) -> None:
             with sessions() as session:
                 job = session.get(Job, job_id)
             if not as_json:
-                text = job.output_text or ""
+                # The stored text is cut at a stop string; its ending may begin one not yet whole.
+                text = hold_back_stop_prefix(job.output_text or "", job.stop or [])
                 if not text.endswith("\ufffd") and text.startswith(shown):
                     click.echo(text[len(shown) :], nl=False)
                     sys.stdout.flush()

@@ -118,3 +118,47 @@ def test_generate_default_streams_and_reports():
 def test_generate_refuses_bad_sampling_options(option):
     result = CliRunner().invoke(cli, ["generate", "--local", "hi", *option])
     assert result.exit_code == 2 and "Invalid value" in result.output
+
+
+def test_generate_local_stop_cuts_the_text_streamed_and_in_json(checkpoints, tmp_path):
+    import shutil
+
+    from specpipe.model.resolve import load_tokenizer, open_checkpoint
+
+    path = shutil.copytree(checkpoints["gptoss"], tmp_path / "g")
+    _write_tokenizer(path, 90)
+    common = ["generate", "--local", "hello world", "--model", str(path), "--temp", "1"]
+    common += ["--seed", "7", "--max-new-tokens", "30", "--stages", "2"]
+    full = json.loads(invoke(*common, "--json", "--no-spec").output)
+    text = full["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 6]  # spans a word boundary: several tokens
+    want = text[: text.index(stop)]
+    plain = json.loads(invoke(*common, "--json", "--no-spec", "--stop", stop).output)
+    spec = json.loads(invoke(*common, "--json", "--draft-k", "4", "--stop", stop).output)
+    assert plain["text"] == spec["text"] == want and stop not in want
+    n = len(plain["tokens"])
+    assert plain["tokens"] == full["tokens"][:n] and n < len(full["tokens"])
+    decode = load_tokenizer(open_checkpoint(path)).decode
+    assert stop in decode(plain["tokens"]) and stop not in decode(plain["tokens"][:-1])
+    assert spec["tokens"] == full["tokens"][: len(spec["tokens"])] and len(spec["tokens"]) >= n
+    # Streamed, the text never shows the start of a stop string it later cuts away.
+    streamed = CliRunner().invoke(cli, [*common, "--no-spec", "--stop", stop, "--stop", "zzz"])
+    assert streamed.exit_code == 0 and streamed.stdout == want + "\n"
+
+
+@pytest.mark.parametrize(
+    ("stops", "message"),
+    [
+        ([""], "--stop must not contain an empty string"),
+        (["a", "b", "c", "d", "e"], "--stop must be at most 4 strings, not 5"),
+        (["x" * 65], "--stop must each be at most 64 characters"),
+    ],
+)
+@pytest.mark.parametrize("where", [["--local"], []], ids=["local", "swarm"])
+def test_generate_refuses_bad_stop_strings_in_one_line(stops, message, where):
+    args = ["generate", *where, "hi"]
+    for stop in stops:
+        args += ["--stop", stop]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and message in result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output

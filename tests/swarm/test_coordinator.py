@@ -101,6 +101,54 @@ def test_a_job_runs_to_the_end_and_records_every_round(db_url, temp, draft_k):
     assert all(0 <= a <= draft_k for a in job.accepted_per_round)
 
 
+@pytest.mark.parametrize("draft_k", [0, 3])
+def test_a_job_with_stop_strings_ends_early_with_its_text_cut(db_url, draft_k):
+    sessions = make_session_factory(db_url)
+    unstopped = add_job(db_url, temp=0.9, draft_k=draft_k, max_new_tokens=40)
+    assert run_job(sessions, unstopped, local_ring, ToyCodec(), {EOS}) == "done"
+    full = load(db_url, unstopped)
+    assert len(full.output_ids) == 40  # no EOS on the way: only the stop string can end it early
+    # Three tokens from the middle of the text; a second stop string later in it loses.
+    stop, later = full.output_text[15:18], full.output_text[30:32]
+    job_id = add_job(db_url, temp=0.9, draft_k=draft_k, max_new_tokens=40, stop=[later, stop])
+    assert run_job(sessions, job_id, local_ring, ToyCodec(), {EOS}) == "done"
+    job = load(db_url, job_id)
+    first = min(full.output_text.index(stop), full.output_text.index(later))
+    assert job.status == "done" and job.error is None
+    assert job.output_text == full.output_text[:first]
+    # The ids are every token up to and including the round that completed the stop string.
+    ids = job.output_ids
+    assert ids == full.output_ids[: len(ids)] and len(ids) < 40
+    assert job.generated_tokens == len(ids) and job.rounds == len(job.accepted_per_round)
+    last_round = job.accepted_per_round[-1] + 1  # drafts accepted in it plus the model's own
+    before_last = ToyCodec().decode(ids[:-last_round])
+    assert stop not in before_last and later not in before_last
+    assert stop in ToyCodec().decode(ids) or later in ToyCodec().decode(ids)
+    assert job.stop == [later, stop] and job.tok_s > 0
+
+
+def test_a_job_resumed_after_its_stop_string_runs_no_more_rounds(db_url):
+    sessions = make_session_factory(db_url)
+    job_id = add_job(db_url, temp=0.9, draft_k=3, max_new_tokens=40)
+    run_job(sessions, job_id, local_ring, ToyCodec(), {EOS})
+    full = load(db_url, job_id)
+    stop = full.output_text[10:12]
+    stopped_id = add_job(db_url, temp=0.9, draft_k=3, max_new_tokens=40, stop=[stop])
+    run_job(sessions, stopped_id, local_ring, ToyCodec(), {EOS})
+    stopped = load(db_url, stopped_id)
+    # The coordinator died after storing the stopping round, before marking the job done.
+    with sessions() as session:
+        session.get(Job, stopped_id).status = "running"
+        session.commit()
+    calls = []
+    counting = DyingRing(local_ring(), rounds=100, on_round=lambda: calls.append(1))
+    assert run_job(sessions, stopped_id, lambda j: counting, ToyCodec(), {EOS}) == "done"
+    job = load(db_url, stopped_id)
+    assert calls == [] and job.output_ids == stopped.output_ids
+    assert job.output_text == stopped.output_text
+    assert stopped.output_text == full.output_text[: full.output_text.index(stop)]
+
+
 def test_a_rerun_after_the_coordinator_died_resumes_to_the_same_output(db_url):
     job_id = add_job(db_url, temp=0.9, draft_k=3, max_new_tokens=30)
     sessions = make_session_factory(db_url)

@@ -116,6 +116,22 @@ def test_a_swarm_job_equals_the_local_run_spec_and_plain(tiny, env, kw):
         ]
 
 
+def test_a_swarm_job_with_a_stop_string_equals_the_local_run(tiny, env):
+    kw = dict(temp=0.9, seed=3, max_new_tokens=40, draft_k=0)
+    text = local(tiny, **kw)["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 6]  # spans a word boundary: several tokens
+    want = text[: text.index(stop)]
+    here = generate("--local", "--stages", "2", *options(tiny, **kw), "--stop", stop)
+    there = generate(*options(tiny, **kw), "--stop", stop)
+    assert there["tokens"] == here["tokens"] and there["text"] == here["text"] == want
+    job = latest_job(env)
+    assert job.stop == [stop] and job.output_text == want and job.status == "done"
+    # Streamed, the text never shows the start of the stop string it later cuts away.
+    args = [a for a in options(tiny, **kw) if a != "--json"]
+    streamed = CliRunner().invoke(cli, ["generate", PROMPT, *args, "--stop", stop])
+    assert streamed.exit_code == 0 and streamed.stdout == want + "\n"
+
+
 def watch(db_url, until, timeout_s: float = 60.0) -> Job:
     """Poll the newest job until `until(job)`."""
     deadline = time.monotonic() + timeout_s

@@ -79,6 +79,28 @@ def test_create_job_defaults_and_random_seed(api, session, queue):
 
 
 @pytest.mark.parametrize(
+    ("stop", "stored"),
+    [
+        (["\n\nUser:", "END", " "], ["\n\nUser:", "END", " "]),
+        ("###", ["###"]),
+        ([], []),
+        (None, []),
+    ],
+)
+def test_create_job_with_stop_strings(api, session, queue, stop, stored):
+    response = api.post("/jobs", json={**GOOD, "stop": stop})
+    assert response.status_code == 201
+    body = response.get_json()
+    assert body["stop"] == stored
+    assert session.get(Job, body["id"]).stop == stored
+    assert api.get(f"/jobs/{body['id']}").get_json()["stop"] == stored
+
+
+def test_create_job_without_stop_strings_has_none(api, session, queue):
+    assert api.post("/jobs", json=GOOD).get_json()["stop"] == []
+
+
+@pytest.mark.parametrize(
     ("changes", "field", "reason"),
     [
         ({"prompt": ""}, "prompt", "is empty"),
@@ -103,6 +125,18 @@ def test_create_job_defaults_and_random_seed(api, session, queue):
         ({"seed": 1.5}, "seed", "must be a whole number"),
         ({"seed": "12"}, "seed", "must be a whole number"),
         ({"draft_k": -1}, "draft_k", "must be between 0 (no speculation) and 32"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "must be at most 4 strings, not 5"),
+        ({"stop": ""}, "stop", "must not contain an empty string"),
+        ({"stop": ["ok", ""]}, "stop", "must not contain an empty string"),
+        ({"stop": "x" * 65}, "stop", "must each be at most 64 characters"),
+        ({"stop": ["x" * 65]}, "stop", "must each be at most 64 characters"),
+        ({"stop": 5}, "stop", "must be text or a list of text"),
+        ({"stop": [1]}, "stop", "must be text or a list of text"),
+        ({"stop": ["a", ["b"]]}, "stop", "must be text or a list of text"),
+        ({"stop": {"a": 1}}, "stop", "must be text or a list of text"),
+        ({"stop": True}, "stop", "must be text or a list of text"),
+        ({"stop": ["nul\u0000"]}, "stop", "must not contain NUL characters"),
+        ({"stop": "\ud800"}, "stop", "must be valid UTF-8"),
     ],
 )
 def test_bad_job_fields(api, session, queue, changes, field, reason):

@@ -100,6 +100,17 @@ def test_job_page_and_progress(client, session):
     assert client.get("/jobs/424242/progress").status_code == 404
 
 
+def test_job_page_shows_stop_strings_quoted(client, session):
+    job = gen_job(session, stop=["\n\nUser:", "<b>"])
+    html = client.get(f"/jobs/{job.id}").get_data(as_text=True)
+    shown = html[html.index('id="job-stop"') :].split("</dd>")[0]
+    assert "<code>&#34;\\n\\nUser:&#34;</code>" in shown
+    assert "<code>&#34;&lt;b&gt;&#34;</code>" in shown
+    none = gen_job(session)
+    html = client.get(f"/jobs/{none.id}").get_data(as_text=True)
+    assert 'id="job-stop"><span class="muted">none</span>' in html
+
+
 def test_job_page_shows_failure_reason(client, session):
     job = gen_job(session, status="failed", error="stage host2 went away")
     html = client.get(f"/jobs/{job.id}").get_data(as_text=True)
@@ -115,11 +126,13 @@ def test_cancel_from_page(client, session, queue):
 
 
 def test_rerun_with_same_seed(client, session, queue):
-    job = gen_job(session, status="done", seed=2**64 - 2, prompt="again", temp=1.1, top_k=3)
+    job = gen_job(session, status="done", seed=2**64 - 2, prompt="again", temp=1.1, top_k=3,
+                  stop=["\n\nUser:", "END"])  # fmt: skip
     response = client.post(f"/jobs/{job.id}/rerun", data={"csrf_token": csrf_token(client)})
     assert response.status_code == 302
     new = session.scalars(select(Job).where(Job.id != job.id)).one()
     assert new.params() == job.params() and new.prompt == "again"
+    assert new.stop == ["\n\nUser:", "END"]
     assert new.seed_was_random is False and new.status == "queued"
     assert queue.job_ids() == [new.id]
 

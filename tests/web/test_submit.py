@@ -42,6 +42,7 @@ def test_form_page_renders_fields(client):
         "seed",
         "draft_k",
         "speculate",
+        "stop",
         "csrf_token",
     ):
         assert f'name="{name}"' in html
@@ -62,6 +63,7 @@ def test_submit_creates_enqueues_redirects(client, session, queue):
         job.draft_k,
         job.status,
     ) == ("Once upon a time", 64, 0.7, 0.9, 40, 42, 4, "queued")
+    assert job.stop == []  # the field was left blank
     assert job.seed_was_random is False and job.model == "tiny-test"
     assert queue.job_ids() == [job.id]
     assert job.task_id == queue.messages()[0]["headers"]["id"]
@@ -74,6 +76,13 @@ def test_blank_seed_is_random_and_recorded(client, session, queue):
     assert all(j.seed_was_random for j in jobs)
     assert all(0 <= j.seed < 2**64 for j in jobs)
     assert jobs[0].seed != jobs[1].seed  # 64 random bits: equal only by a 2^-64 fluke
+
+
+def test_stop_strings_one_per_line_blank_lines_skipped(client, session, queue):
+    response = post_form(client, stop="User:\r\n\r\n   \r\n  END  \n###")
+    assert response.status_code == 302
+    assert session.scalars(select(Job)).one().stop == ["User:", "  END  ", "###"]
+    assert len(queue.job_ids()) == 1
 
 
 def test_speculation_off_stores_draft_k_zero(client, session, queue):
@@ -112,6 +121,9 @@ def test_largest_seed_accepted(client, session, queue):
         ({"seed": "4.2"}, "Seed must be a whole number"),
         ({"draft_k": "0"}, "Draft K must be at least 1 when speculation is on"),
         ({"draft_k": "999"}, "Draft K must be between 0 (no speculation) and 32"),
+        ({"stop": "a\nb\nc\nd\ne"}, "Stop strings must be at most 4 strings, not 5"),
+        ({"stop": "ok\n" + "x" * 65}, "Stop strings must each be at most 64 characters"),
+        ({"stop": "a\x00b"}, "Stop strings must not contain NUL characters"),
     ],
 )
 def test_bad_field_rerenders_with_error_and_stores_nothing(
@@ -133,8 +145,11 @@ def test_several_bad_fields_reported_together(client, session, queue):
 
 
 def test_rerender_keeps_what_was_typed(client, queue):
-    html = post_form(client, prompt="keep <me>", temp="nan").get_data(as_text=True)
+    html = post_form(client, prompt="keep <me>", temp="nan", stop="<end>\nEND").get_data(
+        as_text=True
+    )
     assert "keep &lt;me&gt;</textarea>" in html
+    assert "&lt;end&gt;\nEND</textarea>" in html
 
 
 def test_invalid_utf8_prompt_rejected(client, session, queue):
