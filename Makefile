@@ -27,6 +27,7 @@ up: install
 # Without a PostgreSQL server the second pass is skipped with a message, except under CI.
 test: install browser
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q
 	@if [ -n "$$CI" ] || $(BIN)/python -c "import psycopg; psycopg.connect('$(PG_TEST_URL)', connect_timeout=3).close()" 2>/dev/null; then \
 	  echo "TESTING_DATABASE_URL=$(PG_TEST_URL) pytest -q -m db"; \
@@ -43,6 +44,7 @@ browser:
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 clean:
 	rm -rf $(VENV) instance .pytest_cache

@@ -127,5 +127,3 @@ def get_run(run_id: int):
         return jsonify(run_record(get_session(), run_id))
     except LookupError:
         return json_error(404, f"no run {run_id}")
-
-

@@ -40,8 +40,14 @@ def tv_plot(proof: Proof) -> bytes:
         ax.axhline(proof.gate, color=FAIL, linestyle="--", linewidth=1.2, label="gate")
     noise = [c.noise_tv for c in cases]
     if any(n is not None for n in noise):
-        ax.plot(xs, [n if n is not None else float("nan") for n in noise], "o", color=INK,
-                markersize=4, label="noise floor (plain vs plain)")
+        ax.plot(
+            xs,
+            [n if n is not None else float("nan") for n in noise],
+            "o",
+            color=INK,
+            markersize=4,
+            label="noise floor (plain vs plain)",
+        )
     ax.set_xticks(list(xs), [c.label for c in cases], rotation=45, ha="right", fontsize=7)
     ax.set_ylabel("total variation distance", color=INK, fontsize=9)
     ax.set_title(f"TV per case — {proof.kind.replace('_', ' ')}", color=INK, fontsize=10)
@@ -64,10 +70,20 @@ def histogram_plot(case: ProofCase, top: int = 20) -> bytes:
     _style(hist)
     xs = range(len(tokens))
     width = 0.4
-    hist.bar([x - width / 2 for x in xs], [spec.get(t, 0) / spec_total for t in tokens],
-             width, color=SPEC, label="speculative")
-    hist.bar([x + width / 2 for x in xs], [plain.get(t, 0) / plain_total for t in tokens],
-             width, color=PLAIN, label="plain")
+    hist.bar(
+        [x - width / 2 for x in xs],
+        [spec.get(t, 0) / spec_total for t in tokens],
+        width,
+        color=SPEC,
+        label="speculative",
+    )
+    hist.bar(
+        [x + width / 2 for x in xs],
+        [plain.get(t, 0) / plain_total for t in tokens],
+        width,
+        color=PLAIN,
+        label="plain",
+    )
     hist.set_xticks(list(xs), tokens, rotation=60, ha="right", fontsize=7)
     hist.set_ylabel("frequency", color=INK, fontsize=9)
     hist.set_xlabel("token id (most frequent first)", color=INK, fontsize=8)
@@ -83,8 +99,15 @@ def histogram_plot(case: ProofCase, top: int = 20) -> bytes:
     bars.bar(labels, values, color=colors)
     if case.proof.gate is not None:
         bars.axhline(case.proof.gate, color=FAIL, linestyle="--", linewidth=1.2)
-        bars.annotate("gate", (1.0, case.proof.gate), xycoords=("axes fraction", "data"),
-                      xytext=(2, 0), textcoords="offset points", color=FAIL, fontsize=7,
-                      va="center")
+        bars.annotate(
+            "gate",
+            (1.0, case.proof.gate),
+            xycoords=("axes fraction", "data"),
+            xytext=(2, 0),
+            textcoords="offset points",
+            color=FAIL,
+            fontsize=7,
+            va="center",
+        )
     bars.set_title("TV", color=INK, fontsize=10)
     return _png(fig)

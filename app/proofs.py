@@ -19,9 +19,13 @@ def _png(data: bytes) -> Response:
 @bp.get("/")
 def index():
     """Every proof run, manual and nightly, newest first."""
-    runs = get_session().scalars(
-        select(Run).where(Run.kind.in_(("proof", "nightly"))).order_by(Run.created_at.desc())
-    ).all()
+    runs = (
+        get_session()
+        .scalars(
+            select(Run).where(Run.kind.in_(("proof", "nightly"))).order_by(Run.created_at.desc())
+        )
+        .all()
+    )
     return render_template("proofs/index.html", runs=runs)
 
 

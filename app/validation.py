@@ -145,9 +145,7 @@ def _top_p(value: float) -> float:
 def _seed(value: object, from_text: bool) -> int | None:
     if value is None or (from_text and isinstance(value, str) and not value.strip()):
         return None
-    return _in_range(
-        _integer(value, from_text), 0, UINT64_MAX, "must be between 0 and 2^64-1"
-    )
+    return _in_range(_integer(value, from_text), 0, UINT64_MAX, "must be between 0 and 2^64-1")
 
 
 def _stop_strings(value: object, from_text: bool) -> list[str]:

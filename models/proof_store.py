@@ -22,14 +22,21 @@ def _verdict(text: str | None) -> str:
 
 def _local_proof(result: dict, trigger: str) -> Proof:
     head = result["proof_1_local_math"]
-    proof = Proof(kind="local_math", trigger=trigger, verdict=_verdict(head.get("verdict")),
-                  gate=head.get("gate"), summary=dict(head))
+    proof = Proof(
+        kind="local_math",
+        trigger=trigger,
+        verdict=_verdict(head.get("verdict")),
+        gate=head.get("gate"),
+        summary=dict(head),
+    )
     for i, row in enumerate(result.get("cases", [])):
         proof.cases.append(
             ProofCase(
                 position=i,
-                label=(f"{row.get('form', '')} T={row['temp']:g} p={row['top_p']:g} "
-                       f"k={row['top_k']} draft={row.get('draft', '')}").strip(),
+                label=(
+                    f"{row.get('form', '')} T={row['temp']:g} p={row['top_p']:g} "
+                    f"k={row['top_k']} draft={row.get('draft', '')}"
+                ).strip(),
                 temp=row["temp"],
                 top_p=row["top_p"],
                 top_k=row["top_k"],
@@ -44,8 +51,13 @@ def _local_proof(result: dict, trigger: str) -> Proof:
 def _swarm_proof(result: dict, trigger: str) -> Proof:
     head = result["proof_2_on_swarm"]
     alpha = result.get("alpha_per_stop")
-    proof = Proof(kind="on_swarm", trigger=trigger, verdict=_verdict(head.get("verdict")),
-                  noise_floor=head.get("mean_tv_noise_floor_plain_vs_plain"), summary=dict(head))
+    proof = Proof(
+        kind="on_swarm",
+        trigger=trigger,
+        verdict=_verdict(head.get("verdict")),
+        noise_floor=head.get("mean_tv_noise_floor_plain_vs_plain"),
+        summary=dict(head),
+    )
     for row in result.get("per_stop", []):
         passed = row["p_value"] > alpha if alpha is not None else True
         proof.cases.append(
@@ -100,11 +112,20 @@ def save_proof_run(
     if generation is not None:
         summary = _generation_summary(generation)
         run.generation_summary = summary
-        run.proofs.append(Proof(kind="generation", trigger=trigger,
-                                verdict=_verdict(summary.get("verdict")), summary=summary))
+        run.proofs.append(
+            Proof(
+                kind="generation",
+                trigger=trigger,
+                verdict=_verdict(summary.get("verdict")),
+                summary=summary,
+            )
+        )
     verdicts = [p.verdict for p in run.proofs]
-    run.verdict = "pass" if verdicts and all(v == "pass" for v in verdicts) else (
-        "fail" if "fail" in verdicts else "error")
+    run.verdict = (
+        "pass"
+        if verdicts and all(v == "pass" for v in verdicts)
+        else ("fail" if "fail" in verdicts else "error")
+    )
     run.finished_at = utcnow()
     session.flush()
     return run

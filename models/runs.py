@@ -106,9 +106,7 @@ class ProofCase(Base):
     __tablename__ = "proof_cases"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    proof_id: Mapped[int] = mapped_column(
-        ForeignKey("proofs.id", ondelete="CASCADE"), index=True
-    )
+    proof_id: Mapped[int] = mapped_column(ForeignKey("proofs.id", ondelete="CASCADE"), index=True)
     position: Mapped[int] = mapped_column(Integer, default=0)
     label: Mapped[str] = mapped_column(String(200))
     temp: Mapped[float | None] = mapped_column(Float)

@@ -134,9 +134,7 @@ def web_limits() -> dict[str, int]:
 
 def default_model() -> str:
     """The model jobs run on: `SPECPIPE_MODEL`, else the swarm's, else the embedded default."""
-    return (
-        os.environ.get("SPECPIPE_MODEL") or swarm_file().get("model") or "SmolLM2-135M-Instruct"
-    )
+    return os.environ.get("SPECPIPE_MODEL") or swarm_file().get("model") or "SmolLM2-135M-Instruct"
 
 
 def nightly_schedule() -> tuple[str, str]:

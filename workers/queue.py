@@ -57,9 +57,7 @@ def send_generate(client: Celery, job_id: int, queue: str = COORDINATOR_QUEUE) -
     return result.id
 
 
-def submit_job(
-    session: Session, params: dict, model: str, enqueue: Callable[[int], str]
-) -> Job:
+def submit_job(session: Session, params: dict, model: str, enqueue: Callable[[int], str]) -> Job:
     """Store a queued job for checked `params` (seed drawn when None, no stop strings when
     `stop` is missing) and enqueue it.
 

@@ -175,9 +175,7 @@ def bench_ring(
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True)
 @json_option
 @_model_errors
-def bench_exact(
-    model, stages, pairs, tokens, temp, top_p, top_k, draft_k, threads, json_path
-):
+def bench_exact(model, stages, pairs, tokens, temp, top_p, top_k, draft_k, threads, json_path):
     """Exactness on real stage processes: speculative == plain for every (prompt, seed), and
     greedy through the ring == greedy in one process. Exits 1 on any difference.
 

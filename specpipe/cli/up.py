@@ -109,8 +109,21 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
     specs = [
         ProcessSpec(
             f"stage{i}",
-            [*python, "worker", "stage", "--host", f"{host}-stage{i}", "--layers", f"{a}:{b}",
-             "--model", model_name, "--dtype", dtype, "--threads", str(threads)],
+            [
+                *python,
+                "worker",
+                "stage",
+                "--host",
+                f"{host}-stage{i}",
+                "--layers",
+                f"{a}:{b}",
+                "--model",
+                model_name,
+                "--dtype",
+                dtype,
+                "--threads",
+                str(threads),
+            ],
             env,
         )  # fmt: skip
         for i, (a, b) in enumerate(split)

@@ -40,8 +40,12 @@ def _layer_range(_ctx, _param, value: str) -> tuple[int, int]:
               help="CPU threads for torch (default: torch's choice).")  # fmt: skip
 @click.option("--heartbeat-s", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
               help="Seconds between inventory heartbeats.")  # fmt: skip
-@click.option("--link-delay-ms", type=click.FloatRange(min=0), default=0.0,
-              help="Simulate a slow link: wait this long before each send onward (benchmarks).")
+@click.option(
+    "--link-delay-ms",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Simulate a slow link: wait this long before each send onward (benchmarks).",
+)
 def worker_stage(
     host: str,
     layers: tuple[int, int],

@@ -140,9 +140,13 @@ def test_roles_follow_the_layer_order_unless_published():
     nodes = [
         inventory.NodeInfo(host="c", layer_start=20, layer_end=30, redis_url="redis://c"),
         inventory.NodeInfo(host="a", layer_start=0, layer_end=10, redis_url="redis://a"),
-        inventory.NodeInfo(host="b", layer_start=10, layer_end=20, redis_url="redis://b",
-                           role="middle"),
+        inventory.NodeInfo(
+            host="b", layer_start=10, layer_end=20, redis_url="redis://b", role="middle"
+        ),
     ]
     assert [(n.host, n.role) for n in inventory.with_roles(nodes)] == [
-        ("a", "stage0"), ("b", "middle"), ("c", "tail")]
+        ("a", "stage0"),
+        ("b", "middle"),
+        ("c", "tail"),
+    ]
     assert inventory.with_roles([]) == []
