@@ -99,15 +99,39 @@ def _target_probs(z: np.ndarray, temp: float, top_p: float, top_k: int) -> np.nd
     probs = np.exp(z)
     probs /= probs.sum(axis=1, keepdims=True)
     if top_p < 1:
-        order = np.argsort(-probs, axis=1, kind="stable")  # descending, lowest id first on ties
-        sorted_p = np.take_along_axis(probs, order, axis=1)
-        mass_before = np.cumsum(sorted_p, axis=1) - sorted_p
-        mass_before[:, 0] = 0.0
-        keep = np.empty_like(sorted_p, dtype=bool)
-        np.put_along_axis(keep, order, mass_before < top_p, axis=1)
+        keep = np.stack([_top_p_keep(row, top_p) for row in probs])
         probs = np.where(keep, probs, 0.0)
         probs /= probs.sum(axis=1, keepdims=True)
     return probs
+
+
+# Thresholds tried, largest first, for the candidates of a top-p cut (see `_top_p_keep`).
+TOP_P_THRESHOLDS = (1e-3, 1e-5)
+TOP_P_MARGIN = 1e-9  # far above the rounding of a float64 sum of probabilities
+
+
+def _top_p_keep(p: np.ndarray, top_p: float) -> np.ndarray:
+    """Which ids of one row `p` [V] the top-p cut keeps: bool [V].
+
+    In descending order (lowest id first on ties) a token is kept while the mass before it is
+    below top_p. Sorting all V probabilities costs milliseconds; the tokens with p >= t for a
+    threshold t are a prefix of that order, and their running sums are the same numbers as the
+    full sort's, so when the prefix's mass passes top_p (with a margin for rounding) every token
+    after it is cut and the prefix decides alone. Otherwise the whole row is sorted.
+    """
+    for threshold in (*TOP_P_THRESHOLDS, None):
+        ids = np.arange(len(p)) if threshold is None else np.flatnonzero(p >= threshold)
+        order = ids[np.argsort(-p[ids], kind="stable")]  # descending, lowest id first on ties
+        sorted_p = p[order]
+        running = np.cumsum(sorted_p)
+        if threshold is not None and not (len(ids) and running[-1] >= top_p + TOP_P_MARGIN):
+            continue  # the prefix might end before the cut: widen it
+        mass_before = running - sorted_p
+        mass_before[0] = 0.0
+        keep = np.zeros(len(p), dtype=bool)
+        keep[order] = mass_before < top_p
+        return keep
+    raise AssertionError("unreachable: the last pass sorts the whole row")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,7 +347,9 @@ class Sampler:
     def accept(self, logits, drafts: Sequence[int], start_pos: int) -> list[int]:
         """Verify K drafts: logits `[K+1, V]` for positions start_pos … start_pos+K.
 
-        Returns the doctored result vector (K+1 ids, -1 after the first mismatch).
+        Returns the doctored result vector (K+1 ids, -1 after the first mismatch), the same as
+        `verify_coupled` on the target's draws at every row; only the rows up to the first
+        mismatch are sampled.
         """
         z = _as_logits(logits)
         if np.ndim(logits) != 2:
@@ -336,4 +362,10 @@ class Sampler:
         vocab = z.shape[1]
         if ((drafts < 0) | (drafts >= vocab)).any():
             raise ValueError(f"draft ids must lie in [0, {vocab}), got {drafts.tolist()}")
-        return verify_coupled(self._draws(z, start_pos), drafts).tolist()
+        # `verify_coupled` row by row: rows after the first mismatch are never looked at.
+        result = [-1] * len(z)
+        for j in range(len(z)):
+            result[j] = int(self._draws(z[j : j + 1], start_pos + j)[0])
+            if j == len(drafts) or result[j] != drafts[j]:
+                break
+        return result

@@ -134,6 +134,37 @@ def test_draw_never_returns_a_zero_probability_token():
     assert draw(probs, np.array(1 - 2**-53)) == 3
 
 
+def full_sort_top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """The top-p cut by sorting whole rows: the definition `_top_p_keep` shortcuts."""
+    order = np.argsort(-probs, axis=1, kind="stable")
+    sorted_p = np.take_along_axis(probs, order, axis=1)
+    mass_before = np.cumsum(sorted_p, axis=1) - sorted_p
+    mass_before[:, 0] = 0.0
+    keep = np.empty_like(sorted_p, dtype=bool)
+    np.put_along_axis(keep, order, mass_before < top_p, axis=1)
+    kept = np.where(keep, probs, 0.0)
+    return kept / kept.sum(axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("vocab", [7, 300, 49152])
+def test_top_p_cut_is_bit_identical_to_sorting_whole_rows(vocab):
+    """Peaked rows take the prefix shortcut, flat rows and mass ties the full sort: same bits."""
+    rng = np.random.default_rng(vocab)
+    for trial in range(60):
+        scale = float(rng.choice([0.05, 1.0, 4.0, 12.0]))  # flat … peaked
+        z = rng.normal(scale=scale, size=(3, vocab))
+        if trial % 4 == 0:
+            z = np.round(z, 1)  # ties everywhere
+        if trial % 5 == 0:
+            z[:, : vocab // 2] = z[0, 0]  # half the row at one value
+        temp = float(rng.choice([0.3, 0.7, 1.0]))
+        top_p = float(rng.choice([0.05, 0.5, 0.9, 0.95, 0.999999]))
+        shifted = z / temp - (z / temp).max(axis=1, keepdims=True)
+        probs = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
+        want = full_sort_top_p(probs, top_p)
+        assert np.array_equal(target_probs(z, temp, top_p), want), (trial, scale, top_p)
+
+
 def test_sample_and_accept_agree_exactly():
     rng = np.random.default_rng(7)
     for trial in range(300):
