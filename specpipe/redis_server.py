@@ -40,6 +40,9 @@ def find_binary() -> str:
     )
 
 
+UNIX_PATH_MAX = 104  # the shortest sun_path among the systems Redis runs on
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 nobody listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -48,18 +51,25 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """A private, non-persistent redis-server child process."""
+    """A private, non-persistent redis-server child process.
+
+    It listens on 127.0.0.1 (`url`, for Celery and anything else) and on a unix socket in its
+    own owner-only directory (`socket_url`): the stages' data plane uses the socket, which
+    saves a few tens of microseconds on every hop of every round.
+    """
 
     def __init__(self, binary: str | None = None, port: int | None = None) -> None:
         self.binary = binary or find_binary()
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.socket_url: str | None = None
         self.process: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
 
     def start(self, timeout_s: float = 10.0) -> str:
         """Start the server and wait until it answers PING; return its URL."""
         self._dir = tempfile.TemporaryDirectory(prefix="specpipe-redis-")
+        socket_path = Path(self._dir.name) / "redis.sock"
         argv = [
             self.binary,
             "--port", str(self.port),
@@ -70,6 +80,8 @@ class RedisServer:
             "--daemonize", "no",
             "--loglevel", "warning",
         ]  # fmt: skip
+        if len(str(socket_path)) < UNIX_PATH_MAX:
+            argv += ["--unixsocket", str(socket_path), "--unixsocketperm", "700"]
         # Its own session: a Ctrl-C meant for the supervisor must not stop Redis before the
         # workers that still use it.
         self.process = subprocess.Popen(
@@ -90,6 +102,8 @@ class RedisServer:
                     raise RedisUnavailable(f"redis-server exited with {code}: {last[-300:]}")
                 try:
                     if client.ping():
+                        if socket_path.exists():
+                            self.socket_url = f"unix://{socket_path}?db=0"
                         return self.url
                 except redis.ConnectionError:
                     time.sleep(0.05)
@@ -110,6 +124,7 @@ class RedisServer:
                 process.wait()
         if process is not None and process.stderr:
             process.stderr.close()
+        self.socket_url = None
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None

@@ -66,6 +66,7 @@ class LocalSwarm:
 
     def __enter__(self) -> LocalSwarm:
         self.url = self.redis.start()
+        self.data_url = self.redis.socket_url or self.url  # the streams' Redis, as in `up`
         checkpoint = open_checkpoint(self.model)
         self.n_layers = checkpoint.config.n_layers
         env = {**os.environ, "REDIS_URL": self.url, "SPECPIPE_SWARM": self.swarm,
@@ -73,7 +74,7 @@ class LocalSwarm:
         try:
             for i, (a, b) in enumerate(even_split(self.n_layers, self.n_stages)):
                 argv = [sys.executable, "-m", "specpipe", "worker", "stage", "--host", f"s{i}",
-                        "--layers", f"{a}:{b}", "--model", self.model, "--redis", self.url,
+                        "--layers", f"{a}:{b}", "--model", self.model, "--redis", self.data_url,
                         "--threads", str(self.threads), "--heartbeat-s", "1",
                         "--link-delay-ms", str(self.link_delay_ms)]  # fmt: skip
                 self.procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL))
@@ -103,6 +104,7 @@ class LocalSwarm:
             self.swarm,
             self.key.encode(),
             self.n_layers,
+            reply_url=self.data_url,
             timeout_s=120,
             link_delay_s=self.link_delay_ms / 1000,
         )

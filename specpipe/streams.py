@@ -46,7 +46,8 @@ class Connections:
         """The client for `url`, created on first use."""
         client = self._clients.get(url)
         if client is None:
-            client = redis.Redis.from_url(url, socket_keepalive=True)
+            tcp = not url.startswith("unix:")  # keepalive is a TCP option
+            client = redis.Redis.from_url(url, **({"socket_keepalive": True} if tcp else {}))
             self._clients[url] = client
         return client
 

