@@ -8,8 +8,10 @@ the doctored result vector with the session's parameters and sends it to the coo
 reply stream. A stage that has lost a session's cache answers `gap`. A round id already
 processed for a session is ignored, so a coordinator may re-send a round safely. Per-session
 `reset` (the tail keeps temp, top_p, top_k and seed), `reseed` (new parameters, caches kept) and
-`drop` arrive as signed messages on the same stream, so they are ordered with the rounds. One
-process per stage: nothing is forked.
+`drop` arrive as signed messages on the same stream, so they are ordered with the rounds. A
+session that sees no message for `session_idle_s` (its coordinator died, or went away without a
+drop) is forgotten at the next heartbeat: its caches are freed, and if its job comes back the
+coordinator gets a gap and replays. One process per stage: nothing is forked.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class WorkerConfig:
     claim_idle_ms: int = 30_000
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     link_delay_s: float = 0.0  # simulated latency of this host's outgoing link (benchmarks)
+    session_idle_s: float = 600.0  # a session untouched this long is dropped
 
 
 class StageWorker:
@@ -73,6 +76,7 @@ class StageWorker:
         self.counters = {"processed": 0, "dropped": 0, "gaps": 0, "duplicates": 0, "errors": 0}
         self._params: OrderedDict[str, SamplingParams] = OrderedDict()
         self._seen: OrderedDict[str, deque[str]] = OrderedDict()
+        self._last_used: dict[str, float] = {}  # session -> monotonic time of its last message
         self._next_heartbeat = 0.0
 
     def serve(self, stop: threading.Event | None = None) -> None:
@@ -106,6 +110,7 @@ class StageWorker:
         if not force and now < self._next_heartbeat:
             return
         self._next_heartbeat = now + self.config.heartbeat_s
+        self.forget_idle_sessions(now)
         try:
             if self.node is not None:
                 registry = self.connections.get(self.config.registry_url or self.config.redis_url)
@@ -113,6 +118,22 @@ class StageWorker:
             self.flush_counters()
         except redis.RedisError as exc:
             log.warning("%s: heartbeat failed: %s", self.config.host, exc)
+
+    def forget_idle_sessions(self, now: float | None = None) -> list[str]:
+        """Drop every session without a message for `session_idle_s`; return their names."""
+        cutoff = (time.monotonic() if now is None else now) - self.config.session_idle_s
+        idle = [s for s, used in self._last_used.items() if used < cutoff]
+        for session in idle:
+            self._forget(session)
+        if idle:
+            log.info("%s: dropped %d idle session(s)", self.config.host, len(idle))
+        return idle
+
+    def _forget(self, session: str) -> None:
+        self.stage.drop(session)
+        self._params.pop(session, None)
+        self._seen.pop(session, None)
+        self._last_used.pop(session, None)
 
     def flush_counters(self) -> None:
         """Write the counters where `specpipe nodes` and the tests can read them."""
@@ -128,14 +149,14 @@ class StageWorker:
         except wire.WireError as exc:
             self._drop(f"undecodable message: {exc}")
             return
+        if message.kind in ("round", "reset", "reseed"):
+            self._last_used[message.session] = time.monotonic()
         if message.kind == "round":
             self._round(message)
         elif message.kind in ("reset", "reseed"):
             self._set_params(message)
         elif message.kind == "drop":
-            self.stage.drop(message.session)
-            self._params.pop(message.session, None)
-            self._seen.pop(message.session, None)
+            self._forget(message.session)
         else:
             self._drop(f"a {message.kind!r} message does not belong on a stage stream")
 

@@ -40,6 +40,9 @@ def _layer_range(_ctx, _param, value: str) -> tuple[int, int]:
               help="CPU threads for torch (default: torch's choice).")  # fmt: skip
 @click.option("--heartbeat-s", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
               help="Seconds between inventory heartbeats.")  # fmt: skip
+@click.option("--session-idle-s", type=click.FloatRange(min=1), default=600.0,
+              show_default=True,
+              help="Free a session's caches after this long without a message.")  # fmt: skip
 @click.option(
     "--link-delay-ms",
     type=click.FloatRange(min=0),
@@ -58,6 +61,7 @@ def worker_stage(
     device: str,
     threads: int | None,
     heartbeat_s: float,
+    session_idle_s: float,
     link_delay_ms: float,
 ) -> None:
     """Serve one layer range of the model from this host's Redis stream.
@@ -123,6 +127,7 @@ def worker_stage(
             redis_url=redis_url,
             registry_url=registry_url,
             heartbeat_s=heartbeat_s,
+            session_idle_s=session_idle_s,
             link_delay_s=link_delay_ms / 1000,
         ),
         node,

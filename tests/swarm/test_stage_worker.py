@@ -1,5 +1,8 @@
 """The stage worker's handling of single messages, in this process, against a real Redis."""
 
+import time
+from dataclasses import replace
+
 import pytest
 import redis
 import torch
@@ -27,10 +30,12 @@ def replies(redis_url, swarm, key, session="s"):
     return [wire.decode(f[streams.FIELD], swarm, key) for _, f in entries]
 
 
-def round_message(redis_url, hosts, hop=0, tokens=(1, 2, 3), n_draft=0, tensor=None, rid="r"):
+def round_message(redis_url, hosts, hop=0, tokens=(1, 2, 3), n_draft=0, tensor=None, rid="r",
+                  start_pos=0):  # fmt: skip
     route = tuple(wire.Hop(h, redis_url) for h in hosts)
     return wire.Message(kind="round", session="s", round_id=rid, tokens=tokens, n_draft=n_draft,
-                        tensor=tensor, route=route, hop=hop, reply=redis_url)  # fmt: skip
+                        tensor=tensor, route=route, hop=hop, reply=redis_url,
+                        start_pos=start_pos)  # fmt: skip
 
 
 def test_tail_with_a_draft_outside_the_vocabulary_replies_error(make, swarm, key, redis_url):
@@ -80,3 +85,25 @@ def test_middle_stage_without_hidden_states_drops_the_round(make, swarm, key, re
     worker = make("m", 1, 3)
     worker.handle(wire.encode(round_message(redis_url, ["a", "m", "t"], hop=1), swarm, key))
     assert worker.counters["dropped"] == 1 and replies(redis_url, swarm, key) == []
+
+
+def test_sessions_idle_past_the_limit_are_forgotten_and_answer_a_gap(swarm, key, redis_url):
+    """A dead coordinator's caches are freed; if its job comes back, it gets a gap."""
+    config = WorkerConfig(host="t", swarm=swarm, key=key, redis_url=redis_url,
+                          session_idle_s=0.3)  # fmt: skip
+    stage = ToyStage(ToyConfig(), 0, 4)
+    tail = StageWorker(stage, config)
+
+    def send(session: str, message: wire.Message) -> None:
+        tail.handle(wire.encode(replace(message, session=session), swarm, key))
+
+    for session in ("old", "new"):
+        send(session, wire.Message(kind="reset", session=session, params=RESET))
+        send(session, round_message(redis_url, ["t"], tokens=(1, 2, 3), rid=f"{session}-1"))
+    time.sleep(0.4)
+    send("new", round_message(redis_url, ["t"], tokens=(4,), rid="new-2", start_pos=3))
+    assert tail.forget_idle_sessions() == ["old"]
+    assert set(stage.caches) == {"new"} and stage.cache_len("new") == 4
+    send("old", round_message(redis_url, ["t"], tokens=(4,), rid="old-2", start_pos=3))
+    assert [r.kind for r in replies(redis_url, swarm, key, "old")] == ["result", "gap"]
+    assert [r.kind for r in replies(redis_url, swarm, key, "new")] == ["result", "result"]
