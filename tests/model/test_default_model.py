@@ -74,8 +74,10 @@ def test_default_model_matches_transformers(hf_logits, prompt_ids, split):
 def assert_close_to_rounding(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     """Each row within 1e-4, or within 1e-5 of the row's largest logit where that is larger.
 
-    oneDNN's packed kernels sum in another order than transformers' BLAS; over 30 layers that
-    moves logits whose rows peak at 19-38 by up to 1.4e-4 (5e-6 of the peak): rounding, not math.
+    oneDNN's packed kernels sum in another order than transformers' BLAS, with somewhat more
+    rounding: against a float64 run of the same weights, transformers' float32 logits are off by
+    1.1e-5 on average (9e-5 at most), ours by 2.1e-5 (1.5e-4 at most). Between the two that is up
+    to 1.4e-4 on rows that peak at 19-38 (5e-6 of the peak): rounding, not math.
     """
     worst = (ours - theirs).abs().amax(-1)
     allowed = torch.clamp(1e-5 * theirs.abs().amax(-1), min=1e-4)
