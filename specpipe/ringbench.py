@@ -146,8 +146,12 @@ def timed_generation(ring: Ring, prompt_ids: Sequence[int], params: SamplingPara
     )
 
 
-def overhead(model: str, n_stages: int, tokens: int, threads: int, log: Log) -> dict:
-    """Per-hop cost of the ring against the same model in one process (plain greedy)."""
+def overhead(model: str, n_stages: int, tokens: int, threads: int, log: Log,
+             repeats: int = 3) -> dict:  # fmt: skip
+    """Per-hop cost of the ring against the same model in one process (plain greedy).
+
+    The two run in turn `repeats` times and each side's median round counts, so that a burst
+    of load on the machine does not land on one side only."""
     import torch
 
     torch.set_num_threads(threads)
@@ -155,14 +159,21 @@ def overhead(model: str, n_stages: int, tokens: int, threads: int, log: Log) -> 
     prompt = tokenizer.prompt_ids(NOVEL_PROMPT)
     greedy = SamplingParams(temp=0.0)
     local_ring = LocalRing(load_stages(model, 1))
-    local = timed_generation(local_ring, prompt, greedy, 0, tokens)
-    log(f"one process: {local.round_ms:.1f} ms per plain round")
+    locals_, remotes = [], []
     with LocalSwarm(model, n_stages, threads=threads) as swarm:
         ring = swarm.ring()
-        remote = timed_generation(ring, prompt, greedy, 0, tokens)
+        for _ in range(repeats):
+            locals_.append(timed_generation(local_ring, prompt, greedy, 0, tokens))
+            remotes.append(timed_generation(ring, prompt, greedy, 0, tokens))
         ring.close()
+    local = sorted(locals_, key=lambda t: t.round_ms)[len(locals_) // 2]
+    remote = sorted(remotes, key=lambda t: t.round_ms)[len(remotes) // 2]
+    log(f"one process: {local.round_ms:.1f} ms per plain round (median of {repeats})")
     hops = n_stages + 1
-    log(f"{n_stages} stage processes: {remote.round_ms:.1f} ms per plain round")
+    log(
+        f"{n_stages} stage processes: {remote.round_ms:.1f} ms per plain round "
+        f"(median of {repeats})"
+    )
     return {
         "stages": n_stages,
         "hops_per_round": hops,
@@ -170,7 +181,9 @@ def overhead(model: str, n_stages: int, tokens: int, threads: int, log: Log) -> 
         "ring_round_ms": remote.round_ms,
         "overhead_per_hop_ms": (remote.round_ms - local.round_ms) / hops,
         "tok_s_ratio_ring_vs_local": remote.tok_s / local.tok_s if local.tok_s else None,
-        "same_tokens": remote.tokens == local.tokens,
+        "same_tokens": all(t.tokens == local.tokens for t in [*locals_, *remotes]),
+        "local_round_ms_runs": [t.round_ms for t in locals_],
+        "ring_round_ms_runs": [t.round_ms for t in remotes],
     }
 
 
