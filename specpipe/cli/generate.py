@@ -39,10 +39,10 @@ class StopOptionError(click.ClickException):
 @click.option("--no-spec", is_flag=True, help="Plain decoding: one token per round, no drafts.")
 @click.option(
     "--draft-k",
-    type=click.IntRange(1, 64),
+    type=click.IntRange(0, 64),
     default=8,
     show_default=True,
-    help="Drafted tokens verified per round.",
+    help="Drafted tokens verified per round (0: plain, as --no-spec).",
 )
 @sampling_options(0.0, 1.0, greedy=True)
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed.")

@@ -88,6 +88,7 @@ def test_generate_tiny_checkpoint_spec_equals_plain(checkpoints, tmp_path):
     spec = json.loads(invoke(*common, "--draft-k", "4").output)
     plain = json.loads(invoke(*common, "--no-spec").output)
     assert spec["tokens"] == plain["tokens"] and len(spec["tokens"]) > 0
+    assert json.loads(invoke(*common, "--draft-k", "0").output)["rounds"] == plain["rounds"]
     assert plain["rounds"] == len(plain["tokens"])
     assert set(spec) == {"tokens", "text", "tok_s", "rounds", "accepted_per_round"}
     assert spec["accepted_per_round"] == pytest.approx(len(spec["tokens"]) / spec["rounds"], 1e-2)
@@ -113,7 +114,7 @@ def test_generate_default_streams_and_reports():
 
 
 @pytest.mark.parametrize(
-    "option", [["--temp", "-1"], ["--top-p", "0"], ["--top-k", "-2"], ["--draft-k", "0"]]
+    "option", [["--temp", "-1"], ["--top-p", "0"], ["--top-k", "-2"], ["--draft-k", "65"]]
 )
 def test_generate_refuses_bad_sampling_options(option):
     result = CliRunner().invoke(cli, ["generate", "--local", "hi", *option])
