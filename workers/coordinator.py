@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from functools import lru_cache
@@ -47,6 +46,7 @@ from specpipe.ring import GapError, Ring, SamplingParams
 from specpipe.settings import Settings, redis_url, stalled_after_s
 from specpipe.stopping import cut_at_stop
 from workers.celery_app import DbTask
+from workers.locks import LockKeeper
 from workers.nodes import sync_inventory
 
 log = logging.getLogger("specpipe.coordinator")
@@ -255,55 +255,6 @@ def generate(self, job_id: int) -> str | None:
     finally:
         keeper.stop()
         client.close()
-
-
-class LockKeeper:
-    """Holds a job's Redis lock while this process runs the job, refreshing it from a thread.
-
-    The lock lapses only when the process stops (or cannot reach Redis for a whole lock
-    lifetime), so a long round never lets a second coordinator in."""
-
-    def __init__(self, lock: redis.lock.Lock) -> None:
-        self.lock = lock
-        self._stop = threading.Event()
-        self._lost = False
-        self._thread = threading.Thread(target=self._refresh, daemon=True)
-
-    def start(self) -> bool:
-        """Take the lock (False when another holder has it) and start refreshing it."""
-        if not self.lock.acquire(blocking=False):
-            return False
-        self._thread.start()
-        return True
-
-    def owned(self) -> bool:
-        """Whether this process still owns the lock."""
-        return not self._lost
-
-    def stop(self) -> None:
-        """Stop refreshing and release the lock."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(5)
-        try:
-            self.lock.release()
-        except redis.RedisError:
-            pass  # expired or taken: nothing of ours to release
-
-    def _refresh(self) -> None:
-        while not self._stop.wait(self.lock.timeout / 3):
-            try:
-                self.lock.reacquire()
-            except redis.exceptions.LockNotOwnedError:
-                # It lapsed (Redis was away): take it again unless someone else has.
-                try:
-                    self._lost = not self.lock.acquire(blocking=False)
-                except redis.RedisError:
-                    continue
-                if self._lost:
-                    return
-            except redis.RedisError as exc:
-                log.warning("could not refresh a job lock: %s", exc)
 
 
 @shared_task(name=RESUME_TASK, bind=True, base=DbTask, ignore_result=True)

@@ -7,9 +7,11 @@ of kind `nightly`: seed, proofs, a snapshot of the ring it ran on, the project's
 verdict. A proof that cannot run (no ring, no model) is stored as an `error` proof, so a broken
 swarm fails the nightly rather than skipping it.
 
-Two schedulers firing at once run it once: each run takes a Redis lock on its key (the UTC
-date for beat's runs, a fresh key for `specpipe regression run`) with SET NX and an expiry.
-The outcome is also left in Redis under the key, where `specpipe regression run` waits for it.
+Two schedulers firing at once run it once: a run takes a Redis lock on its key (the UTC date for
+beat's runs, a fresh key for `specpipe regression run`) and refreshes it while it works, and
+leaves its outcome in Redis under the key when it is done (where `specpipe regression run` waits
+for it); a key with an outcome is not run again. A worker killed mid-run lets its lock lapse
+within `LOCK_TTL_S`, so the broker's redelivery of the task runs the night after all.
 """
 
 from __future__ import annotations
@@ -42,12 +44,13 @@ from specpipe.proofs.target import (
 from specpipe.redis_ring import RedisRing, RingError
 from specpipe.ring import GapError
 from specpipe.settings import Settings, default_model, nightly_sizes, redis_url
+from workers.locks import LockKeeper
 from workers.nodes import sync_inventory
 
 log = logging.getLogger("specpipe.regression")
 
 NIGHTLY_TASK = "workers.regression.nightly"
-LOCK_TTL_S = 20 * 3600  # longer than any run, shorter than a day
+LOCK_TTL_S = 120  # refreshed every 40 s while the run lives
 RESULT_TTL_S = 7 * 24 * 3600
 CLAIM = (
     "Speculative sampling on the swarm is lossless: committed tokens follow the target's "
@@ -58,6 +61,23 @@ RING_ERRORS = (inventory.RouteError, RingError, GapError, ValueError, redis.Redi
 
 def lock_key(swarm: str, key: str) -> str:
     return f"specpipe:{swarm}:nightly:lock:{key}"
+
+
+def claim_night(
+    client: redis.Redis, swarm: str, key: str, holder: str, ttl_s: float = LOCK_TTL_S
+) -> LockKeeper | None:
+    """The held lock when this worker is to run `key`; None when it is done or running elsewhere.
+
+    Every attempt is listed under `attempts_key`, marked "ran" or "skipped"."""
+    keeper = None
+    if not client.exists(result_key(swarm, key)):
+        lock = client.lock(lock_key(swarm, key), timeout=ttl_s, thread_local=False)
+        keeper = LockKeeper(lock)
+        if not keeper.start():
+            keeper = None
+    client.rpush(attempts_key(swarm, key), f"{holder} {'ran' if keeper else 'skipped'}")
+    client.expire(attempts_key(swarm, key), RESULT_TTL_S)
+    return keeper
 
 
 def attempts_key(swarm: str, key: str) -> str:
@@ -204,11 +224,10 @@ def nightly(self, key: str | None = None) -> dict:
     registry = settings.redis_url or redis_url()
     client = redis.Redis.from_url(registry, socket_connect_timeout=5)
     holder = f"{socket.gethostname()}:{os.getpid()}"
+    keeper = None
     try:
-        won = bool(client.set(lock_key(settings.swarm, key), holder, nx=True, ex=LOCK_TTL_S))
-        client.rpush(attempts_key(settings.swarm, key), f"{holder} {'ran' if won else 'skipped'}")
-        client.expire(attempts_key(settings.swarm, key), RESULT_TTL_S)
-        if not won:
+        keeper = claim_night(client, settings.swarm, key, holder)
+        if keeper is None:
             log.info("nightly %s is already running or done elsewhere", key)
             return {"key": key, "skipped": True}
         try:
@@ -218,20 +237,18 @@ def nightly(self, key: str | None = None) -> dict:
         if settings.swarm_key is None and not isinstance(target, str):
             target = "the swarm is not configured: SPECPIPE_SWARM_KEY is not set"
         sizes = nightly_sizes()
-        try:
-            run = run_nightly(
-                self.session,
-                target,
-                (registry, settings.swarm, (settings.swarm_key or "").encode()),
-                sizes["seed"] or nightly_seed(today),
-                sizes,
-            )
-        except Exception:
-            client.delete(lock_key(settings.swarm, key))  # let a retry run it
-            raise
+        run = run_nightly(
+            self.session,
+            target,
+            (registry, settings.swarm, (settings.swarm_key or "").encode()),
+            sizes["seed"] or nightly_seed(today),
+            sizes,
+        )  # on an exception the lock is released below, so a retry runs the night
         outcome = {"key": key, "run_id": run.id, "name": run.name, "verdict": run.verdict}
         client.set(result_key(settings.swarm, key), json.dumps(outcome), ex=RESULT_TTL_S)
         log.info("nightly %s: run %s %s", key, run.name, run.verdict)
         return outcome
     finally:
+        if keeper is not None:
+            keeper.stop()  # after the outcome is stored: a later claim sees the night done
         client.close()
