@@ -57,4 +57,4 @@ class LockKeeper:
                 if self._lost:
                     return
             except redis.RedisError as exc:
-                log.warning("could not refresh a job lock: %s", exc)
+                log.warning("could not refresh the lock %s: %s", self.lock.name, exc)
