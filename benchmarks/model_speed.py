@@ -1,6 +1,6 @@
 """Speed of the model shards on the default model, measured side by side with transformers.
 
-    .venv/bin/python benchmarks/model_speed.py --threads 1 --tokens 64
+    .venv/bin/python benchmarks/model_speed.py --threads 1 --tokens 64 [--device cuda]
 
 1. Greedy decode tok/s: our StageModel (one stage, plain loop) and transformers' `generate` on the
    same dequantised weights, same dtype and thread count, alternating runs.
@@ -60,7 +60,7 @@ def transformers_twin(stage: StageModel):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = transformers.LlamaForCausalLM(config).to(stage.dtype)
+        model = transformers.LlamaForCausalLM(config).to(stage.device, stage.dtype)
     model.load_state_dict(state, strict=True)
     return model.eval()
 
@@ -80,7 +80,7 @@ def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], float]:
     started = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([ids]),
+            torch.tensor([ids], device=model.device),
             max_new_tokens=n,
             min_new_tokens=n,
             do_sample=False,
@@ -88,6 +88,12 @@ def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], float]:
             pad_token_id=0,
         )
     return out[0, len(ids) :].tolist(), n / (time.perf_counter() - started)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so a timer measures it (nothing to wait for on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def verify_cost(stage: StageModel, ids: list[int], k: int, repeats: int) -> tuple[float, float]:
@@ -99,9 +105,11 @@ def verify_cost(stage: StageModel, ids: list[int], k: int, repeats: int) -> tupl
     for _ in range(repeats):
         t = time.perf_counter()
         stage.forward("v", torch.tensor(ids[:1]), p)
+        synchronize(stage.device)
         one.append(time.perf_counter() - t)
         t = time.perf_counter()
         stage.forward("v", torch.tensor(ids[: k + 1]), p)
+        synchronize(stage.device)
         many.append(time.perf_counter() - t)
     return statistics.median(one), statistics.median(many)
 
@@ -152,23 +160,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--draft-k", type=int, default=8)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     checkpoint = open_checkpoint("default")
     tok = load_tokenizer(checkpoint)
-    stage = load_stage(checkpoint, 0, checkpoint.config.n_layers, dtype=args.dtype)
-    fast = load_stage(
-        open_checkpoint("default"),
-        0,
-        checkpoint.config.n_layers,
-        dtype=args.dtype,
-        row_stable=False,
-    )
-    plain = load_stage(checkpoint, 0, checkpoint.config.n_layers, dtype=args.dtype, pack=False)
+    on = {"dtype": args.dtype, "device": args.device}
+    stage = load_stage(checkpoint, 0, checkpoint.config.n_layers, **on)
+    fast = load_stage(open_checkpoint("default"), 0, checkpoint.config.n_layers, **on,
+                      row_stable=False)  # fmt: skip
+    plain = load_stage(checkpoint, 0, checkpoint.config.n_layers, **on, pack=False)
     twin = transformers_twin(plain)  # packed weights have no plain copy to hand over
     del plain
     ids = tok.prompt_ids(STORY)
-    print(f"default model, {args.dtype}, {args.threads} thread(s), prompt {len(ids)} tokens")
+    print(f"default model, {args.dtype} on {args.device}, {args.threads} thread(s), "
+          f"prompt {len(ids)} tokens")  # fmt: skip
     modes = {"row-stable": stage, "fast rows": fast}
 
     for model in modes.values():  # warm up
