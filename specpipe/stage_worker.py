@@ -34,6 +34,7 @@ from specpipe.settings import test_lossy_tail
 log = logging.getLogger("specpipe.stage")
 
 SEEN_PER_SESSION = 64  # round ids remembered per session for duplicate detection
+TIMING_WEIGHT = 0.1  # of the latest round in the running means of round timings
 MAX_SESSIONS = 4096  # sessions whose state (params, seen ids) is remembered
 
 
@@ -74,6 +75,10 @@ class StageWorker:
             claim_idle_ms=config.claim_idle_ms,
         )
         self.counters = {"processed": 0, "dropped": 0, "gaps": 0, "duplicates": 0, "errors": 0}
+        # Running means over processed rounds: the forward, and everything else in handling a
+        # round here (checking, decoding, encoding, sending on): what this hop adds.
+        self.timings = {"forward_ms": 0.0, "hop_ms": 0.0}
+        self._forward_s = 0.0
         self._params: OrderedDict[str, SamplingParams] = OrderedDict()
         self._seen: OrderedDict[str, deque[str]] = OrderedDict()
         self._last_used: dict[str, float] = {}  # session -> monotonic time of its last message
@@ -138,10 +143,12 @@ class StageWorker:
     def flush_counters(self) -> None:
         """Write the counters where `specpipe nodes` and the tests can read them."""
         key = streams.stats_key(self.config.swarm, self.config.host)
-        self.client.hset(key, mapping=self.counters)
+        timings = {name: round(value, 3) for name, value in self.timings.items()}
+        self.client.hset(key, mapping={**self.counters, **timings})
 
     def handle(self, data: bytes | None) -> None:
         """Process one stream entry; never raises for a bad message."""
+        started = time.perf_counter()
         try:
             message = wire.decode(
                 data, self.config.swarm, self.config.key, self.config.max_message_bytes
@@ -152,13 +159,24 @@ class StageWorker:
         if message.kind in ("round", "reset", "reseed"):
             self._last_used[message.session] = time.monotonic()
         if message.kind == "round":
+            processed = self.counters["processed"]
             self._round(message)
+            if self.counters["processed"] > processed:
+                self._time_round(time.perf_counter() - started)
         elif message.kind in ("reset", "reseed"):
             self._set_params(message)
         elif message.kind == "drop":
             self._forget(message.session)
         else:
             self._drop(f"a {message.kind!r} message does not belong on a stage stream")
+
+    def _time_round(self, total_s: float) -> None:
+        first = self.counters["processed"] == 1
+        forward_s = self._forward_s
+        latest = {"forward_ms": forward_s * 1000, "hop_ms": (total_s - forward_s) * 1000}
+        for name, ms in latest.items():
+            mean = self.timings[name]
+            self.timings[name] = ms if first else mean + TIMING_WEIGHT * (ms - mean)
 
     def _drop(self, reason: str) -> None:
         log.warning("%s: dropped %s", self.config.host, reason)
@@ -211,7 +229,9 @@ class StageWorker:
         self._mark_seen(message)
         try:
             rows = message.n_draft + 1 if self.stage.last else None
+            forward_started = time.perf_counter()
             out = self.stage.forward(message.session, inputs, message.start_pos, last_rows=rows)
+            self._forward_s = time.perf_counter() - forward_started
         except GapError as exc:
             self._count("gaps")
             self._reply(message, "gap", reason=f"{self.config.host}: {exc}")

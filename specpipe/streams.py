@@ -32,8 +32,15 @@ def reply_key(swarm: str, session: str) -> str:
 
 
 def stats_key(swarm: str, host: str) -> str:
-    """A hash of counters a stage worker keeps (processed, dropped, gaps, duplicates)."""
+    """A hash a stage worker keeps on its own Redis: counters (processed, dropped, gaps,
+    duplicates, errors) and running means of its rounds' forward_ms and hop_ms."""
     return f"specpipe:{swarm}:stats:{host}"
+
+
+def read_stats(client: redis.Redis, swarm: str, host: str) -> dict[str, float]:
+    """A stage's counters and round timings (see `stats_key`), as numbers."""
+    raw = client.hgetall(stats_key(swarm, host))
+    return {k.decode(): float(v) for k, v in raw.items()}
 
 
 class Connections:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import time
+from dataclasses import asdict
+
 import click
 
 
@@ -10,12 +14,18 @@ import click
               help="The swarm's registry Redis (default: the one `specpipe up` runs).")  # fmt: skip
 @click.option("--swarm", envvar="SPECPIPE_SWARM", default=None,
               help="The swarm's name (default: the running swarm's, else `default`).")  # fmt: skip
-def nodes(redis_url: str | None, swarm: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print JSON: each node's record, role, status and stage counters.")  # fmt: skip
+def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     """List every stage host: role, layers, status by heartbeat, Redis, geo, GPU.
+
+    With --json each node also carries `stats`, read from its own Redis: rounds processed,
+    messages dropped, gaps, duplicates, errors, and running means of its forward and of what
+    the hop adds around it (`forward_ms`, `hop_ms`); null where that Redis cannot be reached.
 
     Example:
 
-        REDIS_URL=redis://127.0.0.1:6379/0 specpipe nodes
+        REDIS_URL=redis://127.0.0.1:6379/0 specpipe nodes --json
     """
     import redis
 
@@ -32,8 +42,31 @@ def nodes(redis_url: str | None, swarm: str | None) -> None:
         raise click.ClickException(f"cannot read the inventory at {redis_url}: {exc}") from None
     finally:
         client.close()
+    if as_json:
+        click.echo(json.dumps(_records(found, swarm), indent=2))
+        return
     if not found:
         click.echo(f"no nodes in swarm {swarm!r}")
         return
     for line in inventory.table(found):
         click.echo(line)
+
+
+def _records(found: list, swarm: str) -> list[dict]:
+    """The nodes in ring order as JSON-ready dicts, each with its status and stage stats."""
+    import redis
+
+    from specpipe import inventory, streams
+
+    now = time.time()
+    records = []
+    for node in inventory.with_roles(found):
+        client = redis.Redis.from_url(node.redis_url, socket_connect_timeout=1, socket_timeout=2)
+        try:
+            stats = streams.read_stats(client, swarm, node.host)
+        except (redis.RedisError, ValueError):
+            stats = None
+        finally:
+            client.close()
+        records.append({**asdict(node), "status": node.status(now), "stats": stats})
+    return records

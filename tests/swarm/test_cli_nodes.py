@@ -1,9 +1,11 @@
 """`specpipe nodes` against a real Redis."""
 
+import json
+
 import redis
 from click.testing import CliRunner
 
-from specpipe import inventory
+from specpipe import inventory, streams
 from specpipe.cli import cli
 from specpipe.inventory import NodeInfo
 from specpipe.redis_server import free_port
@@ -36,3 +38,29 @@ def test_nodes_errors_are_one_line(monkeypatch):
     result = CliRunner().invoke(cli, ["nodes", "--redis", dead])
     assert result.exit_code == 1 and "cannot read the inventory" in result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_nodes_json_lists_records_status_and_stage_stats_in_ring_order(swarm, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    inventory.publish(client, swarm, NodeInfo("nj", 2, 4, redis_url, geo="NJ"))
+    inventory.publish(client, swarm, NodeInfo("wa", 0, 2, redis_url, geo="WA"))
+    away = f"redis://127.0.0.1:{free_port()}/0"
+    inventory.publish(client, swarm, NodeInfo("tx", 0, 2, away))  # its own Redis is down
+    client.hset(streams.stats_key(swarm, "nj"), mapping={"processed": 7, "forward_ms": 1.5})
+    client.close()
+    result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, "--json"])
+    assert result.exit_code == 0, result.output
+    records = json.loads(result.output)
+    assert [(r["host"], r["role"], r["status"]) for r in records] == [
+        ("tx", "stage0", "online"),
+        ("wa", "stage0", "online"),
+        ("nj", "tail", "online"),
+    ]
+    assert records[2]["geo"] == "NJ" and records[2]["layer_end"] == 4
+    assert records[2]["stats"] == {"processed": 7.0, "forward_ms": 1.5}
+    assert records[1]["stats"] == {} and records[0]["stats"] is None
+
+
+def test_nodes_json_of_an_empty_swarm_is_an_empty_list(swarm, redis_url):
+    result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, "--json"])
+    assert result.exit_code == 0 and json.loads(result.output) == []

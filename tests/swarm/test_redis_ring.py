@@ -58,11 +58,12 @@ def nodes(*hosts: tuple[str, str]) -> list[NodeInfo]:
     return [NodeInfo(host=h, layer_start=0, layer_end=1, redis_url=u) for h, u in hosts]
 
 
-def stats(url, swarm, host) -> dict[str, int]:
+def stats(url, swarm, host) -> dict[str, float]:
     client = redis.Redis.from_url(url)
-    raw = client.hgetall(streams.stats_key(swarm, host))
-    client.close()
-    return {k.decode(): int(v) for k, v in raw.items()}
+    try:
+        return streams.read_stats(client, swarm, host)
+    finally:
+        client.close()
 
 
 def wait_for(predicate, timeout_s=10.0):

@@ -107,3 +107,16 @@ def test_sessions_idle_past_the_limit_are_forgotten_and_answer_a_gap(swarm, key,
     send("old", round_message(redis_url, ["t"], tokens=(4,), rid="old-2", start_pos=3))
     assert [r.kind for r in replies(redis_url, swarm, key, "old")] == ["result", "gap"]
     assert [r.kind for r in replies(redis_url, swarm, key, "new")] == ["result", "result"]
+
+
+def test_processed_rounds_leave_counters_and_timings_in_the_stats(make, swarm, key, redis_url):
+    tail = make("t", 0, 4)
+    tail.handle(wire.encode(wire.Message(kind="reset", session="s", params=RESET), swarm, key))
+    tail.handle(wire.encode(round_message(redis_url, ["t"], tokens=(1, 2, 3)), swarm, key))
+    tail.handle(wire.encode(round_message(redis_url, ["x"], rid="r2"), swarm, key))  # dropped
+    tail.flush_counters()
+    client = redis.Redis.from_url(redis_url)
+    stats = streams.read_stats(client, swarm, "t")
+    client.close()
+    assert stats["processed"] == 1 and stats["dropped"] == 1
+    assert stats["forward_ms"] > 0 and stats["hop_ms"] > 0
