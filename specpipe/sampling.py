@@ -321,9 +321,9 @@ class Sampler:
         """The target distribution for these logits."""
         return target_probs(logits, self.temp, self.top_p, self.top_k)
 
-    def _draws(self, logits, start_pos: int) -> np.ndarray:
-        """The target's own token at each row's position start_pos, start_pos+1, …"""
-        z = _as_logits(logits)
+    def _draws(self, z: np.ndarray, start_pos: int) -> np.ndarray:
+        """The target's own token at each row of checked logits `[N, V]` (see `_as_logits`),
+        at positions start_pos, start_pos+1, …"""
         if self.greedy:
             return np.argmax(z, axis=1)
         if (
@@ -342,7 +342,7 @@ class Sampler:
             raise ValueError(
                 f"sample takes one row of logits [V], got shape {np.shape(logits_row)}"
             )
-        return int(self._draws(logits_row, pos)[0])
+        return int(self._draws(_as_logits(logits_row), pos)[0])
 
     def accept(self, logits, drafts: Sequence[int], start_pos: int) -> list[int]:
         """Verify K drafts: logits `[K+1, V]` for positions start_pos … start_pos+K.

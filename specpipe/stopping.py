@@ -8,7 +8,7 @@ once the round's tokens are decoded.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 64
@@ -20,6 +20,31 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     if not found:
         return text, False
     return text[: min(found)], True
+
+
+class GenerationText:
+    """A generation's text from its token ids: end markers left out, cut before a stop string.
+
+    `Generation` asks after every round whether a stop string has appeared (`should_stop`), and
+    the caller then shows or stores the same ids' text: each length of ids is decoded once."""
+
+    def __init__(
+        self, decode: Callable[[list[int]], str], eos_ids: Iterable[int], stops: Sequence[str]
+    ) -> None:
+        self.decode, self.eos_ids, self.stops = decode, set(eos_ids), list(stops)
+        self._length, self._cut = -1, ("", False)
+
+    def cut(self, ids: Sequence[int]) -> tuple[str, bool]:
+        """The text of `ids`, and whether a stop string ended it."""
+        if len(ids) != self._length:  # one generation's ids only grow
+            text = self.decode([t for t in ids if t not in self.eos_ids])
+            self._length, self._cut = len(ids), cut_at_stop(text, self.stops)
+        return self._cut
+
+    @property
+    def should_stop(self) -> Callable[[list[int]], bool] | None:
+        """The `Generation` hook for these stop strings; None when there are none."""
+        return (lambda ids: self.cut(ids)[1]) if self.stops else None
 
 
 def hold_back_stop_prefix(text: str, stops: Sequence[str]) -> str:

@@ -19,6 +19,29 @@ ROOT = Path(__file__).resolve().parents[1]
 SPECPIPE = [sys.executable, "-m", "specpipe"]
 
 
+def wait_heartbeats(
+    registry: str, swarm: str, procs: dict[str, subprocess.Popen], hosts, timeout_s: float
+) -> None:
+    """Wait until each stage host has heartbeated since now; fail early if its process exits."""
+    client = redis.Redis.from_url(registry)
+    since = time.time() - 0.5
+    deadline = time.monotonic() + timeout_s
+    pending = set(hosts)
+    try:
+        while pending and time.monotonic() < deadline:
+            for node in inventory.load(client, swarm):
+                if node.host in pending and node.last_heartbeat >= since:
+                    pending.discard(node.host)
+            for host in list(pending):
+                if procs[host].poll() is not None:
+                    raise RuntimeError(f"stage {host} exited with {procs[host].returncode}")
+            time.sleep(0.05)
+    finally:
+        client.close()
+    if pending:
+        raise TimeoutError(f"stages {sorted(pending)} did not come up")
+
+
 def write_tiny_model(path: Path) -> Path:
     """A 4-layer random Llama checkpoint with a 90-word tokenizer and a chat template."""
     from tests.model.conftest import write_llama
@@ -84,23 +107,7 @@ class Swarm:
 
     def wait_stages(self, hosts, timeout_s: float = 90.0) -> None:
         """Wait until each host has heartbeated since now."""
-        client = redis.Redis.from_url(self.redis_url)
-        since = time.time() - 0.5
-        deadline = time.monotonic() + timeout_s
-        pending = set(hosts)
-        try:
-            while pending and time.monotonic() < deadline:
-                for node in inventory.load(client, self.swarm):
-                    if node.host in pending and node.last_heartbeat >= since:
-                        pending.discard(node.host)
-                for host in list(pending):
-                    if self.procs[host].poll() is not None:
-                        raise RuntimeError(f"{host} exited with {self.procs[host].returncode}")
-                time.sleep(0.05)
-        finally:
-            client.close()
-        if pending:
-            raise TimeoutError(f"stages {sorted(pending)} did not come up")
+        wait_heartbeats(self.redis_url, self.swarm, self.procs, hosts, timeout_s)
 
     def stop(self) -> None:
         """SIGTERM everything still running, SIGKILL what does not stop."""

@@ -44,7 +44,7 @@ from specpipe.inventory import RouteError
 from specpipe.redis_ring import RedisRing, RingError
 from specpipe.ring import GapError, Ring, SamplingParams
 from specpipe.settings import Settings, redis_url, stalled_after_s
-from specpipe.stopping import cut_at_stop
+from specpipe.stopping import GenerationText
 from workers.celery_app import DbTask
 from workers.locks import LockKeeper
 from workers.nodes import sync_inventory
@@ -104,10 +104,7 @@ def run_job(
         accepted = list(job.accepted_per_round or [])
         # The time already spent, so tok/s after a resume still counts the whole job.
         spent_s = len(resume) / job.tok_s if resume and job.tok_s else 0.0
-        stops = list(job.stop or [])
-
-        def output_text(ids: list[int]) -> tuple[str, bool]:
-            return cut_at_stop(codec.decode([t for t in ids if t not in eos]), stops)
+        output = GenerationText(codec.decode, eos, job.stop or [])
 
         generation = Generation(
             ring,
@@ -118,14 +115,14 @@ def run_job(
             draft_k=job.draft_k,
             eos_ids=eos,
             resume=resume,  # a re-run continues from what was stored
-            should_stop=(lambda ids: output_text(ids)[1]) if stops else None,
+            should_stop=output.should_stop,
         )
         status, counted = "done", 0
         for _ in generation.rounds():
             accepted.append(generation.stats.accepted - counted)
             counted = generation.stats.accepted
             ids = generation.generated
-            text, _ = output_text(ids)
+            text, _ = output.cut(ids)
             job.record_progress(ids, text, accepted, spent_s + generation.stats.seconds)
             session.commit()
             session.refresh(job, ["cancel_requested"])  # the web app may have asked

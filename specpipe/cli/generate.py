@@ -12,8 +12,8 @@ from specpipe.cli.options import sampling_options
 from specpipe.stopping import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
+    GenerationText,
     check_stop_strings,
-    cut_at_stop,
     hold_back_stop_prefix,
 )
 
@@ -157,10 +157,7 @@ def generate(
     eos = set(checkpoint.config.eos_token_ids)
     if tokenizer.eos_token and tokenizer.token_id(tokenizer.eos_token) is not None:
         eos.add(tokenizer.token_id(tokenizer.eos_token))
-
-    def output_text(ids: list[int]) -> tuple[str, bool]:
-        # End markers are not part of the text; a stop string ends it.
-        return cut_at_stop(tokenizer.decode([t for t in ids if t not in eos]), stop_strings)
+    output = GenerationText(tokenizer.decode, eos, stop_strings)
 
     run = Generation(
         ring,
@@ -170,20 +167,20 @@ def generate(
         max_new_tokens=max_new_tokens,
         draft_k=0 if no_spec else draft_k,
         eos_ids=eos,
-        should_stop=(lambda ids: output_text(ids)[1]) if stop_strings else None,
+        should_stop=output.should_stop,
     )
     shown = ""
     for _ in run.rounds():
         if as_json:
             continue
-        text = hold_back_stop_prefix(output_text(run.generated)[0], stop_strings)
+        text = hold_back_stop_prefix(output.cut(run.generated)[0], stop_strings)
         # Hold back an incomplete UTF-8 sequence until its last byte arrives.
         if not text.endswith("\ufffd") and text.startswith(shown):
             click.echo(text[len(shown) :], nl=False)
             sys.stdout.flush()
             shown = text
     stats = run.stats
-    text, _ = output_text(run.generated)
+    text, _ = output.cut(run.generated)
     if as_json:
         click.echo(
             json.dumps(

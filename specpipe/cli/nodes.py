@@ -59,14 +59,21 @@ def _records(found: list, swarm: str) -> list[dict]:
     from specpipe import inventory, streams
 
     now = time.time()
+    clients: dict[str, redis.Redis] = {}  # one per Redis: a one-machine swarm shares one
     records = []
-    for node in inventory.with_roles(found):
-        client = redis.Redis.from_url(node.redis_url, socket_connect_timeout=1, socket_timeout=2)
-        try:
-            stats = streams.read_stats(client, swarm, node.host)
-        except (redis.RedisError, ValueError):
-            stats = None
-        finally:
+    try:
+        for node in inventory.with_roles(found):
+            if node.redis_url not in clients:
+                clients[node.redis_url] = redis.Redis.from_url(
+                    node.redis_url, socket_connect_timeout=1, socket_timeout=2
+                )
+            client = clients[node.redis_url]
+            try:
+                stats = streams.read_stats(client, swarm, node.host)
+            except (redis.RedisError, ValueError):
+                stats = None
+            records.append({**asdict(node), "status": node.status(now), "stats": stats})
+    finally:
+        for client in clients.values():
             client.close()
-        records.append({**asdict(node), "status": node.status(now), "stats": stats})
     return records

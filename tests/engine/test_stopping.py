@@ -5,7 +5,12 @@ import pytest
 
 from specpipe.generation import Generation
 from specpipe.ring import LocalRing, SamplingParams
-from specpipe.stopping import check_stop_strings, cut_at_stop, hold_back_stop_prefix
+from specpipe.stopping import (
+    GenerationText,
+    check_stop_strings,
+    cut_at_stop,
+    hold_back_stop_prefix,
+)
 from tests.engine.toy_stages import VOCAB, toy_stages
 
 PROMPT = [3, 7, 1, 9, 3, 7, 1, 9]
@@ -129,3 +134,19 @@ def test_a_resume_past_a_stop_string_generates_nothing_more():
     full = run(0).generated
     stop = decode(full)[5:7]
     assert run(0, [stop], resume=full[:12]).stats.rounds == 0
+
+
+def test_generation_text_leaves_out_end_markers_cuts_at_a_stop_and_decodes_each_length_once():
+    decoded = []
+
+    def decode(ids: list[int]) -> str:
+        decoded.append(list(ids))
+        return "".join(chr(ord("a") + i) for i in ids)
+
+    output = GenerationText(decode, eos_ids=[25], stops=["cd"])
+    assert output.should_stop([0, 1]) is False
+    assert output.cut([0, 1]) == ("ab", False)
+    assert output.cut([0, 1, 2, 3, 4, 25]) == ("ab", True)
+    assert output.should_stop([0, 1, 2, 3, 4, 25]) is True
+    assert decoded == [[0, 1], [0, 1, 2, 3, 4]]  # once per length, end marker left out
+    assert GenerationText(decode, [], []).should_stop is None

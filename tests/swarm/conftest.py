@@ -7,16 +7,15 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 import redis
 
-from specpipe import inventory
 from specpipe.redis_server import RedisServer
 from specpipe.supervisor import terminate_all
+from tests.swarmprocs import wait_heartbeats
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,21 +84,7 @@ class Stages:
 
     def wait_ready(self, hosts, timeout_s: float = 60.0) -> None:
         """Wait until each host has heartbeated since it was (re)started."""
-        client = redis.Redis.from_url(self.registry)
-        since = time.time() - 0.5
-        deadline = time.monotonic() + timeout_s
-        pending = set(hosts)
-        while pending and time.monotonic() < deadline:
-            for node in inventory.load(client, self.swarm):
-                if node.host in pending and node.last_heartbeat >= since:
-                    pending.discard(node.host)
-            for host in list(pending):
-                if self.procs[host].poll() is not None:
-                    raise RuntimeError(f"stage {host} exited with {self.procs[host].returncode}")
-            time.sleep(0.05)
-        client.close()
-        if pending:
-            raise TimeoutError(f"stages {sorted(pending)} did not come up")
+        wait_heartbeats(self.registry, self.swarm, self.procs, hosts, timeout_s)
 
     def kill9(self, host: str) -> None:
         proc = self.procs[host]
