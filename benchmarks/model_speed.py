@@ -55,7 +55,13 @@ def transformers_twin(stage: StageModel):
     )
     names = hf_name_map(cfg, 0, cfg.n_layers, True, True, packed=False)
     ours = stage.state_dict()
-    state = {srcs[0]: ours[key] for key, (srcs, _) in names.items()}
+    # Our fused weights (q|k|v, gate|up) split back into transformers' separate ones.
+    kv = cfg.n_kv_heads * cfg.head_dim
+    sizes = {3: [cfg.n_heads * cfg.head_dim, kv, kv], 2: [cfg.intermediate_size] * 2}
+    state = {}
+    for key, (srcs, _) in names.items():
+        parts = ours[key].split(sizes[len(srcs)]) if len(srcs) > 1 else [ours[key]]
+        state.update(zip(srcs, parts, strict=True))
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     with warnings.catch_warnings():

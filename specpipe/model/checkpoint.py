@@ -137,14 +137,14 @@ def hf_name_map(
         pairs = {
             "attn_norm.weight": "input_layernorm.weight",
             "mlp_norm.weight": "post_attention_layernorm.weight",
-            "attn.wq.weight": "self_attn.q_proj.weight",
-            "attn.wk.weight": "self_attn.k_proj.weight",
-            "attn.wv.weight": "self_attn.v_proj.weight",
             "attn.wo.weight": "self_attn.o_proj.weight",
         }
-        if cfg.qkv_bias:
-            for a, b in (("wq", "q"), ("wk", "k"), ("wv", "v")):
-                pairs[f"attn.{a}.bias"] = f"self_attn.{b}_proj.bias"
+        qkv = ("weight", "bias") if cfg.qkv_bias else ("weight",)
+        for kind in qkv:
+            m[f"{dst}attn.wqkv.{kind}"] = (
+                tuple(f"{src}self_attn.{x}_proj.{kind}" for x in "qkv"),
+                concat_rows,
+            )
         if cfg.o_bias:
             pairs["attn.wo.bias"] = "self_attn.o_proj.bias"
         if cfg.has_sinks:
@@ -161,10 +161,12 @@ def hf_name_map(
         else:
             pairs.update(
                 {
-                    "mlp.w_gate.weight": "mlp.gate_proj.weight",
-                    "mlp.w_up.weight": "mlp.up_proj.weight",
                     "mlp.w_down.weight": "mlp.down_proj.weight",
                 }
+            )
+            m[dst + "mlp.w_gate_up.weight"] = (
+                (src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"),
+                concat_rows,
             )
         for a, b in pairs.items():
             m[dst + a] = ((src + b,), _same)
@@ -175,6 +177,11 @@ def hf_name_map(
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         m["head.weight"] = ((head,), _same)
     return m
+
+
+def concat_rows(*parts: torch.Tensor) -> torch.Tensor:
+    """One weight (or bias) from several stacked along the output dimension: q|k|v, gate|up."""
+    return torch.cat(parts, dim=0)
 
 
 def _expert_map(cfg: ModelConfig, src: str, dst: str, packed: bool) -> NameMap:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specpipe.model.checkpoint import NameMap
+from specpipe.model.checkpoint import NameMap, concat_rows
 from specpipe.model.config import ModelConfig
 from specpipe.model.errors import ModelError
 
@@ -154,18 +154,17 @@ class GGUFCheckpoint:
             pairs = {
                 "attn_norm.weight": "attn_norm.weight",
                 "mlp_norm.weight": "ffn_norm.weight",
-                "attn.wq.weight": "attn_q.weight",
-                "attn.wk.weight": "attn_k.weight",
-                "attn.wv.weight": "attn_v.weight",
                 "attn.wo.weight": "attn_output.weight",
-                "mlp.w_gate.weight": "ffn_gate.weight",
-                "mlp.w_up.weight": "ffn_up.weight",
                 "mlp.w_down.weight": "ffn_down.weight",
             }
-            if self.config.qkv_bias:
-                pairs.update({f"attn.w{x}.bias": f"attn_{x}.bias" for x in "qkv"})
             for a, b in pairs.items():
                 m[f"layers.{j}.{a}"] = ((f"blk.{i}.{b}",), same)
+            qkv = ("weight", "bias") if self.config.qkv_bias else ("weight",)
+            for kind in qkv:
+                parts = tuple(f"blk.{i}.attn_{x}.{kind}" for x in "qkv")
+                m[f"layers.{j}.attn.wqkv.{kind}"] = (parts, concat_rows)
+            gate_up = (f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight")
+            m[f"layers.{j}.mlp.w_gate_up.weight"] = (gate_up, concat_rows)
         if last:
             m["norm.weight"] = (("output_norm.weight",), same)
             head = "token_embd.weight" if self.config.tie_word_embeddings else "output.weight"

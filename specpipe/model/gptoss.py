@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from specpipe.model.config import ModelConfig
-from specpipe.model.layers import MIN_ROWS, Linear, stable_linear
+from specpipe.model.layers import Linear, stable_linear
 
 # The 16 E2M1 values, indexed by the 4-bit code (sign bit high).
 FP4_VALUES = (
@@ -101,7 +101,7 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
 class Experts(nn.Module):
     """E experts, each gate_up [2I, D] and down [D, I] with biases; float or MXFP4-packed."""
 
-    min_rows = MIN_ROWS
+    row_stable = True  # see layers.py
 
     def __init__(self, cfg: ModelConfig, packed: bool) -> None:
         super().__init__()
@@ -135,9 +135,9 @@ class Experts(nn.Module):
         for e in idx.unique().tolist():
             tok, slot = torch.where(idx == e)
             w_gu, w_down = self.weights(e, x.dtype)
-            gate_up = stable_linear(x[tok], w_gu, self.gate_up_bias[e], self.min_rows)
+            gate_up = stable_linear(x[tok], w_gu, self.gate_up_bias[e], self.row_stable)
             h = clamped_swiglu(gate_up, self.alpha, self.limit)
-            y = stable_linear(h, w_down, self.down_bias[e], self.min_rows)
+            y = stable_linear(h, w_down, self.down_bias[e], self.row_stable)
             out.index_add_(0, tok, y * weight[tok, slot, None])
         return out
 

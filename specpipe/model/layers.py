@@ -9,13 +9,14 @@ plain decode step) or among K drafts (a verify), or speculative and plain sampli
 different tokens. Linear layers on the CPU hold their weight packed in oneDNN's blocked layout
 (`Linear.pack`): its kernels give every row the same numbers for any number of rows from 2 up,
 and a few rows cost about what one does. Packing checks this on each weight and keeps the plain
-weight where it does not hold. Unpacked products go through BLAS, which computes each row
-identically from 4 rows up but switches to a matrix-vector kernel, with different rounding, below
-that. So every product pads its rows to at least `MIN_ROWS` (`row_stable=False` on the stage turns
-this off, and a verify row may then differ from a plain step in the last bits). Attention also
-depends on the number of keys S, which differs between a verify and a step; its kernels agree on
-every row once S is at least `MIN_KEYS`, so short contexts pad the keys (masked), and gpt-oss's
-sink logit goes first, at a fixed index, rather than after the keys.
+weight where it does not hold. Unpacked products go through BLAS, whose kernel (and rounding)
+depends on the number of rows in ways that differ between CPUs; so they run in blocks of exactly
+`BLAS_ROWS` rows, the last one padded. Attention's products pad to at least `MIN_ROWS` rows. It
+also depends on the number of keys S, which differs between a verify and a step; its kernels
+agree on every row once S is at least `MIN_KEYS`, so short contexts pad the keys (masked), and
+gpt-oss's sink logit goes first, at a fixed index, rather than after the keys. `row_stable=False`
+on the stage turns all of this off, and a verify row may then differ from a plain step in the
+last bits.
 """
 
 from __future__ import annotations
@@ -30,24 +31,28 @@ from specpipe.model.config import ModelConfig
 from specpipe.model.kvcache import LayerCache
 
 MIN_ROWS = 4
+BLAS_ROWS = 16
 MIN_KEYS = 16
 QUERY_CHUNK = 256
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """x [..., M, K] with zero rows appended up to `rows`."""
+    """x [..., M, K] with zero rows appended up to `rows` (x itself if it has as many)."""
     pad = rows - x.shape[-2]
-    return torch.cat([x, x.new_zeros(*x.shape[:-2], pad, x.shape[-1])], dim=-2)
+    return F.pad(x, (0, 0, 0, pad)) if pad > 0 else x
 
 
 def stable_linear(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, min_rows: int = MIN_ROWS
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, stable: bool = True
 ) -> torch.Tensor:
-    """F.linear on [M, K] whose every row is the same numbers for any M."""
+    """F.linear on [M, K] whose every row is the same numbers for any M: the rows go through
+    BLAS in blocks of exactly `BLAS_ROWS` (unless `stable` is False)."""
     M = x.shape[-2]
-    if M >= min_rows:
+    if not stable:
         return F.linear(x, w, b)
-    return F.linear(_padded(x, min_rows), w, b)[..., :M, :]
+    padded = _padded(x, -(-M // BLAS_ROWS) * BLAS_ROWS)
+    blocks = [F.linear(block, w, b) for block in padded.split(BLAS_ROWS, dim=-2)]
+    return torch.cat(blocks, dim=-2)[..., :M, :]
 
 
 def stable_bmm(a: torch.Tensor, b: torch.Tensor, min_rows: int = MIN_ROWS) -> torch.Tensor:
@@ -102,7 +107,7 @@ def packed_linear(
 class Linear(nn.Linear):
     """nn.Linear through `stable_linear`, or `packed_linear` once packed."""
 
-    min_rows = MIN_ROWS
+    row_stable = True  # see the module docstring
     packed: torch.Tensor | None = None  # set by pack(); not moved by .to()
 
     def pack(self) -> bool:
@@ -116,8 +121,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias, self.min_rows)
-        return stable_linear(x, self.weight, self.bias, self.min_rows)
+            return packed_linear(x, self.packed, self.bias, MIN_ROWS if self.row_stable else 1)
+        return stable_linear(x, self.weight, self.bias, self.row_stable)
 
 
 class RMSNorm(nn.Module):
@@ -127,9 +132,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the model dtype, as the reference implementations do.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        # x * rsqrt(mean(x^2) + eps) in float32 whatever the model dtype, then the weight in the
+        # model's dtype, as the reference implementations do.
+        h = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
         return self.weight * h.to(x.dtype)
 
 
@@ -168,27 +173,30 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, start_pos: int, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos and sin [T, hd] for positions start_pos…, laid out for `apply_rope`: each half of
+        the head dimension gets the same angles, and sin is negated on the first half."""
         pos = torch.arange(start_pos, start_pos + T, device=self.inv_freq.device).float()
         freqs = pos[:, None] * self.inv_freq[None, :]  # [T, hd/2]
-        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+        cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale
+        return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [H, T, hd] by half-split pairs (i, i + hd/2), the transformers convention."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate [H, T, hd] by half-split pairs (i, i + hd/2), the transformers convention:
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), with `Rotary`'s signed, doubled tables."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class Attention(nn.Module):
-    min_rows = MIN_ROWS
+    row_stable = True  # see the module docstring
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.window = cfg.window(layer)
-        self.wq = Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wk = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wv = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        # Queries, keys and values in one product: q [H*hd] | k [Hkv*hd] | v [Hkv*hd].
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.wqkv = Linear(cfg.dim, q + 2 * kv, bias=cfg.qkv_bias)
         self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.o_bias)
         # gpt-oss: one learned logit per head that competes in the softmax and carries no value.
         self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.has_sinks else None
@@ -196,13 +204,12 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache, pos: int
     ) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.wq(x).view(T, self.n_heads, self.hd).transpose(0, 1)  # [H, T, hd]
-        k = self.wk(x).view(T, self.n_kv, self.hd).transpose(0, 1)  # [Hkv, T, hd]
-        v = self.wv(x).view(T, self.n_kv, self.hd).transpose(0, 1)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        T, H = x.shape[0], self.n_heads
+        qkv = self.wqkv(x).view(T, H + 2 * self.n_kv, self.hd).transpose(0, 1)  # [H+2Hkv, T, hd]
+        qk = apply_rope(qkv[: H + self.n_kv], cos, sin)  # queries and keys rotate alike
+        q, k, v = qk[:H], qk[H:], qkv[H + self.n_kv :]  # [H, T, hd], [Hkv, T, hd] x 2
         keys, values, first = cache.append(k, v, pos)  # [Hkv, S, hd], absolute position of key 0
-        if self.min_rows > 1 and keys.shape[1] < MIN_KEYS:  # padded keys lie in the future: masked
+        if self.row_stable and keys.shape[1] < MIN_KEYS:  # padded keys lie in the future: masked
             keys, values = _padded(keys, MIN_KEYS), _padded(values, MIN_KEYS)
         # Long prompts attend in chunks of queries, so the scores never outgrow [H, C, S].
         chunks = [
@@ -219,7 +226,8 @@ class Attention(nn.Module):
         T, S, group = q.shape[1], keys.shape[1], self.n_heads // self.n_kv
         # Query heads grouped under their kv head: [Hkv, group*T, hd] x [Hkv, hd, S].
         q = q.reshape(self.n_kv, group * T, self.hd)
-        scores = stable_bmm(q, keys.transpose(1, 2), self.min_rows) / math.sqrt(self.hd)
+        rows = MIN_ROWS if self.row_stable else 1
+        scores = stable_bmm(q, keys.transpose(1, 2), rows) / math.sqrt(self.hd)
         scores = scores.view(self.n_heads, T, S)
         if T > 1 or self.window is not None or first + S > pos + T:  # else every key is visible
             scores = scores + attention_mask(pos, T, first, S, self.window, q)
@@ -229,7 +237,7 @@ class Attention(nn.Module):
         else:
             probs = torch.softmax(scores.float(), dim=-1)
         probs = probs.to(values.dtype).reshape(self.n_kv, group * T, S)
-        return stable_bmm(probs, values, self.min_rows).reshape(self.n_heads, T, self.hd)
+        return stable_bmm(probs, values, rows).reshape(self.n_heads, T, self.hd)
 
 
 def attention_mask(
@@ -248,12 +256,13 @@ def attention_mask(
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.w_gate = Linear(cfg.dim, cfg.intermediate_size, bias=False)
-        self.w_up = Linear(cfg.dim, cfg.intermediate_size, bias=False)
+        # The gate and up projections in one product: gate [I] | up [I].
+        self.w_gate_up = Linear(cfg.dim, 2 * cfg.intermediate_size, bias=False)
         self.w_down = Linear(cfg.intermediate_size, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
 
 
 class Block(nn.Module):

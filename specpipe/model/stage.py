@@ -14,7 +14,7 @@ from torch import nn
 from specpipe.model.config import ModelConfig
 from specpipe.model.errors import ModelError
 from specpipe.model.kvcache import LayerCache, SessionCache
-from specpipe.model.layers import MIN_ROWS, Block, Linear, RMSNorm, Rotary
+from specpipe.model.layers import Block, Linear, RMSNorm, Rotary
 from specpipe.ring import GapError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,8 +40,8 @@ class StageModel(nn.Module):
         self.sessions: dict[str, SessionCache] = {}
         # See layers.py: without row stability a verify row may differ from a plain step's.
         for module in self.modules():
-            if hasattr(module, "min_rows"):
-                module.min_rows = MIN_ROWS if row_stable else 1
+            if hasattr(module, "row_stable"):
+                module.row_stable = row_stable
 
     @property
     def dtype(self) -> torch.dtype:
@@ -148,15 +148,19 @@ def load_stage(
     done: dict[tuple[str, ...], torch.Tensor] = {}  # a tied head reuses the embedding
     state = {}
     for key, (srcs, convert) in names.items():
+        what = " + ".join(srcs)  # a fused weight names every tensor it stacks
         if srcs not in done:
-            t = convert(*(source.read(s) for s in srcs))
+            try:
+                t = convert(*(source.read(s) for s in srcs))
+            except RuntimeError as exc:  # parts that do not stack
+                raise ModelError(f"{source.path}: cannot combine {what}: {exc}") from None
             if t.is_floating_point():
                 t = t.to(dtype)
             done[srcs] = t.to(device)
         t = done[srcs]
         if t.shape != expected[key].shape:
             raise ModelError(
-                f"{source.path}: {', '.join(srcs)} has shape {tuple(t.shape)}, "
+                f"{source.path}: {what} has shape {tuple(t.shape)}, "
                 f"expected {tuple(expected[key].shape)}"
             )
         state[key] = t

@@ -104,8 +104,8 @@ def test_half_precision_runs_close(checkpoints, reference, dtype):
     theirs = hf_logits(checkpoints["llama"], _ids(), dtype)
     stages = load_split(lambda: SafetensorsCheckpoint(checkpoints["llama"]), [2, 2], dtype=dtype)
     logits = run_split(stages, "s", _ids(), 0)
-    wq = stages[0].layers[0].attn.wq
-    weight = wq.weight if wq.packed is None else wq.packed  # bfloat16 packs, float16 does not
+    wqkv = stages[0].layers[0].attn.wqkv
+    weight = wqkv.weight if wqkv.packed is None else wqkv.packed  # bfloat16 packs, float16 does not
     assert weight.dtype == dtype and logits.dtype == torch.float32
     want = reference["llama"]
     ours_err, their_err = (logits - want).abs().mean(), (theirs - want).abs().mean()
@@ -143,7 +143,7 @@ def test_packing_frees_the_plain_weights_and_keeps_the_numbers(checkpoints, refe
     packed = load_split(lambda: SafetensorsCheckpoint(checkpoints["llama"]), [4])
     linears = [m for m in packed[0].modules() if isinstance(m, Linear)]
     assert linears and all(m.weight is None and m.packed is not None for m in linears)
-    assert "layers.0.attn.wq.weight" not in packed[0].state_dict()
+    assert "layers.0.attn.wqkv.weight" not in packed[0].state_dict()
     ours = run_split(packed, "s", _ids(), 0)
     torch.testing.assert_close(ours, run_split(plain, "s", _ids(), 0), atol=1e-4, rtol=0)
     torch.testing.assert_close(ours, reference["llama"], atol=1e-4, rtol=0)
@@ -158,7 +158,7 @@ def test_pack_weight_keeps_what_it_cannot_pack():
 
 def test_row_stability_can_be_turned_off(checkpoints, reference):
     stages = load_split(lambda: SafetensorsCheckpoint(checkpoints["llama"]), [4], row_stable=False)
-    assert stages[0].layers[0].attn.wq.min_rows == 1
+    assert stages[0].layers[0].attn.wqkv.row_stable is False
     rows = [run_split(stages, "s", _ids()[p : p + 1], p)[0] for p in range(T)]
     torch.testing.assert_close(torch.stack(rows), reference["llama"], atol=1e-4, rtol=0)
 
