@@ -11,8 +11,10 @@ rule in two forms.
 - The *residual* form (the textbook rule, used by the proofs as a second implementation):
   accept d with probability p(d); on rejection sample from p with d removed.
 
-Arrays are numpy float64. Rows are `[V]` or batches `[..., V]`; every function treats a row the
-same way whatever batch it sits in, so a row's numbers do not depend on its neighbours.
+Probabilities are numpy float64, computed from logits widened to float64 (float32 logits are
+checked and searched for their argmax as they are: widening is exact and keeps the order). Rows
+are `[V]` or batches `[..., V]`; every function treats a row the same way whatever batch it sits
+in, so a row's numbers do not depend on its neighbours.
 """
 
 from __future__ import annotations
@@ -29,13 +31,20 @@ MAX_SEED = 2**64 - 1
 
 
 def _as_logits(logits) -> np.ndarray:
-    """Logits as float64 `[N, V]` (a view for `[V]` input), or ValueError."""
+    """Logits as float32 or float64 `[N, V]` (a view for `[V]` input), or ValueError."""
     if hasattr(logits, "detach"):  # a torch tensor, possibly bf16 or on a GPU
-        logits = logits.detach().double().cpu().numpy()
-    z = np.asarray(logits, dtype=np.float64)
+        logits = logits.detach()
+        if str(logits.dtype) != "torch.float64":
+            logits = logits.float()  # exact for bf16 and fp16; float32 is not copied
+        logits = logits.cpu().numpy()
+    z = np.asarray(logits)
+    if z.dtype not in (np.float32, np.float64):
+        z = z.astype(np.float64)
     if z.ndim not in (1, 2) or z.shape[-1] == 0:
         raise ValueError(f"logits must have shape [V] or [N, V] with V >= 1, got {z.shape}")
     z2 = z.reshape(-1, z.shape[-1])
+    if np.isfinite(z2).all():  # the usual case, in one pass
+        return z2
     if np.isnan(z2).any():
         raise ValueError("logits contain NaN")
     if np.isposinf(z2).any():
@@ -85,7 +94,8 @@ def target_probs(logits, temp: float, top_p: float = 1.0, top_k: int = 0) -> np.
 
 
 def _target_probs(z: np.ndarray, temp: float, top_p: float, top_k: int) -> np.ndarray:
-    """target_probs on validated `[N, V]` float64 logits."""
+    """target_probs on validated `[N, V]` logits (see `_as_logits`)."""
+    z = z.astype(np.float64, copy=False)
     n, vocab = z.shape
     if temp <= 0:
         probs = np.zeros_like(z)

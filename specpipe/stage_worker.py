@@ -27,7 +27,7 @@ import redis
 import torch
 
 from specpipe import inventory, streams, wire
-from specpipe.ring import GapError, SamplingParams, Stage
+from specpipe.ring import GapError, Stage
 from specpipe.sampling import Sampler
 from specpipe.settings import test_lossy_tail
 
@@ -79,7 +79,7 @@ class StageWorker:
         # round here (checking, decoding, encoding, sending on): what this hop adds.
         self.timings = {"forward_ms": 0.0, "hop_ms": 0.0}
         self._forward_s = 0.0
-        self._params: OrderedDict[str, SamplingParams] = OrderedDict()
+        self._samplers: OrderedDict[str, Sampler] = OrderedDict()  # the tail's, per session
         self._seen: OrderedDict[str, deque[str]] = OrderedDict()
         self._last_used: dict[str, float] = {}  # session -> monotonic time of its last message
         self._next_heartbeat = 0.0
@@ -136,7 +136,7 @@ class StageWorker:
 
     def _forget(self, session: str) -> None:
         self.stage.drop(session)
-        self._params.pop(session, None)
+        self._samplers.pop(session, None)
         self._seen.pop(session, None)
         self._last_used.pop(session, None)
 
@@ -195,17 +195,12 @@ class StageWorker:
             self._seen.pop(message.session, None)
         p = message.params
         try:
-            params = SamplingParams(
-                temp=float(p["temp"]),
-                top_p=float(p["top_p"]),
-                top_k=int(p["top_k"]),
-                seed=int(p["seed"]),
-            )
-            Sampler(params.seed, params.temp, params.top_p, params.top_k)  # validates them
+            sampler = _sampler_class()(int(p["seed"]), float(p["temp"]), float(p["top_p"]),
+                                       int(p["top_k"]))  # fmt: skip
         except (KeyError, ValueError, TypeError) as exc:
             self._drop(f"reset with bad sampling parameters: {exc}")
             return
-        self._remember(self._params, message.session, params)
+        self._remember(self._samplers, message.session, sampler)
 
     def _round(self, message: wire.Message) -> None:
         route, hop = message.route, message.hop
@@ -266,8 +261,8 @@ class StageWorker:
                 self._reply(message, "error", reason=reason)
 
     def _sample(self, message: wire.Message, logits: torch.Tensor) -> None:
-        params = self._params.get(message.session)
-        if params is None:
+        sampler = self._samplers.get(message.session)
+        if sampler is None:
             # The tail restarted and lost the reset; the coordinator re-sends it on a gap.
             self._count("gaps")
             self._reply(message, "gap", reason=f"{self.config.host}: no sampling parameters")
@@ -275,7 +270,6 @@ class StageWorker:
         k = message.n_draft
         drafts = list(message.tokens[len(message.tokens) - k :]) if k else []
         first_sampled = message.start_pos + len(message.tokens) - k
-        sampler = _sampler_class()(params.seed, params.temp, params.top_p, params.top_k)
         try:
             result = sampler.accept(logits[-(k + 1) :], drafts, first_sampled)
         except ValueError as exc:  # e.g. a draft id outside the vocabulary, NaN logits
