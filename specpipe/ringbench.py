@@ -2,7 +2,11 @@
 
 - Overhead: the same plain greedy generation through N `specpipe worker stage` processes and
   through the same model in one process; (ring round - local round) / (N + 1) is the cost of one
-  hop (a round makes N + 1: coordinator -> stage 0 -> … -> tail -> coordinator).
+  hop (a round makes N + 1: coordinator -> stage 0 -> … -> tail -> coordinator). It is split
+  three ways: cutting the model into N stages (the N stages in one process, against the whole
+  model), the stages' forwards running slower in N processes (their own running means, against
+  that one-process split), and the rest: the transport, waking each process, checking, encoding
+  and decoding messages, which is what a hop adds around the forward.
 - Latency: every link delayed by D ms (each stage and the coordinator wait D before sending),
   speculative against plain on an input-grounded and on an open-ended prompt, with tokens per
   round and the latency ceiling (tokens per round / ring latency, the tok/s a round trip allows
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 import redis
 
-from specpipe import inventory
+from specpipe import inventory, streams
 from specpipe.generation import Generation
 from specpipe.model.resolve import even_split, load_stages, load_tokenizer, open_checkpoint
 from specpipe.redis_ring import RedisRing
@@ -50,6 +54,7 @@ EXACT_PROMPTS = (
 )
 
 Log = Callable[[str], None]
+STATS_FLUSH_S = 2.5  # more than a bench stage's heartbeat (1 s) plus its read timeout (1 s)
 
 
 class LocalSwarm:
@@ -97,6 +102,14 @@ class LocalSwarm:
         finally:
             client.close()
         raise RuntimeError(f"the stages were not online within {timeout_s:g} s")
+
+    def stage_stats(self) -> list[dict[str, float]]:
+        """Each stage's counters and running means (see `streams.stats_key`), in ring order."""
+        client = redis.Redis.from_url(self.data_url)
+        try:
+            return [streams.read_stats(client, self.swarm, f"s{i}") for i in range(self.n_stages)]
+        finally:
+            client.close()
 
     def ring(self) -> RedisRing:
         return RedisRing.from_inventory(
@@ -150,40 +163,57 @@ def overhead(model: str, n_stages: int, tokens: int, threads: int, log: Log,
              repeats: int = 3) -> dict:  # fmt: skip
     """Per-hop cost of the ring against the same model in one process (plain greedy).
 
-    The two run in turn `repeats` times and each side's median round counts, so that a burst
-    of load on the machine does not land on one side only."""
+    The one-process runs (whole and split into stages) and the ring run in turn `repeats` times
+    and each side's median round counts, so that a burst of load on the machine does not land on
+    one side only."""
     import torch
 
     torch.set_num_threads(threads)
     tokenizer = load_tokenizer(open_checkpoint(model))
     prompt = tokenizer.prompt_ids(NOVEL_PROMPT)
     greedy = SamplingParams(temp=0.0)
-    local_ring = LocalRing(load_stages(model, 1))
-    locals_, remotes = [], []
+    whole = LocalRing(load_stages(model, 1))
+    split = LocalRing(load_stages(model, n_stages))
+    runs: dict[str, list[Timed]] = {"whole": [], "split": [], "ring": []}
+    forwards = []  # per ring run: the stages' forwards summed, ms per round
     with LocalSwarm(model, n_stages, threads=threads) as swarm:
         ring = swarm.ring()
         for _ in range(repeats):
-            locals_.append(timed_generation(local_ring, prompt, greedy, 0, tokens))
-            remotes.append(timed_generation(ring, prompt, greedy, 0, tokens))
+            runs["whole"].append(timed_generation(whole, prompt, greedy, 0, tokens))
+            runs["split"].append(timed_generation(split, prompt, greedy, 0, tokens))
+            runs["ring"].append(timed_generation(ring, prompt, greedy, 0, tokens))
+            time.sleep(STATS_FLUSH_S)  # the stages publish their running means at heartbeats
+            forwards.append(sum(stats.get("forward_ms", 0.0) for stats in swarm.stage_stats()))
         ring.close()
-    local = sorted(locals_, key=lambda t: t.round_ms)[len(locals_) // 2]
-    remote = sorted(remotes, key=lambda t: t.round_ms)[len(remotes) // 2]
-    log(f"one process: {local.round_ms:.1f} ms per plain round (median of {repeats})")
+    median = {
+        name: sorted(t.round_ms for t in timed)[len(timed) // 2] for name, timed in runs.items()
+    }
+    stage_forwards = sorted(forwards)[len(forwards) // 2]
     hops = n_stages + 1
-    log(
-        f"{n_stages} stage processes: {remote.round_ms:.1f} ms per plain round "
-        f"(median of {repeats})"
-    )
+    log(f"one process: {median['whole']:.1f} ms per plain round; split into {n_stages} stages: "
+        f"{median['split']:.1f} ms (medians of {repeats})")  # fmt: skip
+    log(f"{n_stages} stage processes: {median['ring']:.1f} ms per plain round, of which the "
+        f"stages' forwards {stage_forwards:.1f} ms (medians of {repeats})")  # fmt: skip
+    tok_s = {name: sorted(t.tok_s for t in timed)[len(timed) // 2] for name, timed in runs.items()}
+    all_runs = [t for timed in runs.values() for t in timed]
     return {
         "stages": n_stages,
         "hops_per_round": hops,
-        "local_round_ms": local.round_ms,
-        "ring_round_ms": remote.round_ms,
-        "overhead_per_hop_ms": (remote.round_ms - local.round_ms) / hops,
-        "tok_s_ratio_ring_vs_local": remote.tok_s / local.tok_s if local.tok_s else None,
-        "same_tokens": all(t.tokens == local.tokens for t in [*locals_, *remotes]),
-        "local_round_ms_runs": [t.round_ms for t in locals_],
-        "ring_round_ms_runs": [t.round_ms for t in remotes],
+        "local_round_ms": median["whole"],
+        "local_split_round_ms": median["split"],
+        "ring_round_ms": median["ring"],
+        "ring_stage_forwards_ms": stage_forwards,
+        "overhead_per_hop_ms": (median["ring"] - median["whole"]) / hops,
+        # The same difference in three parts (they add up to it).
+        "split_per_hop_ms": (median["split"] - median["whole"]) / hops,
+        "slower_forwards_per_hop_ms": (stage_forwards - median["split"]) / hops,
+        "transport_per_hop_ms": (median["ring"] - stage_forwards) / hops,
+        "tok_s_ratio_ring_vs_local": tok_s["ring"] / tok_s["whole"] if tok_s["whole"] else None,
+        "same_tokens": all(t.tokens == all_runs[0].tokens for t in all_runs),
+        "local_round_ms_runs": [t.round_ms for t in runs["whole"]],
+        "local_split_round_ms_runs": [t.round_ms for t in runs["split"]],
+        "ring_round_ms_runs": [t.round_ms for t in runs["ring"]],
+        "ring_stage_forwards_ms_runs": forwards,
     }
 
 

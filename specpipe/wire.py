@@ -232,5 +232,4 @@ def _tensor(header: dict, payload: memoryview) -> torch.Tensor | None:
         raise WireError(f"shape {shape} of {name} needs {expected} bytes, got {len(payload)}")
     if not expected:
         return torch.empty(shape, dtype=dtype)
-    flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    return flat.view(dtype).reshape(shape)
+    return torch.frombuffer(bytearray(payload), dtype=dtype).reshape(shape)

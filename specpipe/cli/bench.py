@@ -152,6 +152,11 @@ def bench_ring(
         f"overhead per hop: {o['overhead_per_hop_ms']:.2f} ms (target <= 1 ms); ring/local "
         f"tok/s {o['tok_s_ratio_ring_vs_local']:.2f}; same tokens {o['same_tokens']}"
     )
+    click.echo(
+        f"  per hop: {o['split_per_hop_ms']:.2f} ms from cutting the model into stages, "
+        f"{o['slower_forwards_per_hop_ms']:.2f} ms from forwards slower in separate processes, "
+        f"{o['transport_per_hop_ms']:.2f} ms transport and message handling"
+    )
     params = {"temp": temp, "top_p": top_p, "top_k": top_k, "seed": seed}
     result["latency"] = ringbench.latency(
         model, stages, delays, tokens, params, draft_k, threads, click.echo

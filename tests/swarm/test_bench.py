@@ -65,6 +65,10 @@ def test_bench_ring_reports_overhead_and_delays(tiny, tmp_path):
     doc = json.loads(out.read_text())
     assert doc["overhead"]["same_tokens"] is True
     assert doc["overhead"]["hops_per_round"] == 3
+    o = doc["overhead"]
+    parts = o["split_per_hop_ms"] + o["slower_forwards_per_hop_ms"] + o["transport_per_hop_ms"]
+    assert parts == pytest.approx(o["overhead_per_hop_ms"])
+    assert all(ms > 0 for ms in o["ring_stage_forwards_ms_runs"])  # the stages' own timings
     delayed = [row for row in doc["latency"] if row["hop_delay_ms"] == 20]
     assert {row["prompt"] for row in delayed} == {"grounded", "novel"}
     assert all(row["identical"] for row in doc["latency"])
