@@ -13,12 +13,11 @@ shape-versus-byte-count before it reads the payload. No pickle, no code from the
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import math
 import struct
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import msgpack
 import torch
@@ -79,7 +78,7 @@ class Message:
 
 
 def _tag(key: bytes, data: bytes | memoryview) -> bytes:
-    return hmac.new(key, data, hashlib.sha256).digest()
+    return hmac.digest(key, data, "sha256")
 
 
 def _check_key(key: bytes) -> bytes:
@@ -156,9 +155,7 @@ def decode(data: bytes, swarm: str, key: bytes, max_bytes: int = MAX_MESSAGE_BYT
         raise WireError("header is not a map")
     if header.get("swarm") != swarm:
         raise WireError(f"message for swarm {header.get('swarm')!r}, not {swarm!r}")
-    message = _message(header)
-    tensor = _tensor(header, payload)
-    return message if tensor is None else replace(message, tensor=tensor)
+    return _message(header, _tensor(header, payload))
 
 
 def _field(header: dict, name: str, kind: type, default):
@@ -168,7 +165,7 @@ def _field(header: dict, name: str, kind: type, default):
     return value
 
 
-def _message(header: dict) -> Message:
+def _message(header: dict, tensor: torch.Tensor | None) -> Message:
     kind = _field(header, "kind", str, "")
     if kind not in KINDS:
         raise WireError(f"unknown message kind {kind!r}")
@@ -203,6 +200,7 @@ def _message(header: dict) -> Message:
         start_pos=start_pos,
         n_draft=n_draft,
         tokens=tuple(tokens),
+        tensor=tensor,
         hop=hop,
         route=tuple(route),
         reply=_field(header, "reply", str, ""),
