@@ -128,10 +128,17 @@ def _model_errors(func):
     show_default=True,
     help="torch threads per process.",
 )
+@click.option(
+    "--repeats",
+    type=click.IntRange(1, 50),
+    default=5,
+    show_default=True,
+    help="Runs of each side of the overhead measurement; their medians count.",
+)
 @json_option
 @_model_errors
 def bench_ring(
-    model, stages, tokens, delays, temp, top_p, top_k, seed, draft_k, threads, json_path
+    model, stages, tokens, delays, temp, top_p, top_k, seed, draft_k, threads, repeats, json_path
 ):
     """The ring's cost per hop, and speculative vs plain over slow links.
 
@@ -146,7 +153,7 @@ def bench_ring(
     from specpipe import ringbench
 
     click.echo(f"bench ring: {model}, {stages} stages, {tokens} tokens, temp {temp}")
-    result = {"overhead": ringbench.overhead(model, stages, tokens, threads, click.echo)}
+    result = {"overhead": ringbench.overhead(model, stages, tokens, threads, click.echo, repeats)}
     o = result["overhead"]
     click.echo(
         f"overhead per hop: {o['overhead_per_hop_ms']:.2f} ms (target <= 1 ms); ring/local "

@@ -57,6 +57,8 @@ def test_bench_ring_reports_overhead_and_delays(tiny, tmp_path):
         "0",
         "--hop-delay-ms",
         "20",
+        "--repeats",
+        "3",
         "--json",
         str(out),
     ]
@@ -68,6 +70,7 @@ def test_bench_ring_reports_overhead_and_delays(tiny, tmp_path):
     o = doc["overhead"]
     parts = o["split_per_hop_ms"] + o["slower_forwards_per_hop_ms"] + o["transport_per_hop_ms"]
     assert parts == pytest.approx(o["overhead_per_hop_ms"])
+    assert len(o["ring_stage_forwards_ms_runs"]) == 3
     assert all(ms > 0 for ms in o["ring_stage_forwards_ms_runs"])  # the stages' own timings
     delayed = [row for row in doc["latency"] if row["hop_delay_ms"] == 20]
     assert {row["prompt"] for row in delayed} == {"grounded", "novel"}
