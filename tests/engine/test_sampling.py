@@ -187,6 +187,26 @@ def test_sample_and_accept_agree_exactly():
         assert result[len(committed) :] == [-1] * (k + 1 - len(committed))
 
 
+def test_float32_logits_sample_as_their_float64_widening():
+    """The tail hands float32 logits over as they are; the result must be what the same
+    numbers widened to float64 give: the same distribution bits, the same draws."""
+    import torch
+
+    rng = np.random.default_rng(11)
+    for trial in range(100):
+        vocab, k = int(rng.integers(2, 300)), int(rng.integers(0, 5))
+        z32 = torch.tensor(rng.normal(scale=4, size=(k + 1, vocab)), dtype=torch.float32)
+        z32[0, int(rng.integers(0, vocab))] = float("-inf")  # a masked token
+        z64 = z32.double()
+        temp, top_p, top_k = float(rng.choice([0, 0.7])), float(rng.choice([1, 0.9])), 0
+        assert np.array_equal(target_probs(z32, temp, top_p), target_probs(z64, temp, top_p))
+        sampler = Sampler(int(rng.integers(0, 2**63)), temp, top_p, top_k)
+        drafts = [int(t) for t in rng.integers(0, vocab, size=k)]
+        assert sampler.accept(z32, drafts, 50) == sampler.accept(z64, drafts, 50), trial
+    with pytest.raises(ValueError, match="NaN"):
+        Sampler(0, 0.7).accept(torch.tensor([[0.0, float("nan")]]), [], 0)
+
+
 def test_seeded_sampling_is_reproducible_and_seed_dependent():
     logits = np.zeros(1000)
     a = [Sampler(seed=11, temp=1.0).sample(logits, p) for p in range(50)]
