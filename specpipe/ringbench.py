@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import statistics
 import subprocess
 import sys
 import time
@@ -185,16 +186,14 @@ def overhead(model: str, n_stages: int, tokens: int, threads: int, log: Log,
             time.sleep(STATS_FLUSH_S)  # the stages publish their running means at heartbeats
             forwards.append(sum(stats.get("forward_ms", 0.0) for stats in swarm.stage_stats()))
         ring.close()
-    median = {
-        name: sorted(t.round_ms for t in timed)[len(timed) // 2] for name, timed in runs.items()
-    }
-    stage_forwards = sorted(forwards)[len(forwards) // 2]
+    median = {name: statistics.median(t.round_ms for t in timed) for name, timed in runs.items()}
+    stage_forwards = statistics.median(forwards)
     hops = n_stages + 1
     log(f"one process: {median['whole']:.1f} ms per plain round; split into {n_stages} stages: "
         f"{median['split']:.1f} ms (medians of {repeats})")  # fmt: skip
     log(f"{n_stages} stage processes: {median['ring']:.1f} ms per plain round, of which the "
         f"stages' forwards {stage_forwards:.1f} ms (medians of {repeats})")  # fmt: skip
-    tok_s = {name: sorted(t.tok_s for t in timed)[len(timed) // 2] for name, timed in runs.items()}
+    tok_s = {name: statistics.median(t.tok_s for t in timed) for name, timed in runs.items()}
     all_runs = [t for timed in runs.values() for t in timed]
     return {
         "stages": n_stages,

@@ -78,7 +78,6 @@ class StageWorker:
         # Running means over processed rounds: the forward, and everything else in handling a
         # round here (checking, decoding, encoding, sending on): what this hop adds.
         self.timings = {"forward_ms": 0.0, "hop_ms": 0.0}
-        self._forward_s = 0.0
         self._samplers: OrderedDict[str, Sampler] = OrderedDict()  # the tail's, per session
         self._seen: OrderedDict[str, deque[str]] = OrderedDict()
         self._last_used: dict[str, float] = {}  # session -> monotonic time of its last message
@@ -159,10 +158,9 @@ class StageWorker:
         if message.kind in ("round", "reset", "reseed"):
             self._last_used[message.session] = time.monotonic()
         if message.kind == "round":
-            processed = self.counters["processed"]
-            self._round(message)
-            if self.counters["processed"] > processed:
-                self._time_round(time.perf_counter() - started)
+            forward_s = self._round(message)
+            if forward_s is not None:
+                self._time_round(time.perf_counter() - started, forward_s)
         elif message.kind in ("reset", "reseed"):
             self._set_params(message)
         elif message.kind == "drop":
@@ -170,9 +168,8 @@ class StageWorker:
         else:
             self._drop(f"a {message.kind!r} message does not belong on a stage stream")
 
-    def _time_round(self, total_s: float) -> None:
+    def _time_round(self, total_s: float, forward_s: float) -> None:
         first = self.counters["processed"] == 1
-        forward_s = self._forward_s
         latest = {"forward_ms": forward_s * 1000, "hop_ms": (total_s - forward_s) * 1000}
         for name, ms in latest.items():
             mean = self.timings[name]
@@ -202,7 +199,8 @@ class StageWorker:
             return
         self._remember(self._samplers, message.session, sampler)
 
-    def _round(self, message: wire.Message) -> None:
+    def _round(self, message: wire.Message) -> float | None:
+        """Run one round and pass it on; the forward's seconds, or None if it did not run."""
         route, hop = message.route, message.hop
         if not route or route[hop].host != self.config.host or not message.reply:
             self._drop(f"round {message.round_id!r} is not addressed to {self.config.host}")
@@ -226,7 +224,7 @@ class StageWorker:
             rows = message.n_draft + 1 if self.stage.last else None
             forward_started = time.perf_counter()
             out = self.stage.forward(message.session, inputs, message.start_pos, last_rows=rows)
-            self._forward_s = time.perf_counter() - forward_started
+            forward_s = time.perf_counter() - forward_started
         except GapError as exc:
             self._count("gaps")
             self._reply(message, "gap", reason=f"{self.config.host}: {exc}")
@@ -259,6 +257,7 @@ class StageWorker:
                 reason = f"{self.config.host}: cannot pass the round to {nxt.host}: {exc}"
                 log.warning("%s", reason)
                 self._reply(message, "error", reason=reason)
+        return forward_s
 
     def _sample(self, message: wire.Message, logits: torch.Tensor) -> None:
         sampler = self._samplers.get(message.session)
