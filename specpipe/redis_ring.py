@@ -123,7 +123,7 @@ class RedisRing:
                 time.sleep(self.link_delay_s)
             try:
                 streams.send(
-                    self.connections.get(first.redis_url),
+                    self.connections.link(first.redis_url),
                     streams.stage_key(self.swarm, first.host),
                     data,
                     self.maxlen,
@@ -190,20 +190,20 @@ class RedisRing:
 
     def _wait(self, session: str, round_id: str) -> wire.Message | None:
         """The reply for `round_id`, or None after the timeout. Other replies are stale."""
-        client = self.connections.get(self.reply_url)
+        link = self.connections.link(self.reply_url)
         key = streams.reply_key(self.swarm, session)
         deadline = time.monotonic() + self.timeout_s
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 return None
-            entries = client.xread({key: self._cursor.get(session, "0-0")}, block=left_ms)
-            for _, items in entries or []:
-                for entry_id, fields in items:
-                    self._cursor[session] = entry_id
-                    try:
-                        reply = wire.decode(fields.get(streams.FIELD), self.swarm, self.key)
-                    except wire.WireError:
-                        continue
-                    if reply.round_id == round_id and reply.session == session:
-                        return reply
+            cursor = self._cursor.get(session, "0-0")
+            (entries,) = link.call(("XREAD", "BLOCK", left_ms, "STREAMS", key, cursor))
+            for entry_id, data in streams.stream_entries(entries):
+                self._cursor[session] = entry_id
+                try:
+                    reply = wire.decode(data, self.swarm, self.key)
+                except wire.WireError:
+                    continue
+                if reply.round_id == round_id and reply.session == session:
+                    return reply

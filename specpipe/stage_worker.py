@@ -247,7 +247,7 @@ class StageWorker:
                     replace(message, tensor=out, hop=hop + 1), self.config.swarm, self.config.key
                 )
                 streams.send(
-                    self.connections.get(nxt.redis_url),
+                    self.connections.link(nxt.redis_url),
                     streams.stage_key(self.config.swarm, nxt.host),
                     data,
                     self.config.maxlen,
@@ -285,7 +285,7 @@ class StageWorker:
         self._link_delay()
         try:
             streams.send_reply(
-                self.connections.get(message.reply),
+                self.connections.link(message.reply),
                 streams.reply_key(self.config.swarm, message.session),
                 data,
                 self.config.maxlen,

@@ -6,6 +6,12 @@ network once. Streams are bounded (approximate MAXLEN), entries are acked after 
 restarted consumer (same name) re-reads its own pending entries first, and entries a dead
 consumer left pending are claimed with XAUTOCLAIM. The coordinator waits on its reply stream
 `specpipe:{swarm}:reply:{session}` with plain XREAD.
+
+The commands on a round's path (the XADD of each hop, a stage's ack-and-read, the coordinator's
+read of its reply) go through a `Link`: one connection of the client's pool kept for the purpose,
+written and read directly. redis-py's per-call machinery (pool checkout, retry wrapper, response
+callbacks) costs about twice the CPU per command, and a process woken once per round runs it with
+cold caches, on every hop.
 """
 
 from __future__ import annotations
@@ -43,11 +49,63 @@ def read_stats(client: redis.Redis, swarm: str, host: str) -> dict[str, float]:
     return {k.decode(): float(v) for k, v in raw.items()}
 
 
+class Link:
+    """One dedicated connection of a client's pool, for the commands on a round's path."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self._connection = None
+
+    def call(self, *commands: tuple) -> list:
+        """Send the commands in one write and return their raw (RESP) replies, in order.
+
+        Raises what redis-py raises: ConnectionError, TimeoutError, or ResponseError for an
+        error reply. After any of them the connection is dropped (a reply may be left unread)
+        and the next call opens a new one."""
+        connection = self._connection
+        if connection is None:
+            connection = self._connection = self.client.connection_pool.get_connection()
+        try:
+            connection.send_packed_command(connection.pack_commands(commands), check_health=False)
+            return [connection.read_response() for _ in commands]
+        except BaseException:
+            connection.disconnect()
+            raise
+
+    def close(self) -> None:
+        """Hand the connection back to the pool."""
+        if self._connection is not None:
+            self.client.connection_pool.release(self._connection)
+            self._connection = None
+
+
+def xadd_command(key: str, data: bytes, maxlen: int) -> tuple:
+    """XADD of one message to a bounded stream (approximate trimming), as a raw command."""
+    return ("XADD", key, "MAXLEN", "~", maxlen, "*", FIELD, data)
+
+
+def stream_entries(reply) -> list[tuple[bytes, bytes | None]]:
+    """(entry id, message) from a raw XREAD / XREADGROUP reply (RESP2 or RESP3); the message is
+    None for an entry without one (trimmed while pending)."""
+    if not reply:
+        return []
+    streams = reply.values() if isinstance(reply, dict) else (items for _, items in reply)
+    out = []
+    for items in streams:
+        for entry_id, fields in items:
+            fields = fields or {}
+            if isinstance(fields, list):  # [field, value, field, value, …]
+                fields = dict(zip(fields[::2], fields[1::2], strict=True))
+            out.append((entry_id, fields.get(FIELD)))
+    return out
+
+
 class Connections:
-    """One client per Redis URL, reused for every send to that host."""
+    """One client (and one `Link`) per Redis URL, reused for every send to that host."""
 
     def __init__(self) -> None:
         self._clients: dict[str, redis.Redis] = {}
+        self._links: dict[str, Link] = {}
 
     def get(self, url: str) -> redis.Redis:
         """The client for `url`, created on first use."""
@@ -58,24 +116,34 @@ class Connections:
             self._clients[url] = client
         return client
 
+    def link(self, url: str) -> Link:
+        """The `Link` for `url`, created on first use."""
+        link = self._links.get(url)
+        if link is None:
+            link = self._links[url] = Link(self.get(url))
+        return link
+
     def close(self) -> None:
-        """Close every client."""
+        """Close every link and client."""
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
         for client in self._clients.values():
             client.close()
         self._clients.clear()
 
 
-def send(client: redis.Redis, key: str, data: bytes, maxlen: int = DEFAULT_MAXLEN) -> bytes:
+def send(target: redis.Redis | Link, key: str, data: bytes,
+         maxlen: int = DEFAULT_MAXLEN) -> bytes:  # fmt: skip
     """XADD one message to a bounded stream; return its entry id."""
-    return client.xadd(key, {FIELD: data}, maxlen=maxlen, approximate=True)
+    if isinstance(target, Link):
+        return target.call(xadd_command(key, data, maxlen))[0]
+    return target.xadd(key, {FIELD: data}, maxlen=maxlen, approximate=True)
 
 
-def send_reply(client: redis.Redis, key: str, data: bytes, maxlen: int = DEFAULT_MAXLEN) -> None:
+def send_reply(link: Link, key: str, data: bytes, maxlen: int = DEFAULT_MAXLEN) -> None:
     """XADD to a reply stream and keep it from outliving an abandoned session."""
-    pipe = client.pipeline(transaction=False)
-    pipe.xadd(key, {FIELD: data}, maxlen=maxlen, approximate=True)
-    pipe.expire(key, REPLY_TTL_S)
-    pipe.execute()
+    link.call(xadd_command(key, data, maxlen), ("EXPIRE", key, REPLY_TTL_S))
 
 
 class StreamConsumer:
@@ -91,6 +159,7 @@ class StreamConsumer:
         claim_every_s: float = 5.0,
     ) -> None:
         self.client = client
+        self.link = Link(client)
         self.key = key
         self.consumer = consumer
         self.group = group
@@ -145,12 +214,12 @@ class StreamConsumer:
     def _xreadgroup(self, start: str, count: int, block_ms: int | None):
         # The acks ride in the same round trip as the next read: one less hop of latency per
         # message. An entry processed just before a crash stays pending and is read again.
-        pipe = self.client.pipeline(transaction=False)
-        if self._unacked:
-            pipe.xack(self.key, self.group, *self._unacked)
-        pipe.xreadgroup(self.group, self.consumer, {self.key: start}, count=count, block=block_ms)
+        read = ("XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count)
+        read += ("BLOCK", block_ms) if block_ms is not None else ()
+        read += ("STREAMS", self.key, start)
+        commands = (("XACK", self.key, self.group, *self._unacked), read)
         try:
-            reply = pipe.execute()[-1]
+            reply = self.link.call(*commands[0 if self._unacked else 1 :])[-1]
             self._unacked.clear()
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
@@ -158,8 +227,7 @@ class StreamConsumer:
             self._unacked.clear()  # the stream was deleted under us, its pending list with it
             self.ensure_group()
             return []
-        # A pending entry trimmed from the stream comes back without fields.
-        return [(eid, (f or {}).get(FIELD)) for _, entries in reply or [] for eid, f in entries]
+        return stream_entries(reply)
 
     def _autoclaim(self, count: int) -> list[tuple[bytes, bytes | None]]:
         self.flush()  # what we processed must not look idle and come back to us

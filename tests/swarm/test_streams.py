@@ -1,5 +1,6 @@
 """The Redis Streams transport against a real Redis: groups, acks, pending re-reads, claims."""
 
+import pytest
 import redis
 
 from specpipe import streams
@@ -93,4 +94,38 @@ def test_rewind_rereads_only_what_was_not_processed(swarm, redis_url):
     consumer.ack([done])  # processed; the connection dropped before "lost" was
     consumer.rewind()
     assert entries(consumer) == [b"lost"]
+    client.close()
+
+
+def test_a_link_reconnects_after_its_connection_is_killed(swarm, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    key = streams.stage_key(swarm, "h")
+    link = streams.Link(client)
+    streams.send(link, key, b"before")
+    client.client_kill_filter(_type="normal", skipme=True)  # every client but this one
+    with pytest.raises(redis.ConnectionError):
+        streams.send(link, key, b"lost")
+    streams.send(link, key, b"after")  # a fresh connection
+    assert [fields[streams.FIELD] for _, fields in client.xrange(key)] == [b"before", b"after"]
+    link.close()
+    client.close()
+
+
+def test_an_error_reply_leaves_a_link_usable(swarm, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    key = streams.stage_key(swarm, "h")
+    link = streams.Link(client)
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        link.call(streams.xadd_command(key, b"x", 100), ("INCR", key), ("PING",))
+    assert link.call(("PING",), ("XLEN", key)) == [b"PONG", 1]  # no reply left over
+    link.close()
+    client.close()
+
+
+def test_a_consumer_reads_over_resp3_as_over_resp2(swarm, redis_url):
+    client = redis.Redis.from_url(redis_url, protocol=3)
+    key = streams.stage_key(swarm, "h")
+    consumer = streams.StreamConsumer(client, key, "h")
+    streams.send(client, key, b"three")
+    assert entries(consumer) == [b"three"]
     client.close()
