@@ -152,7 +152,7 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """cos/sin tables for absolute positions, computed per call (cheap, exact, any length)."""
+    """cos/sin tables for absolute positions, computed once per position and kept (exact)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -171,14 +171,31 @@ class Rotary(nn.Module):
         if rope_type == "linear":
             inv_freq = inv_freq / cfg.rope_scaling["factor"]
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, start_pos: int, end_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [end_pos - start_pos, hd] in float32, computed afresh."""
+        pos = torch.arange(start_pos, end_pos, device=self.inv_freq.device).float()
+        freqs = pos[:, None] * self.inv_freq[None, :]  # [T, hd/2]
+        cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale
+        return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
 
     def forward(self, start_pos: int, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos and sin [T, hd] for positions start_pos…, laid out for `apply_rope`: each half of
-        the head dimension gets the same angles, and sin is negated on the first half."""
-        pos = torch.arange(start_pos, start_pos + T, device=self.inv_freq.device).float()
-        freqs = pos[:, None] * self.inv_freq[None, :]  # [T, hd/2]
-        cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale
-        return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
+        the head dimension gets the same angles, and sin is negated on the first half.
+
+        Each position's angles depend on that position alone, so the tables are kept and grown
+        by doubling: a decode step slices them instead of running a dozen small ops."""
+        end = start_pos + T
+        cos, sin = self._tables.get(dtype, (None, None))
+        if cos is None or end > cos.shape[0] or cos.device != self.inv_freq.device:
+            have = 0 if cos is None or cos.device != self.inv_freq.device else cos.shape[0]
+            size = max(end, 2 * have, 256)
+            more = [t.to(dtype) for t in self.tables(have, size)]
+            if have:
+                more = [torch.cat((old, new)) for old, new in zip((cos, sin), more, strict=True)]
+            cos, sin = self._tables[dtype] = tuple(more)
+        return cos[start_pos:end], sin[start_pos:end]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -202,34 +219,54 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.has_sinks else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache, pos: int
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerCache,
+        pos: int,
+        tokens: int | None = None,
     ) -> torch.Tensor:
-        T, H = x.shape[0], self.n_heads
-        qkv = self.wqkv(x).view(T, H + 2 * self.n_kv, self.hd).transpose(0, 1)  # [H+2Hkv, T, hd]
+        """x [P, D] for positions pos…: the first `tokens` rows (default: all) are the tokens;
+        any rows after them are padding, attended but never cached (see `StageModel.forward`)."""
+        P, H = x.shape[0], self.n_heads
+        T = P if tokens is None else tokens
+        qkv = self.wqkv(x).view(P, H + 2 * self.n_kv, self.hd).transpose(0, 1)  # [H+2Hkv, P, hd]
         qk = apply_rope(qkv[: H + self.n_kv], cos, sin)  # queries and keys rotate alike
-        q, k, v = qk[:H], qk[H:], qkv[H + self.n_kv :]  # [H, T, hd], [Hkv, T, hd] x 2
+        k, v = qk[H:], qkv[H + self.n_kv :]  # [Hkv, P, hd] x 2
+        if T < P:
+            k, v = k[:, :T], v[:, :T]
         keys, values, first = cache.append(k, v, pos)  # [Hkv, S, hd], absolute position of key 0
         if self.row_stable and keys.shape[1] < MIN_KEYS:  # padded keys lie in the future: masked
             keys, values = _padded(keys, MIN_KEYS), _padded(values, MIN_KEYS)
+        # One token that sees every key needs no mask (padding rows may see what they like).
+        masked = T > 1 or self.window is not None or first + keys.shape[1] > pos + T
         # Long prompts attend in chunks of queries, so the scores never outgrow [H, C, S].
         chunks = [
-            self._attend(q[:, i : i + QUERY_CHUNK], keys, values, first, pos + i)
-            for i in range(0, T, QUERY_CHUNK)
+            self._attend(qk[:H, i : i + QUERY_CHUNK], keys, values, first, pos + i, masked)
+            for i in range(0, P, QUERY_CHUNK)
         ]
-        out = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)  # [H, T, hd]
-        return self.wo(out.transpose(0, 1).reshape(T, self.n_heads * self.hd))
+        out = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)  # [H, P, hd]
+        return self.wo(out.transpose(0, 1).reshape(P, self.n_heads * self.hd))
 
     def _attend(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: int, pos: int
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        first: int,
+        pos: int,
+        masked: bool,
     ) -> torch.Tensor:
-        """Queries [H, T, hd] at positions pos… over keys/values [Hkv, S, hd] -> [H, T, hd]."""
+        """Queries [H, T, hd] at positions pos… over keys/values [Hkv, S, hd] -> [H, T, hd];
+        `masked`: hide the keys each query must not see."""
         T, S, group = q.shape[1], keys.shape[1], self.n_heads // self.n_kv
         # Query heads grouped under their kv head: [Hkv, group*T, hd] x [Hkv, hd, S].
         q = q.reshape(self.n_kv, group * T, self.hd)
         rows = MIN_ROWS if self.row_stable else 1
         scores = stable_bmm(q, keys.transpose(1, 2), rows) / math.sqrt(self.hd)
         scores = scores.view(self.n_heads, T, S)
-        if T > 1 or self.window is not None or first + S > pos + T:  # else every key is visible
+        if masked:
             scores = scores + attention_mask(pos, T, first, S, self.window, q)
         if self.sinks is not None:
             sink = self.sinks.to(scores.dtype).view(-1, 1, 1).expand(-1, T, 1)
@@ -281,7 +318,14 @@ class Block(nn.Module):
             self.mlp = SwiGLU(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache, pos: int
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerCache,
+        pos: int,
+        tokens: int | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, pos)
+        """x [P, D] -> [P, D]; rows from `tokens` on are padding (see `Attention.forward`)."""
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, pos, tokens)
         return x + self.mlp(self.mlp_norm(x))

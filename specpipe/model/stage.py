@@ -9,12 +9,13 @@ weight is held twice and no layer outside the range is ever read.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specpipe.model.config import ModelConfig
 from specpipe.model.errors import ModelError
 from specpipe.model.kvcache import LayerCache, SessionCache
-from specpipe.model.layers import Block, Linear, RMSNorm, Rotary
+from specpipe.model.layers import MIN_ROWS, Block, Linear, RMSNorm, Rotary
 from specpipe.ring import GapError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,6 +39,10 @@ class StageModel(nn.Module):
         self.head = Linear(cfg.dim, cfg.vocab_size, bias=False) if self.last else None
         self.rotary = Rotary(cfg)
         self.sessions: dict[str, SessionCache] = {}
+        # A step of fewer rows than the products need runs padded from the first layer to the
+        # last, rather than padding and slicing around each product (mixtures of experts route
+        # every row, so they pad per product instead).
+        self.pad_rows = MIN_ROWS if row_stable and not cfg.is_moe else 1
         # See layers.py: without row stability a verify row may differ from a plain step's.
         for module in self.modules():
             if hasattr(module, "row_stable"):
@@ -85,10 +90,14 @@ class StageModel(nn.Module):
             x = self.embed(inputs.to(self.device, torch.long))  # [T, D]
         else:
             x = inputs.to(self.device, self.dtype)
+        T = x.shape[0]
+        if T < self.pad_rows:
+            x = F.pad(x, (0, 0, 0, self.pad_rows - T))  # [P, D]: rows from T on are padding
         cos, sin = self.rotary(start_pos, x.shape[0], self.dtype)
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
-            x = layer(x, cos, sin, layer_cache, start_pos)
-        cache.length = start_pos + x.shape[0]
+            x = layer(x, cos, sin, layer_cache, start_pos, T)
+        x = x[:T]
+        cache.length = start_pos + T
         if not self.last:
             return x
         if last_rows is not None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specpipe.model.checkpoint import SafetensorsCheckpoint
-from specpipe.model.layers import Linear, pack_weight
+from specpipe.model.layers import Linear, Rotary, pack_weight
 from tests.model.conftest import SLIDING_WINDOW, SPLITS, hf_logits
 from tests.model.helpers import load_split, run_split
 
@@ -189,3 +189,17 @@ def test_chunked_attention_and_last_rows(checkpoints, reference, monkeypatch):
         tail = stage.forward("c", _ids(), 0, last_rows=5)
         assert torch.equal(tail, whole[-5:])
         assert stage.sessions["c"].length == T  # every position is still cached
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gptoss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_rope_tables_equal_fresh_ones_bit_for_bit(checkpoints, family, dtype):
+    """A decode step slices the kept tables; every slice must be what computing that range
+    afresh gives, across the tables' growth (llama3 scaling, plain, YaRN)."""
+    rotary = Rotary(SafetensorsCheckpoint(checkpoints[family]).config)
+    for start, length in [(0, 1), (5, 3), (250, 9), (255, 2), (600, 1), (1000, 40), (3, 700)]:
+        cos, sin = rotary(start, length, dtype)
+        fresh = [t.to(dtype) for t in rotary.tables(start, start + length)]
+        assert cos.shape == (length, rotary.inv_freq.shape[0] * 2)
+        assert torch.equal(cos, fresh[0]) and torch.equal(sin, fresh[1])
+    assert rotary(0, 1, dtype)[0].shape[0] == 1
