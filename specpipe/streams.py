@@ -217,9 +217,9 @@ class StreamConsumer:
         read = ("XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count)
         read += ("BLOCK", block_ms) if block_ms is not None else ()
         read += ("STREAMS", self.key, start)
-        commands = (("XACK", self.key, self.group, *self._unacked), read)
+        acks = [("XACK", self.key, self.group, *self._unacked)] if self._unacked else []
         try:
-            reply = self.link.call(*commands[0 if self._unacked else 1 :])[-1]
+            reply = self.link.call(*acks, read)[-1]
             self._unacked.clear()
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
