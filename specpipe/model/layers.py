@@ -187,14 +187,16 @@ class Rotary(nn.Module):
         Each position's angles depend on that position alone, so the tables are kept and grown
         by doubling: a decode step slices them instead of running a dozen small ops."""
         end = start_pos + T
-        cos, sin = self._tables.get(dtype, (None, None))
-        if cos is None or end > cos.shape[0] or cos.device != self.inv_freq.device:
-            have = 0 if cos is None or cos.device != self.inv_freq.device else cos.shape[0]
-            size = max(end, 2 * have, 256)
-            more = [t.to(dtype) for t in self.tables(have, size)]
-            if have:
-                more = [torch.cat((old, new)) for old, new in zip((cos, sin), more, strict=True)]
-            cos, sin = self._tables[dtype] = tuple(more)
+        kept = self._tables.get(dtype)
+        if kept is not None and kept[0].device != self.inv_freq.device:  # moved since
+            kept = None
+        have = 0 if kept is None else kept[0].shape[0]
+        if end > have:
+            more = [t.to(dtype) for t in self.tables(have, max(end, 2 * have, 256))]
+            if kept is not None:
+                more = [torch.cat(pair) for pair in zip(kept, more, strict=True)]
+            kept = self._tables[dtype] = (more[0], more[1])
+        cos, sin = kept
         return cos[start_pos:end], sin[start_pos:end]
 
 
