@@ -117,18 +117,18 @@ class RedisRing:
             self.key,
         )
         first = self.route[0]
+        send = streams.xadd_command(streams.stage_key(self.swarm, first.host), data, self.maxlen)
         problem = f"no reply in {self.timeout_s:g} s"
         for _ in range(self.retries + 1):
             if self.link_delay_s > 0:
                 time.sleep(self.link_delay_s)
             try:
-                streams.send(
-                    self.connections.link(first.redis_url),
-                    streams.stage_key(self.swarm, first.host),
-                    data,
-                    self.maxlen,
-                )
-                reply = self._wait(session, round_id)
+                if first.redis_url == self.reply_url:
+                    # One write carries the round and the read that waits for its reply.
+                    reply = self._wait(session, round_id, send)
+                else:
+                    self.connections.link(first.redis_url).call(send)
+                    reply = self._wait(session, round_id)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 problem = f"Redis unavailable: {exc}"
                 time.sleep(min(1.0, self.timeout_s))
@@ -188,8 +188,9 @@ class RedisRing:
                     f"cannot reach {hop.host}'s Redis at {hop.redis_url}: {exc}"
                 ) from None
 
-    def _wait(self, session: str, round_id: str) -> wire.Message | None:
-        """The reply for `round_id`, or None after the timeout. Other replies are stale."""
+    def _wait(self, session: str, round_id: str, send: tuple | None = None) -> wire.Message | None:
+        """The reply for `round_id`, or None after the timeout. Other replies are stale.
+        `send`, a command for the reply's Redis, goes out in the same write as the first read."""
         link = self.connections.link(self.reply_url)
         key = streams.reply_key(self.swarm, session)
         deadline = time.monotonic() + self.timeout_s
@@ -198,7 +199,9 @@ class RedisRing:
             if left_ms <= 0:
                 return None
             cursor = self._cursor.get(session, "0-0")
-            (entries,) = link.call(("XREAD", "BLOCK", left_ms, "STREAMS", key, cursor))
+            read = ("XREAD", "BLOCK", left_ms, "STREAMS", key, cursor)
+            entries = link.call(*(send, read) if send else (read,))[-1]
+            send = None
             for entry_id, data in streams.stream_entries(entries):
                 self._cursor[session] = entry_id
                 try:

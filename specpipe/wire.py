@@ -13,13 +13,16 @@ shape-versus-byte-count before it reads the payload. No pickle, no code from the
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import math
 import struct
 import sys
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import msgpack
+import numpy as np
 import torch
 
 MAGIC = b"SPW1"
@@ -42,6 +45,13 @@ DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
 }
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# numpy views of the payload's bytes; bfloat16 has no numpy type and travels as raw 16-bit words.
+BYTE_VIEWS = {
+    torch.float32: np.float32,
+    torch.bfloat16: np.uint16,
+    torch.float16: np.float16,
+    torch.int64: np.int64,
+}
 
 if sys.byteorder != "little":  # the payload is the tensor's memory, sent as is
     raise ImportError("specpipe's wire format needs a little-endian machine")
@@ -77,8 +87,17 @@ class Message:
     reason: str = ""  # gap / error: what went wrong
 
 
+@lru_cache(maxsize=16)
+def _keyed(key: bytes) -> hmac.HMAC:
+    return hmac.new(key, digestmod=hashlib.sha256)
+
+
 def _tag(key: bytes, data: bytes | memoryview) -> bytes:
-    return hmac.digest(key, data, "sha256")
+    # A copy of an already keyed HMAC: every message skips the key schedule and the digest
+    # lookup, which cost more than the hashing itself for a one-row message.
+    mac = _keyed(key).copy()
+    mac.update(data)
+    return mac.digest()
 
 
 def _check_key(key: bytes) -> bytes:
@@ -113,10 +132,11 @@ def encode(message: Message, swarm: str, key: bytes) -> bytes:
             raise WireError(f"dtype {tensor.dtype} cannot be sent")
         if tensor.dim() > MAX_DIMS:
             raise WireError(f"a tensor of {tensor.dim()} dims cannot be sent")
-        tensor = tensor.cpu().contiguous()
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            tensor = tensor.cpu().contiguous()
         header["dtype"] = DTYPE_NAMES[tensor.dtype]
         header["shape"] = list(tensor.shape)
-        payload = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        payload = _as_bytes(tensor)
     head = msgpack.packb(header, use_bin_type=True)
     if len(head) > MAX_HEADER_BYTES:
         raise WireError(f"header of {len(head)} bytes is over the {MAX_HEADER_BYTES} limit")
@@ -124,6 +144,13 @@ def encode(message: Message, swarm: str, key: bytes) -> bytes:
     if len(body) + TAG_BYTES > MAX_MESSAGE_BYTES:
         raise WireError(f"message of {len(body)} bytes is over the {MAX_MESSAGE_BYTES} limit")
     return body + _tag(key, body)
+
+
+def _as_bytes(tensor: torch.Tensor) -> bytes:
+    """A contiguous CPU tensor's memory, as bytes."""
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)  # numpy has no bfloat16; the bits are what travel
+    return tensor.numpy().tobytes()
 
 
 def decode(data: bytes, swarm: str, key: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
@@ -175,11 +202,7 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
         for t in tokens
     ):
         raise WireError("token ids must be 32-bit integers")
-    route = []
-    for hop in _field(header, "route", list, []):
-        if not (isinstance(hop, list) and len(hop) == 2 and all(isinstance(s, str) for s in hop)):
-            raise WireError("route entries must be [host, redis_url]")
-        route.append(Hop(hop[0], hop[1]))
+    route = _route(_field(header, "route", list, []))
     params = _field(header, "params", dict, {})
     if not all(
         isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
@@ -202,11 +225,28 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
         tokens=tuple(tokens),
         tensor=tensor,
         hop=hop,
-        route=tuple(route),
+        route=route,
         reply=_field(header, "reply", str, ""),
         params=params,
         reason=_field(header, "reason", str, ""),
     )
+
+
+_last_route: tuple[list, tuple[Hop, ...]] = ([], ())
+
+
+def _route(entries: list) -> tuple[Hop, ...]:
+    # A ring sends the same route round after round: the last one decoded is kept.
+    global _last_route
+    raw, hops = _last_route
+    if entries == raw:
+        return hops
+    for hop in entries:
+        if not (isinstance(hop, list) and len(hop) == 2 and all(isinstance(s, str) for s in hop)):
+            raise WireError("route entries must be [host, redis_url]")
+    hops = tuple(Hop(host, url) for host, url in entries)
+    _last_route = (entries, hops)
+    return hops
 
 
 def _tensor(header: dict, payload: memoryview) -> torch.Tensor | None:
@@ -230,4 +270,6 @@ def _tensor(header: dict, payload: memoryview) -> torch.Tensor | None:
         raise WireError(f"shape {shape} of {name} needs {expected} bytes, got {len(payload)}")
     if not expected:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(payload), dtype=dtype).reshape(shape)
+    # A writable copy of the bytes, wrapped without another copy (numpy's path is the shorter).
+    words = torch.from_numpy(np.frombuffer(bytearray(payload), dtype=BYTE_VIEWS[dtype]))
+    return (words if words.dtype == dtype else words.view(dtype)).reshape(shape)

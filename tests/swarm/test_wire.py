@@ -191,3 +191,13 @@ def test_no_key_is_an_error_not_an_unsigned_message():
 def test_unsupported_tensor_dtype_cannot_be_sent():
     with pytest.raises(wire.WireError, match="dtype"):
         wire.encode(message(torch.ones(2, dtype=torch.float64)), SWARM, KEY)
+
+
+def test_a_route_is_decoded_afresh_whenever_it_changes():
+    first = message()
+    assert wire.decode(wire.encode(first, SWARM, KEY), SWARM, KEY).route == first.route
+    moved = message(route=(wire.Hop("a", "redis://h:1/0"), wire.Hop("c", "redis://h:9/0")))
+    assert wire.decode(wire.encode(moved, SWARM, KEY), SWARM, KEY).route == moved.route
+    with pytest.raises(wire.WireError, match="route entries"):  # checked, not taken from before
+        wire.decode(sign(raw({"swarm": SWARM, "kind": "round", "route": [["a", 1]]})), SWARM, KEY)
+    assert wire.decode(wire.encode(first, SWARM, KEY), SWARM, KEY).route == first.route
