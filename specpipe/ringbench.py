@@ -1,12 +1,14 @@
 """The ring benchmarks: a model as N real stage processes on this machine, over Redis Streams.
 
 - Overhead: the same plain greedy generation through N `specpipe worker stage` processes and
-  through the same model in one process; (ring round - local round) / (N + 1) is the cost of one
-  hop (a round makes N + 1: coordinator -> stage 0 -> … -> tail -> coordinator). It is split
-  three ways: cutting the model into N stages (the N stages in one process, against the whole
-  model), the stages' forwards running slower in N processes (their own running means, against
-  that one-process split), and the rest: the transport, waking each process, checking, encoding
-  and decoding messages, which is what a hop adds around the forward.
+  through the same model in one process, in lockstep (a round of one, then the same round of the
+  other); the median over rounds of (ring round - local round) / (N + 1) is the cost of one hop
+  (a round makes N + 1: coordinator -> stage 0 -> … -> tail -> coordinator), with a ~95%
+  interval. It is split three ways: cutting the model into N stages (the N stages in one
+  process, against the whole model), the stages' forwards running slower in N processes (their
+  own running means, against that one-process split), and the rest: the transport, waking each
+  process, checking, encoding and decoding messages, which is what a hop adds around the
+  forward.
 - Latency: every link delayed by D ms (each stage and the coordinator wait D before sending),
   speculative against plain on an input-grounded and on an open-ended prompt, with tokens per
   round and the latency ceiling (tokens per round / ring latency, the tok/s a round trip allows
@@ -17,6 +19,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import statistics
@@ -137,36 +140,80 @@ class Timed:
     rounds: int
     tokens_per_round: float
     round_ms: float
+    round_ms_each: list[float]  # every decode round, in order (the prefill is not one)
+
+
+def lockstep(rings: dict[str, Ring], prompt_ids: Sequence[int], params: SamplingParams,
+             draft_k: int, max_new_tokens: int) -> dict[str, Timed]:  # fmt: skip
+    """The same generation on every ring, one round of each in turn.
+
+    Taking turns round by round puts the machine's slow drifts (other load, clock changes) on
+    every ring alike, so that round i on one ring can be compared with round i on another."""
+    gens = {
+        name: Generation(
+            ring,
+            f"bench-{uuid.uuid4().hex[:10]}",
+            prompt_ids,
+            params,
+            max_new_tokens=max_new_tokens,
+            draft_k=draft_k,
+        )  # fmt: skip
+        for name, ring in rings.items()
+    }
+    steps = {name: gen.rounds() for name, gen in gens.items()}
+    times: dict[str, list[float]] = {name: [] for name in gens}
+    counts: dict[str, list[int]] = {name: [] for name in gens}
+    running = set(gens)
+    while running:
+        for name in [n for n in gens if n in running]:
+            started = time.perf_counter()
+            committed = next(steps[name], None)
+            if committed is None:
+                running.discard(name)
+                continue
+            times[name].append((time.perf_counter() - started) * 1000)
+            counts[name].append(len(committed))
+    for gen in gens.values():
+        gen.ring.drop(gen.session)
+    timed = {}
+    for name, gen in gens.items():
+        each = times[name][1:]
+        decode_s = sum(each) / 1000
+        timed[name] = Timed(
+            tokens=gen.generated,
+            tok_s=sum(counts[name][1:]) / decode_s if decode_s > 0 else 0.0,
+            rounds=gen.stats.rounds,
+            tokens_per_round=gen.stats.accepted_per_round,
+            round_ms=statistics.fmean(each) if each else 0.0,
+            round_ms_each=each,
+        )
+    return timed
 
 
 def timed_generation(ring: Ring, prompt_ids: Sequence[int], params: SamplingParams,
                      draft_k: int, max_new_tokens: int) -> Timed:  # fmt: skip
     """Generate once; time the rounds after the first (the prefill is not a decode round)."""
-    gen = Generation(ring, f"bench-{uuid.uuid4().hex[:10]}", prompt_ids, params,
-                     max_new_tokens=max_new_tokens, draft_k=draft_k)  # fmt: skip
-    stamps, counts = [], []
-    for committed in gen.rounds():
-        stamps.append(time.perf_counter())
-        counts.append(len(committed))
-    ring.drop(gen.session)
-    decode_s = stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
-    decoded = sum(counts[1:])
-    return Timed(
-        tokens=gen.generated,
-        tok_s=decoded / decode_s if decode_s > 0 else 0.0,
-        rounds=gen.stats.rounds,
-        tokens_per_round=gen.stats.accepted_per_round,
-        round_ms=decode_s / (len(stamps) - 1) * 1000 if len(stamps) > 1 else 0.0,
-    )
+    return lockstep({"ring": ring}, prompt_ids, params, draft_k, max_new_tokens)["ring"]
+
+
+def median_interval(values: Sequence[float], z: float = 1.96) -> tuple[float, float]:
+    """A distribution-free ~95% interval for the median: two order statistics of the sample."""
+    ordered = sorted(values)
+    n = len(ordered)
+    half = z * math.sqrt(n) / 2
+    low, high = max(0, math.floor(n / 2 - half)), min(n - 1, math.ceil(n / 2 + half))
+    return ordered[low], ordered[high]
 
 
 def overhead(model: str, n_stages: int, tokens: int, threads: int, log: Log,
-             repeats: int = 3) -> dict:  # fmt: skip
+             repeats: int = 5) -> dict:  # fmt: skip
     """Per-hop cost of the ring against the same model in one process (plain greedy).
 
-    The one-process runs (whole and split into stages) and the ring run in turn `repeats` times
-    and each side's median round counts, so that a burst of load on the machine does not land on
-    one side only."""
+    The whole model in one process, the same model split into stages in one process, and the
+    ring generate in lockstep (see `lockstep`), `repeats` times. Each decode round on the ring
+    is paired with the same round in one process; the median of those differences, over every
+    round of every repeat, divided by the hops of a round, is the overhead per hop, given with
+    a ~95% interval for that median."""
     import torch
 
     torch.set_num_threads(threads)
@@ -180,33 +227,45 @@ def overhead(model: str, n_stages: int, tokens: int, threads: int, log: Log,
     with LocalSwarm(model, n_stages, threads=threads) as swarm:
         ring = swarm.ring()
         for _ in range(repeats):
-            runs["whole"].append(timed_generation(whole, prompt, greedy, 0, tokens))
-            runs["split"].append(timed_generation(split, prompt, greedy, 0, tokens))
-            runs["ring"].append(timed_generation(ring, prompt, greedy, 0, tokens))
+            timed = lockstep({"whole": whole, "split": split, "ring": ring}, prompt, greedy, 0,
+                             tokens)  # fmt: skip
+            for name, t in timed.items():
+                runs[name].append(t)
             time.sleep(STATS_FLUSH_S)  # the stages publish their running means at heartbeats
             forwards.append(sum(stats.get("forward_ms", 0.0) for stats in swarm.stage_stats()))
         ring.close()
-    median = {name: statistics.median(t.round_ms for t in timed) for name, timed in runs.items()}
-    stage_forwards = statistics.median(forwards)
+    each = {name: [ms for t in timed for ms in t.round_ms_each] for name, timed in runs.items()}
+    over_whole = {
+        name: [a - b for a, b in zip(each[name], each["whole"], strict=False)]
+        for name in ("split", "ring")
+    }
+    median = {name: statistics.median(ms) for name, ms in each.items()}
     hops = n_stages + 1
+    per_hop = statistics.median(over_whole["ring"]) / hops
+    low, high = (ms / hops for ms in median_interval(over_whole["ring"]))
+    split_per_hop = statistics.median(over_whole["split"]) / hops
+    stage_forwards = statistics.median(forwards)
+    slower_forwards_per_hop = (stage_forwards - median["split"]) / hops
     log(f"one process: {median['whole']:.1f} ms per plain round; split into {n_stages} stages: "
-        f"{median['split']:.1f} ms (medians of {repeats})")  # fmt: skip
-    log(f"{n_stages} stage processes: {median['ring']:.1f} ms per plain round, of which the "
-        f"stages' forwards {stage_forwards:.1f} ms (medians of {repeats})")  # fmt: skip
+        f"{median['split']:.1f} ms; {n_stages} stage processes: {median['ring']:.1f} ms, of "
+        f"which the stages' forwards {stage_forwards:.1f} ms ({len(each['ring'])} rounds of each, "
+        f"in lockstep, {repeats} runs)")  # fmt: skip
     tok_s = {name: statistics.median(t.tok_s for t in timed) for name, timed in runs.items()}
     all_runs = [t for timed in runs.values() for t in timed]
     return {
         "stages": n_stages,
         "hops_per_round": hops,
+        "rounds_paired": len(each["ring"]),
         "local_round_ms": median["whole"],
         "local_split_round_ms": median["split"],
         "ring_round_ms": median["ring"],
         "ring_stage_forwards_ms": stage_forwards,
-        "overhead_per_hop_ms": (median["ring"] - median["whole"]) / hops,
-        # The same difference in three parts (they add up to it).
-        "split_per_hop_ms": (median["split"] - median["whole"]) / hops,
-        "slower_forwards_per_hop_ms": (stage_forwards - median["split"]) / hops,
-        "transport_per_hop_ms": (median["ring"] - stage_forwards) / hops,
+        "overhead_per_hop_ms": per_hop,
+        "overhead_per_hop_ms_interval": [low, high],
+        # The same overhead in three parts (they add up to it); the last is what is left.
+        "split_per_hop_ms": split_per_hop,
+        "slower_forwards_per_hop_ms": slower_forwards_per_hop,
+        "transport_per_hop_ms": per_hop - split_per_hop - slower_forwards_per_hop,
         "tok_s_ratio_ring_vs_local": tok_s["ring"] / tok_s["whole"] if tok_s["whole"] else None,
         "same_tokens": all(t.tokens == all_runs[0].tokens for t in all_runs),
         "local_round_ms_runs": [t.round_ms for t in runs["whole"]],

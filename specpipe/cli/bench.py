@@ -133,7 +133,7 @@ def _model_errors(func):
     type=click.IntRange(1, 50),
     default=5,
     show_default=True,
-    help="Runs of each side of the overhead measurement; their medians count.",
+    help="Runs of the overhead measurement; every round of every run counts.",
 )
 @json_option
 @_model_errors
@@ -155,9 +155,11 @@ def bench_ring(
     click.echo(f"bench ring: {model}, {stages} stages, {tokens} tokens, temp {temp}")
     result = {"overhead": ringbench.overhead(model, stages, tokens, threads, click.echo, repeats)}
     o = result["overhead"]
+    low, high = o["overhead_per_hop_ms_interval"]
     click.echo(
-        f"overhead per hop: {o['overhead_per_hop_ms']:.2f} ms (target <= 1 ms); ring/local "
-        f"tok/s {o['tok_s_ratio_ring_vs_local']:.2f}; same tokens {o['same_tokens']}"
+        f"overhead per hop: {o['overhead_per_hop_ms']:.2f} ms (95% interval {low:.2f} to "
+        f"{high:.2f}; target <= 1 ms); ring/local tok/s {o['tok_s_ratio_ring_vs_local']:.2f}; "
+        f"same tokens {o['same_tokens']}"
     )
     click.echo(
         f"  per hop: {o['split_per_hop_ms']:.2f} ms from cutting the model into stages, "

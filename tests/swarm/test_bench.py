@@ -8,6 +8,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from specpipe import ringbench
 from specpipe.cli import cli
 from tests.swarmprocs import write_tiny_model
 
@@ -70,6 +71,9 @@ def test_bench_ring_reports_overhead_and_delays(tiny, tmp_path):
     o = doc["overhead"]
     parts = o["split_per_hop_ms"] + o["slower_forwards_per_hop_ms"] + o["transport_per_hop_ms"]
     assert parts == pytest.approx(o["overhead_per_hop_ms"])
+    assert o["rounds_paired"] == 3 * 9  # 10 tokens: a prefill round, then 9 decode rounds
+    low, high = o["overhead_per_hop_ms_interval"]
+    assert low <= o["overhead_per_hop_ms"] <= high
     assert len(o["ring_stage_forwards_ms_runs"]) == 3
     assert all(ms > 0 for ms in o["ring_stage_forwards_ms_runs"])  # the stages' own timings
     delayed = [row for row in doc["latency"] if row["hop_delay_ms"] == 20]
@@ -83,3 +87,10 @@ def test_bench_with_a_missing_model_is_one_line():
     result = CliRunner().invoke(cli, ["bench", "exact", "--model", "/nonexistent/model"])
     assert result.exit_code == 1
     assert "Traceback" not in result.output and "nonexistent" in result.output
+
+
+def test_the_median_interval_brackets_the_median_and_narrows_with_more_rounds():
+    few, many = [5.0, 1.0, 3.0], [float(x) for x in range(400)]
+    assert ringbench.median_interval(few) == (1.0, 5.0)
+    low, high = ringbench.median_interval(many)
+    assert low < 199.5 < high and high - low < 50  # about 2 x 1.96 x sqrt(400) / 2 ranks
