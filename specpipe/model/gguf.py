@@ -34,24 +34,26 @@ def is_gguf(path: Path) -> bool:
 
 
 @lru_cache(maxsize=4)
-def _reader(path: str, mtime: float):
-    # Parsing the metadata (a 49k-token vocabulary) takes a while: share one reader per file.
+def _parsed(path: str, mtime: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    # Parsing the metadata (a 49k-token vocabulary) takes a while: parse each file once. The
+    # reader itself is not kept: it holds a numpy view per vocabulary string (hundreds of MB).
     from gguf import GGUFReader
 
     try:
-        return GGUFReader(path)
+        reader = GGUFReader(path)
     except (OSError, ValueError, IndexError, KeyError) as e:
         raise ModelError(f"{path}: not a readable GGUF file ({e})") from None
+    return metadata(reader), {t.name: t for t in reader.tensors}
 
 
-def open_reader(path: str | Path):
-    """The (cached) GGUFReader of a file, or ModelError."""
+def open_parsed(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A GGUF file's metadata (plain values) and tensors (by name), parsed once; or ModelError."""
     path = Path(path)
     if not path.is_file():
         raise ModelError(f"{path}: no such file")
     if not is_gguf(path):
         raise ModelError(f"{path}: not a GGUF file (bad magic)")
-    return _reader(str(path), os.stat(path).st_mtime)
+    return _parsed(str(path), os.stat(path).st_mtime)
 
 
 def metadata(reader) -> dict[str, Any]:
@@ -66,9 +68,7 @@ class GGUFCheckpoint:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        reader = open_reader(self.path)
-        self.meta = metadata(reader)
-        self.tensors = {t.name: t for t in reader.tensors}
+        self.meta, self.tensors = open_parsed(self.path)
         self.arch = self.meta.get("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise ModelError(f"{self.path}: unknown GGUF architecture {self.arch!r}")
