@@ -157,7 +157,7 @@ def lockstep(rings: dict[str, Ring], prompt_ids: Sequence[int], params: Sampling
             params,
             max_new_tokens=max_new_tokens,
             draft_k=draft_k,
-        )  # fmt: skip
+        )
         for name, ring in rings.items()
     }
     steps = {name: gen.rounds() for name, gen in gens.items()}
