@@ -65,13 +65,7 @@ def test_nine_layer_gpt_oss_120b_stage_fits_24_gb_only_packed():
         assert _bytes(unpacked, torch.bfloat16) > 24 * gib
 
 
-def _anonymous_mb(code: str) -> dict[str, float]:
-    """Run `code` in a fresh interpreter; it prints a JSON map of labels to anonymous MB."""
-    out = subprocess.run([sys.executable, "-c", ANON + code], capture_output=True, text=True,
-                         check=True, timeout=300)  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
+# Prepended to the code `_anonymous_mb` runs: anon() is the process's anonymous memory in MB.
 ANON = """
 import json
 def anon():
@@ -79,6 +73,13 @@ def anon():
         if line.startswith("Anonymous:"):
             return int(line.split()[1]) / 1024
 """
+
+
+def _anonymous_mb(code: str) -> dict[str, float]:
+    """Run `code` in a fresh interpreter; it prints a JSON map of labels to anonymous MB."""
+    out = subprocess.run([sys.executable, "-c", ANON + code], capture_output=True, text=True,
+                         check=True, timeout=300)  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs Linux /proc")
