@@ -8,6 +8,13 @@ started).
 from celery.schedules import crontab
 
 from specpipe.settings import nightly_schedule
+from workers.names import (
+    COORDINATOR_QUEUE,
+    GENERATE_TASK,
+    NIGHTLY_TASK,
+    RESUME_STALLED_TASK,
+    SYNC_NODES_TASK,
+)
 
 # JSON only: a message is data, never code (no pickle anywhere).
 task_serializer = "json"
@@ -23,28 +30,27 @@ worker_prefetch_multiplier = 1
 task_acks_late = True
 task_reject_on_worker_lost = True
 
-task_default_queue = "coordinator"
+task_default_queue = COORDINATOR_QUEUE
 task_routes = {
-    "workers.coordinator.*": {"queue": "coordinator"},
-    "workers.regression.*": {"queue": "coordinator"},
-    "workers.nodes.*": {"queue": "coordinator"},
+    name: {"queue": COORDINATOR_QUEUE}
+    for name in (GENERATE_TASK, RESUME_STALLED_TASK, NIGHTLY_TASK, SYNC_NODES_TASK)
 }
 
 _minute, _hour = nightly_schedule()
 beat_schedule = {
     "nightly-lossless-regression": {
-        "task": "workers.regression.nightly",
+        "task": NIGHTLY_TASK,
         "schedule": crontab(minute=_minute, hour=_hour),
     },
     # A busy coordinator runs one job at a time: checks it could not run in time are dropped
     # rather than piling up behind the job.
     "resume-stalled-jobs": {
-        "task": "workers.coordinator.resume_stalled",
+        "task": RESUME_STALLED_TASK,
         "schedule": 15.0,
         "options": {"expires": 14.0},
     },
     "sync-node-inventory": {
-        "task": "workers.nodes.sync",
+        "task": SYNC_NODES_TASK,
         "schedule": 10.0,
         "options": {"expires": 9.0},
     },

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import secrets
 
-from flask import Flask
+from flask import Flask, current_app
 from werkzeug.routing import IntegerConverter
 
 from specpipe import settings
+from workers.names import COORDINATOR_QUEUE
+from workers.submission import Submitter
 
 
 class IdConverter(IntegerConverter):
@@ -23,16 +25,16 @@ class IdConverter(IntegerConverter):
 
 def default_config() -> dict:
     """Configuration read from the environment."""
-    limits = settings.web_limits()
+    limits = settings.job_limits()
     return {
         "DATABASE_URL": settings.database_url(),
         "REDIS_URL": settings.redis_url(),
         "SECRET_KEY": settings.secret_key(),
-        "COORDINATOR_QUEUE": "coordinator",
+        "COORDINATOR_QUEUE": COORDINATOR_QUEUE,
         "MODEL": settings.default_model(),
-        "MAX_PROMPT_CHARS": limits["max_prompt_chars"],
-        "MAX_NEW_TOKENS": limits["max_new_tokens"],
-        "MAX_DRAFT_K": limits["max_draft_k"],
+        "MAX_PROMPT_CHARS": limits.max_prompt_chars,
+        "MAX_NEW_TOKENS": limits.max_new_tokens,
+        "MAX_DRAFT_K": limits.max_draft_k,
         "MAX_CONTENT_LENGTH": 1 << 20,
         "HISTORY_PAGE_SIZE": 25,
     }
@@ -53,10 +55,15 @@ def create_app(test_config: dict | None = None) -> Flask:
             )
         app.config["SECRET_KEY"] = secrets.token_hex(32)
 
-    from app import api, db, errors, forms, jobs, nightly, nodes, ops, proofs, queue, runs
+    from app import api, db, errors, forms, jobs, nightly, nodes, ops, proofs, runs
 
     db.init_app(app)
-    queue.init_app(app)
+    limits = settings.JobLimits(
+        app.config["MAX_PROMPT_CHARS"], app.config["MAX_NEW_TOKENS"], app.config["MAX_DRAFT_K"]
+    )
+    app.extensions["specpipe.submitter"] = Submitter.connect(
+        app.config["REDIS_URL"], app.config["MODEL"], limits, app.config["COORDINATOR_QUEUE"]
+    )
     forms.init_app(app)
     errors.init_app(app)
     nightly.init_app(app)
@@ -66,3 +73,8 @@ def create_app(test_config: dict | None = None) -> Flask:
     app.jinja_env.globals["site_name"] = "specpipe"
     app.jinja_env.filters.update(forms.FILTERS)
     return app
+
+
+def submitter() -> Submitter:
+    """The app's job submitter: checks requests and hands jobs to the coordinator."""
+    return current_app.extensions["specpipe.submitter"]

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 from flask import Blueprint, g, jsonify, request, url_for
 
+from app import submitter
 from app.db import get_session
 from app.errors import json_error
 from app.history import job_page
-from app.submission import QueueUnavailable, limits, submit_job
-from app.validation import FIELDS, JobRequestError, parse_job_request
 from models.db import utcnow
 from models.jobs import Job
 from models.nodes import ring_nodes
 from models.records import run_record
 from models.tokens import check_token
+from workers.submission import FIELDS, JobRequestError, QueueUnavailable
 
 bp = Blueprint("api", __name__, url_prefix="/api/v1")
 MAX_PER_PAGE = 100
@@ -51,11 +51,11 @@ def create_job():
     if unknown:
         return json_error(400, f"unknown fields: {', '.join(unknown)}", allowed=list(FIELDS))
     try:
-        params = parse_job_request(body, limits(), from_text=False)
+        params = submitter().check(body)
     except JobRequestError as exc:
         return json_error(400, "invalid job", fields=exc.errors)
     try:
-        job = submit_job(get_session(), params)
+        job = submitter().submit(get_session(), params)
     except QueueUnavailable as exc:
         return json_error(503, str(exc), job=exc.job.to_dict())
     response = jsonify(job.to_dict())

@@ -14,23 +14,25 @@ from flask import (
     url_for,
 )
 
+from app import submitter
 from app.db import get_session
 from app.forms import bad_utf8_fields
 from app.history import MAX_PAGE, SORTS, job_page
-from app.submission import QueueUnavailable, limits, rerun_params, submit_job
-from app.validation import FIELDS, JobRequestError, parse_job_request
 from models.jobs import JOB_STATUSES, Job
+from workers.submission import (
+    DEFAULTS,
+    FIELDS,
+    JobRequestError,
+    QueueUnavailable,
+    rerun_params,
+)
 
 bp = Blueprint("jobs", __name__)
 
+# The form shows the submission defaults as text; a blank seed is drawn at random.
 FORM_DEFAULTS = {
     "prompt": "",
-    "max_new_tokens": "128",
-    "temp": "0.8",
-    "top_p": "0.95",
-    "top_k": "0",
-    "seed": "",
-    "draft_k": "4",
+    **{name: "" if value is None else str(value) for name, value in DEFAULTS.items()},
     "stop": "",
     "speculate": "on",
 }
@@ -55,7 +57,7 @@ def submit():
         if not values["speculate"]:
             raw["draft_k"] = "0"
         try:
-            params = parse_job_request(raw, limits(), from_text=True)
+            params = submitter().check(raw, from_text=True)
         except JobRequestError as exc:
             errors = dict(exc.errors)
         for name in bad_utf8_fields() & set(FIELDS):
@@ -64,14 +66,14 @@ def submit():
             errors["draft_k"] = "must be at least 1 when speculation is on"
         if not errors:
             try:
-                job = submit_job(get_session(), params)
+                job = submitter().submit(get_session(), params)
             except QueueUnavailable as exc:
                 flash(f"Job {exc.job.id} was saved but not queued: {exc}", "error")
                 return redirect(url_for("jobs.detail", job_id=exc.job.id))
             return redirect(url_for("jobs.detail", job_id=job.id))
     status = 400 if errors else 200
     return render_template(
-        "jobs/submit.html", values=values, errors=errors, limits=limits()
+        "jobs/submit.html", values=values, errors=errors, limits=submitter().limits
     ), status
 
 
@@ -136,7 +138,7 @@ def rerun(job_id: int):
     """A new job with the same prompt, parameters and seed: it reproduces the text."""
     job = _get_job(job_id)
     try:
-        new = submit_job(get_session(), rerun_params(job))
+        new = submitter().submit(get_session(), rerun_params(job))
     except QueueUnavailable as exc:
         flash(f"Job {exc.job.id} was saved but not queued: {exc}", "error")
         return redirect(url_for("jobs.detail", job_id=exc.job.id))

@@ -58,7 +58,7 @@ def metrics():
         select(Job).where(Job.status == "done").order_by(Job.id.desc()).limit(RECENT_JOBS)
     ).all()
     speeds = [j.tok_s for j in recent if j.tok_s is not None]
-    accepted = [a for j in recent for a in (j.accepted_per_round or [])]
+    accepted = [a for j in recent for a in (j.accepted_drafts or [])]
     now = utcnow()
     node_states = {"online": 0, "stale": 0, "offline": 0}
     for node in session.scalars(select(Node)):

@@ -220,7 +220,7 @@ def main() -> None:
         print(
             f"3. {name} (row-stable): plain {ps.tok_s:.2f} tok/s ({ps.rounds} rounds), "
             f"speculative {ss.tok_s:.2f} tok/s ({ss.rounds} rounds, "
-            f"{ss.accepted_per_round:.2f} tokens per round), speed-up "
+            f"{ss.tokens_per_round:.2f} tokens per round), speed-up "
             f"{ss.tok_s / ps.tok_s:.2f}x, same tokens: {plain == spec}"
         )
 

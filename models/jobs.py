@@ -68,7 +68,7 @@ class Job(Base):
     generated_tokens: Mapped[int] = mapped_column(Integer, default=0)
     tok_s: Mapped[float | None] = mapped_column(Float)
     rounds: Mapped[int] = mapped_column(Integer, default=0)
-    accepted_per_round: Mapped[list] = mapped_column(default=list)
+    accepted_drafts: Mapped[list] = mapped_column(default=list)
 
     run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))
     run: Mapped[Run | None] = relationship(back_populates="jobs")  # noqa: F821
@@ -84,9 +84,9 @@ class Job(Base):
         return self.status in FINISHED_STATUSES
 
     @property
-    def accepted_mean(self) -> float | None:
+    def accepted_drafts_mean(self) -> float | None:
         """Mean number of drafts accepted per round, None before the first round."""
-        counts = self.accepted_per_round or []
+        counts = self.accepted_drafts or []
         return sum(counts) / len(counts) if counts else None
 
     @property
@@ -116,14 +116,14 @@ class Job(Base):
             self.finished_at = utcnow()
 
     def record_progress(
-        self, ids: list[int], text: str, accepted_per_round: list[int], elapsed_s: float
+        self, ids: list[int], text: str, accepted_drafts: list[int], elapsed_s: float
     ) -> None:
         """Store what has been committed so far; called by the coordinator every round."""
         self.output_ids = list(ids)
         self.output_text = text
         self.generated_tokens = len(ids)
-        self.accepted_per_round = list(accepted_per_round)
-        self.rounds = len(accepted_per_round)
+        self.accepted_drafts = list(accepted_drafts)
+        self.rounds = len(accepted_drafts)
         self.tok_s = len(ids) / elapsed_s if elapsed_s > 0 else None
 
     def to_dict(self) -> dict:
@@ -145,8 +145,8 @@ class Job(Base):
             "generated_tokens": self.generated_tokens,
             "tok_s": self.tok_s,
             "rounds": self.rounds,
-            "accepted_per_round": self.accepted_per_round or [],
-            "accepted_mean": self.accepted_mean,
+            "accepted_drafts": self.accepted_drafts or [],
+            "accepted_drafts_mean": self.accepted_drafts_mean,
             "tokens_per_round": self.tokens_per_round,
             "error": self.error,
             "run_id": self.run_id,

@@ -35,7 +35,7 @@ class GenerationStats:
         return self.generated / self.seconds if self.seconds > 0 else 0.0
 
     @property
-    def accepted_per_round(self) -> float:
+    def tokens_per_round(self) -> float:
         """Tokens committed per verify round (accepted drafts plus the target's own token)."""
         return self.generated / self.rounds if self.rounds else 0.0
 

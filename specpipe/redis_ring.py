@@ -21,6 +21,7 @@ from specpipe import inventory, streams, wire
 from specpipe.inventory import NodeInfo
 from specpipe.ring import GapError, SamplingParams
 from specpipe.sampling import Sampler
+from specpipe.settings import Settings
 
 
 class RingError(RuntimeError):
@@ -43,7 +44,9 @@ class RedisRing:
     ) -> None:
         if not route:
             raise ValueError("a ring needs at least one stage")
-        self.route = tuple(wire.Hop(h.host, h.redis_url) for h in route)
+        # The stages in ring order: inventory records when routed from the inventory (the run's
+        # node snapshot), else bare hops. Only their host and Redis URL go on the wire.
+        self.route = tuple(route)
         self.swarm = swarm
         self.key = key
         self.reply_url = reply_url
@@ -58,22 +61,34 @@ class RedisRing:
     @classmethod
     def from_inventory(
         cls,
-        registry_url: str,
-        swarm: str,
-        key: bytes,
+        settings: Settings,
+        model: str,
         n_layers: int,
-        model: str | None = None,
+        *,
+        registry_url: str | None = None,
         reply_url: str | None = None,
         **options,
     ) -> RedisRing:
-        """A ring over the online stages the registry's inventory lists (RouteError if none)."""
-        client = redis.Redis.from_url(registry_url)
+        """The ring every caller builds: the online stages serving `model` that the swarm's
+        registry lists, covering its `n_layers` layers in order.
+
+        The registry is `settings.redis_url` unless `registry_url` is given, and replies come
+        back there unless `reply_url` is given. Raises RingError when the swarm has no key or
+        the registry cannot be read, RouteError when the online stages leave layers uncovered.
+        """
+        if not settings.swarm_key:
+            raise RingError("the swarm is not configured: SPECPIPE_SWARM_KEY is not set")
+        registry = registry_url or settings.redis_url
+        client = redis.Redis.from_url(registry, socket_connect_timeout=5, socket_timeout=5)
         try:
-            nodes = inventory.load(client, swarm)
+            nodes = inventory.load(client, settings.swarm)
+        except redis.RedisError as exc:
+            raise RingError(f"cannot read the inventory at {registry}: {exc}") from None
         finally:
             client.close()
-        chain = inventory.route(nodes, n_layers, model=model)
-        return cls(chain, swarm, key, reply_url or registry_url, **options)
+        route = inventory.route(nodes, n_layers, model=model)
+        key = settings.swarm_key.encode()
+        return cls(route, settings.swarm, key, reply_url or registry, **options)
 
     def reset(self, session: str, params: SamplingParams) -> None:
         """Clear every stage's cache for the session and give the tail its sampling parameters."""

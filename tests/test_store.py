@@ -71,7 +71,7 @@ def test_jobs_from_before_stop_strings_read_as_none(fresh_database_url):
                 max_new_tokens=8, temp=0.0, top_p=1.0, top_k=0, seed="00000000000000000001",
                 seed_was_random=False, draft_k=0, status="done", cancel_requested=False,
                 output_text="abc", output_ids=[1, 2, 3], generated_tokens=3, rounds=3,
-                accepted_per_round=[0, 0, 0],
+                accepted_drafts=[0, 0, 0],
             )
         )  # fmt: skip
     upgrade(url)
@@ -115,7 +115,7 @@ def test_record_progress(db_session):
     db_session.commit()
     assert job.generated_tokens == 4 and job.rounds == 2
     assert job.tok_s == pytest.approx(2.0)
-    assert job.accepted_mean == pytest.approx(1.0)
+    assert job.accepted_drafts_mean == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize(

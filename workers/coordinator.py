@@ -17,7 +17,7 @@ its `output_text` is cut just before the earliest occurrence, while `output_ids`
 count and tok/s that follow from them) keep every token committed up to and including that
 round, so a few ids past the stop may be stored.
 
-A job's `accepted_per_round` lists the drafts accepted in each round (0 … draft_k); tokens
+A job's `accepted_drafts` lists the drafts accepted in each round (0 … draft_k); tokens
 committed per round are those plus the target's own token (`Job.tokens_per_round`).
 """
 
@@ -27,7 +27,6 @@ import logging
 import secrets
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from functools import lru_cache
 from typing import Protocol
 
 import redis
@@ -38,21 +37,19 @@ from sqlalchemy.orm import Session
 from models import Job
 from models.db import utcnow
 from models.runs import start_run
-from specpipe import inventory
 from specpipe.generation import Generation
 from specpipe.inventory import RouteError
 from specpipe.redis_ring import RedisRing, RingError
 from specpipe.ring import GapError, Ring, SamplingParams
-from specpipe.settings import Settings, redis_url, stalled_after_s
+from specpipe.settings import Settings, stalled_after_s
 from specpipe.stopping import GenerationText
+from specpipe.target import open_target
 from workers.celery_app import DbTask
 from workers.locks import LockKeeper
+from workers.names import GENERATE_TASK, RESUME_STALLED_TASK
 from workers.nodes import sync_inventory
 
 log = logging.getLogger("specpipe.coordinator")
-
-GENERATE_TASK = "workers.coordinator.generate"
-RESUME_TASK = "workers.coordinator.resume_stalled"
 
 
 class Codec(Protocol):
@@ -101,7 +98,7 @@ def run_job(
         job.prompt_tokens = len(prompt_ids)
         params = SamplingParams(temp=job.temp, top_p=job.top_p, top_k=job.top_k, seed=job.seed)
         resume = list(job.output_ids or [])
-        accepted = list(job.accepted_per_round or [])
+        accepted = list(job.accepted_drafts or [])
         # The time already spent, so tok/s after a resume still counts the whole job.
         spent_s = len(resume) / job.tok_s if resume and job.tok_s else 0.0
         output = GenerationText(codec.decode, eos, job.stop or [])
@@ -175,34 +172,6 @@ def _drop_quietly(ring: Ring, session_name: str) -> None:
         close()
 
 
-class _ModelCodec:
-    """A checkpoint's tokenizer as the coordinator's Codec."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    def prompt_ids(self, prompt: str) -> list[int]:
-        return self.tokenizer.prompt_ids(prompt)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)
-
-
-@lru_cache(maxsize=4)
-def _open_model(model: str) -> tuple[int, str, _ModelCodec, frozenset[int]]:
-    """(layer count, inventory label, codec, end-of-sequence ids) of a model, read once."""
-    # The model package is needed only here, for the tokenizer and the layer count.
-    from specpipe.model.resolve import load_tokenizer, model_label, open_checkpoint
-
-    checkpoint = open_checkpoint(model)
-    tokenizer = load_tokenizer(checkpoint)
-    eos = set(checkpoint.config.eos_token_ids)
-    eos_token = getattr(tokenizer, "eos_token", None)
-    if eos_token and tokenizer.token_id(eos_token) is not None:
-        eos.add(tokenizer.token_id(eos_token))
-    return checkpoint.config.n_layers, model_label(model), _ModelCodec(tokenizer), frozenset(eos)
-
-
 def lock_key(swarm: str, job_id: int) -> str:
     """The Redis key of a job's lock, held while a coordinator runs it."""
     return f"specpipe:{swarm}:job-lock:{job_id}"
@@ -219,15 +188,11 @@ def generate(self, job_id: int) -> str | None:
     if job.finished:
         return job.status
     try:
-        n_layers, label, codec, eos = _open_model(job.model)
-    except Exception as exc:
-        return _finish(session, job, "failed", f"cannot open model {job.model!r}: {exc}")
+        target = open_target(job.model)
+    except ValueError as exc:
+        return _finish(session, job, "failed", str(exc))
     settings = Settings.from_env()
-    if not settings.swarm_key:
-        return _finish(session, job, "failed", "the swarm is not configured: "
-                                                 "SPECPIPE_SWARM_KEY is not set")  # fmt: skip
-    registry = redis_url()
-    client = redis.Redis.from_url(registry, socket_connect_timeout=5)
+    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
     # Not thread-local: the keeper's thread refreshes the token this thread took.
     lock = client.lock(lock_key(settings.swarm, job_id), timeout=stalled_after_s(),
                        thread_local=False)  # fmt: skip
@@ -239,28 +204,27 @@ def generate(self, job_id: int) -> str | None:
             return "running"
     except redis.RedisError as exc:
         client.close()
-        return _finish(session, job, "failed", f"cannot reach Redis at {registry}: {exc}")
+        return _finish(session, job, "failed", f"cannot reach Redis at {settings.redis_url}: {exc}")
 
     def make_ring(_job: Job) -> RedisRing:
-        nodes = inventory.load(client, settings.swarm)
-        chain = inventory.route(nodes, n_layers, model=label)
-        sync_inventory(session, chain)  # the run's snapshot is the ring as it is now
-        return RedisRing(chain, settings.swarm, settings.swarm_key.encode(), registry)
+        ring = RedisRing.from_inventory(settings, target.name, target.n_layers)
+        sync_inventory(session, list(ring.route))  # the run's snapshot is the ring as it is now
+        return ring
 
     try:
-        return run_job(session, job_id, make_ring, codec, eos, keeper.owned)
+        return run_job(session, job_id, make_ring, target, target.eos_ids, keeper.owned)
     finally:
         keeper.stop()
         client.close()
 
 
-@shared_task(name=RESUME_TASK, bind=True, base=DbTask, ignore_result=True)
+@shared_task(name=RESUME_STALLED_TASK, bind=True, base=DbTask, ignore_result=True)
 def resume_stalled(self) -> list[int]:
     """Celery beat task: re-enqueue running jobs whose coordinator stopped making progress."""
-    swarm = Settings.from_env().swarm
-    client = redis.Redis.from_url(redis_url(), socket_connect_timeout=5)
+    settings = Settings.from_env()
+    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
     try:
-        resumed = stalled_jobs(self.session, client, swarm, stalled_after_s())
+        resumed = stalled_jobs(self.session, client, settings.swarm, stalled_after_s())
     finally:
         client.close()
     for job_id in resumed:

@@ -11,9 +11,8 @@ from sqlalchemy.orm import Session
 
 from models.nodes import NODE_FIELDS, upsert_node
 from specpipe import inventory
-from specpipe.settings import Settings, redis_url
-
-SYNC_TASK = "workers.nodes.sync"
+from specpipe.settings import Settings
+from workers.names import SYNC_NODES_TASK
 
 
 def sync_inventory(session: Session, nodes: list[inventory.NodeInfo]) -> int:
@@ -27,11 +26,11 @@ def sync_inventory(session: Session, nodes: list[inventory.NodeInfo]) -> int:
     return len(nodes)
 
 
-@shared_task(name=SYNC_TASK, bind=True)
+@shared_task(name=SYNC_NODES_TASK, bind=True)
 def sync(self) -> int:
     """Celery beat task: read the inventory from the swarm's Redis and store it."""
     settings = Settings.from_env()
-    client = redis.Redis.from_url(redis_url(), socket_connect_timeout=3)
+    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3)
     try:
         nodes = inventory.load(client, settings.swarm)
     finally:

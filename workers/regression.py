@@ -34,22 +34,18 @@ from models.runs import Proof, Run
 from specpipe import __version__, inventory
 from specpipe.proofs.generation import run_generation_proof
 from specpipe.proofs.local import LocalProofConfig, run_local_proof
+from specpipe.proofs.prompts import DEFAULT_GENERATION_PROMPT, DEFAULT_PROMPTS
 from specpipe.proofs.swarm import SwarmProofConfig, run_swarm_proof
-from specpipe.proofs.target import (
-    DEFAULT_GENERATION_PROMPT,
-    DEFAULT_PROMPTS,
-    Target,
-    open_target,
-)
 from specpipe.redis_ring import RedisRing, RingError
 from specpipe.ring import GapError
-from specpipe.settings import Settings, default_model, nightly_sizes, redis_url
+from specpipe.settings import Settings, default_model, nightly_sizes
+from specpipe.target import Target, open_target
 from workers.locks import LockKeeper
+from workers.names import NIGHTLY_TASK
 from workers.nodes import sync_inventory
 
 log = logging.getLogger("specpipe.regression")
 
-NIGHTLY_TASK = "workers.regression.nightly"
 LOCK_TTL_S = 120  # refreshed every 40 s while the run lives
 RESULT_TTL_S = 7 * 24 * 3600
 CLAIM = (
@@ -120,14 +116,14 @@ def _error_proof(kind: str, reason: str) -> Proof:
 def run_nightly(
     session: Session,
     target: Target | str,
-    ring_source: tuple[str, str, bytes],
+    settings: Settings,
     seed: int,
     sizes: dict[str, int],
 ) -> Run:
     """Run the three proofs and store them as one nightly run; committed before it returns.
 
-    `target` is the model (or why it could not be opened); `ring_source` is (registry Redis
-    URL, swarm, swarm key), from which the ring is routed over the online stages.
+    `target` is the model (or why it could not be opened); the ring is routed over the online
+    stages of the swarm `settings` names.
     """
     local = run_local_proof(LocalProofConfig(draws=sizes["local_draws"], seed=seed))
     errors: dict[str, str] = {}
@@ -138,16 +134,11 @@ def run_nightly(
         errors["on_swarm"] = errors["generation"] = target
     else:
         try:
-            registry, swarm, key = ring_source
-            client = redis.Redis.from_url(registry, socket_connect_timeout=5)
-            try:
-                chain = inventory.route(inventory.load(client, swarm), target.n_layers)
-            finally:
-                client.close()
-            sync_inventory(session, chain)  # the run's node snapshot is this ring, with roles
+            ring = RedisRing.from_inventory(settings, target.name, target.n_layers)
+            route = list(ring.route)
+            sync_inventory(session, route)  # the run's node snapshot is this ring, with roles
             session.commit()
-            topology = " → ".join([*(n.geo or n.host for n in chain), "back"])
-            ring = RedisRing(chain, swarm, key, registry)
+            topology = " → ".join([*(n.geo or n.host for n in route), "back"])
             prompts = [target.prompt_ids(p) for p in DEFAULT_PROMPTS]
             swarm_result = run_swarm_proof(
                 ring,
@@ -221,8 +212,7 @@ def nightly(self, key: str | None = None) -> dict:
     settings = Settings.from_env()
     today = utcnow().date()
     key = key or f"night-{today.isoformat()}"
-    registry = settings.redis_url or redis_url()
-    client = redis.Redis.from_url(registry, socket_connect_timeout=5)
+    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
     holder = f"{socket.gethostname()}:{os.getpid()}"
     keeper = None
     try:
@@ -234,15 +224,9 @@ def nightly(self, key: str | None = None) -> dict:
             target: Target | str = open_target(default_model())
         except ValueError as exc:
             target = str(exc)
-        if settings.swarm_key is None and not isinstance(target, str):
-            target = "the swarm is not configured: SPECPIPE_SWARM_KEY is not set"
         sizes = nightly_sizes()
         run = run_nightly(
-            self.session,
-            target,
-            (registry, settings.swarm, (settings.swarm_key or "").encode()),
-            sizes["seed"] or nightly_seed(today),
-            sizes,
+            self.session, target, settings, sizes["seed"] or nightly_seed(today), sizes
         )  # on an exception the lock is released below, so a retry runs the night
         outcome = {"key": key, "run_id": run.id, "name": run.name, "verdict": run.verdict}
         client.set(result_key(settings.swarm, key), json.dumps(outcome), ex=RESULT_TTL_S)

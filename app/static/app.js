@@ -28,7 +28,7 @@
     setText("stat-per-round", fixed(job.tokens_per_round, 2));
     setText("job-output", job.output_text || "");
     var strip = document.getElementById("rounds-strip");
-    var rounds = job.accepted_per_round || [];
+    var rounds = job.accepted_drafts || [];
     if (strip && strip.dataset.rounds !== String(rounds.length)) {
       strip.dataset.rounds = String(rounds.length);
       var k = parseInt(strip.dataset.k, 10) || 1;

@@ -1,27 +1,89 @@
-"""`specpipe generate`: generate text from a prompt, on the swarm or with every stage here."""
+"""`specpipe generate`: generate text from a prompt, on the swarm or with every stage here.
+
+Both paths take the same options with the same defaults as the web form and the API, stream
+their text the same way (`TextStream`) and report the same numbers (`Outcome`). On the swarm
+the job goes through the submission path the web app uses, checked against the same limits,
+and its text streams as the coordinator records it.
+"""
 
 from __future__ import annotations
 
 import json
+import secrets
 import sys
+import time
+from dataclasses import asdict, dataclass
 
 import click
 
 from specpipe.cli.model import ModelInputError
 from specpipe.cli.options import sampling_options
+from specpipe.settings import JOB_DEFAULTS
 from specpipe.stopping import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
-    GenerationText,
     check_stop_strings,
     hold_back_stop_prefix,
 )
+
+SEED_MAX = 2**64 - 1
 
 
 class StopOptionError(click.ClickException):
     """Stop strings that cannot be used: one line, exit status 2."""
 
     exit_code = 2
+
+
+class JobOptionError(click.ClickException):
+    """Options the swarm's job limits refuse: one line, exit status 2."""
+
+    exit_code = 2
+
+
+@dataclass
+class Outcome:
+    """A finished generation as `generate` reports it."""
+
+    tokens: list[int]
+    text: str
+    tok_s: float
+    rounds: int
+    tokens_per_round: float  # tokens committed per verify round
+    seed: int
+
+    def to_json(self) -> str:
+        record = asdict(self)
+        record["tok_s"] = round(self.tok_s, 3)
+        record["tokens_per_round"] = round(self.tokens_per_round, 3)
+        return json.dumps(record)
+
+    def summary(self) -> str:
+        return (
+            f"{len(self.tokens)} tokens, {self.tok_s:.2f} tok/s, {self.rounds} rounds, "
+            f"{self.tokens_per_round:.2f} tokens per round, seed {self.seed}"
+        )
+
+
+class TextStream:
+    """Echoes a generation's text as it grows. What may still change is held back: an ending
+    that could begin a stop string, and an incomplete UTF-8 sequence."""
+
+    def __init__(self, stops: list[str], quiet: bool) -> None:
+        self.stops, self.quiet, self.shown = stops, quiet, ""
+
+    def show(self, text: str) -> None:
+        if self.quiet:
+            return
+        text = hold_back_stop_prefix(text, self.stops)
+        if not text.endswith("\ufffd") and text.startswith(self.shown):
+            click.echo(text[len(self.shown) :], nl=False)
+            sys.stdout.flush()
+            self.shown = text
+
+    def finish(self, text: str) -> None:
+        if not self.quiet:
+            click.echo(text[len(self.shown) :] if text.startswith(self.shown) else "")
 
 
 @click.command(name="generate")
@@ -39,17 +101,22 @@ class StopOptionError(click.ClickException):
 @click.option("--no-spec", is_flag=True, help="Plain decoding: one token per round, no drafts.")
 @click.option(
     "--draft-k",
-    type=click.IntRange(0, 64),
-    default=8,
+    type=click.IntRange(min=0),
+    default=JOB_DEFAULTS["draft_k"],
     show_default=True,
     help="Drafted tokens verified per round (0: plain, as --no-spec).",
 )
-@sampling_options(0.0, 1.0, greedy=True)
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed.")
+@sampling_options(JOB_DEFAULTS["temp"], JOB_DEFAULTS["top_p"], greedy=True)
+@click.option(
+    "--seed",
+    type=click.IntRange(0, SEED_MAX),
+    default=None,
+    help="Seed [default: drawn at random and reported, so the run can be repeated].",
+)
 @click.option(
     "--max-new-tokens",
     type=click.IntRange(min=1),
-    default=128,
+    default=JOB_DEFAULTS["max_new_tokens"],
     show_default=True,
     help="Stop after this many new tokens.",
 )
@@ -94,7 +161,7 @@ def generate(
     temp: float,
     top_p: float,
     top_k: int,
-    seed: int,
+    seed: int | None,
     max_new_tokens: int,
     stops: tuple[str, ...],
     raw: bool,
@@ -108,22 +175,16 @@ def generate(
 
     Without --local the job goes to the running swarm (the one `specpipe up` started, or
     REDIS_URL's) exactly as a job from the web app does, and its text streams as the
-    coordinator records it.
+    coordinator records it. The defaults are the web form's and the API's.
 
     Examples:
 
         specpipe generate "Why is the sky blue?" --temp 0.8 --seed 1
 
-        specpipe generate --local "Summarise: the cat sat on the mat." --max-new-tokens 64
+        specpipe generate --local "Summarise: the cat sat on the mat." --temp 0
 
         specpipe generate --local "List three colours:" --stop "4."
     """
-    import torch
-
-    from specpipe.generation import Generation
-    from specpipe.model.errors import ModelError
-    from specpipe.model.resolve import load_stages, load_tokenizer, open_checkpoint
-    from specpipe.ring import LocalRing, SamplingParams
     from specpipe.sampling import check_params
 
     try:
@@ -134,86 +195,85 @@ def generate(
         stop_strings = check_stop_strings(stops)
     except ValueError as e:
         raise StopOptionError(f"--stop {e}") from None
-    if not local:
+    request = dict(prompt=prompt, max_new_tokens=max_new_tokens, temp=temp, top_p=top_p,
+                   top_k=top_k, seed=seed, draft_k=0 if no_spec else draft_k,
+                   stop=stop_strings)  # fmt: skip
+    request = checked_request(request)
+    stream = TextStream(stop_strings, quiet=as_json)
+    if local:
+        options = dict(stages=stages, raw=raw, dtype=dtype, device=device, threads=threads,
+                       row_stable=row_stable)  # fmt: skip
+        outcome, where = generate_locally(request, model_name, options, stream), ""
+    else:
         if raw:
             raise click.UsageError("--raw needs --local: swarm jobs always use the chat template")
-        params = dict(prompt=prompt, max_new_tokens=max_new_tokens, temp=temp, top_p=top_p,
-                      top_k=top_k, seed=seed, draft_k=0 if no_spec else draft_k,
-                      stop=stop_strings)  # fmt: skip
-        generate_on_swarm(params, None if model_name == "default" else model_name, as_json)
+        model = None if model_name == "default" else model_name
+        job_id, outcome = generate_on_swarm(request, model, stream)
+        where = f"job {job_id}: "
+    if as_json:
+        click.echo(outcome.to_json())
         return
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        checkpoint = open_checkpoint(model_name)
-        tokenizer = load_tokenizer(checkpoint)
-        n_stages = min(stages, checkpoint.config.n_layers)
-        ring = LocalRing(
-            load_stages(model_name, n_stages, dtype=dtype, device=device, row_stable=row_stable)
-        )
-        prompt_ids = tokenizer.prompt_ids(prompt, raw=raw)
-    except ModelError as e:
-        raise ModelInputError(str(e)) from None
-    eos = set(checkpoint.config.eos_token_ids)
-    if tokenizer.eos_token and tokenizer.token_id(tokenizer.eos_token) is not None:
-        eos.add(tokenizer.token_id(tokenizer.eos_token))
-    output = GenerationText(tokenizer.decode, eos, stop_strings)
+    stream.finish(outcome.text)
+    click.echo(f"\n{where}{outcome.summary()}", err=True)
 
+
+def generate_locally(request: dict, model_name: str, options: dict, stream: TextStream) -> Outcome:
+    """Run the generation with every stage in this process."""
+    import torch
+
+    from specpipe.generation import Generation
+    from specpipe.ring import LocalRing, SamplingParams
+    from specpipe.stopping import GenerationText
+    from specpipe.target import open_target
+
+    if options["threads"]:
+        torch.set_num_threads(options["threads"])
+    try:
+        target = open_target(model_name)
+        ring = LocalRing(
+            target.load_stages(
+                min(options["stages"], target.n_layers),
+                dtype=options["dtype"],
+                device=options["device"],
+                row_stable=options["row_stable"],
+            )
+        )
+        prompt_ids = target.prompt_ids(request["prompt"], raw=options["raw"])
+    except ValueError as e:
+        raise ModelInputError(str(e)) from None
+    seed = secrets.randbits(64) if request["seed"] is None else request["seed"]
+    output = GenerationText(target.decode, target.eos_ids, request["stop"])
     run = Generation(
         ring,
         "local",
         prompt_ids,
-        SamplingParams(temp=temp, top_p=top_p, top_k=top_k, seed=seed),
-        max_new_tokens=max_new_tokens,
-        draft_k=0 if no_spec else draft_k,
-        eos_ids=eos,
+        SamplingParams(
+            temp=request["temp"], top_p=request["top_p"], top_k=request["top_k"], seed=seed
+        ),  # fmt: skip
+        max_new_tokens=request["max_new_tokens"],
+        draft_k=request["draft_k"],
+        eos_ids=target.eos_ids,
         should_stop=output.should_stop,
     )
-    shown = ""
     for _ in run.rounds():
-        if as_json:
-            continue
-        text = hold_back_stop_prefix(output.cut(run.generated)[0], stop_strings)
-        # Hold back an incomplete UTF-8 sequence until its last byte arrives.
-        if not text.endswith("\ufffd") and text.startswith(shown):
-            click.echo(text[len(shown) :], nl=False)
-            sys.stdout.flush()
-            shown = text
+        stream.show(output.cut(run.generated)[0])
     stats = run.stats
-    text, _ = output.cut(run.generated)
-    if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "tokens": run.generated,
-                    "text": text,
-                    "tok_s": round(stats.tok_s, 3),
-                    "rounds": stats.rounds,
-                    "accepted_per_round": round(stats.accepted_per_round, 3),
-                }
-            )
-        )
-        return
-    click.echo(text[len(shown) :] if text.startswith(shown) else "")
-    click.echo(
-        f"\n{stats.generated} tokens in {stats.seconds:.2f} s: {stats.tok_s:.2f} tok/s, "
-        f"{stats.rounds} rounds, {stats.accepted_per_round:.2f} tokens per round",
-        err=True,
-    )
+    return Outcome(run.generated, output.cut(run.generated)[0], stats.tok_s, stats.rounds,
+                   stats.tokens_per_round, seed)  # fmt: skip
 
 
-def generate_on_swarm(params: dict, model: str | None, as_json: bool) -> None:
-    """Submit a job to the running swarm, stream its text as it is recorded, report its stats."""
-    import time
-
+def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> tuple[int, Outcome]:
+    """Submit a job to the running swarm and stream its text as it is recorded."""
     import redis
 
     from models.db import make_session_factory
     from models.jobs import Job
     from specpipe import inventory, settings
-    from workers.queue import QueueUnavailable, make_client, send_generate, submit_job
+    from workers.submission import QueueUnavailable, Submitter
 
-    url, swarm = settings.redis_url(), settings.swarm_name()
+    config = settings.Settings.from_env()
+    url, swarm = config.redis_url, config.swarm
+    submitter = Submitter.connect(url, model or settings.default_model(), settings.job_limits())
     hint = "start one with `specpipe up`, or set REDIS_URL"
     client = redis.Redis.from_url(url, socket_connect_timeout=3)
     try:
@@ -227,32 +287,21 @@ def generate_on_swarm(params: dict, model: str | None, as_json: bool) -> None:
         raise click.ClickException(f"no swarm running: no stage is online in swarm {swarm!r} "
                                    f"at {url}; {hint}")  # fmt: skip
 
-    sessions = make_session_factory(settings.database_url())
-    celery = make_client(url)
+    sessions = make_session_factory(config.database_url)
     with sessions() as session:
         try:
-            job = submit_job(
-                session, params, model or settings.default_model(),
-                lambda job_id: send_generate(celery, job_id),
-            )  # fmt: skip
+            job_id = submitter.submit(session, request).id
         except QueueUnavailable as exc:
             raise click.ClickException(f"job {exc.job.id}: {exc}") from None
         except Exception as exc:  # e.g. a store that was never migrated
-            raise click.ClickException(f"cannot store the job in {settings.database_url()}: "
+            raise click.ClickException(f"cannot store the job in {config.database_url}: "
                                        f"{exc}") from None  # fmt: skip
-        job_id = job.id
-    shown, warned, queued_since = "", False, time.monotonic()
+    warned, queued_since = False, time.monotonic()
     try:
         while True:
             with sessions() as session:
                 job = session.get(Job, job_id)
-            if not as_json:
-                # The stored text is cut at a stop string; its ending may begin one not yet whole.
-                text = hold_back_stop_prefix(job.output_text or "", job.stop or [])
-                if not text.endswith("\ufffd") and text.startswith(shown):
-                    click.echo(text[len(shown) :], nl=False)
-                    sys.stdout.flush()
-                    shown = text
+            stream.show(job.output_text or "")
             if job.finished:
                 break
             if job.status == "queued" and not warned and time.monotonic() - queued_since > 10:
@@ -266,24 +315,23 @@ def generate_on_swarm(params: dict, model: str | None, as_json: bool) -> None:
         raise click.ClickException(f"job {job_id}: cancelled") from None
     if job.status != "done":
         raise click.ClickException(f"job {job_id} {job.status}: {job.error or 'no reason given'}")
-    tok_s, per_round = job.tok_s or 0.0, job.tokens_per_round or 0.0
-    if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "tokens": list(job.output_ids or []),
-                    "text": job.output_text,
-                    "tok_s": round(tok_s, 3),
-                    "rounds": job.rounds,
-                    "accepted_per_round": round(per_round, 3),
-                }
-            )
-        )
-        return
-    rest = job.output_text
-    click.echo(rest[len(shown) :] if rest.startswith(shown) else "")
-    click.echo(
-        f"\njob {job_id}: {job.generated_tokens} tokens, {tok_s:.2f} tok/s, {job.rounds} rounds, "
-        f"{per_round:.2f} tokens per round",
-        err=True,
-    )
+    outcome = Outcome(list(job.output_ids or []), job.output_text, job.tok_s or 0.0, job.rounds,
+                      job.tokens_per_round or 0.0, job.seed)  # fmt: skip
+    return job_id, outcome
+
+
+def checked_request(request: dict) -> dict:
+    """The request checked against the job limits the web app and the API apply."""
+    from specpipe.settings import job_limits
+    from workers.submission import JobRequestError, parse_job_request
+
+    try:
+        return parse_job_request(request, job_limits(), from_text=False)
+    except JobRequestError as exc:
+        problems = [f"{_option(name)} {reason}" for name, reason in exc.errors.items()]
+        raise JobOptionError("; ".join(problems)) from None
+
+
+def _option(field: str) -> str:
+    """The command-line spelling of a job field."""
+    return "PROMPT" if field == "prompt" else "--" + field.replace("_", "-")

@@ -10,10 +10,12 @@ import click
 
 
 @click.command(name="nodes")
-@click.option("--redis", "redis_url", envvar="REDIS_URL",
-              help="The swarm's registry Redis (default: the one `specpipe up` runs).")  # fmt: skip
-@click.option("--swarm", envvar="SPECPIPE_SWARM", default=None,
-              help="The swarm's name (default: the running swarm's, else `default`).")  # fmt: skip
+@click.option("--redis", "redis_url",
+              help="The swarm's registry Redis [default: REDIS_URL, else the one `specpipe up` "
+                   "runs].")  # fmt: skip
+@click.option("--swarm", default=None,
+              help="The swarm's name [default: SPECPIPE_SWARM, else the running swarm's, else "
+                   "`default`].")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True,
               help="Print JSON: each node's record, role, status and stage counters.")  # fmt: skip
 def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
@@ -31,7 +33,9 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
 
     from specpipe import inventory, settings
 
-    redis_url = redis_url or settings.swarm_file().get("redis_url")
+    redis_url = (
+        redis_url or settings.configured_redis_url() or settings.swarm_file().get("redis_url")
+    )
     swarm = swarm or settings.swarm_name()
     if not redis_url:
         raise click.ClickException("no swarm Redis: set REDIS_URL or pass --redis")

@@ -173,13 +173,11 @@ def ring_options(func):
 
 def open_ring(redis_option: str | None, local_model: str | None, model: str | None):
     """(ring, target, description) for the options; ClickException with one line otherwise."""
-    import redis
-
-    from specpipe import inventory
-    from specpipe.proofs.target import open_target
-    from specpipe.redis_ring import RedisRing
+    from specpipe.inventory import RouteError
+    from specpipe.redis_ring import RedisRing, RingError
     from specpipe.ring import LocalRing
-    from specpipe.settings import Settings, default_model, redis_url
+    from specpipe.settings import Settings, default_model
+    from specpipe.target import open_target
 
     if local_model and (redis_option or model):
         raise click.UsageError("--local runs without the swarm: drop --redis and --model")
@@ -195,20 +193,15 @@ def open_ring(redis_option: str | None, local_model: str | None, model: str | No
         except Exception as exc:  # a checkpoint that fails to load: one line
             raise click.ClickException(f"cannot load {target.name!r}: {exc}") from None
     settings = Settings.from_env()
-    if not settings.swarm_key:
-        raise click.ClickException("SPECPIPE_SWARM_KEY is not set: the swarm's key is needed")
-    url = redis_option or settings.redis_url or redis_url()
-    client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=5)
     try:
-        chain = inventory.route(inventory.load(client, settings.swarm), target.n_layers)
-    except redis.RedisError as exc:
-        raise click.ClickException(f"no swarm reachable: Redis at {url}: {exc}") from None
-    except inventory.RouteError as exc:
+        ring = RedisRing.from_inventory(
+            settings, target.name, target.n_layers, registry_url=redis_option
+        )
+    except RingError as exc:
+        raise click.ClickException(str(exc)) from None
+    except RouteError as exc:
         raise click.ClickException(f"no complete ring in swarm {settings.swarm!r}: {exc}") from None
-    finally:
-        client.close()
-    ring = RedisRing(chain, settings.swarm, settings.swarm_key.encode(), url)
-    return ring, target, " → ".join(n.host for n in chain)
+    return ring, target, " → ".join(hop.host for hop in ring.route)
 
 
 def _ring_errors() -> tuple[type[Exception], ...]:
@@ -287,8 +280,8 @@ def proof_swarm(
     """
     from tqdm import tqdm
 
+    from specpipe.proofs.prompts import DEFAULT_PROMPTS
     from specpipe.proofs.swarm import SwarmProofConfig, run_swarm_proof
-    from specpipe.proofs.target import DEFAULT_PROMPTS
 
     texts = [p for p in prompts if p.strip()] or list(DEFAULT_PROMPTS)
     if len(texts) != len(prompts) and prompts:
@@ -409,7 +402,7 @@ def proof_generation(
         specpipe proof generation --seed 7 --seed 99
     """
     from specpipe.proofs.generation import run_generation_proof
-    from specpipe.proofs.target import DEFAULT_GENERATION_PROMPT
+    from specpipe.proofs.prompts import DEFAULT_GENERATION_PROMPT
 
     if prompt is not None and not prompt.strip():
         raise click.BadParameter("the prompt is empty", param_hint="--prompt")

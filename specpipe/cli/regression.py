@@ -35,17 +35,18 @@ def regression_run(timeout: float) -> None:
     """
     import redis
 
-    from specpipe.settings import Settings, redis_url
+    from specpipe.settings import Settings
     from workers.celery_app import celery
-    from workers.regression import NIGHTLY_TASK, result_key
+    from workers.names import COORDINATOR_QUEUE, NIGHTLY_TASK
+    from workers.regression import result_key
 
     settings = Settings.from_env()
-    url = settings.redis_url or redis_url()
+    url = settings.redis_url
     key = f"manual-{uuid.uuid4().hex[:12]}"
     client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=5)
     try:
         client.ping()
-        celery.send_task(NIGHTLY_TASK, kwargs={"key": key}, queue="coordinator")
+        celery.send_task(NIGHTLY_TASK, kwargs={"key": key}, queue=COORDINATOR_QUEUE)
         click.echo(f"enqueued {NIGHTLY_TASK} ({key}); waiting up to {timeout:g} s", err=True)
         deadline = time.monotonic() + timeout
         outcome = None

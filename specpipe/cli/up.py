@@ -88,13 +88,13 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
     except Exception as exc:  # an unreachable or broken database is one line
         raise click.ClickException(f"could not migrate the database: {exc}") from exc
     try:
-        redis_url, private_redis = ensure_redis(os.environ.get("REDIS_URL") or None)
+        redis_url, private_redis = ensure_redis(settings.configured_redis_url())
     except RedisUnavailable as exc:
         raise click.ClickException(str(exc)) from None
 
     # The stages' streams go over the private Redis's unix socket where it has one.
     data_url = (private_redis.socket_url if private_redis else None) or redis_url
-    swarm = settings.swarm_name() if os.environ.get("SPECPIPE_SWARM") else "default"
+    swarm = settings.swarm_name(running=False)  # not a name an earlier run recorded
     env = {
         "REDIS_URL": redis_url,
         "SPECPIPE_SWARM_KEY": swarm_key,

@@ -135,16 +135,19 @@ def worker_stage(
 
 
 @worker.command(name="coordinator")
-@click.option("--queue", default="coordinator", show_default=True, help="Celery queue to serve.")
+@click.option("--queue", help="Celery queue to serve [default: coordinator].")
 @click.option("--loglevel", default="INFO", show_default=True, help="Celery log level.")
-def worker_coordinator(queue: str, loglevel: str) -> None:
+def worker_coordinator(queue: str | None, loglevel: str) -> None:
     """Run the coordinator: the Celery worker that runs jobs (one at a time, JSON only).
 
     Example:
 
         REDIS_URL=redis://127.0.0.1:6379/0 specpipe worker coordinator
     """
+    from workers.names import COORDINATOR_QUEUE
+
     celery = _celery_app()
+    queue = queue or COORDINATOR_QUEUE
     celery.worker_main(
         ["worker", "--pool=solo", "--concurrency=1", "-Q", queue, f"--loglevel={loglevel}"]
     )

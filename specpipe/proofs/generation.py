@@ -37,7 +37,7 @@ def _one(
         "tokens": tokens,
         "tok_s": gen.stats.tok_s,
         "rounds": gen.stats.rounds,
-        "accepted_per_round": gen.stats.accepted_per_round,
+        "tokens_per_round": gen.stats.tokens_per_round,
     }
 
 
@@ -67,7 +67,7 @@ def run_generation_proof(
             "tok_s": spec["tok_s"],
             "plain_tok_s": plain["tok_s"],
             "speedup": spec["tok_s"] / plain["tok_s"] if plain["tok_s"] else None,
-            "accepted_per_round": spec["accepted_per_round"],
+            "tokens_per_round": spec["tokens_per_round"],
             "identical": spec["tokens"] == plain["tokens"],
             "spec": spec,
             "plain": plain,

@@ -90,8 +90,8 @@ def test_generate_tiny_checkpoint_spec_equals_plain(checkpoints, tmp_path):
     assert spec["tokens"] == plain["tokens"] and len(spec["tokens"]) > 0
     assert json.loads(invoke(*common, "--draft-k", "0").output)["rounds"] == plain["rounds"]
     assert plain["rounds"] == len(plain["tokens"])
-    assert set(spec) == {"tokens", "text", "tok_s", "rounds", "accepted_per_round"}
-    assert spec["accepted_per_round"] == pytest.approx(len(spec["tokens"]) / spec["rounds"], 1e-2)
+    assert set(spec) == {"tokens", "text", "tok_s", "rounds", "tokens_per_round", "seed"}
+    assert spec["tokens_per_round"] == pytest.approx(len(spec["tokens"]) / spec["rounds"], 1e-2)
 
 
 def test_generate_without_local_needs_a_running_swarm(monkeypatch, tmp_path):
@@ -106,7 +106,13 @@ def test_generate_without_local_needs_a_running_swarm(monkeypatch, tmp_path):
 
 def test_generate_default_streams_and_reports():
     result = invoke(
-        "generate", "--local", "What is the capital of France?", "--max-new-tokens", "8"
+        "generate",
+        "--local",
+        "What is the capital of France?",
+        "--max-new-tokens",
+        "8",
+        "--temp",
+        "0",
     )
     assert result.exit_code == 0
     assert "Paris" in result.output
@@ -114,7 +120,7 @@ def test_generate_default_streams_and_reports():
 
 
 @pytest.mark.parametrize(
-    "option", [["--temp", "-1"], ["--top-p", "0"], ["--top-k", "-2"], ["--draft-k", "65"]]
+    "option", [["--temp", "-1"], ["--top-p", "0"], ["--top-k", "-2"], ["--draft-k", "-1"]]
 )
 def test_generate_refuses_bad_sampling_options(option):
     result = CliRunner().invoke(cli, ["generate", "--local", "hi", *option])
@@ -163,3 +169,19 @@ def test_generate_refuses_bad_stop_strings_in_one_line(stops, message, where):
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2 and message in result.output
     assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--draft-k", "33"], "--draft-k must be between 0 (no speculation) and 32"),
+        (["--max-new-tokens", "5000"], "--max-new-tokens must be between 1 and 4096"),
+    ],
+)
+@pytest.mark.parametrize("where", [["--local"], []], ids=["local", "swarm"])
+def test_generate_meets_the_web_apps_limits_before_anything_runs(monkeypatch, option, message,
+                                                                 where):  # fmt: skip
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")  # nothing may be reached
+    result = CliRunner().invoke(cli, ["generate", *where, "hi", *option])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == f"Error: {message}"

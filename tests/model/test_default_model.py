@@ -142,7 +142,17 @@ def test_generate_local_greedy_matches_transformers(hf_model, prompt_ids, mode):
     from specpipe.cli import cli
 
     n = 24
-    args = ["generate", "--local", PROMPT, "--json", "--max-new-tokens", str(n), *mode]
+    args = [
+        "generate",
+        "--local",
+        PROMPT,
+        "--json",
+        "--temp",
+        "0",
+        "--max-new-tokens",
+        str(n),
+        *mode,
+    ]
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     got = json.loads(result.output)
     with torch.no_grad():

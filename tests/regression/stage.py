@@ -31,12 +31,14 @@ def main() -> None:
         block_ms=200,
         heartbeat_s=0.5,
     )
+    from specpipe.model.resolve import model_label
+
     node = inventory.NodeInfo(
         host=args.host,
         layer_start=start,
         layer_end=end,
         redis_url=args.redis,
-        model=args.model or "toy",
+        model=model_label(args.model) if args.model else "toy",
         public_ip=args.public_ip,
         geo=args.geo,
         **inventory.hardware(),

@@ -45,7 +45,7 @@ def test_bad_options_are_usage_errors(args):
 def test_no_swarm_reachable_is_one_clear_line(command):
     result = invoke("proof", command, "--redis", "redis://127.0.0.1:1/0", env=NO_SWARM)
     assert result.exit_code == 1
-    assert result.output.startswith("Error: no swarm reachable: Redis at redis://127.0.0.1:1/0")
+    assert result.output.startswith("Error: cannot read the inventory at redis://127.0.0.1:1/0")
     assert len(result.output.strip().splitlines()) == 1
 
 
@@ -62,7 +62,7 @@ def test_an_unknown_model_and_a_missing_key_are_one_line_each():
     assert result.exit_code == 1 and "cannot open model '/no/such/model'" in result.output
     result = invoke("proof", "generation", env={**NO_SWARM, "SPECPIPE_SWARM_KEY": None})
     assert result.exit_code == 1
-    assert result.output == "Error: SPECPIPE_SWARM_KEY is not set: the swarm's key is needed\n"
+    assert result.output == ("Error: the swarm is not configured: SPECPIPE_SWARM_KEY is not set\n")
 
 
 def test_proof_swarm_runs_in_process_on_a_local_ring(tmp_path):
@@ -98,7 +98,9 @@ def test_proof_generation_on_the_default_model_uses_its_tokenizer():
     result = invoke("proof", "generation", "--local", "default", "--max-new-tokens", "6",
                     "--seed", "7")  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert result.stdout.startswith("proof 3: generation, speculative vs plain (local (default))")
+    assert result.stdout.startswith(
+        "proof 3: generation, speculative vs plain (local (SmolLM2-135M-Instruct))"
+    )
     assert result.stdout.count("texts identical") == 2
     texts = [line for line in result.stdout.splitlines() if "speculative: " in line]
     assert all(any(c.isalpha() for c in t) for t in texts)  # real words from the tokenizer

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 from models.records import record_of
-from specpipe.settings import nightly_sizes
+from specpipe.settings import Settings, nightly_sizes
 from tests.regression.toy_target import toy_target
 from workers.regression import run_nightly
 
 SIZES = {**nightly_sizes(), "local_draws": 40_000}
 
 
+def nobody(redis_url: str) -> Settings:
+    """A swarm with no stage at all."""
+    return Settings.from_env().for_swarm(redis_url, "nobody", "k")
+
+
 def test_no_online_stage_is_an_error_run_naming_the_layers(db_session, private_redis):
-    run = run_nightly(db_session, toy_target(), (private_redis, "nobody", b"k"), 7, SIZES)
+    run = run_nightly(db_session, toy_target(), nobody(private_redis), 7, SIZES)
     assert run.verdict == "error"
     assert run.proof("local_math").verdict == "pass"
     for kind in ("on_swarm", "generation"):
@@ -26,7 +31,7 @@ def test_no_online_stage_is_an_error_run_naming_the_layers(db_session, private_r
 
 def test_a_model_that_cannot_open_is_an_error_run(db_session, private_redis):
     reason = "cannot open model 'gone': no such file"
-    run = run_nightly(db_session, reason, (private_redis, "nobody", b"k"), 7, SIZES)
+    run = run_nightly(db_session, reason, nobody(private_redis), 7, SIZES)
     assert run.verdict == "error"
     assert {p.kind: p.summary.get("error") for p in run.proofs if p.verdict == "error"} == {
         "on_swarm": reason,

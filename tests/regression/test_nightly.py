@@ -17,7 +17,8 @@ from models.records import record_of
 from models.runs import Run
 from specpipe.cli import cli
 from tests.regression.conftest import ROOT, STAGES
-from workers.regression import NIGHTLY_TASK, attempts_key
+from workers.names import COORDINATOR_QUEUE, NIGHTLY_TASK
+from workers.regression import attempts_key
 
 
 def nightly_runs(db_url: str) -> list[Run]:
@@ -40,7 +41,7 @@ def enqueue(live_swarm, monkeypatch, key: str | None = None) -> None:
 
     monkeypatch.setenv("REDIS_URL", live_swarm.redis_url)
     app = make_celery()
-    app.send_task(NIGHTLY_TASK, kwargs={"key": key} if key else {}, queue="coordinator")
+    app.send_task(NIGHTLY_TASK, kwargs={"key": key} if key else {}, queue=COORDINATOR_QUEUE)
     app.close()
 
 
@@ -51,7 +52,9 @@ def test_the_beat_schedule_names_a_registered_task():
     scheduled = {entry["task"] for entry in celery.conf.beat_schedule.values()}
     assert NIGHTLY_TASK in scheduled
     assert NIGHTLY_TASK in celery.tasks
-    assert celery.conf.task_routes["workers.regression.*"] == {"queue": "coordinator"}
+    assert celery.conf.task_routes[NIGHTLY_TASK] == {"queue": COORDINATOR_QUEUE}
+    for entry in celery.conf.beat_schedule.values():  # every scheduled task is routed
+        assert celery.conf.task_routes[entry["task"]] == {"queue": COORDINATOR_QUEUE}
 
 
 def test_regression_run_stores_a_run_with_every_record_field(live_swarm):

@@ -6,14 +6,14 @@ start (`tests.regression.celery_toy`).
 
 from __future__ import annotations
 
-from specpipe.proofs.target import Target, register_target
+from specpipe.target import Target, register_target
 from tests.swarm.toy_stage import ToyConfig, ToyStage
 
 CONFIG = ToyConfig()
 SPLIT = ((0, 2), (2, CONFIG.n_layers))
 
 
-def prompt_ids(text: str) -> list[int]:
+def prompt_ids(text: str, raw: bool = False) -> list[int]:
     """Bytes folded into the toy vocabulary; the "template" is a leading id 1."""
     return [1] + [b % CONFIG.vocab for b in text.encode()][:24]
 
@@ -30,7 +30,7 @@ def toy_target() -> Target:
         prompt_ids=prompt_ids,
         decode=decode,
         quant="fp32",
-        load_stages=lambda _n: [ToyStage(CONFIG, a, b) for a, b in SPLIT],
+        load_stages=lambda _n, **_options: [ToyStage(CONFIG, a, b) for a, b in SPLIT],
     )
 
 

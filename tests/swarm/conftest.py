@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from specpipe.redis_server import RedisServer
+from specpipe.settings import Settings
 from specpipe.supervisor import terminate_all
 from tests.swarmprocs import wait_heartbeats
 
@@ -60,6 +61,12 @@ def swarm(redis_url):
 @pytest.fixture(scope="session")
 def key() -> bytes:
     return secrets.token_hex(16).encode()
+
+
+@pytest.fixture
+def ring_settings(redis_url, swarm, key) -> Settings:
+    """The settings a coordinator of this test's swarm would read."""
+    return Settings.from_env().for_swarm(redis_url, swarm, key)
 
 
 class Stages:

@@ -95,10 +95,10 @@ def test_a_job_runs_to_the_end_and_records_every_round(db_url, temp, draft_k):
     assert job.output_text == ToyCodec().decode([t for t in job.output_ids if t != EOS])
     assert job.generated_tokens == len(job.output_ids)
     assert job.prompt_tokens == len(ToyCodec().prompt_ids(job.prompt))
-    assert job.rounds == len(job.accepted_per_round) >= 1
+    assert job.rounds == len(job.accepted_drafts) >= 1
     if draft_k == 0:
-        assert job.accepted_per_round == [0] * job.rounds
-    assert all(0 <= a <= draft_k for a in job.accepted_per_round)
+        assert job.accepted_drafts == [0] * job.rounds
+    assert all(0 <= a <= draft_k for a in job.accepted_drafts)
 
 
 @pytest.mark.parametrize("draft_k", [0, 3])
@@ -119,8 +119,8 @@ def test_a_job_with_stop_strings_ends_early_with_its_text_cut(db_url, draft_k):
     # The ids are every token up to and including the round that completed the stop string.
     ids = job.output_ids
     assert ids == full.output_ids[: len(ids)] and len(ids) < 40
-    assert job.generated_tokens == len(ids) and job.rounds == len(job.accepted_per_round)
-    last_round = job.accepted_per_round[-1] + 1  # drafts accepted in it plus the model's own
+    assert job.generated_tokens == len(ids) and job.rounds == len(job.accepted_drafts)
+    last_round = job.accepted_drafts[-1] + 1  # drafts accepted in it plus the model's own
     before_last = ToyCodec().decode(ids[:-last_round])
     assert stop not in before_last and later not in before_last
     assert stop in ToyCodec().decode(ids) or later in ToyCodec().decode(ids)
@@ -167,12 +167,12 @@ def test_a_rerun_after_the_coordinator_died_resumes_to_the_same_output(db_url):
     assert len(calls) == job.rounds - partial.rounds < job.rounds
 
 
-def test_a_job_with_missing_layers_fails_with_the_reason(db_url, swarm, key, redis_url):
+def test_a_job_with_missing_layers_fails_with_the_reason(db_url, ring_settings):
     job_id = add_job(db_url)
     sessions = make_session_factory(db_url)
 
     def from_inventory(_job):
-        return RedisRing.from_inventory(redis_url, swarm, key, n_layers=4)
+        return RedisRing.from_inventory(ring_settings, "toy", 4)
 
     assert run_job(sessions, job_id, from_inventory, ToyCodec()) == "failed"
     job = load(db_url, job_id)
@@ -209,7 +209,7 @@ def test_finished_missing_and_cancelled_jobs_are_left_alone(db_url):
     assert load(db_url, queued).rounds == 0
 
 
-def test_a_job_over_real_stage_processes_equals_the_local_run(db_url, stages, swarm, key,
+def test_a_job_over_real_stage_processes_equals_the_local_run(db_url, stages, ring_settings,
                                                                redis_url):  # fmt: skip
     stages.start("a", "0:2", redis_url, wait=False)
     stages.start("b", "2:4", redis_url, wait=False)
@@ -218,7 +218,7 @@ def test_a_job_over_real_stage_processes_equals_the_local_run(db_url, stages, sw
     sessions = make_session_factory(db_url)
 
     def from_inventory(_job):
-        return RedisRing.from_inventory(redis_url, swarm, key, n_layers=4, timeout_s=20)
+        return RedisRing.from_inventory(ring_settings, "toy", 4, timeout_s=20)
 
     assert run_job(sessions, job_id, from_inventory, ToyCodec(), {EOS}) == "done"
     job = load(db_url, job_id)

@@ -103,14 +103,14 @@ def test_round_trip_through_three_stage_processes(stages, swarm, key, redis_url)
 
 
 def test_per_host_redis_each_stream_lives_on_its_hosts_server(
-    stages, swarm, key, redis_url, second_redis
+    stages, swarm, ring_settings, redis_url, second_redis
 ):
     stages.start("a", "0:2", redis_url, wait=False)
     stages.start("b", "2:4", second_redis, wait=False)
     stages.wait_ready(["a", "b"])
     # The route comes from the inventory the stages registered in (on the main Redis).
-    ring = RedisRing.from_inventory(redis_url, swarm, key, n_layers=4, model="toy")
-    assert ring.route == (wire.Hop("a", redis_url), wire.Hop("b", second_redis))
+    ring = RedisRing.from_inventory(ring_settings, "toy", 4)
+    assert [(h.host, h.redis_url) for h in ring.route] == [("a", redis_url), ("b", second_redis)]
     ring.reset("s", PARAMS)
     assert drive(ring, "s", rounds=4, k=2) == reference([(0, 2), (2, 4)], rounds=4, k=2)
     ring.close()
@@ -313,13 +313,13 @@ def test_a_round_nobody_answers_is_resent_with_its_id_then_fails(swarm, key, red
     ring.close()
 
 
-def test_a_ring_needs_every_layer_served(stages, swarm, key, redis_url):
+def test_a_ring_needs_every_layer_served(stages, ring_settings, redis_url):
     stages.start("a", "0:2", redis_url)
     with pytest.raises(RouteError, match="no online stage serves layers 2:4"):
-        RedisRing.from_inventory(redis_url, swarm, key, n_layers=4)
+        RedisRing.from_inventory(ring_settings, "toy", 4)
     stages.stop()  # a clean stop takes the node out of the inventory
     with pytest.raises(RouteError, match="layers 0:4"):
-        RedisRing.from_inventory(redis_url, swarm, key, n_layers=4)
+        RedisRing.from_inventory(ring_settings, "toy", 4)
 
 
 def test_an_unreachable_first_stage_is_a_clear_ring_error(swarm, key, redis_url):
@@ -374,13 +374,13 @@ def test_a_stage_rides_out_a_restart_of_its_redis(stages, swarm, key, redis_url)
 
 
 def test_generation_over_the_swarm_survives_a_killed_stage_with_the_same_output(
-    stages, swarm, key, redis_url
+    stages, ring_settings, redis_url
 ):
     bounds = [(0, 1), (1, 3), (3, 4)]
     for host, (a, b) in zip(["h0", "h1", "h2"], bounds, strict=True):
         stages.start(host, f"{a}:{b}", redis_url, wait=False)
     stages.wait_ready(["h0", "h1", "h2"])
-    ring = RedisRing.from_inventory(redis_url, swarm, key, n_layers=4, timeout_s=30)
+    ring = RedisRing.from_inventory(ring_settings, "toy", 4, timeout_s=30)
     # Greedy on the toy model soon repeats itself, so the n-gram drafts get accepted.
     greedy = SamplingParams(temp=0.0)
     options = dict(max_new_tokens=30, draft_k=3)

@@ -24,7 +24,8 @@ from models.runs import Run
 from specpipe.cli import cli
 from specpipe.redis_server import RedisServer, free_port
 from tests.swarmprocs import Swarm, write_tiny_model
-from workers.queue import make_client
+from workers.names import COORDINATOR_QUEUE, GENERATE_TASK, RESUME_STALLED_TASK
+from workers.submission import make_client
 
 PROMPT = "hello world"
 LONG = dict(temp=0.8, seed=1, max_new_tokens=150)  # runs to the budget: no EOS on the way
@@ -65,10 +66,10 @@ def env(monkeypatch, swarm, db_url):
     return db_url
 
 
-def options(tiny, temp=0.0, seed=0, max_new_tokens=40, draft_k=None) -> list[str]:
+def options(tiny, temp=0.0, seed=0, max_new_tokens=40, draft_k=None, top_p=1.0) -> list[str]:
     spec = ["--no-spec"] if draft_k == 0 else ["--draft-k", str(draft_k or 4)]
-    return ["--model", str(tiny), "--json", "--temp", str(temp), "--seed", str(seed),
-            "--max-new-tokens", str(max_new_tokens), *spec]  # fmt: skip
+    return ["--model", str(tiny), "--json", "--temp", str(temp), "--top-p", str(top_p),
+            "--seed", str(seed), "--max-new-tokens", str(max_new_tokens), *spec]  # fmt: skip
 
 
 def generate(*args: str) -> dict:
@@ -100,9 +101,11 @@ def test_a_swarm_job_equals_the_local_run_spec_and_plain(tiny, env, kw):
         want = generate("--local", "--stages", "2", *options(tiny, **kw, draft_k=0), *extra)
     assert spec["tokens"] == plain["tokens"] == want["tokens"] and want["tokens"]
     assert spec["text"] == plain["text"] == want["text"]
-    assert set(spec) == set(want) == {"tokens", "text", "tok_s", "rounds", "accepted_per_round"}
-    assert plain["rounds"] == len(plain["tokens"]) and plain["accepted_per_round"] == 1.0
-    assert spec["accepted_per_round"] == pytest.approx(len(spec["tokens"]) / spec["rounds"], 1e-2)
+    assert (
+        set(spec) == set(want) == {"tokens", "text", "tok_s", "rounds", "tokens_per_round", "seed"}
+    )
+    assert plain["rounds"] == len(plain["tokens"]) and plain["tokens_per_round"] == 1.0
+    assert spec["tokens_per_round"] == pytest.approx(len(spec["tokens"]) / spec["rounds"], 1e-2)
     if kw["temp"] == 0:  # greedy on this checkpoint repeats itself: some drafts get accepted
         assert spec["rounds"] < len(spec["tokens"])
     job = latest_job(env)
@@ -181,7 +184,7 @@ def test_a_coordinator_killed_mid_job_is_resumed_with_the_same_output(tiny, env,
     deadline = time.monotonic() + 60
     while latest_job(env).status == "running" and latest_job(env).generated_tokens == \
             partial.generated_tokens and time.monotonic() < deadline:  # fmt: skip
-        client.send_task("workers.coordinator.resume_stalled", queue="coordinator")
+        client.send_task(RESUME_STALLED_TASK, queue=COORDINATOR_QUEUE)
         time.sleep(1.0)
     thread.join(120)
     result = out["result"]
@@ -189,7 +192,7 @@ def test_a_coordinator_killed_mid_job_is_resumed_with_the_same_output(tiny, env,
     assert json.loads(result.output)["tokens"] == want["tokens"]
     job = latest_job(env)
     assert job.output_ids[: partial.generated_tokens] == partial.output_ids
-    assert job.rounds == len(job.accepted_per_round) == 150  # plain: one round per token
+    assert job.rounds == len(job.accepted_drafts) == 150  # plain: one round per token
 
 
 def test_a_model_nobody_serves_fails_with_the_missing_layers(tiny, env, tmp_path):
@@ -209,7 +212,7 @@ def test_a_duplicate_delivery_never_runs_a_job_twice_at_once(tiny, env, swarm, t
         want = local(tiny, **LONG, draft_k=0)
         thread, out = in_background(*options(tiny, **LONG, draft_k=0))
         job = watch(env, lambda j: j.status == "running" and j.generated_tokens > 0)
-        client.send_task("workers.coordinator.generate", args=[job.id], queue="coordinator")
+        client.send_task(GENERATE_TASK, args=[job.id], queue=COORDINATOR_QUEUE)
         thread.join(120)
         assert out["result"].exit_code == 0, out["result"].output
         assert json.loads(out["result"].output)["tokens"] == want["tokens"]
@@ -241,5 +244,5 @@ def test_no_swarm_running_is_one_line(monkeypatch, db_url, private_redis):
     with make_session_factory(db_url)() as session:
         assert session.query(Job).count() == 0  # nothing was stored
     client = redis.Redis.from_url(private_redis)
-    assert client.llen("coordinator") == 0
+    assert client.llen(COORDINATOR_QUEUE) == 0
     client.close()

@@ -14,10 +14,10 @@ import pytest
 import redis
 
 from app import create_app
-from app.queue import GENERATE_TASK
 from models.db import make_session_factory
 from models.tokens import create_token
 from specpipe.settings import redis_url
+from workers.names import GENERATE_TASK
 
 
 class Queue:

@@ -59,7 +59,7 @@ def test_history_shows_columns(client, session):
         seed=987654321,
         generated_tokens=12,
         tok_s=4.56,
-        accepted_per_round=[2, 3, 1],
+        accepted_drafts=[2, 3, 1],
         rounds=3,
         draft_k=3,
         temp=0.5,
@@ -194,8 +194,8 @@ def test_healthz(client, app):
 
 
 def test_metrics(client, session):
-    gen_job(session, status="done", generated_tokens=10, tok_s=4.0, accepted_per_round=[1, 3])
-    gen_job(session, status="done", generated_tokens=20, tok_s=6.0, accepted_per_round=[2])
+    gen_job(session, status="done", generated_tokens=10, tok_s=4.0, accepted_drafts=[1, 3])
+    gen_job(session, status="done", generated_tokens=20, tok_s=6.0, accepted_drafts=[2])
     gen_job(session, status="queued")
     gen_ring(session, 2)
     gen_node(session, "old.example", age_s=500)

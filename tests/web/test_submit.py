@@ -193,8 +193,9 @@ def test_prompt_html_is_escaped_everywhere(client, session, queue):
 
 
 def test_queue_down_marks_job_failed_no_500(app, client, session):
-    app.config["COORDINATOR_QUEUE"] = "unused"
-    app.extensions["specpipe.celery"].conf.broker_url = "redis://127.0.0.1:1/0"
+    submitter = app.extensions["specpipe.submitter"]
+    submitter.queue = "unused"
+    submitter.client.conf.broker_url = "redis://127.0.0.1:1/0"
     response = post_form(client)
     assert response.status_code == 302
     job = session.scalars(select(Job)).one()

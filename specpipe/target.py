@@ -1,0 +1,87 @@
+"""The target model as a ring's callers see it: tokenizer, end-of-sequence ids, layer count.
+
+The coordinator, the proofs, the nightly regression, `generate --local` and the benchmarks all
+open their model with `open_target(name)`. It reads a checkpoint through `specpipe.model.resolve`
+(once per name and process: a coordinator runs many jobs on one model); other kinds of model (a
+deployment's own, or the test suite's toy transformer) register an opener by name with
+`register_target`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from specpipe.ring import Stage
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a ring's caller needs of a model besides the ring."""
+
+    name: str  # as the inventory records it: stages serving another model are not routed
+    n_layers: int
+    prompt_ids: Callable[..., list[int]]  # (prompt, raw=False): the chat template unless raw
+    decode: Callable[[list[int]], str]
+    eos_ids: tuple[int, ...] = ()
+    quant: str = "none"
+    # (n_stages, **options) -> the model as n_stages stages in this process
+    load_stages: Callable[..., Sequence[Stage]] | None = field(default=None, repr=False)
+
+
+_OPENERS: dict[str, Callable[[], Target]] = {}
+
+
+def register_target(name: str, opener: Callable[[], Target]) -> None:
+    """Make `open_target(name)` call `opener` instead of reading a checkpoint."""
+    _OPENERS[name] = opener
+
+
+def open_target(name: str) -> Target:
+    """The named model as a `Target`; ValueError with a one-line reason when it cannot open."""
+    if name in _OPENERS:
+        return _OPENERS[name]()
+    return _open_checkpoint(name)
+
+
+@lru_cache(maxsize=4)
+def _open_checkpoint(name: str) -> Target:
+    try:
+        from specpipe.model.resolve import (
+            load_stages,
+            load_tokenizer,
+            model_label,
+            open_checkpoint,
+        )
+    except ImportError as exc:
+        raise ValueError(f"cannot open model {name!r}: model support is missing ({exc})") from None
+    try:
+        checkpoint = open_checkpoint(name)
+        tokenizer = load_tokenizer(checkpoint)
+        label = model_label(name)
+    except Exception as exc:  # ModelError, OSError, bad files: all one line for the caller
+        raise ValueError(f"cannot open model {name!r}: {exc}") from None
+    eos = set(checkpoint.config.eos_token_ids)
+    eos_token = getattr(tokenizer, "eos_token", None)
+    if eos_token and tokenizer.token_id(eos_token) is not None:
+        eos.add(tokenizer.token_id(eos_token))
+    return Target(
+        name=label,
+        n_layers=checkpoint.config.n_layers,
+        prompt_ids=tokenizer.prompt_ids,
+        decode=tokenizer.decode,
+        eos_ids=tuple(sorted(eos)),
+        quant=_quant(checkpoint),
+        load_stages=lambda n, **options: load_stages(name, n, **options),
+    )
+
+
+def _quant(checkpoint) -> str:
+    if getattr(checkpoint.config, "mxfp4", False):
+        return "mxfp4"
+    match = re.search(r"\.(I?Q\d\w*|F16|F32|BF16)\.gguf$", str(checkpoint.path), re.IGNORECASE)
+    if match:
+        return match.group(1)
+    return "gguf" if str(checkpoint.path).endswith(".gguf") else "none"
