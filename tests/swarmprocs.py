@@ -14,6 +14,7 @@ import redis
 
 from specpipe import inventory
 from specpipe.supervisor import terminate_all
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECPIPE = [sys.executable, "-m", "specpipe"]
@@ -25,21 +26,26 @@ def wait_heartbeats(
     """Wait until each stage host has heartbeated since now; fail early if its process exits."""
     client = redis.Redis.from_url(registry)
     since = time.time() - 0.5
-    deadline = time.monotonic() + timeout_s
     pending = set(hosts)
+
+    def all_up() -> bool:
+        for node in inventory.load(client, swarm):
+            if node.host in pending and node.last_heartbeat >= since:
+                pending.discard(node.host)
+        for host in pending:
+            if procs[host].poll() is not None:
+                raise RuntimeError(f"stage {host} exited with {procs[host].returncode}")
+        return not pending
+
     try:
-        while pending and time.monotonic() < deadline:
-            for node in inventory.load(client, swarm):
-                if node.host in pending and node.last_heartbeat >= since:
-                    pending.discard(node.host)
-            for host in list(pending):
-                if procs[host].poll() is not None:
-                    raise RuntimeError(f"stage {host} exited with {procs[host].returncode}")
-            time.sleep(0.05)
+        wait_until(
+            all_up,
+            timeout_s,
+            f"stages {sorted(hosts)} to heartbeat",
+            detail=lambda: f"still waiting for {sorted(pending)}",
+        )
     finally:
         client.close()
-    if pending:
-        raise TimeoutError(f"stages {sorted(pending)} did not come up")
 
 
 def write_tiny_model(path: Path) -> Path:

@@ -10,7 +10,6 @@ import os
 import secrets
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import redis
 
 from specpipe import inventory
 from specpipe.redis_server import RedisServer
+from tests.waiting import wait_until
 from workers.regression import result_key
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,15 +88,16 @@ class Swarm:
                  "--public-ip", ip, *(["--model", model] if model else [])],
                 **lossy,
             )  # fmt: skip
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            online = {n.host for n in inventory.load(self.client, self.name)}
-            if online >= {s[0] for s in stages}:
-                return
+        hosts = {s[0] for s in stages}
+
+        def online() -> bool:
+            if {n.host for n in inventory.load(self.client, self.name)} >= hosts:
+                return True
             if any(p.poll() is not None for p in self.procs):
                 raise RuntimeError("a stage process exited")
-            time.sleep(0.1)
-        raise TimeoutError("the stages did not come up")
+            return False
+
+        wait_until(online, 120, f"stages {sorted(hosts)} to come online", interval_s=0.1)
 
     def start_workers(self, n: int = 1) -> None:
         """n Celery worker processes on the coordinator queue (one task at a time each)."""
@@ -108,15 +109,13 @@ class Swarm:
             )  # fmt: skip
 
     def wait_result(self, key: str, timeout_s: float = 150) -> bytes:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def result() -> bytes | None:
             value = self.client.get(result_key(self.name, key))
-            if value is not None:
-                return value
-            if any(p.poll() is not None for p in self.procs):
+            if value is None and any(p.poll() is not None for p in self.procs):
                 raise RuntimeError("a stage or worker process exited")
-            time.sleep(0.2)
-        raise TimeoutError(f"no nightly result for {key} in {timeout_s} s")
+            return value
+
+        return wait_until(result, timeout_s, f"the nightly result for {key}", interval_s=0.2)
 
     def stop(self) -> None:
         for proc in self.procs:

@@ -17,6 +17,7 @@ from models.records import record_of
 from models.runs import Run
 from specpipe.cli import cli
 from tests.regression.conftest import ROOT, STAGES
+from tests.waiting import wait_until
 from workers.names import COORDINATOR_QUEUE, NIGHTLY_TASK
 from workers.regression import attempts_key
 
@@ -137,15 +138,14 @@ def test_two_schedulers_firing_at_once_store_one_run(live_swarm, monkeypatch):
     live_swarm.start_workers(2)
     enqueue(live_swarm, monkeypatch)  # beat's own call: the key is tonight's date
     enqueue(live_swarm, monkeypatch)
-    deadline = time.monotonic() + 150
-    attempts: list[bytes] = []
-    while time.monotonic() < deadline:
+
+    def both_attempts() -> tuple[bytes, list[bytes]] | None:
         keys = list(live_swarm.client.scan_iter(attempts_key(live_swarm.name, "*")))
         attempts = live_swarm.client.lrange(keys[0], 0, -1) if keys else []
-        if len(attempts) == 2:
-            break
-        time.sleep(0.2)
-    outcome = json.loads(live_swarm.wait_result(keys[0].decode().rsplit(":", 1)[1]))
+        return (keys[0], attempts) if len(attempts) == 2 else None
+
+    key, attempts = wait_until(both_attempts, 150, "both workers' attempts", interval_s=0.2)
+    outcome = json.loads(live_swarm.wait_result(key.decode().rsplit(":", 1)[1]))
     assert sorted(a.split()[-1] for a in attempts) == [b"ran", b"skipped"]
     assert len({a.split()[0] for a in attempts}) == 2  # two different worker processes
     runs = nightly_runs(live_swarm.db_url)

@@ -9,13 +9,14 @@ import pytest
 import redis
 import torch
 
-from specpipe import streams, wire
+from specpipe import inventory, streams, wire
 from specpipe.generation import Generation
 from specpipe.inventory import NodeInfo, RouteError
 from specpipe.redis_ring import RedisRing, RingError
 from specpipe.ring import GapError, LocalRing, SamplingParams
 from specpipe.sampling import committed_tokens
 from tests.swarm.toy_stage import ToyConfig, ToyStage
+from tests.waiting import wait_until
 
 PARAMS = SamplingParams(temp=0.9, top_p=0.95, top_k=30, seed=11)
 PROMPT = [3, 17, 42, 8, 8, 21]
@@ -66,14 +67,38 @@ def stats(url, swarm, host) -> dict[str, float]:
         client.close()
 
 
-def wait_for(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    return predicate()
+def caught_up(client: redis.Redis, swarm: str, host: str) -> bool:
+    """Whether `host` has read and acknowledged every entry of its stream. It acknowledges an
+    entry once it has handled it, so whatever the entries make it do (pass a round on, reply) is
+    done."""
+    key = streams.stage_key(swarm, host)
+    last = client.xinfo_stream(key)["last-generated-id"]
+    (group,) = [g for g in client.xinfo_groups(key) if g["name"] == streams.GROUP.encode()]
+    return group["pending"] == 0 and group["last-delivered-id"] == last
+
+
+def last_heartbeat(url: str, swarm: str, host: str) -> float:
+    client = redis.Redis.from_url(url)
+    try:
+        return next(n.last_heartbeat for n in inventory.load(client, swarm) if n.host == host)
+    finally:
+        client.close()
+
+
+def two_heartbeats_later(url: str, swarm: str, host: str) -> None:
+    """Wait until `host` has published two heartbeats after this call. A heartbeat writes the
+    inventory record, then the counters; the first one seen starts after this call, and the
+    second starts once the first has finished. So the counters it held now are in Redis, and
+    its loop has gone round (read its stream) at least once since."""
+    seen = [last_heartbeat(url, swarm, host)]
+
+    def twice() -> bool:
+        latest = last_heartbeat(url, swarm, host)
+        if latest > seen[-1]:
+            seen.append(latest)
+        return len(seen) > 2
+
+    wait_until(twice, 10, f"two heartbeats from {host}")
 
 
 def test_round_trip_through_three_stage_processes(stages, swarm, key, redis_url):
@@ -99,7 +124,11 @@ def test_round_trip_through_three_stage_processes(stages, swarm, key, redis_url)
     ring.drop("s")
     ring.drop("g")
     ring.close()
-    assert wait_for(lambda: stats(redis_url, swarm, "h2").get("processed") == 1 + 6 + 1 + 3)
+    wait_until(
+        lambda: stats(redis_url, swarm, "h2").get("processed") == 1 + 6 + 1 + 3,
+        10,
+        "h2's count of processed rounds to reach 11",
+    )
 
 
 def test_per_host_redis_each_stream_lives_on_its_hosts_server(
@@ -159,9 +188,9 @@ def test_bad_messages_are_dropped_and_counted_while_serving_goes_on(stages, swar
     for data in bad:
         streams.send(client, stream, data)
     client.xadd(stream, {b"other": b"field"})  # an entry without a message
-    assert wait_for(lambda: stats(redis_url, swarm, "h1").get("dropped") == 5)
+    wait_until(lambda: stats(redis_url, swarm, "h1").get("dropped") == 5, 10, "5 drops on h1")
     # The shape error is not a drop (the message was valid) but an error reply for its round.
-    assert wait_for(lambda: stats(redis_url, swarm, "h1").get("errors") == 1)
+    wait_until(lambda: stats(redis_url, swarm, "h1").get("errors") == 1, 10, "an error on h1")
     assert stages.procs["h0"].poll() is None and stages.procs["h1"].poll() is None
 
     # A signed round the model cannot run is an error reply, not a dead stage.
@@ -190,16 +219,20 @@ def test_duplicate_round_ids_are_ignored(stages, swarm, key, redis_url):
     client = redis.Redis.from_url(redis_url)
     for _ in range(3):
         streams.send(client, streams.stage_key(swarm, "h0"), data)
-    assert wait_for(lambda: stats(redis_url, swarm, "h0").get("duplicates") == 2)
-    time.sleep(0.3)
+    wait_until(lambda: stats(redis_url, swarm, "h0").get("duplicates") == 2, 10, "2 duplicates")
+    # h0 first, then h1: once h1 has handled all that h0 passed on, no other reply can come.
+    wait_until(
+        lambda: caught_up(client, swarm, "h0") and caught_up(client, swarm, "h1"),
+        10,
+        "h0 and h1 to handle every entry of their streams",
+    )
     replies = client.xrange(streams.reply_key(swarm, "s"))
     assert len(replies) == 1
     reply = wire.decode(replies[0][1][streams.FIELD], swarm, key)
     expected = ReferenceRing([(0, 2), (2, 4)])
     expected.reset("s", PARAMS)
     assert reply.kind == "result" and list(reply.tokens) == expected.round("s", PROMPT, 0, 0)
-    assert wait_for(lambda: stats(redis_url, swarm, "h1").get("processed") == 1)
-    time.sleep(0.6)  # a heartbeat later, still one
+    two_heartbeats_later(redis_url, swarm, "h1")  # its processed count is in Redis by then
     assert stats(redis_url, swarm, "h1").get("processed") == 1
     client.close()
     ring.close()
@@ -257,7 +290,7 @@ def test_a_round_taken_by_a_stage_killed_mid_round_is_finished_by_its_restart(
         return pending["pending"] >= 1 and pending
 
     def kill_when_taken():
-        assert wait_for(taken_by_h1, timeout_s=30)  # h1 holds the round, inside its 2 s forward
+        wait_until(taken_by_h1, 30, "h1 to take the round")  # held inside its 2 s forward
         stages.kill9("h1")
         stages.restart("h1", drop_args=("--delay-ms",))
 
@@ -272,8 +305,11 @@ def test_a_round_taken_by_a_stage_killed_mid_round_is_finished_by_its_restart(
     ref = ReferenceRing([(0, 1), (1, 3), (3, 4)])
     ref.reset("r", PARAMS)
     assert result == ref.round("r", PROMPT, 0, 0)
-    assert wait_for(lambda: client.xpending(streams.stage_key(swarm, "h1"), streams.GROUP)[
-        "pending"] == 0)  # fmt: skip
+    wait_until(
+        lambda: client.xpending(streams.stage_key(swarm, "h1"), streams.GROUP)["pending"] == 0,
+        10,
+        "h1 to acknowledge the round",
+    )
     client.close()
     ring.close()
 
@@ -354,14 +390,17 @@ def test_a_stage_rides_out_a_restart_of_its_redis(stages, swarm, key, redis_url)
     server = RedisServer(port=port)
     own = server.start()
     try:
-        stages.start("a", "0:2", own, wait=False)
+        # Frequent heartbeats: the wait below for two of them is short.
+        stages.start("a", "0:2", own, "--heartbeat-s", "0.1", wait=False)
         stages.start("b", "2:4", redis_url, wait=False)
         stages.wait_ready(["a", "b"])
         ring = RedisRing(nodes(("a", own), ("b", redis_url)), swarm, key, redis_url, timeout_s=20)
         ring.reset("s", PARAMS)
         committed, _ = drive(ring, "s", rounds=2, k=2)
         server.stop()
-        time.sleep(0.5)
+        # Restart only once stage a has read (and failed) at least once while its Redis was
+        # gone, and is still heartbeating: it lives through the outage, not just a reconnect.
+        two_heartbeats_later(redis_url, swarm, "a")
         server = RedisServer(port=port)
         server.start()
         # The new Redis is empty, but stage a kept its caches: the session goes on unchanged.

@@ -7,7 +7,7 @@ import pytest
 import redis
 import torch
 
-from specpipe import streams, wire
+from specpipe import stage_worker, streams, wire
 from specpipe.stage_worker import StageWorker, WorkerConfig
 from tests.swarm.toy_stage import ToyConfig, ToyStage
 
@@ -87,8 +87,25 @@ def test_middle_stage_without_hidden_states_drops_the_round(make, swarm, key, re
     assert worker.counters["dropped"] == 1 and replies(redis_url, swarm, key) == []
 
 
-def test_sessions_idle_past_the_limit_are_forgotten_and_answer_a_gap(swarm, key, redis_url):
+class Clock:
+    """The stage worker's `time`, with a monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)  # perf_counter, sleep: the real ones
+
+
+def test_sessions_idle_past_the_limit_are_forgotten_and_answer_a_gap(
+    swarm, key, redis_url, monkeypatch
+):
     """A dead coordinator's caches are freed; if its job comes back, it gets a gap."""
+    clock = Clock()
+    monkeypatch.setattr(stage_worker, "time", clock)
     config = WorkerConfig(host="t", swarm=swarm, key=key, redis_url=redis_url,
                           session_idle_s=0.3)  # fmt: skip
     stage = ToyStage(ToyConfig(), 0, 4)
@@ -100,7 +117,7 @@ def test_sessions_idle_past_the_limit_are_forgotten_and_answer_a_gap(swarm, key,
     for session in ("old", "new"):
         send(session, wire.Message(kind="reset", session=session, params=RESET))
         send(session, round_message(redis_url, ["t"], tokens=(1, 2, 3), rid=f"{session}-1"))
-    time.sleep(0.4)
+    clock.now += 0.4
     send("new", round_message(redis_url, ["t"], tokens=(4,), rid="new-2", start_pos=3))
     assert tail.forget_idle_sessions() == ["old"]
     assert set(stage.caches) == {"new"} and stage.cache_len("new") == 4

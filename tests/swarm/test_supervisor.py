@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from specpipe.supervisor import ProcessSpec, Supervisor
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -22,15 +23,6 @@ def alive(pid: int) -> bool:
     return "\nState:\tZ" not in status  # a zombie has exited
 
 
-def wait_until(predicate, timeout_s=10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def sleeper_with_grandchild(pidfile: Path) -> list[str]:
     code = textwrap.dedent(f"""
         import os, subprocess, time
@@ -42,7 +34,7 @@ def sleeper_with_grandchild(pidfile: Path) -> list[str]:
 
 
 def read_pids(pidfile: Path) -> list[int]:
-    assert wait_until(lambda: pidfile.exists() and pidfile.read_text().strip())
+    wait_until(lambda: pidfile.exists() and pidfile.read_text().strip(), 10, f"pids in {pidfile}")
     return [int(p) for p in pidfile.read_text().split()]
 
 
@@ -60,7 +52,11 @@ def test_a_crashing_child_is_restarted_with_growing_backoff_and_others_keep_runn
     sup.start()
     try:
         sleeper_pid = sup.children["sleeper"].process.pid
-        assert wait_until(lambda: (sup.poll(), sup.children["crasher"].restarts >= 3)[1])
+        wait_until(
+            lambda: (sup.poll(), sup.children["crasher"].restarts >= 3)[1],
+            10,
+            "the crasher's third restart",
+        )
         crasher = sup.children["crasher"]
         assert crasher.last_exit == 3
         assert crasher.backoff_s == 0.4  # doubled from 0.1 and capped
@@ -81,16 +77,20 @@ def test_stop_leaves_no_process_behind_even_grandchildren(tmp_path):
     pids = read_pids(tmp_path / "pids")
     assert all(alive(p) for p in pids)
     sup.stop()
-    assert wait_until(lambda: not any(alive(p) for p in pids))
+    wait_until(lambda: not any(alive(p) for p in pids), 10, "the child and grandchild to exit")
     assert sup.children["tree"].process is None
 
 
 def test_a_child_that_ignores_sigterm_is_killed(tmp_path):
-    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
+    ready = tmp_path / "ready"
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"open({str(ready)!r}, 'w').close(); time.sleep(300)"
+    )
     sup = Supervisor([ProcessSpec("stubborn", [PY, "-c", code])])
     sup.start()
     pid = sup.children["stubborn"].process.pid
-    time.sleep(0.3)  # let it install the handler
+    wait_until(ready.exists, 10, "the child to ignore SIGTERM")
     started = time.monotonic()
     sup.stop(timeout_s=0.5)
     assert time.monotonic() - started < 5
@@ -116,7 +116,7 @@ def test_sigterm_stops_everything(tmp_path):
     out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 0 and out.splitlines()[-1] == "stopped"
     assert out.splitlines()[0].startswith("a ") and "running" in out.splitlines()[0]
-    assert wait_until(lambda: not any(alive(p) for p in pids))
+    wait_until(lambda: not any(alive(p) for p in pids), 10, "every child and grandchild to exit")
 
 
 def test_ctrl_c_stops_everything(tmp_path):
@@ -124,7 +124,7 @@ def test_ctrl_c_stops_everything(tmp_path):
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 0 and "stopped" in out
-    assert wait_until(lambda: not any(alive(p) for p in pids))
+    wait_until(lambda: not any(alive(p) for p in pids), 10, "every child and grandchild to exit")
 
 
 def test_children_die_with_a_killed_supervisor(tmp_path):
@@ -132,7 +132,7 @@ def test_children_die_with_a_killed_supervisor(tmp_path):
     leaders = [pids[0], pids[2]]
     proc.kill()
     proc.wait()
-    assert wait_until(lambda: not any(alive(p) for p in leaders))
+    wait_until(lambda: not any(alive(p) for p in leaders), 10, "the children to exit")
     for p in pids:  # the grandchildren are not covered by that; clean up what is left
         if alive(p):
             os.kill(p, signal.SIGKILL)

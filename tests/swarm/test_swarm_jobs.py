@@ -11,7 +11,6 @@ import json
 import secrets
 import shutil
 import threading
-import time
 import uuid
 
 import pytest
@@ -24,6 +23,7 @@ from models.runs import Run
 from specpipe.cli import cli
 from specpipe.redis_server import RedisServer, free_port
 from tests.swarmprocs import Swarm, write_tiny_model
+from tests.waiting import wait_until
 from workers.names import COORDINATOR_QUEUE, GENERATE_TASK, RESUME_STALLED_TASK
 from workers.submission import make_client
 
@@ -135,15 +135,14 @@ def test_a_swarm_job_with_a_stop_string_equals_the_local_run(tiny, env):
     assert streamed.exit_code == 0 and streamed.stdout == want + "\n"
 
 
-def watch(db_url, until, timeout_s: float = 60.0) -> Job:
-    """Poll the newest job until `until(job)`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def watch(db_url, until, what: str, timeout_s: float = 60.0) -> Job:
+    """Poll the newest job until `until(job)`; return it."""
+
+    def there() -> Job | None:
         job = latest_job(db_url)
-        if job is not None and until(job):
-            return job
-        time.sleep(0.01)
-    raise TimeoutError("the job never got there")
+        return job if job is not None and until(job) else None
+
+    return wait_until(there, timeout_s, what, interval_s=0.01)
 
 
 def in_background(*args: str) -> tuple[threading.Thread, dict]:
@@ -160,7 +159,7 @@ def in_background(*args: str) -> tuple[threading.Thread, dict]:
 def test_a_stage_killed_mid_job_is_restarted_and_the_output_is_unchanged(tiny, env, swarm):
     want = local(tiny, **LONG, draft_k=0)
     thread, out = in_background(*options(tiny, **LONG, draft_k=0))
-    job = watch(env, lambda j: j.generated_tokens >= 10)
+    job = watch(env, lambda j: j.generated_tokens >= 10, "10 tokens of the job")
     swarm.kill9("s1")  # the tail: its caches and the session's sampling parameters are gone
     assert latest_job(env).status == "running"
     swarm.restart("s1")
@@ -174,18 +173,22 @@ def test_a_stage_killed_mid_job_is_restarted_and_the_output_is_unchanged(tiny, e
 def test_a_coordinator_killed_mid_job_is_resumed_with_the_same_output(tiny, env, swarm):
     want = local(tiny, **LONG, draft_k=0)
     thread, out = in_background(*options(tiny, **LONG, draft_k=0))
-    watch(env, lambda j: j.generated_tokens >= 10)
+    watch(env, lambda j: j.generated_tokens >= 10, "10 tokens of the job")
     swarm.kill9("coordinator")
     partial = latest_job(env)
     assert partial.status == "running" and partial.generated_tokens < 150
     swarm.restart("coordinator")
-    # What beat does every 15 s: find running jobs without progress whose lock expired.
     client = make_client(swarm.redis_url)
-    deadline = time.monotonic() + 60
-    while latest_job(env).status == "running" and latest_job(env).generated_tokens == \
-            partial.generated_tokens and time.monotonic() < deadline:  # fmt: skip
-        client.send_task(RESUME_STALLED_TASK, queue=COORDINATOR_QUEUE)
-        time.sleep(1.0)
+
+    def resumed() -> bool:
+        job = latest_job(env)
+        if job.status == "running" and job.generated_tokens == partial.generated_tokens:
+            # What beat does every 15 s: find running jobs without progress whose lock expired.
+            client.send_task(RESUME_STALLED_TASK, queue=COORDINATOR_QUEUE)
+            return False
+        return True
+
+    wait_until(resumed, 60, "the stalled job to go on", interval_s=1.0)  # not beat's 15 s
     thread.join(120)
     result = out["result"]
     assert result.exit_code == 0, result.output
@@ -208,10 +211,18 @@ def test_a_duplicate_delivery_never_runs_a_job_twice_at_once(tiny, env, swarm, t
     swarm.start_coordinator(name="second", log=log)  # idle while the first runs the job
     try:
         client = make_client(swarm.redis_url)
-        time.sleep(3)  # let it connect to the broker
+        # A worker answers a ping once it consumes its queues: then the second one is there to
+        # take the duplicate while the first runs the job.
+        wait_until(
+            lambda: len(client.control.ping(timeout=0.5)) >= 2,
+            60,
+            "both coordinators to answer a ping",
+        )
         want = local(tiny, **LONG, draft_k=0)
         thread, out = in_background(*options(tiny, **LONG, draft_k=0))
-        job = watch(env, lambda j: j.status == "running" and j.generated_tokens > 0)
+        job = watch(
+            env, lambda j: j.status == "running" and j.generated_tokens > 0, "the job to run"
+        )
         client.send_task(GENERATE_TASK, args=[job.id], queue=COORDINATOR_QUEUE)
         thread.join(120)
         assert out["result"].exit_code == 0, out["result"].output
@@ -219,10 +230,13 @@ def test_a_duplicate_delivery_never_runs_a_job_twice_at_once(tiny, env, swarm, t
         # Whichever coordinator took the job, the other one turned the duplicate away.
         dropped = f"job {job.id} is already running elsewhere; this delivery is dropped"
         logs = [log, swarm.logs["coordinator"]]
-        wait_for_text = time.monotonic() + 20
-        while not any(dropped in path.read_text() for path in logs):
-            assert time.monotonic() < wait_for_text, [path.read_text()[-2000:] for path in logs]
-            time.sleep(0.2)
+        wait_until(
+            lambda: any(dropped in path.read_text() for path in logs),
+            20,
+            "a coordinator to drop the duplicate",
+            interval_s=0.2,
+            detail=lambda: [path.read_text()[-2000:] for path in logs],
+        )
         assert not any("Traceback" in path.read_text() for path in logs)
     finally:
         proc = swarm.procs.pop("second")

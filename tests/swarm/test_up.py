@@ -8,7 +8,6 @@ import os
 import signal
 import stat
 import subprocess
-import time
 import urllib.request
 
 import psutil
@@ -20,19 +19,10 @@ from specpipe import inventory
 from specpipe.cli import cli
 from specpipe.redis_server import free_port
 from tests.swarmprocs import ROOT, SPECPIPE, write_tiny_model
+from tests.waiting import wait_until
 
 CLEARED = ("REDIS_URL", "DATABASE_URL", "SPECPIPE_SWARM_KEY", "SECRET_KEY", "SPECPIPE_SWARM",
            "SPECPIPE_MODEL")  # fmt: skip
-
-
-def wait_for(check, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise TimeoutError(what)
 
 
 def healthy(url: str) -> bool:
@@ -78,16 +68,25 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
     up = psutil.Process(proc.pid)
     try:
         state_file = home / "swarm.json"
-        state = wait_for(
-            lambda: state_file.is_file() and json.loads(state_file.read_text()), 60, "no state"
+        state = wait_until(
+            lambda: state_file.is_file() and json.loads(state_file.read_text()),
+            60,
+            "the swarm's state file",
+            interval_s=0.2,
         )
         assert state["pid"] == proc.pid and state["web_url"] == f"http://127.0.0.1:{port}/"
         assert state["redis_url"] != "redis://127.0.0.1:6379/0"  # a private Redis of its own
         for name in ("swarm.json", "swarm_key", "secret_key"):
             assert stat.S_IMODE((home / name).stat().st_mode) == 0o600, name
-        wait_for(lambda: healthy(state["web_url"]), 90, "the web app never became healthy")
-        wait_for(lambda: len(online_hosts(state["redis_url"], state["swarm"])) == 2, 90,
-                 "the stages never came online")  # fmt: skip
+        wait_until(
+            lambda: healthy(state["web_url"]), 90, "the web app to be healthy", interval_s=0.2
+        )
+        wait_until(
+            lambda: len(online_hosts(state["redis_url"], state["swarm"])) == 2,
+            90,
+            "both stages to come online",
+            interval_s=0.2,
+        )
         client = redis.Redis.from_url(state["redis_url"])
         nodes = inventory.load(client, state["swarm"])
         client.close()
@@ -110,7 +109,12 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
         assert len(before) == 2
         host, pid = sorted(before.items())[-1]
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: stage_pids(up).get(host, pid) != pid, 30, "the stage was not restarted")
+        wait_until(
+            lambda: stage_pids(up).get(host, pid) != pid,
+            30,
+            f"stage {host} to restart",
+            interval_s=0.2,
+        )
         again = subprocess.run([*SPECPIPE, "generate", "hello", *args], cwd=ROOT, env=env,
                                capture_output=True, text=True, timeout=120)  # fmt: skip
         assert again.returncode == 0, again.stderr

@@ -72,9 +72,10 @@ def page(browser):
 
 
 def shot(page, name: str) -> None:
-    """Save a full-page screenshot as a test artifact."""
+    """Save a full-page screenshot as a test artifact, CSS transitions run to their end."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"{backend_name()}-{name}.png"), full_page=True)
+    path = str(ARTIFACTS / f"{backend_name()}-{name}.png")
+    page.screenshot(path=path, full_page=True, animations="disabled")
 
 
 def submit_job(page, server: str, prompt: str) -> int:
@@ -110,7 +111,6 @@ def test_submit_watch_history_proofs_nodes(server, page, session, queue):
     assert page.text_content("#job-status .badge") == "running"
     assert page.locator("#rounds-strip span").count() == 3
     assert page.text_content("#stat-per-round") == "3.33"  # 10 tokens in 3 rounds
-    page.wait_for_timeout(500)  # let the progress bar's transition finish for the picture
     shot(page, "02-job-running")
     job.status, job.finished_at = "done", utcnow()
     job.record_progress(

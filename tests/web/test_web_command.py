@@ -6,10 +6,10 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 from models.migrate import current, heads
+from tests.waiting import wait_until
 
 
 def _free_port() -> int:
@@ -29,17 +29,18 @@ def test_web_command_serves(fresh_database_url, tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                assert r.status == 200
+                return True
+        except OSError:
+            assert process.poll() is None, process.stdout.read()
+            return False
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
-                    assert r.status == 200
-                    break
-            except OSError:
-                assert process.poll() is None, process.stdout.read()
-                assert time.monotonic() < deadline, "specpipe web did not start in 30 s"
-                time.sleep(0.2)
+        wait_until(healthy, 30, "specpipe web to answer /healthz", interval_s=0.2)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as r:
             assert b"New job" in r.read()
         assert current(fresh_database_url) == heads()[0]
