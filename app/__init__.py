@@ -55,7 +55,7 @@ def create_app(test_config: dict | None = None) -> Flask:
             )
         app.config["SECRET_KEY"] = secrets.token_hex(32)
 
-    from app import api, db, errors, forms, jobs, nightly, nodes, ops, proofs, runs
+    from app import api, db, errors, forms, jobs, metrics, nightly, nodes, ops, proofs, runs
 
     db.init_app(app)
     limits = settings.JobLimits(
@@ -67,6 +67,7 @@ def create_app(test_config: dict | None = None) -> Flask:
     forms.init_app(app)
     errors.init_app(app)
     nightly.init_app(app)
+    metrics.init_app(app)
     for blueprint in (jobs.bp, proofs.bp, nodes.bp, runs.bp, ops.bp, api.bp):
         app.register_blueprint(blueprint)
     forms.csrf.exempt(api.bp)

@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from specpipe.model.config import ModelConfig
 from specpipe.model.errors import ModelError
+from specpipe.model.mxfp4 import mxfp4_dequantize
 
 # local parameter name -> (source tensor names, function of those tensors giving the parameter)
 NameMap = dict[str, tuple[tuple[str, ...], Callable[..., torch.Tensor]]]
@@ -185,8 +186,6 @@ def concat_rows(*parts: torch.Tensor) -> torch.Tensor:
 
 
 def _expert_map(cfg: ModelConfig, src: str, dst: str, packed: bool) -> NameMap:
-    from specpipe.model.gptoss import mxfp4_dequantize
-
     m: NameMap = {}
     for a, b in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
         if cfg.mxfp4 and packed:

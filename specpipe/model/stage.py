@@ -15,7 +15,9 @@ from torch import nn
 from specpipe.model.config import ModelConfig
 from specpipe.model.errors import ModelError
 from specpipe.model.kvcache import LayerCache, SessionCache
-from specpipe.model.layers import MIN_ROWS, Block, Linear, RMSNorm, Rotary
+from specpipe.model.layers import Block, RMSNorm
+from specpipe.model.linear import MIN_ROWS, Linear
+from specpipe.model.rope import Rotary
 from specpipe.ring import GapError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,7 +45,7 @@ class StageModel(nn.Module):
         # last, rather than padding and slicing around each product (mixtures of experts route
         # every row, so they pad per product instead).
         self.pad_rows = MIN_ROWS if row_stable and not cfg.is_moe else 1
-        # See layers.py: without row stability a verify row may differ from a plain step's.
+        # See linear.py: without row stability a verify row may differ from a plain step's.
         for module in self.modules():
             if hasattr(module, "row_stable"):
                 module.row_stable = row_stable

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specpipe.model import attention
 from specpipe.model.checkpoint import SafetensorsCheckpoint
-from specpipe.model.layers import Linear, Rotary, pack_weight
+from specpipe.model.linear import Linear, pack_weight
+from specpipe.model.rope import Rotary
 from tests.model.conftest import SLIDING_WINDOW, SPLITS, hf_logits
 from tests.model.helpers import load_split, run_split
 
@@ -176,12 +178,10 @@ def test_wrong_inputs_are_refused(checkpoints):
 
 def test_chunked_attention_and_last_rows(checkpoints, reference, monkeypatch):
     """Queries attended in chunks give the same numbers; the tail can return only its last rows."""
-    from specpipe.model import layers
-
     for family in ("llama", "gptoss-mxfp4"):
         (stage,) = load_split(lambda f=family: SafetensorsCheckpoint(checkpoints[f]), [4])
         whole = stage.forward("a", _ids(), 0)
-        monkeypatch.setattr(layers, "QUERY_CHUNK", 3)
+        monkeypatch.setattr(attention, "QUERY_CHUNK", 3)
         chunked = stage.forward("b", _ids(), 0)
         monkeypatch.undo()
         assert torch.equal(chunked, whole)

@@ -100,9 +100,9 @@ def test_regression_run_stores_a_run_with_every_record_field(live_swarm):
 
     client = web_client(live_swarm.db_url, live_swarm.redis_url)
     assert b"nightly-banner" not in client.get("/proofs/").data
-    metrics = client.get("/metrics").get_data(as_text=True)
-    assert "specpipe_nightly_last_verdict 1" in metrics
-    assert "specpipe_nightly_failures_total 0" in metrics
+    metrics = client.get("/metrics").get_data(as_text=True).splitlines()
+    assert "specpipe_nightly_last_verdict 1.0" in metrics
+    assert "specpipe_nightly_failures_total 0.0" in metrics
 
 
 def test_a_lossy_tail_is_a_failed_run_flagged_on_the_web_and_in_metrics(live_swarm, monkeypatch):
@@ -128,9 +128,9 @@ def test_a_lossy_tail_is_a_failed_run_flagged_on_the_web_and_in_metrics(live_swa
         assert run.name in html
     detail = client.get(f"/proofs/{run.id}").get_data(as_text=True)
     assert "badge-fail" in detail and "same-seed draws differ" in detail
-    metrics = client.get("/metrics").get_data(as_text=True)
-    assert "specpipe_nightly_last_verdict 0" in metrics
-    assert "specpipe_nightly_failures_total 1" in metrics
+    metrics = client.get("/metrics").get_data(as_text=True).splitlines()
+    assert "specpipe_nightly_last_verdict 0.0" in metrics
+    assert "specpipe_nightly_failures_total 1.0" in metrics
 
 
 def test_two_schedulers_firing_at_once_store_one_run(live_swarm, monkeypatch):

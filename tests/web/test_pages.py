@@ -7,8 +7,11 @@ import json
 import re
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
 
+from app import create_app
+from models.db import as_utc
 from models.jobs import Job
 from models.runs import start_run
 from tests.factories import gen_job, gen_node, gen_proof_run, gen_ring
@@ -199,18 +202,93 @@ def test_metrics(client, session):
     gen_job(session, status="queued")
     gen_ring(session, 2)
     gen_node(session, "old.example", age_s=500)
-    text = client.get("/metrics").get_data(as_text=True)
+    response = client.get("/metrics")
+    assert response.content_type == "text/plain; version=0.0.4; charset=utf-8"
+    text = response.get_data(as_text=True)
     for line in (
-        'specpipe_jobs{status="done"} 2',
-        'specpipe_jobs{status="queued"} 1',
-        "specpipe_tokens_generated_total 30",
+        'specpipe_jobs{status="done"} 2.0',
+        'specpipe_jobs{status="queued"} 1.0',
+        "specpipe_tokens_generated_total 30.0",
         "specpipe_tokens_per_second 5.0",
         "specpipe_accepted_per_round 2.0",
-        'specpipe_nodes{status="online"} 2',
-        'specpipe_nodes{status="offline"} 1',
+        'specpipe_nodes{status="online"} 2.0',
+        'specpipe_nodes{status="offline"} 1.0',
         "# TYPE specpipe_jobs gauge",
+        "# TYPE specpipe_tokens_generated_total counter",
+        "# HELP specpipe_nightly_failures_total Nightly regression runs that failed or errored.",
     ):
         assert line in text.splitlines(), line
+    assert "_created" not in text
+
+
+def scrape(client) -> dict[str, tuple[str, dict]]:
+    """/metrics parsed: each family's type and its samples, {sample name and labels: value}."""
+    text = client.get("/metrics").get_data(as_text=True)
+    return {
+        family.name: (
+            family.type,
+            {(s.name, tuple(sorted(s.labels.items()))): s.value for s in family.samples},
+        )
+        for family in text_string_to_metric_families(text)
+    }
+
+
+def test_metrics_parse_as_prometheus_text(app, client, session):
+    for status, tokens, speed, accepted in [
+        ("done", 7, 3.0, [4, 4]),
+        ("done", 5, 9.0, [1]),
+        ("failed", 2, None, []),
+        ("running", 1, None, []),
+        ("running", 0, None, []),
+    ]:
+        gen_job(
+            session,
+            status=status,
+            generated_tokens=tokens,
+            tok_s=speed,
+            accepted_per_round=accepted,
+        )
+    gen_node(session, "a.example", age_s=1)
+    gen_node(session, "b.example", age_s=60)
+    gen_proof_run(session, kind="nightly", passed=True)
+    failed = gen_proof_run(session, kind="nightly", passed=False)
+
+    def by_status(name: str, values: dict[str, float]) -> dict:
+        return {(name, (("status", s),)): v for s, v in values.items()}
+
+    metrics = scrape(client)
+    jobs = {"queued": 0, "running": 2, "done": 2, "failed": 1, "cancelled": 0}
+    assert metrics == {
+        "specpipe_jobs": ("gauge", by_status("specpipe_jobs", jobs)),
+        # the parser names a counter's family without `_total`; its sample keeps it
+        "specpipe_tokens_generated": (
+            "counter",
+            {("specpipe_tokens_generated_total", ()): 15.0},
+        ),
+        "specpipe_tokens_per_second": ("gauge", {("specpipe_tokens_per_second", ()): 6.0}),
+        "specpipe_accepted_per_round": ("gauge", {("specpipe_accepted_per_round", ()): 3.0}),
+        "specpipe_nodes": (
+            "gauge",
+            by_status("specpipe_nodes", {"online": 1, "stale": 1, "offline": 0}),
+        ),
+        "specpipe_nightly_last_verdict": ("gauge", {("specpipe_nightly_last_verdict", ()): 0.0}),
+        "specpipe_nightly_last_run_timestamp_seconds": (
+            "gauge",
+            {
+                ("specpipe_nightly_last_run_timestamp_seconds", ()): pytest.approx(
+                    as_utc(failed.created_at).timestamp()
+                )
+            },
+        ),
+        "specpipe_nightly_failures": (
+            "counter",
+            {("specpipe_nightly_failures_total", ()): 1.0},
+        ),
+    }
+    # Each app has its own registry: a second app on the same store reads the same numbers.
+    other = create_app({**app.config, "TESTING": True})
+    assert other.extensions["specpipe.metrics"] is not app.extensions["specpipe.metrics"]
+    assert scrape(other.test_client()) == metrics
 
 
 def test_unknown_page_is_friendly_404(client):

@@ -1,0 +1,111 @@
+"""Grouped-query attention over a `LayerCache`, with gpt-oss's sinks and sliding windows.
+
+Queries, keys and values are [H, T, hd] for one sequence. Keys and values are read from the cache
+by absolute position, so the same code runs a prefill, a single decode step and a K-token verify.
+
+Row stability (see `linear`): besides padding its products' rows to `MIN_ROWS`, attention depends
+on the number of keys S, which differs between a verify and a step; its kernels agree on every
+row once S is at least `MIN_KEYS`, so short contexts pad the keys (masked), and gpt-oss's sink
+logit goes first, at a fixed index, rather than after the keys.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from specpipe.model.config import ModelConfig
+from specpipe.model.kvcache import LayerCache
+from specpipe.model.linear import MIN_ROWS, Linear, padded, stable_bmm
+from specpipe.model.rope import apply_rope
+
+MIN_KEYS = 16
+QUERY_CHUNK = 256
+
+
+class Attention(nn.Module):
+    row_stable = True  # see the module docstring
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.window = cfg.window(layer)
+        # Queries, keys and values in one product: q [H*hd] | k [Hkv*hd] | v [Hkv*hd].
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.wqkv = Linear(cfg.dim, q + 2 * kv, bias=cfg.qkv_bias)
+        self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.o_bias)
+        # gpt-oss: one learned logit per head that competes in the softmax and carries no value.
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.has_sinks else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerCache,
+        pos: int,
+        tokens: int | None = None,
+    ) -> torch.Tensor:
+        """x [P, D] for positions pos…: the first `tokens` rows (default: all) are the tokens;
+        any rows after them are padding, attended but never cached (see `StageModel.forward`)."""
+        P, H = x.shape[0], self.n_heads
+        T = P if tokens is None else tokens
+        qkv = self.wqkv(x).view(P, H + 2 * self.n_kv, self.hd).transpose(0, 1)  # [H+2Hkv, P, hd]
+        qk = apply_rope(qkv[: H + self.n_kv], cos, sin)  # queries and keys rotate alike
+        k, v = qk[H:], qkv[H + self.n_kv :]  # [Hkv, P, hd] x 2
+        if T < P:
+            k, v = k[:, :T], v[:, :T]
+        keys, values, first = cache.append(k, v, pos)  # [Hkv, S, hd], absolute position of key 0
+        if self.row_stable and keys.shape[1] < MIN_KEYS:  # padded keys lie in the future: masked
+            keys, values = padded(keys, MIN_KEYS), padded(values, MIN_KEYS)
+        # One token that sees every key needs no mask (padding rows may see what they like).
+        masked = T > 1 or self.window is not None or first + keys.shape[1] > pos + T
+        # Long prompts attend in chunks of queries, so the scores never outgrow [H, C, S].
+        chunks = [
+            self._attend(qk[:H, i : i + QUERY_CHUNK], keys, values, first, pos + i, masked)
+            for i in range(0, P, QUERY_CHUNK)
+        ]
+        out = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)  # [H, P, hd]
+        return self.wo(out.transpose(0, 1).reshape(P, self.n_heads * self.hd))
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        first: int,
+        pos: int,
+        masked: bool,
+    ) -> torch.Tensor:
+        """Queries [H, T, hd] at positions pos… over keys/values [Hkv, S, hd] -> [H, T, hd];
+        `masked`: hide the keys each query must not see."""
+        T, S, group = q.shape[1], keys.shape[1], self.n_heads // self.n_kv
+        # Query heads grouped under their kv head: [Hkv, group*T, hd] x [Hkv, hd, S].
+        q = q.reshape(self.n_kv, group * T, self.hd)
+        rows = MIN_ROWS if self.row_stable else 1
+        scores = stable_bmm(q, keys.transpose(1, 2), rows) / math.sqrt(self.hd)
+        scores = scores.view(self.n_heads, T, S)
+        if masked:
+            scores = scores + attention_mask(pos, T, first, S, self.window, q)
+        if self.sinks is not None:
+            sink = self.sinks.to(scores.dtype).view(-1, 1, 1).expand(-1, T, 1)
+            probs = torch.softmax(torch.cat([sink, scores], dim=-1).float(), dim=-1)[..., 1:]
+        else:
+            probs = torch.softmax(scores.float(), dim=-1)
+        probs = probs.to(values.dtype).reshape(self.n_kv, group * T, S)
+        return stable_bmm(probs, values, rows).reshape(self.n_heads, T, self.hd)
+
+
+def attention_mask(
+    pos: int, T: int, first: int, S: int, window: int | None, like: torch.Tensor
+) -> torch.Tensor:
+    """[T, S] additive mask: query at pos+i sees keys at first+j <= pos+i (and within window)."""
+    q_pos = torch.arange(pos, pos + T, device=like.device)[:, None]
+    k_pos = torch.arange(first, first + S, device=like.device)[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    zero = torch.zeros((), dtype=like.dtype, device=like.device)
+    return torch.where(visible, zero, torch.finfo(like.dtype).min)
