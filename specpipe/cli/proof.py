@@ -207,6 +207,8 @@ def open_ring(redis_option: str | None, local_model: str | None, model: str | No
         raise click.ClickException(f"no complete ring in swarm {settings.swarm!r}: {exc}") from None
     finally:
         client.close()
+    if lossy := inventory.lossy_hosts(chain):
+        click.echo(f"warning: {inventory.lossy_warning(lossy)}", err=True)
     ring = RedisRing(chain, settings.swarm, settings.swarm_key.encode(), url)
     return ring, target, " → ".join(n.host for n in chain)
 
