@@ -9,6 +9,7 @@ from flask import Blueprint, render_template
 from app.db import get_session
 from models.db import utcnow
 from models.nodes import Node, ring_nodes
+from specpipe.inventory import lossy_warning
 
 bp = Blueprint("nodes", __name__, url_prefix="/nodes")
 
@@ -52,7 +53,8 @@ def ring_arrows(points: list[dict], node_radius: float = 34) -> list[dict]:
 
 @bp.get("/")
 def index():
-    """All nodes in ring order with status and last heartbeat."""
+    """All nodes in ring order with status and last heartbeat; a node running the test-only
+    lossy tail is flagged, and so is the page."""
     nodes = ring_nodes(get_session())
     now = utcnow()
     points = ring_layout(nodes)
@@ -60,6 +62,7 @@ def index():
     for node in nodes:
         counts[node.status(now)] += 1
     ends = [n.layer_end for n in nodes if n.layer_end is not None]
+    lossy = [n.host for n in nodes if n.test_lossy_tail]
     return render_template(
         "nodes/index.html",
         nodes=nodes,
@@ -69,4 +72,5 @@ def index():
         memory_total=sum(n.memory_bytes or 0 for n in nodes) or None,
         points=points,
         arrows=ring_arrows(points),
+        lossy_warning=lossy_warning(lossy) if lossy else None,
     )

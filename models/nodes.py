@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from urllib.parse import urlsplit, urlunsplit
 
-from sqlalchemy import BigInteger, DateTime, ForeignKey, Integer, String, select
+from sqlalchemy import BigInteger, Boolean, DateTime, ForeignKey, Integer, String, false, select
 from sqlalchemy.orm import Mapped, Session, mapped_column, relationship
 
 from models.db import Base, as_utc, iso_utc, utcnow
@@ -28,6 +28,7 @@ NODE_FIELDS = (
     "memory_bytes",
     "software_version",
     "last_heartbeat",
+    "test_lossy_tail",
 )
 
 
@@ -68,6 +69,8 @@ class Node(Base):
     memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
     software_version: Mapped[str | None] = mapped_column(String(100))
     last_heartbeat: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), index=True)
+    # Its worker runs with the test-only SPECPIPE_TEST_LOSSY_TAIL=1: the output is NOT lossless.
+    test_lossy_tail: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     def status(self, now: datetime | None = None) -> str:
         """online (< 30 s since the last heartbeat), stale (< 120 s) or offline."""

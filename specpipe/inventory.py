@@ -5,6 +5,8 @@ swarm's registry Redis and refreshes it (its heartbeat) while it runs. A node is
 its last heartbeat is at most 30 s old, *stale* up to 120 s, *offline* after that. `route`
 builds a ring from the online nodes: stages that cover every layer exactly once, in order.
 Public IP and geo label come from configuration; nothing here asks the internet.
+A node whose worker runs with the test-only `SPECPIPE_TEST_LOSSY_TAIL=1` says so in its record
+(`test_lossy_tail`), so a leaked variable shows wherever the inventory does.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 import redis
 
 from specpipe import __version__
+from specpipe.settings import TEST_LOSSY_TAIL_VAR
 
 ONLINE_S = 30.0
 STALE_S = 120.0
@@ -50,6 +53,7 @@ class NodeInfo:
     memory_bytes: int = 0
     software_version: str = __version__
     last_heartbeat: float = 0.0
+    test_lossy_tail: bool = False  # TEST ONLY lossy sampling is on: the output is NOT lossless
 
     @property
     def layers(self) -> str:
@@ -75,6 +79,19 @@ class NodeInfo:
         data = json.loads(text)
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def lossy_hosts(nodes: list[NodeInfo]) -> list[str]:
+    """The hosts among `nodes` whose worker runs with the test-only lossy tail switched on."""
+    return [n.host for n in nodes if n.test_lossy_tail]
+
+
+def lossy_warning(hosts: list[str]) -> str:
+    """One line saying which hosts run the test-only lossy tail and what that means."""
+    return (
+        f"{TEST_LOSSY_TAIL_VAR}=1 is set on {', '.join(hosts)}: "
+        "test-only lossy sampling, the ring's output is NOT lossless"
+    )
 
 
 def cpu_model() -> str:
@@ -205,10 +222,14 @@ def with_roles(nodes: list[NodeInfo]) -> list[NodeInfo]:
 
 
 def table(nodes: list[NodeInfo], now: float | None = None) -> list[str]:
-    """The inventory as aligned text lines, in ring order (what `specpipe nodes` prints)."""
+    """The inventory as aligned text lines, in ring order (what `specpipe nodes` prints). When
+    a node runs the test-only lossy tail a last column, WARNING, marks it."""
     now = time.time() if now is None else now
-    rows = [("HOST", "ROLE", "LAYERS", "STATUS", "SEEN", "REDIS", "GEO", "PUBLIC IP", "GPU", "MEM")]
-    for n in with_roles(nodes):
+    ordered = with_roles(nodes)
+    warn = bool(lossy_hosts(ordered))
+    header = ("HOST", "ROLE", "LAYERS", "STATUS", "SEEN", "REDIS", "GEO", "PUBLIC IP", "GPU", "MEM")
+    rows = [(*header, "WARNING") if warn else header]
+    for n in ordered:
         gpu = n.cpu_model if n.gpu_name == "cpu" and n.cpu_model else n.gpu_name
         rows.append(
             (
@@ -222,6 +243,7 @@ def table(nodes: list[NodeInfo], now: float | None = None) -> list[str]:
                 n.public_ip or "-",
                 gpu,
                 f"{n.memory_bytes / 2**30:.1f} GiB",
+                *(["TEST LOSSY TAIL" if n.test_lossy_tail else "-"] if warn else []),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

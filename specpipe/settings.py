@@ -209,7 +209,11 @@ def nightly_sizes() -> dict[str, int]:
     }
 
 
+TEST_LOSSY_TAIL_VAR = "SPECPIPE_TEST_LOSSY_TAIL"
+
+
 def test_lossy_tail() -> bool:
     """TEST ONLY: `SPECPIPE_TEST_LOSSY_TAIL=1` makes the tail commit biased tokens on rejection,
-    so a test can show the regression catches a lossy swarm. Never set it in production."""
-    return os.environ.get("SPECPIPE_TEST_LOSSY_TAIL") == "1"
+    so a test can show the regression catches a lossy swarm. Never set it in production: a stage
+    worker with it set warns at start, and its inventory record carries `test_lossy_tail`."""
+    return os.environ.get(TEST_LOSSY_TAIL_VAR) == "1"

@@ -31,7 +31,7 @@ import torch
 from specpipe import inventory, streams, wire
 from specpipe.ring import GapError, Stage
 from specpipe.sampling import Sampler
-from specpipe.settings import test_lossy_tail
+from specpipe.settings import TEST_LOSSY_TAIL_VAR, test_lossy_tail
 
 log = logging.getLogger("specpipe.stage")
 
@@ -67,7 +67,8 @@ class StageWorker:
     ) -> None:
         self.stage = stage
         self.config = config
-        self.node = node
+        # The record says what this process does, whatever the caller built it with.
+        self.node = None if node is None else replace(node, test_lossy_tail=test_lossy_tail())
         self.connections = streams.Connections()
         self.client = self.connections.get(config.redis_url)
         self.consumer = streams.StreamConsumer(
@@ -342,6 +343,13 @@ def run(stage: Stage, config: WorkerConfig, node: inventory.NodeInfo | None = No
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     worker = StageWorker(stage, config, node)
+    if test_lossy_tail():
+        log.warning(
+            "%s: %s=1 is set: test-only lossy sampling, the output is NOT lossless "
+            "(never set it in production)",
+            config.host,
+            TEST_LOSSY_TAIL_VAR,
+        )
     log.info("%s: serving %s", config.host, streams.stage_key(config.swarm, config.host))
     try:
         worker.serve(stop)

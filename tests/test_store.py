@@ -19,6 +19,7 @@ from models.tokens import check_token, create_token, revoke_token
 from tests.factories import gen_job, gen_node, gen_proof_run, gen_ring
 
 BEFORE_STOP_STRINGS = "dc866fa56549"  # the revision before jobs had stop strings
+BEFORE_LOSSY_FLAG = "bf4314513ebb"  # the revision before nodes recorded the test lossy tail
 TABLES = {"jobs", "runs", "proofs", "proof_cases", "nodes", "run_nodes", "api_tokens"}
 
 
@@ -80,6 +81,26 @@ def test_jobs_from_before_stop_strings_read_as_none(fresh_database_url):
         assert (job.prompt, job.stop, job.output_ids) == ("old", [], [1, 2, 3])
     downgrade(url, BEFORE_STOP_STRINGS)
     assert "stop" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
+
+
+def test_nodes_from_before_the_lossy_flag_read_as_lossless(fresh_database_url):
+    url = fresh_database_url
+    upgrade(url, BEFORE_LOSSY_FLAG)
+    engine = get_engine(url)
+    nodes = Table("nodes", MetaData(), autoload_with=engine)
+    assert "test_lossy_tail" not in nodes.c
+    with engine.begin() as conn:
+        conn.execute(nodes.insert().values(host="old.example", role="tail"))
+    upgrade(url)
+    with make_session_factory(url)() as session:
+        node = session.scalars(select(Node)).one()
+        assert (node.host, node.test_lossy_tail) == ("old.example", False)
+        assert node.to_dict()["test_lossy_tail"] is False
+        node.test_lossy_tail = True
+        session.commit()
+        assert session.scalars(select(Node.test_lossy_tail)).one() is True
+    downgrade(url, BEFORE_LOSSY_FLAG)
+    assert "test_lossy_tail" not in {c["name"] for c in inspect(engine).get_columns("nodes")}
 
 
 def test_seed_keeps_every_uint64(db_session):

@@ -3,7 +3,7 @@
 The old name also meant tokens per round elsewhere; the list keeps its values.
 
 Revision ID: 3c7e1d52a9f0
-Revises: bf4314513ebb
+Revises: ea3906a109e3
 Create Date: 2026-11-30 16:30:00.000000
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from alembic import op
 
 revision: str = "3c7e1d52a9f0"
-down_revision: str | None = "bf4314513ebb"
+down_revision: str | None = "ea3906a109e3"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -25,6 +25,10 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     messages dropped, gaps, duplicates, errors, and running means of its forward and of what
     the hop adds around it (`forward_ms`, `hop_ms`); null where that Redis cannot be reached.
 
+    A node whose worker runs with the test-only SPECPIPE_TEST_LOSSY_TAIL=1 is marked TEST LOSSY
+    TAIL (`test_lossy_tail` in JSON), and a warning naming it goes to stderr: its output is NOT
+    lossless.
+
     Example:
 
         REDIS_URL=redis://127.0.0.1:6379/0 specpipe nodes --json
@@ -46,6 +50,9 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
         raise click.ClickException(f"cannot read the inventory at {redis_url}: {exc}") from None
     finally:
         client.close()
+    lossy = inventory.lossy_hosts(found)
+    if lossy:
+        click.echo(f"warning: {inventory.lossy_warning(lossy)}", err=True)
     if as_json:
         click.echo(json.dumps(_records(found, swarm), indent=2))
         return

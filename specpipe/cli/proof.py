@@ -173,6 +173,7 @@ def ring_options(func):
 
 def open_ring(redis_option: str | None, local_model: str | None, model: str | None):
     """(ring, target, description) for the options; ClickException with one line otherwise."""
+    from specpipe import inventory
     from specpipe.inventory import RouteError
     from specpipe.redis_ring import RedisRing, RingError
     from specpipe.ring import LocalRing
@@ -201,6 +202,8 @@ def open_ring(redis_option: str | None, local_model: str | None, model: str | No
         raise click.ClickException(str(exc)) from None
     except RouteError as exc:
         raise click.ClickException(f"no complete ring in swarm {settings.swarm!r}: {exc}") from None
+    if lossy := inventory.lossy_hosts(ring.route):
+        click.echo(f"warning: {inventory.lossy_warning(lossy)}", err=True)
     return ring, target, " → ".join(hop.host for hop in ring.route)
 
 

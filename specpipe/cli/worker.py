@@ -106,7 +106,7 @@ def worker_stage(
         label = model_label(model_name)
     except ModelError as exc:
         raise ModelInputError(str(exc)) from None
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     node = inventory.NodeInfo(
         host=host,
         layer_start=start,

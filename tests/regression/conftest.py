@@ -70,9 +70,12 @@ class Swarm:
         self.procs.append(proc)
         return proc
 
-    def start_stages(self, lossy_tail: bool = False, model: str | None = None) -> None:
+    def start_stages(
+        self, lossy_tail: bool = False, model: str | None = None, lossy_head: bool = False
+    ) -> None:
         """Both toy stages (or a real model's halves); the tail deliberately lossy when asked
-        (the test-only switch)."""
+        (the test-only switch). With `lossy_head` the head's worker has the switch on too:
+        flagged in the inventory, though only a tail's sampling is biased by it."""
         stages = STAGES
         if model:
             from specpipe.model.resolve import open_checkpoint
@@ -81,7 +84,8 @@ class Swarm:
             stages = ((STAGES[0][0], f"0:{n // 2}", *STAGES[0][2:]),
                       (STAGES[1][0], f"{n // 2}:{n}", *STAGES[1][2:]))  # fmt: skip
         for i, (host, layers, geo, ip) in enumerate(stages):
-            lossy = {"SPECPIPE_TEST_LOSSY_TAIL": "1"} if lossy_tail and i == len(STAGES) - 1 else {}
+            on = lossy_tail if i == len(STAGES) - 1 else lossy_head and i == 0
+            lossy = {"SPECPIPE_TEST_LOSSY_TAIL": "1"} if on else {}
             self._spawn(
                 [sys.executable, "-m", "tests.regression.stage", "--host", host, "--layers",
                  layers, "--redis", self.redis_url, "--swarm", self.name, "--geo", geo,

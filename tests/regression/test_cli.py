@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
+import redis
 from click.testing import CliRunner
 
 import tests.regression.toy_target  # noqa: F401  (the `toy` target)
+from specpipe import inventory
 from specpipe.cli import cli
+from specpipe.cli.proof import open_ring
 
 NO_SWARM = {"SPECPIPE_SWARM_KEY": "k" * 32, "SPECPIPE_MODEL": "toy", "REDIS_URL": None}
 
@@ -55,6 +59,35 @@ def test_an_empty_inventory_names_the_missing_layers(redis_url_for_cli):
     assert result.exit_code == 1
     assert result.output == "Error: no complete ring in swarm 'nobody-here': " \
                             "no online stage serves layers 0:4\n"  # fmt: skip
+
+
+@pytest.mark.parametrize("lossy", [True, False])
+def test_a_ring_with_a_test_lossy_tail_is_a_warning_line(
+    redis_url_for_cli, monkeypatch, capsys, lossy
+):
+    swarm = f"p{uuid.uuid4().hex[:10]}"
+    monkeypatch.setenv("SPECPIPE_SWARM", swarm)
+    monkeypatch.setenv("SPECPIPE_SWARM_KEY", "k" * 32)
+    monkeypatch.setenv("SPECPIPE_MODEL", "toy")
+    monkeypatch.setenv("REDIS_URL", redis_url_for_cli)
+    client = redis.Redis.from_url(redis_url_for_cli)
+    for host, start, end in (("wa", 0, 2), ("nj", 2, 4)):
+        node = inventory.NodeInfo(host, start, end, redis_url_for_cli,
+                                  test_lossy_tail=lossy and host == "nj")  # fmt: skip
+        inventory.publish(client, swarm, node)
+    try:
+        ring, _target, where = open_ring(None, None, None)
+        ring.close()
+    finally:
+        client.delete(inventory.nodes_key(swarm))
+        client.close()
+    assert where == "wa → nj"
+    err = capsys.readouterr().err
+    if lossy:
+        assert err.startswith("warning: SPECPIPE_TEST_LOSSY_TAIL=1 is set on nj: ")
+        assert "NOT lossless" in err and len(err.splitlines()) == 1
+    else:
+        assert err == ""
 
 
 def test_an_unknown_model_and_a_missing_key_are_one_line_each():

@@ -13,13 +13,16 @@ from sqlalchemy import func, select
 import tests.regression.toy_target  # noqa: F401  (the `toy` target)
 from app import create_app
 from models.db import make_session_factory
+from models.nodes import ring_nodes
 from models.records import record_of
 from models.runs import Run
 from specpipe.cli import cli
-from tests.regression.conftest import ROOT, STAGES
+from specpipe.settings import Settings, nightly_sizes
+from tests.regression.conftest import ROOT, SMALL_SIZES, STAGES
+from tests.regression.toy_target import toy_target
 from tests.waiting import wait_until
 from workers.names import COORDINATOR_QUEUE, NIGHTLY_TASK
-from workers.regression import attempts_key
+from workers.regression import attempts_key, run_nightly
 
 
 def nightly_runs(db_url: str) -> list[Run]:
@@ -120,6 +123,9 @@ def test_a_lossy_tail_is_a_failed_run_flagged_on_the_web_and_in_metrics(live_swa
     exact = on_swarm.summary["exact_check"]
     assert exact["identical"] < exact["pairs"]
     assert run.proof("generation").verdict == "fail"
+    [flagged] = [p for p in run.proofs if p.verdict == "error"]  # the inventory said so too
+    assert flagged.kind == "on_swarm"
+    assert flagged.summary["error"].startswith("SPECPIPE_TEST_LOSSY_TAIL=1 is set on nj-1:")
 
     client = web_client(live_swarm.db_url, live_swarm.redis_url)
     for page in ("/", "/proofs/", "/nodes/"):
@@ -128,9 +134,36 @@ def test_a_lossy_tail_is_a_failed_run_flagged_on_the_web_and_in_metrics(live_swa
         assert run.name in html
     detail = client.get(f"/proofs/{run.id}").get_data(as_text=True)
     assert "badge-fail" in detail and "same-seed draws differ" in detail
+    assert "SPECPIPE_TEST_LOSSY_TAIL=1 is set on nj-1" in detail
+    nodes = client.get("/nodes/").get_data(as_text=True)
+    [row] = [r for r in nodes.split("<tr>") if "badge-lossy" in r]
+    assert "nj-1" in row and "TEST LOSSY TAIL" in row
     metrics = client.get("/metrics").get_data(as_text=True).splitlines()
     assert "specpipe_nightly_last_verdict 0.0" in metrics
     assert "specpipe_nightly_failures_total 1.0" in metrics
+
+
+def test_a_stage_flagged_lossy_fails_the_night_even_when_the_proofs_pass(live_swarm, monkeypatch):
+    # The switch on the head biases nothing (only a tail samples), so the proofs pass: the
+    # inventory's flag alone must keep the night from passing.
+    live_swarm.start_stages(lossy_head=True)
+    for name, value in SMALL_SIZES.items():
+        monkeypatch.setenv(name, value)
+    sizes = nightly_sizes()
+    swarm = Settings.from_env().for_swarm(live_swarm.redis_url, live_swarm.name, live_swarm.key)
+    with make_session_factory(live_swarm.db_url)() as session:
+        run = run_nightly(session, toy_target(), swarm, sizes["seed"], sizes)
+        assert run.verdict == "error"
+        verdicts = [(p.kind, p.verdict) for p in run.proofs]
+        assert verdicts == [("local_math", "pass"), ("on_swarm", "pass"), ("generation", "pass"),
+                            ("on_swarm", "error")]  # fmt: skip
+        reason = run.proofs[-1].summary["error"]
+        assert reason.startswith("SPECPIPE_TEST_LOSSY_TAIL=1 is set on wa-1:")
+        assert "nj-1" not in reason and "NOT lossless" in reason
+        assert [(n.host, n.test_lossy_tail) for n in ring_nodes(session)] == [
+            ("wa-1", True),
+            ("nj-1", False),
+        ]
 
 
 def test_two_schedulers_firing_at_once_store_one_run(live_swarm, monkeypatch):

@@ -64,3 +64,35 @@ def test_nodes_json_lists_records_status_and_stage_stats_in_ring_order(swarm, re
 def test_nodes_json_of_an_empty_swarm_is_an_empty_list(swarm, redis_url):
     result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, "--json"])
     assert result.exit_code == 0 and json.loads(result.output) == []
+
+
+def test_nodes_flags_a_test_lossy_tail_in_text_and_json(swarm, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    inventory.publish(client, swarm, NodeInfo("nj", 2, 4, redis_url, test_lossy_tail=True))
+    inventory.publish(client, swarm, NodeInfo("wa", 0, 2, redis_url))
+    client.close()
+    warning = "warning: SPECPIPE_TEST_LOSSY_TAIL=1 is set on nj: "
+
+    result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm])
+    assert result.exit_code == 0, result.output
+    header, wa, nj = result.stdout.splitlines()
+    assert header.split()[-1] == "WARNING"
+    assert nj.split()[0] == "nj" and nj.endswith("TEST LOSSY TAIL")
+    assert wa.split()[0] == "wa" and "LOSSY" not in wa
+    assert result.stderr.startswith(warning) and "NOT lossless" in result.stderr
+
+    result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, "--json"])
+    assert result.exit_code == 0, result.output
+    records = json.loads(result.stdout)
+    assert [(r["host"], r["test_lossy_tail"]) for r in records] == [("wa", False), ("nj", True)]
+    assert result.stderr.startswith(warning)
+
+
+def test_nodes_without_a_test_lossy_tail_warn_of_nothing(swarm, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    inventory.publish(client, swarm, NodeInfo("wa", 0, 2, redis_url))
+    client.close()
+    for extra in ([], ["--json"]):
+        result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, *extra])
+        assert result.exit_code == 0 and result.stderr == ""
+        assert "LOSSY" not in result.stdout

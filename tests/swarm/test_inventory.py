@@ -1,5 +1,6 @@
 """The node inventory: records in Redis, status by heartbeat age, and building the ring."""
 
+import json
 import time
 
 import pytest
@@ -121,6 +122,36 @@ def test_hardware_describes_this_machine_without_a_gpu():
 def test_records_from_a_newer_version_still_load():
     text = NodeInfo("a", 0, 1, "redis://x").to_json().replace('{"', '{"future_field": 1, "', 1)
     assert NodeInfo.from_json(text).host == "a"
+
+
+def test_the_test_lossy_tail_flag_round_trips_and_older_records_read_as_lossless():
+    flagged = node("nj", 2, 4, test_lossy_tail=True)
+    assert NodeInfo.from_json(flagged.to_json()).test_lossy_tail is True
+    assert NodeInfo.from_json(node("wa", 0, 2).to_json()).test_lossy_tail is False
+    older = json.loads(flagged.to_json())
+    del older["test_lossy_tail"]  # a record from before the field
+    assert NodeInfo.from_json(json.dumps(older)).test_lossy_tail is False
+
+
+def test_lossy_hosts_names_the_flagged_nodes_and_the_warning_the_variable():
+    nodes = [node("wa", 0, 2, test_lossy_tail=True), node("mn", 2, 3),
+             node("nj", 3, 4, test_lossy_tail=True)]  # fmt: skip
+    assert inventory.lossy_hosts(nodes) == ["wa", "nj"]
+    assert inventory.lossy_hosts(nodes[1:2]) == []
+    warning = inventory.lossy_warning(["wa", "nj"])
+    assert "SPECPIPE_TEST_LOSSY_TAIL=1" in warning and "wa, nj" in warning
+    assert "NOT lossless" in warning
+
+
+def test_table_marks_a_test_lossy_tail_in_a_warning_column():
+    plain = inventory.table([node("wa", 0, 2), node("nj", 2, 4)], now=NOW)
+    assert "WARNING" not in plain[0] and "LOSSY" not in "\n".join(plain)
+    header, wa, nj = inventory.table(
+        [node("nj", 2, 4, test_lossy_tail=True), node("wa", 0, 2)], now=NOW
+    )
+    assert header.split()[-1] == "WARNING"
+    assert nj.startswith("nj ") and nj.endswith("TEST LOSSY TAIL")
+    assert wa.startswith("wa ") and wa.split()[-1] == "-"
 
 
 def test_table_lists_nodes_in_ring_order_with_status():

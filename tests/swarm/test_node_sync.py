@@ -49,3 +49,22 @@ def test_heartbeats_reach_the_nodes_table(redis_url, swarm, db_session):
     db_session.commit()
     assert [n.status() for n in ring_nodes(db_session)] == ["online", "online"]
     client.close()
+
+
+def test_the_test_lossy_tail_flag_reaches_the_nodes_table(redis_url, swarm, db_session):
+    client = redis.Redis.from_url(redis_url)
+    for host, start, end, lossy in (("wa", 0, 2, False), ("nj", 2, 4, True)):
+        node = inventory.NodeInfo(host, start, end, redis_url, test_lossy_tail=lossy)
+        inventory.publish(client, swarm, node)
+    sync_inventory(db_session, inventory.load(client, swarm))
+    db_session.commit()
+    assert [(n.host, n.test_lossy_tail) for n in ring_nodes(db_session)] == [
+        ("wa", False),
+        ("nj", True),
+    ]
+    # The variable gone and the worker restarted: its next heartbeat clears the flag.
+    inventory.publish(client, swarm, inventory.NodeInfo("nj", 2, 4, redis_url))
+    sync_inventory(db_session, inventory.load(client, swarm))
+    db_session.commit()
+    assert [n.test_lossy_tail for n in ring_nodes(db_session)] == [False, False]
+    client.close()

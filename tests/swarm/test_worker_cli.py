@@ -1,6 +1,9 @@
-"""`specpipe worker …` refuses bad input with one line and changes nothing."""
+"""`specpipe worker …` refuses bad input with one line and changes nothing; a stage worker
+with the test-only lossy tail switched on says so, in its log and in its inventory record."""
 
 from __future__ import annotations
+
+import subprocess
 
 import pytest
 import redis
@@ -9,6 +12,8 @@ from click.testing import CliRunner
 from specpipe import inventory
 from specpipe.cli import cli
 from specpipe.redis_server import free_port
+from specpipe.supervisor import terminate_all
+from tests.swarmprocs import ROOT, SPECPIPE, swarm_env, wait_heartbeats, write_tiny_model
 
 DEAD = f"redis://127.0.0.1:{free_port()}/0"
 
@@ -57,3 +62,36 @@ def test_coordinator_and_beat_need_their_broker(clean_env, command):
     assert result.exit_code == 1
     assert f"cannot reach the broker Redis at {DEAD}" in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
+
+
+@pytest.mark.parametrize("lossy", [True, False])
+def test_a_stage_with_the_test_lossy_tail_warns_at_start_and_flags_its_record(
+    tiny, swarm, redis_url, lossy
+):
+    env = swarm_env(redis_url, swarm, "k" * 32, SPECPIPE_TEST_LOSSY_TAIL="1" if lossy else "")
+    argv = [*SPECPIPE, "worker", "stage", "--host", "nj", "--layers", "0:4", "--model",
+            str(tiny), "--threads", "1", "--heartbeat-s", "0.5"]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_heartbeats(redis_url, swarm, {"nj": proc}, ["nj"], timeout_s=90)
+        client = redis.Redis.from_url(redis_url)
+        [node] = inventory.load(client, swarm)
+        client.close()
+    finally:
+        terminate_all([proc], timeout_s=10)
+    log = proc.stderr.read()
+    proc.stderr.close()
+    assert node.test_lossy_tail is lossy
+    warnings = [line for line in log.splitlines() if "SPECPIPE_TEST_LOSSY_TAIL" in line]
+    if lossy:
+        [line] = warnings
+        assert " WARNING specpipe.stage nj: SPECPIPE_TEST_LOSSY_TAIL=1 is set" in line
+        assert "NOT lossless" in line
+        assert log.index(line) < log.index("nj: serving")  # at start, before any round
+    else:
+        assert warnings == [] and "nj: serving" in log
