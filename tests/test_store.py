@@ -20,6 +20,7 @@ from tests.factories import gen_job, gen_node, gen_proof_run, gen_ring
 
 BEFORE_STOP_STRINGS = "dc866fa56549"  # the revision before jobs had stop strings
 BEFORE_LOSSY_FLAG = "bf4314513ebb"  # the revision before nodes recorded the test lossy tail
+BEFORE_ACCEPTED_DRAFTS = "ea3906a109e3"  # the revision before jobs.accepted_drafts was named so
 TABLES = {"jobs", "runs", "proofs", "proof_cases", "nodes", "run_nodes", "api_tokens"}
 
 
@@ -72,13 +73,14 @@ def test_jobs_from_before_stop_strings_read_as_none(fresh_database_url):
                 max_new_tokens=8, temp=0.0, top_p=1.0, top_k=0, seed="00000000000000000001",
                 seed_was_random=False, draft_k=0, status="done", cancel_requested=False,
                 output_text="abc", output_ids=[1, 2, 3], generated_tokens=3, rounds=3,
-                accepted_drafts=[0, 0, 0],
+                accepted_per_round=[0, 0, 0],
             )
         )  # fmt: skip
     upgrade(url)
     with make_session_factory(url)() as session:
         job = session.scalars(select(Job)).one()
         assert (job.prompt, job.stop, job.output_ids) == ("old", [], [1, 2, 3])
+        assert job.accepted_drafts == [0, 0, 0]  # the list keeps its values under its new name
     downgrade(url, BEFORE_STOP_STRINGS)
     assert "stop" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
 
@@ -256,3 +258,20 @@ def test_redis_password_redacted(url, shown):
     from models.nodes import redact_url
 
     assert redact_url(url) == shown
+
+
+def test_accepted_drafts_is_renamed_both_ways(fresh_database_url):
+    url = fresh_database_url
+    upgrade(url)
+    with make_session_factory(url)() as session:
+        gen_job(session, accepted_drafts=[1, 2, 0])
+        session.commit()
+    downgrade(url, BEFORE_ACCEPTED_DRAFTS)
+    engine = get_engine(url)
+    jobs = Table("jobs", MetaData(), autoload_with=engine)
+    assert "accepted_drafts" not in jobs.c
+    with engine.connect() as conn:
+        assert conn.execute(select(jobs.c.accepted_per_round)).scalar_one() == [1, 2, 0]
+    upgrade(url)
+    with make_session_factory(url)() as session:
+        assert session.scalars(select(Job)).one().accepted_drafts == [1, 2, 0]

@@ -195,7 +195,7 @@ def test_job_finished_by_a_real_worker(server, page, app, db_url, queue, tmp_pat
     from tests.swarmprocs import Swarm, write_tiny_model
 
     tiny = write_tiny_model(tmp_path / "tiny")
-    app.config["MODEL"] = str(tiny)
+    app.extensions["specpipe.submitter"].model = str(tiny)
     swarm = Swarm(app.config["REDIS_URL"], f"web{uuid.uuid4().hex[:8]}", secrets.token_hex(16),
                   tiny, DATABASE_URL=db_url)  # fmt: skip
     try:
