@@ -122,7 +122,7 @@ def list_nodes():
 
 @bp.get("/runs/<id:run_id>")
 def get_run(run_id: int):
-    """A run record in DESIGN.md's schema."""
+    """A run record (docs/architecture.md, "The store")."""
     try:
         return jsonify(run_record(get_session(), run_id))
     except LookupError:

@@ -1,4 +1,4 @@
-"""Run record download, in DESIGN.md's JSON schema."""
+"""Run record download, in the run record's JSON schema (docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The run record: a run, its proofs and its ring as DESIGN.md's JSON schema, field for field.
+"""The run record: a run, its proofs and its ring in the record's JSON schema, field for field
+(docs/architecture.md, "The store").
 
 The web download, the API and `specpipe runs export` all call `run_record`, so the schema is
 written once. Fields a run has not measured are null.

@@ -1,8 +1,9 @@
 """Runs and proofs: one record per generation or proof run, with its proofs and their cases.
 
-A run is what DESIGN.md's run record exports: the commit and model it ran, the three proofs'
-summaries, and a snapshot of the ring it ran on. Proof cases keep the numbers behind the plots:
-the TV distance per case, and for swarm proofs the spec and plain token histograms per stop.
+A run is what a run record (docs/architecture.md) exports: the commit and model it ran, the
+three proofs' summaries, and a snapshot of the ring it ran on. Proof cases keep the numbers
+behind the plots: the TV distance per case, and for swarm proofs the spec and plain token
+histograms per stop.
 """
 
 from __future__ import annotations

@@ -86,12 +86,11 @@ def _model_errors(func):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        from specpipe.model.errors import ModelError
         from specpipe.redis_server import RedisUnavailable
 
         try:
             return func(*args, **kwargs)
-        except (ModelError, RedisUnavailable, RuntimeError) as exc:
+        except (ValueError, RedisUnavailable, RuntimeError) as exc:  # ModelError is a ValueError
             raise click.ClickException(str(exc)) from None
 
     return wrapper

@@ -262,7 +262,7 @@ def test_metrics_parse_as_prometheus_text(app, client, session):
             status=status,
             generated_tokens=tokens,
             tok_s=speed,
-            accepted_per_round=accepted,
+            accepted_drafts=accepted,
         )
     gen_node(session, "a.example", age_s=1)
     gen_node(session, "b.example", age_s=60)
