@@ -22,7 +22,8 @@ from specpipe.generation import Generation
 from specpipe.model.checkpoint import hf_name_map
 from specpipe.model.resolve import load_tokenizer, open_checkpoint
 from specpipe.model.stage import StageModel, load_stage
-from specpipe.ring import LocalRing, SamplingParams
+from specpipe.ring import LocalRing
+from specpipe.sampling import SamplingParams
 
 STORY = "Write a short story about a robot who learns to paint."
 GROUNDED = (

@@ -6,16 +6,15 @@ A node's status is derived from the age of its last heartbeat, never stored.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import datetime
 from urllib.parse import urlsplit, urlunsplit
 
 from sqlalchemy import BigInteger, Boolean, DateTime, ForeignKey, Integer, String, false, select
 from sqlalchemy.orm import Mapped, Session, mapped_column, relationship
 
 from models.db import Base, as_utc, iso_utc, utcnow
+from specpipe.inventory import heartbeat_status
 
-ONLINE_WITHIN = timedelta(seconds=30)
-STALE_WITHIN = timedelta(seconds=120)
 NODE_FIELDS = (
     "role",
     "layer_start",
@@ -73,14 +72,11 @@ class Node(Base):
     test_lossy_tail: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     def status(self, now: datetime | None = None) -> str:
-        """online (< 30 s since the last heartbeat), stale (< 120 s) or offline."""
+        """online, stale or offline by the age of the last heartbeat, as the inventory says."""
         beat = as_utc(self.last_heartbeat)
         if beat is None:
             return "offline"
-        age = (now or utcnow()) - beat
-        if age < ONLINE_WITHIN:
-            return "online"
-        return "stale" if age < STALE_WITHIN else "offline"
+        return heartbeat_status(((now or utcnow()) - beat).total_seconds())
 
     def to_dict(self, now: datetime | None = None) -> dict:
         """The node as the JSON API returns it."""

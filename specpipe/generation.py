@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from specpipe.drafting import NgramDrafter
-from specpipe.ring import GapError, Ring, SamplingParams
-from specpipe.sampling import committed_tokens
+from specpipe.ring import GapError, Ring
+from specpipe.sampling import SamplingParams, committed_tokens
 
 
 @dataclass

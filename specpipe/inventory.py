@@ -26,6 +26,13 @@ ONLINE_S = 30.0
 STALE_S = 120.0
 
 
+def heartbeat_status(age_s: float) -> str:
+    """online (heard from within ONLINE_S), stale (within STALE_S) or offline."""
+    if age_s <= ONLINE_S:
+        return "online"
+    return "stale" if age_s <= STALE_S else "offline"
+
+
 def nodes_key(swarm: str) -> str:
     """The hash holding one JSON record per host."""
     return f"specpipe:{swarm}:nodes"
@@ -62,12 +69,7 @@ class NodeInfo:
 
     def status(self, now: float | None = None) -> str:
         """online / stale / offline by the age of the last heartbeat."""
-        age = (time.time() if now is None else now) - self.last_heartbeat
-        if age <= ONLINE_S:
-            return "online"
-        if age <= STALE_S:
-            return "stale"
-        return "offline"
+        return heartbeat_status((time.time() if now is None else now) - self.last_heartbeat)
 
     def to_json(self) -> str:
         """The record as stored in Redis."""
@@ -180,25 +182,25 @@ def route(
     for node in sorted(usable, key=lambda n: -n.last_heartbeat):
         by_start.setdefault(node.layer_start, []).append(node)
 
-    # Depth-first over layer boundaries; `dead` remembers boundaries no chain can finish from.
+    # Depth-first over layer boundaries; `dead` remembers boundaries no route can finish from.
     dead: set[int] = set()
 
-    def chain_from(pos: int) -> list[NodeInfo] | None:
+    def route_from(pos: int) -> list[NodeInfo] | None:
         if pos == n_layers:
             return []
         if pos in dead:
             return None
         for node in by_start.get(pos, []):
-            rest = chain_from(node.layer_end)
+            rest = route_from(node.layer_end)
             if rest is not None:
                 return [node, *rest]
         dead.add(pos)
         return None
 
-    chain = chain_from(0)
-    if chain is not None:
-        last = len(chain) - 1
-        return [replace(n, role="tail" if i == last else f"stage{i}") for i, n in enumerate(chain)]
+    found = route_from(0)
+    if found is not None:
+        last = len(found) - 1
+        return [replace(n, role="tail" if i == last else f"stage{i}") for i, n in enumerate(found)]
     # Every boundary visited is dead; the furthest one is where no online stage starts.
     pos = max(dead)
     end = min((n.layer_start for n in usable if n.layer_start > pos), default=n_layers)

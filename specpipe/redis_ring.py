@@ -19,8 +19,8 @@ import redis
 
 from specpipe import inventory, streams, wire
 from specpipe.inventory import NodeInfo
-from specpipe.ring import GapError, SamplingParams
-from specpipe.sampling import Sampler
+from specpipe.ring import GapError
+from specpipe.sampling import Sampler, SamplingParams
 from specpipe.settings import Settings
 
 
@@ -92,7 +92,7 @@ class RedisRing:
 
     def reset(self, session: str, params: SamplingParams) -> None:
         """Clear every stage's cache for the session and give the tail its sampling parameters."""
-        Sampler(params.seed, params.temp, params.top_p, params.top_k)  # ValueError if invalid
+        Sampler.from_params(params)  # ValueError if invalid
         try:
             self.connections.get(self.reply_url).delete(streams.reply_key(self.swarm, session))
         except redis.RedisError as exc:
@@ -105,7 +105,7 @@ class RedisRing:
         """New sampling parameters for the tail; every stage keeps its cache."""
         if session not in self._params:
             raise RingError(f"session {session!r} was not reset on this ring")
-        Sampler(params.seed, params.temp, params.top_p, params.top_k)  # ValueError if invalid
+        Sampler.from_params(params)  # ValueError if invalid
         self._params[session] = params
         # Only the tail samples. Its stream is FIFO and this lands there before the next round.
         self._control(session, "reseed", params, hops=self.route[-1:])

@@ -13,22 +13,11 @@ Streams. Both offer the same three calls, so the generation loop cannot tell the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from specpipe.sampling import Sampler
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """What the tail needs to sample: the target's parameters and the seed."""
-
-    temp: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
+from specpipe.sampling import Sampler, SamplingParams
 
 
 class GapError(RuntimeError):
@@ -91,7 +80,7 @@ class LocalRing:
         self.reseed(session, params)
 
     def reseed(self, session: str, params: SamplingParams) -> None:
-        self.samplers[session] = Sampler(params.seed, params.temp, params.top_p, params.top_k)
+        self.samplers[session] = Sampler.from_params(params)
 
     def round(self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int) -> list[int]:
         sampler = self.samplers.get(session)

@@ -37,7 +37,8 @@ from specpipe.generation import Generation
 from specpipe.model.resolve import even_split
 from specpipe.redis_ring import RedisRing
 from specpipe.redis_server import RedisServer
-from specpipe.ring import LocalRing, Ring, SamplingParams
+from specpipe.ring import LocalRing, Ring
+from specpipe.sampling import SamplingParams
 from specpipe.settings import Settings
 from specpipe.supervisor import terminate_all
 from specpipe.target import open_target

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -306,6 +307,16 @@ def committed_tokens(drafts: Sequence[int], result: Sequence[int]) -> list[int]:
 # The sampler a tail (or a single process) runs
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """What the tail needs to sample: the target's parameters and the seed."""
+
+    temp: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
 class Sampler:
     """Samples one session's tokens: plain (`sample`) or verifying drafts (`accept`).
 
@@ -313,15 +324,22 @@ class Sampler:
     same logits they commit the same tokens. temp <= 0 is greedy and uses no randomness.
     """
 
-    def __init__(self, seed: int = 0, temp: float = 1.0, top_p: float = 1.0, top_k: int = 0):
-        check_seed(seed)
+    def __init__(
+        self, *, temp: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0
+    ) -> None:
         check_params(temp, top_p, top_k)
-        self.seed, self.temp, self.top_p, self.top_k = (
-            int(seed),
+        check_seed(seed)
+        self.temp, self.top_p, self.top_k, self.seed = (
             float(temp),
             float(top_p),
             int(top_k),
+            int(seed),
         )
+
+    @classmethod
+    def from_params(cls, params: SamplingParams) -> Sampler:
+        """A sampler for `params`; ValueError when they are out of range."""
+        return cls(temp=params.temp, top_p=params.top_p, top_k=params.top_k, seed=params.seed)
 
     @property
     def greedy(self) -> bool:

@@ -195,8 +195,8 @@ class StageWorker:
             self._seen.pop(message.session, None)
         p = message.params
         try:
-            sampler = _sampler_class()(int(p["seed"]), float(p["temp"]), float(p["top_p"]),
-                                       int(p["top_k"]))  # fmt: skip
+            sampler = _sampler_class()(temp=float(p["temp"]), top_p=float(p["top_p"]),
+                                       top_k=int(p["top_k"]), seed=int(p["seed"]))  # fmt: skip
         except (KeyError, ValueError, TypeError) as exc:
             self._drop(f"reset with bad sampling parameters: {exc}")
             return

@@ -40,7 +40,8 @@ from models.runs import start_run
 from specpipe.generation import Generation
 from specpipe.inventory import RouteError
 from specpipe.redis_ring import RedisRing, RingError
-from specpipe.ring import GapError, Ring, SamplingParams
+from specpipe.ring import GapError, Ring
+from specpipe.sampling import SamplingParams
 from specpipe.settings import Settings, stalled_after_s
 from specpipe.stopping import GenerationText
 from specpipe.target import open_target

@@ -222,7 +222,8 @@ def generate_locally(request: dict, model_name: str, options: dict, stream: Text
     import torch
 
     from specpipe.generation import Generation
-    from specpipe.ring import LocalRing, SamplingParams
+    from specpipe.ring import LocalRing
+    from specpipe.sampling import SamplingParams
     from specpipe.stopping import GenerationText
     from specpipe.target import open_target
 

@@ -7,7 +7,8 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from specpipe.generation import Generation
-from specpipe.ring import Ring, SamplingParams
+from specpipe.ring import Ring
+from specpipe.sampling import SamplingParams
 
 
 def _one(

@@ -314,7 +314,7 @@ def coupling_check(cfg: LocalProofConfig) -> dict:
         temp, top_p, top_k = COUPLING_PARAMS[i % len(COUPLING_PARAMS)]
         k = i % 5
         logits = rng.normal(scale=2.0, size=(k + 1, cfg.vocab))
-        sampler = Sampler(int(rng.integers(0, 2**63)), temp, top_p, top_k)
+        sampler = Sampler(temp=temp, top_p=top_p, top_k=top_k, seed=int(rng.integers(0, 2**63)))
         start = int(rng.integers(0, 2**40))
         plain = [sampler.sample(logits[j], start + j) for j in range(k + 1)]
         right = int(rng.integers(0, k + 1))

@@ -26,7 +26,8 @@ import numpy as np
 from specpipe.drafting import NgramDrafter
 from specpipe.generation import Generation
 from specpipe.proofs.stats import entropy_bits, total_variation, two_sample_p_value
-from specpipe.ring import Ring, SamplingParams
+from specpipe.ring import Ring
+from specpipe.sampling import SamplingParams
 
 Progress = Callable[[int], None]
 

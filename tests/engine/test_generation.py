@@ -4,7 +4,8 @@ token, greedy and sampled; stops, gaps and resumes change nothing."""
 import pytest
 
 from specpipe.generation import Generation
-from specpipe.ring import GapError, LocalRing, SamplingParams
+from specpipe.ring import GapError, LocalRing
+from specpipe.sampling import SamplingParams
 from tests.engine.toy_stages import VOCAB, toy_stages
 
 PROMPT = [3, 7, 1, 9, 3, 7, 1, 9, 3, 7, 1, 9, 3, 7]

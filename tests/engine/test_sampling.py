@@ -200,11 +200,11 @@ def test_float32_logits_sample_as_their_float64_widening():
         z64 = z32.double()
         temp, top_p, top_k = float(rng.choice([0, 0.7])), float(rng.choice([1, 0.9])), 0
         assert np.array_equal(target_probs(z32, temp, top_p), target_probs(z64, temp, top_p))
-        sampler = Sampler(int(rng.integers(0, 2**63)), temp, top_p, top_k)
+        sampler = Sampler(temp=temp, top_p=top_p, top_k=top_k, seed=int(rng.integers(0, 2**63)))
         drafts = [int(t) for t in rng.integers(0, vocab, size=k)]
         assert sampler.accept(z32, drafts, 50) == sampler.accept(z64, drafts, 50), trial
     with pytest.raises(ValueError, match="NaN"):
-        Sampler(0, 0.7).accept(torch.tensor([[0.0, float("nan")]]), [], 0)
+        Sampler(temp=0.7).accept(torch.tensor([[0.0, float("nan")]]), [], 0)
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent():

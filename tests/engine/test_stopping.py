@@ -4,7 +4,8 @@ ending at the round whose text first holds a stop string."""
 import pytest
 
 from specpipe.generation import Generation
-from specpipe.ring import LocalRing, SamplingParams
+from specpipe.ring import LocalRing
+from specpipe.sampling import SamplingParams
 from specpipe.stopping import (
     GenerationText,
     check_stop_strings,

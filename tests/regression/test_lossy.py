@@ -23,10 +23,12 @@ def test_the_lossy_sampler_commits_a_biased_law_and_plain_sampling_is_untouched(
     logits = np.log(np.array([[0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]]))
     honest, lossy = np.zeros(4), np.zeros(4)
     for seed in range(4000):
-        for sampler, counts in ((Sampler(seed), honest), (LossySampler(seed), lossy)):
+        for sampler, counts in ((Sampler(seed=seed), honest), (LossySampler(seed=seed), lossy)):
             first = committed_tokens([3], sampler.accept(logits, [3], 10))[0]
             counts[first] += 1
-        assert LossySampler(seed).sample(logits[0], 10) == Sampler(seed).sample(logits[0], 10)
+        assert LossySampler(seed=seed).sample(logits[0], 10) == Sampler(seed=seed).sample(
+            logits[0], 10
+        )
     target = np.array([0.4, 0.3, 0.2, 0.1]) * 4000
     assert total_variation(honest, target) < 0.03
     assert total_variation(lossy, target) > 0.2  # rejections all go to token 0

@@ -11,7 +11,8 @@ from models import Job
 from models.db import make_session_factory
 from specpipe.generation import Generation
 from specpipe.redis_ring import RedisRing
-from specpipe.ring import LocalRing, SamplingParams
+from specpipe.ring import LocalRing
+from specpipe.sampling import SamplingParams
 from tests.swarm.toy_stage import ToyConfig, ToyStage
 from workers import coordinator
 

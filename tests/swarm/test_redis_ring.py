@@ -13,8 +13,8 @@ from specpipe import inventory, streams, wire
 from specpipe.generation import Generation
 from specpipe.inventory import NodeInfo, RouteError
 from specpipe.redis_ring import RedisRing, RingError
-from specpipe.ring import GapError, LocalRing, SamplingParams
-from specpipe.sampling import committed_tokens
+from specpipe.ring import GapError, LocalRing
+from specpipe.sampling import SamplingParams, committed_tokens
 from tests.swarm.toy_stage import ToyConfig, ToyStage
 from tests.waiting import wait_until
 
