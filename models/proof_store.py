@@ -2,7 +2,8 @@
 
 The run record's sections are kept exactly as the proofs wrote them; the cases behind the
 plots are unpacked into rows: one per (config, draft, form) for the local math, one per stop,
-with its spec and plain histograms, for the swarm.
+with its spec and plain histograms, for the swarm. Verdicts are read through the proofs' typed
+views (`specpipe.proofs.report`).
 """
 
 from __future__ import annotations
@@ -11,25 +12,34 @@ from sqlalchemy.orm import Session
 
 from models.db import utcnow
 from models.runs import Proof, ProofCase, Run, start_run
+from specpipe.proofs.report import GenerationProofSummary, LocalProofSummary, SwarmProofSummary
 
 # The bulky per-run token lists stay out of the stored generation summary.
 _GENERATION_DETAIL = ("spec", "plain")
 
 
-def _verdict(text: str | None) -> str:
-    return {"pass": "pass", "fail": "fail"}.get((text or "").lower(), "error")
+def _verdict(passed: bool) -> str:
+    return "pass" if passed else "fail"
+
+
+def run_verdict(proof_verdicts: list[str]) -> str:
+    """A run's verdict from its proofs': pass when all pass, fail when one fails, else error."""
+    if proof_verdicts and all(v == "pass" for v in proof_verdicts):
+        return "pass"
+    return "fail" if "fail" in proof_verdicts else "error"
 
 
 def _local_proof(result: dict, trigger: str) -> Proof:
     head = result["proof_1_local_math"]
+    view = LocalProofSummary.from_result(result)
     proof = Proof(
         kind="local_math",
         trigger=trigger,
-        verdict=_verdict(head.get("verdict")),
-        gate=head.get("gate"),
+        verdict=_verdict(view.passed),
+        gate=view.gate,
         summary=dict(head),
     )
-    for i, row in enumerate(result.get("cases", [])):
+    for i, row in enumerate(result["cases"]):
         proof.cases.append(
             ProofCase(
                 position=i,
@@ -40,38 +50,36 @@ def _local_proof(result: dict, trigger: str) -> Proof:
                 temp=row["temp"],
                 top_p=row["top_p"],
                 top_k=row["top_k"],
-                draws=head.get("draws_per_case"),
+                draws=view.draws_per_case,
                 tv=row["tv"],
-                passed=bool(row.get("pass", row["tv"] <= (head.get("gate") or 1.0))),
+                passed=bool(row["pass"]),
             )
         )
     return proof
 
 
 def _swarm_proof(result: dict, trigger: str) -> Proof:
-    head = result["proof_2_on_swarm"]
-    alpha = result.get("alpha_per_stop")
+    view = SwarmProofSummary.from_result(result)
     proof = Proof(
         kind="on_swarm",
         trigger=trigger,
-        verdict=_verdict(head.get("verdict")),
-        noise_floor=head.get("mean_tv_noise_floor_plain_vs_plain"),
-        summary=dict(head),
+        verdict=_verdict(view.passed),
+        noise_floor=view.mean_tv_plain_vs_plain,
+        summary=dict(result["proof_2_on_swarm"]),
     )
-    for row in result.get("per_stop", []):
-        passed = row["p_value"] > alpha if alpha is not None else True
+    for stop, row in zip(view.per_stop, result["per_stop"], strict=True):
         proof.cases.append(
             ProofCase(
-                position=row["stop"],
-                label=f"stop {row['stop'] + 1} @ {row['position']}",
-                temp=head.get("temp"),
-                top_p=head.get("top_p"),
-                top_k=result.get("top_k"),
-                draws=head.get("draws_per_mode_per_stop"),
-                entropy_bits=row.get("entropy_bits"),
-                tv=row["tv_spec_vs_plain"],
-                noise_tv=row.get("tv_plain_vs_plain"),
-                passed=bool(passed),
+                position=stop.stop,
+                label=f"stop {stop.stop + 1} @ {stop.position}",
+                temp=view.temp,
+                top_p=view.top_p,
+                top_k=view.top_k,
+                draws=view.draws_per_mode_per_stop,
+                entropy_bits=stop.entropy_bits,
+                tv=stop.tv_spec_vs_plain,
+                noise_tv=stop.tv_plain_vs_plain,
+                passed=stop.passed,
                 spec_counts={str(k): v for k, v in row.get("spec_histogram", {}).items()},
                 plain_counts={str(k): v for k, v in row.get("plain_histogram", {}).items()},
             )
@@ -116,16 +124,11 @@ def save_proof_run(
             Proof(
                 kind="generation",
                 trigger=trigger,
-                verdict=_verdict(summary.get("verdict")),
+                verdict=_verdict(GenerationProofSummary.from_result(generation).passed),
                 summary=summary,
             )
         )
-    verdicts = [p.verdict for p in run.proofs]
-    run.verdict = (
-        "pass"
-        if verdicts and all(v == "pass" for v in verdicts)
-        else ("fail" if "fail" in verdicts else "error")
-    )
+    run.verdict = run_verdict([p.verdict for p in run.proofs])
     run.finished_at = utcnow()
     session.flush()
     return run

@@ -29,7 +29,7 @@ from celery import shared_task
 from sqlalchemy.orm import Session
 
 from models.db import utcnow
-from models.proof_store import save_proof_run
+from models.proof_store import run_verdict, save_proof_run
 from models.runs import Proof, Run
 from specpipe import __version__, inventory
 from specpipe.proofs.generation import run_generation_proof
@@ -201,9 +201,7 @@ def run_nightly(
         }
     for kind, reason in errors.items():
         run.proofs.append(_error_proof(kind, reason))
-    verdicts = [p.verdict for p in run.proofs]
-    run.verdict = "pass" if all(v == "pass" for v in verdicts) else (
-        "fail" if "fail" in verdicts else "error")  # fmt: skip
+    run.verdict = run_verdict([p.verdict for p in run.proofs])
     run.finished_at = utcnow()
     session.commit()
     return run

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import click
 
 from specpipe.cli.options import json_option, sampling_options, write_json
+from specpipe.proofs import report
 
 
 def _number_list(kind: type, check, what: str):
@@ -27,6 +31,14 @@ def _number_list(kind: type, check, what: str):
         return tuple(items)
 
     return parse
+
+
+def _finish(text: str, result: dict, json_path: Path | None, passed: bool) -> None:
+    """Print the report, write the result document, and exit 1 unless the proof passed."""
+    click.echo(text)
+    write_json(json_path, result)
+    if not passed:
+        raise SystemExit(1)
 
 
 @click.group(name="proof")
@@ -99,50 +111,9 @@ def proof_local(draws, vocab, seed, temps, top_ps, top_ks, json_path) -> None:
     started = time.perf_counter()
     with tqdm(total=cfg.work_units(), desc="proof local", unit="case", leave=False) as bar:
         result = run_local_proof(cfg, progress=bar.update)
-    elapsed = time.perf_counter() - started
-    click.echo(format_local_summary(result, elapsed))
-    write_json(json_path, result)
-    if result["proof_1_local_math"]["verdict"] != "PASS":
-        raise SystemExit(1)
-
-
-def format_local_summary(result: dict, elapsed: float) -> str:
-    """A readable summary of proof 1."""
-    head, cases = result["proof_1_local_math"], result["cases"]
-    multi, greedy = result["multi_position"], result["greedy"]
-    coupling = result["exact_coupling"]
-    forms = len(cases) // max(head["configs_tested"], 1)
-    rows = [
-        (
-            "cases",
-            f"{head['configs_tested']} × {forms} forms, {head['draws_per_case']:,} draws "
-            f"each, vocab {head['vocab']}",
-        ),
-        ("worst TV vs target", f"{head['worst_tv_committed_vs_target']:.4f} (gate {head['gate']})"),
-        (
-            "worst chi-square p",
-            f"{result['worst_p_value']:.3g} "
-            f"(alpha {result['chi_square_alpha_per_test']:.2g} per test)",
-        ),
-        ("cases failing", str(sum(not c["pass"] for c in cases))),
-        (
-            "K=3 joint law",
-            f"exact diff {multi['exact_enumeration_max_abs_diff']:.1e}, TV coupled "
-            f"{multi['coupled']['tv']:.4f}, residual {multi['residual']['tv']:.4f}, "
-            f"{'ok' if multi['pass'] else 'FAILED'}",
-        ),
-    ]
-    for m in result["mutants"]:
-        verdict = "caught" if m["caught"] else "NOT CAUGHT"
-        rows.append((f"mutant {m['name']}", f"worst TV {m['worst_tv']:.3f}, {verdict}"))
-    rows.append(("greedy == argmax", f"{greedy['rows']:,} rows, {greedy['mismatches']} mismatches"))
-    rows.append(
-        ("verify == plain", f"{coupling['trials']:,} trials, {coupling['mismatches']} mismatches")
-    )
-    width = max(len(name) for name, _ in rows)
-    lines = ["proof 1: the local math"] + [f"  {name:<{width}}  {value}" for name, value in rows]
-    lines.append(f"verdict: {head['verdict']} ({elapsed:.1f} s)")
-    return "\n".join(lines)
+    summary = report.LocalProofSummary.from_result(result)
+    text = report.format_local_summary(summary, time.perf_counter() - started)
+    _finish(text, result, json_path, summary.passed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,13 +178,22 @@ def open_ring(redis_option: str | None, local_model: str | None, model: str | No
     return ring, target, " → ".join(hop.host for hop in ring.route)
 
 
-def _ring_errors() -> tuple[type[Exception], ...]:
+@contextmanager
+def _closing_ring(ring, plain_errors: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+    """Close `ring` on the way out; a failing ring, or one of `plain_errors`, is one line."""
     import redis
 
     from specpipe.redis_ring import RingError
     from specpipe.ring import GapError
 
-    return (RingError, GapError, redis.RedisError)
+    try:
+        yield
+    except (RingError, GapError, redis.RedisError) as exc:
+        raise click.ClickException(f"the ring failed: {exc}") from None
+    except plain_errors as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        getattr(ring, "close", lambda: None)()
 
 
 @proof.command(name="swarm")
@@ -294,66 +274,15 @@ def proof_swarm(
     )
     ring, target, where = open_ring(redis_option, local_model, model)
     prompt_ids = [target.prompt_ids(t) for t in texts]
-    total = cfg.stops * cfg.candidates_per_stop + cfg.stops
     started = time.perf_counter()
-    try:
-        with tqdm(total=total, desc="proof swarm", unit="stop", leave=False) as bar:
-            result = run_swarm_proof(ring, prompt_ids, cfg, progress=bar.update)
-    except _ring_errors() as exc:
-        raise click.ClickException(f"the ring failed: {exc}") from None
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
-    finally:
-        getattr(ring, "close", lambda: None)()
-    click.echo(format_swarm_summary(result, where, time.perf_counter() - started))
-    write_json(json_path, result)
-    if result["proof_2_on_swarm"]["verdict"] != "PASS":
-        raise SystemExit(1)
-
-
-def format_swarm_summary(result: dict, where: str, elapsed: float) -> str:
-    """The per-stop table and the summary of proof 2."""
-    head = result["proof_2_on_swarm"]
-    lines = [
-        f"proof 2: speculative vs plain on the ring ({where})",
-        f"  {'stop':>4}  {'pos':>5}  {'entropy':>8}  {'TV spec/plain':>13}  "
-        f"{'TV plain/plain':>14}  {'p-value':>9}  {'same seed':>9}",
-    ]
-    for r in result["per_stop"]:
-        lines.append(
-            f"  {r['stop'] + 1:>4}  {r['position']:>5}  {r['entropy_bits']:>6.2f} b  "
-            f"{r['tv_spec_vs_plain']:>13.4f}  {r['tv_plain_vs_plain']:>14.4f}  "
-            f"{r['p_value']:>9.3g}  {r['exact_identical']:>4}/{r['exact_pairs']:<4}"
-        )
-    mutant, exact = result["mutant"], result["exact_check"]
-    rows = [
-        ("temp / top_p / top_k", f"{head['temp']:g} / {head['top_p']:g} / {result['top_k']}"),
-        ("draws per mode per stop", str(head["draws_per_mode_per_stop"])),
-        (
-            "stops",
-            f"{head['stops']} ({head['high_entropy_stops_ge_1bit']} with >= 1 bit, "
-            f"max {head['max_entropy_bits']:.2f} bits)",
-        ),
-        ("mean TV spec vs plain", f"{head['mean_tv_spec_vs_plain']:.4f}"),
-        (
-            "mean TV plain vs plain",
-            f"{head['mean_tv_noise_floor_plain_vs_plain']:.4f} (noise floor)",
-        ),
-        (
-            "min p-value",
-            f"{result['min_p_value']:.3g} (alpha {result['alpha_per_stop']:.2g} per stop)",
-        ),
-        (
-            "lossy mutant",
-            f"TV {mutant['mean_tv_vs_plain']:.4f}, flagged at {mutant['stops_flagged']} stops",
-        ),
-        ("same-seed draws", f"{exact['identical']}/{exact['pairs']} identical"),
-    ]
-    width = max(len(name) for name, _ in rows)
-    lines += [f"  {name:<{width}}  {value}" for name, value in rows]
-    lines += [f"  reason: {reason}" for reason in result["reasons"]]
-    lines.append(f"verdict: {head['verdict']} ({elapsed:.1f} s)")
-    return "\n".join(lines)
+    with (
+        _closing_ring(ring, plain_errors=(ValueError,)),
+        tqdm(total=cfg.work_units(), desc="proof swarm", unit="stop", leave=False) as bar,
+    ):
+        result = run_swarm_proof(ring, prompt_ids, cfg, progress=bar.update)
+    summary = report.SwarmProofSummary.from_result(result)
+    text = report.format_swarm_summary(summary, where, time.perf_counter() - started)
+    _finish(text, result, json_path, summary.passed)
 
 
 @proof.command(name="generation")
@@ -410,7 +339,7 @@ def proof_generation(
     if prompt is not None and not prompt.strip():
         raise click.BadParameter("the prompt is empty", param_hint="--prompt")
     ring, target, where = open_ring(redis_option, local_model, model)
-    try:
+    with _closing_ring(ring):
         result = run_generation_proof(
             ring,
             target.prompt_ids(prompt or DEFAULT_GENERATION_PROMPT),
@@ -423,30 +352,5 @@ def proof_generation(
             max_new_tokens=max_new_tokens,
             eos_ids=target.eos_ids,
         )
-    except _ring_errors() as exc:
-        raise click.ClickException(f"the ring failed: {exc}") from None
-    finally:
-        getattr(ring, "close", lambda: None)()
-    click.echo(format_generation(result, where))
-    write_json(json_path, result)
-    if result["verdict"] != "PASS":
-        raise SystemExit(1)
-
-
-def format_generation(result: dict, where: str) -> str:
-    """Each mode's speculative and plain text with their tok/s."""
-    lines = [f"proof 3: generation, speculative vs plain ({where})"]
-    for name, mode in result.items():
-        if not isinstance(mode, dict):
-            continue
-        speedup = f"{mode['speedup']:.2f}×" if mode["speedup"] else "—"
-        same = "identical" if mode["identical"] else "DIFFERENT"
-        lines.append(
-            f"\n[{name}] speculative {mode['tok_s']:.1f} tok/s, plain {mode['plain_tok_s']:.1f} "
-            f"tok/s ({speedup}), texts {same}"
-        )
-        lines.append(f"  speculative: {mode['text']!r}")
-        if not mode["identical"]:
-            lines.append(f"  plain:       {mode['plain']['text']!r}")
-    lines.append(f"\nverdict: {result['verdict']}")
-    return "\n".join(lines)
+    summary = report.GenerationProofSummary.from_result(result)
+    _finish(report.format_generation(summary, where), result, json_path, summary.passed)

@@ -51,6 +51,10 @@ class SwarmProofConfig:
     def params(self, seed: int) -> SamplingParams:
         return SamplingParams(temp=self.temp, top_p=self.top_p, top_k=self.top_k, seed=seed)
 
+    def work_units(self) -> int:
+        """How many progress units a run reports at most: one per candidate stop and per stop."""
+        return self.stops * self.candidates_per_stop + self.stops
+
 
 class StopDrawer:
     """Draws the next token at one context through the ring, under any seed."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 
-from models.proof_store import save_proof_run
+import pytest
+
+from models.proof_store import run_verdict, save_proof_run
 from models.records import run_record
 from specpipe.proofs.generation import run_generation_proof
 from specpipe.proofs.local import LocalProofConfig, run_local_proof
@@ -60,3 +62,16 @@ def test_real_proofs_saved_exported_and_shown(session, client):
     for url in re.findall(r'src="(/proofs/plots/[^"]+\.png)"', html):
         assert client.get(url).status_code == 200
     assert "nightly" in client.get("/proofs/").get_data(as_text=True)
+
+
+@pytest.mark.parametrize(
+    ("proofs", "verdict"),
+    [
+        (["pass", "pass", "pass"], "pass"),
+        (["pass", "fail", "error"], "fail"),
+        (["pass", "error"], "error"),
+        ([], "error"),
+    ],
+)
+def test_a_run_passes_only_when_every_proof_passes(proofs, verdict):
+    assert run_verdict(proofs) == verdict
