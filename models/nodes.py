@@ -50,23 +50,28 @@ def role_order(role: str | None) -> tuple[int, int]:
     return (1, 0) if role == "tail" else (2, 0)
 
 
-class Node(Base):
-    """One stage host. `layer_end` is exclusive: a host with 0 and 9 runs layers 0 … 8."""
+class HostColumns:
+    """What the inventory and a run's snapshot of it both record of a stage host."""
 
-    __tablename__ = "nodes"
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    host: Mapped[str] = mapped_column(String(255), unique=True)
     role: Mapped[str | None] = mapped_column(String(32))  # stage0 … stageN, tail
     layer_start: Mapped[int | None] = mapped_column(Integer)
     layer_end: Mapped[int | None] = mapped_column(Integer)
-    redis_url: Mapped[str | None] = mapped_column(String(500))
     public_ip: Mapped[str | None] = mapped_column(String(64))
     geo: Mapped[str | None] = mapped_column(String(200))
     gpu_name: Mapped[str | None] = mapped_column(String(200))
     gpu_uuid: Mapped[str | None] = mapped_column(String(100))
     memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
     software_version: Mapped[str | None] = mapped_column(String(100))
+
+
+class Node(HostColumns, Base):
+    """One stage host. `layer_end` is exclusive: a host with 0 and 9 runs layers 0 … 8."""
+
+    __tablename__ = "nodes"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    host: Mapped[str] = mapped_column(String(255), unique=True)
+    redis_url: Mapped[str | None] = mapped_column(String(500))
     last_heartbeat: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), index=True)
     # Its worker runs with the test-only SPECPIPE_TEST_LOSSY_TAIL=1: the output is NOT lossless.
     test_lossy_tail: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
@@ -89,7 +94,7 @@ class Node(Base):
         }
 
 
-class RunNode(Base):
+class RunNode(HostColumns, Base):
     """A node as it was when a run started: the ring that run ran on."""
 
     __tablename__ = "run_nodes"
@@ -98,15 +103,6 @@ class RunNode(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     position: Mapped[int] = mapped_column(Integer)
     host: Mapped[str] = mapped_column(String(255))
-    role: Mapped[str | None] = mapped_column(String(32))
-    layer_start: Mapped[int | None] = mapped_column(Integer)
-    layer_end: Mapped[int | None] = mapped_column(Integer)
-    public_ip: Mapped[str | None] = mapped_column(String(64))
-    geo: Mapped[str | None] = mapped_column(String(200))
-    gpu_name: Mapped[str | None] = mapped_column(String(200))
-    gpu_uuid: Mapped[str | None] = mapped_column(String(100))
-    memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    software_version: Mapped[str | None] = mapped_column(String(100))
 
     run: Mapped[Run] = relationship(back_populates="node_snapshots")  # noqa: F821
 

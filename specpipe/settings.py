@@ -94,11 +94,7 @@ def swarm_name(*, running: bool = True) -> str:
 
 def swarm_key() -> str | None:
     """`SPECPIPE_SWARM_KEY`, else the key `specpipe up` keeps in the instance folder, else None."""
-    key = os.environ.get("SPECPIPE_SWARM_KEY")
-    if key:
-        return key
-    path = instance_dir() / SWARM_KEY_FILE
-    return (path.read_text().strip() or None) if path.is_file() else None
+    return _secret("SPECPIPE_SWARM_KEY", SWARM_KEY_FILE)
 
 
 def ensure_swarm_key() -> str:
@@ -113,10 +109,15 @@ def stalled_after_s() -> float:
 
 def secret_key() -> str | None:
     """`SECRET_KEY`, else the key `specpipe up` keeps in the instance folder, else None."""
-    key = os.environ.get("SECRET_KEY")
-    if key:
-        return key
-    path = instance_dir() / SECRET_KEY_FILE
+    return _secret("SECRET_KEY", SECRET_KEY_FILE)
+
+
+def _secret(variable: str, name: str) -> str | None:
+    """The environment's `variable`, else the instance folder's file `name`, else None."""
+    value = os.environ.get(variable)
+    if value:
+        return value
+    path = instance_dir() / name
     return (path.read_text().strip() or None) if path.is_file() else None
 
 

@@ -74,12 +74,9 @@ def run_job(
     `keep_alive` is called every round (it refreshes the job's lock); when it returns False
     another coordinator owns the job, and this one stops without touching it further."""
     eos = set(eos_ids)
-    job = session.get(Job, job_id)
+    job, outcome = _pending(session, job_id)
     if job is None:
-        log.warning("job %s does not exist", job_id)
-        return None
-    if job.finished:
-        return job.status
+        return outcome
     if job.cancel_requested:
         return _finish(session, job, "cancelled")
     job.status, job.error = "running", None
@@ -138,6 +135,18 @@ def run_job(
             _drop_quietly(ring, ring_session)
 
 
+def _pending(session: Session, job_id: int) -> tuple[Job | None, str | None]:
+    """(job, None) while job `job_id` has work left; else (None, what the task returns): None
+    for a job that does not exist, the status of a finished one."""
+    job = session.get(Job, job_id)
+    if job is None:
+        log.warning("job %s does not exist", job_id)
+        return None, None
+    if job.finished:
+        return None, job.status
+    return job, None
+
+
 def _start_run(session: Session, job: Job, ring: Ring):
     """A generation run for `job`, its node snapshot cut down to the ring the job runs on."""
     hosts = [hop.host for hop in getattr(ring, "route", ())]
@@ -182,12 +191,9 @@ def lock_key(swarm: str, job_id: int) -> str:
 def generate(self, job_id: int) -> str | None:
     """Celery task: run job `job_id` over the swarm the inventory describes."""
     session: Session = self.session
-    job = session.get(Job, job_id)
+    job, outcome = _pending(session, job_id)
     if job is None:
-        log.warning("job %s does not exist", job_id)
-        return None
-    if job.finished:
-        return job.status
+        return outcome
     try:
         target = open_target(job.model)
     except ValueError as exc:

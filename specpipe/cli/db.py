@@ -19,30 +19,14 @@ def db_upgrade(revision: str) -> None:
 
         DATABASE_URL=postgresql://postgres@127.0.0.1/specpipe specpipe db upgrade
     """
-    from models import migrate
-    from specpipe.settings import database_url
-
-    url = database_url()
-    try:
-        migrate.upgrade(url, revision)
-        click.echo(f"database at revision {migrate.current(url)}")
-    except Exception as exc:  # driver and Alembic errors become one line
-        raise click.ClickException(f"could not migrate: {exc}") from exc
+    _migrate("upgrade", revision)
 
 
 @db.command(name="downgrade")
 @click.option("--revision", default="base", show_default=True, help="Target revision.")
 def db_downgrade(revision: str) -> None:
     """Migrate the database down to REVISION (base removes every table)."""
-    from models import migrate
-    from specpipe.settings import database_url
-
-    url = database_url()
-    try:
-        migrate.downgrade(url, revision)
-        click.echo(f"database at revision {migrate.current(url) or 'base'}")
-    except Exception as exc:  # driver and Alembic errors become one line
-        raise click.ClickException(f"could not migrate: {exc}") from exc
+    _migrate("downgrade", revision)
 
 
 @db.command(name="current")
@@ -55,3 +39,16 @@ def db_current() -> None:
         click.echo(migrate.current(database_url()) or "base (not migrated)")
     except Exception as exc:  # an unreachable database is one line
         raise click.ClickException(f"could not read the database: {exc}") from exc
+
+
+def _migrate(direction: str, revision: str) -> None:
+    """Migrate the store up or down to `revision` and say where it is now, in one line."""
+    from models import migrate
+    from specpipe.settings import database_url
+
+    url = database_url()
+    try:
+        getattr(migrate, direction)(url, revision)
+        click.echo(f"database at revision {migrate.current(url) or 'base'}")
+    except Exception as exc:  # driver and Alembic errors become one line
+        raise click.ClickException(f"could not migrate: {exc}") from exc

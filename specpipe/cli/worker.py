@@ -75,7 +75,6 @@ def worker_stage(
     """
     import logging
 
-    import redis
     import torch
 
     from specpipe import inventory, settings
@@ -91,13 +90,7 @@ def worker_stage(
         )
     redis_url = redis_url or settings.redis_url()
     for url in {redis_url, registry_url or redis_url}:
-        client = redis.Redis.from_url(url, socket_connect_timeout=3)
-        try:
-            client.ping()
-        except redis.RedisError as exc:
-            raise click.ClickException(f"cannot reach Redis at {url}: {exc}") from None
-        finally:
-            client.close()
+        _check_reachable(url, "Redis")
     if threads:
         torch.set_num_threads(threads)
     start, end = layers
@@ -173,18 +166,22 @@ def worker_beat(loglevel: str) -> None:
 
 
 def _celery_app():
-    import redis
-
     from specpipe import settings
 
-    url = settings.redis_url()
+    _check_reachable(settings.redis_url(), "the broker Redis")
+    from workers.celery_app import celery
+
+    return celery
+
+
+def _check_reachable(url: str, what: str) -> None:
+    """A one-line ClickException unless the Redis at `url` answers a ping."""
+    import redis
+
     client = redis.Redis.from_url(url, socket_connect_timeout=3)
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise click.ClickException(f"cannot reach the broker Redis at {url}: {exc}") from None
+        raise click.ClickException(f"cannot reach {what} at {url}: {exc}") from None
     finally:
         client.close()
-    from workers.celery_app import celery
-
-    return celery
