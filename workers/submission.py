@@ -195,11 +195,16 @@ def check_prompt(value: object, max_chars: int) -> str:
     return value
 
 
+def _filled(text: str) -> str:
+    """A form field's text without surrounding blanks; a blank field is missing."""
+    if not text.strip():
+        raise ValueError("is required")
+    return text.strip()
+
+
 def _integer(value: object, from_text: bool) -> int:
     if from_text and isinstance(value, str):
-        text = value.strip()
-        if not text:
-            raise ValueError("is required")
+        text = _filled(value)
         if not _INTEGER_TEXT.fullmatch(text):
             raise ValueError("must be a whole number")
         return int(text)
@@ -210,9 +215,7 @@ def _integer(value: object, from_text: bool) -> int:
 
 def _number(value: object, from_text: bool) -> float:
     if from_text and isinstance(value, str):
-        text = value.strip()
-        if not text:
-            raise ValueError("is required")
+        text = _filled(value)
         try:
             number = float(text)
         except ValueError:
