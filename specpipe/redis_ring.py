@@ -23,6 +23,11 @@ from specpipe.ring import GapError
 from specpipe.sampling import Sampler, SamplingParams
 from specpipe.settings import Settings
 
+# What a round's wait grows by for each token it carries: a long prefill, or the replay of a
+# whole generation after a gap, takes the stages longer than one decode step.
+PER_TOKEN_S = 0.05
+RECONNECT_S = 1.0  # pause before sending a round again after a connection error
+
 
 class RingError(RuntimeError):
     """The ring did not answer a round, or answered with an error."""
@@ -41,6 +46,7 @@ class RedisRing:
         retries: int = 2,
         maxlen: int = streams.DEFAULT_MAXLEN,
         link_delay_s: float = 0.0,
+        per_token_s: float = PER_TOKEN_S,
     ) -> None:
         if not route:
             raise ValueError("a ring needs at least one stage")
@@ -50,7 +56,8 @@ class RedisRing:
         self.swarm = swarm
         self.key = key
         self.reply_url = reply_url
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # a round's wait for its reply, before the work it carries
+        self.per_token_s = per_token_s
         self.retries = retries
         self.maxlen = maxlen
         self.link_delay_s = link_delay_s  # simulated latency of the link to stage 0 (benchmarks)
@@ -133,23 +140,28 @@ class RedisRing:
         )
         first = self.route[0]
         send = streams.xadd_command(streams.stage_key(self.swarm, first.host), data, self.maxlen)
-        problem = f"no reply in {self.timeout_s:g} s"
-        for _ in range(self.retries + 1):
+        wait_s = self.round_wait_s(len(tokens))
+        problem = f"no reply in {wait_s:g} s"
+        # A try is a wait that ran its course. A connection error uses none up (the round goes
+        # out again once Redis answers), but nothing waits past every try's time together.
+        tries, give_up_at = self.retries + 1, time.monotonic() + (self.retries + 1) * wait_s
+        while tries > 0 and time.monotonic() < give_up_at:
             if self.link_delay_s > 0:
                 time.sleep(self.link_delay_s)
             try:
                 if first.redis_url == self.reply_url:
                     # One write carries the round and the read that waits for its reply.
-                    reply = self._wait(session, round_id, send)
+                    reply = self._wait(session, round_id, wait_s, send)
                 else:
                     self.connections.link(first.redis_url).call(send)
-                    reply = self._wait(session, round_id)
+                    reply = self._wait(session, round_id, wait_s)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 problem = f"Redis unavailable: {exc}"
-                time.sleep(min(1.0, self.timeout_s))
+                time.sleep(RECONNECT_S)
                 continue
             if reply is None:
-                problem = f"no reply in {self.timeout_s:g} s"
+                tries -= 1
+                problem = f"no reply in {wait_s:g} s"
                 continue
             if reply.kind == "result":
                 if len(reply.tokens) != n_draft + 1:
@@ -160,7 +172,14 @@ class RedisRing:
                 raise GapError(reply.reason or "a stage lost the session's cache")
             raise RingError(f"round failed: {reply.reason or reply.kind}")
         route = " -> ".join(h.host for h in self.route)
-        raise RingError(f"round failed after {self.retries + 1} tries ({problem}; route {route})")
+        raise RingError(f"round failed after {self.retries + 1 - tries} of {self.retries + 1} "
+                        f"tries ({problem}; route {route})")  # fmt: skip
+
+    def round_wait_s(self, n_tokens: int) -> float:
+        """How long a round of `n_tokens` tokens waits for its reply before it is sent again:
+        the base timeout, the tokens' share of work, and the links' simulated delay."""
+        hops = len(self.route) + 1
+        return self.timeout_s + n_tokens * self.per_token_s + hops * self.link_delay_s
 
     def drop(self, session: str) -> None:
         """Forget the session on every stage and delete its reply stream."""
@@ -203,18 +222,21 @@ class RedisRing:
                     f"cannot reach {hop.host}'s Redis at {hop.redis_url}: {exc}"
                 ) from None
 
-    def _wait(self, session: str, round_id: str, send: tuple | None = None) -> wire.Message | None:
-        """The reply for `round_id`, or None after the timeout. Other replies are stale.
+    def _wait(
+        self, session: str, round_id: str, wait_s: float, send: tuple | None = None
+    ) -> wire.Message | None:
+        """The reply for `round_id`, or None after `wait_s`. Other replies are stale.
         `send`, a command for the reply's Redis, goes out in the same write as the first read."""
         link = self.connections.link(self.reply_url)
         key = streams.reply_key(self.swarm, session)
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + wait_s
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 return None
             cursor = self._cursor.get(session, "0-0")
-            read = ("XREAD", "BLOCK", left_ms, "STREAMS", key, cursor)
+            block_ms = min(left_ms, streams.MAX_BLOCK_MS)
+            read = ("XREAD", "BLOCK", block_ms, "STREAMS", key, cursor)
             entries = link.call(*(send, read) if send else (read,))[-1]
             send = None
             for entry_id, data in streams.stream_entries(entries):

@@ -26,6 +26,10 @@ FIELD = b"m"  # the one field of every entry: the wire message
 GROUP = "stage"
 DEFAULT_MAXLEN = 1000
 REPLY_TTL_S = 3600  # reply streams of abandoned sessions expire
+# No read on the data plane blocks longer than this; a longer wait is several reads. Every
+# client's socket timeout exceeds it, so a socket never gives up on a read Redis still holds.
+MAX_BLOCK_MS = 10_000
+SOCKET_TIMEOUT_S = MAX_BLOCK_MS / 1000 + 5.0
 
 
 def stage_key(swarm: str, host: str) -> str:
@@ -114,7 +118,12 @@ class Connections:
         client = self._clients.get(url)
         if client is None:
             tcp = not url.startswith("unix:")  # keepalive is a TCP option
-            client = redis.Redis.from_url(url, **({"socket_keepalive": True} if tcp else {}))
+            client = redis.Redis.from_url(
+                url,
+                socket_timeout=SOCKET_TIMEOUT_S,
+                socket_connect_timeout=5.0,
+                **({"socket_keepalive": True} if tcp else {}),
+            )
             self._clients[url] = client
         return client
 
@@ -217,7 +226,7 @@ class StreamConsumer:
         # The acks ride in the same round trip as the next read: one less hop of latency per
         # message. An entry processed just before a crash stays pending and is read again.
         read = ("XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count)
-        read += ("BLOCK", block_ms) if block_ms is not None else ()
+        read += ("BLOCK", min(block_ms, MAX_BLOCK_MS)) if block_ms is not None else ()
         read += ("STREAMS", self.key, start)
         acks = [("XACK", self.key, self.group, *self._unacked)] if self._unacked else []
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -450,4 +451,52 @@ def test_generation_over_the_swarm_survives_a_killed_stage_with_the_same_output(
     assert drive(ring, "s", 3, 2, committed=list(committed)) == drive(
         ref, "s", 3, 2, committed=list(committed)
     )
+    ring.close()
+
+
+def test_a_round_waits_as_long_as_its_ring_says_not_a_sockets_five_seconds(
+    stages, swarm, key, redis_url
+):
+    # The stage takes 7 s a forward: longer than redis-py's default socket timeout (5 s).
+    stages.start("slow", "0:4", redis_url, "--delay-ms", "7000")
+    ring = RedisRing(nodes(("slow", redis_url)), swarm, key, redis_url, timeout_s=12, retries=0)
+    ring.reset("s", PARAMS)
+    started = time.monotonic()
+    result = ring.round("s", PROMPT, 0, 0)
+    assert time.monotonic() - started >= 6.5
+    want = ReferenceRing([(0, 4)])
+    want.reset("ref", PARAMS)
+    assert result == want.round("ref", PROMPT, 0, 0)
+    ring.close()
+
+
+def test_a_rounds_wait_grows_with_the_tokens_it_carries(redis_url, swarm, key):
+    ring = RedisRing(nodes(("a", redis_url)), swarm, key, redis_url, timeout_s=30)
+    assert ring.round_wait_s(1) == pytest.approx(30 + 0.05)
+    assert ring.round_wait_s(4096) == pytest.approx(30 + 4096 * 0.05)  # a long prefill or replay
+    delayed = RedisRing(nodes(("a", redis_url), ("b", redis_url)), swarm, key, redis_url,
+                        timeout_s=30, link_delay_s=0.025)  # fmt: skip
+    assert delayed.round_wait_s(1) == pytest.approx(30 + 0.05 + 3 * 0.025)
+
+
+def test_a_stage_stopped_for_twenty_seconds_delays_the_job_without_changing_it(
+    stages, ring_settings, redis_url
+):
+    # SIGSTOP, as a stalled host or a long swap-out would: past three 5 s socket timeouts.
+    stages.start("a", "0:2", redis_url, wait=False)
+    stages.start("b", "2:4", redis_url, wait=False)
+    stages.wait_ready(["a", "b"])
+    ring = RedisRing.from_inventory(ring_settings, "toy", 4)
+    greedy = SamplingParams(temp=0.0)
+    expected = Generation(ReferenceRing([(0, 2), (2, 4)]), "ref", PROMPT, greedy,
+                          max_new_tokens=12, draft_k=2).run()  # fmt: skip
+    run = Generation(ring, "s", PROMPT, greedy, max_new_tokens=12, draft_k=2)
+    stalled = 0.0
+    for i, _ in enumerate(run.rounds()):
+        if i == 1:
+            stages.procs["b"].send_signal(signal.SIGSTOP)
+            threading.Timer(20.0, stages.procs["b"].send_signal, [signal.SIGCONT]).start()
+            stalled = time.monotonic()
+    assert run.generated == expected
+    assert time.monotonic() - stalled >= 20.0
     ring.close()
