@@ -46,8 +46,8 @@ beat_schedule = {
     # rather than piling up behind the job.
     "resume-stalled-jobs": {
         "task": RESUME_STALLED_TASK,
-        "schedule": 15.0,
-        "options": {"expires": 14.0},
+        "schedule": 5.0,
+        "options": {"expires": 4.5},
     },
     "sync-node-inventory": {
         "task": SYNC_NODES_TASK,

@@ -6,13 +6,24 @@ PostgreSQL. URLs written as `postgresql://` use psycopg 3, the driver this proje
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from functools import lru_cache
 from pathlib import Path
 
-from sqlalchemy import JSON, Engine, MetaData, String, TypeDecorator, create_engine, event, make_url
+from sqlalchemy import (
+    JSON,
+    Engine,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    create_engine,
+    event,
+    make_url,
+)
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
 NAMING_CONVENTION = {
@@ -53,6 +64,30 @@ class Uint64(TypeDecorator):
 
     def process_result_value(self, value, dialect):
         return None if value is None else int(value)
+
+
+class NulSafeText(TypeDecorator):
+    """Text that may hold NUL characters (a model can generate them), stored escaped.
+
+    PostgreSQL's text refuses NUL. Stored, a backslash becomes two and a NUL becomes `\\0`;
+    read back, the text is exactly what was written, on every database.
+    """
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        if value is None:
+            return None
+        return value.replace("\\", "\\\\").replace("\x00", "\\0")
+
+    def process_result_value(self, value, dialect):
+        if value is None:
+            return None
+        return _ESCAPED.sub(lambda m: "\x00" if m.group(1) == "0" else "\\", value)
+
+
+_ESCAPED = re.compile(r"\\(\\|0)")
 
 
 def utcnow() -> datetime:

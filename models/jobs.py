@@ -18,7 +18,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
-from models.db import Base, Uint64, iso_utc, utcnow
+from models.db import Base, NulSafeText, Uint64, iso_utc, utcnow
 
 JOB_STATUSES = ("queued", "running", "done", "failed", "cancelled")
 FINISHED_STATUSES = ("done", "failed", "cancelled")
@@ -61,8 +61,9 @@ class Job(Base):
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     error: Mapped[str | None] = mapped_column(Text)
     task_id: Mapped[str | None] = mapped_column(String(64))
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
 
-    output_text: Mapped[str] = mapped_column(Text, default="")
+    output_text: Mapped[str] = mapped_column(NulSafeText, default="")
     output_ids: Mapped[list] = mapped_column(default=list)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     generated_tokens: Mapped[int] = mapped_column(Integer, default=0)

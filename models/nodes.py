@@ -7,13 +7,13 @@ A node's status is derived from the age of its last heartbeat, never stored.
 from __future__ import annotations
 
 from datetime import datetime
-from urllib.parse import urlsplit, urlunsplit
 
 from sqlalchemy import BigInteger, Boolean, DateTime, ForeignKey, Integer, String, false, select
 from sqlalchemy.orm import Mapped, Session, mapped_column, relationship
 
 from models.db import Base, as_utc, iso_utc, utcnow
 from specpipe.inventory import heartbeat_status
+from specpipe.redact import redact_url
 
 NODE_FIELDS = (
     "role",
@@ -29,18 +29,6 @@ NODE_FIELDS = (
     "last_heartbeat",
     "test_lossy_tail",
 )
-
-
-def redact_url(url: str | None) -> str | None:
-    """`url` with any password replaced by `***`, for display."""
-    if not url:
-        return url
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = f"{parts.username}:" if parts.username else ":"
-    return urlunsplit(parts._replace(netloc=f"{user}***@{netloc}"))
 
 
 def role_order(role: str | None) -> tuple[int, int]:
@@ -112,14 +100,32 @@ def upsert_node(session: Session, host: str, **fields) -> Node:
     unknown = set(fields) - set(NODE_FIELDS)
     if unknown:
         raise ValueError(f"unknown node fields: {', '.join(sorted(unknown))}")
+    host = _fit("host", host)
     node = session.scalar(select(Node).where(Node.host == host))
     if node is None:
         node = Node(host=host)
         session.add(node)
     for name, value in fields.items():
-        setattr(node, name, value)
+        setattr(node, name, _fit(name, value))
     session.flush()
     return node
+
+
+def _fit(name: str, value):
+    """`value` as the column `name` can hold it: text without NUL, cut to the column's length;
+    a number of the wrong type or out of range as unknown (None). What a stage reports about
+    itself must never fail the write of the whole inventory."""
+    column = Node.__table__.c[name]
+    if value is None or isinstance(column.type, DateTime | Boolean):
+        return value
+    if isinstance(column.type, String):
+        text = str(value).replace("\x00", "")
+        return text[: column.type.length] if column.type.length else text
+    if isinstance(column.type, Integer):
+        limit = 2**63 if isinstance(column.type, BigInteger) else 2**31
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return value if ok and -limit <= value < limit else None
+    return value
 
 
 def ring_nodes(session: Session) -> list[Node]:

@@ -144,7 +144,8 @@ class RedisRing:
         problem = f"no reply in {wait_s:g} s"
         # A try is a wait that ran its course. A connection error uses none up (the round goes
         # out again once Redis answers), but nothing waits past every try's time together.
-        tries, give_up_at = self.retries + 1, time.monotonic() + (self.retries + 1) * wait_s
+        started = time.monotonic()
+        tries, give_up_at = self.retries + 1, started + (self.retries + 1) * wait_s
         while tries > 0 and time.monotonic() < give_up_at:
             if self.link_delay_s > 0:
                 time.sleep(self.link_delay_s)
@@ -172,8 +173,8 @@ class RedisRing:
                 raise GapError(reply.reason or "a stage lost the session's cache")
             raise RingError(f"round failed: {reply.reason or reply.kind}")
         route = " -> ".join(h.host for h in self.route)
-        raise RingError(f"round failed after {self.retries + 1 - tries} of {self.retries + 1} "
-                        f"tries ({problem}; route {route})")  # fmt: skip
+        waited = time.monotonic() - started
+        raise RingError(f"round failed after {waited:.1f} s ({problem}; route {route})")
 
     def round_wait_s(self, n_tokens: int) -> float:
         """How long a round of `n_tokens` tokens waits for its reply before it is sent again:

@@ -103,8 +103,9 @@ def ensure_swarm_key() -> str:
 
 
 def stalled_after_s() -> float:
-    """Seconds without progress after which a running job's coordinator counts as dead."""
-    return float(os.environ.get("SPECPIPE_STALLED_S") or 60)
+    """`SPECPIPE_STALLED_S` (10): the lifetime of a job's lock, refreshed while its coordinator
+    lives; a running job without progress or lock for that long is resumed elsewhere."""
+    return float(os.environ.get("SPECPIPE_STALLED_S") or 10)
 
 
 def secret_key() -> str | None:

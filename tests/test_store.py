@@ -21,7 +21,19 @@ from tests.factories import gen_job, gen_node, gen_proof_run, gen_ring
 BEFORE_STOP_STRINGS = "dc866fa56549"  # the revision before jobs had stop strings
 BEFORE_LOSSY_FLAG = "bf4314513ebb"  # the revision before nodes recorded the test lossy tail
 BEFORE_ACCEPTED_DRAFTS = "ea3906a109e3"  # the revision before jobs.accepted_drafts was named so
+BEFORE_NUL_SAFE_TEXT = "3c7e1d52a9f0"  # the revision before output text was stored escaped
 TABLES = {"jobs", "runs", "proofs", "proof_cases", "nodes", "run_nodes", "api_tokens"}
+
+
+def old_job_row(**fields) -> dict:
+    """A finished job's columns as every revision so far has them."""
+    now = utcnow()
+    return dict(
+        created_at=now, updated_at=now, prompt="old", model="tiny-test", max_new_tokens=8,
+        temp=0.0, top_p=1.0, top_k=0, seed="00000000000000000001", seed_was_random=False,
+        draft_k=0, status="done", cancel_requested=False, output_text="abc",
+        output_ids=[1, 2, 3], generated_tokens=3, rounds=3, **fields,
+    )  # fmt: skip
 
 
 def test_one_head():
@@ -65,16 +77,9 @@ def test_jobs_from_before_stop_strings_read_as_none(fresh_database_url):
     engine = get_engine(url)
     jobs = Table("jobs", MetaData(), autoload_with=engine)
     assert "stop" not in jobs.c
-    now = utcnow()
     with engine.begin() as conn:
         conn.execute(
-            jobs.insert().values(
-                created_at=now, updated_at=now, prompt="old", model="tiny-test",
-                max_new_tokens=8, temp=0.0, top_p=1.0, top_k=0, seed="00000000000000000001",
-                seed_was_random=False, draft_k=0, status="done", cancel_requested=False,
-                output_text="abc", output_ids=[1, 2, 3], generated_tokens=3, rounds=3,
-                accepted_per_round=[0, 0, 0],
-            )
+            jobs.insert().values(**old_job_row(), accepted_per_round=[0, 0, 0])
         )  # fmt: skip
     upgrade(url)
     with make_session_factory(url)() as session:
@@ -255,7 +260,7 @@ def test_timestamps_are_utc(db_session):
     ],
 )
 def test_redis_password_redacted(url, shown):
-    from models.nodes import redact_url
+    from specpipe.redact import redact_url
 
     assert redact_url(url) == shown
 
@@ -275,3 +280,35 @@ def test_accepted_drafts_is_renamed_both_ways(fresh_database_url):
     upgrade(url)
     with make_session_factory(url)() as session:
         assert session.scalars(select(Job)).one().accepted_drafts == [1, 2, 0]
+
+
+def test_node_fields_that_do_not_fit_are_cut_or_left_unknown(db_session):
+    node = upsert_node(
+        db_session, "h" * 300, geo="G" * 500, public_ip="1.2.3.4\x00evil", memory_bytes=2**70,
+        layer_start="0", layer_end=2**40, gpu_name=12,
+    )  # fmt: skip
+    db_session.commit()
+    stored = db_session.get(Node, node.id)
+    assert stored.host == "h" * 255 and stored.geo == "G" * 200
+    assert stored.public_ip == "1.2.3.4evil" and stored.gpu_name == "12"
+    assert (stored.memory_bytes, stored.layer_start, stored.layer_end) == (None, None, None)
+
+
+def test_output_text_from_before_the_escape_reads_back_unchanged(fresh_database_url):
+    url = fresh_database_url
+    upgrade(url, BEFORE_NUL_SAFE_TEXT)
+    engine = get_engine(url)
+    jobs = Table("jobs", MetaData(), autoload_with=engine)
+    old = "a path C:\\new\\0 and \\\\ two"
+    with engine.begin() as conn:
+        conn.execute(jobs.insert().values(**old_job_row(accepted_drafts=[0, 0, 0])))
+        conn.execute(jobs.update().values(output_text=old))
+    upgrade(url)
+    with make_session_factory(url)() as session:
+        job = session.scalars(select(Job)).one()
+        assert (job.output_text, job.attempts) == (old, 0)
+        job.output_text = "nul \x00 here"
+        session.commit()
+    downgrade(url, BEFORE_NUL_SAFE_TEXT)
+    with engine.connect() as conn:
+        assert conn.execute(select(jobs.c.output_text)).scalar_one() == "nul \ufffd here"

@@ -39,6 +39,7 @@ from models.db import utcnow
 from models.runs import start_run
 from specpipe.generation import Generation
 from specpipe.inventory import RouteError
+from specpipe.redact import one_line_reason
 from specpipe.redis_ring import RedisRing, RingError
 from specpipe.ring import GapError, Ring
 from specpipe.sampling import SamplingParams
@@ -51,6 +52,10 @@ from workers.names import GENERATE_TASK, RESUME_STALLED_TASK
 from workers.nodes import sync_inventory
 
 log = logging.getLogger("specpipe.coordinator")
+
+# A job is started at most this often: a coordinator that dies on it every time (a crash it
+# triggers, a machine that keeps going away) does not make it run forever.
+MAX_ATTEMPTS = 3
 
 
 class Codec(Protocol):
@@ -79,7 +84,10 @@ def run_job(
         return outcome
     if job.cancel_requested:
         return _finish(session, job, "cancelled")
-    job.status, job.error = "running", None
+    if job.attempts >= MAX_ATTEMPTS:
+        reason = f"gave up after {job.attempts} attempts: its coordinator stopped each time"
+        return _finish(session, job, "failed", reason)
+    job.status, job.error, job.attempts = "running", None, job.attempts + 1
     job.started_at = job.started_at or utcnow()
     session.commit()
 
@@ -129,7 +137,11 @@ def run_job(
                 return job.status
         return _finish(session, job, status)
     except (RouteError, RingError, GapError, ValueError) as exc:
-        return _finish(session, job, "failed", f"{type(exc).__name__}: {exc}")
+        return _finish(session, job, "failed", exc)
+    except Exception as exc:  # whatever else went wrong, the job ends rather than stays running
+        log.exception("job %s failed", job_id)
+        session.rollback()  # a failed flush or commit leaves the session unusable until then
+        return _finish(session, session.get(Job, job_id), "failed", exc)
     finally:
         if ring is not None:
             _drop_quietly(ring, ring_session)
@@ -164,8 +176,12 @@ def _start_run(session: Session, job: Job, ring: Ring):
     return run
 
 
-def _finish(session: Session, job: Job, status: str, error: str | None = None) -> str:
-    job.status, job.error, job.finished_at = status, error, utcnow()
+def _finish(
+    session: Session, job: Job, status: str, error: str | BaseException | None = None
+) -> str:
+    """End the job with `status`; an error is stored as one redacted line."""
+    job.status, job.finished_at = status, utcnow()
+    job.error = None if error is None else one_line_reason(error)
     if job.run is not None and job.run.kind == "generation":
         job.run.finished_at = job.finished_at
     session.commit()
@@ -198,6 +214,8 @@ def generate(self, job_id: int) -> str | None:
         target = open_target(job.model)
     except ValueError as exc:
         return _finish(session, job, "failed", str(exc))
+    except Exception as exc:  # a model that breaks its reader: still one line on the job
+        return _finish(session, job, "failed", f"cannot open model {job.model!r}: {exc}")
     settings = Settings.from_env()
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
     # Not thread-local: the keeper's thread refreshes the token this thread took.

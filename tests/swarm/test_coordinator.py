@@ -255,3 +255,79 @@ def test_stalled_jobs_are_running_ones_without_progress_or_a_live_lock(db_url, r
     with make_session_factory(db_url)() as session:
         assert coordinator.stalled_jobs(session, client, swarm, after_s=60) == [stalled, locked]
     client.close()
+
+
+class FailingRing:
+    """A ring whose rounds raise `error` after `rounds` good ones."""
+
+    def __init__(self, error: BaseException, rounds: int = 2) -> None:
+        self.ring, self.error, self.left = local_ring(), error, rounds
+
+    def reset(self, session, params):
+        self.ring.reset(session, params)
+
+    def round(self, session, tokens, start_pos, n_draft):
+        if self.left == 0:
+            raise self.error
+        self.left -= 1
+        return self.ring.round(session, tokens, start_pos, n_draft)
+
+    def drop(self, session):
+        self.ring.drop(session)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [TypeError("unsupported operand"), KeyError("params"), RuntimeError("Redis said no")],
+    ids=["TypeError", "KeyError", "RuntimeError"],
+)
+def test_any_exception_ends_the_job_failed_with_one_line(db_url, error):
+    job_id = add_job(db_url)
+    sessions = make_session_factory(db_url)
+    assert run_job(sessions, job_id, lambda j: FailingRing(error), ToyCodec(), {EOS}) == "failed"
+    job = load(db_url, job_id)
+    assert job.status == "failed" and job.finished_at is not None
+    assert job.error.startswith(type(error).__name__ + ":") and "\n" not in job.error
+    assert job.rounds == 2  # what was committed before stays
+
+
+def test_a_reason_never_shows_a_redis_password(db_url):
+    from specpipe.redis_ring import RingError
+
+    job_id = add_job(db_url)
+    sessions = make_session_factory(db_url)
+    error = RingError("cannot reach h1's Redis at redis://:hunter2@10.0.0.9:6379/0: refused")
+    assert run_job(sessions, job_id, lambda j: FailingRing(error, 0), ToyCodec()) == "failed"
+    reason = load(db_url, job_id).error
+    assert "hunter2" not in reason and "redis://:***@10.0.0.9:6379/0" in reason
+
+
+def test_a_job_whose_coordinator_keeps_dying_ends_after_three_attempts(db_url):
+    job_id = add_job(db_url, max_new_tokens=40)
+    sessions = make_session_factory(db_url)
+    for attempt in range(1, 4):
+        with pytest.raises(SystemExit):
+            run_job(sessions, job_id, lambda j: DyingRing(local_ring(), 1), ToyCodec(), {EOS})
+        job = load(db_url, job_id)
+        assert (job.status, job.attempts) == ("running", attempt)
+    assert run_job(sessions, job_id, local_ring, ToyCodec(), {EOS}) == "failed"
+    job = load(db_url, job_id)
+    assert job.error == "gave up after 3 attempts: its coordinator stopped each time"
+
+
+class NulCodec(ToyCodec):
+    """Decodes some ids to NUL (as real tokenizers do for one of theirs), some to a backslash
+    followed by 0, and some to a backslash: what an escape must tell apart."""
+
+    def decode(self, ids: list[int]) -> str:
+        special = {0: "\x00", 1: "\\0", 2: "\\"}
+        return "".join(special.get(i % 7, ALPHABET[i]) for i in ids)
+
+
+def test_text_with_nul_and_backslashes_is_stored_and_read_back_exactly(db_url):
+    job_id = add_job(db_url, temp=0.9, seed=3, max_new_tokens=40, draft_k=0)
+    sessions = make_session_factory(db_url)
+    assert run_job(sessions, job_id, local_ring, NulCodec(), {EOS}) == "done"
+    job = load(db_url, job_id)
+    assert job.output_text == NulCodec().decode([t for t in job.output_ids if t != EOS])
+    assert "\x00" in job.output_text and "\\0" in job.output_text
