@@ -150,5 +150,6 @@ class Job(Base):
             "accepted_drafts_mean": self.accepted_drafts_mean,
             "tokens_per_round": self.tokens_per_round,
             "error": self.error,
+            "attempts": self.attempts,
             "run_id": self.run_id,
         }
