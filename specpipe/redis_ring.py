@@ -2,9 +2,9 @@
 
 A round is signed and XADDed to stage 0's stream on stage 0's Redis, carrying its route (each
 hop's host and Redis URL, from the inventory) and the Redis holding this coordinator's reply
-stream. The ring then waits on `specpipe:{swarm}:reply:{session}` for the reply with this
-round's id, re-sending the same round (stages ignore a round id they have processed) a bounded
-number of times before it gives up with a `RingError`. A `gap` reply re-sends the session's
+stream. The ring then waits on `specpipe:{swarm}:reply:{session}` for the reply, re-sending
+the round under a new id (a reply to any of its ids will do) a bounded number of times before
+it gives up with a `RingError`. A `gap` reply re-sends the session's
 reset to every stage and raises `GapError`, so the caller's replay from position 0 finds the
 tail with its sampling parameters again.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 
 import redis
 
@@ -123,39 +124,42 @@ class RedisRing:
             raise RingError(f"session {session!r} was not reset on this ring")
         if not tokens or not 0 <= n_draft < len(tokens):
             raise ValueError(f"a round needs more tokens ({len(tokens)}) than drafts ({n_draft})")
-        round_id = uuid.uuid4().hex
-        data = wire.encode(
-            wire.Message(
-                kind="round",
-                session=session,
-                round_id=round_id,
-                start_pos=start_pos,
-                n_draft=n_draft,
-                tokens=tuple(int(t) for t in tokens),
-                route=self.route,
-                reply=self.reply_url,
-            ),
-            self.swarm,
-            self.key,
+        message = wire.Message(
+            kind="round",
+            session=session,
+            start_pos=start_pos,
+            n_draft=n_draft,
+            tokens=tuple(int(t) for t in tokens),
+            route=self.route,
+            reply=self.reply_url,
         )
         first = self.route[0]
-        send = streams.xadd_command(streams.stage_key(self.swarm, first.host), data, self.maxlen)
+        stream = streams.stage_key(self.swarm, first.host)
         wait_s = self.round_wait_s(len(tokens))
         problem = f"no reply in {wait_s:g} s"
+        # Each send has an id of its own, and a reply to any of them is the round's result: a
+        # stage that was only slow still answers the first, while one whose message was lost
+        # (its Redis restarted) does not take the re-sent round for a duplicate. A stage that
+        # gets both recomputes the same rows, since a round truncates its cache to start_pos.
+        round_ids: set[str] = set()
         # A try is a wait that ran its course. A connection error uses none up (the round goes
         # out again once Redis answers), but nothing waits past every try's time together.
         started = time.monotonic()
         tries, give_up_at = self.retries + 1, started + (self.retries + 1) * wait_s
         while tries > 0 and time.monotonic() < give_up_at:
+            round_id = uuid.uuid4().hex
+            round_ids.add(round_id)
+            data = wire.encode(replace(message, round_id=round_id), self.swarm, self.key)
+            send = streams.xadd_command(stream, data, self.maxlen)
             if self.link_delay_s > 0:
                 time.sleep(self.link_delay_s)
             try:
                 if first.redis_url == self.reply_url:
                     # One write carries the round and the read that waits for its reply.
-                    reply = self._wait(session, round_id, wait_s, send)
+                    reply = self._wait(session, round_ids, wait_s, send)
                 else:
-                    self.connections.link(first.redis_url).call(send)
-                    reply = self._wait(session, round_id, wait_s)
+                    self.connections.link(first.redis_url).call(send, resend=True)
+                    reply = self._wait(session, round_ids, wait_s)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 problem = f"Redis unavailable: {exc}"
                 time.sleep(RECONNECT_S)
@@ -224,9 +228,9 @@ class RedisRing:
                 ) from None
 
     def _wait(
-        self, session: str, round_id: str, wait_s: float, send: tuple | None = None
+        self, session: str, round_ids: set[str], wait_s: float, send: tuple | None = None
     ) -> wire.Message | None:
-        """The reply for `round_id`, or None after `wait_s`. Other replies are stale.
+        """The reply to one of `round_ids`, or None after `wait_s`. Other replies are stale.
         `send`, a command for the reply's Redis, goes out in the same write as the first read."""
         link = self.connections.link(self.reply_url)
         key = streams.reply_key(self.swarm, session)
@@ -246,5 +250,5 @@ class RedisRing:
                     reply = wire.decode(data, self.swarm, self.key)
                 except wire.WireError:
                     continue
-                if reply.round_id == round_id and reply.session == session:
+                if reply.round_id in round_ids and reply.session == session:
                     return reply

@@ -61,22 +61,34 @@ class Link:
         self.client = client
         self._connection = None
 
-    def call(self, *commands: tuple) -> list:
+    def call(self, *commands: tuple, resend: bool = False) -> list:
         """Send the commands in one write and return their raw (RESP) replies, in order.
 
         Raises what redis-py raises: ConnectionError, TimeoutError, or ResponseError for an
         error reply. After any of them the connection is dropped (a reply may be left unread)
-        and the next call opens a new one."""
-        connection = self._connection
-        if connection is None:
-            connection = self._connection = self.client.connection_pool.get_connection()
+        and the next call opens a new one. With `resend`, for commands that may safely run
+        twice, a connection kept from before (its Redis may have restarted since) that fails
+        is replaced at once and the commands sent again."""
+        packed = b"".join(pack_command(command) for command in commands)
+        if resend and self._connection is not None:
+            try:
+                return self._send(packed, len(commands))
+            except redis.ConnectionError:
+                pass  # the old connection is dropped: go on with a new one
+        return self._send(packed, len(commands))
+
+    def _send(self, packed: bytes, replies: int) -> list:
+        connection = self._connection or self._connect()
         try:
-            packed = b"".join(pack_command(command) for command in commands)
             connection.send_packed_command([packed], check_health=False)
-            return [connection.read_response() for _ in commands]
+            return [connection.read_response() for _ in range(replies)]
         except BaseException:
             connection.disconnect()
             raise
+
+    def _connect(self):
+        self._connection = self.client.connection_pool.get_connection()
+        return self._connection
 
     def close(self) -> None:
         """Hand the connection back to the pool."""
@@ -148,13 +160,15 @@ def send(target: redis.Redis | Link, key: str, data: bytes,
          maxlen: int = DEFAULT_MAXLEN) -> bytes:  # fmt: skip
     """XADD one message to a bounded stream; return its entry id."""
     if isinstance(target, Link):
-        return target.call(xadd_command(key, data, maxlen))[0]
+        # Sent twice, a message is read twice: stages drop a round id they have seen, and the
+        # coordinator takes the first reply to a round.
+        return target.call(xadd_command(key, data, maxlen), resend=True)[0]
     return target.xadd(key, {FIELD: data}, maxlen=maxlen, approximate=True)
 
 
 def send_reply(link: Link, key: str, data: bytes, maxlen: int = DEFAULT_MAXLEN) -> None:
     """XADD to a reply stream and keep it from outliving an abandoned session."""
-    link.call(xadd_command(key, data, maxlen), ("EXPIRE", key, REPLY_TTL_S))
+    link.call(xadd_command(key, data, maxlen), ("EXPIRE", key, REPLY_TTL_S), resend=True)
 
 
 class StreamConsumer:

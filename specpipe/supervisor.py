@@ -23,12 +23,18 @@ HEALTHY_AFTER_S = 30.0  # a child that ran this long starts over at the initial 
 
 @dataclass(frozen=True)
 class ProcessSpec:
-    """A child to keep running: its name, argv and extra environment."""
+    """A child to keep running: its name, argv and extra environment.
+
+    `ready`, when given, says whether the child serves yet: at start the next child is started
+    only once it does (a service the others need, such as Redis, comes first). A `stop_last`
+    child is stopped after all the others, which may still need it while they stop."""
 
     name: str
     argv: Sequence[str]
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
+    ready: Callable[[], bool] | None = None
+    stop_last: bool = False
 
 
 @dataclass
@@ -83,10 +89,23 @@ class Supervisor:
         self.out = out
         self.stopping = threading.Event()
 
-    def start(self) -> None:
-        """Start every child."""
+    def start(self, ready_timeout_s: float = 30.0) -> None:
+        """Start every child in order, waiting for each one that says when it is ready."""
         for child in self.children.values():
             self._spawn(child)
+            if child.spec.ready is not None:
+                self._wait_ready(child, ready_timeout_s)
+
+    def _wait_ready(self, child: Child, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            if child.process.poll() is not None:
+                self.out(f"{child.spec.name}: exited with {child.process.returncode} at start")
+                return  # poll() restarts it; the children after it retry on their own
+            if child.spec.ready():
+                return
+            time.sleep(0.05)
+        self.out(f"{child.spec.name}: not ready after {timeout_s:g} s")
 
     def poll(self) -> None:
         """Notice children that died and restart those whose backoff is over."""
@@ -117,9 +136,18 @@ class Supervisor:
         return [child.status() for child in self.children.values()]
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop every child's process group: SIGTERM, then SIGKILL after `timeout_s`."""
+        """Stop every child's process group: SIGTERM, then SIGKILL after `timeout_s`; the
+        `stop_last` children once all the others are gone."""
         self.stopping.set()
-        running = [c for c in self.children.values() if c.process is not None]
+        for last in (False, True):
+            self._stop_group(
+                [c for c in self.children.values() if c.spec.stop_last == last], timeout_s
+            )
+        for child in self.children.values():
+            child.restart_at = None
+
+    def _stop_group(self, children: list[Child], timeout_s: float) -> None:
+        running = [c for c in children if c.process is not None]
         for child in running:
             child.restart_at = None
             self._signal_group(child.process, signal.SIGTERM)
@@ -135,8 +163,6 @@ class Supervisor:
             child.process.wait()
             child.last_exit = child.process.returncode
             child.process = None
-        for child in self.children.values():
-            child.restart_at = None
 
     def run(self, status_every_s: float = 0.0, tick_s: float = 0.2) -> None:
         """Supervise until SIGINT or SIGTERM (or `stopping` is set), then stop everything."""

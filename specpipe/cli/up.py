@@ -61,7 +61,7 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
     from specpipe import settings
     from specpipe.model.errors import ModelError
     from specpipe.model.resolve import even_split, open_checkpoint
-    from specpipe.redis_server import RedisUnavailable, ensure_redis
+    from specpipe.redis_server import RedisServer, RedisUnavailable, check_redis
     from specpipe.supervisor import ProcessSpec, Supervisor
 
     home = settings.instance_dir()
@@ -87,8 +87,15 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
         migrations.upgrade(database_url)
     except Exception as exc:  # an unreachable or broken database is one line
         raise click.ClickException(f"could not migrate the database: {exc}") from exc
+    private_redis = None
     try:
-        redis_url, private_redis = ensure_redis(settings.configured_redis_url())
+        if settings.configured_redis_url():
+            redis_url = check_redis(settings.configured_redis_url())
+        else:
+            # Supervised like the other processes, with its data in the instance folder: a
+            # Redis that dies is started again on the same port, with what was queued.
+            private_redis = RedisServer(data_dir=home / "redis")
+            redis_url = private_redis.url
     except RedisUnavailable as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -133,6 +140,10 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
         for i, (a, b) in enumerate(split)
     ]
     quiet = ["--loglevel", "WARNING"]
+    if private_redis is not None:
+        redis_spec = ProcessSpec("redis", private_redis.argv(), ready=private_redis.answers,
+                                 stop_last=True)  # fmt: skip
+        specs.insert(0, redis_spec)
     specs += [
         ProcessSpec("coordinator", [*python, "worker", "coordinator", *quiet], env),
         ProcessSpec("beat", [*python, "worker", "beat", *quiet], env),
@@ -149,11 +160,8 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
     click.echo(f"specpipe up: {web_url}  ({stages} stages of {model_name}, {where} {redis_url})")
     supervisor = Supervisor(specs, out=lambda line: click.echo(line))
     try:
-        supervisor.run(status_every_s=status_every)
+        supervisor.run(status_every_s=status_every)  # Redis starts first and stops last
     finally:
-        # The children are stopped by now; only then may their Redis go.
-        if private_redis is not None:
-            private_redis.stop()
         if settings.swarm_file().get("pid") == os.getpid():
             state_file.unlink(missing_ok=True)
         click.echo("specpipe up: stopped")

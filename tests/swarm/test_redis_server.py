@@ -10,6 +10,7 @@ import redis
 
 from specpipe import redis_server, streams
 from specpipe.redis_server import RedisServer, RedisUnavailable
+from tests.waiting import wait_until
 
 
 def listening(port: int) -> bool:
@@ -85,16 +86,38 @@ def test_a_binary_that_cannot_serve_is_reported(tmp_path):
         RedisServer(str(fake)).start()
 
 
-def test_ensure_redis_uses_a_given_url_and_checks_it(redis_url):
-    assert redis_server.ensure_redis(redis_url) == (redis_url, None)
+def test_check_redis_checks_a_given_url(redis_url):
+    assert redis_server.check_redis(redis_url) == redis_url
     with pytest.raises(RedisUnavailable, match="does not answer"):
-        redis_server.ensure_redis(f"redis://127.0.0.1:{redis_server.free_port()}/0")
+        redis_server.check_redis(f"redis://127.0.0.1:{redis_server.free_port()}/0")
 
 
-def test_ensure_redis_without_url_starts_one():
-    url, server = redis_server.ensure_redis(None)
+def test_a_server_with_a_data_dir_keeps_what_it_held_across_a_kill(tmp_path):
+    data = tmp_path / "redis"
+    server = RedisServer(data_dir=data)
+    server.start()
     try:
-        assert redis.Redis.from_url(url).ping()
+        client = redis.Redis.from_url(server.url)
+        client.rpush("coordinator", "a queued task")
+        client.xadd("specpipe:s:stage:h", {"m": b"a round"})
+        # An append-only file, fsynced every second: wait until the writes are in it.
+        wait_until(lambda: _aof_holds(data, b"a round"), 10, "the append-only file's fsync")
+        server.process.kill()  # kill -9: no shutdown save
+        server.process.wait()
+        client.close()
+        again = RedisServer(port=server.port, data_dir=data)  # as the supervisor restarts it
+        again.start()
+        client = redis.Redis.from_url(again.url)
+        assert client.lrange("coordinator", 0, -1) == [b"a queued task"]
+        assert client.xlen("specpipe:s:stage:h") == 1
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        client.close()
+        again.stop()
     finally:
         server.stop()
-    assert not listening(server.port)
+    assert oct(data.stat().st_mode & 0o777) == "0o700"
+
+
+def _aof_holds(data, needle: bytes) -> bool:
+    """Whether any append-only file under `data` holds `needle`."""
+    return any(needle in p.read_bytes() for p in data.rglob("*.aof*") if p.is_file())

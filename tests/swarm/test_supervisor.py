@@ -164,3 +164,43 @@ def test_terminate_all_kills_what_ignores_sigterm():
     assert polite.returncode == -15 and stubborn.returncode == -9
     assert time.monotonic() - started < 10
     stubborn.stdout.close()
+
+
+def stamping(path: Path, delay_s: float = 0.0) -> list[str]:
+    """A child that waits `delay_s`, writes its start time to `path`, and on SIGTERM appends
+    the time it was told to stop."""
+    code = textwrap.dedent(f"""
+        import signal, sys, time
+        def stop(*_):
+            open({str(path)!r}, "a").write(f" {{time.monotonic()}}")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, stop)
+        time.sleep({delay_s})
+        open({str(path)!r}, "w").write(str(time.monotonic()))
+        time.sleep(300)
+    """)
+    return [PY, "-c", code]
+
+
+def test_a_child_others_need_starts_first_and_stops_last(tmp_path):
+    service, user = tmp_path / "service", tmp_path / "user"
+
+    def service_ready() -> bool:
+        return service.exists() and bool(service.read_text())
+
+    sup = Supervisor(
+        [
+            ProcessSpec(
+                "service", stamping(service, delay_s=0.5), ready=service_ready, stop_last=True
+            ),  # fmt: skip
+            ProcessSpec("user", stamping(user)),
+        ],
+        out=lambda line: None,
+    )
+    sup.start()
+    wait_until(lambda: user.exists() and user.read_text(), 10, "the user child to start")
+    sup.stop()
+    service_started, service_stopped = map(float, service.read_text().split())
+    user_started, user_stopped = map(float, user.read_text().split())
+    assert service_started < user_started  # the user was started once the service was ready
+    assert user_stopped < service_stopped  # and told to stop before the service

@@ -53,6 +53,16 @@ def stage_pids(up: psutil.Process) -> dict[str, int]:
     return pids
 
 
+def redis_server_pid(up: psutil.Process) -> int | None:
+    for child in up.children(recursive=True):
+        try:
+            if "redis-server" in " ".join(child.cmdline()):
+                return child.pid
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
 def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkeypatch):
     tiny = write_tiny_model(tmp_path / "tiny")
     home = tmp_path / "home"
@@ -119,6 +129,17 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
                                capture_output=True, text=True, timeout=120)  # fmt: skip
         assert again.returncode == 0, again.stderr
         assert json.loads(again.stdout)["tokens"] == want["tokens"]
+
+        # So is a Redis that dies, on the same port with the same data, and every process
+        # finds it again by itself.
+        redis_pid = redis_server_pid(up)
+        os.kill(redis_pid, signal.SIGKILL)
+        wait_until(lambda: redis_server_pid(up) not in (None, redis_pid), 30, "Redis to restart")
+        third = subprocess.run([*SPECPIPE, "generate", "hello", *args], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=180)  # fmt: skip
+        assert third.returncode == 0, third.stderr
+        assert json.loads(third.stdout)["tokens"] == want["tokens"]
+        assert (home / "redis").is_dir() and any((home / "redis").rglob("*.aof*"))
 
         children = up.children(recursive=True)
         assert len(children) >= 6  # 2 stages, coordinator, beat, web, Redis
