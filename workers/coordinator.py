@@ -23,6 +23,8 @@ committed per round are those plus the target's own token (`Job.tokens_per_round
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import secrets
 from collections.abc import Callable, Iterable
@@ -48,11 +50,13 @@ from specpipe.stopping import GenerationText
 from specpipe.target import open_target
 from workers.celery_app import DbTask
 from workers.locks import LockKeeper
-from workers.names import GENERATE_TASK, RESUME_STALLED_TASK
+from workers.names import COORDINATOR_QUEUE, GENERATE_TASK, RESUME_STALLED_TASK
 from workers.nodes import sync_inventory
 
 log = logging.getLogger("specpipe.coordinator")
 
+QUEUED_GRACE_S = 30.0  # a queued job younger than this may still be on its way to the broker
+UNACKED_KEY = "unacked"  # where Celery's Redis transport keeps delivered, unacked messages
 # A job is started at most this often: a coordinator that dies on it every time (a crash it
 # triggers, a machine that keeps going away) does not make it run forever.
 MAX_ATTEMPTS = 3
@@ -245,11 +249,13 @@ def generate(self, job_id: int) -> str | None:
 
 @shared_task(name=RESUME_STALLED_TASK, bind=True, base=DbTask, ignore_result=True)
 def resume_stalled(self) -> list[int]:
-    """Celery beat task: re-enqueue running jobs whose coordinator stopped making progress."""
+    """Celery beat task: re-enqueue running jobs whose coordinator stopped making progress, and
+    queued jobs whose message the broker no longer holds."""
     settings = Settings.from_env()
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
     try:
         resumed = stalled_jobs(self.session, client, settings.swarm, stalled_after_s())
+        resumed += stranded_jobs(self.session, client, COORDINATOR_QUEUE)
     finally:
         client.close()
     for job_id in resumed:
@@ -267,3 +273,34 @@ def stalled_jobs(session: Session, client: redis.Redis, swarm: str, after_s: flo
     ).all()
     # A held lock means its coordinator is alive, only slow.
     return [job_id for job_id in running if not client.exists(lock_key(swarm, job_id))]
+
+
+def stranded_jobs(session: Session, client: redis.Redis, queue: str) -> list[int]:
+    """Queued jobs older than `QUEUED_GRACE_S` whose generate message the broker holds nowhere:
+    not waiting in `queue`, not taken by a worker (a Redis that lost its data, a publish that
+    never arrived). Sending them again is safe: a job runs once whatever its deliveries."""
+    cutoff = utcnow() - timedelta(seconds=QUEUED_GRACE_S)
+    queued = session.scalars(
+        select(Job.id).where(Job.status == "queued", Job.created_at < cutoff).order_by(Job.id)
+    ).all()
+    if not queued:
+        return []
+    on_broker = broker_job_ids(client, queue)
+    return [job_id for job_id in queued if job_id not in on_broker]
+
+
+def broker_job_ids(client: redis.Redis, queue: str) -> set[int]:
+    """The job ids of the generate messages waiting in `queue` or delivered and not yet
+    acknowledged, as Celery's Redis transport keeps them (a list per queue, a hash `unacked`)."""
+    raw = [json.loads(m) for m in client.lrange(queue, 0, -1)]
+    raw += [json.loads(m)[0] for m in client.hvals(UNACKED_KEY)]
+    ids = set()
+    for message in raw:
+        try:
+            if message["headers"]["task"] != GENERATE_TASK:
+                continue
+            args = json.loads(base64.b64decode(message["body"]))[0]
+            ids.add(int(args[0]))
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue  # not a message of ours
+    return ids

@@ -331,3 +331,33 @@ def test_text_with_nul_and_backslashes_is_stored_and_read_back_exactly(db_url):
     job = load(db_url, job_id)
     assert job.output_text == NulCodec().decode([t for t in job.output_ids if t != EOS])
     assert "\x00" in job.output_text and "\\0" in job.output_text
+
+
+def test_a_queued_job_whose_message_the_broker_lost_is_found(db_url, second_redis):
+    import json
+
+    import redis
+
+    from models.db import utcnow
+    from workers.names import GENERATE_TASK
+    from workers.submission import make_client
+
+    long_ago = utcnow() - timedelta(seconds=120)
+    lost = add_job(db_url, status="queued", created_at=long_ago)
+    waiting = add_job(db_url, status="queued", created_at=long_ago)
+    taken = add_job(db_url, status="queued", created_at=long_ago)
+    add_job(db_url, status="queued")  # just submitted: its message may still be on its way
+    add_job(db_url, status="running", created_at=long_ago)  # the stalled check's business
+    queue = "coordinator"
+    make_client(second_redis).send_task(GENERATE_TASK, args=[waiting], queue=queue)
+    client = redis.Redis.from_url(second_redis)
+    # A worker took `taken`'s message and has not acknowledged it: the transport keeps it here.
+    make_client(second_redis).send_task(GENERATE_TASK, args=[taken], queue="elsewhere")
+    message = client.rpop("elsewhere")
+    client.hset("unacked", "tag-1", json.dumps([json.loads(message), "", queue]))
+    try:
+        with make_session_factory(db_url)() as session:
+            assert coordinator.stranded_jobs(session, client, queue) == [lost]
+    finally:
+        client.delete(queue, "unacked", "elsewhere")
+        client.close()
