@@ -2,7 +2,8 @@
 
 Each stage host reads its input stream `specpipe:{swarm}:stage:{host}` from its own Redis with a
 consumer group; senders XADD straight into the receiving host's Redis, so a hop crosses the
-network once. Streams are bounded (approximate MAXLEN), entries are acked after processing, a
+network once. Streams are bounded (approximate MAXLEN), entries are acked and deleted after
+processing (a stream holds only what is in flight), a
 restarted consumer (same name) re-reads its own pending entries first, and entries a dead
 consumer left pending are claimed with XAUTOCLAIM. The coordinator waits on its reply stream
 `specpipe:{swarm}:reply:{session}` with plain XREAD.
@@ -233,7 +234,9 @@ class StreamConsumer:
     def flush(self) -> None:
         """Send the acknowledgements still held back."""
         if self._unacked:
-            self.client.xack(self.key, self.group, *self._unacked)
+            self.client.pipeline(transaction=False).execute_command(
+                *self._ack_command()
+            ).execute_command(*self._delete_command()).execute()
             self._unacked.clear()
 
     def _xreadgroup(self, start: str, count: int, block_ms: int | None):
@@ -242,7 +245,7 @@ class StreamConsumer:
         read = ("XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count)
         read += ("BLOCK", min(block_ms, MAX_BLOCK_MS)) if block_ms is not None else ()
         read += ("STREAMS", self.key, start)
-        acks = [("XACK", self.key, self.group, *self._unacked)] if self._unacked else []
+        acks = [self._ack_command(), self._delete_command()] if self._unacked else []
         try:
             reply = self.link.call(*acks, read)[-1]
             self._unacked.clear()
@@ -253,6 +256,13 @@ class StreamConsumer:
             self.ensure_group()
             return []
         return stream_entries(reply)
+
+    def _ack_command(self) -> tuple:
+        return ("XACK", self.key, self.group, *self._unacked)
+
+    def _delete_command(self) -> tuple:
+        # A processed entry is of no more use: the stream keeps only what is still in flight.
+        return ("XDEL", self.key, *self._unacked)
 
     def _autoclaim(self, count: int) -> list[tuple[bytes, bytes | None]]:
         self.flush()  # what we processed must not look idle and come back to us
