@@ -106,13 +106,7 @@ class RedisServer:
 
     def answers(self) -> bool:
         """Whether the server answers PING right now."""
-        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5, socket_timeout=1)
-        try:
-            return bool(client.ping())
-        except redis.RedisError:
-            return False
-        finally:
-            client.close()
+        return answers(self.url)
 
     def start(self, timeout_s: float = 10.0) -> str:
         """Start the server and wait until it answers PING; return its URL."""
@@ -161,6 +155,17 @@ class RedisServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def answers(url: str) -> bool:
+    """Whether the Redis at `url` answers PING right now."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
 
 
 def check_redis(url: str) -> str:

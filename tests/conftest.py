@@ -7,7 +7,7 @@ machine without a Redis service still runs every test.
 
 import os
 
-import redis
+from specpipe.redis_server import RedisServer, answers
 
 pytest_plugins = ["tests.dbfixtures"]
 
@@ -15,22 +15,10 @@ DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 _private_redis = None
 
 
-def _answers(url: str) -> bool:
-    client = redis.Redis.from_url(url, socket_connect_timeout=1)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
-
-
 def pytest_configure(config) -> None:
     global _private_redis
-    if os.environ.get("TESTING_REDIS_URL") or _answers(DEFAULT_REDIS):
+    if os.environ.get("TESTING_REDIS_URL") or answers(DEFAULT_REDIS):
         return
-    from specpipe.redis_server import RedisServer
-
     _private_redis = RedisServer()
     url = _private_redis.start()
     os.environ["TESTING_REDIS_URL"] = url
