@@ -12,9 +12,10 @@ A node whose worker runs with the test-only `SPECPIPE_TEST_LOSSY_TAIL=1` says so
 from __future__ import annotations
 
 import json
+import math
 import platform
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 import redis
@@ -77,10 +78,33 @@ class NodeInfo:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> NodeInfo:
-        """Parse a stored record, ignoring fields this version does not know."""
+        """Parse a stored record, ignoring fields this version does not know; ValueError when
+        it is not a record, or a field has the wrong type."""
         data = json.loads(text)
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        if not isinstance(data, dict):
+            raise ValueError("a node record is a JSON object")
+        values = {}
+        for f in fields(cls):
+            if f.name not in data:
+                if f.default is MISSING:
+                    raise ValueError(f"a node record needs {f.name!r}")
+                continue
+            values[f.name] = _checked(f.name, data[f.name], _FIELD_TYPES[f.name])
+        return cls(**values)
+
+
+_FIELD_TYPES = {f.name: {"int": int, "float": float, "bool": bool}.get(f.type, str)
+                for f in fields(NodeInfo)}  # fmt: skip
+
+
+def _checked(name: str, value: object, kind: type) -> object:
+    """`value` as a field of type `kind`; ValueError when it is something else."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if not ok or (kind is float and not math.isfinite(value)):
+        raise ValueError(f"node field {name!r} is not a valid {kind.__name__}")
+    return value
 
 
 def lossy_hosts(nodes: list[NodeInfo]) -> list[str]:

@@ -255,7 +255,7 @@ def _tensor(header: dict, payload: memoryview) -> torch.Tensor | None:
             raise WireError("payload without dtype and shape")
         return None
     name = header.get("dtype")
-    if name not in DTYPES:
+    if not isinstance(name, str) or name not in DTYPES:
         raise WireError(f"dtype {name!r} is not allowed")
     shape = header.get("shape")
     if (
