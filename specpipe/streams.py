@@ -3,9 +3,9 @@
 Each stage host reads its input stream `specpipe:{swarm}:stage:{host}` from its own Redis with a
 consumer group; senders XADD straight into the receiving host's Redis, so a hop crosses the
 network once. Streams are bounded (approximate MAXLEN), entries are acked and deleted after
-processing (a stream holds only what is in flight), a
-restarted consumer (same name) re-reads its own pending entries first, and entries a dead
-consumer left pending are claimed with XAUTOCLAIM. The coordinator waits on its reply stream
+processing (a stream holds only what is in flight), a restarted consumer (same name) re-reads
+its own pending entries first, and entries a dead consumer left pending are claimed with
+XAUTOCLAIM. The coordinator waits on its reply stream
 `specpipe:{swarm}:reply:{session}` with plain XREAD.
 
 The commands on a round's path (the XADD of each hop, a stage's ack-and-read, the coordinator's
