@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from flask import Blueprint, g, jsonify, request, url_for
 
-from app import submitter
+from app import openapi, submitter
 from app.db import get_session
 from app.errors import json_error
 from app.history import job_page
@@ -24,7 +24,10 @@ MAX_PER_PAGE = 100
 
 @bp.before_request
 def require_token():
-    """Every API call needs `Authorization: Bearer <token>` with an active token."""
+    """Every API call needs `Authorization: Bearer <token>` with an active token; the API's
+    own description does not."""
+    if request.endpoint == "api.openapi_document":
+        return None
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     row = check_token(get_session(), token.strip()) if scheme.lower() == "bearer" else None
     if row is None:
@@ -118,6 +121,12 @@ def list_nodes():
     """The node inventory in ring order, with heartbeat status."""
     now = utcnow()
     return jsonify({"nodes": [n.to_dict(now) for n in ring_nodes(get_session())]})
+
+
+@bp.get("/openapi.json")
+def openapi_document():
+    """The OpenAPI document of this API."""
+    return jsonify(openapi.document(submitter().limits))
 
 
 @bp.get("/runs/<id:run_id>")

@@ -1,0 +1,248 @@
+"""The OpenAPI 3.0 document of `/api/v1`, served at `/api/v1/openapi.json`.
+
+Written by hand next to the API it describes; the test suite drives every operation with
+Schemathesis against it (no 5xx, every response matching its schema), so the two cannot drift
+apart unnoticed.
+"""
+
+from __future__ import annotations
+
+from app.history import MAX_PAGE, SORTS
+from models.jobs import JOB_STATUSES
+from specpipe import __version__
+from specpipe.settings import JobLimits
+from workers.submission import MAX_TEMP, MAX_TOP_K
+
+_NO_NUL = "[^\\u0000]"
+# White space to Python's str.strip that an ECMA pattern's \s does not cover.
+_PY_SPACE = "\\u001c-\\u001f\\u0085"
+_NULLABLE_INT = {"type": "integer", "nullable": True}
+_NULLABLE_NUMBER = {"type": "number", "nullable": True}
+_NULLABLE_TEXT = {"type": "string", "nullable": True}
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict, description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _error(description: str) -> dict:
+    return _json(_ref("Error"), description)
+
+
+def _job_request(limits: JobLimits) -> dict:
+    # No NUL anywhere; a prompt also needs something besides white space.
+    stop_string = {"type": "string", "minLength": 1, "maxLength": limits.max_stop_chars,
+                   "pattern": f"^{_NO_NUL}+$"}  # fmt: skip
+    return {
+        "type": "object",
+        "required": ["prompt"],
+        "additionalProperties": False,
+        "properties": {
+            "prompt": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": limits.max_prompt_chars,
+                "pattern": f"^{_NO_NUL}*[^\\s\\u0000{_PY_SPACE}]{_NO_NUL}*$",
+            },  # fmt: skip
+            "max_new_tokens": {
+                "type": "integer",
+                "minimum": 1,
+                "maximum": limits.max_new_tokens,
+            },  # fmt: skip
+            "temp": {"type": "number", "minimum": 0, "maximum": MAX_TEMP},
+            "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1},
+            "top_k": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_K},
+            "seed": {"type": "integer", "minimum": 0, "maximum": 2**64 - 1, "nullable": True},
+            "draft_k": {"type": "integer", "minimum": 0, "maximum": limits.max_draft_k},
+            "stop": {
+                "nullable": True,
+                "oneOf": [
+                    stop_string,
+                    {"type": "array", "items": stop_string, "maxItems": limits.max_stop_strings},
+                ],
+            },
+        },
+    }
+
+
+_JOB = {
+    "type": "object",
+    "required": ["id", "status", "prompt", "seed", "output_ids", "accepted_drafts"],
+    "properties": {
+        "id": {"type": "integer"},
+        "status": {"type": "string", "enum": list(JOB_STATUSES)},
+        "created_at": _NULLABLE_TEXT,
+        "started_at": _NULLABLE_TEXT,
+        "finished_at": _NULLABLE_TEXT,
+        "prompt": {"type": "string"},
+        "model": {"type": "string"},
+        "max_new_tokens": {"type": "integer"},
+        "temp": {"type": "number"},
+        "top_p": {"type": "number"},
+        "top_k": {"type": "integer"},
+        "seed": {"type": "integer", "minimum": 0},
+        "draft_k": {"type": "integer"},
+        "stop": {"type": "array", "items": {"type": "string"}},
+        "seed_was_random": {"type": "boolean"},
+        "cancel_requested": {"type": "boolean"},
+        "output_text": {"type": "string"},
+        "output_ids": {"type": "array", "items": {"type": "integer"}},
+        "prompt_tokens": _NULLABLE_INT,
+        "generated_tokens": {"type": "integer"},
+        "tok_s": _NULLABLE_NUMBER,
+        "rounds": {"type": "integer"},
+        "accepted_drafts": {"type": "array", "items": {"type": "integer"}},
+        "accepted_drafts_mean": _NULLABLE_NUMBER,
+        "tokens_per_round": _NULLABLE_NUMBER,
+        "error": _NULLABLE_TEXT,
+        "attempts": {"type": "integer"},
+        "run_id": _NULLABLE_INT,
+    },
+}
+
+_NODE = {
+    "type": "object",
+    "required": ["host", "status"],
+    "properties": {
+        "host": {"type": "string"},
+        "status": {"type": "string", "enum": ["online", "stale", "offline"]},
+        "role": _NULLABLE_TEXT,
+        "layer_start": _NULLABLE_INT,
+        "layer_end": _NULLABLE_INT,
+        "redis_url": _NULLABLE_TEXT,
+        "last_heartbeat": _NULLABLE_TEXT,
+        "test_lossy_tail": {"type": "boolean"},
+    },
+}
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {"type": "string"},
+        "fields": {"type": "object", "additionalProperties": {"type": "string"}},
+        "allowed": {"type": "array", "items": {"type": "string"}},
+        "job": _ref("Job"),
+    },
+}
+
+
+def _id_parameter(name: str) -> dict:
+    return {"name": name, "in": "path", "required": True,
+            "schema": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}}  # fmt: skip
+
+
+def document(limits: JobLimits) -> dict:
+    """The OpenAPI document for an app with these job limits."""
+    unauthorised = _error("No valid API token (`Authorization: Bearer <token>`).")
+    listing = [
+        {"name": "status", "in": "query", "schema": {"type": "string", "enum": list(JOB_STATUSES)}},
+        {"name": "q", "in": "query", "schema": {"type": "string"}},
+        {"name": "sort", "in": "query", "schema": {"type": "string", "enum": list(SORTS)}},
+        {"name": "page", "in": "query",
+         "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}},
+        {"name": "per_page", "in": "query", "schema": {"type": "integer", "minimum": 1}},
+    ]  # fmt: skip
+    page = {
+        "type": "object",
+        "required": ["jobs", "page", "per_page", "pages", "total"],
+        "properties": {
+            "jobs": {"type": "array", "items": _ref("Job")},
+            **{name: {"type": "integer"} for name in ("page", "per_page", "pages", "total")},
+        },
+    }
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "specpipe", "version": __version__},
+        "servers": [{"url": "/"}],
+        "security": [{"bearer": []}],
+        "paths": {
+            "/api/v1/jobs": {
+                "post": {
+                    "summary": "Create and enqueue a job.",
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": _ref("JobRequest")}},
+                    },
+                    "responses": {
+                        "201": _json(_ref("Job"), "The job, queued."),
+                        "400": _error("Bad fields, each named with its reason."),
+                        "401": unauthorised,
+                        "503": _error("The job was stored, but the queue could not be reached."),
+                    },
+                },
+                "get": {
+                    "summary": "Jobs, newest first, one page at a time.",
+                    "parameters": listing,
+                    "responses": {
+                        "200": _json(page, "A page of jobs."),
+                        "400": _error("Bad paging or sorting."),
+                        "401": unauthorised,
+                    },
+                },
+            },
+            "/api/v1/jobs/{job_id}": {
+                "get": {
+                    "summary": "One job with its progress and output.",
+                    "parameters": [_id_parameter("job_id")],
+                    "responses": {
+                        "200": _json(_ref("Job"), "The job."),
+                        "401": unauthorised,
+                        "404": _error("No such job."),
+                    },
+                }
+            },
+            "/api/v1/jobs/{job_id}/cancel": {
+                "post": {
+                    "summary": "Ask a job to stop at its next round.",
+                    "parameters": [_id_parameter("job_id")],
+                    "responses": {
+                        "200": _json(_ref("Job"), "The job, cancel requested."),
+                        "401": unauthorised,
+                        "404": _error("No such job."),
+                        "409": _error("The job has already finished."),
+                    },
+                }
+            },
+            "/api/v1/nodes": {
+                "get": {
+                    "summary": "The node inventory in ring order.",
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "required": ["nodes"],
+                                "properties": {"nodes": {"type": "array", "items": _ref("Node")}},
+                            },
+                            "The nodes.",
+                        ),  # fmt: skip
+                        "401": unauthorised,
+                    },
+                }
+            },
+            "/api/v1/runs/{run_id}": {
+                "get": {
+                    "summary": "A run record (docs/architecture.md, 'The store').",
+                    "parameters": [_id_parameter("run_id")],
+                    "responses": {
+                        "200": _json({"type": "object"}, "The run record."),
+                        "401": unauthorised,
+                        "404": _error("No such run."),
+                    },
+                }
+            },
+        },
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {
+                "JobRequest": _job_request(limits),
+                "Job": _JOB,
+                "Node": _NODE,
+                "Error": _ERROR,
+            },
+        },
+    }
