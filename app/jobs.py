@@ -19,8 +19,8 @@ from app.db import get_session
 from app.forms import bad_utf8_fields
 from app.history import MAX_PAGE, SORTS, job_page
 from models.jobs import JOB_STATUSES, Job
+from specpipe.settings import JOB_DEFAULTS
 from workers.submission import (
-    DEFAULTS,
     FIELDS,
     JobRequestError,
     QueueUnavailable,
@@ -32,7 +32,7 @@ bp = Blueprint("jobs", __name__)
 # The form shows the submission defaults as text; a blank seed is drawn at random.
 FORM_DEFAULTS = {
     "prompt": "",
-    **{name: "" if value is None else str(value) for name, value in DEFAULTS.items()},
+    **{name: "" if value is None else str(value) for name, value in JOB_DEFAULTS.items()},
     "stop": "",
     "speculate": "on",
 }

@@ -33,7 +33,6 @@ from workers.names import COORDINATOR_QUEUE, GENERATE_TASK
 log = logging.getLogger(__name__)
 
 FIELDS = ("prompt", "max_new_tokens", "temp", "top_p", "top_k", "seed", "draft_k", "stop")
-DEFAULTS = JOB_DEFAULTS
 MAX_TEMP = 100.0
 MAX_TOP_K = 2**31 - 1
 _INTEGER_TEXT = re.compile(r"[+-]?\d{1,30}")
@@ -167,7 +166,7 @@ def parse_job_request(raw: Mapping[str, object], limits: JobLimits, from_text: b
             if name == "prompt":
                 errors[name] = "is required"
             else:
-                clean[name] = copy.copy(DEFAULTS[name])
+                clean[name] = copy.copy(JOB_DEFAULTS[name])
             continue
         try:
             clean[name] = check(raw[name])
