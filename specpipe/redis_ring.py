@@ -3,10 +3,13 @@
 A round is signed and XADDed to stage 0's stream on stage 0's Redis, carrying its route (each
 hop's host and Redis URL, from the inventory) and the Redis holding this coordinator's reply
 stream. The ring then waits on `specpipe:{swarm}:reply:{session}` for the reply, re-sending
-the round under a new id (a reply to any of its ids will do) a bounded number of times before
-it gives up with a `RingError`. A `gap` reply re-sends the session's
-reset to every stage and raises `GapError`, so the caller's replay from position 0 finds the
-tail with its sampling parameters again.
+the round under a new id and sequence number (a reply to any of its ids will do) a bounded
+number of times before it gives up with a `RingError`. Every message the ring sends carries a
+sequence number larger than the last, which is how stages tell a replay from a fresh message;
+a reply counts only if it is addressed to this session's reply stream, comes from a stage of
+the route and answers one of the round's ids: anything else is dropped and counted. A `gap`
+reply re-sends the session's reset to every stage and raises `GapError`, so the caller's
+replay from position 0 finds the tail with its sampling parameters again.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class RedisRing:
         self,
         route: Sequence[NodeInfo | wire.Hop],
         swarm: str,
-        key: bytes,
+        keys: wire.Keyring | bytes | str,
         reply_url: str,
         timeout_s: float = 30.0,
         retries: int = 2,
@@ -55,7 +58,7 @@ class RedisRing:
         # node snapshot), else bare hops. Only their host and Redis URL go on the wire.
         self.route = tuple(route)
         self.swarm = swarm
-        self.key = key
+        self.keys = wire.keyring(keys)
         self.reply_url = reply_url
         self.timeout_s = timeout_s  # a round's wait for its reply, before the work it carries
         self.per_token_s = per_token_s
@@ -65,6 +68,8 @@ class RedisRing:
         self.connections = streams.Connections()
         self._params: dict[str, SamplingParams] = {}
         self._cursor: dict[str, bytes | str] = {}  # last reply entry id read, per session
+        self._seq = 0  # the last sequence number sent, for any session
+        self.dropped_replies = 0  # replies refused: stale, replayed, redirected or forged
 
     @classmethod
     def from_inventory(
@@ -95,8 +100,8 @@ class RedisRing:
         finally:
             client.close()
         route = inventory.route(nodes, n_layers, model=model)
-        key = settings.swarm_key.encode()
-        return cls(route, settings.swarm, key, reply_url or registry, **options)
+        keys = wire.Keyring([settings.swarm_key, *settings.old_swarm_keys])
+        return cls(route, settings.swarm, keys, reply_url or registry, **options)
 
     def reset(self, session: str, params: SamplingParams) -> None:
         """Clear every stage's cache for the session and give the tail its sampling parameters."""
@@ -135,6 +140,7 @@ class RedisRing:
         )
         first = self.route[0]
         stream = streams.stage_key(self.swarm, first.host)
+        message = replace(message, to=stream, sender=wire.COORDINATOR)
         wait_s = self.round_wait_s(len(tokens))
         problem = f"no reply in {wait_s:g} s"
         # Each send has an id of its own, and a reply to any of them is the round's result: a
@@ -149,8 +155,9 @@ class RedisRing:
         while tries > 0 and time.monotonic() < give_up_at:
             round_id = uuid.uuid4().hex
             round_ids.add(round_id)
-            data = wire.encode(replace(message, round_id=round_id), self.swarm, self.key)
-            send = streams.xadd_command(stream, data, self.maxlen)
+            sent = replace(message, round_id=round_id, seq=self._next_seq())
+            send = streams.stage_send_commands(stream, wire.encode(sent, self.swarm, self.keys),
+                                               self.maxlen)  # fmt: skip
             if self.link_delay_s > 0:
                 time.sleep(self.link_delay_s)
             try:
@@ -158,7 +165,7 @@ class RedisRing:
                     # One write carries the round and the read that waits for its reply.
                     reply = self._wait(session, round_ids, wait_s, send)
                 else:
-                    self.connections.link(first.redis_url).call(send, resend=True)
+                    self.connections.link(first.redis_url).call(*send, resend=True)
                     reply = self._wait(session, round_ids, wait_s)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 problem = f"Redis unavailable: {exc}"
@@ -212,26 +219,33 @@ class RedisRing:
                 "top_k": int(params.top_k),
                 "seed": int(params.seed),
             }
-        message = wire.Message(kind=kind, session=session, params=fields)
-        data = wire.encode(message, self.swarm, self.key)
+        message = wire.Message(
+            kind=kind,
+            session=session,
+            round_id=uuid.uuid4().hex,
+            seq=self._next_seq(),
+            sender=wire.COORDINATOR,
+            params=fields,
+        )
         for hop in self.route if hops is None else hops:
+            to = streams.stage_key(self.swarm, hop.host)
+            data = wire.encode(replace(message, to=to), self.swarm, self.keys)
             try:
-                streams.send(
-                    self.connections.get(hop.redis_url),
-                    streams.stage_key(self.swarm, hop.host),
-                    data,
-                    self.maxlen,
-                )
+                streams.send(self.connections.get(hop.redis_url), to, data, self.maxlen)
             except redis.RedisError as exc:
                 raise RingError(
                     f"cannot reach {hop.host}'s Redis at {hop.redis_url}: {exc}"
                 ) from None
 
+    def _next_seq(self) -> int:
+        self._seq = wire.next_seq(self._seq)
+        return self._seq
+
     def _wait(
-        self, session: str, round_ids: set[str], wait_s: float, send: tuple | None = None
+        self, session: str, round_ids: set[str], wait_s: float, send: tuple = ()
     ) -> wire.Message | None:
         """The reply to one of `round_ids`, or None after `wait_s`. Other replies are stale.
-        `send`, a command for the reply's Redis, goes out in the same write as the first read."""
+        `send`, commands for the reply's Redis, go out in the same write as the first read."""
         link = self.connections.link(self.reply_url)
         key = streams.reply_key(self.swarm, session)
         deadline = time.monotonic() + wait_s
@@ -242,13 +256,30 @@ class RedisRing:
             cursor = self._cursor.get(session, "0-0")
             block_ms = min(left_ms, streams.MAX_BLOCK_MS)
             read = ("XREAD", "BLOCK", block_ms, "STREAMS", key, cursor)
-            entries = link.call(*(send, read) if send else (read,))[-1]
-            send = None
+            entries = link.call(*send, read)[-1]
+            send = ()
             for entry_id, data in streams.stream_entries(entries):
                 self._cursor[session] = entry_id
-                try:
-                    reply = wire.decode(data, self.swarm, self.key)
-                except wire.WireError:
-                    continue
-                if reply.round_id in round_ids and reply.session == session:
+                reply = self._accepted_reply(data, key, session, round_ids)
+                if reply is not None:
                     return reply
+
+    def _accepted_reply(
+        self, data: bytes | None, key: str, session: str, round_ids: set[str]
+    ) -> wire.Message | None:
+        """The reply in `data` if it is one of this round's; else count it and return None.
+        A reply to an earlier round of this ring is late, not hostile, but is dropped all the
+        same: its round was already answered."""
+        try:
+            reply = wire.decode(data, self.swarm, self.keys, to=key)
+        except wire.WireError:
+            reply = None
+        if (
+            reply is None
+            or reply.session != session
+            or reply.round_id not in round_ids
+            or reply.sender not in {hop.host for hop in self.route}
+        ):
+            self.dropped_replies += 1
+            return None
+        return reply

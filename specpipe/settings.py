@@ -8,6 +8,7 @@ from files that `specpipe up` writes into the instance folder.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -37,21 +38,24 @@ class Settings:
     redis_url: str  # the registry and broker Redis
     swarm: str  # the swarm's name, part of every stream key
     swarm_key: str | None  # HMAC key signing the data plane
+    old_swarm_keys: tuple[str, ...] = ()  # still accepted while a new key spreads
 
     @classmethod
     def from_env(cls) -> Settings:
+        keys = swarm_keys()
         return cls(
             home=instance_dir(),
             database_url=database_url(),
             redis_url=redis_url(),
             swarm=swarm_name(),
-            swarm_key=swarm_key(),
+            swarm_key=keys[0] if keys else None,
+            old_swarm_keys=keys[1:],
         )
 
     def for_swarm(self, redis_url: str, swarm: str, swarm_key: str | bytes) -> Settings:
         """These settings pointed at another swarm (a benchmark's or a test's own)."""
         key = swarm_key.decode() if isinstance(swarm_key, bytes) else swarm_key
-        return replace(self, redis_url=redis_url, swarm=swarm, swarm_key=key)
+        return replace(self, redis_url=redis_url, swarm=swarm, swarm_key=key, old_swarm_keys=())
 
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -93,13 +97,62 @@ def swarm_name(*, running: bool = True) -> str:
 
 
 def swarm_key() -> str | None:
-    """`SPECPIPE_SWARM_KEY`, else the key `specpipe up` keeps in the instance folder, else None."""
-    return _secret("SPECPIPE_SWARM_KEY", SWARM_KEY_FILE)
+    """The key that signs the data plane now (the first of `swarm_keys`), or None."""
+    keys = swarm_keys()
+    return keys[0] if keys else None
+
+
+def swarm_keys(now: float | None = None) -> tuple[str, ...]:
+    """The swarm keys accepted now, the signing one first: `SPECPIPE_SWARM_KEY` (one key, or
+    `NEW,OLD` while a new key spreads), else the instance folder's key file, else ().
+
+    The file's first line is the signing key; each further line, `KEY UNTIL`, is an old key
+    accepted until the Unix time UNTIL (`specpipe key rotate` writes them)."""
+    value = os.environ.get("SPECPIPE_SWARM_KEY")
+    if value:
+        return tuple(k.strip() for k in value.split(",") if k.strip())
+    path = instance_dir() / SWARM_KEY_FILE
+    if not path.is_file():
+        return ()
+    return _key_file_keys(path.read_text(), time.time() if now is None else now)
+
+
+def _key_file_keys(text: str, now: float) -> tuple[str, ...]:
+    lines = [line.split() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return ()
+    keys = [lines[0][0]]
+    for fields in lines[1:]:
+        until = fields[1] if len(fields) > 1 else ""
+        if until.replace(".", "", 1).isdigit() and float(until) > now:
+            keys.append(fields[0])
+    return tuple(keys)
 
 
 def ensure_swarm_key() -> str:
     """The swarm key, generating one into the instance folder (mode 0600) when there is none."""
     return swarm_key() or _write_secret(SWARM_KEY_FILE)
+
+
+def rotate_swarm_key(grace_s: float) -> str:
+    """Make a new signing key in the instance folder's key file; the keys signing until now stay
+    accepted for `grace_s` seconds. Returns the new key. Refused (ValueError) when the key comes
+    from `SPECPIPE_SWARM_KEY`: that is the environment's to change."""
+    import secrets
+
+    if os.environ.get("SPECPIPE_SWARM_KEY"):
+        raise ValueError(
+            "the swarm key comes from SPECPIPE_SWARM_KEY: set the new key there, "
+            "as SPECPIPE_SWARM_KEY=NEW,OLD until every host has NEW"
+        )
+    now = time.time()
+    path = instance_dir() / SWARM_KEY_FILE
+    old = _key_file_keys(path.read_text(), now) if path.is_file() else ()
+    lines = [secrets.token_hex(32)]
+    for key in old:  # the keys still accepted, each kept for the grace period
+        lines.append(f"{key} {int(now + grace_s)}")
+    _write_private(path, "\n".join(lines) + "\n")
+    return lines[0]
 
 
 def stalled_after_s() -> float:
@@ -131,13 +184,19 @@ def _write_secret(name: str) -> str:
     """A new random key written to the instance folder, readable by its owner only."""
     import secrets
 
-    path = instance_dir() / name
-    path.parent.mkdir(parents=True, exist_ok=True)
     key = secrets.token_hex(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(key + "\n")
+    _write_private(instance_dir() / name, key + "\n")
     return key
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` (replacing it whole), readable by its owner only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".new")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(partial, path)  # a reader sees the old file or the new one, never half of one
 
 
 # What a job request that leaves a field out gets, from the web form, the API or the CLI.

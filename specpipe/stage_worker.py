@@ -1,16 +1,23 @@
 """The stage worker's loop: read rounds from this host's stream, run the stage, pass them on.
 
 Generic over the `Stage` protocol: it reads `specpipe:{swarm}:stage:{host}` on its own Redis as
-a member of the stage consumer group, verifies each message (anything malformed, oversized,
-misrouted or unsigned is dropped and counted, and serving goes on), runs `stage.forward`, and
-sends the hidden states to the next hop's stream on that hop's Redis, or, on the tail, samples
-the doctored result vector with the session's parameters and sends it to the coordinator's
-reply stream. A stage that has lost a session's cache answers `gap`. A round id already
-processed for a session is ignored, so a coordinator may re-send a round safely. Per-session
-`reset` (the tail keeps temp, top_p, top_k and seed), `reseed` (new parameters, caches kept) and
-`drop` arrive as signed messages on the same stream, so they are ordered with the rounds. A
-session that sees no message for `session_idle_s` (its coordinator died, or went away without a
-drop) is forgotten at the next heartbeat: its caches are freed, and if its job comes back the
+a member of the stage consumer group, verifies each message, runs `stage.forward`, and sends the
+hidden states to the next hop's stream on that hop's Redis, or, on the tail, samples the
+doctored result vector with the session's parameters and sends it to the coordinator's reply
+stream. A stage that has lost a session's cache answers `gap`. Per-session `reset` (the tail
+keeps temp, top_p, top_k and seed), `reseed` (new parameters, caches kept) and `drop` arrive as
+signed messages on the same stream, so they are ordered with the rounds.
+
+What is accepted: a message signed with a key of the swarm's keyring, addressed to this stage's
+stream, from the sender its place on the route names (the coordinator for the first hop and the
+controls, else the previous hop), with a fresh sequence number larger than any this stage has
+seen for the session. Anything else (malformed, oversized, unsigned, redirected, replayed or
+stale) is dropped and counted, and the session goes on undisturbed; a re-sent round carries a
+new number, so a coordinator may re-send safely. Whatever an entry holds, handling it ends in
+an ack: nothing can make the stage crash or read it again.
+
+A session that sees no message for `session_idle_s` (its coordinator died, or went away without
+a drop) is forgotten at the next heartbeat: its caches are freed, and if its job comes back the
 coordinator gets a gap and replays. One process per stage: nothing is forked.
 """
 
@@ -22,7 +29,8 @@ import logging
 import signal
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import redis
@@ -35,9 +43,11 @@ from specpipe.settings import TEST_LOSSY_TAIL_VAR, test_lossy_tail
 
 log = logging.getLogger("specpipe.stage")
 
-SEEN_PER_SESSION = 64  # round ids remembered per session for duplicate detection
 TIMING_WEIGHT = 0.1  # of the latest round in the running means of round timings
-MAX_SESSIONS = 4096  # sessions whose state (params, seen ids) is remembered
+MAX_SESSIONS = 4096  # sessions whose sampling parameters are kept
+MAX_SEQUENCES = 65536  # sessions whose last sequence number is remembered, dropped ones too
+KEY_RELOAD_S = 1.0  # an unknown key id reloads the keyring at most this often
+COUNTERS = ("processed", "dropped", "replayed", "gaps", "errors")
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,7 @@ class WorkerConfig:
 
     host: str
     swarm: str
-    key: bytes
+    keys: wire.Keyring | bytes | str  # the swarm's keyring (a single key is a ring of one)
     redis_url: str  # this host's Redis: its input stream lives here
     registry_url: str | None = None  # the inventory's Redis; default: redis_url
     consumer: str | None = None  # consumer name in the group; default: host
@@ -57,6 +67,9 @@ class WorkerConfig:
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     link_delay_s: float = 0.0  # simulated latency of this host's outgoing link (benchmarks)
     session_idle_s: float = 600.0  # a session untouched this long is dropped
+    # Where a new keyring comes from after `specpipe key rotate`: asked at each heartbeat and
+    # when a message names a key this stage does not hold.
+    reload_keys: Callable[[], wire.Keyring] | None = None
 
 
 class StageWorker:
@@ -69,22 +82,27 @@ class StageWorker:
         self.config = config
         # The record says what this process does, whatever the caller built it with.
         self.node = None if node is None else replace(node, test_lossy_tail=test_lossy_tail())
+        self.keys = wire.keyring(config.keys)
+        self.stream = streams.stage_key(config.swarm, config.host)
         self.connections = streams.Connections()
         self.client = self.connections.get(config.redis_url)
         self.consumer = streams.StreamConsumer(
             self.client,
-            streams.stage_key(config.swarm, config.host),
+            self.stream,
             config.consumer or config.host,
             claim_idle_ms=config.claim_idle_ms,
+            max_bytes=config.max_message_bytes,
+            dead=streams.dead_key(config.swarm, config.host),
         )
-        self.counters = {"processed": 0, "dropped": 0, "gaps": 0, "duplicates": 0, "errors": 0}
+        self.counters = dict.fromkeys(COUNTERS, 0)
         # Running means over processed rounds: the forward, and everything else in handling a
         # round here (checking, decoding, encoding, sending on): what this hop adds.
         self.timings = {"forward_ms": 0.0, "hop_ms": 0.0}
         self._samplers: OrderedDict[str, Sampler] = OrderedDict()  # the tail's, per session
-        self._seen: OrderedDict[str, deque[str]] = OrderedDict()
+        self._last_seq: OrderedDict[str, int] = OrderedDict()  # kept after a session ends
         self._last_used: dict[str, float] = {}  # session -> monotonic time of its last message
         self._next_heartbeat = 0.0
+        self._next_key_reload = 0.0
 
     def serve(self, stop: threading.Event | None = None) -> None:
         """Process messages until `stop` is set."""
@@ -93,8 +111,10 @@ class StageWorker:
         while not stop.is_set():
             try:
                 self.heartbeat()
-                for entry_id, data in self.consumer.read(block_ms=self.config.block_ms):
-                    self.handle(data)
+                entries = self.consumer.read(block_ms=self.config.block_ms)
+                self._count_dead_letters()
+                for entry_id, data in entries:
+                    self._handle_safely(data)
                     self.consumer.ack([entry_id])
                 wait_s = 0.0
             except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -118,6 +138,7 @@ class StageWorker:
             return
         self._next_heartbeat = now + self.config.heartbeat_s
         self.forget_idle_sessions(now)
+        self.reload_keys()
         try:
             if self.node is not None:
                 registry = self.connections.get(self.config.registry_url or self.config.redis_url)
@@ -125,6 +146,16 @@ class StageWorker:
             self.flush_counters()
         except redis.RedisError as exc:
             log.warning("%s: heartbeat failed: %s", self.config.host, exc)
+
+    def reload_keys(self) -> None:
+        """Take the keyring `reload_keys` gives now (a rotation may have changed it)."""
+        if self.config.reload_keys is None:
+            return
+        self._next_key_reload = time.monotonic() + KEY_RELOAD_S
+        try:
+            self.keys = self.config.reload_keys()
+        except (OSError, ValueError) as exc:  # keep the keys we have
+            log.warning("%s: cannot reload the swarm keys: %s", self.config.host, exc)
 
     def forget_idle_sessions(self, now: float | None = None) -> list[str]:
         """Drop every session without a message for `session_idle_s`; return their names."""
@@ -139,24 +170,51 @@ class StageWorker:
     def _forget(self, session: str) -> None:
         self.stage.drop(session)
         self._samplers.pop(session, None)
-        self._seen.pop(session, None)
         self._last_used.pop(session, None)
 
     def flush_counters(self) -> None:
         """Write the counters where `specpipe nodes` and the tests can read them."""
-        key = streams.stats_key(self.config.swarm, self.config.host)
         timings = {name: round(value, 3) for name, value in self.timings.items()}
-        self.client.hset(key, mapping={**self.counters, **timings})
+        self._write_stats({**self.counters, **timings})
+
+    def _write_stats(self, mapping: dict) -> None:
+        key = streams.stats_key(self.config.swarm, self.config.host)
+        try:
+            self.client.hset(key, mapping=mapping)
+        except redis.ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            # Another writer put something else under our key: ours again, with every counter.
+            log.warning("%s: %s was not a hash; rewritten", self.config.host, key)
+            timings = {name: round(value, 3) for name, value in self.timings.items()}
+            self.client.pipeline().delete(key).hset(
+                key, mapping={**self.counters, **timings}
+            ).execute()
+
+    def _handle_safely(self, data: bytes | None) -> None:
+        """`handle`, with anything it raises counted and logged: an entry never stops the stage
+        (it is acked either way; a Redis outage is the serve loop's to wait out)."""
+        try:
+            self.handle(data)
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except Exception:
+            log.exception("%s: an entry could not be handled; dropped", self.config.host)
+            try:
+                self._count("errors")
+            except redis.RedisError:
+                pass
+
+    def _count_dead_letters(self) -> None:
+        for reason in self.consumer.dropped:
+            self._drop(f"in Redis, {reason}")
+        self.consumer.dropped.clear()
 
     def handle(self, data: bytes | None) -> None:
         """Process one stream entry; never raises for a bad message."""
         started = time.perf_counter()
-        try:
-            message = wire.decode(
-                data, self.config.swarm, self.config.key, self.config.max_message_bytes
-            )
-        except wire.WireError as exc:
-            self._drop(f"undecodable message: {exc}")
+        message = self._decode(data)
+        if message is None or not self._accept(message):
             return
         if message.kind in ("round", "reset", "reseed"):
             self._last_used[message.session] = time.monotonic()
@@ -170,6 +228,45 @@ class StageWorker:
             self._forget(message.session)
         else:
             self._drop(f"a {message.kind!r} message does not belong on a stage stream")
+
+    def _decode(self, data: bytes | None) -> wire.Message | None:
+        def decode() -> wire.Message:
+            return wire.decode(data, self.config.swarm, self.keys, self.config.max_message_bytes,
+                               to=self.stream)  # fmt: skip
+
+        try:
+            return decode()
+        except wire.UnknownKeyError as exc:
+            reason = exc
+            if time.monotonic() >= self._next_key_reload:
+                self.reload_keys()  # the key may be a rotation's new one
+                try:
+                    return decode()
+                except wire.WireError as again:
+                    reason = again
+        except wire.WireError as exc:
+            reason = exc
+        self._drop(f"undecodable message: {reason}")
+        return None
+
+    def _accept(self, message: wire.Message) -> bool:
+        """Whether `message` comes from whom its place says and is the session's next fresh one;
+        what is not is counted and dropped, and the session goes on as if it never came."""
+        if message.kind == "round" and message.hop > 0 and message.route:
+            expected = message.route[message.hop - 1].host
+        else:
+            expected = wire.COORDINATOR
+        if message.sender != expected:
+            self._drop(f"a {message.kind!r} from {message.sender!r}, expected {expected!r}")
+            return False
+        last = self._last_seq.get(message.session, 0)
+        if message.seq <= last or not wire.is_fresh(message.seq):
+            self._count("replayed")
+            log.warning("%s: dropped a replayed or stale %r of session %s", self.config.host,
+                        message.kind, message.session)  # fmt: skip
+            return False
+        self._remember(self._last_seq, message.session, message.seq, MAX_SEQUENCES)
+        return True
 
     def _time_round(self, total_s: float, forward_s: float) -> None:
         first = self.counters["processed"] == 1
@@ -186,18 +283,16 @@ class StageWorker:
         # Drops, gaps, duplicates and errors are rare and worth seeing at once; the processed
         # count waits for the next heartbeat.
         self.counters[event] += 1
-        key = streams.stats_key(self.config.swarm, self.config.host)
-        self.client.hset(key, event, self.counters[event])
+        self._write_stats({event: self.counters[event]})
 
     def _set_params(self, message: wire.Message) -> None:
         if message.kind == "reset":  # a reseed keeps the caches (many draws from one context)
             self.stage.drop(message.session)
-            self._seen.pop(message.session, None)
         p = message.params
         try:
             sampler = _sampler_class()(temp=float(p["temp"]), top_p=float(p["top_p"]),
                                        top_k=int(p["top_k"]), seed=int(p["seed"]))  # fmt: skip
-        except (KeyError, ValueError, TypeError) as exc:
+        except (KeyError, ValueError, TypeError, OverflowError) as exc:
             self._drop(f"reset with bad sampling parameters: {exc}")
             return
         self._remember(self._samplers, message.session, sampler)
@@ -211,10 +306,6 @@ class StageWorker:
         if not message.tokens or message.n_draft >= len(message.tokens):
             self._drop(f"round {message.round_id!r} has {len(message.tokens)} tokens")
             return
-        seen = self._seen.get(message.session)
-        if seen is not None and message.round_id in seen:
-            self._count("duplicates")
-            return
         if self.stage.first:
             inputs = torch.tensor(message.tokens, dtype=torch.int64)
         elif message.tensor is None or message.tensor.dim() != 2:
@@ -222,7 +313,6 @@ class StageWorker:
             return
         else:
             inputs = message.tensor
-        self._mark_seen(message)
         try:
             rows = message.n_draft + 1 if self.stage.last else None
             forward_started = time.perf_counter()
@@ -246,15 +336,12 @@ class StageWorker:
             nxt = route[hop + 1]
             self._link_delay()
             try:
-                data = wire.encode(
-                    replace(message, tensor=out, hop=hop + 1), self.config.swarm, self.config.key
+                stream = streams.stage_key(self.config.swarm, nxt.host)
+                passed_on = replace(
+                    message, tensor=out, hop=hop + 1, to=stream, sender=self.config.host
                 )
-                streams.send(
-                    self.connections.link(nxt.redis_url),
-                    streams.stage_key(self.config.swarm, nxt.host),
-                    data,
-                    self.config.maxlen,
-                )
+                data = wire.encode(passed_on, self.config.swarm, self.keys)
+                streams.send(self.connections.link(nxt.redis_url), stream, data, self.config.maxlen)
             except (redis.RedisError, wire.WireError) as exc:
                 self._count("errors")
                 reason = f"{self.config.host}: cannot pass the round to {nxt.host}: {exc}"
@@ -281,18 +368,21 @@ class StageWorker:
         self._reply(message, "result", tokens=tuple(int(t) for t in result))
 
     def _reply(self, message: wire.Message, kind: str, **fields) -> None:
+        stream = streams.reply_key(self.config.swarm, message.session)
         reply = wire.Message(
-            kind=kind, session=message.session, round_id=message.round_id, **fields
+            kind=kind,
+            session=message.session,
+            round_id=message.round_id,
+            seq=message.seq,
+            to=stream,
+            sender=self.config.host,
+            **fields,
         )
-        data = wire.encode(reply, self.config.swarm, self.config.key)
+        data = wire.encode(reply, self.config.swarm, self.keys)
         self._link_delay()
         try:
-            streams.send_reply(
-                self.connections.link(message.reply),
-                streams.reply_key(self.config.swarm, message.session),
-                data,
-                self.config.maxlen,
-            )
+            streams.send_reply(self.connections.link(message.reply), stream, data,
+                               self.config.maxlen)  # fmt: skip
         except redis.RedisError as exc:  # the coordinator times out and re-sends
             log.warning("%s: cannot reply to %s: %s", self.config.host, message.reply, exc)
 
@@ -300,18 +390,11 @@ class StageWorker:
         if self.config.link_delay_s > 0:
             time.sleep(self.config.link_delay_s)
 
-    def _mark_seen(self, message: wire.Message) -> None:
-        seen = self._seen.get(message.session)
-        if seen is None:
-            seen = deque(maxlen=SEEN_PER_SESSION)
-            self._remember(self._seen, message.session, seen)
-        seen.append(message.round_id)
-
     @staticmethod
-    def _remember(table: OrderedDict, session: str, value) -> None:
+    def _remember(table: OrderedDict, session: str, value, limit: int = MAX_SESSIONS) -> None:
         table[session] = value
         table.move_to_end(session)
-        while len(table) > MAX_SESSIONS:
+        while len(table) > limit:
             table.popitem(last=False)
 
 

@@ -8,6 +8,12 @@ its own pending entries first, and entries a dead consumer left pending are clai
 XAUTOCLAIM. The coordinator waits on its reply stream
 `specpipe:{swarm}:reply:{session}` with plain XREAD.
 
+A stage reads its stream through a Lua script (`READ_SCRIPT`), so Redis checks each entry
+before it crosses to the stage: one over the size limit, without a message, or delivered too
+often (it took a stage down each time) is acked, deleted and recorded in a capped dead-letter
+stream, and only what passes is read into the stage's memory. A script cannot block, so a
+sender also pushes the stream's *bell*, a one-element list the stage waits on with BLPOP.
+
 The commands on a round's path (the XADD of each hop, a stage's ack-and-read, the coordinator's
 read of its reply) go through a `Link`: one connection of the client's pool kept for the purpose,
 packed by hiredis and written and read directly. redis-py's per-call machinery (pool checkout,
@@ -17,6 +23,7 @@ command, and a process woken once per round runs it with cold caches, on every h
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterable
 
@@ -26,6 +33,9 @@ from hiredis import pack_command
 FIELD = b"m"  # the one field of every entry: the wire message
 GROUP = "stage"
 DEFAULT_MAXLEN = 1000
+DEAD_MAXLEN = 100  # entries a dead-letter stream keeps for inspection
+DEAD_HEAD_BYTES = 4096  # of a dead entry's message, kept in the dead-letter stream
+MAX_DELIVERIES = 3  # an entry read this often without being acked is dead
 REPLY_TTL_S = 3600  # reply streams of abandoned sessions expire
 # No read on the data plane blocks longer than this; a longer wait is several reads. Every
 # client's socket timeout exceeds it, so a socket never gives up on a read Redis still holds.
@@ -36,6 +46,16 @@ SOCKET_TIMEOUT_S = MAX_BLOCK_MS / 1000 + 5.0
 def stage_key(swarm: str, host: str) -> str:
     """The input stream of one stage host."""
     return f"specpipe:{swarm}:stage:{host}"
+
+
+def bell_key(stream: str) -> str:
+    """The list a stream's senders push to wake its reader."""
+    return f"{stream}:bell"
+
+
+def dead_key(swarm: str, host: str) -> str:
+    """The dead-letter stream of one stage host: what it dropped unread, and why."""
+    return f"specpipe:{swarm}:dead:{host}"
 
 
 def reply_key(swarm: str, session: str) -> str:
@@ -103,6 +123,12 @@ def xadd_command(key: str, data: bytes, maxlen: int) -> tuple:
     return ("XADD", key, "MAXLEN", "~", maxlen, "*", FIELD, data)
 
 
+def stage_send_commands(key: str, data: bytes, maxlen: int) -> tuple[tuple, ...]:
+    """The commands that put one message on a stage's stream and wake its reader."""
+    bell = bell_key(key)
+    return xadd_command(key, data, maxlen), ("LPUSH", bell, 1), ("LTRIM", bell, 0, 0)
+
+
 def stream_entries(reply) -> list[tuple[bytes, bytes | None]]:
     """(entry id, message) from a raw XREAD / XREADGROUP reply (RESP2 or RESP3); the message is
     None for an entry without one (trimmed while pending)."""
@@ -159,12 +185,15 @@ class Connections:
 
 def send(target: redis.Redis | Link, key: str, data: bytes,
          maxlen: int = DEFAULT_MAXLEN) -> bytes:  # fmt: skip
-    """XADD one message to a bounded stream; return its entry id."""
+    """XADD one message to a stage's bounded stream and ring its bell; return its entry id."""
+    commands = stage_send_commands(key, data, maxlen)
     if isinstance(target, Link):
-        # Sent twice, a message is read twice: stages drop a round id they have seen, and the
-        # coordinator takes the first reply to a round.
-        return target.call(xadd_command(key, data, maxlen), resend=True)[0]
-    return target.xadd(key, {FIELD: data}, maxlen=maxlen, approximate=True)
+        # Sent twice, a message is read twice: a stage drops a sequence number it has seen.
+        return target.call(*commands, resend=True)[0]
+    pipe = target.pipeline(transaction=False)
+    for command in commands:
+        pipe.execute_command(*command)
+    return pipe.execute()[0]
 
 
 def send_reply(link: Link, key: str, data: bytes, maxlen: int = DEFAULT_MAXLEN) -> None:
@@ -172,8 +201,72 @@ def send_reply(link: Link, key: str, data: bytes, maxlen: int = DEFAULT_MAXLEN) 
     link.call(xadd_command(key, data, maxlen), ("EXPIRE", key, REPLY_TTL_S), resend=True)
 
 
+# Runs in Redis, so an entry is checked before it reaches the stage. KEYS: the stream, its bell,
+# the dead-letter stream. ARGV: group, consumer, start ('>' for new entries, else an id: our own
+# pending entries after it), the most entries to return, the most bytes of one message, the
+# most deliveries of one entry, the most bytes in all, then the ids to ack first. Returns
+# {flat [id, message, ...], [reason, ...] of the entries dropped, the cursor reached}.
+READ_SCRIPT = """
+local stream, bell, dead = KEYS[1], KEYS[2], KEYS[3]
+local group, consumer, cursor = ARGV[1], ARGV[2], ARGV[3]
+local count, max_bytes = tonumber(ARGV[4]), tonumber(ARGV[5])
+local max_deliveries, budget = tonumber(ARGV[6]), tonumber(ARGV[7])
+if #ARGV > 7 then
+  local acks = {unpack(ARGV, 8)}
+  redis.call('XACK', stream, group, unpack(acks))
+  redis.call('XDEL', stream, unpack(acks))
+end
+redis.call('DEL', bell)
+local out, dropped, total = {}, {}, 0
+while #out < 2 * count and total < budget do
+  local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1,
+                           'STREAMS', stream, cursor)
+  local entry = reply and reply[1] and reply[1][2][1]
+  if not entry then break end
+  local id, fields = entry[1], entry[2]
+  if cursor ~= '>' then cursor = id end
+  local data, reason = nil, nil
+  if fields then
+    for i = 1, #fields, 2 do
+      if fields[i] == 'm' then data = fields[i + 1] end
+    end
+    if not data then
+      reason = 'an entry without a message'
+    elseif #data > max_bytes then
+      reason = 'a message of ' .. #data .. ' bytes, over the ' .. max_bytes .. ' limit'
+    elseif cursor ~= '>' then
+      local pending = redis.call('XPENDING', stream, group, id, id, 1, consumer)[1]
+      if pending and pending[4] > max_deliveries then
+        reason = 'an entry delivered ' .. pending[4] .. ' times'
+      end
+    end
+  end
+  if reason then
+    redis.call('XADD', dead, 'MAXLEN', '~', ARGV_DEAD_MAXLEN, '*', 'entry', id,
+               'reason', reason, 'bytes', data and #data or 0,
+               'head', data and string.sub(data, 1, ARGV_DEAD_HEAD) or '')
+    dropped[#dropped + 1] = id .. ': ' .. reason
+  end
+  if reason or not fields then  -- not fields: trimmed while pending, nothing to do
+    redis.call('XACK', stream, group, id)
+    redis.call('XDEL', stream, id)
+  else
+    out[#out + 1] = id
+    out[#out + 1] = data
+    total = total + #data
+  end
+end
+if #out > 0 then redis.call('LPUSH', bell, 1) end  -- the BLPOP sent after us returns at once
+return {out, dropped, cursor}
+""".replace("ARGV_DEAD_MAXLEN", str(DEAD_MAXLEN)).replace("ARGV_DEAD_HEAD", str(DEAD_HEAD_BYTES))
+READ_SCRIPT_SHA = hashlib.sha1(READ_SCRIPT.encode()).hexdigest()
+
+
 class StreamConsumer:
-    """Reads one stage's input stream as a named member of the stage's consumer group."""
+    """Reads one stage's input stream as a named member of the stage's consumer group.
+
+    Entries come through `READ_SCRIPT`: none over `max_bytes` ever reaches this process, and
+    what Redis drops for it waits in `dropped` for the caller to count."""
 
     def __init__(
         self,
@@ -183,13 +276,19 @@ class StreamConsumer:
         group: str = GROUP,
         claim_idle_ms: int = 30_000,
         claim_every_s: float = 5.0,
+        max_bytes: int = 256 * 1024 * 1024,
+        dead: str | None = None,
     ) -> None:
         self.client = client
         self.link = Link(client)
         self.key = key
+        self.bell = bell_key(key)
+        self.dead = dead or f"{key}:dead"
         self.consumer = consumer
         self.group = group
         self.claim_idle_ms = claim_idle_ms
+        self.max_bytes = max_bytes
+        self.dropped: list[str] = []  # why Redis dropped entries, since the caller last looked
         self._backlog: str | None = "0-0"  # cursor over our own pending entries, read first
         self._claim_from = "0-0"
         self._claim_every_s = claim_every_s
@@ -205,23 +304,19 @@ class StreamConsumer:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    def read(self, count: int = 16, block_ms: int = 1000) -> list[tuple[bytes, bytes | None]]:
-        """Next entries as (id, message bytes); message is None for an entry without one."""
+    def read(self, count: int = 16, block_ms: int = 1000) -> list[tuple[bytes, bytes]]:
+        """Next entries as (id, message bytes), waiting up to `block_ms` when there are none."""
         if self._backlog is not None:
-            # Acks still held back go out first in the same pipeline, so what we already
-            # processed is no longer pending when the backlog is read.
-            entries = self._xreadgroup(self._backlog, count, None)
+            entries, cursor = self._read(self._backlog, count, None)
+            self._backlog = cursor if entries else None
             if entries:
-                last = entries[-1][0]
-                self._backlog = last.decode() if isinstance(last, bytes) else str(last)
                 return entries
-            self._backlog = None
         if time.monotonic() >= self._next_claim:
-            claimed = self._autoclaim(count)
-            if claimed:
-                return claimed
+            if self._autoclaim(count):
+                self._backlog = "0-0"
+                return self.read(count, block_ms)
             self._next_claim = time.monotonic() + self._claim_every_s
-        return self._xreadgroup(">", count, block_ms)
+        return self._read(">", count, block_ms)[0]
 
     def rewind(self) -> None:
         """Re-read our own pending entries before new ones (after losing the connection)."""
@@ -235,56 +330,52 @@ class StreamConsumer:
         """Send the acknowledgements still held back."""
         if self._unacked:
             self.client.pipeline(transaction=False).execute_command(
-                *self._ack_command()
-            ).execute_command(*self._delete_command()).execute()
+                "XACK", self.key, self.group, *self._unacked
+            ).execute_command("XDEL", self.key, *self._unacked).execute()
             self._unacked.clear()
 
-    def _xreadgroup(self, start: str, count: int, block_ms: int | None):
-        # The acks ride in the same round trip as the next read: one less hop of latency per
-        # message. An entry processed just before a crash stays pending and is read again.
-        read = ("XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count)
-        read += ("BLOCK", min(block_ms, MAX_BLOCK_MS)) if block_ms is not None else ()
-        read += ("STREAMS", self.key, start)
-        acks = [self._ack_command(), self._delete_command()] if self._unacked else []
+    def _read(
+        self, start: str, count: int, block_ms: int | None
+    ) -> tuple[list[tuple[bytes, bytes]], str]:
+        # The acks ride in the same round trip as the next read, and the wait for the bell in
+        # the same write: one round trip when entries are waiting, and when there are none.
+        # An entry processed just before a crash stays pending and is read again.
+        args = (self.group, self.consumer, start, count, self.max_bytes, MAX_DELIVERIES)
+        args += (READ_BUDGET_ENTRIES * self.max_bytes, *self._unacked)
+        script = ("EVALSHA", READ_SCRIPT_SHA, 3, self.key, self.bell, self.dead, *args)
+        wait = ("BLPOP", self.bell, min(block_ms, MAX_BLOCK_MS) / 1000) if block_ms else None
         try:
-            reply = self.link.call(*acks, read)[-1]
-            self._unacked.clear()
+            try:
+                reply = self.link.call(script, *(wait,) if wait else ())[0]
+            except redis.exceptions.NoScriptError:
+                # A Redis new to the script (or restarted since): EVAL loads it again.
+                reply = self.link.call(("EVAL", READ_SCRIPT, *script[2:]))[0]
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             self._unacked.clear()  # the stream was deleted under us, its pending list with it
             self.ensure_group()
-            return []
-        return stream_entries(reply)
+            return [], start
+        self._unacked.clear()
+        flat, dropped, cursor = reply
+        self.dropped.extend(_text(reason) for reason in dropped)
+        entries = list(zip(flat[::2], flat[1::2], strict=True))
+        return entries, _text(cursor)
 
-    def _ack_command(self) -> tuple:
-        return ("XACK", self.key, self.group, *self._unacked)
-
-    def _delete_command(self) -> tuple:
-        # A processed entry is of no more use: the stream keeps only what is still in flight.
-        return ("XDEL", self.key, *self._unacked)
-
-    def _autoclaim(self, count: int) -> list[tuple[bytes, bytes | None]]:
+    def _autoclaim(self, count: int) -> bool:
+        """Take over entries another consumer left idle; whether there were any."""
         self.flush()  # what we processed must not look idle and come back to us
         # XAUTOCLAIM walks the pending list from a cursor; entries another consumer left idle
-        # longer than claim_idle_ms become ours.
-        reply = self.client.xautoclaim(
-            self.key,
-            self.group,
-            self.consumer,
-            self.claim_idle_ms,
-            start_id=self._claim_from,
-            count=count,
-        )
-        cursor = reply[0]
-        self._claim_from = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
-        claimed = []
-        for entry in reply[1]:
-            eid, fields = entry if entry else (None, None)
-            if eid is None:
-                continue
-            if not fields:  # trimmed while pending (Redis 6.2 still lists it)
-                self._unacked.append(eid)
-                continue
-            claimed.append((eid, fields.get(FIELD)))
-        return claimed
+        # longer than claim_idle_ms become ours, to be read (and checked) as our own backlog.
+        claim = ("XAUTOCLAIM", self.key, self.group, self.consumer, self.claim_idle_ms,
+                 self._claim_from, "COUNT", count, "JUSTID")  # fmt: skip
+        reply = self.link.call(claim)[0]
+        self._claim_from = _text(reply[0])
+        return bool(reply[1])
+
+
+READ_BUDGET_ENTRIES = 2  # one read takes at most about this many largest messages' bytes
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -2,13 +2,17 @@
 
 A message on the wire is
 
-    MAGIC (4 bytes) | header length (u32, little-endian) | header (msgpack) | payload | tag
+    MAGIC (4 bytes) | key id (4 bytes) | header length (u32 LE) | header (msgpack) | payload | tag
 
-where `tag` is HMAC-SHA256 under the swarm key over everything before it. The header names the
-swarm, the session, the round id, positions, the token ids and the payload's dtype and shape;
-the payload is the tensor's bytes, nothing else. `decode` checks the size limits and the
-signature (constant-time) before it parses the header, and the dtype whitelist and the
-shape-versus-byte-count before it reads the payload. No pickle, no code from the wire.
+where `tag` is HMAC-SHA256 over everything before it, under the swarm key the key id names (a
+`Keyring` holds the key that signs and the older ones still accepted while a new key spreads).
+The header names the swarm, where the message goes and what it is (the destination stream, the
+direction, the sender), the session with its sequence number and round id, positions, the token
+ids and the payload's dtype and shape; the payload is the tensor's bytes, nothing else. `decode`
+checks the size limits and the signature (constant-time) before it parses the header, and the
+dtype whitelist and the shape-versus-byte-count before it reads the payload. A receiver passes
+its own stream, so a message copied into another stream is refused; freshness (the sequence
+number) is the receiver's to check. No pickle, no code from the wire.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import hmac
 import math
 import struct
 import sys
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -25,18 +31,27 @@ import msgpack
 import numpy as np
 import torch
 
-MAGIC = b"SPW1"
+MAGIC = b"SPW2"
 TAG_BYTES = 32
-PREFIX = struct.Struct("<4sI")
+KEY_ID_BYTES = 4
+PREFIX = struct.Struct("<4s4sI")
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a long prefill's hidden states fit; Redis allows 512 MiB
 MAX_HEADER_BYTES = 1024 * 1024
 MAX_DIMS = 4
+MAX_DIM = 2**31  # of each tensor dimension
 TOKEN_LIMIT = 2**31  # token ids (and the result vector's -1) fit in 32 bits
 POSITION_LIMIT = 2**40
 
-# Kinds of message: a round travelling through the stages, the tail's result, the replies a
-# stage sends the coordinator when it cannot go on, and the per-session controls.
-KINDS = frozenset({"round", "result", "gap", "error", "reset", "reseed", "drop"})
+# Kinds of message, by direction: what a stage's input stream carries (a round travelling
+# through the stages and the per-session controls) and what a coordinator's reply stream does
+# (the tail's result, and the replies a stage sends when it cannot go on).
+STAGE_KINDS = frozenset({"round", "reset", "reseed", "drop"})
+REPLY_KINDS = frozenset({"result", "gap", "error"})
+KINDS = STAGE_KINDS | REPLY_KINDS
+COORDINATOR = "coordinator"  # the sender of what a coordinator sends; a stage signs as its host
+# A sequence number is the sender's clock in microseconds (bumped to stay strictly increasing),
+# so it also dates the message: a receiver refuses one older than this, or as far ahead.
+MAX_AGE_S = 300.0
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -61,6 +76,10 @@ class WireError(ValueError):
     """A message that must be dropped: malformed, oversized, unsigned or of the wrong shape."""
 
 
+class UnknownKeyError(WireError):
+    """A message signed with a key the keyring does not hold (perhaps not yet)."""
+
+
 @dataclass(frozen=True)
 class Hop:
     """One stage on a round's route: its host name and the Redis that holds its input stream."""
@@ -71,11 +90,18 @@ class Hop:
 
 @dataclass(frozen=True)
 class Message:
-    """One decoded message. `tensor` is the payload (hidden states), None when there is none."""
+    """One decoded message. `tensor` is the payload (hidden states), None when there is none.
+
+    `seq` is the session's sequence number: the coordinator stamps each message it sends for a
+    session with a larger one than the last (`next_seq`), a stage passes a round on with its
+    number, and a reply carries the number of the round it answers."""
 
     kind: str
     session: str
     round_id: str = ""
+    seq: int = 0
+    to: str = ""  # the stream this message is for
+    sender: str = ""  # COORDINATOR, or the host of the stage that sent it
     start_pos: int = 0
     n_draft: int = 0
     tokens: tuple[int, ...] = ()
@@ -85,6 +111,56 @@ class Message:
     reply: str = ""  # Redis URL holding the coordinator's reply stream
     params: dict[str, float | int] = field(default_factory=dict)  # reset/reseed: temp, ...
     reason: str = ""  # gap / error: what went wrong
+
+    @property
+    def direction(self) -> str:
+        """ "stage" for what goes to a stage's input stream, "reply" for a coordinator's."""
+        return "reply" if self.kind in REPLY_KINDS else "stage"
+
+
+def next_seq(last: int, now: float | None = None) -> int:
+    """A sequence number after `last`: the clock in microseconds, or `last + 1` if that is not
+    larger (two messages in one microsecond, or a clock stepped back)."""
+    clock = int((time.time() if now is None else now) * 1_000_000)
+    return max(last + 1, clock)
+
+
+def is_fresh(seq: int, now: float | None = None) -> bool:
+    """Whether a sequence number dates from within `MAX_AGE_S` of now, either way."""
+    clock = time.time() if now is None else now
+    return abs(seq / 1_000_000 - clock) <= MAX_AGE_S
+
+
+def key_id(key: bytes) -> bytes:
+    """The id a message carries of the key that signed it: a hash, so it tells nothing of it."""
+    return hashlib.sha256(b"specpipe swarm key id\0" + key).digest()[:KEY_ID_BYTES]
+
+
+class Keyring:
+    """The swarm keys of one process: the first signs, every one is accepted.
+
+    While a new key spreads through a swarm (`specpipe key rotate`), hosts sign with it and
+    still accept the old one, until the old one's grace period ends."""
+
+    def __init__(self, keys: Iterable[bytes | str]) -> None:
+        encoded = [k.encode() if isinstance(k, str) else bytes(k) for k in keys]
+        if not encoded or not all(encoded):
+            raise WireError("no swarm key: set SPECPIPE_SWARM_KEY")
+        self.current = encoded[0]
+        self.current_id = key_id(self.current)
+        self._by_id = {key_id(k): k for k in reversed(encoded)}
+
+    def get(self, kid: bytes) -> bytes | None:
+        """The key with id `kid`, None if this keyring does not hold it."""
+        return self._by_id.get(bytes(kid))
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+def keyring(keys: Keyring | bytes | str) -> Keyring:
+    """`keys` as a Keyring: a single key is a ring of one."""
+    return keys if isinstance(keys, Keyring) else Keyring([keys])
 
 
 @lru_cache(maxsize=16)
@@ -100,21 +176,19 @@ def _tag(key: bytes, data: bytes | memoryview) -> bytes:
     return mac.digest()
 
 
-def _check_key(key: bytes) -> bytes:
-    if not key:
-        raise WireError("no swarm key: set SPECPIPE_SWARM_KEY")
-    return key
-
-
-def encode(message: Message, swarm: str, key: bytes) -> bytes:
-    """Serialise and sign one message for `swarm`."""
-    _check_key(key)
+def encode(message: Message, swarm: str, keys: Keyring | bytes | str) -> bytes:
+    """Serialise `message` for `swarm` and sign it with the keyring's current key."""
+    keys = keyring(keys)
     if message.kind not in KINDS:
         raise WireError(f"unknown message kind {message.kind!r}")
     header: dict = {
         "swarm": swarm,
+        "to": message.to,
+        "dir": message.direction,
+        "from": message.sender,
         "kind": message.kind,
         "session": message.session,
+        "seq": message.seq,
         "round": message.round_id,
         "start_pos": message.start_pos,
         "n_draft": message.n_draft,
@@ -140,10 +214,10 @@ def encode(message: Message, swarm: str, key: bytes) -> bytes:
     head = msgpack.packb(header, use_bin_type=True)
     if len(head) > MAX_HEADER_BYTES:
         raise WireError(f"header of {len(head)} bytes is over the {MAX_HEADER_BYTES} limit")
-    body = PREFIX.pack(MAGIC, len(head)) + head + payload
+    body = PREFIX.pack(MAGIC, keys.current_id, len(head)) + head + payload
     if len(body) + TAG_BYTES > MAX_MESSAGE_BYTES:
         raise WireError(f"message of {len(body)} bytes is over the {MAX_MESSAGE_BYTES} limit")
-    return body + _tag(key, body)
+    return body + _tag(keys.current, body)
 
 
 def _as_bytes(tensor: torch.Tensor) -> bytes:
@@ -153,9 +227,19 @@ def _as_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.numpy().tobytes()
 
 
-def decode(data: bytes, swarm: str, key: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
-    """Verify and parse one message for `swarm`; raise WireError with the reason to drop it."""
-    _check_key(key)
+def decode(
+    data: bytes,
+    swarm: str,
+    keys: Keyring | bytes | str,
+    max_bytes: int = MAX_MESSAGE_BYTES,
+    *,
+    to: str | None = None,
+) -> Message:
+    """Verify and parse one message for `swarm`; raise WireError with the reason to drop it.
+
+    With `to`, the message must be addressed to that stream: a signed message copied into
+    another stream is refused."""
+    keys = keyring(keys)
     if not isinstance(data, bytes | bytearray | memoryview):
         raise WireError("message is not bytes")
     view = memoryview(data).cast("B")
@@ -163,11 +247,14 @@ def decode(data: bytes, swarm: str, key: bytes, max_bytes: int = MAX_MESSAGE_BYT
         raise WireError(f"message of {len(view)} bytes is over the {max_bytes} limit")
     if len(view) < PREFIX.size + TAG_BYTES:
         raise WireError(f"message of {len(view)} bytes is too short")
-    magic, head_len = PREFIX.unpack_from(view)
+    magic, kid, head_len = PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise WireError("not a specpipe message (bad magic)")
     if head_len > MAX_HEADER_BYTES or PREFIX.size + head_len + TAG_BYTES > len(view):
         raise WireError("header length is out of bounds")
+    key = keys.get(kid)
+    if key is None:
+        raise UnknownKeyError(f"signed with an unknown key (id {kid.hex()})")
     body, tag = view[:-TAG_BYTES], view[-TAG_BYTES:]
     if not hmac.compare_digest(bytes(tag), _tag(key, body)):
         raise WireError("bad signature")
@@ -182,6 +269,8 @@ def decode(data: bytes, swarm: str, key: bytes, max_bytes: int = MAX_MESSAGE_BYT
         raise WireError("header is not a map")
     if header.get("swarm") != swarm:
         raise WireError(f"message for swarm {header.get('swarm')!r}, not {swarm!r}")
+    if to is not None and header.get("to") != to:
+        raise WireError(f"message for stream {header.get('to')!r}, not {to!r}")
     return _message(header, _tensor(header, payload))
 
 
@@ -196,6 +285,9 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
     kind = _field(header, "kind", str, "")
     if kind not in KINDS:
         raise WireError(f"unknown message kind {kind!r}")
+    direction = "reply" if kind in REPLY_KINDS else "stage"
+    if header.get("dir") != direction:
+        raise WireError(f"a {kind!r} message must travel as {direction!r}")
     tokens = _field(header, "tokens", list, [])
     if not all(
         isinstance(t, int) and not isinstance(t, bool) and -TOKEN_LIMIT <= t < TOKEN_LIMIT
@@ -212,14 +304,20 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
     start_pos = _field(header, "start_pos", int, 0)
     n_draft = _field(header, "n_draft", int, 0)
     hop = _field(header, "hop", int, 0)
+    seq = _field(header, "seq", int, 0)
     if not (0 <= start_pos < POSITION_LIMIT and 0 <= n_draft < TOKEN_LIMIT and 0 <= hop < 256):
         raise WireError("start_pos, n_draft or hop is out of range")
+    if not 0 <= seq < 2**63:
+        raise WireError("seq is out of range")
     if route and hop >= len(route):
         raise WireError("hop is beyond the route")
     return Message(
         kind=kind,
         session=_field(header, "session", str, ""),
         round_id=_field(header, "round", str, ""),
+        seq=seq,
+        to=_field(header, "to", str, ""),
+        sender=_field(header, "from", str, ""),
         start_pos=start_pos,
         n_draft=n_draft,
         tokens=tuple(tokens),
@@ -261,7 +359,9 @@ def _tensor(header: dict, payload: memoryview) -> torch.Tensor | None:
     if (
         not isinstance(shape, list)
         or not 1 <= len(shape) <= MAX_DIMS
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM for d in shape
+        )
     ):
         raise WireError(f"bad shape {shape!r}")
     dtype = DTYPES[name]

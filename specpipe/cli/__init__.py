@@ -7,6 +7,7 @@ from specpipe import __version__
 from specpipe.cli.bench import bench
 from specpipe.cli.db import db
 from specpipe.cli.generate import generate
+from specpipe.cli.key import key
 from specpipe.cli.model import model
 from specpipe.cli.nodes import nodes
 from specpipe.cli.proof import proof
@@ -24,7 +25,7 @@ def cli() -> None:
     """specpipe: serve one model across a ring of hosts with lossless speculative sampling."""
 
 
-for command in (generate, model, proof, regression, bench, nodes, runs, db, token, web):
+for command in (generate, model, proof, regression, bench, nodes, runs, db, token, key, web):
     cli.add_command(command)
 for command in (worker, up):
     cli.add_command(command)

@@ -80,7 +80,7 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
         raise click.ClickException(f"port {port} is in use: pass --port")
 
     home.mkdir(parents=True, exist_ok=True)
-    swarm_key = settings.ensure_swarm_key()
+    settings.ensure_swarm_key()  # the children read it here, so `specpipe key rotate` reaches them
     secret_key = settings.ensure_secret_key()
     database_url = settings.database_url()
     try:
@@ -104,7 +104,6 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
     swarm = settings.swarm_name(running=False)  # not a name an earlier run recorded
     env = {
         "REDIS_URL": redis_url,
-        "SPECPIPE_SWARM_KEY": swarm_key,
         "SPECPIPE_SWARM": swarm,
         "SECRET_KEY": secret_key,
         "DATABASE_URL": database_url,

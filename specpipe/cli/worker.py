@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from specpipe.cli.model import ModelInputError
+
+if TYPE_CHECKING:
+    from specpipe.settings import Settings
+    from specpipe.wire import Keyring
 
 
 @click.group(name="worker")
@@ -116,7 +122,8 @@ def worker_stage(
         WorkerConfig(
             host=host,
             swarm=config.swarm,
-            key=config.swarm_key.encode(),
+            keys=_keyring(config),
+            reload_keys=lambda: _keyring(settings.Settings.from_env()),
             redis_url=redis_url,
             registry_url=registry_url,
             heartbeat_s=heartbeat_s,
@@ -185,3 +192,10 @@ def _check_reachable(url: str, what: str) -> None:
         raise click.ClickException(f"cannot reach {what} at {url}: {exc}") from None
     finally:
         client.close()
+
+
+def _keyring(config: Settings) -> Keyring:
+    """The keyring of `config`'s swarm keys: the signing one and those still accepted."""
+    from specpipe.wire import Keyring
+
+    return Keyring([config.swarm_key, *config.old_swarm_keys])

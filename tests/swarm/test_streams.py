@@ -133,3 +133,74 @@ def test_a_consumer_reads_over_resp3_as_over_resp2(swarm, redis_url):
     streams.send(client, key, b"three")
     assert entries(consumer) == [b"three"]
     client.close()
+
+
+def dead_letters(client, swarm):
+    return client.xrange(streams.dead_key(swarm, "h"))
+
+
+def test_an_oversized_entry_never_leaves_redis_and_is_dead_lettered(swarm, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    key = streams.stage_key(swarm, "h")
+    consumer = streams.StreamConsumer(client, key, "h", max_bytes=1000,
+                                      dead=streams.dead_key(swarm, "h"))  # fmt: skip
+    streams.send(client, key, b"small")
+    streams.send(client, key, b"x" * 5000)
+    streams.send(client, key, b"after")
+    got = consumer.read(block_ms=100)
+    assert [d for _, d in got] == [b"small", b"after"]
+    assert consumer.dropped == [consumer.dropped[0]] and "5000 bytes" in consumer.dropped[0]
+    [(_, letter)] = dead_letters(client, swarm)
+    assert letter[b"bytes"] == b"5000" and letter[b"head"] == b"x" * streams.DEAD_HEAD_BYTES
+    consumer.ack(entry_id for entry_id, _ in got)
+    consumer.flush()
+    assert client.xlen(key) == 0 and client.xpending(key, streams.GROUP)["pending"] == 0
+    client.close()
+
+
+def test_an_entry_without_a_message_is_dead_lettered(swarm, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    key = streams.stage_key(swarm, "h")
+    consumer = streams.StreamConsumer(client, key, "h", dead=streams.dead_key(swarm, "h"))
+    client.xadd(key, {"other": "field"})
+    streams.send(client, key, b"fine")
+    assert entries(consumer) == [b"fine"]
+    assert "without a message" in consumer.dropped[0]
+    assert len(dead_letters(client, swarm)) == 1
+    client.close()
+
+
+def test_an_entry_that_keeps_taking_the_reader_down_is_dead_lettered(swarm, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    key = streams.stage_key(swarm, "h")
+    streams.send(client, key, b"poison")
+    streams.send(client, key, b"next")
+    # Each "restart" reads its pending entries again and dies before acking the first.
+    for _ in range(streams.MAX_DELIVERIES):
+        consumer = streams.StreamConsumer(client, key, "h", dead=streams.dead_key(swarm, "h"))
+        assert entries(consumer, count=1) == [b"poison"]
+    consumer = streams.StreamConsumer(client, key, "h", dead=streams.dead_key(swarm, "h"))
+    assert entries(consumer) == [b"next"]
+    assert f"delivered {streams.MAX_DELIVERIES + 1} times" in consumer.dropped[0]
+    client.close()
+
+
+def test_a_send_wakes_a_reader_waiting_on_the_bell(swarm, redis_url):
+    import threading
+    import time
+
+    client = redis.Redis.from_url(redis_url)
+    key = streams.stage_key(swarm, "h")
+    consumer = streams.StreamConsumer(client, key, "h")
+    assert consumer.read(block_ms=10) == []  # empty: the reader now waits on the bell
+    sender = threading.Timer(0.3, streams.send, (client, key, b"ring"))
+    sender.start()
+    started = time.monotonic()
+    got = consumer.read(block_ms=8000)
+    while not got and time.monotonic() - started < 8:
+        got = consumer.read(block_ms=8000)
+    waited = time.monotonic() - started
+    assert [d for _, d in got] == [b"ring"]
+    assert waited < 4, f"the reader slept {waited:.1f} s through the bell"
+    assert client.llen(streams.bell_key(key)) <= 1
+    client.close()

@@ -35,8 +35,8 @@ def sign(body: bytes, key: bytes = KEY) -> bytes:
 
 
 def raw(header: dict, payload: bytes = b"") -> bytes:
-    head = msgpack.packb(header)
-    return wire.PREFIX.pack(wire.MAGIC, len(head)) + head + payload
+    head = msgpack.packb({"dir": "stage", **header})
+    return wire.PREFIX.pack(wire.MAGIC, wire.key_id(KEY), len(head)) + head + payload
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
@@ -49,6 +49,46 @@ def test_round_trip_keeps_every_field_and_the_exact_tensor(dtype):
     assert (got.kind, got.session, got.round_id) == ("round", "s1", "r1")
     assert (got.start_pos, got.n_draft, got.tokens, got.hop) == (7, 2, (5, 6, 7), 1)
     assert got.route == sent.route and got.reply == sent.reply
+
+
+def test_where_a_message_goes_and_its_sequence_travel_signed():
+    sent = message(seq=123456789, to="specpipe:test:stage:b", sender="a")
+    got = wire.decode(wire.encode(sent, SWARM, KEY), SWARM, KEY, to="specpipe:test:stage:b")
+    assert (got.seq, got.to, got.sender, got.direction) == (123456789, sent.to, "a", "stage")
+    reply = wire.Message(kind="result", session="s1", to="specpipe:test:reply:s1")
+    assert wire.decode(wire.encode(reply, SWARM, KEY), SWARM, KEY).direction == "reply"
+
+
+def test_a_message_copied_into_another_stream_is_refused():
+    data = wire.encode(message(to="specpipe:test:stage:b"), SWARM, KEY)
+    with pytest.raises(wire.WireError, match="not 'specpipe:test:reply:s1'"):
+        wire.decode(data, SWARM, KEY, to="specpipe:test:reply:s1")
+
+
+def test_a_kind_that_claims_the_other_direction_is_refused():
+    data = sign(raw({"swarm": SWARM, "kind": "result", "dir": "stage"}))
+    with pytest.raises(wire.WireError, match="must travel as 'reply'"):
+        wire.decode(data, SWARM, KEY)
+
+
+def test_a_keyring_signs_with_its_first_key_and_accepts_every_one():
+    old, new = b"o" * 32, b"n" * 32
+    from_old_host = wire.encode(message(), SWARM, old)
+    ring = wire.Keyring([new, old])
+    signed = wire.encode(message(), SWARM, ring)
+    assert wire.decode(from_old_host, SWARM, ring).session == "s1"
+    assert wire.decode(signed, SWARM, new).session == "s1"
+    with pytest.raises(wire.UnknownKeyError):
+        wire.decode(signed, SWARM, old)  # a host that has not got the new key yet
+
+
+def test_sequence_numbers_increase_and_date_the_message():
+    assert wire.next_seq(0, now=100.0) == 100_000_000
+    assert wire.next_seq(100_000_000, now=100.0) == 100_000_001  # same microsecond
+    assert wire.next_seq(200_000_000, now=100.0) == 200_000_001  # clock stepped back
+    assert wire.is_fresh(100_000_000, now=100.0 + wire.MAX_AGE_S)
+    assert not wire.is_fresh(100_000_000, now=101.0 + wire.MAX_AGE_S)
+    assert not wire.is_fresh(100_000_000, now=99.0 - wire.MAX_AGE_S)  # from the future
 
 
 def test_round_trip_from_a_bytearray_and_a_memoryview():
@@ -84,8 +124,12 @@ def test_tampered_header_is_refused():
 
 def test_wrong_key_is_refused():
     data = wire.encode(message(torch.ones(1, 1)), SWARM, b"other key")
-    with pytest.raises(wire.WireError, match="signature"):
+    with pytest.raises(wire.UnknownKeyError, match="unknown key"):
         wire.decode(data, SWARM, KEY)
+    # The id of our key on a message signed with another: the signature gives it away.
+    forged = data[:4] + wire.key_id(KEY) + data[8:]
+    with pytest.raises(wire.WireError, match="signature"):
+        wire.decode(forged, SWARM, KEY)
 
 
 def test_unsigned_message_is_refused():
@@ -118,7 +162,7 @@ def test_oversized_message_is_refused_before_anything_else():
 
 
 def test_header_length_beyond_the_message_is_refused():
-    data = wire.PREFIX.pack(wire.MAGIC, 10_000) + b"x" * 100
+    data = wire.PREFIX.pack(wire.MAGIC, wire.key_id(KEY), 10_000) + b"x" * 100
     with pytest.raises(wire.WireError, match="header length"):
         wire.decode(data, SWARM, KEY)
 
@@ -137,7 +181,7 @@ def test_dtype_outside_the_whitelist_is_refused_even_when_signed(dtype):
 
 
 @pytest.mark.parametrize(
-    "shape", [[3], [2, 3], [-1, 2], [], [1, 1, 1, 1, 4], "4", [1.5, 2], [True, 4]]
+    "shape", [[3], [2, 3], [-1, 2], [], [1, 1, 1, 1, 4], "4", [1.5, 2], [True, 4], [0, 2**63]]
 )
 def test_shape_that_does_not_match_the_bytes_is_refused(shape):
     data = sign(
@@ -167,6 +211,9 @@ def test_the_matching_shape_is_accepted():
         {"kind": "round", "route": [["a", "u"]], "hop": 1},
         {"kind": "reset", "params": {"temp": "hot"}},
         {"kind": "round", "session": 5},
+        {"kind": "round", "seq": -1},
+        {"kind": "round", "seq": "1"},
+        {"kind": "round", "to": 5},
     ],
 )
 def test_malformed_header_fields_are_refused(header):
@@ -176,7 +223,7 @@ def test_malformed_header_fields_are_refused(header):
 
 
 def test_signed_garbage_header_is_refused():
-    body = wire.PREFIX.pack(wire.MAGIC, 3) + b"\xc1\xc1\xc1"
+    body = wire.PREFIX.pack(wire.MAGIC, wire.key_id(KEY), 3) + b"\xc1\xc1\xc1"
     with pytest.raises(wire.WireError, match="msgpack"):
         wire.decode(sign(body), SWARM, KEY)
 
@@ -201,3 +248,10 @@ def test_a_route_is_decoded_afresh_whenever_it_changes():
     with pytest.raises(wire.WireError, match="route entries"):  # checked, not taken from before
         wire.decode(sign(raw({"swarm": SWARM, "kind": "round", "route": [["a", 1]]})), SWARM, KEY)
     assert wire.decode(wire.encode(first, SWARM, KEY), SWARM, KEY).route == first.route
+
+
+def test_an_empty_tensor_of_an_impossible_shape_is_refused():
+    # Zero bytes match any shape with a zero in it; torch would raise on the other dimension.
+    data = sign(raw({"swarm": SWARM, "kind": "round", "dtype": "float32", "shape": [0, 2**63]}))
+    with pytest.raises(wire.WireError, match="bad shape"):
+        wire.decode(data, SWARM, KEY)
