@@ -17,10 +17,29 @@ RESET = {"temp": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
 @pytest.fixture
 def make(swarm, key, redis_url):
     def build(host: str, start: int, end: int) -> StageWorker:
-        config = WorkerConfig(host=host, swarm=swarm, key=key, redis_url=redis_url)
+        config = WorkerConfig(host=host, swarm=swarm, keys=key, redis_url=redis_url)
         return StageWorker(ToyStage(ToyConfig(), start, end), config)
 
     return build
+
+
+_last_seq = 0
+
+
+def signed(worker: StageWorker, message: wire.Message, **fields) -> bytes:
+    """`message` as its rightful sender sends it to `worker`: addressed to its stream, from the
+    coordinator (or the previous hop), with the session's next sequence number."""
+    global _last_seq
+    _last_seq = wire.next_seq(_last_seq)
+    hop = message.hop
+    sender = message.route[hop - 1].host if message.kind == "round" and hop else wire.COORDINATOR
+    rightful = dict(to=worker.stream, sender=sender, seq=_last_seq)
+    message = replace(message, **{**rightful, **fields})
+    return wire.encode(message, worker.config.swarm, worker.keys)
+
+
+def deliver(worker: StageWorker, message: wire.Message, **fields) -> None:
+    worker.handle(signed(worker, message, **fields))
 
 
 def replies(redis_url, swarm, key, session="s"):
@@ -40,10 +59,10 @@ def round_message(redis_url, hosts, hop=0, tokens=(1, 2, 3), n_draft=0, tensor=N
 
 def test_tail_with_a_draft_outside_the_vocabulary_replies_error(make, swarm, key, redis_url):
     tail = make("t", 2, 4)
-    tail.handle(wire.encode(wire.Message(kind="reset", session="s", params=RESET), swarm, key))
+    deliver(tail, wire.Message(kind="reset", session="s", params=RESET))
     msg = round_message(redis_url, ["a", "t"], hop=1, tokens=(1, 999), n_draft=1,
                         tensor=torch.zeros(2, ToyConfig.dim))  # fmt: skip
-    tail.handle(wire.encode(msg, swarm, key))
+    deliver(tail, msg)
     (reply,) = replies(redis_url, swarm, key)
     assert reply.kind == "error" and "draft ids" in reply.reason and reply.round_id == "r"
     assert tail.counters["errors"] == 1
@@ -51,9 +70,8 @@ def test_tail_with_a_draft_outside_the_vocabulary_replies_error(make, swarm, key
 
 def test_tail_answers_the_result_vector(make, swarm, key, redis_url):
     tail = make("t", 0, 4)
-    tail.handle(wire.encode(wire.Message(kind="reset", session="s", params=RESET), swarm, key))
-    tail.handle(wire.encode(round_message(redis_url, ["t"], tokens=(1, 2, 3, 4), n_draft=2), swarm,
-                            key))  # fmt: skip
+    deliver(tail, wire.Message(kind="reset", session="s", params=RESET))
+    deliver(tail, round_message(redis_url, ["t"], tokens=(1, 2, 3, 4), n_draft=2))  # fmt: skip
     (reply,) = replies(redis_url, swarm, key)
     assert reply.kind == "result" and len(reply.tokens) == 3
     assert all(t == -1 or 0 <= t < ToyConfig.vocab for t in reply.tokens)
@@ -61,11 +79,10 @@ def test_tail_answers_the_result_vector(make, swarm, key, redis_url):
 
 def test_misrouted_and_misplaced_messages_are_dropped(make, swarm, key, redis_url):
     worker = make("a", 0, 2)
-    worker.handle(wire.encode(round_message(redis_url, ["b", "a"]), swarm, key))  # not for a
-    worker.handle(wire.encode(wire.Message(kind="result", session="s"), swarm, key))
-    worker.handle(wire.encode(wire.Message(kind="reset", session="s", params={"temp": 1}), swarm,
-                              key))  # fmt: skip
-    worker.handle(wire.encode(round_message(redis_url, ["a"], tokens=()), swarm, key))
+    deliver(worker, round_message(redis_url, ["b", "a"]))  # not for a
+    deliver(worker, wire.Message(kind="result", session="s"))
+    deliver(worker, wire.Message(kind="reset", session="s", params={"temp": 1}))  # fmt: skip
+    deliver(worker, round_message(redis_url, ["a"], tokens=()))
     worker.handle(None)
     assert worker.counters["dropped"] == 5
     assert worker.counters["processed"] == 0
@@ -76,14 +93,14 @@ def test_misrouted_and_misplaced_messages_are_dropped(make, swarm, key, redis_ur
 
 def test_a_route_that_ends_before_the_tail_is_an_error_reply(make, swarm, key, redis_url):
     worker = make("a", 0, 2)
-    worker.handle(wire.encode(round_message(redis_url, ["a"]), swarm, key))
+    deliver(worker, round_message(redis_url, ["a"]))
     (reply,) = replies(redis_url, swarm, key)
     assert reply.kind == "error" and "not a tail" in reply.reason
 
 
 def test_middle_stage_without_hidden_states_drops_the_round(make, swarm, key, redis_url):
     worker = make("m", 1, 3)
-    worker.handle(wire.encode(round_message(redis_url, ["a", "m", "t"], hop=1), swarm, key))
+    deliver(worker, round_message(redis_url, ["a", "m", "t"], hop=1))
     assert worker.counters["dropped"] == 1 and replies(redis_url, swarm, key) == []
 
 
@@ -106,13 +123,13 @@ def test_sessions_idle_past_the_limit_are_forgotten_and_answer_a_gap(
     """A dead coordinator's caches are freed; if its job comes back, it gets a gap."""
     clock = Clock()
     monkeypatch.setattr(stage_worker, "time", clock)
-    config = WorkerConfig(host="t", swarm=swarm, key=key, redis_url=redis_url,
+    config = WorkerConfig(host="t", swarm=swarm, keys=key, redis_url=redis_url,
                           session_idle_s=0.3)  # fmt: skip
     stage = ToyStage(ToyConfig(), 0, 4)
     tail = StageWorker(stage, config)
 
     def send(session: str, message: wire.Message) -> None:
-        tail.handle(wire.encode(replace(message, session=session), swarm, key))
+        deliver(tail, replace(message, session=session))
 
     for session in ("old", "new"):
         send(session, wire.Message(kind="reset", session=session, params=RESET))
@@ -128,12 +145,100 @@ def test_sessions_idle_past_the_limit_are_forgotten_and_answer_a_gap(
 
 def test_processed_rounds_leave_counters_and_timings_in_the_stats(make, swarm, key, redis_url):
     tail = make("t", 0, 4)
-    tail.handle(wire.encode(wire.Message(kind="reset", session="s", params=RESET), swarm, key))
-    tail.handle(wire.encode(round_message(redis_url, ["t"], tokens=(1, 2, 3)), swarm, key))
-    tail.handle(wire.encode(round_message(redis_url, ["x"], rid="r2"), swarm, key))  # dropped
+    deliver(tail, wire.Message(kind="reset", session="s", params=RESET))
+    deliver(tail, round_message(redis_url, ["t"], tokens=(1, 2, 3)))
+    deliver(tail, round_message(redis_url, ["x"], rid="r2"))  # dropped
     tail.flush_counters()
     client = redis.Redis.from_url(redis_url)
     stats = streams.read_stats(client, swarm, "t")
     client.close()
     assert stats["processed"] == 1 and stats["dropped"] == 1
     assert stats["forward_ms"] > 0 and stats["hop_ms"] > 0
+
+
+def test_a_replayed_message_is_dropped_and_the_session_goes_on(make, redis_url, swarm, key):
+    tail = make("t", 0, 4)
+    reset = signed(tail, wire.Message(kind="reset", session="s", params=RESET))
+    first = signed(tail, round_message(redis_url, ["t"], tokens=(1, 2, 3), rid="r1"))
+    tail.handle(reset)
+    tail.handle(first)
+    # An attacker replays the reset and the first round: both are refused, nothing is redone.
+    tail.handle(reset)
+    tail.handle(first)
+    deliver(tail, round_message(redis_url, ["t"], tokens=(4,), rid="r2", start_pos=3))
+    assert tail.counters["replayed"] == 2 and tail.counters["processed"] == 2
+    assert [r.kind for r in replies(redis_url, swarm, key)] == ["result", "result"]
+    assert tail.stage.cache_len("s") == 4  # the replayed reset did not clear the cache
+
+
+def test_a_replay_after_a_drop_is_still_a_replay(make, redis_url):
+    tail = make("t", 0, 4)
+    reset = signed(tail, wire.Message(kind="reset", session="s", params=RESET))
+    first = signed(tail, round_message(redis_url, ["t"], tokens=(1, 2, 3)))
+    for data in (reset, first):
+        tail.handle(data)
+    deliver(tail, wire.Message(kind="drop", session="s"))
+    for data in (reset, first):
+        tail.handle(data)
+    assert tail.counters["replayed"] == 2 and tail.counters["processed"] == 1
+    assert "s" not in tail.stage.caches
+
+
+def test_stale_redirected_and_impersonated_messages_are_dropped(make, redis_url, swarm, key):
+    middle = make("m", 1, 3)
+    hidden = torch.zeros(3, ToyConfig.dim)
+    passed_on = round_message(redis_url, ["a", "m", "t"], hop=1, tensor=hidden)
+    stale = wire.next_seq(0, now=time.time() - 2 * wire.MAX_AGE_S)
+    deliver(middle, passed_on, seq=stale)
+    deliver(middle, passed_on, to=streams.stage_key(swarm, "t"))  # meant for another stage
+    deliver(middle, passed_on, sender=wire.COORDINATOR)  # a hop-1 round comes from stage a
+    deliver(middle, wire.Message(kind="reset", session="s", params=RESET), sender="a")
+    assert middle.counters["replayed"] == 1 and middle.counters["dropped"] == 3
+    assert middle.counters["processed"] == 0
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temp": 0.5, "top_p": 1.0, "top_k": 0, "seed": float("inf")},
+        {"temp": 0.5, "top_p": 1.0, "top_k": float("nan"), "seed": 1},
+        {"temp": float("nan"), "top_p": 1.0, "top_k": 0, "seed": 1},
+    ],
+)
+def test_a_signed_reset_with_impossible_numbers_is_dropped(make, params):
+    tail = make("t", 0, 4)
+    deliver(tail, wire.Message(kind="reset", session="s", params=params))
+    assert tail.counters["dropped"] == 1 and "s" not in tail._samplers
+
+
+def test_whatever_handling_raises_is_counted_and_serving_goes_on(make, redis_url, monkeypatch):
+    tail = make("t", 0, 4)
+    monkeypatch.setattr(tail, "_round", lambda message: 1 / 0)
+    tail._handle_safely(signed(tail, round_message(redis_url, ["t"])))
+    assert tail.counters["errors"] == 1
+
+
+def test_counters_survive_another_writer_replacing_their_hash(make, swarm, redis_url):
+    worker = make("a", 0, 2)
+    client = redis.Redis.from_url(redis_url)
+    client.set(streams.stats_key(swarm, "a"), "not a hash")
+    worker.handle(None)  # counted as a drop: the write meets WRONGTYPE
+    worker.flush_counters()
+    assert streams.read_stats(client, swarm, "a")["dropped"] == 1
+    client.close()
+
+
+def test_a_rotated_key_is_picked_up_when_a_message_names_it(swarm, redis_url):
+    old, new = b"o" * 32, b"n" * 32
+    keys = {"ring": wire.Keyring([old])}
+    config = WorkerConfig(host="t", swarm=swarm, keys=old, redis_url=redis_url,
+                          reload_keys=lambda: keys["ring"])  # fmt: skip
+    tail = StageWorker(ToyStage(ToyConfig(), 0, 4), config)
+    keys["ring"] = wire.Keyring([new, old])  # `specpipe key rotate` on this host
+    message = wire.Message(kind="reset", session="s", params=RESET, to=tail.stream,
+                           sender=wire.COORDINATOR, seq=wire.next_seq(0))  # fmt: skip
+    tail.handle(wire.encode(message, swarm, new))
+    assert "s" in tail._samplers and tail.keys.current == new
+    stranger = replace(message, seq=wire.next_seq(message.seq), session="x")
+    tail.handle(wire.encode(stranger, swarm, b"z" * 32))  # no reload makes this one known
+    assert "x" not in tail._samplers and tail.counters["dropped"] == 1
