@@ -280,7 +280,7 @@ class StageWorker:
         self._count("dropped")
 
     def _count(self, event: str) -> None:
-        # Drops, gaps, duplicates and errors are rare and worth seeing at once; the processed
+        # Drops, replays, gaps and errors are rare and worth seeing at once; the processed
         # count waits for the next heartbeat.
         self.counters[event] += 1
         self._write_stats({event: self.counters[event]})

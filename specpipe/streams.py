@@ -65,7 +65,7 @@ def reply_key(swarm: str, session: str) -> str:
 
 def stats_key(swarm: str, host: str) -> str:
     """A hash a stage worker keeps on its own Redis: counters (processed, dropped, gaps,
-    duplicates, errors) and running means of its rounds' forward_ms and hop_ms."""
+    replayed, errors) and running means of its rounds' forward_ms and hop_ms."""
     return f"specpipe:{swarm}:stats:{host}"
 
 

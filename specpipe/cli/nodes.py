@@ -22,7 +22,7 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     """List every stage host: role, layers, status by heartbeat, Redis, geo, GPU.
 
     With --json each node also carries `stats`, read from its own Redis: rounds processed,
-    messages dropped, gaps, duplicates, errors, and running means of its forward and of what
+    messages dropped, replayed, gaps, errors, and running means of its forward and of what
     the hop adds around it (`forward_ms`, `hop_ms`); null where that Redis cannot be reached.
 
     A node whose worker runs with the test-only SPECPIPE_TEST_LOSSY_TAIL=1 is marked TEST LOSSY

@@ -26,7 +26,7 @@ def main() -> None:
     config = WorkerConfig(
         host=args.host,
         swarm=args.swarm,
-        key=os.environ["SPECPIPE_SWARM_KEY"].encode(),
+        keys=os.environ["SPECPIPE_SWARM_KEY"].encode(),
         redis_url=args.redis,
         block_ms=200,
         heartbeat_s=0.5,

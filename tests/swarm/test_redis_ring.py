@@ -174,6 +174,7 @@ def test_bad_messages_are_dropped_and_counted_while_serving_goes_on(stages, swar
         kind="round", session="s", round_id="x", start_pos=len(committed) - 1,
         tokens=(committed[-1],), tensor=torch.zeros(1, ToyConfig.dim),
         route=tuple(wire.Hop(n.host, n.redis_url) for n in route), hop=1, reply=redis_url,
+        to=stream, sender="h0", seq=wire.next_seq(0),
     )  # fmt: skip
     signed = wire.encode(good, swarm, key)
     bad = [
@@ -206,7 +207,7 @@ def test_bad_messages_are_dropped_and_counted_while_serving_goes_on(stages, swar
     ring.close()
 
 
-def test_duplicate_round_ids_are_ignored(stages, swarm, key, redis_url):
+def test_a_round_sent_three_times_runs_once(stages, swarm, key, redis_url):
     stages.start("h0", "0:2", redis_url, wait=False)
     stages.start("h1", "2:4", redis_url, wait=False)
     stages.wait_ready(["h0", "h1"])
@@ -215,13 +216,14 @@ def test_duplicate_round_ids_are_ignored(stages, swarm, key, redis_url):
     ring.reset("s", PARAMS)
     data = wire.encode(
         wire.Message(kind="round", session="s", round_id="same", tokens=tuple(PROMPT),
-                     route=route, reply=redis_url),
+                     route=route, reply=redis_url, to=streams.stage_key(swarm, "h0"),
+                     sender=wire.COORDINATOR, seq=wire.next_seq(0)),
         swarm, key,
     )  # fmt: skip
     client = redis.Redis.from_url(redis_url)
     for _ in range(3):
         streams.send(client, streams.stage_key(swarm, "h0"), data)
-    wait_until(lambda: stats(redis_url, swarm, "h0").get("duplicates") == 2, 10, "2 duplicates")
+    wait_until(lambda: stats(redis_url, swarm, "h0").get("replayed") == 2, 10, "2 replays")
     # h0 first, then h1: once h1 has handled all that h0 passed on, no other reply can come.
     wait_until(
         lambda: caught_up(client, swarm, "h0") and caught_up(client, swarm, "h1"),

@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=ToyConfig.dim)
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--heartbeat-s", type=float, default=0.5)
+    parser.add_argument("--max-message-bytes", type=int, default=WorkerConfig.max_message_bytes)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     start, end = (int(x) for x in args.layers.split(":"))
@@ -34,11 +35,12 @@ def main() -> None:
     config = WorkerConfig(
         host=args.host,
         swarm=args.swarm,
-        key=os.environ["SPECPIPE_SWARM_KEY"].encode(),
+        keys=os.environ["SPECPIPE_SWARM_KEY"].encode(),
         redis_url=args.redis,
         registry_url=args.registry,
         block_ms=200,
         heartbeat_s=args.heartbeat_s,
+        max_message_bytes=args.max_message_bytes,
     )
     node = inventory.NodeInfo(
         host=args.host,
