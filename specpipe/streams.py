@@ -337,19 +337,22 @@ class StreamConsumer:
     def _read(
         self, start: str, count: int, block_ms: int | None
     ) -> tuple[list[tuple[bytes, bytes]], str]:
-        # The acks ride in the same round trip as the next read, and the wait for the bell in
-        # the same write: one round trip when entries are waiting, and when there are none.
-        # An entry processed just before a crash stays pending and is read again.
-        args = (self.group, self.consumer, start, count, self.max_bytes, MAX_DELIVERIES)
-        args += (READ_BUDGET_ENTRIES * self.max_bytes, *self._unacked)
-        script = ("EVALSHA", READ_SCRIPT_SHA, 3, self.key, self.bell, self.dead, *args)
-        wait = ("BLPOP", self.bell, min(block_ms, MAX_BLOCK_MS) / 1000) if block_ms else None
+        # One write: the read (with the acks held back), and when it may wait, the wait for the
+        # bell and a second read for what rang it. Redis runs the second read as the bell rings,
+        # so a waiting stage gets its entry in the round trip that waits for it. An entry
+        # processed just before a crash stays pending and is read again.
+        args = (self.group, self.consumer, start, count, self.max_bytes, MAX_DELIVERIES,
+                READ_BUDGET_ENTRIES * self.max_bytes)  # fmt: skip
+        read = ("EVALSHA", READ_SCRIPT_SHA, 3, self.key, self.bell, self.dead, *args)
+        commands = [(*read, *self._unacked)]
+        if block_ms:
+            commands += [("BLPOP", self.bell, min(block_ms, MAX_BLOCK_MS) / 1000), read]
         try:
             try:
-                reply = self.link.call(script, *(wait,) if wait else ())[0]
+                replies = self.link.call(*commands)[::2]  # the reads' replies
             except redis.exceptions.NoScriptError:
                 # A Redis new to the script (or restarted since): EVAL loads it again.
-                reply = self.link.call(("EVAL", READ_SCRIPT, *script[2:]))[0]
+                replies = self.link.call(("EVAL", READ_SCRIPT, *commands[0][2:]))
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
@@ -357,10 +360,11 @@ class StreamConsumer:
             self.ensure_group()
             return [], start
         self._unacked.clear()
-        flat, dropped, cursor = reply
-        self.dropped.extend(_text(reason) for reason in dropped)
-        entries = list(zip(flat[::2], flat[1::2], strict=True))
-        return entries, _text(cursor)
+        entries = []
+        for flat, dropped, _ in replies:
+            self.dropped.extend(_text(reason) for reason in dropped)
+            entries += zip(flat[::2], flat[1::2], strict=True)
+        return entries, _text(replies[0][2])
 
     def _autoclaim(self, count: int) -> bool:
         """Take over entries another consumer left idle; whether there were any."""
