@@ -157,5 +157,5 @@ class Job(Base):
             "error": self.error,
             "attempts": self.attempts,
             "run_id": self.run_id,
-            "owner": self.owner.name if self.owner else None,
+            "owner": self.owner.name,
         }

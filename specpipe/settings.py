@@ -8,6 +8,7 @@ from files that `specpipe up` writes into the instance folder.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -62,6 +63,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 SECRET_KEY_FILE = "secret_key"
 SWARM_KEY_FILE = "swarm_key"
 SWARM_FILE = "swarm.json"
+ADMIN_PASSWORD_FILE = "admin_password"
 
 
 def swarm_file() -> dict:
@@ -127,17 +129,55 @@ def ensure_secret_key() -> str:
     return secret_key() or _write_secret(SECRET_KEY_FILE)
 
 
-def _write_secret(name: str) -> str:
-    """A new random key written to the instance folder, readable by its owner only."""
+def _write_secret(name: str, key: str | None = None) -> str:
+    """`key` (else a new random one) written to the instance folder, readable by its owner
+    only."""
     import secrets
 
     path = instance_dir() / name
     path.parent.mkdir(parents=True, exist_ok=True)
-    key = secrets.token_hex(32)
+    key = key or secrets.token_hex(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file that was there before keeps no looser mode
     with os.fdopen(fd, "w") as handle:
         handle.write(key + "\n")
     return key
+
+
+def admin_password_file() -> Path:
+    """Where `specpipe web` leaves the built-in admin's first password (mode 0600)."""
+    return instance_dir() / ADMIN_PASSWORD_FILE
+
+
+def write_admin_password(password: str) -> Path:
+    """Keep the built-in admin's generated first password in the instance folder, owner-only."""
+    _write_secret(ADMIN_PASSWORD_FILE, password)
+    return admin_password_file()
+
+
+def https() -> bool:
+    """`SPECPIPE_HTTPS=1`: the web app is served over HTTPS, so its cookies are `Secure`."""
+    return os.environ.get("SPECPIPE_HTTPS") == "1"
+
+
+_RATE = re.compile(r"\d+/(second|minute|hour|day)")
+
+
+def _env_rate(name: str, default: str) -> str:
+    value = (os.environ.get(name) or default).strip()
+    if not _RATE.fullmatch(value) or int(value.partition("/")[0]) < 1:
+        raise ValueError(f"{name} must be N/second, N/minute, N/hour or N/day, got {value!r}")
+    return value
+
+
+def submit_rate() -> str:
+    """`SPECPIPE_SUBMIT_RATE` (30/minute): jobs one user may submit, form and API together."""
+    return _env_rate("SPECPIPE_SUBMIT_RATE", "30/minute")
+
+
+def login_rate() -> str:
+    """`SPECPIPE_LOGIN_RATE` (10/minute): login attempts from one address."""
+    return _env_rate("SPECPIPE_LOGIN_RATE", "10/minute")
 
 
 # What a job request that leaves a field out gets, from the web form, the API or the CLI.
@@ -159,18 +199,21 @@ class JobLimits:
     max_prompt_chars: int = 8000
     max_new_tokens: int = 4096
     max_draft_k: int = 32
+    max_active_jobs: int = 50  # one user's queued and running jobs together
     # Stop strings: fixed, not configurable.
     max_stop_strings: int = field(default=MAX_STOP_STRINGS, init=False)
     max_stop_chars: int = field(default=MAX_STOP_CHARS, init=False)
 
 
 def job_limits() -> JobLimits:
-    """`SPECPIPE_MAX_PROMPT_CHARS`, `SPECPIPE_MAX_NEW_TOKENS`, `SPECPIPE_MAX_DRAFT_K`."""
+    """`SPECPIPE_MAX_PROMPT_CHARS`, `SPECPIPE_MAX_NEW_TOKENS`, `SPECPIPE_MAX_DRAFT_K`,
+    `SPECPIPE_MAX_ACTIVE_JOBS`."""
     defaults = JobLimits()
     return JobLimits(
         max_prompt_chars=_env_int("SPECPIPE_MAX_PROMPT_CHARS", defaults.max_prompt_chars),
         max_new_tokens=_env_int("SPECPIPE_MAX_NEW_TOKENS", defaults.max_new_tokens),
         max_draft_k=_env_int("SPECPIPE_MAX_DRAFT_K", defaults.max_draft_k, 0),
+        max_active_jobs=_env_int("SPECPIPE_MAX_ACTIVE_JOBS", defaults.max_active_jobs),
     )
 
 

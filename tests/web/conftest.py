@@ -1,7 +1,10 @@
-"""Fixtures for the web app: an app on a fresh store, clients, an API token, the job queue.
+"""Fixtures for the web app: an app on a fresh store, clients, users, an API token, the job
+queue.
 
-Each test publishes to its own coordinator queue name on the real Redis, so tests can read
-exactly what was enqueued and parallel workers never see each other's messages.
+Each test publishes to its own coordinator queue name on the real Redis, and counts its rate
+limits there under its own key prefix, so tests can read exactly what was enqueued and parallel
+workers never see each other's messages or limits. `client` is logged in as the built-in admin
+(who sees every job); `anon` is nobody; `log_in` goes through the real login form.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import redis
 from app import create_app
 from models.db import make_session_factory
 from models.tokens import create_token
+from models.users import User, builtin_admin
 from specpipe.settings import redis_url
 from workers.names import GENERATE_TASK
 
@@ -63,13 +67,45 @@ def app(db_url, queue):
             "MAX_PROMPT_CHARS": 500,
             "MAX_NEW_TOKENS": 1024,
             "MODEL": "tiny-test",
+            "RATELIMIT_KEY_PREFIX": f"test-limits-{uuid.uuid4().hex[:10]}",
         }
     )
 
 
+def as_user(client, user: User):
+    """Make `client` send the session cookie of `user`, as a login leaves it."""
+    with client.session_transaction() as cookie:
+        cookie["user_id"] = user.id
+        cookie["auth"] = user.session_check
+    return client
+
+
+def log_in(client, name: str, password: str, next: str | None = None):
+    """Log in through the login form (with its CSRF token); the response to the POST."""
+    token = csrf_token(client, "/login")
+    data = {"csrf_token": token, "username": name, "password": password}
+    if next is not None:
+        data["next"] = next
+    return client.post("/login", data=data)
+
+
 @pytest.fixture
-def client(app):
-    """A test client."""
+def admin(session) -> User:
+    """The built-in admin."""
+    user = builtin_admin(session)
+    session.commit()
+    return user
+
+
+@pytest.fixture
+def client(app, admin):
+    """A test client logged in as the built-in admin."""
+    return as_user(app.test_client(), admin)
+
+
+@pytest.fixture
+def anon(app):
+    """A test client that is not logged in."""
     return app.test_client()
 
 
