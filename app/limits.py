@@ -42,7 +42,7 @@ def init_app(app: Flask) -> None:
         get_remote_address,
         app=app,
         strategy="moving-window",
-        headers_enabled=True,
+        headers_enabled=False,  # Retry-After is set on a 429 only (app.errors)
         # A Redis that stops answering must not stop the app: count in memory until it is back.
         in_memory_fallback_enabled=True,
     )

@@ -14,6 +14,7 @@ from specpipe.cli.regression import regression
 from specpipe.cli.runs import runs
 from specpipe.cli.token import token
 from specpipe.cli.up import up
+from specpipe.cli.user import user
 from specpipe.cli.web import web
 from specpipe.cli.worker import worker
 
@@ -24,7 +25,7 @@ def cli() -> None:
     """specpipe: serve one model across a ring of hosts with lossless speculative sampling."""
 
 
-for command in (generate, model, proof, regression, bench, nodes, runs, db, token, web):
+for command in (generate, model, proof, regression, bench, nodes, runs, db, user, token, web):
     cli.add_command(command)
 for command in (worker, up):
     cli.add_command(command)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import uuid
 
 import pytest
@@ -57,19 +58,30 @@ def queue():
 
 
 @pytest.fixture
-def app(db_url, queue):
+def make_app(db_url, queue):
+    """Build the test's app, with `overrides` on top of the test configuration."""
+
+    def make(**overrides):
+        return create_app(
+            {
+                "TESTING": True,
+                "DATABASE_URL": db_url,
+                "COORDINATOR_QUEUE": queue.name,
+                "MAX_PROMPT_CHARS": 500,
+                "MAX_NEW_TOKENS": 1024,
+                "MODEL": "tiny-test",
+                "RATELIMIT_KEY_PREFIX": f"test-limits-{uuid.uuid4().hex[:10]}",
+                **overrides,
+            }
+        )
+
+    return make
+
+
+@pytest.fixture
+def app(make_app):
     """The app on a fresh store, CSRF on, publishing to the test's queue."""
-    return create_app(
-        {
-            "TESTING": True,
-            "DATABASE_URL": db_url,
-            "COORDINATOR_QUEUE": queue.name,
-            "MAX_PROMPT_CHARS": 500,
-            "MAX_NEW_TOKENS": 1024,
-            "MODEL": "tiny-test",
-            "RATELIMIT_KEY_PREFIX": f"test-limits-{uuid.uuid4().hex[:10]}",
-        }
-    )
+    return make_app()
 
 
 def as_user(client, user: User):
@@ -125,26 +137,27 @@ def api_token(session) -> str:
     return token
 
 
+class Api:
+    """A client helper that sends a bearer token."""
+
+    def __init__(self, client, token: str):
+        self.client = client
+        self.headers = {"Authorization": f"Bearer {token}"}
+
+    def get(self, path, **kw):
+        return self.client.get("/api/v1" + path, headers=self.headers, **kw)
+
+    def post(self, path, **kw):
+        return self.client.post("/api/v1" + path, headers=self.headers, **kw)
+
+
 @pytest.fixture
-def api(client, api_token):
-    """A client helper that sends the bearer token."""
-
-    class Api:
-        def __init__(self):
-            self.headers = {"Authorization": f"Bearer {api_token}"}
-
-        def get(self, path, **kw):
-            return client.get("/api/v1" + path, headers=self.headers, **kw)
-
-        def post(self, path, **kw):
-            return client.post("/api/v1" + path, headers=self.headers, **kw)
-
-    return Api()
+def api(client, api_token) -> Api:
+    """The API with a token of the built-in admin."""
+    return Api(client, api_token)
 
 
 def csrf_token(client, path: str = "/") -> str:
     """The CSRF token from a page's form (the session cookie stays in the client)."""
     html = client.get(path).get_data(as_text=True)
-    marker = 'name="csrf_token" value="'
-    start = html.index(marker) + len(marker)
-    return html[start : html.index('"', start)]
+    return re.search(r'name="csrf_token"[^>]*value="([^"]+)"', html).group(1)
