@@ -22,6 +22,7 @@ from flask import (
     session,
     url_for,
 )
+from flask.typing import ResponseReturnValue
 from flask_wtf import FlaskForm
 from wtforms import HiddenField, PasswordField, StringField
 from wtforms.validators import InputRequired, Length
@@ -68,7 +69,7 @@ def load_user() -> None:
     g.user = user
 
 
-def require_login():
+def require_login() -> ResponseReturnValue | None:
     """Redirect to the login form unless logged in or on a public endpoint."""
     if g.user is not None or request.endpoint in PUBLIC_ENDPOINTS or _is_api():
         return None
@@ -111,7 +112,7 @@ def user_from_token() -> User | None:
     return row.user
 
 
-def render_login(form: LoginForm, error: str | None = None, status: int = 200):
+def render_login(form: LoginForm, error: str | None = None, status: int = 200) -> tuple[str, int]:
     """The login page with `error` above the form."""
     return render_template("auth/login.html", form=form, error=error), status
 

@@ -58,7 +58,9 @@ def posted_values() -> dict[str, str]:
     return values
 
 
-def render_form(values: dict, errors: dict, status: int, refusal: str | None = None):
+def render_form(
+    values: dict, errors: dict, status: int, refusal: str | None = None
+) -> tuple[str, int]:
     """The job form with `values` typed in, `errors` by field and a `refusal` above it."""
     return render_template(
         "jobs/submit.html",

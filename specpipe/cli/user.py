@@ -104,7 +104,10 @@ def user_passwd(name: str) -> None:
     from specpipe.settings import admin_password_file
 
     with _session() as session:
-        row = find_user(session, name)
+        try:
+            row = find_user(session, name)
+        except Exception as exc:  # e.g. the database is not migrated
+            raise click.ClickException(f"could not read users: {exc}") from None
         if row is None:
             raise click.ClickException(f"no user named {name!r}")
         row.set_password(_checked_password())
@@ -126,4 +129,6 @@ def user_delete(name: str) -> None:
             session.commit()
         except (LookupError, ValueError) as exc:
             raise click.ClickException(str(exc)) from None
+        except Exception as exc:  # e.g. the database is not migrated
+            raise click.ClickException(f"could not delete the user: {exc}") from None
     click.echo(f"deleted {name}; {moved} job{'s' if moved != 1 else ''} now belong to admin")
