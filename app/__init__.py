@@ -1,7 +1,8 @@
 """The Flask web app: job submission, history, proofs, nodes and the JSON API.
 
 `create_app` is the factory: configuration from the environment through `specpipe.settings`,
-overridden by `test_config`; one database session per request; blueprints by area.
+overridden by `test_config`; one database session per request; logins (`app.auth`), rate
+limits (`app.limits`) and security headers (`app.security`); blueprints by area.
 """
 
 from __future__ import annotations
@@ -35,8 +36,14 @@ def default_config() -> dict:
         "MAX_PROMPT_CHARS": limits.max_prompt_chars,
         "MAX_NEW_TOKENS": limits.max_new_tokens,
         "MAX_DRAFT_K": limits.max_draft_k,
+        "MAX_ACTIVE_JOBS": limits.max_active_jobs,
+        "SUBMIT_RATE": settings.submit_rate(),
+        "LOGIN_RATE": settings.login_rate(),
         "MAX_CONTENT_LENGTH": 1 << 20,
         "HISTORY_PAGE_SIZE": 25,
+        "SESSION_COOKIE_HTTPONLY": True,
+        "SESSION_COOKIE_SAMESITE": "Lax",
+        "SESSION_COOKIE_SECURE": settings.https(),
     }
 
 
@@ -55,21 +62,44 @@ def create_app(test_config: dict | None = None) -> Flask:
             )
         app.config["SECRET_KEY"] = secrets.token_hex(32)
 
-    from app import api, db, errors, forms, jobs, metrics, nightly, nodes, ops, proofs, runs
+    from app import (
+        api,
+        auth,
+        db,
+        errors,
+        forms,
+        jobs,
+        metrics,
+        nightly,
+        nodes,
+        ops,
+        plots,
+        proofs,
+        runs,
+        security,
+    )
+    from app import limits as rate_limits
 
     db.init_app(app)
     limits = settings.JobLimits(
-        app.config["MAX_PROMPT_CHARS"], app.config["MAX_NEW_TOKENS"], app.config["MAX_DRAFT_K"]
+        app.config["MAX_PROMPT_CHARS"],
+        app.config["MAX_NEW_TOKENS"],
+        app.config["MAX_DRAFT_K"],
+        app.config["MAX_ACTIVE_JOBS"],
     )
     app.extensions["specpipe.submitter"] = Submitter.connect(
         app.config["REDIS_URL"], app.config["MODEL"], limits, app.config["COORDINATOR_QUEUE"]
     )
     forms.init_app(app)
+    auth.init_app(app)
+    security.init_app(app)
     errors.init_app(app)
     nightly.init_app(app)
     metrics.init_app(app)
-    for blueprint in (jobs.bp, proofs.bp, nodes.bp, runs.bp, ops.bp, api.bp):
+    plots.init_app(app)
+    for blueprint in (auth.bp, jobs.bp, proofs.bp, nodes.bp, runs.bp, ops.bp, api.bp):
         app.register_blueprint(blueprint)
+    rate_limits.init_app(app)  # wraps views, so after the blueprints
     forms.csrf.exempt(api.bp)
     app.jinja_env.globals["site_name"] = "specpipe"
     app.jinja_env.filters.update(forms.FILTERS)

@@ -1,6 +1,8 @@
 """The JSON API under /api/v1: jobs, nodes and run records, behind bearer tokens.
 
-Errors are JSON objects with an `error` reason (and `fields` for bad job fields).
+The API acts as the token's owner: jobs are theirs to list, read and cancel (an admin's token:
+everyone's); another user's job answers 404. Errors are JSON objects with an `error` reason
+(and `fields` for bad job fields); a refused submission is 429 with `Retry-After`.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 from flask import Blueprint, g, jsonify, request, url_for
 
 from app import openapi, submitter
+from app.auth import current_user, user_from_token
 from app.db import get_session
 from app.errors import json_error
 from app.history import job_page
@@ -15,8 +18,7 @@ from models.db import utcnow
 from models.jobs import Job
 from models.nodes import ring_nodes
 from models.records import run_record
-from models.tokens import check_token
-from workers.submission import FIELDS, JobRequestError, QueueUnavailable
+from workers.submission import FIELDS, JobRequestError, QueueUnavailable, TooManyActiveJobs
 
 bp = Blueprint("api", __name__, url_prefix="/api/v1")
 MAX_PER_PAGE = 100
@@ -28,20 +30,20 @@ def require_token():
     own description does not."""
     if request.endpoint == "api.openapi_document":
         return None
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    row = check_token(get_session(), token.strip()) if scheme.lower() == "bearer" else None
-    if row is None:
+    user = user_from_token()
+    if user is None:
         response = json_error(401, "a valid API token is required (Authorization: Bearer ...)")
         response.headers["WWW-Authenticate"] = 'Bearer realm="specpipe"'
         return response
-    get_session().commit()
-    g.api_token = row.name
+    g.user = user
     return None
 
 
 def _job_or_404(job_id: int):
     job = get_session().get(Job, job_id)
-    return job, (None if job else json_error(404, f"no job {job_id}"))
+    if job is None or not current_user().can_see(job.user_id):
+        return None, json_error(404, f"no job {job_id}")
+    return job, None
 
 
 @bp.post("/jobs")
@@ -58,7 +60,11 @@ def create_job():
     except JobRequestError as exc:
         return json_error(400, "invalid job", fields=exc.errors)
     try:
-        job = submitter().submit(get_session(), params)
+        job = submitter().submit(get_session(), params, current_user())
+    except TooManyActiveJobs as exc:
+        response = json_error(429, str(exc), retry_after=exc.retry_after_s)
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+        return response
     except QueueUnavailable as exc:
         return json_error(503, str(exc), job=exc.job.to_dict())
     response = jsonify(job.to_dict())
@@ -74,9 +80,11 @@ def list_jobs():
     per_page = request.args.get("per_page", "25")
     if not (page.isdigit() and per_page.isdigit()):
         return json_error(400, "page and per_page must be positive whole numbers")
+    user = current_user()
     try:
         result = job_page(
             get_session(),
+            owner_id=None if user.is_admin else user.id,
             status=request.args.get("status") or None,
             search=request.args.get("q"),
             sort=request.args.get("sort", "newest"),

@@ -4,6 +4,7 @@ traceback; unexpected errors are logged and answered with a short message."""
 from __future__ import annotations
 
 from flask import Flask, jsonify, render_template, request
+from flask_limiter.errors import RateLimitExceeded
 from flask_wtf.csrf import CSRFError
 from werkzeug.exceptions import HTTPException, InternalServerError
 
@@ -25,6 +26,29 @@ def init_app(app: Flask) -> None:
     @app.errorhandler(CSRFError)
     def csrf_error(exc: CSRFError):
         return render_template("error.html", code=400, message=exc.description), 400
+
+    @app.errorhandler(RateLimitExceeded)
+    def rate_limited(exc: RateLimitExceeded):
+        from app.limits import retry_after_s
+
+        retry = retry_after_s()
+        reason = f"too many requests (at most {exc.description}): try again in {retry} s"
+        if _wants_json():
+            response = json_error(429, reason, retry_after=retry)
+        elif request.endpoint == "jobs.submit":
+            from app.jobs import posted_values, render_form
+
+            response = app.make_response(render_form(posted_values(), {}, 429, reason))
+        elif request.endpoint == "auth.login":
+            from app.auth import LoginForm, render_login
+
+            response = app.make_response(render_login(LoginForm(), reason, 429))
+        else:
+            response = app.make_response(
+                (render_template("error.html", code=429, message=reason), 429)
+            )
+        response.headers["Retry-After"] = str(retry)
+        return response
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):

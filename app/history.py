@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, selectinload
 
 from models.jobs import JOB_STATUSES, Job
 
@@ -43,13 +43,16 @@ def _like_pattern(text: str) -> str:
 
 def job_page(
     session: Session,
+    owner_id: int | None = None,
     status: str | None = None,
     search: str | None = None,
     sort: str = "newest",
     page: int = 1,
     per_page: int = 25,
 ) -> Page:
-    """The jobs matching the filters, newest first by default; unknown values raise ValueError."""
+    """The jobs matching the filters, newest first by default; unknown values raise ValueError.
+
+    `owner_id` keeps one user's jobs; None keeps everyone's (an admin's view)."""
     if status and status not in JOB_STATUSES:
         raise ValueError(f"status must be one of {', '.join(JOB_STATUSES)}")
     if sort not in SORTS:
@@ -57,6 +60,8 @@ def job_page(
     if not (1 <= page <= MAX_PAGE and per_page >= 1):
         raise ValueError(f"page must be between 1 and {MAX_PAGE}, per_page at least 1")
     query = select(Job)
+    if owner_id is not None:
+        query = query.where(Job.user_id == owner_id)
     if status:
         query = query.where(Job.status == status)
     search = (search or "").replace("\x00", "").strip()  # PostgreSQL text cannot hold NUL
@@ -64,6 +69,9 @@ def job_page(
         query = query.where(Job.prompt.ilike(_like_pattern(search), escape="\\"))
     total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
     items = session.scalars(
-        query.order_by(*SORTS[sort]).offset((page - 1) * per_page).limit(per_page)
+        query.options(selectinload(Job.owner))
+        .order_by(*SORTS[sort])
+        .offset((page - 1) * per_page)
+        .limit(per_page)
     ).all()
     return Page(list(items), page, per_page, total)

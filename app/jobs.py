@@ -1,4 +1,8 @@
-"""Pages for jobs: the submit form, the history, and one job's live page."""
+"""Pages for jobs: the submit form, the history, and one job's live page.
+
+A user sees, cancels and re-runs only their own jobs (an admin: everyone's); someone else's job
+answers 404, like one that does not exist, so ids say nothing about other users.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from flask import (
 )
 
 from app import submitter
+from app.auth import current_user
 from app.db import get_session
 from app.forms import bad_utf8_fields
 from app.history import MAX_PAGE, SORTS, job_page
@@ -24,6 +29,7 @@ from workers.submission import (
     FIELDS,
     JobRequestError,
     QueueUnavailable,
+    TooManyActiveJobs,
     rerun_params,
 )
 
@@ -40,9 +46,29 @@ FORM_DEFAULTS = {
 
 def _get_job(job_id: int) -> Job:
     job = get_session().get(Job, job_id)
-    if job is None:
+    if job is None or not current_user().can_see(job.user_id):
         abort(404, f"There is no job {job_id}.")
     return job
+
+
+def posted_values() -> dict[str, str]:
+    """The job form's fields as they were sent."""
+    values = {name: request.form.get(name, "") for name in FIELDS}
+    values["speculate"] = "on" if request.form.get("speculate") else ""
+    return values
+
+
+def render_form(
+    values: dict, errors: dict, status: int, refusal: str | None = None
+) -> tuple[str, int]:
+    """The job form with `values` typed in, `errors` by field and a `refusal` above it."""
+    return render_template(
+        "jobs/submit.html",
+        values=values,
+        errors=errors,
+        refusal=refusal,
+        limits=submitter().limits,
+    ), status
 
 
 @bp.route("/", methods=("GET", "POST"))
@@ -51,8 +77,7 @@ def submit():
     values = dict(FORM_DEFAULTS)
     errors: dict[str, str] = {}
     if request.method == "POST":
-        values = {name: request.form.get(name, "") for name in FIELDS}
-        values["speculate"] = "on" if request.form.get("speculate") else ""
+        values = posted_values()
         raw = {name: values[name] for name in FIELDS}
         if not values["speculate"]:
             raw["draft_k"] = "0"
@@ -66,15 +91,15 @@ def submit():
             errors["draft_k"] = "must be at least 1 when speculation is on"
         if not errors:
             try:
-                job = submitter().submit(get_session(), params)
+                job = submitter().submit(get_session(), params, current_user())
+            except TooManyActiveJobs as exc:
+                page, status = render_form(values, {}, 429, str(exc))
+                return page, status, {"Retry-After": str(exc.retry_after_s)}
             except QueueUnavailable as exc:
                 flash(f"Job {exc.job.id} was saved but not queued: {exc}", "error")
                 return redirect(url_for("jobs.detail", job_id=exc.job.id))
             return redirect(url_for("jobs.detail", job_id=job.id))
-    status = 400 if errors else 200
-    return render_template(
-        "jobs/submit.html", values=values, errors=errors, limits=submitter().limits
-    ), status
+    return render_form(values, errors, 400 if errors else 200)
 
 
 @bp.get("/history")
@@ -88,8 +113,10 @@ def history():
         status = ""
     if sort not in SORTS:
         sort = "newest"
+    user = current_user()
     result = job_page(
         get_session(),
+        owner_id=None if user.is_admin else user.id,
         status=status or None,
         search=search,
         sort=sort,
@@ -138,7 +165,10 @@ def rerun(job_id: int):
     """A new job with the same prompt, parameters and seed: it reproduces the text."""
     job = _get_job(job_id)
     try:
-        new = submitter().submit(get_session(), rerun_params(job))
+        new = submitter().submit(get_session(), rerun_params(job), current_user())
+    except TooManyActiveJobs as exc:
+        page = render_template("error.html", code=429, message=str(exc))
+        return page, 429, {"Retry-After": str(exc.retry_after_s)}
     except QueueUnavailable as exc:
         flash(f"Job {exc.job.id} was saved but not queued: {exc}", "error")
         return redirect(url_for("jobs.detail", job_id=exc.job.id))

@@ -101,6 +101,7 @@ _JOB = {
         "error": _NULLABLE_TEXT,
         "attempts": {"type": "integer"},
         "run_id": _NULLABLE_INT,
+        "owner": {"type": "string", "description": "The name of the user who submitted it."},
     },
 }
 
@@ -127,6 +128,7 @@ _ERROR = {
         "fields": {"type": "object", "additionalProperties": {"type": "string"}},
         "allowed": {"type": "array", "items": {"type": "string"}},
         "job": _ref("Job"),
+        "retry_after": {"type": "integer", "minimum": 1},
     },
 }
 
@@ -172,6 +174,18 @@ def document(limits: JobLimits) -> dict:
                         "201": _json(_ref("Job"), "The job, queued."),
                         "400": _error("Bad fields, each named with its reason."),
                         "401": unauthorised,
+                        "429": {
+                            **_error(
+                                "Too many jobs submitted lately, or queued and running at once"
+                                " (`retry_after`: seconds to wait)."
+                            ),
+                            "headers": {
+                                "Retry-After": {
+                                    "description": "Seconds to wait before submitting again.",
+                                    "schema": {"type": "integer", "minimum": 1},
+                                },
+                            },
+                        },
                         "503": _error("The job was stored, but the queue could not be reached."),
                     },
                 },

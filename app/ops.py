@@ -1,13 +1,16 @@
-"""Operations endpoints: `/healthz` (database and Redis reachable) and `/metrics` (Prometheus,
-see `app.metrics`)."""
+"""Operations endpoints: `/healthz` (database and Redis reachable, open to all) and `/metrics`
+(Prometheus, see `app.metrics`; for a client on this host or one with an API token)."""
 
 from __future__ import annotations
 
+import ipaddress
+
 import redis
-from flask import Blueprint, Response, current_app, jsonify
+from flask import Blueprint, Response, current_app, jsonify, request
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 from sqlalchemy import text
 
+from app.auth import user_from_token
 from app.db import get_session
 from app.metrics import exposition
 
@@ -36,9 +39,24 @@ def healthz():
     return jsonify({"status": "ok" if healthy else "error", **checks}), 200 if healthy else 503
 
 
+def is_loopback(address: str | None) -> bool:
+    """Whether the client's address is this host's own (127.0.0.0/8, ::1)."""
+    try:
+        return ipaddress.ip_address(address or "").is_loopback
+    except ValueError:
+        return False
+
+
 @bp.get("/metrics")
 def metrics():
     """Prometheus text exposition: jobs by status, tokens, tok/s, acceptance, nodes, nightly."""
+    if not is_loopback(request.remote_addr) and user_from_token() is None:
+        return Response(
+            "metrics need an API token (Authorization: Bearer ...) or a client on this host\n",
+            status=401,
+            content_type="text/plain; charset=utf-8",
+            headers={"WWW-Authenticate": 'Bearer realm="specpipe"'},
+        )
     # The plain text format, version 0.0.4, is what `exposition` writes (CONTENT_TYPE_LATEST
     # announces 1.0.0, which prometheus_client itself only sends when a scraper asks for it).
     return Response(exposition(), content_type=CONTENT_TYPE_PLAIN_0_0_4)

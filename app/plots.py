@@ -1,23 +1,76 @@
-"""Proof plots rendered on the server with matplotlib (Agg) to PNG bytes."""
+"""Proof plots rendered on the server with matplotlib to PNG bytes, once each.
+
+A stored proof never changes, so each plot is drawn on first request and kept in the app's
+`PlotCache` (in memory, least recently used dropped first). Figures are built with
+`matplotlib.figure.Figure` and its Agg canvas, not pyplot, so no global figure state is shared
+between the server's threads.
+"""
 
 from __future__ import annotations
 
 import io
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 
-import matplotlib
+from flask import Flask, current_app
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-
-from models.runs import Proof, ProofCase  # noqa: E402
+from models.runs import Proof, ProofCase
 
 PASS, FAIL, SPEC, PLAIN, INK = "#2f9e6b", "#d64545", "#3b6fd8", "#9aa5b8", "#2b3445"
+CACHED_PLOTS = 256  # about 40 KiB each
 
 
-def _png(fig) -> bytes:
+class PlotCache:
+    """PNG bytes by key, the least recently used dropped past `size` entries; thread-safe."""
+
+    def __init__(self, size: int = CACHED_PLOTS) -> None:
+        self.size = size
+        self._items: OrderedDict[Hashable, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+        self.renders = 0  # how many plots were drawn, for tests and curiosity
+
+    def get(self, key: Hashable, render: Callable[[], bytes]) -> bytes:
+        """The PNG for `key`, drawn by `render` the first time."""
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+            # Drawing under the lock: matplotlib's text and font caches are not thread-safe.
+            data = render()
+            self.renders += 1
+            self._items[key] = data
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+            return data
+
+    def peek(self, key: Hashable) -> bytes | None:
+        """The PNG for `key` if it was drawn already, else None."""
+        with self._lock:
+            return self._items.get(key)
+
+
+def init_app(app: Flask) -> None:
+    """Give the app its plot cache."""
+    app.extensions["specpipe.plots"] = PlotCache()
+
+
+def plot_cache() -> PlotCache:
+    """The current app's plot cache."""
+    return current_app.extensions["specpipe.plots"]
+
+
+def _subplots(figsize: tuple[float, float], **kwargs):
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(**kwargs)
+
+
+def _png(fig: Figure) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
     return buffer.getvalue()
 
 
@@ -32,7 +85,7 @@ def _style(ax) -> None:
 def tv_plot(proof: Proof) -> bytes:
     """TV distance per case as bars, coloured by pass/fail, with the gate and noise floor."""
     cases = proof.cases
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.5 * len(cases) + 2), 3.2))
+    fig, ax = _subplots((max(5.0, 0.5 * len(cases) + 2), 3.2))
     _style(ax)
     xs = range(len(cases))
     ax.bar(xs, [c.tv for c in cases], color=[PASS if c.passed else FAIL for c in cases])
@@ -64,9 +117,7 @@ def histogram_plot(case: ProofCase, top: int = 20) -> bytes:
     tokens = tokens[:top]
     spec_total = sum(spec.values()) or 1
     plain_total = sum(plain.values()) or 1
-    fig, (hist, bars) = plt.subplots(
-        1, 2, figsize=(8.5, 3.2), gridspec_kw={"width_ratios": [4, 1.2]}
-    )
+    fig, (hist, bars) = _subplots((8.5, 3.2), ncols=2, gridspec_kw={"width_ratios": [4, 1.2]})
     _style(hist)
     xs = range(len(tokens))
     width = 0.4

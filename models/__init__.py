@@ -1,4 +1,4 @@
-"""The store: SQLAlchemy models for jobs, runs, proofs and the node inventory.
+"""The store: SQLAlchemy models for users, jobs, runs, proofs and the node inventory.
 
 Importing this package registers every table on `Base.metadata`, which Alembic compares
 against the migrations.
@@ -9,5 +9,6 @@ from models.jobs import Job
 from models.nodes import Node, RunNode
 from models.runs import Proof, ProofCase, Run
 from models.tokens import ApiToken
+from models.users import User
 
-__all__ = ["ApiToken", "Base", "Job", "Node", "Proof", "ProofCase", "Run", "RunNode"]
+__all__ = ["ApiToken", "Base", "Job", "Node", "Proof", "ProofCase", "Run", "RunNode", "User"]

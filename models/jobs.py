@@ -19,9 +19,11 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from models.db import Base, NulSafeText, Uint64, iso_utc, utcnow
+from models.users import User
 
 JOB_STATUSES = ("queued", "running", "done", "failed", "cancelled")
 FINISHED_STATUSES = ("done", "failed", "cancelled")
+ACTIVE_STATUSES = ("queued", "running")
 
 
 class Job(Base):
@@ -73,6 +75,9 @@ class Job(Base):
 
     run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))
     run: Mapped[Run | None] = relationship(back_populates="jobs")  # noqa: F821
+    # Who submitted it: only they (and admins) see it.
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id"), index=True)
+    owner: Mapped[User] = relationship()
 
     @property
     def speculative(self) -> bool:
@@ -152,4 +157,5 @@ class Job(Base):
             "error": self.error,
             "attempts": self.attempts,
             "run_id": self.run_id,
+            "owner": self.owner.name,
         }

@@ -1,4 +1,7 @@
-"""API tokens: made by `specpipe token create`, shown once, stored only as a SHA-256 hash."""
+"""API tokens: made by `specpipe token create`, shown once, stored only as a SHA-256 hash.
+
+Each token belongs to a user, and the API acts as that user; a token made without one belongs
+to the built-in admin."""
 
 from __future__ import annotations
 
@@ -6,10 +9,11 @@ import hashlib
 import secrets
 from datetime import datetime
 
-from sqlalchemy import DateTime, Integer, String, select
-from sqlalchemy.orm import Mapped, Session, mapped_column
+from sqlalchemy import DateTime, ForeignKey, Integer, String, select
+from sqlalchemy.orm import Mapped, Session, mapped_column, relationship
 
 from models.db import Base, utcnow
+from models.users import User, builtin_admin
 
 TOKEN_PREFIX = "sp_"
 
@@ -30,6 +34,8 @@ class ApiToken(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    user: Mapped[User] = relationship()
 
     @property
     def active(self) -> bool:
@@ -37,12 +43,14 @@ class ApiToken(Base):
         return self.revoked_at is None
 
 
-def create_token(session: Session, name: str) -> str:
-    """Make a token called `name` and return its only plaintext copy; the caller commits."""
+def create_token(session: Session, name: str, user: User | None = None) -> str:
+    """Make a token called `name` for `user` (else the built-in admin) and return its only
+    plaintext copy; the caller commits."""
     if session.scalar(select(ApiToken).where(ApiToken.name == name)) is not None:
         raise ValueError(f"a token named {name!r} already exists")
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    session.add(ApiToken(name=name, token_hash=hash_token(token)))
+    owner = user or builtin_admin(session)
+    session.add(ApiToken(name=name, token_hash=hash_token(token), user_id=owner.id))
     session.flush()
     return token
 

@@ -8,6 +8,7 @@ from files that `specpipe up` writes into the instance folder.
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -66,6 +67,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 SECRET_KEY_FILE = "secret_key"
 SWARM_KEY_FILE = "swarm_key"
 SWARM_FILE = "swarm.json"
+ADMIN_PASSWORD_FILE = "admin_password"
 
 
 def swarm_file() -> dict:
@@ -180,11 +182,12 @@ def ensure_secret_key() -> str:
     return secret_key() or _write_secret(SECRET_KEY_FILE)
 
 
-def _write_secret(name: str) -> str:
-    """A new random key written to the instance folder, readable by its owner only."""
+def _write_secret(name: str, key: str | None = None) -> str:
+    """`key` (else a new random one) written to the instance folder, readable by its owner
+    only."""
     import secrets
 
-    key = secrets.token_hex(32)
+    key = key or secrets.token_hex(32)
     _write_private(instance_dir() / name, key + "\n")
     return key
 
@@ -194,9 +197,21 @@ def _write_private(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".new")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file left there before keeps no looser mode
     with os.fdopen(fd, "w") as handle:
         handle.write(text)
     os.replace(partial, path)  # a reader sees the old file or the new one, never half of one
+
+
+def admin_password_file() -> Path:
+    """Where `specpipe web` leaves the built-in admin's first password (mode 0600)."""
+    return instance_dir() / ADMIN_PASSWORD_FILE
+
+
+def write_admin_password(password: str) -> Path:
+    """Keep the built-in admin's generated first password in the instance folder, owner-only."""
+    _write_secret(ADMIN_PASSWORD_FILE, password)
+    return admin_password_file()
 
 
 # What a job request that leaves a field out gets, from the web form, the API or the CLI.
@@ -218,18 +233,21 @@ class JobLimits:
     max_prompt_chars: int = 8000
     max_new_tokens: int = 4096
     max_draft_k: int = 32
+    max_active_jobs: int = 50  # one user's queued and running jobs together
     # Stop strings: fixed, not configurable.
     max_stop_strings: int = field(default=MAX_STOP_STRINGS, init=False)
     max_stop_chars: int = field(default=MAX_STOP_CHARS, init=False)
 
 
 def job_limits() -> JobLimits:
-    """`SPECPIPE_MAX_PROMPT_CHARS`, `SPECPIPE_MAX_NEW_TOKENS`, `SPECPIPE_MAX_DRAFT_K`."""
+    """`SPECPIPE_MAX_PROMPT_CHARS`, `SPECPIPE_MAX_NEW_TOKENS`, `SPECPIPE_MAX_DRAFT_K`,
+    `SPECPIPE_MAX_ACTIVE_JOBS`."""
     defaults = JobLimits()
     return JobLimits(
         max_prompt_chars=_env_int("SPECPIPE_MAX_PROMPT_CHARS", defaults.max_prompt_chars),
         max_new_tokens=_env_int("SPECPIPE_MAX_NEW_TOKENS", defaults.max_new_tokens),
         max_draft_k=_env_int("SPECPIPE_MAX_DRAFT_K", defaults.max_draft_k, 0),
+        max_active_jobs=_env_int("SPECPIPE_MAX_ACTIVE_JOBS", defaults.max_active_jobs),
     )
 
 

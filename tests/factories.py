@@ -8,10 +8,18 @@ from models.db import utcnow
 from models.jobs import Job
 from models.nodes import upsert_node
 from models.runs import Proof, ProofCase, Run, start_run
+from models.users import User, builtin_admin, create_user
 
 
-def gen_job(session, **fields) -> Job:
-    """A job row; defaults make a queued job."""
+def gen_user(session, name: str, password: str | None = None, is_admin: bool = False) -> User:
+    """A user; without a password it cannot log in through the form."""
+    user = create_user(session, name, password, is_admin=is_admin)
+    session.commit()
+    return user
+
+
+def gen_job(session, owner: User | None = None, **fields) -> Job:
+    """A job row owned by `owner` (else the built-in admin); defaults make a queued job."""
     values = {
         "prompt": "Once upon a time",
         "model": "tiny-test",
@@ -24,6 +32,7 @@ def gen_job(session, **fields) -> Job:
         "status": "queued",
     }
     values.update(fields)
+    values["user_id"] = (owner or builtin_admin(session)).id
     job = Job(**values)
     session.add(job)
     session.commit()

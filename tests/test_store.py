@@ -15,14 +15,16 @@ from models.migrate import current, downgrade, heads, upgrade
 from models.nodes import Node, upsert_node
 from models.records import PROOF_1_FIELDS, PROOF_2_FIELDS, run_record
 from models.runs import start_run
-from models.tokens import check_token, create_token, revoke_token
-from tests.factories import gen_job, gen_node, gen_proof_run, gen_ring
+from models.tokens import ApiToken, check_token, create_token, revoke_token
+from models.users import BUILTIN_ADMIN, User, authenticate, delete_user, first_password
+from tests.factories import gen_job, gen_node, gen_proof_run, gen_ring, gen_user
 
 BEFORE_STOP_STRINGS = "dc866fa56549"  # the revision before jobs had stop strings
 BEFORE_LOSSY_FLAG = "bf4314513ebb"  # the revision before nodes recorded the test lossy tail
 BEFORE_ACCEPTED_DRAFTS = "ea3906a109e3"  # the revision before jobs.accepted_drafts was named so
 BEFORE_NUL_SAFE_TEXT = "3c7e1d52a9f0"  # the revision before output text was stored escaped
-TABLES = {"jobs", "runs", "proofs", "proof_cases", "nodes", "run_nodes", "api_tokens"}
+BEFORE_USERS = "5d1f0c2b7e4a"  # the revision before users, and owners of jobs and tokens
+TABLES = {"jobs", "runs", "proofs", "proof_cases", "nodes", "run_nodes", "api_tokens", "users"}
 
 
 def old_job_row(**fields) -> dict:
@@ -312,3 +314,56 @@ def test_output_text_from_before_the_escape_reads_back_unchanged(fresh_database_
     downgrade(url, BEFORE_NUL_SAFE_TEXT)
     with engine.connect() as conn:
         assert conn.execute(select(jobs.c.output_text)).scalar_one() == "nul \ufffd here"
+
+
+def test_rows_from_before_users_belong_to_the_builtin_admin(fresh_database_url):
+    url = fresh_database_url
+    upgrade(url, BEFORE_USERS)
+    engine = get_engine(url)
+    jobs = Table("jobs", MetaData(), autoload_with=engine)
+    tokens = Table("api_tokens", MetaData(), autoload_with=engine)
+    with engine.begin() as conn:
+        conn.execute(jobs.insert().values(**old_job_row(accepted_drafts=[0])))
+        conn.execute(tokens.insert().values(name="old", token_hash="0" * 64, created_at=utcnow()))
+    upgrade(url)
+    with make_session_factory(url)() as session:
+        admin = session.scalars(select(User)).one()
+        assert (admin.name, admin.is_admin, admin.has_password) == (BUILTIN_ADMIN, True, False)
+        assert session.scalars(select(Job)).one().owner.name == BUILTIN_ADMIN
+        assert session.scalars(select(ApiToken)).one().user_id == admin.id
+        assert authenticate(session, BUILTIN_ADMIN, "") is None  # no usable password yet
+    downgrade(url, BEFORE_USERS)
+    assert "users" not in inspect(engine).get_table_names()
+    assert "user_id" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
+
+
+def test_users_passwords_and_deletion(db_session):
+    alice = gen_user(db_session, "alice", "correct horse")
+    assert alice.password_hash.startswith("scrypt:") and "correct horse" not in alice.password_hash
+    assert authenticate(db_session, "alice", "correct horse") == alice
+    assert authenticate(db_session, "alice", "wrong horse") is None
+    assert authenticate(db_session, "nobody", "correct horse") is None
+    assert authenticate(db_session, "al\x00ice", "correct horse") is None  # no query with NUL
+    with pytest.raises(ValueError, match="already exists"):
+        gen_user(db_session, "alice")
+    with pytest.raises(ValueError, match="must be 8 to 1024 characters"):
+        alice.set_password("short")
+    job = gen_job(db_session, owner=alice)
+    create_token(db_session, "alice-ci", alice)
+    db_session.commit()
+    assert delete_user(db_session, "alice") == 1
+    db_session.commit()
+    db_session.expire_all()
+    assert db_session.get(Job, job.id).owner.name == BUILTIN_ADMIN
+    assert db_session.scalars(select(ApiToken)).all() == []
+    with pytest.raises(ValueError, match="built in"):
+        delete_user(db_session, BUILTIN_ADMIN)
+    with pytest.raises(LookupError):
+        delete_user(db_session, "alice")
+
+
+def test_first_password_only_while_nobody_can_log_in(db_session):
+    assert first_password(db_session, "generated-password-1")
+    assert authenticate(db_session, BUILTIN_ADMIN, "generated-password-1") is not None
+    assert not first_password(db_session, "generated-password-2")
+    assert authenticate(db_session, BUILTIN_ADMIN, "generated-password-2") is None

@@ -9,6 +9,10 @@ marked failed, so the store never holds a queued job nobody will run.
 Temperature 0 means greedy; a negative temperature is refused rather than silently treated as
 greedy. A missing or blank seed is drawn at random and recorded, so every job can be run again
 exactly.
+
+Every job has an owner: the user who submitted it (the built-in admin when none is given, as for
+`specpipe generate`). A user with `JobLimits.max_active_jobs` jobs queued or running gets
+TooManyActiveJobs instead of another.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from celery import Celery
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from models.db import UINT64_MAX, utcnow
-from models.jobs import Job
+from models.jobs import ACTIVE_STATUSES, Job
+from models.users import User, builtin_admin
 from specpipe.settings import JOB_DEFAULTS, JobLimits
 from specpipe.stopping import check_stop_strings
 from workers.names import COORDINATOR_QUEUE, GENERATE_TASK
@@ -44,6 +50,19 @@ class JobRequestError(ValueError):
     def __init__(self, errors: dict[str, str]):
         super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
         self.errors = errors
+
+
+class TooManyActiveJobs(RuntimeError):
+    """The user already has as many queued and running jobs as allowed; nothing was stored."""
+
+    retry_after_s = 10  # a hint: jobs finish, or can be cancelled, meanwhile
+
+    def __init__(self, limit: int):
+        super().__init__(
+            f"you already have {limit} jobs queued or running, the most allowed: "
+            "wait for some to finish (or cancel some) and submit again"
+        )
+        self.limit = limit
 
 
 class QueueUnavailable(RuntimeError):
@@ -84,13 +103,20 @@ class Submitter:
         `from_text` accepts form strings for the numbers, and stop strings one per line."""
         return parse_job_request(raw, self.limits, from_text)
 
-    def submit(self, session: Session, params: Mapping[str, object]) -> Job:
-        """Store a queued job for checked `params` and enqueue it.
+    def submit(
+        self, session: Session, params: Mapping[str, object], owner: User | None = None
+    ) -> Job:
+        """Store a queued job for checked `params`, owned by `owner` (else the built-in admin),
+        and enqueue it.
 
-        Raises QueueUnavailable, with the job marked failed, when the broker cannot be reached.
+        Raises TooManyActiveJobs, storing nothing, when the owner is at the active-jobs cap, and
+        QueueUnavailable, with the job marked failed, when the broker cannot be reached.
         """
+        owner = owner or builtin_admin(session)
+        self.check_active(session, owner)
         seed = params.get("seed")
         job = Job(
+            user_id=owner.id,
             prompt=params["prompt"],
             model=self.model,
             max_new_tokens=params["max_new_tokens"],
@@ -116,6 +142,21 @@ class Submitter:
             raise QueueUnavailable(job, job.error) from exc
         session.commit()
         return job
+
+    def check_active(self, session: Session, owner: User) -> None:
+        """Raise TooManyActiveJobs when `owner` has no room for another job.
+
+        The owner's row is locked until the caller commits (on PostgreSQL), so two submissions
+        racing each other are counted one after the other."""
+        session.scalar(select(User.id).where(User.id == owner.id).with_for_update())
+        active = session.scalar(
+            select(func.count())
+            .select_from(Job)
+            .where(Job.user_id == owner.id, Job.status.in_(ACTIVE_STATUSES))
+        )
+        if active >= self.limits.max_active_jobs:
+            session.rollback()
+            raise TooManyActiveJobs(self.limits.max_active_jobs)
 
     def enqueue(self, job_id: int) -> str:
         """Publish the generate task for `job_id`; returns the task id, raises when unreachable."""

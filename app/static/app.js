@@ -1,7 +1,15 @@
 // Live job progress: poll the job's JSON while it is queued or running, update the page in
 // place (textContent only, so output is never parsed as HTML), stop when it finishes.
+// Sizes come from data attributes and are set here: the pages carry no inline style, which
+// the Content-Security-Policy forbids.
 (function () {
   "use strict";
+  document.querySelectorAll("[data-height]").forEach(function (el) {
+    el.style.height = el.dataset.height + "%";
+  });
+  document.querySelectorAll("[data-width]").forEach(function (el) {
+    el.style.width = el.dataset.width + "%";
+  });
   var root = document.getElementById("job");
   if (!root) return;
   var url = root.dataset.progressUrl;

@@ -15,6 +15,7 @@ from specpipe.cli.regression import regression
 from specpipe.cli.runs import runs
 from specpipe.cli.token import token
 from specpipe.cli.up import up
+from specpipe.cli.user import user
 from specpipe.cli.web import web
 from specpipe.cli.worker import worker
 
@@ -25,7 +26,7 @@ def cli() -> None:
     """specpipe: serve one model across a ring of hosts with lossless speculative sampling."""
 
 
-for command in (generate, model, proof, regression, bench, nodes, runs, db, token, key, web):
+for command in (generate, model, proof, regression, bench, nodes, runs, db, user, token, key, web):
     cli.add_command(command)
 for command in (worker, up):
     cli.add_command(command)

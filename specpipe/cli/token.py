@@ -1,4 +1,5 @@
-"""`specpipe token`: API tokens, shown once at creation and stored only hashed."""
+"""`specpipe token`: API tokens, shown once at creation and stored only hashed. Each belongs to
+a user, whom the API acts as."""
 
 from __future__ import annotations
 
@@ -22,22 +23,36 @@ def token(ctx: click.Context) -> None:
 
 @token.command(name="create")
 @click.argument("name")
-def token_create(name: str) -> None:
+@click.option(
+    "--user",
+    "owner",
+    metavar="USER",
+    help="The user the API acts as with this token (default: the built-in admin).",
+)
+def token_create(name: str, owner: str | None) -> None:
     """Create a token called NAME and print it once.
 
     Example:
 
-        specpipe token create ci
+        specpipe token create ci --user alice
     """
     from models.tokens import create_token
+    from models.users import find_user
 
     name = name.strip()
     if not name or len(name) > 100:
         raise click.BadParameter("must be 1 to 100 characters", param_hint="NAME")
     with _session() as session:
         try:
-            plaintext = create_token(session, name)
+            user = None
+            if owner is not None:
+                user = find_user(session, owner)
+                if user is None:
+                    raise click.ClickException(f"no user named {owner!r}")
+            plaintext = create_token(session, name, user)
             session.commit()
+        except click.ClickException:
+            raise
         except ValueError as exc:
             raise click.ClickException(str(exc)) from exc
         except Exception as exc:  # e.g. the database is not migrated
@@ -48,7 +63,7 @@ def token_create(name: str) -> None:
 
 @token.command(name="list")
 def token_list() -> None:
-    """List tokens: name, created, last used, and whether revoked."""
+    """List tokens: name, owner, created, last used, and whether revoked."""
     from sqlalchemy import select
 
     from models.db import as_utc
@@ -63,7 +78,8 @@ def token_list() -> None:
             used = as_utc(row.last_used_at)
             state = "revoked" if row.revoked_at else "active"
             last = f"{used:%Y-%m-%d %H:%M} UTC" if used else "never used"
-            click.echo(f"{row.name}\t{state}\tcreated {as_utc(row.created_at):%Y-%m-%d}\t{last}")
+            created = f"created {as_utc(row.created_at):%Y-%m-%d}"
+            click.echo(f"{row.name}\t{state}\t{row.user.name}\t{created}\t{last}")
 
 
 @token.command(name="revoke")

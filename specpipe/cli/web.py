@@ -19,6 +19,8 @@ def web(host: str, port: int, threads: int, migrate: bool) -> None:
     """Serve the web app (forms, history, proofs, nodes, /api/v1).
 
     Uses SECRET_KEY, else the key kept in the instance folder, generating it on first start.
+    While no user has a password, it gives the built-in `admin` one and leaves it in the
+    instance folder (admin_password, mode 0600).
 
     Example:
 
@@ -36,7 +38,31 @@ def web(host: str, port: int, threads: int, migrate: bool) -> None:
             migrations.upgrade(settings.database_url())
         except Exception as exc:  # an unreachable or broken database is one line
             raise click.ClickException(f"could not migrate the database: {exc}") from exc
+    first_login()
     from app import create_app
 
     click.echo(f"specpipe web on http://{host}:{port}/")
     waitress.serve(create_app(), host=host, port=port, threads=threads, ident="specpipe")
+
+
+def first_login() -> None:
+    """Make sure someone can log in: while no user has a password, the built-in admin gets a
+    generated one, written owner-only to the instance folder."""
+    import secrets
+
+    from models.db import session_scope
+    from models.users import BUILTIN_ADMIN, first_password
+    from specpipe import settings
+
+    password = secrets.token_urlsafe(18)
+    try:
+        with session_scope(settings.database_url()) as session:
+            if not first_password(session, password):
+                return
+            path = settings.write_admin_password(password)  # before the commit makes it count
+    except Exception as exc:  # an unreachable or unmigrated database is one line
+        raise click.ClickException(f"could not read the users: {exc}") from exc
+    click.echo(
+        f"specpipe web: log in as {BUILTIN_ADMIN!r} with the password in {path} "
+        f"(change it with `specpipe user passwd {BUILTIN_ADMIN}`)"
+    )

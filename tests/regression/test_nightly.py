@@ -16,11 +16,13 @@ from models.db import make_session_factory
 from models.nodes import ring_nodes
 from models.records import record_of
 from models.runs import Run
+from models.users import builtin_admin
 from specpipe.cli import cli
 from specpipe.settings import Settings, nightly_sizes
 from tests.regression.conftest import ROOT, SMALL_SIZES, STAGES
 from tests.regression.toy_target import toy_target
 from tests.waiting import wait_until
+from tests.web.conftest import as_user
 from workers.names import COORDINATOR_QUEUE, NIGHTLY_TASK
 from workers.regression import attempts_key, run_nightly
 
@@ -35,8 +37,12 @@ def nightly_runs(db_url: str) -> list[Run]:
 
 
 def web_client(db_url: str, redis_url: str):
+    """A client of the web app, logged in as the built-in admin."""
     app = create_app({"TESTING": True, "DATABASE_URL": db_url, "REDIS_URL": redis_url})
-    return app.test_client()
+    with make_session_factory(db_url)() as session:
+        admin = builtin_admin(session)
+        session.commit()
+        return as_user(app.test_client(), admin)
 
 
 def enqueue(live_swarm, monkeypatch, key: str | None = None) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from models import Job
 from models.db import make_session_factory
+from models.users import builtin_admin
 from specpipe.generation import Generation
 from specpipe.redis_ring import RedisRing
 from specpipe.ring import LocalRing
@@ -40,7 +41,7 @@ def add_job(db_url, **fields) -> int:
                   top_p=1.0, top_k=0, seed=5, draft_k=3)  # fmt: skip
     values.update(fields)
     with make_session_factory(db_url)() as session:
-        job = Job(**values)
+        job = Job(**values, user_id=builtin_admin(session).id)
         session.add(job)
         session.commit()
         return job.id

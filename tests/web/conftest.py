@@ -1,13 +1,17 @@
-"""Fixtures for the web app: an app on a fresh store, clients, an API token, the job queue.
+"""Fixtures for the web app: an app on a fresh store, clients, users, an API token, the job
+queue.
 
-Each test publishes to its own coordinator queue name on the real Redis, so tests can read
-exactly what was enqueued and parallel workers never see each other's messages.
+Each test publishes to its own coordinator queue name on the real Redis, and counts its rate
+limits there under its own key prefix, so tests can read exactly what was enqueued and parallel
+workers never see each other's messages or limits. `client` is logged in as the built-in admin
+(who sees every job); `anon` is nobody; `log_in` goes through the real login form.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import re
 import uuid
 
 import pytest
@@ -16,6 +20,7 @@ import redis
 from app import create_app
 from models.db import make_session_factory
 from models.tokens import create_token
+from models.users import User, builtin_admin
 from specpipe.settings import redis_url
 from workers.names import GENERATE_TASK
 
@@ -53,23 +58,66 @@ def queue():
 
 
 @pytest.fixture
-def app(db_url, queue):
-    """The app on a fresh store, CSRF on, publishing to the test's queue."""
-    return create_app(
-        {
-            "TESTING": True,
-            "DATABASE_URL": db_url,
-            "COORDINATOR_QUEUE": queue.name,
-            "MAX_PROMPT_CHARS": 500,
-            "MAX_NEW_TOKENS": 1024,
-            "MODEL": "tiny-test",
-        }
-    )
+def make_app(db_url, queue):
+    """Build the test's app, with `overrides` on top of the test configuration."""
+
+    def make(**overrides):
+        return create_app(
+            {
+                "TESTING": True,
+                "DATABASE_URL": db_url,
+                "COORDINATOR_QUEUE": queue.name,
+                "MAX_PROMPT_CHARS": 500,
+                "MAX_NEW_TOKENS": 1024,
+                "MODEL": "tiny-test",
+                "RATELIMIT_KEY_PREFIX": f"test-limits-{uuid.uuid4().hex[:10]}",
+                **overrides,
+            }
+        )
+
+    return make
 
 
 @pytest.fixture
-def client(app):
-    """A test client."""
+def app(make_app):
+    """The app on a fresh store, CSRF on, publishing to the test's queue."""
+    return make_app()
+
+
+def as_user(client, user: User):
+    """Make `client` send the session cookie of `user`, as a login leaves it."""
+    with client.session_transaction() as cookie:
+        cookie["user_id"] = user.id
+        cookie["auth"] = user.session_check
+    return client
+
+
+def log_in(client, name: str, password: str, next: str | None = None):
+    """Log in through the login form (with its CSRF token); the response to the POST."""
+    token = csrf_token(client, "/login")
+    data = {"csrf_token": token, "username": name, "password": password}
+    if next is not None:
+        data["next"] = next
+    return client.post("/login", data=data)
+
+
+@pytest.fixture
+def admin(session) -> User:
+    """The built-in admin."""
+    user = builtin_admin(session)
+    session.commit()
+    return user
+
+
+@pytest.fixture
+def client(app, admin):
+    """A test client logged in as the built-in admin."""
+    return as_user(app.test_client(), admin)
+
+
+@pytest.fixture
+def anon(app):
+    """A test client that is not logged in."""
     return app.test_client()
 
 
@@ -89,26 +137,27 @@ def api_token(session) -> str:
     return token
 
 
+class Api:
+    """A client helper that sends a bearer token."""
+
+    def __init__(self, client, token: str):
+        self.client = client
+        self.headers = {"Authorization": f"Bearer {token}"}
+
+    def get(self, path, **kw):
+        return self.client.get("/api/v1" + path, headers=self.headers, **kw)
+
+    def post(self, path, **kw):
+        return self.client.post("/api/v1" + path, headers=self.headers, **kw)
+
+
 @pytest.fixture
-def api(client, api_token):
-    """A client helper that sends the bearer token."""
-
-    class Api:
-        def __init__(self):
-            self.headers = {"Authorization": f"Bearer {api_token}"}
-
-        def get(self, path, **kw):
-            return client.get("/api/v1" + path, headers=self.headers, **kw)
-
-        def post(self, path, **kw):
-            return client.post("/api/v1" + path, headers=self.headers, **kw)
-
-    return Api()
+def api(client, api_token) -> Api:
+    """The API with a token of the built-in admin."""
+    return Api(client, api_token)
 
 
 def csrf_token(client, path: str = "/") -> str:
     """The CSRF token from a page's form (the session cookie stays in the client)."""
     html = client.get(path).get_data(as_text=True)
-    marker = 'name="csrf_token" value="'
-    start = html.index(marker) + len(marker)
-    return html[start : html.index('"', start)]
+    return re.search(r'name="csrf_token"[^>]*value="([^"]+)"', html).group(1)

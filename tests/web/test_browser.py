@@ -1,5 +1,6 @@
-"""The web UI in a real headless Chromium: submit a job, watch it update, find it in history,
-open the proofs and nodes pages. Screenshots go to test-artifacts/ for people to look at.
+"""The web UI in a real headless Chromium: log in, submit a job, watch it update, find it in
+history, open the proofs and nodes pages, log out. Screenshots go to test-artifacts/ for people
+to look at. The Content-Security-Policy must not block anything the pages use.
 
 Chromium is Debian's (`apt-get install -y chromium`, which `make test` tries); Playwright drives
 it through `executable_path`, so no browser is ever downloaded.
@@ -20,7 +21,7 @@ from models.db import make_session_factory, utcnow
 from models.jobs import Job
 from models.runs import start_run
 from tests.dbfixtures import backend_name
-from tests.factories import gen_node, gen_proof_run, gen_ring
+from tests.factories import gen_node, gen_proof_run, gen_ring, gen_user
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -34,6 +35,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "web"
+PASSWORD = "browser test secret"
 
 pytestmark = pytest.mark.skipif(
     not os.access(CHROMIUM, os.X_OK),
@@ -64,11 +66,25 @@ def browser():
 
 
 @pytest.fixture
-def page(browser):
-    """A fresh desktop-sized page."""
+def page(browser, server, session):
+    """A fresh desktop-sized page, logged in as alice through the login form; any message the
+    Content-Security-Policy writes to the console fails the test."""
+    gen_user(session, "alice", PASSWORD)
     context = browser.new_context(viewport={"width": 1280, "height": 860})
-    yield context.new_page()
+    page = context.new_page()
+    blocked = []
+    page.on("console", lambda m: blocked.append(m.text) if "Security Policy" in m.text else None)
+    page.goto(server + "/history")
+    page.wait_for_url("**/login?next=/history")
+    page.fill("#f-username", "alice")
+    page.fill("#f-password", PASSWORD)
+    shot(page, "00-login")
+    page.click("button[type=submit]")
+    page.wait_for_url("**/history")
+    assert page.text_content("#whoami").strip() == "alice"
+    yield page
     context.close()
+    assert blocked == []
 
 
 def shot(page, name: str) -> None:
@@ -86,7 +102,7 @@ def submit_job(page, server: str, prompt: str) -> int:
     page.fill("#f-temp", "0.7")
     page.fill("#f-seed", "31337")
     shot(page, "01-submit")
-    page.click("button[type=submit]")
+    page.click("button:has-text('Generate')")
     page.wait_for_url("**/jobs/*")
     return int(page.url.rsplit("/", 1)[1])
 
@@ -106,10 +122,14 @@ def test_submit_watch_history_proofs_nodes(server, page, session, queue):
     job.status, job.started_at = "running", utcnow()
     job.record_progress(list(range(10)), "jumps over the lazy dog", [3, 2, 4], elapsed_s=2.0)
     session.commit()
-    page.wait_for_function("document.getElementById('stat-tokens').textContent === '10'")
+    # Functions, not expression strings: Playwright evaluates a string with eval, which the
+    # page's Content-Security-Policy (rightly) forbids.
+    page.wait_for_function("() => document.getElementById('stat-tokens').textContent === '10'")
     assert page.text_content("#job-output") == "jumps over the lazy dog"
     assert page.text_content("#job-status .badge") == "running"
     assert page.locator("#rounds-strip span").count() == 3
+    heights = page.locator("#rounds-strip span").evaluate_all("s => s.map(e => e.style.height)")
+    assert all(h.endswith("%") for h in heights), heights
     assert page.text_content("#stat-per-round") == "3.33"  # 10 tokens in 3 rounds
     shot(page, "02-job-running")
     job.status, job.finished_at = "done", utcnow()
@@ -117,12 +137,15 @@ def test_submit_watch_history_proofs_nodes(server, page, session, queue):
         list(range(24)), "jumps over the lazy dog. The end.", [3, 2, 4, 4], elapsed_s=4.0
     )
     session.commit()
-    page.wait_for_function("document.querySelector('#job-status .badge').textContent === 'done'")
+    page.wait_for_function(
+        "() => document.querySelector('#job-status .badge').textContent === 'done'"
+    )
     assert page.text_content("#stat-toks") == "6.0"
     assert page.is_hidden("#cancel-form")
     assert page.text_content("#job-started").endswith("UTC")
     page.reload()
     assert page.locator(".ring-list li").count() == 4
+    assert page.eval_on_selector("#progress-bar", "e => e.style.width") == "100%"
     shot(page, "03-job-done")
 
     page.click("text=Run again with this seed")
@@ -142,13 +165,18 @@ def test_submit_watch_history_proofs_nodes(server, page, session, queue):
     page.click("form.filters button")
     assert page.locator("#history").count() == 0 and "No jobs match" in page.content()
 
+    page.click("text=Log out")
+    page.wait_for_url("**/login")
+    page.goto(server + f"/jobs/{job_id}")
+    assert page.url == f"{server}/login?next=/jobs/{job_id}"
+
 
 def test_form_errors_shown(server, page, session, queue):
     page.goto(server + "/")
     page.fill("#f-prompt", "   ")
     page.fill("#f-top_p", "1.5")
     page.fill("#f-seed", "-4")
-    page.click("button[type=submit]")
+    page.click("button:has-text('Generate')")
     assert "Prompt is empty" in page.content()
     assert "Top-p must be above 0 and at most 1" in page.content()
     assert "Seed must be between 0 and 2^64-1" in page.content()
@@ -205,7 +233,8 @@ def test_job_finished_by_a_real_worker(server, page, app, db_url, queue, tmp_pat
         swarm.wait_stages(["s0", "s1"])
         job_id = submit_job(page, server, "hello world")
         page.wait_for_function(
-            "['done', 'failed'].includes(document.querySelector('#job-status .badge').textContent)",
+            "() => ['done', 'failed'].includes("
+            "document.querySelector('#job-status .badge').textContent)",
             timeout=120_000,
         )
         shot(page, "10-job-finished-by-worker")

@@ -1,11 +1,15 @@
-"""`specpipe web` as a real process: it migrates, keeps a secret key, serves, and stops."""
+"""`specpipe web` as a real process: it migrates, keeps a secret key, gives the built-in admin a
+first password, serves, and stops."""
 
 from __future__ import annotations
 
+import http.cookiejar
 import os
+import re
 import socket
 import subprocess
 import sys
+import urllib.parse
 import urllib.request
 
 from models.migrate import current, heads
@@ -41,11 +45,26 @@ def test_web_command_serves(fresh_database_url, tmp_path):
 
     try:
         wait_until(healthy, 30, "specpipe web to answer /healthz", interval_s=0.2)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as r:
-            assert b"New job" in r.read()
         assert current(fresh_database_url) == heads()[0]
         key_file = tmp_path / "secret_key"
         assert len(key_file.read_text().strip()) == 64
+        password_file = tmp_path / "admin_password"
+        assert password_file.stat().st_mode & 0o777 == 0o600
+
+        # A fresh user: the home page asks for a login, and the first password opens it.
+        browser = urllib.request.build_opener(
+            urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar())
+        )
+        with browser.open(f"http://127.0.0.1:{port}/", timeout=5) as r:
+            page = r.read().decode()
+            assert r.url.endswith("/login?next=/") and "Log in" in page
+        token = re.search(r'name="csrf_token"[^>]*value="([^"]+)"', page).group(1)
+        form = {"csrf_token": token, "username": "admin", "next": "/",
+                "password": password_file.read_text().strip()}  # fmt: skip
+        body = urllib.parse.urlencode(form).encode()
+        with browser.open(f"http://127.0.0.1:{port}/login", data=body, timeout=10) as r:
+            assert r.url == f"http://127.0.0.1:{port}/" and b"New job" in r.read()
     finally:
         process.terminate()
         process.wait(timeout=10)
+    assert f"with the password in {tmp_path / 'admin_password'}" in process.stdout.read()

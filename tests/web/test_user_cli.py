@@ -1,0 +1,123 @@
+"""`specpipe user` and `specpipe token create --user`, through click's CliRunner on a real
+database, and the first password `specpipe web` gives the built-in admin."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from models.users import authenticate, find_user
+from specpipe.cli import cli
+from tests.factories import gen_job
+from tests.web.conftest import Api, log_in
+
+PASSWORD = "a long enough secret"
+
+
+@pytest.fixture
+def runner(monkeypatch, db_url, tmp_path):
+    monkeypatch.setenv("DATABASE_URL", db_url)
+    monkeypatch.setenv("SPECPIPE_HOME", str(tmp_path))
+    return CliRunner()
+
+
+def test_create_list_passwd_delete(runner, session, anon):
+    created = runner.invoke(cli, ["user", "create", "alice"], input=PASSWORD + "\n")
+    assert created.exit_code == 0, created.output
+    assert "created alice" in created.output and PASSWORD not in created.output
+    assert authenticate(session, "alice", PASSWORD) is not None
+    assert log_in(anon, "alice", PASSWORD).status_code == 302
+
+    admin = runner.invoke(cli, ["user", "create", "root", "--admin"], input=PASSWORD + "\r\n")
+    assert admin.exit_code == 0 and "created admin root" in admin.output
+    session.expire_all()
+    assert find_user(session, "root").is_admin and authenticate(session, "root", PASSWORD)
+
+    listed = runner.invoke(cli, ["user"]).output.splitlines()
+    assert [line.split("\t")[:2] for line in listed] == [["alice", "user"], ["root", "admin"]]
+
+    new = "a different long secret"
+    changed = runner.invoke(cli, ["user", "passwd", "alice"], input=new + "\n")
+    assert changed.exit_code == 0 and "password set for alice" in changed.output
+    session.expire_all()
+    assert authenticate(session, "alice", new) and not authenticate(session, "alice", PASSWORD)
+    assert anon.get("/history").status_code == 302  # the old session ended
+
+    gen_job(session, owner=find_user(session, "alice"))
+    deleted = runner.invoke(cli, ["user", "delete", "alice"])
+    assert deleted.exit_code == 0 and "1 job now belong to admin" in deleted.output
+    session.expire_all()
+    assert find_user(session, "alice") is None
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin", "message"),
+    [
+        (["create", "bad name"], PASSWORD, "must be 1 to 100 characters"),
+        (["create", "-x"], PASSWORD, "No such option"),
+        (["create"], PASSWORD, "Missing argument 'NAME'"),
+        (["create", "x" * 101], PASSWORD, "must be 1 to 100 characters"),
+        (["create", "carol"], "short", "the password must be 8 to 1024 characters"),
+        (["create", "carol"], "", "no password on standard input"),
+        (["create", "dave"], "x" * 1025, "the password must be 8 to 1024 characters"),
+        (["passwd", "nobody"], PASSWORD, "no user named 'nobody'"),
+        (["delete", "nobody"], "", "no user named 'nobody'"),
+        (["delete", "admin"], "", "'admin' is built in"),
+    ],
+)
+def test_bad_input_is_one_line(runner, session, admin, args, stdin, message):
+    result = runner.invoke(cli, ["user", *args], input=stdin + "\n" if stdin else "")
+    assert result.exit_code in (1, 2) and message in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert "Traceback" not in result.output and len(errors) == 1 and message in errors[0]
+    session.expire_all()
+    assert find_user(session, "carol") is None and find_user(session, "dave") is None
+
+
+def test_existing_name_refused(runner, session):
+    assert runner.invoke(cli, ["user", "create", "alice"], input=PASSWORD + "\n").exit_code == 0
+    again = runner.invoke(cli, ["user", "create", "alice"], input=PASSWORD + "\n")
+    assert again.exit_code == 1 and "a user named 'alice' already exists" in again.output
+
+
+def test_prompts_twice_at_a_terminal(runner, session, monkeypatch):
+    import sys
+
+    answers = iter([PASSWORD, PASSWORD, PASSWORD, "not the same"])
+    monkeypatch.setattr("getpass.getpass", lambda prompt="": next(answers))
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True, raising=False)
+    from specpipe.cli.user import read_password
+
+    assert read_password() == PASSWORD
+    with pytest.raises(Exception, match="the two passwords differ"):
+        read_password()
+
+
+def test_token_for_a_user(runner, session, client):
+    runner.invoke(cli, ["user", "create", "alice"], input=PASSWORD + "\n")
+    created = runner.invoke(cli, ["token", "create", "alice-ci", "--user", "alice"])
+    assert created.exit_code == 0, created.output
+    api = Api(client, created.stdout.strip().splitlines()[0])
+    assert api.post("/jobs", json={"prompt": "hi"}).get_json()["owner"] == "alice"
+    assert "alice-ci\tactive\talice" in runner.invoke(cli, ["token", "list"]).stdout
+
+    plain = runner.invoke(cli, ["token", "create", "old-script"])
+    api = Api(client, plain.stdout.strip().splitlines()[0])
+    assert api.post("/jobs", json={"prompt": "hi"}).get_json()["owner"] == "admin"
+
+    missing = runner.invoke(cli, ["token", "create", "x", "--user", "nobody"])
+    assert missing.exit_code == 1 and "no user named 'nobody'" in missing.output
+
+
+def test_first_password_for_a_fresh_install(runner, session, tmp_path):
+    from specpipe.cli.web import first_login
+
+    first_login()
+    path = tmp_path / "admin_password"
+    assert path.stat().st_mode & 0o777 == 0o600
+    password = path.read_text().strip()
+    assert len(password) >= 20 and authenticate(session, "admin", password) is not None
+    first_login()  # someone can log in now: nothing changes
+    assert path.read_text().strip() == password
+    result = runner.invoke(cli, ["user", "passwd", "admin"], input=PASSWORD + "\n")
+    assert result.exit_code == 0 and not path.exists()  # the generated one is gone
