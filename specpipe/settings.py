@@ -214,6 +214,31 @@ def write_admin_password(password: str) -> Path:
     return admin_password_file()
 
 
+def https() -> bool:
+    """`SPECPIPE_HTTPS=1`: the web app is served over HTTPS, so its cookies are `Secure`."""
+    return os.environ.get("SPECPIPE_HTTPS") == "1"
+
+
+_RATE = re.compile(r"\d+/(second|minute|hour|day)")
+
+
+def _env_rate(name: str, default: str) -> str:
+    value = (os.environ.get(name) or default).strip()
+    if not _RATE.fullmatch(value) or int(value.partition("/")[0]) < 1:
+        raise ValueError(f"{name} must be N/second, N/minute, N/hour or N/day, got {value!r}")
+    return value
+
+
+def submit_rate() -> str:
+    """`SPECPIPE_SUBMIT_RATE` (30/minute): jobs one user may submit, form and API together."""
+    return _env_rate("SPECPIPE_SUBMIT_RATE", "30/minute")
+
+
+def login_rate() -> str:
+    """`SPECPIPE_LOGIN_RATE` (10/minute): login attempts from one address."""
+    return _env_rate("SPECPIPE_LOGIN_RATE", "10/minute")
+
+
 # What a job request that leaves a field out gets, from the web form, the API or the CLI.
 JOB_DEFAULTS = {
     "max_new_tokens": 128,
