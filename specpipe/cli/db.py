@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from specpipe.cli.options import store_error
+
 
 @click.group(name="db")
 def db() -> None:
@@ -38,7 +40,7 @@ def db_current() -> None:
     try:
         click.echo(migrate.current(database_url()) or "base (not migrated)")
     except Exception as exc:  # an unreachable database is one line
-        raise click.ClickException(f"could not read the database: {exc}") from exc
+        raise store_error("read the database", exc) from exc
 
 
 def _migrate(direction: str, revision: str) -> None:
@@ -51,4 +53,4 @@ def _migrate(direction: str, revision: str) -> None:
         getattr(migrate, direction)(url, revision)
         click.echo(f"database at revision {migrate.current(url) or 'base'}")
     except Exception as exc:  # driver and Alembic errors become one line
-        raise click.ClickException(f"could not migrate: {exc}") from exc
+        raise store_error("migrate", exc) from exc

@@ -54,3 +54,14 @@ def write_json(json_path: Path | None, result: dict) -> None:
     except OSError as exc:
         raise click.ClickException(f"cannot write {json_path}: {exc.strerror}") from None
     click.echo(f"wrote {json_path}")
+
+
+def store_error(action: str, exc: BaseException) -> click.ClickException:
+    """One readable line for a store that failed under a command: what could not be done, the
+    database's own first line (passwords hidden), and a hint when the schema is missing."""
+    from specpipe.redact import one_line_reason
+
+    reason = one_line_reason(exc)
+    if "no such table" in reason or "UndefinedTable" in reason or "does not exist" in reason:
+        reason += " (is the database migrated? `specpipe db upgrade`)"
+    return click.ClickException(f"could not {action}: {reason}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import click
 
+from specpipe.cli.options import store_error
+
 
 def _session():
     from models.db import make_session_factory
@@ -56,7 +58,7 @@ def token_create(name: str, owner: str | None) -> None:
         except ValueError as exc:
             raise click.ClickException(str(exc)) from exc
         except Exception as exc:  # e.g. the database is not migrated
-            raise click.ClickException(f"could not create the token: {exc}") from exc
+            raise store_error("create the token", exc) from exc
     click.echo(plaintext)
     click.echo("Store it now: it is not shown again.", err=True)
 
@@ -73,7 +75,7 @@ def token_list() -> None:
         try:
             rows = session.scalars(select(ApiToken).order_by(ApiToken.name)).all()
         except Exception as exc:  # e.g. the database is not migrated
-            raise click.ClickException(f"could not read tokens: {exc}") from exc
+            raise store_error("read tokens", exc) from exc
         for row in rows:
             used = as_utc(row.last_used_at)
             state = "revoked" if row.revoked_at else "active"

@@ -10,6 +10,7 @@ import sys
 import click
 
 from specpipe.cli.model import ModelInputError
+from specpipe.cli.options import store_error
 
 
 def _port_free(port: int) -> bool:
@@ -86,7 +87,7 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
     try:
         migrations.upgrade(database_url)
     except Exception as exc:  # an unreachable or broken database is one line
-        raise click.ClickException(f"could not migrate the database: {exc}") from exc
+        raise store_error("migrate the database", exc) from exc
     private_redis = None
     try:
         if settings.configured_redis_url():

@@ -6,6 +6,8 @@ import sys
 
 import click
 
+from specpipe.cli.options import store_error
+
 
 def _session():
     from models.db import make_session_factory
@@ -73,7 +75,7 @@ def user_create(name: str, admin: bool) -> None:
         except ValueError as exc:
             raise click.ClickException(str(exc)) from None
         except Exception as exc:  # e.g. the database is not migrated
-            raise click.ClickException(f"could not create the user: {exc}") from None
+            raise store_error("create the user", exc) from None
     click.echo(f"created {'admin ' if admin else ''}{name}")
 
 
@@ -89,7 +91,7 @@ def user_list() -> None:
         try:
             rows = session.scalars(select(User).order_by(User.name)).all()
         except Exception as exc:  # e.g. the database is not migrated
-            raise click.ClickException(f"could not read users: {exc}") from None
+            raise store_error("read users", exc) from None
         for row in rows:
             role = "admin" if row.is_admin else "user"
             login = "" if row.has_password else "\tno password (specpipe user passwd)"
@@ -107,7 +109,7 @@ def user_passwd(name: str) -> None:
         try:
             row = find_user(session, name)
         except Exception as exc:  # e.g. the database is not migrated
-            raise click.ClickException(f"could not read users: {exc}") from None
+            raise store_error("read users", exc) from None
         if row is None:
             raise click.ClickException(f"no user named {name!r}")
         row.set_password(_checked_password())
@@ -130,5 +132,5 @@ def user_delete(name: str) -> None:
         except (LookupError, ValueError) as exc:
             raise click.ClickException(str(exc)) from None
         except Exception as exc:  # e.g. the database is not migrated
-            raise click.ClickException(f"could not delete the user: {exc}") from None
+            raise store_error("delete the user", exc) from None
     click.echo(f"deleted {name}; {moved} job{'s' if moved != 1 else ''} now belong to admin")

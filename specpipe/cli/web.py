@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from specpipe.cli.options import store_error
+
 
 @click.command(name="web")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
@@ -37,7 +39,7 @@ def web(host: str, port: int, threads: int, migrate: bool) -> None:
         try:
             migrations.upgrade(settings.database_url())
         except Exception as exc:  # an unreachable or broken database is one line
-            raise click.ClickException(f"could not migrate the database: {exc}") from exc
+            raise store_error("migrate the database", exc) from exc
     first_login()
     from app import create_app
 
@@ -61,7 +63,7 @@ def first_login() -> None:
                 return
             path = settings.write_admin_password(password)  # before the commit makes it count
     except Exception as exc:  # an unreachable or unmigrated database is one line
-        raise click.ClickException(f"could not read the users: {exc}") from exc
+        raise store_error("read the users", exc) from exc
     click.echo(
         f"specpipe web: log in as {BUILTIN_ADMIN!r} with the password in {path} "
         f"(change it with `specpipe user passwd {BUILTIN_ADMIN}`)"
