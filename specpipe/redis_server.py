@@ -19,6 +19,8 @@ from pathlib import Path
 
 import redis
 
+from specpipe.redact import redact_url
+
 
 class RedisUnavailable(RuntimeError):
     """No Redis could be found or started."""
@@ -174,7 +176,7 @@ def check_redis(url: str) -> str:
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise RedisUnavailable(f"Redis at {url} does not answer: {exc}") from None
+        raise RedisUnavailable(f"Redis at {redact_url(url)} does not answer: {exc}") from None
     finally:
         client.close()
     return url

@@ -178,10 +178,12 @@ def _check_reachable(url: str, what: str) -> None:
     """A one-line ClickException unless the Redis at `url` answers a ping."""
     import redis
 
+    from specpipe.redact import redact_url
+
     client = redis.Redis.from_url(url, socket_connect_timeout=3)
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise click.ClickException(f"cannot reach {what} at {url}: {exc}") from None
+        raise click.ClickException(f"cannot reach {what} at {redact_url(url)}: {exc}") from None
     finally:
         client.close()

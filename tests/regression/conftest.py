@@ -95,7 +95,7 @@ class Swarm:
         hosts = {s[0] for s in stages}
 
         def online() -> bool:
-            if {n.host for n in inventory.load(self.client, self.name)} >= hosts:
+            if {n.host for n in inventory.load(self.client, self.name, self.key)} >= hosts:
                 return True
             if any(p.poll() is not None for p in self.procs):
                 raise RuntimeError("a stage process exited")

@@ -252,6 +252,7 @@ def test_no_swarm_running_is_one_line(monkeypatch, db_url, private_redis):
     assert len(result.output.strip().splitlines()) == 1
     monkeypatch.setenv("REDIS_URL", private_redis)
     monkeypatch.setenv("SPECPIPE_SWARM", "nobody-here")
+    monkeypatch.setenv("SPECPIPE_SWARM_KEY", "a key that verifies nothing here")
     result = CliRunner().invoke(cli, ["generate", "hi"])
     assert result.exit_code == 1
     assert "no swarm running: no stage is online in swarm 'nobody-here'" in result.output

@@ -33,10 +33,10 @@ def healthy(url: str) -> bool:
         return False
 
 
-def online_hosts(redis_url: str, swarm: str) -> set[str]:
+def online_hosts(redis_url: str, swarm: str, key: str) -> set[str]:
     client = redis.Redis.from_url(redis_url)
     try:
-        return {n.host for n in inventory.load(client, swarm) if n.status() == "online"}
+        return {n.host for n in inventory.load(client, swarm, key) if n.status() == "online"}
     finally:
         client.close()
 
@@ -88,17 +88,18 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
         assert state["redis_url"] != "redis://127.0.0.1:6379/0"  # a private Redis of its own
         for name in ("swarm.json", "swarm_key", "secret_key"):
             assert stat.S_IMODE((home / name).stat().st_mode) == 0o600, name
+        swarm_key = (home / "swarm_key").read_text().strip()
         wait_until(
             lambda: healthy(state["web_url"]), 90, "the web app to be healthy", interval_s=0.2
         )
         wait_until(
-            lambda: len(online_hosts(state["redis_url"], state["swarm"])) == 2,
+            lambda: len(online_hosts(state["redis_url"], state["swarm"], swarm_key)) == 2,
             90,
             "both stages to come online",
             interval_s=0.2,
         )
         client = redis.Redis.from_url(state["redis_url"])
-        nodes = inventory.load(client, state["swarm"])
+        nodes = inventory.load(client, state["swarm"], swarm_key)
         client.close()
         assert all(n.redis_url.startswith("unix://") for n in nodes)  # streams on the socket
 
