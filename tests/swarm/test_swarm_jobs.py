@@ -38,7 +38,8 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def private_redis():
-    with RedisServer() as server:
+    # Locked down as `specpipe up` runs it: a password and only the commands the swarm uses.
+    with RedisServer(password=secrets.token_hex(16)) as server:
         yield server.url
 
 
@@ -62,6 +63,7 @@ def env(monkeypatch, swarm, db_url):
     """This process talks to the test swarm and its store, as a user's shell would."""
     monkeypatch.setenv("REDIS_URL", swarm.redis_url)
     monkeypatch.setenv("SPECPIPE_SWARM", swarm.swarm)
+    monkeypatch.setenv("SPECPIPE_SWARM_KEY", swarm.key)
     monkeypatch.setenv("DATABASE_URL", db_url)
     return db_url
 
