@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
@@ -139,7 +140,7 @@ class RedisServer:
         self.port = port or free_port()
         self.password = password
         self.maxmemory = maxmemory
-        auth = f"{USER}:{password}@" if password else ""
+        auth = f"{USER}:{quote(password, safe='')}@" if password else ""
         self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen | None = None
         self.data_dir = data_dir

@@ -53,7 +53,7 @@ def test_whoever_has_not_the_password_is_refused(locked):
         with pytest.raises(redis.AuthenticationError):
             client.ping()
         client.close()
-    assert locked.url.startswith(f"redis://{USER}:correct horse@127.0.0.1:")
+    assert locked.url.startswith(f"redis://{USER}:correct%20horse@127.0.0.1:")
 
 
 @pytest.mark.parametrize("command", FORBIDDEN, ids=lambda c: " ".join(c[:2]))
@@ -113,6 +113,14 @@ def test_an_xadd_over_the_largest_wire_message_is_refused(locked):
     assert MAX_MESSAGE_BYTES < limit <= MAX_MESSAGE_BYTES + 4 * 2**20
     assert not _bulk_header_refused(locked, limit)
     assert _bulk_header_refused(locked, limit + 1)
+
+
+def test_a_password_of_any_characters_goes_into_the_urls(tmp_path):
+    with RedisServer(data_dir=tmp_path / "r", password="p@ss:w/rd?#%") as server:
+        for url in (server.url, server.socket_url):
+            client = redis.Redis.from_url(url)
+            assert client.ping()
+            client.close()
 
 
 def test_a_restart_keeps_port_password_and_data(tmp_path):
