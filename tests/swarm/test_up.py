@@ -93,15 +93,6 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
         swarm_key = (home / "swarm_key").read_text().strip()
         password = (home / "redis_password").read_text().strip()
         assert state["redis_url"].startswith(f"redis://specpipe:{password}@127.0.0.1:")
-        # Its Redis refuses whoever has not the password.
-        port_of_redis = redis.connection.parse_url(state["redis_url"])["port"]
-        once = {"port": port_of_redis, "retry": Retry(NoBackoff(), 0)}
-        for anonymous in (
-            redis.Redis(**once),
-            redis.Redis(username="specpipe", password="x", **once),
-        ):
-            with pytest.raises(redis.AuthenticationError):
-                anonymous.ping()
         wait_until(
             lambda: healthy(state["web_url"]), 90, "the web app to be healthy", interval_s=0.2
         )
@@ -111,6 +102,22 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
             "both stages to come online",
             interval_s=0.2,
         )
+        # Its Redis refuses whoever has not the password.
+        port_of_redis = redis.connection.parse_url(state["redis_url"])["port"]
+        once = {"port": port_of_redis, "retry": Retry(NoBackoff(), 0)}
+        for anonymous in (
+            redis.Redis(**once),
+            redis.Redis(username="specpipe", password="x", **once),
+        ):
+            with pytest.raises(redis.AuthenticationError):
+                anonymous.ping()
+        # And the swarm's own user cannot reconfigure, list, empty or stop it.
+        swarm_user = redis.Redis.from_url(state["redis_url"])
+        for command in (("CONFIG", "SET", "maxmemory", "0"), ("KEYS", "*"), ("FLUSHALL",),
+                        ("SHUTDOWN", "NOSAVE")):  # fmt: skip
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                swarm_user.execute_command(*command)
+        swarm_user.close()
         client = redis.Redis.from_url(state["redis_url"])
         nodes = inventory.load(client, state["swarm"], swarm_key)
         client.close()
