@@ -91,7 +91,7 @@ def test_a_stage_round_copied_into_the_reply_stream_does_not_end_the_job(ring, s
     client.close()
 
 
-def test_replayed_resets_and_rounds_change_nothing(ring, stages, swarm, redis_url):
+def test_replayed_resets_and_rounds_change_nothing(ring, stages, swarm, key, redis_url):
     """On main: two replayed resets force a gap, a replay, a second gap and a failed job; a
     drop and the first rounds replayed make every stage redo its forwards."""
     taps = {host: Tap(redis_url, streams.stage_key(swarm, host)) for host in ("h0", "h1")}
@@ -101,7 +101,7 @@ def test_replayed_resets_and_rounds_change_nothing(ring, stages, swarm, redis_ur
         tap.close()
     wait_until(lambda: all_caught_up(redis_url, swarm), 10, "both stages to be idle")
     for host in taps:
-        two_heartbeats_later(redis_url, swarm, host)  # its counters are in Redis
+        two_heartbeats_later(redis_url, swarm, key, host)  # its counters are in Redis
     processed = {h: stats(redis_url, swarm, h).get("processed", 0) for h in taps}
     client = redis.Redis.from_url(redis_url)
     drop = wire.Message(kind="drop", session="s")  # what an attacker cannot sign: ignored
@@ -120,7 +120,7 @@ def test_replayed_resets_and_rounds_change_nothing(ring, stages, swarm, redis_ur
     got, _ = drive(ring, "s", rounds=3, k=2, committed=committed)
     assert got == reference(BOUNDS, rounds=4, k=2)[0]
     for host in taps:  # no forward was redone: only the three new rounds ran
-        two_heartbeats_later(redis_url, swarm, host)
+        two_heartbeats_later(redis_url, swarm, key, host)
         assert stats(redis_url, swarm, host).get("processed") == processed[host] + 3
         assert stats(redis_url, swarm, host).get("gaps", 0) == 0
     client.close()
