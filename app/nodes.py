@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import math
 
-from flask import Blueprint, render_template
+import redis
+from flask import Blueprint, current_app, render_template
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from app.db import get_session
 from models.db import utcnow
 from models.nodes import Node, ring_nodes
+from specpipe import inventory
 from specpipe.inventory import lossy_warning
+from specpipe.settings import swarm_keys, swarm_name
 
 bp = Blueprint("nodes", __name__, url_prefix="/nodes")
 
@@ -51,6 +56,21 @@ def ring_arrows(points: list[dict], node_radius: float = 34) -> list[dict]:
     return arrows
 
 
+def ignored_records() -> int | None:
+    """How many records in the live inventory fail to verify; None when it cannot be read."""
+    keys = swarm_keys()
+    if not keys:
+        return None
+    client = redis.Redis.from_url(current_app.config["REDIS_URL"], socket_connect_timeout=0.5,
+                                  socket_timeout=1, retry=Retry(NoBackoff(), 0))  # fmt: skip
+    try:
+        return inventory.read(client, swarm_name(), keys).ignored
+    except (redis.RedisError, ValueError):
+        return None
+    finally:
+        client.close()
+
+
 @bp.get("/")
 def index():
     """All nodes in ring order with status and last heartbeat; a node running the test-only
@@ -73,4 +93,5 @@ def index():
         points=points,
         arrows=ring_arrows(points),
         lossy_warning=lossy_warning(lossy) if lossy else None,
+        ignored=ignored_records(),
     )

@@ -4,6 +4,12 @@ Every stage worker publishes a `NodeInfo` as JSON into the hash `specpipe:{swarm
 swarm's registry Redis and refreshes it (its heartbeat) while it runs. A node is *online* when
 its last heartbeat is at most 30 s old, *stale* up to 120 s, *offline* after that. `route`
 builds a ring from the online nodes: stages that cover every layer exactly once, in order.
+
+Records are signed: each value is `<HMAC-SHA256 hex> <record JSON>`, the tag computed with the
+swarm key over the swarm's name and the record's exact bytes. `read` checks the tag (constant
+time) before it parses anything, and ignores, and counts, every record that is unsigned, forged,
+filed under another host's name, malformed, or dated more than `MAX_SKEW_S` in the future (such
+a record would win every route as the freshest replica). Routing never raises on a bad record.
 Public IP and geo label come from configuration; nothing here asks the internet.
 A node whose worker runs with the test-only `SPECPIPE_TEST_LOSSY_TAIL=1` says so in its record
 (`test_lossy_tail`), so a leaked variable shows wherever the inventory does.
@@ -11,20 +17,27 @@ A node whose worker runs with the test-only `SPECPIPE_TEST_LOSSY_TAIL=1` says so
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
 import platform
 import time
+from collections.abc import Sequence
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 import redis
 
 from specpipe import __version__
+from specpipe.redact import redact_url
 from specpipe.settings import TEST_LOSSY_TAIL_VAR
 
 ONLINE_S = 30.0
 STALE_S = 120.0
+MAX_SKEW_S = 30.0  # a heartbeat further ahead of this host's clock is not believed
+_MAC_CONTEXT = b"specpipe inventory record v1\x00"
+Keys = bytes | str | Sequence[bytes | str]  # one swarm key, or those a rotation accepts
 
 
 def heartbeat_status(age_s: float) -> str:
@@ -73,8 +86,8 @@ class NodeInfo:
         return heartbeat_status((time.time() if now is None else now) - self.last_heartbeat)
 
     def to_json(self) -> str:
-        """The record as stored in Redis."""
-        return json.dumps(asdict(self), sort_keys=True)
+        """The record as JSON, in the one canonical encoding that is signed."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"), allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> NodeInfo:
@@ -105,6 +118,16 @@ def _checked(name: str, value: object, kind: type) -> object:
     if not ok or (kind is float and not math.isfinite(value)):
         raise ValueError(f"node field {name!r} is not a valid {kind.__name__}")
     return value
+
+
+def _well_formed(node: NodeInfo) -> bool:
+    """Whether every field of `node` has its declared type (a NodeInfo built in code may not)."""
+    try:
+        for f in fields(NodeInfo):
+            _checked(f.name, getattr(node, f.name), _FIELD_TYPES[f.name])
+    except ValueError:
+        return False
+    return True
 
 
 def lossy_hosts(nodes: list[NodeInfo]) -> list[str]:
@@ -162,10 +185,52 @@ def hardware() -> dict[str, str | int]:
     return info
 
 
-def publish(client: redis.Redis, swarm: str, node: NodeInfo, now: float | None = None) -> NodeInfo:
-    """Record (or refresh) a node with the current time as its heartbeat."""
+def _key_bytes(key: bytes | str | None) -> bytes:
+    if not key:
+        raise ValueError("the inventory is signed: a swarm key is needed (SPECPIPE_SWARM_KEY)")
+    return key.encode() if isinstance(key, str) else key
+
+
+def _keys(keys: Keys | None) -> list[bytes]:
+    """The keys a record may be signed with: one key, or those a rotation still accepts."""
+    if isinstance(keys, bytes | str) or keys is None:
+        return [_key_bytes(keys)]
+    return [_key_bytes(key) for key in keys] or [_key_bytes(None)]
+
+
+def _tag(record: bytes, swarm: str, key: bytes) -> str:
+    name = swarm.encode()
+    message = _MAC_CONTEXT + len(name).to_bytes(4, "big") + name + record
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def sign_record(record: str, swarm: str, key: bytes | str) -> str:
+    """The stored form of a record's JSON: its tag under `key` for `swarm`, a space, the JSON."""
+    return f"{_tag(record.encode(), swarm, _key_bytes(key))} {record}"
+
+
+def verify_record(host: str, value: bytes | str, swarm: str, keys: Keys,
+                  now: float) -> NodeInfo:  # fmt: skip
+    """The node a stored value describes; ValueError when it is unsigned (by none of `keys`),
+    forged, filed under another host, malformed, or dated more than MAX_SKEW_S after `now`."""
+    raw = value if isinstance(value, bytes) else value.encode()
+    tag, _, record = raw.partition(b" ")
+    if not any(hmac.compare_digest(tag, _tag(record, swarm, key).encode()) for key in _keys(keys)):
+        raise ValueError("unsigned or forged node record")
+    node = NodeInfo.from_json(record)
+    if node.host != host:
+        raise ValueError("node record filed under another host")
+    if node.last_heartbeat > now + MAX_SKEW_S:
+        raise ValueError("node record dated in the future")
+    return node
+
+
+def publish(client: redis.Redis, swarm: str, node: NodeInfo, key: bytes | str,
+            now: float | None = None) -> NodeInfo:  # fmt: skip
+    """Record (or refresh) a node, signed with the swarm key, with the current time as its
+    heartbeat."""
     node = replace(node, last_heartbeat=time.time() if now is None else now)
-    client.hset(nodes_key(swarm), node.host, node.to_json())
+    client.hset(nodes_key(swarm), node.host, sign_record(node.to_json(), swarm, key))
     return node
 
 
@@ -174,15 +239,39 @@ def remove(client: redis.Redis, swarm: str, host: str) -> None:
     client.hdel(nodes_key(swarm), host)
 
 
-def load(client: redis.Redis, swarm: str) -> list[NodeInfo]:
-    """Every recorded node, in ring order (by first layer), unreadable records skipped."""
-    nodes = []
-    for raw in client.hgetall(nodes_key(swarm)).values():
+@dataclass(frozen=True)
+class Inventory:
+    """The nodes whose records verified, in ring order, and how many records were ignored."""
+
+    nodes: list[NodeInfo]
+    ignored: int  # unsigned, forged, malformed or future-dated records
+
+
+def read(client: redis.Redis, swarm: str, keys: Keys | None,
+         now: float | None = None) -> Inventory:  # fmt: skip
+    """Every verified node, in ring order (by first layer), and the count of ignored records.
+    `keys`: the swarm key, or every key a rotation still accepts."""
+    accepted = _keys(keys)
+    now = time.time() if now is None else now
+    nodes, ignored = [], 0
+    for host, value in client.hgetall(nodes_key(swarm)).items():
         try:
-            nodes.append(NodeInfo.from_json(raw))
+            nodes.append(verify_record(host.decode(errors="replace"), value, swarm, accepted, now))
         except (ValueError, TypeError):
-            continue
-    return sorted(nodes, key=lambda n: (n.layer_start, n.layer_end, n.host))
+            ignored += 1
+    return Inventory(sorted(nodes, key=lambda n: (n.layer_start, n.layer_end, n.host)), ignored)
+
+
+def load(client: redis.Redis, swarm: str, keys: Keys | None,
+         now: float | None = None) -> list[NodeInfo]:  # fmt: skip
+    """Every verified node, in ring order (by first layer); bad records are skipped."""
+    return read(client, swarm, keys, now).nodes
+
+
+def ignored_note(count: int) -> str:
+    """One line saying how many inventory records were ignored, and why such records are."""
+    noun = "record" if count == 1 else "records"
+    return f"{count} inventory {noun} ignored: unsigned, forged, malformed or dated in the future"
 
 
 def route(
@@ -198,7 +287,8 @@ def route(
     usable = [
         n
         for n in nodes
-        if n.status(now) == "online"
+        if _well_formed(n)
+        and n.status(now) == "online"
         and 0 <= n.layer_start < n.layer_end <= n_layers
         and (model is None or not n.model or n.model == model)
     ]
@@ -264,7 +354,7 @@ def table(nodes: list[NodeInfo], now: float | None = None) -> list[str]:
                 n.layers,
                 n.status(now),
                 f"{max(0.0, now - n.last_heartbeat):.0f}s ago",
-                n.redis_url,
+                redact_url(n.redis_url),
                 n.geo or "-",
                 n.public_ip or "-",
                 gpu,

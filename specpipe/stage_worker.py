@@ -142,7 +142,7 @@ class StageWorker:
         try:
             if self.node is not None:
                 registry = self.connections.get(self.config.registry_url or self.config.redis_url)
-                inventory.publish(registry, self.config.swarm, self.node)
+                inventory.publish(registry, self.config.swarm, self.node, self.keys.current)
             self.flush_counters()
         except redis.RedisError as exc:
             log.warning("%s: heartbeat failed: %s", self.config.host, exc)

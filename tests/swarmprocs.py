@@ -21,7 +21,12 @@ SPECPIPE = [sys.executable, "-m", "specpipe"]
 
 
 def wait_heartbeats(
-    registry: str, swarm: str, procs: dict[str, subprocess.Popen], hosts, timeout_s: float
+    registry: str,
+    swarm: str,
+    key: str | bytes,
+    procs: dict[str, subprocess.Popen],
+    hosts,
+    timeout_s: float,
 ) -> None:
     """Wait until each stage host has heartbeated since now; fail early if its process exits."""
     client = redis.Redis.from_url(registry)
@@ -29,7 +34,7 @@ def wait_heartbeats(
     pending = set(hosts)
 
     def all_up() -> bool:
-        for node in inventory.load(client, swarm):
+        for node in inventory.load(client, swarm, key):
             if node.host in pending and node.last_heartbeat >= since:
                 pending.discard(node.host)
         for host in pending:
@@ -113,7 +118,7 @@ class Swarm:
 
     def wait_stages(self, hosts, timeout_s: float = 90.0) -> None:
         """Wait until each host has heartbeated since now."""
-        wait_heartbeats(self.redis_url, self.swarm, self.procs, hosts, timeout_s)
+        wait_heartbeats(self.redis_url, self.swarm, self.key, self.procs, hosts, timeout_s)
 
     def stop(self) -> None:
         """SIGTERM everything still running, SIGKILL what does not stop."""

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from models.nodes import NODE_FIELDS, upsert_node
 from specpipe import inventory
+from specpipe.redact import redact_url
 from specpipe.settings import Settings
 from workers.names import SYNC_NODES_TASK
 
@@ -20,6 +21,7 @@ def sync_inventory(session: Session, nodes: list[inventory.NodeInfo]) -> int:
     for node in inventory.with_roles(nodes):
         fields = {name: getattr(node, name) for name in NODE_FIELDS if hasattr(node, name)}
         fields["last_heartbeat"] = datetime.fromtimestamp(node.last_heartbeat, UTC)
+        fields["redis_url"] = redact_url(node.redis_url)  # the store never holds a password
         if node.gpu_name == "cpu" and node.cpu_model:
             fields["gpu_name"] = f"cpu ({node.cpu_model})"
         upsert_node(session, node.host, **fields)
@@ -32,7 +34,7 @@ def sync(self) -> int:
     settings = Settings.from_env()
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3)
     try:
-        nodes = inventory.load(client, settings.swarm)
+        nodes = inventory.load(client, settings.swarm, settings.accepted_swarm_keys)
     finally:
         client.close()
     count = sync_inventory(self.session, nodes)

@@ -270,6 +270,7 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
     from models.db import make_session_factory
     from models.jobs import Job
     from specpipe import inventory, settings
+    from specpipe.redact import redact_url
     from workers.submission import QueueUnavailable, Submitter
 
     config = settings.Settings.from_env()
@@ -278,15 +279,20 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
     hint = "start one with `specpipe up`, or set REDIS_URL"
     client = redis.Redis.from_url(url, socket_connect_timeout=3)
     try:
-        nodes = inventory.load(client, swarm)
+        client.ping()
+        keys = config.accepted_swarm_keys
+        nodes = inventory.load(client, swarm, keys) if keys else []
     except redis.RedisError as exc:
-        raise click.ClickException(f"no swarm running: cannot reach Redis at {url} ({exc}); "
-                                   f"{hint}") from None  # fmt: skip
+        raise click.ClickException(f"no swarm running: cannot reach Redis at {redact_url(url)} "
+                                   f"({exc}); {hint}") from None  # fmt: skip
     finally:
         client.close()
+    if not config.swarm_key:
+        raise click.ClickException("no swarm running here: no swarm key; set SPECPIPE_SWARM_KEY, "
+                                   "or start one with `specpipe up`")  # fmt: skip
     if not any(n.status() == "online" for n in nodes):
         raise click.ClickException(f"no swarm running: no stage is online in swarm {swarm!r} "
-                                   f"at {url}; {hint}")  # fmt: skip
+                                   f"at {redact_url(url)}; {hint}")  # fmt: skip
 
     sessions = make_session_factory(config.database_url)
     with sessions() as session:
@@ -295,8 +301,8 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
         except QueueUnavailable as exc:
             raise click.ClickException(f"job {exc.job.id}: {exc}") from None
         except Exception as exc:  # e.g. a store that was never migrated
-            raise click.ClickException(f"cannot store the job in {config.database_url}: "
-                                       f"{exc}") from None  # fmt: skip
+            where = redact_url(config.database_url)
+            raise click.ClickException(f"cannot store the job in {where}: {exc}") from None
     warned, queued_since = False, time.monotonic()
     try:
         while True:

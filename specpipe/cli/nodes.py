@@ -17,13 +17,19 @@ import click
               help="The swarm's name [default: SPECPIPE_SWARM, else the running swarm's, else "
                    "`default`].")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True,
-              help="Print JSON: each node's record, role, status and stage counters.")  # fmt: skip
+              help="Print JSON: each node's record, role, status and stage counters, and the "
+                   "count of ignored records.")  # fmt: skip
 def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     """List every stage host: role, layers, status by heartbeat, Redis, geo, GPU.
 
-    With --json each node also carries `stats`, read from its own Redis: rounds processed,
-    messages dropped, replayed, gaps, errors, and running means of its forward and of what
-    the hop adds around it (`forward_ms`, `hop_ms`); null where that Redis cannot be reached.
+    Records are signed with the swarm key (SPECPIPE_SWARM_KEY, else the one `specpipe up`
+    keeps); unsigned, forged, malformed or future-dated ones are left out and counted. Passwords
+    in Redis URLs are shown as ***.
+
+    With --json the output is {"swarm", "nodes", "ignored_records"}, and each node also carries
+    `stats`, read from its own Redis: rounds processed, messages dropped, replayed, gaps,
+    errors, and running means of its forward and of what the hop adds around it (`forward_ms`,
+    `hop_ms`); null where that Redis cannot be reached.
 
     A node whose worker runs with the test-only SPECPIPE_TEST_LOSSY_TAIL=1 is marked TEST LOSSY
     TAIL (`test_lossy_tail` in JSON), and a warning naming it goes to stderr: its output is NOT
@@ -36,6 +42,7 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     import redis
 
     from specpipe import inventory, settings
+    from specpipe.redact import redact_url
 
     redis_url = (
         redis_url or settings.configured_redis_url() or settings.swarm_file().get("redis_url")
@@ -43,24 +50,33 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     swarm = swarm or settings.swarm_name()
     if not redis_url:
         raise click.ClickException("no swarm Redis: set REDIS_URL or pass --redis")
+    keys = settings.swarm_keys()
+    if not keys:
+        raise click.ClickException(
+            "no swarm key to check the inventory with: set SPECPIPE_SWARM_KEY "
+            "(or run `specpipe up`, which keeps one)"
+        )
     client = redis.Redis.from_url(redis_url, socket_connect_timeout=3)
     try:
-        found = inventory.load(client, swarm)
+        found = inventory.read(client, swarm, keys)
     except redis.RedisError as exc:
-        raise click.ClickException(f"cannot read the inventory at {redis_url}: {exc}") from None
+        where = redact_url(redis_url)
+        raise click.ClickException(f"cannot read the inventory at {where}: {exc}") from None
     finally:
         client.close()
-    lossy = inventory.lossy_hosts(found)
+    lossy = inventory.lossy_hosts(found.nodes)
     if lossy:
         click.echo(f"warning: {inventory.lossy_warning(lossy)}", err=True)
     if as_json:
-        click.echo(json.dumps(_records(found, swarm), indent=2))
+        records = _records(found.nodes, swarm)
+        click.echo(json.dumps({"swarm": swarm, "nodes": records,
+                               "ignored_records": found.ignored}, indent=2))  # fmt: skip
         return
-    if not found:
-        click.echo(f"no nodes in swarm {swarm!r}")
-        return
-    for line in inventory.table(found):
+    lines = inventory.table(found.nodes) if found.nodes else [f"no nodes in swarm {swarm!r}"]
+    for line in lines:
         click.echo(line)
+    if found.ignored:
+        click.echo(inventory.ignored_note(found.ignored))
 
 
 def _records(found: list, swarm: str) -> list[dict]:
@@ -68,6 +84,7 @@ def _records(found: list, swarm: str) -> list[dict]:
     import redis
 
     from specpipe import inventory, streams
+    from specpipe.redact import redact_url
 
     now = time.time()
     clients: dict[str, redis.Redis] = {}  # one per Redis: a one-machine swarm shares one
@@ -83,7 +100,8 @@ def _records(found: list, swarm: str) -> list[dict]:
                 stats = streams.read_stats(client, swarm, node.host)
             except (redis.RedisError, ValueError):
                 stats = None
-            records.append({**asdict(node), "status": node.status(now), "stats": stats})
+            record = {**asdict(node), "redis_url": redact_url(node.redis_url)}
+            records.append({**record, "status": node.status(now), "stats": stats})
     finally:
         for client in clients.values():
             client.close()

@@ -35,6 +35,7 @@ def regression_run(timeout: float) -> None:
     """
     import redis
 
+    from specpipe.redact import redact_url
     from specpipe.settings import Settings
     from workers.celery_app import celery
     from workers.names import COORDINATOR_QUEUE, NIGHTLY_TASK
@@ -55,7 +56,7 @@ def regression_run(timeout: float) -> None:
             if outcome is None:
                 time.sleep(0.5)
     except redis.RedisError as exc:
-        raise click.ClickException(f"cannot reach Redis at {url}: {exc}") from None
+        raise click.ClickException(f"cannot reach Redis at {redact_url(url)}: {exc}") from None
     finally:
         client.close()
     if outcome is None:

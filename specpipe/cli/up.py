@@ -48,11 +48,12 @@ def _alive(pid: object) -> bool:
 def up(stages: int, model_name: str, port: int, dtype: str, status_every: float) -> None:
     """Run the swarm here: Redis, stage workers, coordinator, beat and the web app.
 
-    Without REDIS_URL a private Redis is started on a free port. The swarm key and SECRET_KEY
-    are made on first start and kept in the instance folder ($SPECPIPE_HOME, else ./instance),
-    mode 0600; the store is migrated. Every process is restarted when it dies; Ctrl-C stops
-    them all. Other commands (`specpipe generate`, `specpipe nodes`) find the swarm through
-    instance/swarm.json.
+    Without REDIS_URL a private Redis is started on a free port, locked down: a password, and
+    only the commands the swarm uses (SPECPIPE_REDIS_MAXMEMORY, default 2gb, bounds its memory).
+    The swarm key, SECRET_KEY and the Redis password are made on first start and kept in the
+    instance folder ($SPECPIPE_HOME, else ./instance), mode 0600; the store is migrated. Every
+    process is restarted when it dies; Ctrl-C stops them all. Other commands (`specpipe
+    generate`, `specpipe nodes`) find the swarm through instance/swarm.json.
 
     Example:
 
@@ -62,6 +63,7 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
     from specpipe import settings
     from specpipe.model.errors import ModelError
     from specpipe.model.resolve import even_split, open_checkpoint
+    from specpipe.redact import redact_url
     from specpipe.redis_server import RedisServer, RedisUnavailable, check_redis
     from specpipe.supervisor import ProcessSpec, Supervisor
 
@@ -94,10 +96,15 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
             redis_url = check_redis(settings.configured_redis_url())
         else:
             # Supervised like the other processes, with its data in the instance folder: a
-            # Redis that dies is started again on the same port, with what was queued.
-            private_redis = RedisServer(data_dir=home / "redis")
+            # Redis that dies is started again on the same port and password, with what was
+            # queued.
+            private_redis = RedisServer(
+                data_dir=home / "redis",
+                password=settings.ensure_redis_password(),
+                maxmemory=settings.redis_maxmemory(),
+            )
             redis_url = private_redis.url
-    except RedisUnavailable as exc:
+    except (RedisUnavailable, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
 
     # The stages' streams go over the private Redis's unix socket where it has one.
@@ -132,10 +139,10 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
                 dtype,
                 "--threads",
                 str(threads),
-                "--redis",
-                data_url,
             ],
-            env,
+            # Its Redis (and registry) from the environment: a URL with a password stays off
+            # the command line, which every user of the machine can read.
+            {**env, "REDIS_URL": data_url},
         )  # fmt: skip
         for i, (a, b) in enumerate(split)
     ]
@@ -152,12 +159,12 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
     web_url = f"http://127.0.0.1:{port}/"
     state = {"redis_url": redis_url, "web_url": web_url, "swarm": swarm, "pid": os.getpid(),
              "model": model_name, "stages": stages, "database_url": database_url}  # fmt: skip
-    # Owner-only: the database URL may carry a password.
+    # Owner-only: the Redis URL carries its password, the database URL may.
     fd = os.open(state_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
         handle.write(json.dumps(state, indent=2) + "\n")
-    where = "private Redis" if private_redis else "Redis"
-    click.echo(f"specpipe up: {web_url}  ({stages} stages of {model_name}, {where} {redis_url})")
+    where = f"{'private ' if private_redis else ''}Redis {redact_url(redis_url)}"
+    click.echo(f"specpipe up: {web_url}  ({stages} stages of {model_name}, {where})")
     supervisor = Supervisor(specs, out=lambda line: click.echo(line))
     try:
         supervisor.run(status_every_s=status_every)  # Redis starts first and stops last

@@ -191,11 +191,13 @@ def _check_reachable(url: str, what: str) -> None:
     """A one-line ClickException unless the Redis at `url` answers a ping."""
     import redis
 
+    from specpipe.redact import redact_url
+
     client = redis.Redis.from_url(url, socket_connect_timeout=3)
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise click.ClickException(f"cannot reach {what} at {url}: {exc}") from None
+        raise click.ClickException(f"cannot reach {what} at {redact_url(url)}: {exc}") from None
     finally:
         client.close()
 
@@ -204,4 +206,4 @@ def _keyring(config: Settings) -> Keyring:
     """The keyring of `config`'s swarm keys: the signing one and those still accepted."""
     from specpipe.wire import Keyring
 
-    return Keyring([config.swarm_key, *config.old_swarm_keys])
+    return Keyring(config.accepted_swarm_keys)

@@ -37,8 +37,9 @@ STAGES = (("wa-1", "0:2", "WA", "198.51.100.7"), ("nj-1", "2:4", "NJ", "203.0.11
 
 @pytest.fixture(scope="session")
 def private_redis() -> str:
-    """A redis-server of this suite's own on a free port."""
-    with RedisServer() as server:
+    """A redis-server of this suite's own on a free port, locked down as `specpipe up` runs it:
+    a password, and only the commands the swarm uses."""
+    with RedisServer(password=secrets.token_hex(16)) as server:
         yield server.url
 
 
@@ -95,7 +96,7 @@ class Swarm:
         hosts = {s[0] for s in stages}
 
         def online() -> bool:
-            if {n.host for n in inventory.load(self.client, self.name)} >= hosts:
+            if {n.host for n in inventory.load(self.client, self.name, self.key)} >= hosts:
                 return True
             if any(p.poll() is not None for p in self.procs):
                 raise RuntimeError("a stage process exited")
@@ -131,10 +132,9 @@ class Swarm:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        keys = list(self.client.scan_iter(f"specpipe:{self.name}:*"))
-        if keys:
-            self.client.delete(*keys)
-        self.client.delete("coordinator")
+        # The swarm's name is its own; the rest of its keys go with the server at the end of the
+        # session (its ACL, like `specpipe up`'s, lists no keys: no SCAN, no KEYS).
+        self.client.delete(inventory.nodes_key(self.name), "coordinator")
         self.client.close()
 
 

@@ -74,7 +74,7 @@ def test_a_ring_with_a_test_lossy_tail_is_a_warning_line(
     for host, start, end in (("wa", 0, 2), ("nj", 2, 4)):
         node = inventory.NodeInfo(host, start, end, redis_url_for_cli,
                                   test_lossy_tail=lossy and host == "nj")  # fmt: skip
-        inventory.publish(client, swarm, node)
+        inventory.publish(client, swarm, node, "k" * 32)
     try:
         ring, _target, where = open_ring(None, None, None)
         ring.close()

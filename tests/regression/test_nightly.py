@@ -6,13 +6,14 @@ import json
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 from click.testing import CliRunner
 from sqlalchemy import func, select
 
 import tests.regression.toy_target  # noqa: F401  (the `toy` target)
 from app import create_app
-from models.db import make_session_factory
+from models.db import make_session_factory, utcnow
 from models.nodes import ring_nodes
 from models.records import record_of
 from models.runs import Run
@@ -179,9 +180,14 @@ def test_two_schedulers_firing_at_once_store_one_run(live_swarm, monkeypatch):
     enqueue(live_swarm, monkeypatch)
 
     def both_attempts() -> tuple[bytes, list[bytes]] | None:
-        keys = list(live_swarm.client.scan_iter(attempts_key(live_swarm.name, "*")))
-        attempts = live_swarm.client.lrange(keys[0], 0, -1) if keys else []
-        return (keys[0], attempts) if len(attempts) == 2 else None
+        # The night's key is its UTC date (the day before, if midnight passed since enqueuing).
+        today = utcnow().date()
+        for day in (today - timedelta(days=1), today):
+            key = attempts_key(live_swarm.name, f"night-{day.isoformat()}")
+            attempts = live_swarm.client.lrange(key, 0, -1)
+            if len(attempts) == 2:
+                return key.encode(), attempts
+        return None
 
     key, attempts = wait_until(both_attempts, 150, "both workers' attempts", interval_s=0.2)
     outcome = json.loads(live_swarm.wait_result(key.decode().rsplit(":", 1)[1]))

@@ -91,7 +91,7 @@ class Stages:
 
     def wait_ready(self, hosts, timeout_s: float = 60.0) -> None:
         """Wait until each host has heartbeated since it was (re)started."""
-        wait_heartbeats(self.registry, self.swarm, self.procs, hosts, timeout_s)
+        wait_heartbeats(self.registry, self.swarm, self.key, self.procs, hosts, timeout_s)
 
     def kill9(self, host: str) -> None:
         proc = self.procs[host]

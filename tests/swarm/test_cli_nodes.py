@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import redis
 from click.testing import CliRunner
 
@@ -11,10 +12,16 @@ from specpipe.inventory import NodeInfo
 from specpipe.redis_server import free_port
 
 
-def test_nodes_prints_the_inventory_in_ring_order(swarm, redis_url):
+@pytest.fixture(autouse=True)
+def swarm_key(monkeypatch, key):
+    """`specpipe nodes` checks every record with the swarm key."""
+    monkeypatch.setenv("SPECPIPE_SWARM_KEY", key.decode())
+
+
+def test_nodes_prints_the_inventory_in_ring_order(swarm, redis_url, key):
     client = redis.Redis.from_url(redis_url)
-    inventory.publish(client, swarm, NodeInfo("nj", 2, 4, redis_url, role="tail", geo="NJ"))
-    inventory.publish(client, swarm, NodeInfo("wa", 0, 2, redis_url, role="stage0", geo="WA"))
+    inventory.publish(client, swarm, NodeInfo("nj", 2, 4, redis_url, role="tail", geo="NJ"), key)
+    inventory.publish(client, swarm, NodeInfo("wa", 0, 2, redis_url, role="stage0", geo="WA"), key)
     client.close()
     result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm])
     assert result.exit_code == 0, result.output
@@ -40,17 +47,19 @@ def test_nodes_errors_are_one_line(monkeypatch):
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
 
 
-def test_nodes_json_lists_records_status_and_stage_stats_in_ring_order(swarm, redis_url):
+def test_nodes_json_lists_records_status_and_stage_stats_in_ring_order(swarm, redis_url, key):
     client = redis.Redis.from_url(redis_url)
-    inventory.publish(client, swarm, NodeInfo("nj", 2, 4, redis_url, geo="NJ"))
-    inventory.publish(client, swarm, NodeInfo("wa", 0, 2, redis_url, geo="WA"))
+    inventory.publish(client, swarm, NodeInfo("nj", 2, 4, redis_url, geo="NJ"), key)
+    inventory.publish(client, swarm, NodeInfo("wa", 0, 2, redis_url, geo="WA"), key)
     away = f"redis://127.0.0.1:{free_port()}/0"
-    inventory.publish(client, swarm, NodeInfo("tx", 0, 2, away))  # its own Redis is down
+    inventory.publish(client, swarm, NodeInfo("tx", 0, 2, away), key)  # its own Redis is down
     client.hset(streams.stats_key(swarm, "nj"), mapping={"processed": 7, "forward_ms": 1.5})
     client.close()
     result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, "--json"])
     assert result.exit_code == 0, result.output
-    records = json.loads(result.output)
+    out = json.loads(result.output)
+    assert out["swarm"] == swarm and out["ignored_records"] == 0
+    records = out["nodes"]
     assert [(r["host"], r["role"], r["status"]) for r in records] == [
         ("tx", "stage0", "online"),
         ("wa", "stage0", "online"),
@@ -63,13 +72,40 @@ def test_nodes_json_lists_records_status_and_stage_stats_in_ring_order(swarm, re
 
 def test_nodes_json_of_an_empty_swarm_is_an_empty_list(swarm, redis_url):
     result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, "--json"])
-    assert result.exit_code == 0 and json.loads(result.output) == []
+    assert result.exit_code == 0
+    assert json.loads(result.output) == {"swarm": swarm, "nodes": [], "ignored_records": 0}
 
 
-def test_nodes_flags_a_test_lossy_tail_in_text_and_json(swarm, redis_url):
+def test_nodes_count_ignored_records_and_hide_passwords(swarm, redis_url, key):
     client = redis.Redis.from_url(redis_url)
-    inventory.publish(client, swarm, NodeInfo("nj", 2, 4, redis_url, test_lossy_tail=True))
-    inventory.publish(client, swarm, NodeInfo("wa", 0, 2, redis_url))
+    secret = "s3cr3t-password"
+    own = f"unix://specpipe:{secret}@/run/specpipe/redis.sock?db=0"
+    inventory.publish(client, swarm, NodeInfo("wa", 0, 2, own), key)
+    inventory.publish(client, swarm, NodeInfo("evil", 0, 4, redis_url), b"not the swarm key")
+    client.hset(inventory.nodes_key(swarm), "junk", "{}")
+    client.close()
+    result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm])
+    assert result.exit_code == 0, result.output
+    header, wa, note = result.output.splitlines()
+    assert wa.split()[0] == "wa" and "unix://specpipe:***@/run/specpipe/redis.sock" in wa
+    assert note == "2 inventory records ignored: unsigned, forged, malformed or dated in the future"
+    result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, "--json"])
+    out = json.loads(result.output)
+    assert [n["host"] for n in out["nodes"]] == ["wa"] and out["ignored_records"] == 2
+    assert secret not in result.output and "specpipe:***@" in out["nodes"][0]["redis_url"]
+
+
+def test_nodes_needs_the_swarm_key(swarm, redis_url, monkeypatch, tmp_path):
+    monkeypatch.delenv("SPECPIPE_SWARM_KEY")
+    monkeypatch.setenv("SPECPIPE_HOME", str(tmp_path))
+    result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm])
+    assert result.exit_code == 1 and "no swarm key" in result.output
+
+
+def test_nodes_flags_a_test_lossy_tail_in_text_and_json(swarm, redis_url, key):
+    client = redis.Redis.from_url(redis_url)
+    inventory.publish(client, swarm, NodeInfo("nj", 2, 4, redis_url, test_lossy_tail=True), key)
+    inventory.publish(client, swarm, NodeInfo("wa", 0, 2, redis_url), key)
     client.close()
     warning = "warning: SPECPIPE_TEST_LOSSY_TAIL=1 is set on nj: "
 
@@ -83,14 +119,14 @@ def test_nodes_flags_a_test_lossy_tail_in_text_and_json(swarm, redis_url):
 
     result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, "--json"])
     assert result.exit_code == 0, result.output
-    records = json.loads(result.stdout)
+    records = json.loads(result.stdout)["nodes"]
     assert [(r["host"], r["test_lossy_tail"]) for r in records] == [("wa", False), ("nj", True)]
     assert result.stderr.startswith(warning)
 
 
-def test_nodes_without_a_test_lossy_tail_warn_of_nothing(swarm, redis_url):
+def test_nodes_without_a_test_lossy_tail_warn_of_nothing(swarm, redis_url, key):
     client = redis.Redis.from_url(redis_url)
-    inventory.publish(client, swarm, NodeInfo("wa", 0, 2, redis_url))
+    inventory.publish(client, swarm, NodeInfo("wa", 0, 2, redis_url), key)
     client.close()
     for extra in ([], ["--json"]):
         result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, *extra])

@@ -90,20 +90,22 @@ def test_layers_beyond_the_model_and_other_models_are_ignored():
         route(nodes, 0, now=NOW)
 
 
-def test_publish_load_and_remove_in_redis(swarm, redis_url):
+def test_publish_load_and_remove_in_redis(swarm, redis_url, key):
     client = redis.Redis.from_url(redis_url)
     before = time.time()
-    inventory.publish(client, swarm, NodeInfo("b", 2, 4, redis_url, geo="MN", public_ip="10.0.0.2"))
-    inventory.publish(client, swarm, NodeInfo("a", 0, 2, redis_url, geo="WA"))
+    inventory.publish(
+        client, swarm, NodeInfo("b", 2, 4, redis_url, geo="MN", public_ip="10.0.0.2"), key
+    )
+    inventory.publish(client, swarm, NodeInfo("a", 0, 2, redis_url, geo="WA"), key)
     client.hset(inventory.nodes_key(swarm), "junk", "{not json")
-    loaded = inventory.load(client, swarm)
+    loaded = inventory.load(client, swarm, key)
     assert [(n.host, n.geo) for n in loaded] == [("a", "WA"), ("b", "MN")]
     assert loaded[1].public_ip == "10.0.0.2"
     assert all(before <= n.last_heartbeat <= time.time() for n in loaded)
     assert [n.host for n in route(loaded, 4)] == ["a", "b"]
     inventory.remove(client, swarm, "a")
     with pytest.raises(RouteError, match="layers 0:2"):
-        route(inventory.load(client, swarm), 4)
+        route(inventory.load(client, swarm, key), 4)
     client.close()
 
 

@@ -11,7 +11,7 @@ from specpipe import inventory
 from workers.nodes import sync_inventory
 
 
-def test_heartbeats_reach_the_nodes_table(redis_url, swarm, db_session):
+def test_heartbeats_reach_the_nodes_table(redis_url, swarm, db_session, key):
     client = redis.Redis.from_url(redis_url)
     now = time.time()
     for i, (start, end) in enumerate([(0, 15), (15, 30)]):
@@ -25,8 +25,8 @@ def test_heartbeats_reach_the_nodes_table(redis_url, swarm, db_session):
             cpu_model="Test CPU",
             memory_bytes=2**30,
         )
-        inventory.publish(client, swarm, node, now=now - 100 * i)
-    assert sync_inventory(db_session, inventory.load(client, swarm)) == 2
+        inventory.publish(client, swarm, node, key, now=now - 100 * i)
+    assert sync_inventory(db_session, inventory.load(client, swarm, key)) == 2
     db_session.commit()
     stored = ring_nodes(db_session)
     assert [(n.host, n.role, n.layer_start, n.layer_end, n.geo) for n in stored] == [
@@ -43,28 +43,40 @@ def test_heartbeats_reach_the_nodes_table(redis_url, swarm, db_session):
         inventory.NodeInfo(
             host="h1", layer_start=15, layer_end=30, redis_url=redis_url, role="tail"
         ),
+        key,
         now=time.time(),
     )
-    sync_inventory(db_session, inventory.load(client, swarm))
+    sync_inventory(db_session, inventory.load(client, swarm, key))
     db_session.commit()
     assert [n.status() for n in ring_nodes(db_session)] == ["online", "online"]
     client.close()
 
 
-def test_the_test_lossy_tail_flag_reaches_the_nodes_table(redis_url, swarm, db_session):
+def test_the_test_lossy_tail_flag_reaches_the_nodes_table(redis_url, swarm, db_session, key):
     client = redis.Redis.from_url(redis_url)
     for host, start, end, lossy in (("wa", 0, 2, False), ("nj", 2, 4, True)):
         node = inventory.NodeInfo(host, start, end, redis_url, test_lossy_tail=lossy)
-        inventory.publish(client, swarm, node)
-    sync_inventory(db_session, inventory.load(client, swarm))
+        inventory.publish(client, swarm, node, key)
+    sync_inventory(db_session, inventory.load(client, swarm, key))
     db_session.commit()
     assert [(n.host, n.test_lossy_tail) for n in ring_nodes(db_session)] == [
         ("wa", False),
         ("nj", True),
     ]
     # The variable gone and the worker restarted: its next heartbeat clears the flag.
-    inventory.publish(client, swarm, inventory.NodeInfo("nj", 2, 4, redis_url))
-    sync_inventory(db_session, inventory.load(client, swarm))
+    inventory.publish(client, swarm, inventory.NodeInfo("nj", 2, 4, redis_url), key)
+    sync_inventory(db_session, inventory.load(client, swarm, key))
     db_session.commit()
     assert [n.test_lossy_tail for n in ring_nodes(db_session)] == [False, False]
     client.close()
+
+
+def test_the_store_never_holds_a_redis_password(redis_url, swarm, db_session, key):
+    client = redis.Redis.from_url(redis_url)
+    own = "redis://specpipe:s3cr3t@10.0.0.7:6379/0"
+    inventory.publish(client, swarm, inventory.NodeInfo("wa", 0, 2, own), key)
+    sync_inventory(db_session, inventory.load(client, swarm, key))
+    db_session.commit()
+    client.close()
+    [stored] = ring_nodes(db_session)
+    assert stored.redis_url == "redis://specpipe:***@10.0.0.7:6379/0"

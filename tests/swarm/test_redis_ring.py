@@ -78,23 +78,23 @@ def caught_up(client: redis.Redis, swarm: str, host: str) -> bool:
     return group["pending"] == 0 and group["last-delivered-id"] == last
 
 
-def last_heartbeat(url: str, swarm: str, host: str) -> float:
+def last_heartbeat(url: str, swarm: str, key: bytes, host: str) -> float:
     client = redis.Redis.from_url(url)
     try:
-        return next(n.last_heartbeat for n in inventory.load(client, swarm) if n.host == host)
+        return next(n.last_heartbeat for n in inventory.load(client, swarm, key) if n.host == host)
     finally:
         client.close()
 
 
-def two_heartbeats_later(url: str, swarm: str, host: str) -> None:
+def two_heartbeats_later(url: str, swarm: str, key: bytes, host: str) -> None:
     """Wait until `host` has published two heartbeats after this call. A heartbeat writes the
     inventory record, then the counters; the first one seen starts after this call, and the
     second starts once the first has finished. So the counters it held now are in Redis, and
     its loop has gone round (read its stream) at least once since."""
-    seen = [last_heartbeat(url, swarm, host)]
+    seen = [last_heartbeat(url, swarm, key, host)]
 
     def twice() -> bool:
-        latest = last_heartbeat(url, swarm, host)
+        latest = last_heartbeat(url, swarm, key, host)
         if latest > seen[-1]:
             seen.append(latest)
         return len(seen) > 2
@@ -236,7 +236,7 @@ def test_a_round_sent_three_times_runs_once(stages, swarm, key, redis_url):
     expected = ReferenceRing([(0, 2), (2, 4)])
     expected.reset("s", PARAMS)
     assert reply.kind == "result" and list(reply.tokens) == expected.round("s", PROMPT, 0, 0)
-    two_heartbeats_later(redis_url, swarm, "h1")  # its processed count is in Redis by then
+    two_heartbeats_later(redis_url, swarm, key, "h1")  # its processed count is in Redis by then
     assert stats(redis_url, swarm, "h1").get("processed") == 1
     client.close()
     ring.close()
@@ -406,7 +406,7 @@ def test_a_stage_rides_out_a_restart_of_its_redis(stages, swarm, key, redis_url)
         server.stop()
         # Restart only once stage a has read (and failed) at least once while its Redis was
         # gone, and is still heartbeating: it lives through the outage, not just a reconnect.
-        two_heartbeats_later(redis_url, swarm, "a")
+        two_heartbeats_later(redis_url, swarm, key, "a")
         server = RedisServer(port=port)
         server.start()
         # The new Redis is empty, but stage a kept its caches: the session goes on unchanged.

@@ -39,7 +39,8 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def private_redis():
-    with RedisServer() as server:
+    # Locked down as `specpipe up` runs it: a password and only the commands the swarm uses.
+    with RedisServer(password=secrets.token_hex(16)) as server:
         yield server.url
 
 
@@ -63,6 +64,7 @@ def env(monkeypatch, swarm, db_url):
     """This process talks to the test swarm and its store, as a user's shell would."""
     monkeypatch.setenv("REDIS_URL", swarm.redis_url)
     monkeypatch.setenv("SPECPIPE_SWARM", swarm.swarm)
+    monkeypatch.setenv("SPECPIPE_SWARM_KEY", swarm.key)
     monkeypatch.setenv("DATABASE_URL", db_url)
     return db_url
 
@@ -277,6 +279,7 @@ def test_no_swarm_running_is_one_line(monkeypatch, db_url, private_redis):
     assert len(result.output.strip().splitlines()) == 1
     monkeypatch.setenv("REDIS_URL", private_redis)
     monkeypatch.setenv("SPECPIPE_SWARM", "nobody-here")
+    monkeypatch.setenv("SPECPIPE_SWARM_KEY", "a key that verifies nothing here")
     result = CliRunner().invoke(cli, ["generate", "hi"])
     assert result.exit_code == 1
     assert "no swarm running: no stage is online in swarm 'nobody-here'" in result.output

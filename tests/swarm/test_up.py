@@ -14,6 +14,8 @@ import psutil
 import pytest
 import redis
 from click.testing import CliRunner
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from specpipe import inventory
 from specpipe.cli import cli
@@ -22,7 +24,7 @@ from tests.swarmprocs import ROOT, SPECPIPE, write_tiny_model
 from tests.waiting import wait_until
 
 CLEARED = ("REDIS_URL", "DATABASE_URL", "SPECPIPE_SWARM_KEY", "SECRET_KEY", "SPECPIPE_SWARM",
-           "SPECPIPE_MODEL")  # fmt: skip
+           "SPECPIPE_MODEL", "SPECPIPE_REDIS_PASSWORD")  # fmt: skip
 
 
 def healthy(url: str) -> bool:
@@ -33,10 +35,10 @@ def healthy(url: str) -> bool:
         return False
 
 
-def online_hosts(redis_url: str, swarm: str) -> set[str]:
+def online_hosts(redis_url: str, swarm: str, key: str) -> set[str]:
     client = redis.Redis.from_url(redis_url)
     try:
-        return {n.host for n in inventory.load(client, swarm) if n.status() == "online"}
+        return {n.host for n in inventory.load(client, swarm, key) if n.status() == "online"}
     finally:
         client.close()
 
@@ -86,21 +88,46 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
         )
         assert state["pid"] == proc.pid and state["web_url"] == f"http://127.0.0.1:{port}/"
         assert state["redis_url"] != "redis://127.0.0.1:6379/0"  # a private Redis of its own
-        for name in ("swarm.json", "swarm_key", "secret_key"):
+        for name in ("swarm.json", "swarm_key", "secret_key", "redis_password"):
             assert stat.S_IMODE((home / name).stat().st_mode) == 0o600, name
+        swarm_key = (home / "swarm_key").read_text().strip()
+        password = (home / "redis_password").read_text().strip()
+        assert state["redis_url"].startswith(f"redis://specpipe:{password}@127.0.0.1:")
         wait_until(
             lambda: healthy(state["web_url"]), 90, "the web app to be healthy", interval_s=0.2
         )
         wait_until(
-            lambda: len(online_hosts(state["redis_url"], state["swarm"])) == 2,
+            lambda: len(online_hosts(state["redis_url"], state["swarm"], swarm_key)) == 2,
             90,
             "both stages to come online",
             interval_s=0.2,
         )
+        # Its Redis refuses whoever has not the password.
+        port_of_redis = redis.connection.parse_url(state["redis_url"])["port"]
+        once = {"port": port_of_redis, "retry": Retry(NoBackoff(), 0)}
+        for anonymous in (
+            redis.Redis(**once),
+            redis.Redis(username="specpipe", password="x", **once),
+        ):
+            with pytest.raises(redis.AuthenticationError):
+                anonymous.ping()
+        # And the swarm's own user cannot reconfigure, list, empty or stop it.
+        swarm_user = redis.Redis.from_url(state["redis_url"])
+        for command in (("CONFIG", "SET", "maxmemory", "0"), ("KEYS", "*"), ("FLUSHALL",),
+                        ("SHUTDOWN", "NOSAVE")):  # fmt: skip
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                swarm_user.execute_command(*command)
+        swarm_user.close()
         client = redis.Redis.from_url(state["redis_url"])
-        nodes = inventory.load(client, state["swarm"])
+        nodes = inventory.load(client, state["swarm"], swarm_key)
         client.close()
         assert all(n.redis_url.startswith("unix://") for n in nodes)  # streams on the socket
+        # The password is on no command line, and `specpipe nodes` shows it as ***.
+        assert not [p.pid for p in up.children(recursive=True) if password in " ".join(p.cmdline())]
+        shown = subprocess.run([*SPECPIPE, "nodes"], cwd=ROOT, env=env, capture_output=True,
+                               text=True, timeout=60)  # fmt: skip
+        assert shown.returncode == 0 and "unix://specpipe:***@" in shown.stdout, shown.stderr
+        assert password not in shown.stdout + shown.stderr
 
         # Another shell: only SPECPIPE_HOME, and `generate` finds the swarm.
         for key in CLEARED:
@@ -148,6 +175,10 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert alive == [], [p.pid for p in alive]
         assert not (home / "swarm.json").exists()
+        log.flush()
+        output = (tmp_path / "up.log").read_text()
+        assert password not in output and "Redis redis://specpipe:***@127.0.0.1:" in output
+        assert "no permissions" not in output  # the ACL let every process do its work
     finally:
         if proc.poll() is None:
             for child in up.children(recursive=True):

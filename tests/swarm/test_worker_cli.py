@@ -42,7 +42,7 @@ def test_stage_bad_input_is_one_line(clean_env, swarm, redis_url, args, code, me
     assert result.exit_code == code, result.output
     assert message in result.output and "Traceback" not in result.output
     client = redis.Redis.from_url(redis_url)
-    assert inventory.load(client, swarm) == []  # it never registered
+    assert inventory.load(client, swarm, "k" * 32) == []  # it never registered
     client.close()
 
 
@@ -78,9 +78,9 @@ def test_a_stage_with_the_test_lossy_tail_warns_at_start_and_flags_its_record(
             str(tiny), "--threads", "1", "--heartbeat-s", "0.5"]  # fmt: skip
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
-        wait_heartbeats(redis_url, swarm, {"nj": proc}, ["nj"], timeout_s=90)
+        wait_heartbeats(redis_url, swarm, "k" * 32, {"nj": proc}, ["nj"], timeout_s=90)
         client = redis.Redis.from_url(redis_url)
-        [node] = inventory.load(client, swarm)
+        [node] = inventory.load(client, swarm, "k" * 32)
         client.close()
     finally:
         terminate_all([proc], timeout_s=10)

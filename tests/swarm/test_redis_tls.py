@@ -1,0 +1,135 @@
+"""A stage host on another machine: its Redis behind TLS (verified against the swarm's own CA)
+and a password, and a real stage worker process whose input stream lives there."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from specpipe.redis_ring import RedisRing
+from specpipe.redis_server import answers, find_binary, free_port
+from tests.swarm.test_redis_ring import PARAMS, drive, reference
+from tests.waiting import wait_until
+
+PASSWORD = "tls-test-password"
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_certificates(directory: Path) -> None:
+    """A CA, and a server certificate it signed for 127.0.0.1 and localhost."""
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=specpipe test CA",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        cwd=directory,
+    )
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=localhost",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        cwd=directory,
+    )
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "2", "-extfile", "san.ext", "-out", "server.pem",
+            cwd=directory)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tls_redis(tmp_path_factory):
+    """A redis-server listening only on TLS, with a password: (port, CA file)."""
+    if shutil.which("openssl") is None:
+        pytest.fail("the TLS test needs the openssl command (apt install openssl)")
+    directory = tmp_path_factory.mktemp("tls")
+    make_certificates(directory)
+    port = free_port()
+    config = directory / "redis.conf"
+    config.write_text(f"requirepass {PASSWORD}\n")
+    config.chmod(0o600)
+    argv = [find_binary(), str(config), "--port", "0", "--tls-port", str(port),
+            "--bind", "127.0.0.1", "--tls-cert-file", str(directory / "server.pem"),
+            "--tls-key-file", str(directory / "server.key"),
+            "--tls-ca-cert-file", str(directory / "ca.pem"), "--tls-auth-clients", "no",
+            "--save", "", "--appendonly", "no", "--dir", str(directory)]  # fmt: skip
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ca = directory / "ca.pem"
+    url = f"rediss://:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={ca}"
+    try:
+        wait_until(lambda: process.poll() is not None or answers(url), 10, "the TLS Redis")
+        if process.poll() is not None:
+            pytest.fail(f"redis-server with TLS did not start: {process.stderr.read()[-300:]!r}")
+        yield port, ca
+    finally:
+        process.terminate()
+        process.wait(10)
+        process.stderr.close()
+
+
+def refused(url: str) -> redis.RedisError:
+    client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), socket_connect_timeout=2)
+    try:
+        with pytest.raises(redis.RedisError) as caught:
+            client.ping()
+        return caught.value
+    finally:
+        client.close()
+
+
+def test_only_a_client_with_the_ca_and_the_password_gets_in(tls_redis):
+    port, ca = tls_redis
+    assert answers(f"rediss://:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={ca}")
+    # Without the swarm's CA the server's certificate does not verify.
+    assert "certificate verify failed" in str(refused(f"rediss://:{PASSWORD}@127.0.0.1:{port}/0"))
+    # With the CA but without the password, or a wrong one, Redis refuses.
+    assert isinstance(refused(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}"),
+                      redis.AuthenticationError)  # fmt: skip
+    assert isinstance(refused(f"rediss://:guess@127.0.0.1:{port}/0?ssl_ca_certs={ca}"),
+                      redis.AuthenticationError)  # fmt: skip
+    # Plain text is not spoken at all.
+    assert isinstance(refused(f"redis://:{PASSWORD}@127.0.0.1:{port}/0"), redis.ConnectionError)
+
+
+def test_rounds_go_through_a_stage_whose_stream_lives_on_a_tls_redis(
+    tls_redis, stages, ring_settings, redis_url
+):
+    port, ca = tls_redis
+    remote = f"rediss://:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={ca}"
+    stages.start("near", "0:2", redis_url, wait=False)
+    stages.start("far", "2:4", remote, wait=False)  # registers in the plain registry
+    stages.wait_ready(["near", "far"])
+    ring = RedisRing.from_inventory(ring_settings, "toy", 4, timeout_s=20)
+    assert [hop.redis_url for hop in ring.route] == [redis_url, remote]
+    ring.reset("s", PARAMS)
+    # Coordinator → near (plain) → far (TLS, sent there by near) → the reply stream.
+    assert drive(ring, "s", rounds=3, k=2) == reference([(0, 2), (2, 4)], rounds=3, k=2)
+    ring.drop("s")
+    ring.close()
+    far = redis.Redis.from_url(remote)
+    assert far.exists(f"specpipe:{ring_settings.swarm}:stats:far")  # its counters live there
+    far.close()
