@@ -42,7 +42,7 @@ beat_schedule = {
         "task": NIGHTLY_TASK,
         "schedule": crontab(minute=_minute, hour=_hour),
     },
-    # A busy coordinator runs one job at a time: checks it could not run in time are dropped
+    # A coordinator whose threads are all busy with jobs: checks it could not run in time are dropped
     # rather than piling up behind the job.
     "resume-stalled-jobs": {
         "task": RESUME_STALLED_TASK,
