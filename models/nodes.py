@@ -9,6 +9,8 @@ from __future__ import annotations
 from datetime import datetime
 
 from sqlalchemy import BigInteger, Boolean, DateTime, ForeignKey, Integer, String, false, select
+from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Mapped, Session, mapped_column, relationship
 
 from models.db import Base, as_utc, iso_utc, utcnow
@@ -101,14 +103,20 @@ def upsert_node(session: Session, host: str, **fields) -> Node:
     if unknown:
         raise ValueError(f"unknown node fields: {', '.join(sorted(unknown))}")
     host = _fit("host", host)
-    node = session.scalar(select(Node).where(Node.host == host))
-    if node is None:
-        node = Node(host=host)
-        session.add(node)
-    for name, value in fields.items():
-        setattr(node, name, _fit(name, value))
-    session.flush()
-    return node
+    values = {name: _fit(name, value) for name, value in fields.items()}
+    # One statement, insert or update: coordinators running jobs side by side snapshot the
+    # same nodes at the same moment, and a read-then-insert would race them into a duplicate.
+    dialect = session.get_bind().dialect.name
+    insert = postgresql_insert if dialect == "postgresql" else sqlite_insert
+    statement = insert(Node).values(host=host, **values)
+    if values:
+        statement = statement.on_conflict_do_update(index_elements=[Node.host], set_=values)
+    else:
+        statement = statement.on_conflict_do_nothing(index_elements=[Node.host])
+    session.execute(statement)
+    return session.scalar(
+        select(Node).where(Node.host == host).execution_options(populate_existing=True)
+    )
 
 
 def _fit(name: str, value):

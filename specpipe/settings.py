@@ -164,6 +164,12 @@ def rotate_swarm_key(grace_s: float) -> str:
     return lines[0]
 
 
+def max_sessions() -> int:
+    """`SPECPIPE_MAX_SESSIONS` (8): jobs one coordinator process runs at once, each a session of
+    its own in flight through the ring, so that every stage has work while the others do."""
+    return _env_int("SPECPIPE_MAX_SESSIONS", 8)
+
+
 def stalled_after_s() -> float:
     """`SPECPIPE_STALLED_S` (10): the lifetime of a job's lock, refreshed while its coordinator
     lives; a running job without progress or lock for that long is resumed elsewhere."""

@@ -10,6 +10,7 @@ deployment's own, or the test suite's toy transformer) register an opener by nam
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -40,10 +41,15 @@ def register_target(name: str, opener: Callable[[], Target]) -> None:
 
 
 def open_target(name: str) -> Target:
-    """The named model as a `Target`; ValueError with a one-line reason when it cannot open."""
+    """The named model as a `Target`; ValueError with a one-line reason when it cannot open.
+    Safe from several threads: a model is opened once."""
     if name in _OPENERS:
         return _OPENERS[name]()
-    return _open_checkpoint(name)
+    with _OPENING:
+        return _open_checkpoint(name)
+
+
+_OPENING = threading.Lock()
 
 
 @lru_cache(maxsize=4)

@@ -161,6 +161,32 @@ def test_node_without_heartbeat_is_offline(db_session):
     assert upsert_node(db_session, "h1", role="tail").status() == "offline"
 
 
+def test_coordinators_snapshotting_the_same_new_node_at_once_do_not_collide(db_url):
+    """Jobs side by side write the same nodes at the same moment: one row, no IntegrityError."""
+    import threading
+
+    start, errors = threading.Barrier(4), []
+
+    def snapshot(i: int) -> None:
+        with make_session_factory(db_url)() as session:
+            start.wait()
+            try:
+                upsert_node(session, "same-host", geo=f"writer {i}", layer_start=i)
+                session.commit()
+            except Exception as exc:  # what the test is about
+                errors.append(exc)
+
+    writers = [threading.Thread(target=snapshot, args=(i,)) for i in range(4)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    assert errors == []
+    with make_session_factory(db_url)() as session:
+        [node] = session.scalars(select(Node).where(Node.host == "same-host")).all()
+        assert node.geo == f"writer {node.layer_start}"
+
+
 def test_upsert_node_updates_in_place(db_session):
     upsert_node(db_session, "h1", role="stage0", layer_start=0, layer_end=9)
     upsert_node(db_session, "h1", gpu_name="RTX 4090", last_heartbeat=utcnow())

@@ -7,6 +7,8 @@ after, so a task takes ids and plain values and loads what it needs.
 
 from __future__ import annotations
 
+import threading
+
 from celery import Celery, Task
 from sqlalchemy.orm import Session
 
@@ -15,18 +17,25 @@ from specpipe.settings import database_url, redis_url
 
 
 class DbTask(Task):
-    """A task with `self.session`: opened before the run, closed after, whatever happens."""
+    """A task with `self.session`: opened before the run, closed after, whatever happens.
+
+    The coordinator runs several jobs at once on threads, all through one task object: each
+    thread's run has a session of its own."""
 
     abstract = True
-    session: Session | None = None
+    _local = threading.local()
+
+    @property
+    def session(self) -> Session | None:
+        return getattr(self._local, "session", None)
 
     def __call__(self, *args, **kwargs):
-        self.session = make_session_factory(database_url())()
+        self._local.session = make_session_factory(database_url())()
         try:
             return super().__call__(*args, **kwargs)
         finally:
-            self.session.close()
-            self.session = None
+            self._local.session.close()
+            self._local.session = None
 
 
 def make_celery() -> Celery:

@@ -172,6 +172,45 @@ def bench_ring(
     write_json(json_path, result)
 
 
+@bench.command(name="load")
+@click.option("--model", default="default", show_default=True, help="Model to serve.")
+@click.option(
+    "--stages", type=click.IntRange(1, 16), default=4, show_default=True, help="Stage processes."
+)
+@click.option("--jobs", "counts", type=click.IntRange(1, 64), multiple=True,
+              default=(1, 2, 4, 8), show_default=True,
+              help="Jobs at once; repeat for several.")  # fmt: skip
+@click.option("--hop-delay-ms", "delays", type=click.FloatRange(0, 10_000), multiple=True,
+              default=(0.0, 25.0), show_default=True,
+              help="Simulated one-way latency per hop; repeat for several.")  # fmt: skip
+@click.option("--tokens", type=click.IntRange(4, 4096), default=48, show_default=True,
+              help="New tokens per job.")  # fmt: skip
+@click.option("--temp", type=click.FloatRange(min=0), default=0.7, show_default=True)
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95,
+              show_default=True)  # fmt: skip
+@click.option("--draft-k", type=click.IntRange(0, 64), default=4, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**63), default=1, show_default=True)
+@json_option
+@_model_errors
+def bench_load(model, stages, counts, delays, tokens, temp, top_p, draft_k, seed, json_path):
+    """Several jobs at once through one ring: aggregate tok/s, time to first token and to done,
+    and every job's tokens against its solo run.
+
+    Example:
+
+        specpipe bench load --jobs 1 --jobs 8 --hop-delay-ms 0 --hop-delay-ms 25
+    """
+    from specpipe import loadbench
+
+    counts = sorted(set(counts))
+    click.echo(f"bench load: {model}, {stages} stages, {tokens} tokens per job, temp {temp}")
+    result = loadbench.load(model, stages, counts, delays, tokens, temp, top_p, draft_k, seed,
+                            click.echo)  # fmt: skip
+    write_json(json_path, result)
+    if not all(row["identical_to_solo"] for row in result["runs"]):
+        raise click.ClickException("a loaded job's tokens differ from its solo run")
+
+
 @bench.command(name="exact")
 @click.option("--model", default="default", show_default=True, help="Model to serve.")
 @click.option("--stages", type=click.IntRange(1, 16), default=4, show_default=True)

@@ -138,19 +138,25 @@ def worker_stage(
 @click.option("--queue", help="Celery queue to serve [default: coordinator].")
 @click.option("--loglevel", default="INFO", show_default=True, help="Celery log level.")
 def worker_coordinator(queue: str | None, loglevel: str) -> None:
-    """Run the coordinator: the Celery worker that runs jobs (one at a time, JSON only).
+    """Run the coordinator: the Celery worker that runs jobs, up to SPECPIPE_MAX_SESSIONS (8)
+    at once on threads, each its own session through the ring (JSON messages only).
 
     Example:
 
         REDIS_URL=redis://127.0.0.1:6379/0 specpipe worker coordinator
     """
+    from specpipe import settings
     from workers.names import COORDINATOR_QUEUE
 
+    try:
+        sessions = settings.max_sessions()
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     celery = _celery_app()
     queue = queue or COORDINATOR_QUEUE
-    celery.worker_main(
-        ["worker", "--pool=solo", "--concurrency=1", "-Q", queue, f"--loglevel={loglevel}"]
-    )
+    # Threads: a job spends its time waiting on the ring, and the jobs share one tokenizer.
+    celery.worker_main(["worker", "--pool=threads", f"--concurrency={sessions}", "-Q", queue,
+                        f"--loglevel={loglevel}"])  # fmt: skip
 
 
 @worker.command(name="beat")

@@ -94,3 +94,34 @@ def test_the_median_interval_brackets_the_median_and_narrows_with_more_rounds():
     assert ringbench.median_interval(few) == (1.0, 5.0)
     low, high = ringbench.median_interval(many)
     assert low < 199.5 < high and high - low < 50  # about 2 x 1.96 x sqrt(400) / 2 ranks
+
+
+def test_bench_load_runs_jobs_at_once_each_as_alone(tiny, tmp_path):
+    out = tmp_path / "load.json"
+    args = ["bench", "load", "--model", str(tiny), "--stages", "2", "--jobs", "1", "--jobs", "3",
+            "--hop-delay-ms", "0", "--tokens", "12", "--json", str(out)]  # fmt: skip
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert [(r["jobs"], r["failed"], r["identical_to_solo"]) for r in doc["runs"]] == [
+        (1, [], True),
+        (3, [], True),
+    ]
+    three = doc["runs"][1]
+    assert three["aggregate_tok_s"] > 0 and three["done_s"]["p95"] >= three["done_s"]["p50"] > 0
+    assert doc["runs"][0]["aggregate_vs_one"] == 1.0
+
+
+def test_load_runs_are_checked_against_solo_runs(tiny, monkeypatch):
+    from specpipe import loadbench
+
+    real = loadbench.solo_tokens
+
+    def off_by_one(*args, **kwargs):  # a wrong reference: the check must notice
+        return [tokens[:-1] + [tokens[-1] + 1] for tokens in real(*args, **kwargs)]
+
+    monkeypatch.setattr(loadbench, "solo_tokens", off_by_one)
+    args = ["bench", "load", "--model", str(tiny), "--stages", "2", "--jobs", "2",
+            "--hop-delay-ms", "0", "--tokens", "8"]  # fmt: skip
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code != 0 and "differ from its solo run" in result.output

@@ -22,10 +22,11 @@ from models.db import make_session_factory
 from models.runs import Run
 from specpipe.cli import cli
 from specpipe.redis_server import RedisServer, free_port
+from specpipe.settings import job_limits
 from tests.swarmprocs import Swarm, write_tiny_model
 from tests.waiting import wait_until
 from workers.names import COORDINATOR_QUEUE, GENERATE_TASK, RESUME_STALLED_TASK
-from workers.submission import make_client
+from workers.submission import Submitter, make_client
 
 PROMPT = "hello world"
 LONG = dict(temp=0.8, seed=1, max_new_tokens=150)  # runs to the budget: no EOS on the way
@@ -156,6 +157,30 @@ def in_background(*args: str) -> tuple[threading.Thread, dict]:
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     return thread, out
+
+
+def test_jobs_submitted_together_run_at_once_each_as_it_would_alone(tiny, env, swarm):
+    """The coordinator runs several sessions through the ring at once; a job's tokens are the
+    ones it gets alone, whatever runs beside it."""
+    requests = [dict(temp=0.8, seed=20 + i, max_new_tokens=60) for i in range(4)]
+    alone = [local(tiny, **kw, draft_k=0)["tokens"] for kw in requests]
+    submitter = Submitter.connect(swarm.redis_url, str(tiny), job_limits())
+    with make_session_factory(env)() as session:
+        ids = [
+            submitter.submit(session, submitter.check({"prompt": PROMPT, "top_p": 1.0, **kw})).id
+            for kw in requests
+        ]
+
+    def finished() -> list[Job] | None:
+        with make_session_factory(env)() as session:
+            jobs = [session.get(Job, job_id) for job_id in ids]
+        return jobs if all(job.finished for job in jobs) else None
+
+    jobs = wait_until(finished, 120, "the four jobs to finish")
+    assert [job.status for job in jobs] == ["done"] * 4, [job.error for job in jobs]
+    assert [job.output_ids for job in jobs] == alone
+    # They ran at the same time: each had started before any had finished.
+    assert max(job.started_at for job in jobs) < min(job.finished_at for job in jobs)
 
 
 def test_a_stage_killed_mid_job_is_restarted_and_the_output_is_unchanged(tiny, env, swarm):

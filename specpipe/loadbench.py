@@ -1,0 +1,169 @@
+"""The load benchmark: several jobs at once through one ring of real stage processes.
+
+For each link delay, a `LocalSwarm` (N `specpipe worker stage` processes on a private Redis)
+runs 1, 2, 4, … jobs at the same time, each a session of its own driven by its own thread and
+`RedisRing`, as the coordinator's threads drive them. Each job is a different open-ended prompt
+with a seed of its own, sampled at the given temperature with the n-gram drafter. Reported per
+count: aggregate tok/s (every job's new tokens over the wall time from the first start to the
+last end), p50 / p95 of time to first token (the prefill round) and of time to done, and the
+exactness check: every job's tokens equal its solo run in one process.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from specpipe.generation import Generation
+from specpipe.ring import LocalRing
+from specpipe.ringbench import LocalSwarm
+from specpipe.sampling import SamplingParams
+from specpipe.target import open_target
+
+PROMPTS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Describe a city on Mars a hundred years from now.",
+    "Invent a new board game and explain its rules.",
+    "Write a letter from a cat to its owner.",
+    "Tell the history of a made-up island nation.",
+    "Describe the taste of a fruit nobody has eaten before.",
+    "Write a poem about a train that never arrives.",
+    "Explain how a dragon might run a bakery.",
+)
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class JobTiming:
+    """One job of a load run: its tokens and when its milestones came."""
+
+    tokens: list[int]
+    first_token_s: float  # from its start to the end of its prefill round
+    done_s: float  # from its start to its last round
+
+
+def job_requests(n: int, seed: int) -> list[tuple[str, int]]:
+    """The n jobs of a run: (prompt, seed), a different prompt and seed each."""
+    return [(PROMPTS[i % len(PROMPTS)], seed + i) for i in range(n)]
+
+
+def run_job(ring, prompt_ids: Sequence[int], params: SamplingParams, draft_k: int,
+            max_new_tokens: int) -> JobTiming:  # fmt: skip
+    """One job to its end on `ring`, timed."""
+    generation = Generation(ring, f"load-{uuid.uuid4().hex[:10]}", prompt_ids, params,
+                            max_new_tokens=max_new_tokens, draft_k=draft_k)  # fmt: skip
+    started = time.perf_counter()
+    first = None
+    for _ in generation.rounds():
+        first = first if first is not None else time.perf_counter() - started
+    done = time.perf_counter() - started
+    ring.drop(generation.session)
+    return JobTiming(generation.generated, first or done, done)
+
+
+def solo_tokens(model: str, requests: Sequence[tuple[str, int]], temp: float, top_p: float,
+                draft_k: int, max_new_tokens: int) -> list[list[int]]:  # fmt: skip
+    """Each job's tokens run alone in this process: what every loaded run must give."""
+    target = open_target(model)
+    ring = LocalRing(target.load_stages(1))
+    out = []
+    for prompt, seed in requests:
+        params = SamplingParams(temp=temp, top_p=top_p, seed=seed)
+        ring.reset("solo", params)
+        out.append(run_job(ring, target.prompt_ids(prompt), params, draft_k, max_new_tokens).tokens)
+    return out
+
+
+def load(
+    model: str,
+    n_stages: int,
+    counts: Sequence[int],
+    delays: Sequence[float],
+    tokens: int,
+    temp: float,
+    top_p: float,
+    draft_k: int,
+    seed: int,
+    log: Log,
+) -> dict:
+    """Every (delay, job count) run; see the module docstring."""
+    target = open_target(model)
+    requests = job_requests(max(counts), seed)
+    log(f"solo runs of {len(requests)} jobs in one process (the exactness reference)")
+    expected = solo_tokens(model, requests, temp, top_p, draft_k, tokens)
+    results = []
+    for delay in delays:
+        with LocalSwarm(model, n_stages, link_delay_ms=delay) as swarm:
+            for n in counts:
+                row = _loaded_run(swarm, target, requests[:n], expected[:n], temp, top_p,
+                                  draft_k, tokens)  # fmt: skip
+                row["hop_delay_ms"] = delay
+                results.append(row)
+                log(_describe(row))
+    for row in results:  # the ratio against one job alone at the same delay
+        alone = next(r for r in results if r["hop_delay_ms"] == row["hop_delay_ms"])
+        row["aggregate_vs_one"] = row["aggregate_tok_s"] / alone["aggregate_tok_s"]
+    return {"model": target.name, "stages": n_stages, "tokens": tokens, "temp": temp,
+            "draft_k": draft_k, "runs": results}  # fmt: skip
+
+
+def _loaded_run(swarm: LocalSwarm, target, requests, expected, temp, top_p, draft_k,
+                tokens) -> dict:  # fmt: skip
+    timings: list[JobTiming | BaseException | None] = [None] * len(requests)
+    rings = [swarm.ring() for _ in requests]
+
+    def one(i: int) -> None:
+        prompt, seed = requests[i]
+        params = SamplingParams(temp=temp, top_p=top_p, seed=seed)
+        try:
+            rings[i].reset(f"load-{i}", params)
+            timings[i] = run_job(rings[i], target.prompt_ids(prompt), params, draft_k, tokens)
+        except BaseException as exc:  # reported in the row, not raised from a thread
+            timings[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    for ring in rings:
+        ring.close()
+    failed = [str(t) for t in timings if not isinstance(t, JobTiming)]
+    done = [t for t in timings if isinstance(t, JobTiming)]
+    new_tokens = sum(len(t.tokens) for t in done)
+    return {
+        "jobs": len(requests),
+        "failed": failed,
+        "aggregate_tok_s": new_tokens / wall,
+        "wall_s": wall,
+        "first_token_s": _percentiles([t.first_token_s for t in done]),
+        "done_s": _percentiles([t.done_s for t in done]),
+        "identical_to_solo": not failed
+        and all(t.tokens == want for t, want in zip(done, expected, strict=True)),
+    }
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": float("nan"), "p95": float("nan")}
+    if len(values) == 1:
+        return {"p50": values[0], "p95": values[0]}
+    cuts = statistics.quantiles(values, n=20, method="inclusive")
+    return {"p50": statistics.median(values), "p95": cuts[18]}
+
+
+def _describe(row: dict) -> str:
+    return (
+        f"delay {row['hop_delay_ms']:g} ms, {row['jobs']} job(s): {row['aggregate_tok_s']:.2f} "
+        f"tok/s in all; first token p50 {row['first_token_s']['p50']:.2f} s, p95 "
+        f"{row['first_token_s']['p95']:.2f} s; done p50 {row['done_s']['p50']:.2f} s, p95 "
+        f"{row['done_s']['p95']:.2f} s; identical to solo {row['identical_to_solo']}"
+        + (f"; FAILED {len(row['failed'])}: {row['failed'][0]}" if row["failed"] else "")
+    )
