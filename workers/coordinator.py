@@ -33,6 +33,7 @@ from typing import Protocol
 
 import redis
 from celery import shared_task
+from celery.signals import worker_ready
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -45,7 +46,7 @@ from specpipe.redact import one_line_reason
 from specpipe.redis_ring import RedisRing, RingError
 from specpipe.ring import GapError, Ring
 from specpipe.sampling import SamplingParams
-from specpipe.settings import Settings, stalled_after_s
+from specpipe.settings import Settings, default_model, stalled_after_s
 from specpipe.stopping import GenerationText
 from specpipe.target import open_target
 from workers.celery_app import DbTask
@@ -200,6 +201,16 @@ def _drop_quietly(ring: Ring, session_name: str) -> None:
     close = getattr(ring, "close", None)
     if close is not None:
         close()
+
+
+@worker_ready.connect
+def open_default_model(**_) -> None:
+    """Open the swarm's model (its tokenizer, its layer count) as the coordinator starts, so the
+    first job starts at once instead of after the seconds that opening takes."""
+    try:
+        open_target(default_model())
+    except Exception as exc:  # a job on that model fails with the reason; the worker still serves
+        log.warning("could not open model %r at start: %s", default_model(), exc)
 
 
 def lock_key(swarm: str, job_id: int) -> str:
