@@ -28,21 +28,21 @@ import json
 import logging
 import secrets
 from collections.abc import Callable, Iterable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
 import redis
 from celery import shared_task
 from celery.signals import worker_ready
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from models import Job
-from models.db import utcnow
+from models.db import as_utc, utcnow
 from models.runs import start_run
 from specpipe.generation import Generation
 from specpipe.inventory import RouteError
-from specpipe.redact import one_line_reason
+from specpipe.redact import one_line_reason, redact_url
 from specpipe.redis_ring import RedisRing, RingError
 from specpipe.ring import GapError, Ring
 from specpipe.sampling import SamplingParams
@@ -220,42 +220,96 @@ def lock_key(swarm: str, job_id: int) -> str:
 
 @shared_task(name=GENERATE_TASK, bind=True, base=DbTask, ignore_result=True)
 def generate(self, job_id: int) -> str | None:
-    """Celery task: run job `job_id` over the swarm the inventory describes."""
+    """Celery task: run a job over the swarm the inventory describes.
+
+    The delivery of a queued job is a turn rather than that job's own: it runs the queued job
+    whose turn it is (`fair_order`), which may be another user's. Every queued job has one
+    delivery, and each delivery runs one queued job while any is left, so every job runs once,
+    and a user with many jobs waiting does not keep another's single job waiting behind them.
+    The delivery of a running job (beat resuming it) runs that job."""
     session: Session = self.session
     job, outcome = _pending(session, job_id)
     if job is None:
         return outcome
+    settings = Settings.from_env()
+    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
+    candidates = fair_order(session) if job.status == "queued" else [job_id]
+    try:
+        chosen = _lock_first(client, settings.swarm, candidates)
+    except redis.RedisError as exc:
+        client.close()
+        where = redact_url(settings.redis_url)
+        return _finish(session, job, "failed", f"cannot reach Redis at {where}: {exc}")
+    if chosen is None:
+        log.info("job %s: every queued job is already taken; this delivery is done", job_id)
+        client.close()
+        return "running"
+    job_id, keeper = chosen
+    try:
+        return _run_locked(session, session.get(Job, job_id), settings, keeper)
+    finally:
+        keeper.stop()
+        client.close()
+
+
+def fair_order(session: Session) -> list[int]:
+    """The queued jobs in the order coordinators take them: first the jobs of the users with the
+    fewest jobs running, among them of the user served longest ago, then the oldest job. One
+    user alone gets every session; two users take turns."""
+    queued = session.execute(
+        select(Job.id, Job.user_id).where(Job.status == "queued").order_by(Job.id)
+    ).all()
+    owners = {user_id for _, user_id in queued}
+    running = dict(
+        session.execute(
+            select(Job.user_id, func.count())
+            .where(Job.status == "running", Job.user_id.in_(owners))
+            .group_by(Job.user_id)
+        ).all()
+    )
+    last_start = dict(
+        session.execute(
+            select(Job.user_id, func.max(Job.started_at))
+            .where(Job.user_id.in_(owners), Job.started_at.is_not(None))
+            .group_by(Job.user_id)
+        ).all()
+    )
+    never = datetime.min.replace(tzinfo=UTC)
+
+    def turn(row) -> tuple:
+        job_id, user_id = row
+        return running.get(user_id, 0), as_utc(last_start.get(user_id)) or never, job_id
+
+    return [job_id for job_id, _ in sorted(queued, key=turn)]
+
+
+def _lock_first(client: redis.Redis, swarm: str, job_ids: list[int]):
+    """(job id, its started LockKeeper) for the first of `job_ids` no coordinator holds."""
+    for job_id in job_ids:
+        # Not thread-local: the keeper's thread refreshes the token this thread took.
+        lock = client.lock(lock_key(swarm, job_id), timeout=stalled_after_s(),
+                           thread_local=False)  # fmt: skip
+        keeper = LockKeeper(lock)
+        if keeper.start():
+            return job_id, keeper
+    return None
+
+
+def _run_locked(session: Session, job: Job, settings: Settings, keeper: LockKeeper) -> str | None:
+    """Run `job`, whose lock `keeper` holds."""
     try:
         target = open_target(job.model)
     except ValueError as exc:
         return _finish(session, job, "failed", str(exc))
     except Exception as exc:  # a model that breaks its reader: still one line on the job
         return _finish(session, job, "failed", f"cannot open model {job.model!r}: {exc}")
-    settings = Settings.from_env()
-    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
-    # Not thread-local: the keeper's thread refreshes the token this thread took.
-    lock = client.lock(lock_key(settings.swarm, job_id), timeout=stalled_after_s(),
-                       thread_local=False)  # fmt: skip
-    keeper = LockKeeper(lock)
-    try:
-        if not keeper.start():
-            log.warning("job %s is already running elsewhere; this delivery is dropped", job_id)
-            client.close()
-            return "running"
-    except redis.RedisError as exc:
-        client.close()
-        return _finish(session, job, "failed", f"cannot reach Redis at {settings.redis_url}: {exc}")
 
     def make_ring(_job: Job) -> RedisRing:
         ring = RedisRing.from_inventory(settings, target.name, target.n_layers)
         sync_inventory(session, list(ring.route))  # the run's snapshot is the ring as it is now
         return ring
 
-    try:
-        return run_job(session, job_id, make_ring, target, target.eos_ids, keeper.owned)
-    finally:
-        keeper.stop()
-        client.close()
+    return run_job(session, job.id, make_ring, target, target.eos_ids, keeper.owned)
 
 
 @shared_task(name=RESUME_STALLED_TASK, bind=True, base=DbTask, ignore_result=True)

@@ -362,3 +362,45 @@ def test_a_queued_job_whose_message_the_broker_lost_is_found(db_url, second_redi
     finally:
         client.delete(queue, "unacked", "elsewhere")
         client.close()
+
+
+def test_queued_jobs_take_turns_between_users(db_session):
+    from models.db import utcnow
+    from tests.factories import gen_job, gen_user
+
+    alice, bob = gen_user(db_session, "alice"), gen_user(db_session, "bob")
+    hers = [gen_job(db_session, owner=alice) for _ in range(3)]
+    his = gen_job(db_session, owner=bob)
+    db_session.commit()
+    order = coordinator.fair_order
+    assert order(db_session) == [hers[0].id, hers[1].id, hers[2].id, his.id]  # nobody served
+    hers[0].status, hers[0].started_at = "running", utcnow()
+    db_session.commit()
+    assert order(db_session) == [his.id, hers[1].id, hers[2].id]  # she has one running
+    hers[0].status = "done"
+    db_session.commit()
+    assert order(db_session)[0] == his.id  # nobody running: he was never served
+    his.status, his.started_at = "done", utcnow()
+    again = gen_job(db_session, owner=bob)
+    db_session.commit()
+    assert order(db_session)[0] == hers[1].id  # she was served longer ago: her turn
+
+
+def test_a_delivery_runs_the_job_whose_turn_it_is(db_url, monkeypatch):
+    """The delivery of alice's third job runs bob's, which waited behind it."""
+    from models.db import utcnow
+    from tests.factories import gen_job, gen_user
+
+    with make_session_factory(db_url)() as session:
+        alice, bob = gen_user(session, "alice"), gen_user(session, "bob")
+        first = gen_job(session, owner=alice, status="done", started_at=utcnow())
+        third = gen_job(session, owner=alice)
+        his = gen_job(session, owner=bob)
+        session.commit()
+        ids = (first.id, third.id, his.id)
+    ran = []
+    monkeypatch.setattr(coordinator, "_run_locked",
+                        lambda session, job, settings, keeper: ran.append(job.id))  # fmt: skip
+    monkeypatch.setenv("DATABASE_URL", db_url)
+    coordinator.generate.apply(args=[ids[1]])
+    assert ran == [ids[2]]
