@@ -241,7 +241,10 @@ def generate(self, job_id: int) -> str | None:
         where = redact_url(settings.redis_url)
         return _finish(session, job, "failed", f"cannot reach Redis at {where}: {exc}")
     if chosen is None:
-        log.info("job %s: every queued job is already taken; this delivery is done", job_id)
+        if job.status == "queued":
+            log.info("job %s: every queued job is taken; this delivery is done", job_id)
+        else:
+            log.warning("job %s is already running elsewhere; this delivery is dropped", job_id)
         client.close()
         return "running"
     job_id, keeper = chosen
