@@ -65,3 +65,12 @@ def store_error(action: str, exc: BaseException) -> click.ClickException:
     if "no such table" in reason or "UndefinedTable" in reason or "does not exist" in reason:
         reason += " (is the database migrated? `specpipe db upgrade`)"
     return click.ClickException(f"could not {action}: {reason}")
+
+
+def store_session():
+    """A session on the store the settings name (the composition root opens it: `specpipe/`
+    itself imports nothing of `models/`)."""
+    from models.db import make_session_factory
+    from specpipe.settings import database_url
+
+    return make_session_factory(database_url())()

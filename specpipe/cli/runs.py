@@ -7,12 +7,7 @@ from pathlib import Path
 
 import click
 
-
-def _session():
-    from models.db import make_session_factory
-    from specpipe.settings import database_url
-
-    return make_session_factory(database_url())()
+from specpipe.cli.options import store_session
 
 
 def _find_run(session, run_ref: str):
@@ -69,7 +64,7 @@ def runs_list(kind: str | None, limit: int, as_json: bool) -> None:
     from models.db import iso_utc
     from models.runs import Run
 
-    with _session() as session:
+    with store_session() as session:
         try:
             query = select(Run).order_by(Run.created_at.desc(), Run.id.desc()).limit(limit)
             if kind:
@@ -118,7 +113,7 @@ def runs_export(run_ref: str, output: Path | None) -> None:
 
     from models.records import record_of
 
-    with _session() as session:
+    with store_session() as session:
         try:
             record = record_of(_find_run(session, run_ref))
         except SQLAlchemyError as exc:
@@ -141,7 +136,7 @@ def runs_show(run_ref: str) -> None:
 
     from models.records import record_of
 
-    with _session() as session:
+    with store_session() as session:
         try:
             record = record_of(_find_run(session, run_ref))
         except SQLAlchemyError as exc:

@@ -5,14 +5,7 @@ from __future__ import annotations
 
 import click
 
-from specpipe.cli.options import store_error
-
-
-def _session():
-    from models.db import make_session_factory
-    from specpipe.settings import database_url
-
-    return make_session_factory(database_url())()
+from specpipe.cli.options import store_error, store_session
 
 
 @click.group(name="token", invoke_without_command=True)
@@ -44,7 +37,7 @@ def token_create(name: str, owner: str | None) -> None:
     name = name.strip()
     if not name or len(name) > 100:
         raise click.BadParameter("must be 1 to 100 characters", param_hint="NAME")
-    with _session() as session:
+    with store_session() as session:
         try:
             user = None
             if owner is not None:
@@ -71,7 +64,7 @@ def token_list() -> None:
     from models.db import as_utc
     from models.tokens import ApiToken
 
-    with _session() as session:
+    with store_session() as session:
         try:
             rows = session.scalars(select(ApiToken).order_by(ApiToken.name)).all()
         except Exception as exc:  # e.g. the database is not migrated
@@ -90,7 +83,7 @@ def token_revoke(name: str) -> None:
     """Revoke the token called NAME; the API refuses it from then on."""
     from models.tokens import revoke_token
 
-    with _session() as session:
+    with store_session() as session:
         try:
             revoke_token(session, name)
             session.commit()

@@ -6,14 +6,7 @@ import sys
 
 import click
 
-from specpipe.cli.options import store_error
-
-
-def _session():
-    from models.db import make_session_factory
-    from specpipe.settings import database_url
-
-    return make_session_factory(database_url())()
+from specpipe.cli.options import store_error, store_session
 
 
 def read_password() -> str:
@@ -68,7 +61,7 @@ def user_create(name: str, admin: bool) -> None:
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="NAME") from None
     password = _checked_password()
-    with _session() as session:
+    with store_session() as session:
         try:
             create_user(session, name, password, is_admin=admin)
             session.commit()
@@ -87,7 +80,7 @@ def user_list() -> None:
     from models.db import as_utc
     from models.users import User
 
-    with _session() as session:
+    with store_session() as session:
         try:
             rows = session.scalars(select(User).order_by(User.name)).all()
         except Exception as exc:  # e.g. the database is not migrated
@@ -105,7 +98,7 @@ def user_passwd(name: str) -> None:
     from models.users import BUILTIN_ADMIN, find_user
     from specpipe.settings import admin_password_file
 
-    with _session() as session:
+    with store_session() as session:
         try:
             row = find_user(session, name)
         except Exception as exc:  # e.g. the database is not migrated
@@ -125,7 +118,7 @@ def user_delete(name: str) -> None:
     """Delete NAME and its API tokens; its jobs go to the built-in admin."""
     from models.users import delete_user
 
-    with _session() as session:
+    with store_session() as session:
         try:
             moved = delete_user(session, name)
             session.commit()
