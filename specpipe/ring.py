@@ -13,6 +13,7 @@ Streams. Both offer the same three calls, so the generation loop cannot tell the
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -22,6 +23,16 @@ from specpipe.sampling import Sampler, SamplingParams
 
 class GapError(RuntimeError):
     """A stage was asked to continue from a position beyond its KV cache (it lost its state)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One session's round for a stage (see `Stage.forward`)."""
+
+    session: str
+    inputs: torch.Tensor
+    start_pos: int
+    last_rows: int | None = None
 
 
 class Stage(Protocol):

@@ -12,6 +12,8 @@ logit goes first, at a fixed index, rather than after the keys.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,6 +25,19 @@ from specpipe.model.rope import apply_rope
 
 MIN_KEYS = 16
 QUERY_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's rows in a forward of several: P rows, of which the first `tokens` are
+    tokens at positions pos… (the rest padding), with their rotations and their cache."""
+
+    rows: int
+    tokens: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cache: LayerCache
+    pos: int
 
 
 class Attention(nn.Module):
@@ -50,14 +65,31 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [P, D] for positions pos…: the first `tokens` rows (default: all) are the tokens;
         any rows after them are padding, attended but never cached (see `StageModel.forward`)."""
-        P, H = x.shape[0], self.n_heads
-        T = P if tokens is None else tokens
-        qkv = self.wqkv(x).view(P, H + 2 * self.n_kv, self.hd).transpose(0, 1)  # [H+2Hkv, P, hd]
-        qk = apply_rope(qkv[: H + self.n_kv], cos, sin)  # queries and keys rotate alike
+        P = x.shape[0]
+        return self.forward_many(x, [Segment(P, P if tokens is None else tokens, cos, sin,
+                                             cache, pos)])  # fmt: skip
+
+    def forward_many(self, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
+        """x [sum of P, D]: the rows of several sequences one after another, each attending over
+        its own cache. The products run on every row at once; row stability gives each row the
+        numbers it gets alone."""
+        qkv = self.wqkv(x)  # [sum of P, (H+2Hkv)*hd]
+        outs, row = [], 0
+        for seg in segments:
+            outs.append(self._attend_segment(qkv[row : row + seg.rows], seg))
+            row += seg.rows
+        return self.wo(outs[0] if len(outs) == 1 else torch.cat(outs))
+
+    def _attend_segment(self, qkv: torch.Tensor, seg: Segment) -> torch.Tensor:
+        """One sequence's projected rows [P, (H+2Hkv)*hd] -> attention output [P, H*hd]."""
+        P, H, T = seg.rows, self.n_heads, seg.tokens
+        qkv = qkv.view(P, H + 2 * self.n_kv, self.hd).transpose(0, 1)  # [H+2Hkv, P, hd]
+        qk = apply_rope(qkv[: H + self.n_kv], seg.cos, seg.sin)  # queries and keys rotate alike
         k, v = qk[H:], qkv[H + self.n_kv :]  # [Hkv, P, hd] x 2
         if T < P:
             k, v = k[:, :T], v[:, :T]
-        keys, values, first = cache.append(k, v, pos)  # [Hkv, S, hd], absolute position of key 0
+        pos = seg.pos
+        keys, values, first = seg.cache.append(k, v, pos)  # [Hkv, S, hd], position of key 0
         if self.row_stable and keys.shape[1] < MIN_KEYS:  # padded keys lie in the future: masked
             keys, values = padded(keys, MIN_KEYS), padded(values, MIN_KEYS)
         # One token that sees every key needs no mask (padding rows may see what they like).
@@ -68,7 +100,7 @@ class Attention(nn.Module):
             for i in range(0, P, QUERY_CHUNK)
         ]
         out = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)  # [H, P, hd]
-        return self.wo(out.transpose(0, 1).reshape(P, self.n_heads * self.hd))
+        return out.transpose(0, 1).reshape(P, self.n_heads * self.hd)
 
     def _attend(
         self,

@@ -6,11 +6,13 @@ Hidden states are [T, D] for one sequence (no batch dimension). The parts live b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpipe.model.attention import Attention
+from specpipe.model.attention import Attention, Segment
 from specpipe.model.config import ModelConfig
 from specpipe.model.kvcache import LayerCache
 from specpipe.model.linear import Linear
@@ -62,5 +64,12 @@ class Block(nn.Module):
         tokens: int | None = None,
     ) -> torch.Tensor:
         """x [P, D] -> [P, D]; rows from `tokens` on are padding (see `Attention.forward`)."""
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, pos, tokens)
+        P = x.shape[0]
+        return self.forward_many(x, [Segment(P, P if tokens is None else tokens, cos, sin,
+                                             cache, pos)])  # fmt: skip
+
+    def forward_many(self, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
+        """The rows of several sequences one after another, [sum of P, D] -> [sum of P, D]:
+        attention within each sequence, everything else on every row at once."""
+        x = x + self.attn.forward_many(self.attn_norm(x), segments)
         return x + self.mlp(self.mlp_norm(x))

@@ -8,17 +8,20 @@ weight is held twice and no layer outside the range is ever read.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specpipe.model.attention import Segment
 from specpipe.model.config import ModelConfig
 from specpipe.model.errors import ModelError
 from specpipe.model.kvcache import LayerCache, SessionCache
 from specpipe.model.layers import Block, RMSNorm
 from specpipe.model.linear import MIN_ROWS, Linear
 from specpipe.model.rope import Rotary
-from specpipe.ring import GapError
+from specpipe.ring import GapError, Request
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -83,28 +86,66 @@ class StageModel(nn.Module):
 
         On the tail, `last_rows` keeps only the logits of the last rows (a verify needs K+1 of
         them; a long prompt's others would cost T x V floats)."""
-        self._check_inputs(inputs)
-        if session not in self.sessions and start_pos > 0:
-            raise GapError(f"session {session!r} has no cache here; start_pos {start_pos} > 0")
-        cache = self._session(session)
-        cache.check(start_pos)  # GapError before anything changes; appending truncates
+        (out,) = self.forward_many([Request(session, inputs, start_pos, last_rows)])
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    @torch.inference_mode()
+    def forward_many(self, requests: Sequence[Request]) -> list[torch.Tensor | Exception]:
+        """Several sessions' rounds as one forward: each output, or the error of a request that
+        could not run (a gap, bad inputs), in order; the others run regardless.
+
+        Every product runs on the rows of all of them at once and attention within each, so a
+        session's numbers are the ones it gets alone (row stability)."""
+        outs: list[torch.Tensor | Exception | None] = [None] * len(requests)
+        rows, caches, xs, segments = [], [], [], []
+        for i, req in enumerate(requests):
+            try:
+                cache, x = self._prepare(req)
+            except (GapError, ValueError) as exc:
+                outs[i] = exc
+                continue
+            T = x.shape[0]
+            if T < self.pad_rows:
+                x = F.pad(x, (0, 0, 0, self.pad_rows - T))  # [P, D]: rows from T on are padding
+            cos, sin = self.rotary(req.start_pos, x.shape[0], self.dtype)
+            rows.append(i)
+            caches.append(cache)
+            xs.append(x)
+            segments.append((x.shape[0], T, cos, sin, req.start_pos))
+        if not rows:
+            return outs
+        x = xs[0] if len(xs) == 1 else torch.cat(xs)  # [sum of P, D]
+        for layer_index, layer in enumerate(self.layers):
+            parts = [
+                Segment(P, T, cos, sin, cache.layers[layer_index], pos)
+                for (P, T, cos, sin, pos), cache in zip(segments, caches, strict=True)
+            ]
+            x = layer.forward_many(x, parts)
+        start = 0
+        for i, cache, (P, T, _, _, pos) in zip(rows, caches, segments, strict=True):
+            h = x[start : start + T]
+            start += P
+            cache.length = pos + T
+            if self.last:
+                last_rows = requests[i].last_rows
+                h = self.head(self.norm(h if last_rows is None else h[-last_rows:])).float()
+            outs[i] = h  # [T, D], or logits [T, V] on the tail
+        return outs
+
+    def _prepare(self, req: Request) -> tuple[SessionCache, torch.Tensor]:
+        """The session's cache, checked against the round's start, and its input rows [T, D]."""
+        self._check_inputs(req.inputs)
+        if req.session not in self.sessions and req.start_pos > 0:
+            raise GapError(
+                f"session {req.session!r} has no cache here; start_pos {req.start_pos} > 0"
+            )
+        cache = self._session(req.session)
+        cache.check(req.start_pos)  # GapError before anything changes; appending truncates
         if self.first:
-            x = self.embed(inputs.to(self.device, torch.long))  # [T, D]
-        else:
-            x = inputs.to(self.device, self.dtype)
-        T = x.shape[0]
-        if T < self.pad_rows:
-            x = F.pad(x, (0, 0, 0, self.pad_rows - T))  # [P, D]: rows from T on are padding
-        cos, sin = self.rotary(start_pos, x.shape[0], self.dtype)
-        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
-            x = layer(x, cos, sin, layer_cache, start_pos, T)
-        x = x[:T]
-        cache.length = start_pos + T
-        if not self.last:
-            return x
-        if last_rows is not None:
-            x = x[-last_rows:]
-        return self.head(self.norm(x)).float()  # [T, V]
+            return cache, self.embed(req.inputs.to(self.device, torch.long))  # [T, D]
+        return cache, req.inputs.to(self.device, self.dtype)
 
     def _check_inputs(self, inputs: torch.Tensor) -> None:
         if self.first:
