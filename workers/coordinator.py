@@ -10,7 +10,8 @@ progress and a coordinator re-run after a crash resumes from what was committed;
 token is sampled from the uniform keyed by its position, the output is the one an undisturbed
 run gives. The beat task `workers.coordinator.resume_stalled` re-enqueues running jobs whose
 coordinator died. A cancel request stops the job at its next round. Any failure ends the job
-with a one-line reason.
+with a one-line reason, except the store's own (unreachable, locked): the job then stays running,
+as after a crash, and is resumed once the store is back.
 
 A job with stop strings ends after the round whose decoded text first contains one of them;
 its `output_text` is cut just before the earliest occurrence, while `output_ids` (and the token
@@ -34,6 +35,7 @@ from typing import Protocol
 import redis
 from celery import shared_task
 from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from models import Job
@@ -142,6 +144,13 @@ def run_job(
         return _finish(session, job, status)
     except (RouteError, RingError, GapError, ValueError) as exc:
         return _finish(session, job, "failed", exc)
+    except OperationalError as exc:
+        # The store is unreachable or locked: what it holds is consistent up to the last round
+        # stored, and marking the job failed would be a write that may just as well succeed.
+        # It stays running; once its lock lapses, beat's `resume_stalled` resumes it.
+        log.warning("job %s: the store failed (%s); left for resume_stalled", job_id, exc)
+        _rollback_quietly(session)
+        return "running"
     except Exception as exc:  # whatever else went wrong, the job ends rather than stays running
         log.exception("job %s failed", job_id)
         session.rollback()  # a failed flush or commit leaves the session unusable until then
@@ -190,6 +199,13 @@ def _finish(
         job.run.finished_at = job.finished_at
     session.commit()
     return status
+
+
+def _rollback_quietly(session: Session) -> None:
+    try:
+        session.rollback()
+    except Exception as exc:  # a connection gone mid-transaction; the next use reconnects
+        log.warning("rollback failed: %s", exc)
 
 
 def _drop_quietly(ring: Ring, session_name: str) -> None:

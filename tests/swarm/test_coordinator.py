@@ -362,3 +362,28 @@ def test_a_queued_job_whose_message_the_broker_lost_is_found(db_url, second_redi
     finally:
         client.delete(queue, "unacked", "elsewhere")
         client.close()
+
+
+def test_a_store_outage_leaves_the_job_running_to_be_resumed_identically(db_url):
+    from sqlalchemy.exc import OperationalError
+
+    job_id = add_job(db_url, temp=0.9, draft_k=3, max_new_tokens=30)
+    sessions = make_session_factory(db_url)
+    with sessions() as session:
+        commit, commits = session.commit, []
+
+        def failing_once() -> None:
+            commits.append(1)
+            if len(commits) == 4:  # a round's commit, once: the store is back right after
+                raise OperationalError("COMMIT", {}, Exception("server closed the connection"))
+            commit()
+
+        session.commit = failing_once
+        outcome = coordinator.run_job(session, job_id, local_ring, ToyCodec(), {EOS})
+    assert outcome == "running"
+    partial = load(db_url, job_id)
+    assert (partial.status, partial.error, partial.finished_at) == ("running", None, None)
+    assert 0 < len(partial.output_ids) < 30
+    assert run_job(sessions, job_id, local_ring, ToyCodec(), {EOS}) == "done"
+    job = load(db_url, job_id)
+    assert job.output_ids == undisturbed(job) and job.attempts == 2
