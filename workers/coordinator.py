@@ -41,6 +41,7 @@ from sqlalchemy.orm import Session
 from models import Job
 from models.db import utcnow
 from models.runs import start_run
+from specpipe import inventory
 from specpipe.generation import Generation
 from specpipe.inventory import RouteError
 from specpipe.redact import one_line_reason
@@ -218,6 +219,80 @@ def _drop_quietly(ring: Ring, session_name: str) -> None:
         close()
 
 
+class CheckedRing:
+    """A job's ring, checked against the inventory whenever a stage answers `gap`.
+
+    A stage that restarted has lost its caches and answers gap, and the job replays its tokens
+    from position 0. If the stage came back serving other layers than the ring's route has it
+    for (the model was split again), replaying on the same route would run those layers on the
+    wrong hidden states: the route on the wire names hosts, not layers, so no stage would notice
+    and the job would end with other tokens. So after a gap, when any hop of the route serves
+    other layers now, the ring is built again from the inventory before the replay: the job
+    re-routes, or fails with a RouteError naming the layers no online stage serves."""
+
+    def __init__(
+        self, build: Callable[[], Ring], layers_now: Callable[[], dict[str, tuple[int, int]]]
+    ) -> None:
+        self.build, self.layers_now = build, layers_now
+        self.ring = build()
+        self.rebuilt = 0
+
+    @property
+    def route(self) -> tuple:
+        return tuple(getattr(self.ring, "route", ()))
+
+    def reset(self, session: str, params: SamplingParams) -> None:
+        self.ring.reset(session, params)
+
+    def reseed(self, session: str, params: SamplingParams) -> None:
+        self.ring.reseed(session, params)
+
+    def round(self, session: str, tokens, start_pos: int, n_draft: int) -> list[int]:
+        try:
+            return self.ring.round(session, tokens, start_pos, n_draft)
+        except GapError:
+            if self._route_changed():
+                old, self.ring = self.ring, None
+                _drop_quietly(old, session)
+                self.ring = self.build()  # RouteError when the stages no longer cover the model
+                self.rebuilt += 1
+                hosts = " -> ".join(hop.host for hop in self.route)
+                log.warning("session %s: a stage serves other layers now; new ring %s",
+                            session, hosts)  # fmt: skip
+            raise
+
+    def drop(self, session: str) -> None:
+        if self.ring is not None:
+            self.ring.drop(session)
+
+    def close(self) -> None:
+        close = getattr(self.ring, "close", None)
+        if close is not None:
+            close()
+
+    def _route_changed(self) -> bool:
+        try:
+            layers = self.layers_now()
+        except redis.RedisError as exc:  # cannot tell: replay on the ring as it is
+            log.warning("cannot read the inventory after a gap: %s", exc)
+            return False
+        return any(
+            layers.get(hop.host) != (hop.layer_start, hop.layer_end)
+            for hop in self.route
+            if hasattr(hop, "layer_start")
+        )
+
+
+def served_layers(settings: Settings) -> dict[str, tuple[int, int]]:
+    """Each stage host's layer range as the swarm's inventory has it now."""
+    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        nodes = inventory.load(client, settings.swarm)
+    finally:
+        client.close()
+    return {n.host: (n.layer_start, n.layer_end) for n in nodes}
+
+
 def lock_key(swarm: str, job_id: int) -> str:
     """The Redis key of a job's lock, held while a coordinator runs it."""
     return f"specpipe:{swarm}:job-lock:{job_id}"
@@ -251,10 +326,13 @@ def generate(self, job_id: int) -> str | None:
         client.close()
         return _finish(session, job, "failed", f"cannot reach Redis at {settings.redis_url}: {exc}")
 
-    def make_ring(_job: Job) -> RedisRing:
+    def build_ring() -> RedisRing:
         ring = RedisRing.from_inventory(settings, target.name, target.n_layers)
         sync_inventory(session, list(ring.route))  # the run's snapshot is the ring as it is now
         return ring
+
+    def make_ring(_job: Job) -> CheckedRing:
+        return CheckedRing(build_ring, lambda: served_layers(settings))
 
     try:
         return run_job(session, job_id, make_ring, target, target.eos_ids, keeper.owned)
