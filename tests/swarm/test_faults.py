@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from specpipe import faultbench
-from tests.dbfixtures import testing_url
+from tests import dbfixtures
 from tests.swarmprocs import write_tiny_model
 
 SURVIVED = ("kill-stage0", "kill-middle", "kill-tail", "kill-coordinator", "kill-redis",
@@ -22,7 +22,7 @@ SIZES = {
     "full": {"counts": {"kill-stage0": 5, "kill-middle": 5, "kill-tail": 5,
                         "kill-coordinator": 5, "kill-redis": 3, "stop-stage": 3, "db-down": 2,
                         "resplit": 3},
-             "stop_s": 30.0, "db_down_s": 10.0, "postgres": testing_url()},
+             "stop_s": 30.0, "db_down_s": 10.0, "postgres": dbfixtures.testing_url()},
 }  # fmt: skip
 
 
