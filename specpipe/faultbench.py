@@ -537,11 +537,12 @@ def run_matrix(model: str, counts: dict[str, int], workdir: Path, log: Log, *,
             finally:
                 jobs.close()
             trials += matrix.trials
-            setup["sqlite_db_fault"] = "write lock held by another connection"
+            if "db-down" in on_sqlite:
+                setup["db_fault"] = "SQLite: the write lock held by another connection"
     if postgres and counts.get("db-down"):
         trials += _postgres_db_down(model, stages, tokens, postgres, counts["db-down"], workdir,
                                     references, rng, log, deadline_s, db_down_s, env)  # fmt: skip
-        setup["postgres_db_fault"] = "TCP relay drops connections and refuses new ones"
+        setup["db_fault"] = "PostgreSQL: a relay drops every connection and refuses new ones"
     rows = summarise(trials)
     bad = sum(r["different"] + r["lost"] + r["stuck"] for r in rows)
     missed = [r["fault"] for r in rows if r["injected"] < counts.get(r["fault"], 0)]
