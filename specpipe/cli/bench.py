@@ -298,7 +298,7 @@ def bench_faults(model, stages, tokens, stage_kills, coordinator_kills, redis_ki
 @json_option
 @_model_errors
 def bench_load_api(model, stages, users, jobs, within_s, tokens, deadline_s, json_path):
-    """The JSON API under load: JOBS jobs from USERS users through POST /api/v1/jobs.
+    """The JSON API under load: --jobs jobs from --users users through POST /api/v1/jobs.
 
     Runs the stack as `specpipe up` does in a temporary folder, makes the users and their
     tokens in its store, submits the jobs over --within-s seconds and waits for every one.

@@ -45,3 +45,15 @@ def test_percentiles_interpolate_and_need_values():
     assert percentile([], 0.5) is None
     assert percentile([4.0], 0.95) == 4.0
     assert percentile([float(i) for i in range(1, 101)], 0.5) == 50.5
+
+
+def test_the_benches_say_in_one_line_that_the_model_is_missing(tmp_path):
+    from click.testing import CliRunner
+
+    from specpipe.cli import cli
+
+    for command in ("faults", "load-api"):
+        result = CliRunner().invoke(cli, ["bench", command, "--model", str(tmp_path / "none")])
+        assert result.exit_code == 1, result.output
+        error = result.output.strip().splitlines()[-1]
+        assert error.startswith("Error: ") and "none" in error, result.output
