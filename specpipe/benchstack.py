@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import redis
 
-from specpipe import inventory
+from specpipe import inventory, settings
 from specpipe.redis_server import free_port
 
 # The variables a shell may carry that would point `up` at another swarm or store.
@@ -150,7 +150,8 @@ class Stack:
         """Online stage hosts and their layer ranges, as the inventory has them."""
         client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=2, socket_timeout=2)
         try:
-            nodes = inventory.load(client, self.swarm)
+            keys = settings.key_file_keys(self.home / settings.SWARM_KEY_FILE)
+            nodes = inventory.load(client, self.swarm, keys)
         except redis.RedisError:
             return {}
         finally:
