@@ -120,7 +120,12 @@ def swarm_keys(now: float | None = None) -> tuple[str, ...]:
     value = os.environ.get("SPECPIPE_SWARM_KEY")
     if value:
         return tuple(k.strip() for k in value.split(",") if k.strip())
-    path = instance_dir() / SWARM_KEY_FILE
+    return key_file_keys(instance_dir() / SWARM_KEY_FILE, now)
+
+
+def key_file_keys(path: Path, now: float | None = None) -> tuple[str, ...]:
+    """The keys a swarm key file (as `specpipe up` keeps it) accepts now, the signing one first;
+    () when there is no such file."""
     if not path.is_file():
         return ()
     return _key_file_keys(path.read_text(), time.time() if now is None else now)

@@ -10,7 +10,8 @@ progress and a coordinator re-run after a crash resumes from what was committed;
 token is sampled from the uniform keyed by its position, the output is the one an undisturbed
 run gives. The beat task `workers.coordinator.resume_stalled` re-enqueues running jobs whose
 coordinator died. A cancel request stops the job at its next round. Any failure ends the job
-with a one-line reason.
+with a one-line reason, except the store's own (unreachable, locked): the job then stays running,
+as after a crash, and is resumed once the store is back.
 
 A job with stop strings ends after the round whose decoded text first contains one of them;
 its `output_text` is cut just before the earliest occurrence, while `output_ids` (and the token
@@ -35,11 +36,13 @@ import redis
 from celery import shared_task
 from celery.signals import worker_ready
 from sqlalchemy import func, select
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from models import Job
 from models.db import as_utc, utcnow
 from models.runs import start_run
+from specpipe import inventory
 from specpipe.generation import Generation
 from specpipe.inventory import RouteError
 from specpipe.redact import one_line_reason, redact_url
@@ -143,6 +146,13 @@ def run_job(
         return _finish(session, job, status)
     except (RouteError, RingError, GapError, ValueError) as exc:
         return _finish(session, job, "failed", exc)
+    except OperationalError as exc:
+        # The store is unreachable or locked: what it holds is consistent up to the last round
+        # stored, and marking the job failed would be a write that may just as well succeed.
+        # It stays running; once its lock lapses, beat's `resume_stalled` resumes it.
+        log.warning("job %s: the store failed (%s); left for resume_stalled", job_id, exc)
+        _rollback_quietly(session)
+        return "running"
     except Exception as exc:  # whatever else went wrong, the job ends rather than stays running
         log.exception("job %s failed", job_id)
         session.rollback()  # a failed flush or commit leaves the session unusable until then
@@ -193,6 +203,13 @@ def _finish(
     return status
 
 
+def _rollback_quietly(session: Session) -> None:
+    try:
+        session.rollback()
+    except Exception as exc:  # a connection gone mid-transaction; the next use reconnects
+        log.warning("rollback failed: %s", exc)
+
+
 def _drop_quietly(ring: Ring, session_name: str) -> None:
     try:
         ring.drop(session_name)
@@ -211,6 +228,80 @@ def open_default_model(**_) -> None:
         open_target(default_model())
     except Exception as exc:  # a job on that model fails with the reason; the worker still serves
         log.warning("could not open model %r at start: %s", default_model(), exc)
+
+
+class CheckedRing:
+    """A job's ring, checked against the inventory whenever a stage answers `gap`.
+
+    A stage that restarted has lost its caches and answers gap, and the job replays its tokens
+    from position 0. If the stage came back serving other layers than the ring's route has it
+    for (the model was split again), replaying on the same route would run those layers on the
+    wrong hidden states: the route on the wire names hosts, not layers, so no stage would notice
+    and the job would end with other tokens. So after a gap, when any hop of the route serves
+    other layers now, the ring is built again from the inventory before the replay: the job
+    re-routes, or fails with a RouteError naming the layers no online stage serves."""
+
+    def __init__(
+        self, build: Callable[[], Ring], layers_now: Callable[[], dict[str, tuple[int, int]]]
+    ) -> None:
+        self.build, self.layers_now = build, layers_now
+        self.ring = build()
+        self.rebuilt = 0
+
+    @property
+    def route(self) -> tuple:
+        return tuple(getattr(self.ring, "route", ()))
+
+    def reset(self, session: str, params: SamplingParams) -> None:
+        self.ring.reset(session, params)
+
+    def reseed(self, session: str, params: SamplingParams) -> None:
+        self.ring.reseed(session, params)
+
+    def round(self, session: str, tokens, start_pos: int, n_draft: int) -> list[int]:
+        try:
+            return self.ring.round(session, tokens, start_pos, n_draft)
+        except GapError:
+            if self._route_changed():
+                old, self.ring = self.ring, None
+                _drop_quietly(old, session)
+                self.ring = self.build()  # RouteError when the stages no longer cover the model
+                self.rebuilt += 1
+                hosts = " -> ".join(hop.host for hop in self.route)
+                log.warning("session %s: a stage serves other layers now; new ring %s",
+                            session, hosts)  # fmt: skip
+            raise
+
+    def drop(self, session: str) -> None:
+        if self.ring is not None:
+            self.ring.drop(session)
+
+    def close(self) -> None:
+        close = getattr(self.ring, "close", None)
+        if close is not None:
+            close()
+
+    def _route_changed(self) -> bool:
+        try:
+            layers = self.layers_now()
+        except redis.RedisError as exc:  # cannot tell: replay on the ring as it is
+            log.warning("cannot read the inventory after a gap: %s", exc)
+            return False
+        return any(
+            layers.get(hop.host) != (hop.layer_start, hop.layer_end)
+            for hop in self.route
+            if hasattr(hop, "layer_start")
+        )
+
+
+def served_layers(settings: Settings) -> dict[str, tuple[int, int]]:
+    """Each stage host's layer range as the swarm's inventory has it now."""
+    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        nodes = inventory.load(client, settings.swarm, settings.accepted_swarm_keys)
+    finally:
+        client.close()
+    return {n.host: (n.layer_start, n.layer_end) for n in nodes}
 
 
 def lock_key(swarm: str, job_id: int) -> str:
@@ -307,10 +398,13 @@ def _run_locked(session: Session, job: Job, settings: Settings, keeper: LockKeep
     except Exception as exc:  # a model that breaks its reader: still one line on the job
         return _finish(session, job, "failed", f"cannot open model {job.model!r}: {exc}")
 
-    def make_ring(_job: Job) -> RedisRing:
+    def build_ring() -> RedisRing:
         ring = RedisRing.from_inventory(settings, target.name, target.n_layers)
         sync_inventory(session, list(ring.route))  # the run's snapshot is the ring as it is now
         return ring
+
+    def make_ring(_job: Job) -> CheckedRing:
+        return CheckedRing(build_ring, lambda: served_layers(settings))
 
     return run_job(session, job.id, make_ring, target, target.eos_ids, keeper.owned)
 

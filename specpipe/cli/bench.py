@@ -248,3 +248,121 @@ def bench_exact(model, stages, pairs, tokens, temp, top_p, top_k, draft_k, threa
     write_json(json_path, result)
     if result["verdict"] != "PASS":
         raise SystemExit(1)
+
+
+@bench.command(name="faults")
+@click.option("--model", default="default", show_default=True, help="Model to serve.")
+@click.option("--stages", type=click.IntRange(3, 16), default=3, show_default=True,
+              help="Stage processes (stage 0, the middle ones, the tail).")  # fmt: skip
+@click.option("--tokens", type=click.IntRange(8, 4096), default=48, show_default=True,
+              help="New tokens per job.")  # fmt: skip
+@click.option("--stage-kills", type=click.IntRange(min=0), default=5, show_default=True,
+              help="SIGKILLs of stage 0, of a middle stage and of the tail, each.")  # fmt: skip
+@click.option("--coordinator-kills", type=click.IntRange(min=0), default=5, show_default=True,
+              help="SIGKILLs of the coordinator.")  # fmt: skip
+@click.option("--redis-kills", type=click.IntRange(min=0), default=3, show_default=True,
+              help="SIGKILLs of Redis, with a job running and two queued.")  # fmt: skip
+@click.option("--stops", type=click.IntRange(min=0), default=3, show_default=True,
+              help="SIGSTOPs of a middle stage, each for --stop-s.")  # fmt: skip
+@click.option("--stop-s", type=click.FloatRange(min=0), default=30.0, show_default=True)
+@click.option("--db-outages", type=click.IntRange(min=0), default=2, show_default=True,
+              help="Times the database goes away, each for --db-down-s.")  # fmt: skip
+@click.option("--db-down-s", type=click.FloatRange(min=0), default=10.0, show_default=True)
+@click.option(
+    "--postgres",
+    metavar="URL",
+    help="A PostgreSQL server for the database outages (a database is created there and "
+    "dropped after); without it the SQLite store's write lock is held.",
+)
+@click.option("--resplits", type=click.IntRange(min=0), default=3, show_default=True,
+              help="Restarts of a middle stage with another layer range.")  # fmt: skip
+@click.option("--deadline-s", type=click.FloatRange(min=10), default=300.0, show_default=True,
+              help="A job not finished this long after its fault counts as stuck.")  # fmt: skip
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seeds the jobs, the rounds hit and the job seeds.")  # fmt: skip
+@json_option
+@_model_errors
+def bench_faults(model, stages, tokens, stage_kills, coordinator_kills, redis_kills, stops,
+                 stop_s, db_outages, db_down_s, postgres, resplits, deadline_s, seed,
+                 json_path):  # fmt: skip
+    """The fault matrix: faults injected into the running stack, and what became of each job.
+
+    Runs the stack as `specpipe up` does (private Redis, supervisor) in a temporary folder,
+    submits jobs and, at a random round of a running job, kills a stage, the coordinator or
+    Redis, stops a stage, takes the database away, or restarts a stage with another layer
+    range. Every job must end identical to its reference run (the same job in one process) or
+    failed with a reason: none lost, none stuck, none different. Exits 1 otherwise.
+
+    Example:
+
+        specpipe bench faults --stage-kills 5 --postgres postgresql://127.0.0.1/test
+    """
+    import tempfile
+    from pathlib import Path
+
+    from specpipe import faultbench
+
+    counts = {"kill-stage0": stage_kills, "kill-middle": stage_kills, "kill-tail": stage_kills,
+              "kill-coordinator": coordinator_kills, "kill-redis": redis_kills,
+              "stop-stage": stops, "db-down": db_outages, "resplit": resplits}  # fmt: skip
+    counts = {fault: n for fault, n in counts.items() if n}
+    click.echo(f"bench faults: {model}, {stages} stages, {tokens} tokens per job")
+    with tempfile.TemporaryDirectory(prefix="specpipe-faults-") as workdir:
+        result = faultbench.run_matrix(
+            model, counts, Path(workdir), click.echo, stages=stages, tokens=tokens,
+            postgres=postgres, stop_s=stop_s, db_down_s=db_down_s, deadline_s=deadline_s,
+            seed=seed,
+        )  # fmt: skip
+    for line in faultbench.table(result["rows"]):
+        click.echo(line)
+    click.echo(f"verdict {result['verdict']}")
+    write_json(json_path, result)
+    if result["verdict"] != "PASS":
+        raise SystemExit(1)
+
+
+@bench.command(name="load-api")
+@click.option("--model", default="default", show_default=True, help="Model to serve.")
+@click.option("--stages", type=click.IntRange(1, 16), default=3, show_default=True)
+@click.option("--users", type=click.IntRange(1, 1000), default=8, show_default=True,
+              help="Users, each with an API token of their own.")  # fmt: skip
+@click.option("--jobs", type=click.IntRange(1, 100_000), default=200, show_default=True,
+              help="Jobs submitted, the users taking turns.")  # fmt: skip
+@click.option("--within-s", type=click.FloatRange(min=0), default=60.0, show_default=True,
+              help="The submissions are spread evenly over this many seconds.")  # fmt: skip
+@click.option("--tokens", type=click.IntRange(1, 4096), default=16, show_default=True,
+              help="New tokens per job.")  # fmt: skip
+@click.option("--deadline-s", type=click.FloatRange(min=10), default=1800.0, show_default=True,
+              help="A job not finished this long after submitting counts as stuck.")  # fmt: skip
+@json_option
+@_model_errors
+def bench_load_api(model, stages, users, jobs, within_s, tokens, deadline_s, json_path):
+    """The JSON API under load: --jobs jobs from --users users through POST /api/v1/jobs.
+
+    Runs the stack as `specpipe up` does in a temporary folder, makes the users and their
+    tokens in its store, submits the jobs over --within-s seconds and waits for every one.
+    Reports 429s (the per-user limits: SPECPIPE_SUBMIT_RATE, SPECPIPE_MAX_ACTIVE_JOBS), time
+    to done (p50, p95), 5xx answers, and every process's memory before and after. Exits 1 when
+    a job is lost or stuck, a request got a 5xx or no answer.
+
+    Example:
+
+        specpipe bench load-api --users 8 --jobs 200 --within-s 60
+    """
+    import tempfile
+    from pathlib import Path
+
+    from specpipe import apiloadbench
+
+    click.echo(f"bench load-api: {model}, {stages} stages, {jobs} jobs from {users} users")
+    with tempfile.TemporaryDirectory(prefix="specpipe-load-") as workdir:
+        result = apiloadbench.run_load(
+            model, Path(workdir), click.echo, stages=stages, users=users, jobs=jobs,
+            within_s=within_s, tokens=tokens, deadline_s=deadline_s,
+        )  # fmt: skip
+    for line in apiloadbench.report(result):
+        click.echo(line)
+    click.echo(f"verdict {result['verdict']}")
+    write_json(json_path, result)
+    if result["verdict"] != "PASS":
+        raise SystemExit(1)

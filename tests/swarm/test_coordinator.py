@@ -381,7 +381,7 @@ def test_queued_jobs_take_turns_between_users(db_session):
     db_session.commit()
     assert order(db_session)[0] == his.id  # nobody running: he was never served
     his.status, his.started_at = "done", utcnow()
-    again = gen_job(db_session, owner=bob)
+    gen_job(db_session, owner=bob)  # he has another waiting
     db_session.commit()
     assert order(db_session)[0] == hers[1].id  # she was served longer ago: her turn
 
@@ -404,3 +404,95 @@ def test_a_delivery_runs_the_job_whose_turn_it_is(db_url, monkeypatch):
     monkeypatch.setenv("DATABASE_URL", db_url)
     coordinator.generate.apply(args=[ids[1]])
     assert ran == [ids[2]]
+
+
+def test_a_store_outage_leaves_the_job_running_to_be_resumed_identically(db_url):
+    from sqlalchemy.exc import OperationalError
+
+    job_id = add_job(db_url, temp=0.9, draft_k=3, max_new_tokens=30)
+    sessions = make_session_factory(db_url)
+    with sessions() as session:
+        commit, commits = session.commit, []
+
+        def failing_once() -> None:
+            commits.append(1)
+            if len(commits) == 4:  # a round's commit, once: the store is back right after
+                raise OperationalError("COMMIT", {}, Exception("server closed the connection"))
+            commit()
+
+        session.commit = failing_once
+        outcome = coordinator.run_job(session, job_id, local_ring, ToyCodec(), {EOS})
+    assert outcome == "running"
+    partial = load(db_url, job_id)
+    assert (partial.status, partial.error, partial.finished_at) == ("running", None, None)
+    assert 0 < len(partial.output_ids) < 30
+    assert run_job(sessions, job_id, local_ring, ToyCodec(), {EOS}) == "done"
+    job = load(db_url, job_id)
+    assert job.output_ids == undisturbed(job) and job.attempts == 2
+
+
+class GappyRing:
+    """A routed toy ring whose stage `gap_at` rounds in answers gap once (it restarted)."""
+
+    def __init__(self, route, gap_at: int | None = None) -> None:
+        self.route, self.ring, self.gap_at, self.rounds = route, local_ring(), gap_at, 0
+
+    def reset(self, session, params):
+        self.ring.reset(session, params)
+
+    def round(self, session, tokens, start_pos, n_draft):
+        from specpipe.ring import GapError
+
+        self.rounds += 1
+        if self.rounds == self.gap_at:
+            raise GapError("h1: lost the session's cache")
+        return self.ring.round(session, tokens, start_pos, n_draft)
+
+    def drop(self, session):
+        self.ring.drop(session)
+
+
+def routed(*ranges):
+    from specpipe.inventory import NodeInfo
+
+    return [NodeInfo(f"h{i}", a, b, "redis://x") for i, (a, b) in enumerate(ranges)]
+
+
+@pytest.mark.parametrize("resplit", [False, True], ids=["same-layers", "other-layers"])
+def test_after_a_gap_the_ring_is_built_again_only_when_a_stage_serves_other_layers(db_url, resplit):
+    job_id = add_job(db_url, temp=0.9, draft_k=3, max_new_tokens=30)
+    now = {"h0": (0, 2), "h1": (2, 4)}
+    rings = [GappyRing(routed((0, 2), (2, 4)), gap_at=3), GappyRing(routed((0, 1), (1, 4)))]
+    built = iter(rings)
+
+    def layers_now():
+        if resplit:  # h1 came back serving 1:4; h0 was restarted as 0:1
+            return {"h0": (0, 1), "h1": (1, 4)}
+        return now
+
+    def make(_job):
+        return coordinator.CheckedRing(lambda: next(built), layers_now)
+
+    assert run_job(make_session_factory(db_url), job_id, make, ToyCodec(), {EOS}) == "done"
+    job = load(db_url, job_id)
+    assert job.output_ids == undisturbed(job)
+    assert (rings[1].rounds > 0) == resplit  # the replay ran on the new ring, or the old one
+
+
+def test_a_stage_back_with_layers_nobody_else_completes_fails_the_job_with_them(db_url):
+    from specpipe.inventory import RouteError
+
+    job_id = add_job(db_url, max_new_tokens=30)
+    rings = iter([GappyRing(routed((0, 2), (2, 4)), gap_at=2)])
+
+    def build():
+        ring = next(rings, None)
+        if ring is None:
+            raise RouteError("no online stage serves layers 2:3")
+        return ring
+
+    def make(_job):
+        return coordinator.CheckedRing(build, lambda: {"h0": (0, 2), "h1": (3, 4)})
+
+    assert run_job(make_session_factory(db_url), job_id, make, ToyCodec(), {EOS}) == "failed"
+    assert load(db_url, job_id).error == "RouteError: no online stage serves layers 2:3"

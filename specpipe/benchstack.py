@@ -1,0 +1,229 @@
+"""The whole stack as `specpipe up` runs it, for the benches that disturb or load it.
+
+`Stack` starts `specpipe up` in an instance folder of its own (a private Redis, the stages, the
+coordinator, beat and the web app, supervised), waits until every stage is online and the web
+app answers, and tells its processes apart by their command lines, so a bench can signal one
+(the supervisor restarts what dies) and measure each one's memory. Leaving the context stops
+`up` and whatever it leaves behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import redis
+
+from specpipe import inventory, settings
+from specpipe.redis_server import free_port
+
+# The variables a shell may carry that would point `up` at another swarm or store.
+CLEARED = ("REDIS_URL", "DATABASE_URL", "SPECPIPE_SWARM_KEY", "SECRET_KEY", "SPECPIPE_SWARM",
+           "SPECPIPE_MODEL")  # fmt: skip
+SPECPIPE = [sys.executable, "-m", "specpipe"]
+
+
+class StackError(RuntimeError):
+    """The stack did not come up, or not back."""
+
+
+def role_of(argv: list[str]) -> str | None:
+    """The role a process of `specpipe up` plays, from its command line: redis, stage0…,
+    coordinator, beat or web; None for anything else."""
+    line = " ".join(argv)
+    if argv and "redis-server" in argv[0]:
+        return "redis"
+    if "worker stage" in line and "--host" in argv:
+        host = argv[argv.index("--host") + 1]
+        return "stage" + host.rsplit("-stage", 1)[-1]
+    for role, words in (("coordinator", "worker coordinator"), ("beat", "worker beat"),
+                        ("web", "specpipe web")):  # fmt: skip
+        if words in line:
+            return role
+    return None
+
+
+class Stack:
+    """`specpipe up --stages N --model M` in `home` (context manager)."""
+
+    def __init__(self, model: str, stages: int, home: Path, *, database_url: str | None = None,
+                 env: dict[str, str] | None = None, threads: int = 1) -> None:  # fmt: skip
+        self.model, self.stages, self.home = model, stages, Path(home)
+        self.port = free_port()
+        self.env = {k: v for k, v in os.environ.items() if k not in CLEARED}
+        self.env.update(SPECPIPE_HOME=str(self.home), OMP_NUM_THREADS=str(threads),
+                        PYTHONUNBUFFERED="1", **(env or {}))  # fmt: skip
+        if database_url:
+            self.env["DATABASE_URL"] = database_url
+        self.log_path = self.home / "up.log"
+        self.proc: subprocess.Popen | None = None
+        self.state: dict = {}
+        self.layers: dict[str, tuple[int, int]] = {}  # stage role -> its layer range
+
+    def __enter__(self) -> Stack:
+        self.home.mkdir(parents=True, exist_ok=True)
+        argv = [*SPECPIPE, "up", "--stages", str(self.stages), "--model", self.model,
+                "--port", str(self.port), "--status-every", "0"]  # fmt: skip
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            state_file = self.home / "swarm.json"
+            self._wait(lambda: state_file.is_file() and state_file.read_text().strip(), 120,
+                       "the swarm's state file")  # fmt: skip
+            self.state = json.loads(state_file.read_text())
+            self.wait_ready()
+            for role, process in self.processes().items():
+                if role.startswith("stage"):
+                    argv = process.cmdline()
+                    a, b = argv[argv.index("--layers") + 1].split(":")
+                    self.layers[role] = (int(a), int(b))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    @property
+    def web_url(self) -> str:
+        return self.state["web_url"]
+
+    @property
+    def redis_url(self) -> str:
+        return self.state["redis_url"]
+
+    @property
+    def swarm(self) -> str:
+        return self.state["swarm"]
+
+    @property
+    def database_url(self) -> str:
+        return self.state["database_url"]
+
+    def roles(self) -> list[str]:
+        """Every role the stack runs."""
+        stages = [f"stage{i}" for i in range(self.stages)]
+        return ["redis", *stages, "coordinator", "beat", "web"]
+
+    def processes(self) -> dict[str, psutil.Process]:
+        """The running process of each role (the supervisor's direct children)."""
+        found = {}
+        for child in psutil.Process(self.proc.pid).children():
+            try:
+                role = role_of(child.cmdline())
+            except psutil.Error:
+                continue
+            if role is not None:
+                found[role] = child
+        return found
+
+    def pid(self, role: str) -> int:
+        """The pid of `role`'s running process; StackError when it has none now."""
+        process = self.processes().get(role)
+        if process is None:
+            raise StackError(f"no {role} process is running")
+        return process.pid
+
+    def signal(self, role: str, sig: int) -> int:
+        """Send `sig` to `role`'s process; returns its pid."""
+        pid = self.pid(role)
+        os.kill(pid, sig)
+        return pid
+
+    def rss(self) -> dict[str, int]:
+        """Resident memory in bytes of each role's process and all of its descendants."""
+        sizes = {}
+        for role, process in self.processes().items():
+            try:
+                family = [process, *process.children(recursive=True)]
+                sizes[role] = sum(p.memory_info().rss for p in family)
+            except psutil.Error:
+                continue
+        return sizes
+
+    def online_stages(self) -> dict[str, tuple[int, int]]:
+        """Online stage hosts and their layer ranges, as the inventory has them."""
+        client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=2, socket_timeout=2)
+        try:
+            keys = settings.key_file_keys(self.home / settings.SWARM_KEY_FILE)
+            nodes = inventory.load(client, self.swarm, keys)
+        except redis.RedisError:
+            return {}
+        finally:
+            client.close()
+        return {n.host: (n.layer_start, n.layer_end) for n in nodes if n.status() == "online"}
+
+    def healthy(self) -> bool:
+        """Whether the web app answers /healthz."""
+        try:
+            with urllib.request.urlopen(self.web_url + "healthz", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def ready(self) -> bool:
+        """Every role running, every stage online with its own layers, the web app healthy."""
+        if self.proc.poll() is not None:
+            raise StackError(f"specpipe up exited with {self.proc.returncode}: {self.log_tail()}")
+        if set(self.processes()) != set(self.roles()):
+            return False
+        online = self.online_stages()
+        if len(online) < self.stages:
+            return False
+        if self.layers and sorted(online.values()) != sorted(self.layers.values()):
+            return False
+        return self.healthy()
+
+    def wait_ready(self, timeout_s: float = 300.0) -> float:
+        """Wait until `ready`; returns the seconds it took."""
+        return self._wait(self.ready, timeout_s, "the stack to be ready")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        """The end of `up`'s output."""
+        try:
+            return self.log_path.read_text()[-chars:]
+        except OSError:
+            return ""
+
+    def _wait(self, condition, timeout_s: float, what: str) -> float:
+        started = time.monotonic()
+        while not condition():
+            if self.proc.poll() is not None:
+                raise StackError(f"specpipe up exited with {self.proc.returncode}: "
+                                 f"{self.log_tail()}")  # fmt: skip
+            if time.monotonic() - started > timeout_s:
+                raise StackError(f"timed out after {timeout_s:g} s waiting for {what}")
+            time.sleep(0.2)
+        return time.monotonic() - started
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        family = []
+        try:
+            family = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            pass
+        for process in family:  # a stopped child would not hear the SIGTERM
+            try:
+                process.send_signal(signal.SIGCONT)
+            except psutil.Error:
+                pass
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        _, alive = psutil.wait_procs(family, timeout=10)
+        for process in alive:
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
