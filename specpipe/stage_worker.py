@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import queue
 import signal
 import threading
 import time
@@ -37,7 +38,7 @@ import redis
 import torch
 
 from specpipe import inventory, streams, wire
-from specpipe.ring import GapError, Stage
+from specpipe.ring import GapError, Request, Stage
 from specpipe.sampling import Sampler
 from specpipe.settings import TEST_LOSSY_TAIL_VAR, test_lossy_tail
 
@@ -97,12 +98,15 @@ class StageWorker:
         self.counters = dict.fromkeys(COUNTERS, 0)
         # Running means over processed rounds: the forward, and everything else in handling a
         # round here (checking, decoding, encoding, sending on): what this hop adds.
-        self.timings = {"forward_ms": 0.0, "hop_ms": 0.0}
+        self.timings = {"forward_ms": 0.0, "hop_ms": 0.0, "batch_size": 0.0}
         self._samplers: OrderedDict[str, Sampler] = OrderedDict()  # the tail's, per session
         self._last_seq: OrderedDict[str, int] = OrderedDict()  # kept after a session ends
         self._last_used: dict[str, float] = {}  # session -> monotonic time of its last message
         self._next_heartbeat = 0.0
         self._next_key_reload = 0.0
+        self._delayed: queue.SimpleQueue = queue.SimpleQueue()  # (due, send) on a slow link
+        if config.link_delay_s > 0:
+            threading.Thread(target=self._send_delayed, daemon=True).start()
 
     def serve(self, stop: threading.Event | None = None) -> None:
         """Process messages until `stop` is set."""
@@ -113,9 +117,8 @@ class StageWorker:
                 self.heartbeat()
                 entries = self.consumer.read(block_ms=self.config.block_ms)
                 self._count_dead_letters()
-                for entry_id, data in entries:
-                    self._handle_safely(data)
-                    self.consumer.ack([entry_id])
+                self.handle_many([data for _, data in entries])
+                self.consumer.ack(entry_id for entry_id, _ in entries)
                 wait_s = 0.0
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 # Our own Redis is away: keep the caches and wait for it to come back, then
@@ -191,11 +194,34 @@ class StageWorker:
                 key, mapping={**self.counters, **timings}
             ).execute()
 
+    def handle_many(self, entries: list[bytes | None]) -> None:
+        """Process a read's entries in order. Rounds of different sessions that come one after
+        another run as one forward (`Stage.forward_many`, where the stage has it); a control
+        message, or a second round of a session, ends such a batch. Never raises for an entry."""
+        batch: list[wire.Message] = []
+        for data in entries:
+            message = self._safely(self._admit, data)
+            if message is not None and message.kind == "round" and self._batching:
+                if any(m.session == message.session for m in batch):
+                    self._safely(self._run_batch, batch)
+                    batch = []
+                batch.append(message)
+                continue
+            self._safely(self._run_batch, batch)
+            batch = []
+            if message is not None:
+                self._safely(self._dispatch, message)
+        self._safely(self._run_batch, batch)
+
     def _handle_safely(self, data: bytes | None) -> None:
-        """`handle`, with anything it raises counted and logged: an entry never stops the stage
-        (it is acked either way; a Redis outage is the serve loop's to wait out)."""
+        """`handle`, with anything it raises counted and logged."""
+        self._safely(self.handle, data)
+
+    def _safely(self, step, *args):
+        """`step(*args)`, with anything it raises counted and logged: an entry never stops the
+        stage (it is acked either way; a Redis outage is the serve loop's to wait out)."""
         try:
-            self.handle(data)
+            return step(*args)
         except (redis.ConnectionError, redis.TimeoutError):
             raise
         except Exception:
@@ -204,6 +230,7 @@ class StageWorker:
                 self._count("errors")
             except redis.RedisError:
                 pass
+            return None
 
     def _count_dead_letters(self) -> None:
         for reason in self.consumer.dropped:
@@ -212,12 +239,32 @@ class StageWorker:
 
     def handle(self, data: bytes | None) -> None:
         """Process one stream entry; never raises for a bad message."""
-        started = time.perf_counter()
+        message = self._admit(data)
+        if message is not None:
+            self._dispatch(message)
+
+    def _admit(self, data: bytes | None) -> wire.Message | None:
+        """The entry's message if it is one to act on; else it is counted and dropped."""
         message = self._decode(data)
         if message is None or not self._accept(message):
-            return
+            return None
         if message.kind in ("round", "reset", "reseed"):
             self._last_used[message.session] = time.monotonic()
+        return message
+
+    @property
+    def _batching(self) -> bool:
+        return hasattr(self.stage, "forward_many")
+
+    def _run_batch(self, messages: list[wire.Message]) -> None:
+        """Rounds of different sessions as one forward; one round alone as `_round` runs it."""
+        if len(messages) == 1:
+            self._dispatch(messages[0])
+        elif messages:
+            self._rounds(messages)
+
+    def _dispatch(self, message: wire.Message) -> None:
+        started = time.perf_counter()
         if message.kind == "round":
             forward_s = self._round(message)
             if forward_s is not None:
@@ -299,55 +346,98 @@ class StageWorker:
 
     def _round(self, message: wire.Message) -> float | None:
         """Run one round and pass it on; the forward's seconds, or None if it did not run."""
+        inputs = self._inputs(message)
+        if inputs is None:
+            return None
+        try:
+            forward_started = time.perf_counter()
+            out = self.stage.forward(message.session, inputs, message.start_pos,
+                                     last_rows=self._last_rows(message))  # fmt: skip
+            forward_s = time.perf_counter() - forward_started
+        except Exception as exc:  # a bad round must not take the stage down
+            self._failed(message, exc)
+            return None
+        self._note_batch(1)
+        self._pass_on(message, out)
+        return forward_s
+
+    def _rounds(self, messages: list[wire.Message]) -> None:
+        """Rounds of different sessions as one forward, each then passed on as it would alone."""
+        started = time.perf_counter()
+        ready = [(m, x) for m in messages if (x := self._inputs(m)) is not None]
+        if not ready:
+            return
+        requests = [Request(m.session, x, m.start_pos, self._last_rows(m)) for m, x in ready]
+        try:
+            outs = self.stage.forward_many(requests)
+        except Exception:  # the batch as a whole: each round alone, with its own error
+            log.exception("%s: a batch of %d rounds failed; running them one by one",
+                          self.config.host, len(ready))  # fmt: skip
+            for message, _ in ready:
+                self._round(message)
+            return
+        forward_s = time.perf_counter() - started
+        self._note_batch(len(ready))
+        for (message, _), out in zip(ready, outs, strict=True):
+            if isinstance(out, BaseException):
+                self._failed(message, out)
+            else:
+                self._pass_on(message, out)
+                self._time_round(time.perf_counter() - started, forward_s)
+
+    def _inputs(self, message: wire.Message) -> torch.Tensor | None:
+        """A round's input rows, or None when the round is not one to run (dropped, counted)."""
         route, hop = message.route, message.hop
         if not route or route[hop].host != self.config.host or not message.reply:
             self._drop(f"round {message.round_id!r} is not addressed to {self.config.host}")
-            return
+            return None
         if not message.tokens or message.n_draft >= len(message.tokens):
             self._drop(f"round {message.round_id!r} has {len(message.tokens)} tokens")
-            return
+            return None
         if self.stage.first:
-            inputs = torch.tensor(message.tokens, dtype=torch.int64)
-        elif message.tensor is None or message.tensor.dim() != 2:
+            return torch.tensor(message.tokens, dtype=torch.int64)
+        if message.tensor is None or message.tensor.dim() != 2:
             self._drop(f"round {message.round_id!r} carries no hidden states")
-            return
-        else:
-            inputs = message.tensor
-        try:
-            rows = message.n_draft + 1 if self.stage.last else None
-            forward_started = time.perf_counter()
-            out = self.stage.forward(message.session, inputs, message.start_pos, last_rows=rows)
-            forward_s = time.perf_counter() - forward_started
-        except GapError as exc:
+            return None
+        return message.tensor
+
+    def _last_rows(self, message: wire.Message) -> int | None:
+        return message.n_draft + 1 if self.stage.last else None
+
+    def _failed(self, message: wire.Message, exc: BaseException) -> None:
+        if isinstance(exc, GapError):
             self._count("gaps")
             self._reply(message, "gap", reason=f"{self.config.host}: {exc}")
             return
-        except Exception as exc:  # a bad round must not take the stage down
-            self._count("errors")
-            log.exception("%s: round %s failed", self.config.host, message.round_id)
-            self._reply(message, "error", reason=f"{self.config.host}: {exc}")
-            return
-        self.counters["processed"] += 1
+        self._count("errors")
+        log.error("%s: round %s failed: %s", self.config.host, message.round_id, exc)
+        self._reply(message, "error", reason=f"{self.config.host}: {exc}")
+
+    def _note_batch(self, size: int) -> None:
+        self.counters["processed"] += size
+        mean = self.timings["batch_size"]
+        first = self.counters["processed"] == size
+        self.timings["batch_size"] = size if first else mean + TIMING_WEIGHT * (size - mean)
+
+    def _pass_on(self, message: wire.Message, out: torch.Tensor) -> None:
+        """The tail samples and replies; any other stage sends the hidden states to the next."""
+        route, hop = message.route, message.hop
         if self.stage.last:
             self._sample(message, out)
         elif hop + 1 >= len(route):
             self._reply(message, "error", reason=f"route ends at {self.config.host}, not a tail")
         else:
             nxt = route[hop + 1]
-            self._link_delay()
+            stream = streams.stage_key(self.config.swarm, nxt.host)
+            passed_on = replace(
+                message, tensor=out, hop=hop + 1, to=stream, sender=self.config.host
+            )
             try:
-                stream = streams.stage_key(self.config.swarm, nxt.host)
-                passed_on = replace(
-                    message, tensor=out, hop=hop + 1, to=stream, sender=self.config.host
-                )
                 data = wire.encode(passed_on, self.config.swarm, self.keys)
-                streams.send(self.connections.link(nxt.redis_url), stream, data, self.config.maxlen)
-            except (redis.RedisError, wire.WireError) as exc:
-                self._count("errors")
-                reason = f"{self.config.host}: cannot pass the round to {nxt.host}: {exc}"
-                log.warning("%s", reason)
-                self._reply(message, "error", reason=reason)
-        return forward_s
+            except wire.WireError as exc:
+                self._failed(message, exc)
+                return
+            self._send(nxt.redis_url, stream, data, message, f"pass the round to {nxt.host}")
 
     def _sample(self, message: wire.Message, logits: torch.Tensor) -> None:
         sampler = self._samplers.get(message.session)
@@ -379,16 +469,43 @@ class StageWorker:
             **fields,
         )
         data = wire.encode(reply, self.config.swarm, self.keys)
-        self._link_delay()
-        try:
-            streams.send_reply(self.connections.link(message.reply), stream, data,
-                               self.config.maxlen)  # fmt: skip
-        except redis.RedisError as exc:  # the coordinator times out and re-sends
-            log.warning("%s: cannot reply to %s: %s", self.config.host, message.reply, exc)
+        self._send(message.reply, stream, data, None, f"reply to {message.session}")
 
-    def _link_delay(self) -> None:
+    def _send(self, url: str, stream: str, data: bytes, message: wire.Message | None,
+              what: str) -> None:  # fmt: skip
+        """XADD `data` to `stream` on `url`: at once, or after the simulated link delay without
+        holding the stage up (a link's latency delays what crosses it, not the next forward).
+        `message` is the round passed on, None for a reply: a failed pass-on is an error reply
+        for it, a failed reply the coordinator's to time out on."""
+
+        def send() -> None:
+            try:
+                if message is None:  # a reply: the coordinator's stream, kept from outliving it
+                    streams.send_reply(self.connections.link(url), stream, data,
+                                       self.config.maxlen)  # fmt: skip
+                else:
+                    streams.send(self.connections.link(url), stream, data, self.config.maxlen)
+            except redis.RedisError as exc:
+                reason = f"{self.config.host}: cannot {what}: {exc}"
+                log.warning("%s", reason)
+                if message is not None:
+                    self._count("errors")
+                    self._reply(message, "error", reason=reason)
+
         if self.config.link_delay_s > 0:
-            time.sleep(self.config.link_delay_s)
+            self._delayed.put((time.monotonic() + self.config.link_delay_s, send))
+        else:
+            send()
+
+    def _send_delayed(self) -> None:
+        """The link's far end: sends each queued message once its delay has passed, in order."""
+        while True:
+            due, send = self._delayed.get()
+            time.sleep(max(0.0, due - time.monotonic()))
+            try:
+                send()
+            except Exception:  # a bad send must not end the link
+                log.exception("%s: a delayed send failed", self.config.host)
 
     @staticmethod
     def _remember(table: OrderedDict, session: str, value, limit: int = MAX_SESSIONS) -> None:

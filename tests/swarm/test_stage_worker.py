@@ -242,3 +242,36 @@ def test_a_rotated_key_is_picked_up_when_a_message_names_it(swarm, redis_url):
     stranger = replace(message, seq=wire.next_seq(message.seq), session="x")
     tail.handle(wire.encode(stranger, swarm, b"z" * 32))  # no reload makes this one known
     assert "x" not in tail._samplers and tail.counters["dropped"] == 1
+
+
+def test_rounds_of_several_sessions_in_one_read_run_as_one_forward(swarm, key, redis_url,
+                                                                   tmp_path):  # fmt: skip
+    """A tail that finds three sessions' rounds waiting answers each as it does alone."""
+    from specpipe.model.resolve import open_checkpoint
+    from specpipe.model.stage import load_stage
+    from tests.swarmprocs import write_tiny_model
+
+    source = open_checkpoint(str(write_tiny_model(tmp_path / "tiny")))
+    n_layers = source.config.n_layers
+
+    def tail(host: str) -> StageWorker:
+        config = WorkerConfig(host=host, swarm=swarm, keys=key, redis_url=redis_url)
+        return StageWorker(load_stage(source, 0, n_layers), config)
+
+    together, alone = tail("t"), tail("u")
+    sessions = {"s1": (1, 2, 3, 4, 5), "s2": (7, 8), "s3": (9, 10, 11, 12)}
+    for worker in (together, alone):
+        for session in sessions:
+            deliver(worker, wire.Message(kind="reset", session=session, params=RESET))
+
+    def prefill(worker, session, tokens):
+        message = round_message(redis_url, [worker.config.host], tokens=tokens, n_draft=1)
+        return signed(worker, replace(message, session=session))
+
+    together.handle_many([prefill(together, s, t) for s, t in sessions.items()])
+    for session, tokens in sessions.items():
+        alone.handle(prefill(alone, session, tokens))
+    for session in sessions:
+        got = [r.tokens for r in replies(redis_url, swarm, key, session)]
+        assert len(got) == 2 and got[0] == got[1], session  # together's reply, then alone's
+    assert together.timings["batch_size"] == 3 and alone.timings["batch_size"] == 1
