@@ -123,15 +123,23 @@ class StageModel(nn.Module):
                 for (P, T, cos, sin, pos), cache in zip(segments, caches, strict=True)
             ]
             x = layer.forward_many(x, parts)
-        start = 0
+        start, kept = 0, []
         for i, cache, (P, T, _, _, pos) in zip(rows, caches, segments, strict=True):
             h = x[start : start + T]
             start += P
             cache.length = pos + T
-            if self.last:
-                last_rows = requests[i].last_rows
-                h = self.head(self.norm(h if last_rows is None else h[-last_rows:])).float()
-            outs[i] = h  # [T, D], or logits [T, V] on the tail
+            last_rows = requests[i].last_rows if self.last else None
+            kept.append(h if last_rows is None else h[-last_rows:])
+        if not self.last:
+            for i, h in zip(rows, kept, strict=True):
+                outs[i] = h  # [T, D]
+            return outs
+        # The head on every session's kept rows at once: the largest product of the tail.
+        logits = self.head(self.norm(kept[0] if len(kept) == 1 else torch.cat(kept))).float()
+        start = 0
+        for i, h in zip(rows, kept, strict=True):
+            outs[i] = logits[start : start + h.shape[0]]  # [rows kept, V]
+            start += h.shape[0]
         return outs
 
     def _prepare(self, req: Request) -> tuple[SessionCache, torch.Tensor]:
