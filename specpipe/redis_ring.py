@@ -23,7 +23,7 @@ import redis
 
 from specpipe import inventory, streams, wire
 from specpipe.inventory import NodeInfo
-from specpipe.redact import redact_url
+from specpipe.redact import redact_text, redact_url
 from specpipe.ring import GapError
 from specpipe.sampling import Sampler, SamplingParams
 from specpipe.settings import Settings
@@ -107,13 +107,18 @@ class RedisRing:
     def reset(self, session: str, params: SamplingParams) -> None:
         """Clear every stage's cache for the session and give the tail its sampling parameters."""
         Sampler.from_params(params)  # ValueError if invalid
-        try:
-            self.connections.get(self.reply_url).delete(streams.reply_key(self.swarm, session))
-        except redis.RedisError as exc:
-            where = redact_url(self.reply_url)
-            raise RingError(f"cannot reach the reply Redis at {where}: {exc}") from None
+
+        def reset() -> None:
+            try:
+                client = self.connections.get(self.reply_url)
+                client.delete(streams.reply_key(self.swarm, session))
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                where = f"the reply Redis at {redact_url(self.reply_url)}"
+                raise redis.ConnectionError(f"cannot reach {where}: {exc}") from None
+            self._control(session, "reset", params)
+
+        self._until_reachable(reset)
         self._cursor[session] = "0-0"
-        self._control(session, "reset", params)
         self._params[session] = params
 
     def reseed(self, session: str, params: SamplingParams) -> None:
@@ -123,7 +128,9 @@ class RedisRing:
         Sampler.from_params(params)  # ValueError if invalid
         self._params[session] = params
         # Only the tail samples. Its stream is FIFO and this lands there before the next round.
-        self._control(session, "reseed", params, hops=self.route[-1:])
+        self._until_reachable(
+            lambda: self._control(session, "reseed", params, hops=self.route[-1:])
+        )
 
     def round(self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int) -> list[int]:
         """Send one round, wait for the tail's result vector; GapError or RingError otherwise."""
@@ -182,7 +189,9 @@ class RedisRing:
                     raise RingError(f"result of {len(reply.tokens)} ids for {n_draft} drafts")
                 return list(reply.tokens)
             if reply.kind == "gap":
-                self._control(session, "reset", self._params[session])
+                self._until_reachable(
+                    lambda: self._control(session, "reset", self._params[session])
+                )
                 raise GapError(reply.reason or "a stage lost the session's cache")
             raise RingError(f"round failed: {reply.reason or reply.kind}")
         route = " -> ".join(h.host for h in self.route)
@@ -235,9 +244,25 @@ class RedisRing:
             try:
                 streams.send(self.connections.get(hop.redis_url), to, data, self.maxlen)
             except redis.RedisError as exc:
-                raise RingError(
-                    f"cannot reach {hop.host}'s Redis at {redact_url(hop.redis_url)}: {exc}"
-                ) from None
+                where = f"{hop.host}'s Redis at {redact_url(hop.redis_url)}"
+                if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+                    raise redis.ConnectionError(f"cannot reach {where}: {exc}") from None
+                raise RingError(f"{where} refused: {exc}") from None
+
+    def _until_reachable(self, step, *args) -> None:
+        """`step(*args)`, again after a pause while a Redis on the way is unreachable
+        (restarting), for as long as a round would wait; then a RingError. Other Redis errors
+        at once."""
+        give_up_at = time.monotonic() + self.round_wait_s(0)
+        while True:
+            try:
+                return step(*args)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if time.monotonic() >= give_up_at:
+                    raise RingError(redact_text(str(exc))) from None
+                time.sleep(RECONNECT_S)
+            except redis.RedisError as exc:
+                raise RingError(f"Redis refused: {redact_text(str(exc))}") from None
 
     def _next_seq(self) -> int:
         self._seq = wire.next_seq(self._seq)

@@ -505,3 +505,24 @@ def test_a_stage_stopped_for_twenty_seconds_delays_the_job_without_changing_it(
     assert run.generated == expected
     assert time.monotonic() - stalled >= 20.0
     ring.close()
+
+
+def test_a_reset_rides_out_a_redis_that_is_restarting(swarm, key):
+    """A job that starts while its Redis restarts waits for it rather than failing."""
+    from specpipe.redis_server import RedisServer
+
+    server = RedisServer()
+    url = server.url  # nothing listens there yet: the Redis is "restarting"
+    ring = RedisRing([wire.Hop("h", url)], swarm, key, url, timeout_s=20)
+    later = threading.Timer(1.5, server.start)
+    later.start()
+    try:
+        ring.reset("s", PARAMS)
+        client = redis.Redis.from_url(url)
+        [(_, fields)] = client.xrange(streams.stage_key(swarm, "h"))
+        assert wire.decode(fields[streams.FIELD], swarm, key).kind == "reset"
+        client.close()
+    finally:
+        later.join()
+        ring.close()
+        server.stop()
