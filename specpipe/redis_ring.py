@@ -58,6 +58,7 @@ class RedisRing:
         # The stages in ring order: inventory records when routed from the inventory (the run's
         # node snapshot), else bare hops. Only their host and Redis URL go on the wire.
         self.route = tuple(route)
+        self._hosts = frozenset(hop.host for hop in self.route)  # who may reply
         self.swarm = swarm
         self.keys = wire.keyring(keys)
         self.reply_url = reply_url
@@ -305,7 +306,7 @@ class RedisRing:
             reply is None
             or reply.session != session
             or reply.round_id not in round_ids
-            or reply.sender not in {hop.host for hop in self.route}
+            or reply.sender not in self._hosts
         ):
             self.dropped_replies += 1
             return None

@@ -177,8 +177,11 @@ class StageWorker:
 
     def flush_counters(self) -> None:
         """Write the counters where `specpipe nodes` and the tests can read them."""
+        self._write_stats(self._stats())
+
+    def _stats(self) -> dict[str, float]:
         timings = {name: round(value, 3) for name, value in self.timings.items()}
-        self._write_stats({**self.counters, **timings})
+        return {**self.counters, **timings}
 
     def _write_stats(self, mapping: dict) -> None:
         key = streams.stats_key(self.config.swarm, self.config.host)
@@ -189,10 +192,7 @@ class StageWorker:
                 raise
             # Another writer put something else under our key: ours again, with every counter.
             log.warning("%s: %s was not a hash; rewritten", self.config.host, key)
-            timings = {name: round(value, 3) for name, value in self.timings.items()}
-            self.client.pipeline().delete(key).hset(
-                key, mapping={**self.counters, **timings}
-            ).execute()
+            self.client.pipeline().delete(key).hset(key, mapping=self._stats()).execute()
 
     def handle_many(self, entries: list[bytes | None]) -> None:
         """Process a read's entries in order. Rounds of different sessions that come one after
@@ -212,10 +212,6 @@ class StageWorker:
             if message is not None:
                 self._safely(self._dispatch, message)
         self._safely(self._run_batch, batch)
-
-    def _handle_safely(self, data: bytes | None) -> None:
-        """`handle`, with anything it raises counted and logged."""
-        self._safely(self.handle, data)
 
     def _safely(self, step, *args):
         """`step(*args)`, with anything it raises counted and logged: an entry never stops the

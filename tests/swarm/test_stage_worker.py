@@ -214,7 +214,7 @@ def test_a_signed_reset_with_impossible_numbers_is_dropped(make, params):
 def test_whatever_handling_raises_is_counted_and_serving_goes_on(make, redis_url, monkeypatch):
     tail = make("t", 0, 4)
     monkeypatch.setattr(tail, "_round", lambda message: 1 / 0)
-    tail._handle_safely(signed(tail, round_message(redis_url, ["t"])))
+    tail.handle_many([signed(tail, round_message(redis_url, ["t"]))])
     assert tail.counters["errors"] == 1
 
 
