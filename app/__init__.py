@@ -30,6 +30,7 @@ def default_config() -> dict:
     return {
         "DATABASE_URL": settings.database_url(),
         "REDIS_URL": settings.redis_url(),
+        "SWARM": settings.swarm_name(),
         "SECRET_KEY": settings.secret_key(),
         "COORDINATOR_QUEUE": COORDINATOR_QUEUE,
         "MODEL": settings.default_model(),

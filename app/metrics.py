@@ -3,14 +3,15 @@
 Each app holds its own `CollectorRegistry` (not prometheus_client's global one), so several apps
 in one process never share or clash over metrics. `StoreCollector` runs every reader in `READERS`
 on the request's database session; a new metric from the database is a reader that yields metric
-families, added to `READERS`. Metrics read from elsewhere (Redis, say) get their own collector,
-registered in `init_app`.
+families, added to `READERS`. `StageCollector` reads the stages' own counters from their Redis
+(the verified inventory says where each one is).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
+import redis
 from flask import Flask, current_app
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -24,6 +25,8 @@ from models.db import as_utc, utcnow
 from models.jobs import JOB_STATUSES, Job
 from models.nodes import Node
 from models.runs import Run
+from specpipe import inventory, streams
+from specpipe.settings import swarm_keys
 
 RECENT_JOBS = 50  # tok/s and acceptance gauges average the latest finished jobs
 
@@ -40,6 +43,16 @@ def labelled_gauge(
 ) -> GaugeMetricFamily:
     """A gauge with one sample per value of `label`, in the order of `values`."""
     family = GaugeMetricFamily(name, help_text, labels=[label])
+    for label_value, value in values.items():
+        family.add_metric([label_value], value)
+    return family
+
+
+def labelled_counter(
+    name: str, help_text: str, label: str, values: Mapping[str, float]
+) -> CounterMetricFamily:
+    """A counter with one sample per value of `label`; `name` ends in `_total` (see `counter`)."""
+    family = CounterMetricFamily(name, help_text, labels=[label])
     for label_value, value in values.items():
         family.add_metric([label_value], value)
     return family
@@ -76,6 +89,22 @@ def job_metrics(session: Session) -> Iterator[Metric]:
     )
 
 
+def load_metrics(session: Session) -> Iterator[Metric]:
+    """What the coordinators have in hand now: the queue, the sessions running, their speed."""
+    queued = session.scalar(select(func.count()).where(Job.status == "queued")) or 0
+    running = session.execute(
+        select(func.count(), func.coalesce(func.sum(Job.tok_s), 0.0)).where(Job.status == "running")
+    ).one()
+    yield gauge("specpipe_queue_depth", "Jobs queued, waiting for a session.", queued)
+    yield gauge("specpipe_active_sessions", "Jobs running now, each a session through the ring.",
+                running[0])  # fmt: skip
+    yield gauge(
+        "specpipe_running_tokens_per_second",
+        "Aggregate tok/s of the jobs running now (each job's own rate so far, summed).",
+        running[1],
+    )
+
+
 def node_metrics(session: Session) -> Iterator[Metric]:
     """Nodes by heartbeat status."""
     now = utcnow()
@@ -108,7 +137,7 @@ def nightly_metrics(session: Session) -> Iterator[Metric]:
     )
 
 
-READERS: tuple[Reader, ...] = (job_metrics, node_metrics, nightly_metrics)
+READERS: tuple[Reader, ...] = (job_metrics, load_metrics, node_metrics, nightly_metrics)
 
 
 class StoreCollector(Collector):
@@ -123,10 +152,55 @@ class StoreCollector(Collector):
             yield from read(session)
 
 
+class StageCollector(Collector):
+    """Per stage (by host): rounds, forwards, mean rounds per forward (the batch size) and
+    forward time, read at scrape time from each stage's own Redis. Only verified inventory
+    records count; a stage whose Redis does not answer is left out of that scrape."""
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        by_host = {name: {h: s[name] for h, s in stats.items() if name in s}
+                   for name in ("processed", "forwards", "batch_size", "forward_ms")}  # fmt: skip
+        yield labelled_counter("specpipe_stage_rounds_total", "Rounds a stage has processed.",
+                               "host", by_host["processed"])  # fmt: skip
+        yield labelled_counter(
+            "specpipe_stage_forwards_total",
+            "Forwards a stage has run; rounds of several sessions batched are one.",
+            "host",
+            by_host["forwards"],
+        )
+        yield labelled_gauge(
+            "specpipe_stage_batch_size",
+            "Running mean of the rounds per forward on a stage (sessions batched together).",
+            "host",
+            by_host["batch_size"],
+        )
+        yield labelled_gauge("specpipe_stage_forward_ms", "Running mean of a stage's forward.",
+                             "host", by_host["forward_ms"])  # fmt: skip
+
+    @staticmethod
+    def _stats() -> dict[str, dict[str, float]]:
+        keys = swarm_keys()
+        if not keys:
+            return {}
+        swarm = current_app.config["SWARM"]
+        client = redis.Redis.from_url(current_app.config["REDIS_URL"], socket_connect_timeout=1,
+                                      socket_timeout=2)  # fmt: skip
+        try:
+            nodes = inventory.read(client, swarm, keys).nodes
+        except (redis.RedisError, ValueError):
+            return {}
+        finally:
+            client.close()
+        found = streams.read_stages_stats([(n.host, n.redis_url) for n in nodes], swarm)
+        return {host: stats for host, stats in found.items() if stats is not None}
+
+
 def init_app(app: Flask) -> None:
     """Give the app its own registry with the collectors `/metrics` exposes."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector())
+    registry.register(StageCollector())
     app.extensions["specpipe.metrics"] = registry
 
 

@@ -14,7 +14,7 @@ from models.db import utcnow
 from models.nodes import Node, ring_nodes
 from specpipe import inventory
 from specpipe.inventory import lossy_warning
-from specpipe.settings import swarm_keys, swarm_name
+from specpipe.settings import swarm_keys
 
 bp = Blueprint("nodes", __name__, url_prefix="/nodes")
 
@@ -64,7 +64,7 @@ def ignored_records() -> int | None:
     client = redis.Redis.from_url(current_app.config["REDIS_URL"], socket_connect_timeout=0.5,
                                   socket_timeout=1, retry=Retry(NoBackoff(), 0))  # fmt: skip
     try:
-        return inventory.read(client, swarm_name(), keys).ignored
+        return inventory.read(client, current_app.config["SWARM"], keys).ignored
     except (redis.RedisError, ValueError):
         return None
     finally:

@@ -48,7 +48,9 @@ TIMING_WEIGHT = 0.1  # of the latest round in the running means of round timings
 MAX_SESSIONS = 4096  # sessions whose sampling parameters are kept
 MAX_SEQUENCES = 65536  # sessions whose last sequence number is remembered, dropped ones too
 KEY_RELOAD_S = 1.0  # an unknown key id reloads the keyring at most this often
-COUNTERS = ("processed", "dropped", "replayed", "gaps", "errors")
+# `processed` counts rounds, `forwards` the forwards they ran in (a batch of rounds is one), so
+# processed / forwards over an interval is its mean batch size.
+COUNTERS = ("processed", "forwards", "dropped", "replayed", "gaps", "errors")
 
 
 @dataclass(frozen=True)
@@ -411,6 +413,7 @@ class StageWorker:
 
     def _note_batch(self, size: int) -> None:
         self.counters["processed"] += size
+        self.counters["forwards"] += 1
         mean = self.timings["batch_size"]
         first = self.counters["processed"] == size
         self.timings["batch_size"] = size if first else mean + TIMING_WEIGHT * (size - mean)

@@ -75,6 +75,30 @@ def read_stats(client: redis.Redis, swarm: str, host: str) -> dict[str, float]:
     return {k.decode(): float(v) for k, v in raw.items()}
 
 
+def read_stages_stats(
+    stages: Iterable[tuple[str, str]], swarm: str, timeout_s: float = 2.0
+) -> dict[str, dict[str, float] | None]:
+    """Each stage's stats by host, read from its own Redis, for `(host, redis_url)` pairs; None
+    for a stage whose Redis does not answer within `timeout_s`. One client per Redis: the
+    stages of a one-machine swarm share one."""
+    clients: dict[str, redis.Redis] = {}
+    found: dict[str, dict[str, float] | None] = {}
+    try:
+        for host, url in stages:
+            if url not in clients:
+                clients[url] = redis.Redis.from_url(
+                    url, socket_connect_timeout=timeout_s / 2, socket_timeout=timeout_s
+                )
+            try:
+                found[host] = read_stats(clients[url], swarm, host)
+            except (redis.RedisError, ValueError):
+                found[host] = None
+    finally:
+        for client in clients.values():
+            client.close()
+    return found
+
+
 class Link:
     """One dedicated connection of a client's pool, for the commands on a round's path."""
 

@@ -27,9 +27,10 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     in Redis URLs are shown as ***.
 
     With --json the output is {"swarm", "nodes", "ignored_records"}, and each node also carries
-    `stats`, read from its own Redis: rounds processed, messages dropped, replayed, gaps,
-    errors, and running means of its forward and of what the hop adds around it (`forward_ms`,
-    `hop_ms`); null where that Redis cannot be reached.
+    `stats`, read from its own Redis: rounds processed, the forwards they ran in (several
+    sessions' rounds batched are one), messages dropped, replayed, gaps, errors, and running
+    means of its forward, of what the hop adds around it and of the rounds per forward
+    (`forward_ms`, `hop_ms`, `batch_size`); null where that Redis cannot be reached.
 
     A node whose worker runs with the test-only SPECPIPE_TEST_LOSSY_TAIL=1 is marked TEST LOSSY
     TAIL (`test_lossy_tail` in JSON), and a warning naming it goes to stderr: its output is NOT
@@ -81,28 +82,14 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
 
 def _records(found: list, swarm: str) -> list[dict]:
     """The nodes in ring order as JSON-ready dicts, each with its status and stage stats."""
-    import redis
-
     from specpipe import inventory, streams
     from specpipe.redact import redact_url
 
     now = time.time()
-    clients: dict[str, redis.Redis] = {}  # one per Redis: a one-machine swarm shares one
-    records = []
-    try:
-        for node in inventory.with_roles(found):
-            if node.redis_url not in clients:
-                clients[node.redis_url] = redis.Redis.from_url(
-                    node.redis_url, socket_connect_timeout=1, socket_timeout=2
-                )
-            client = clients[node.redis_url]
-            try:
-                stats = streams.read_stats(client, swarm, node.host)
-            except (redis.RedisError, ValueError):
-                stats = None
-            record = {**asdict(node), "redis_url": redact_url(node.redis_url)}
-            records.append({**record, "status": node.status(now), "stats": stats})
-    finally:
-        for client in clients.values():
-            client.close()
-    return records
+    nodes = inventory.with_roles(found)
+    stats = streams.read_stages_stats([(n.host, n.redis_url) for n in nodes], swarm)
+    return [
+        {**asdict(node), "redis_url": redact_url(node.redis_url), "status": node.status(now),
+         "stats": stats[node.host]}
+        for node in nodes
+    ]  # fmt: skip

@@ -275,3 +275,5 @@ def test_rounds_of_several_sessions_in_one_read_run_as_one_forward(swarm, key, r
         got = [r.tokens for r in replies(redis_url, swarm, key, session)]
         assert len(got) == 2 and got[0] == got[1], session  # together's reply, then alone's
     assert together.timings["batch_size"] == 3 and alone.timings["batch_size"] == 1
+    assert (together.counters["processed"], together.counters["forwards"]) == (3, 1)
+    assert (alone.counters["processed"], alone.counters["forwards"]) == (3, 3)

@@ -67,6 +67,7 @@ def make_app(db_url, queue):
                 "TESTING": True,
                 "DATABASE_URL": db_url,
                 "COORDINATOR_QUEUE": queue.name,
+                "SWARM": f"test-swarm-{uuid.uuid4().hex[:10]}",
                 "MAX_PROMPT_CHARS": 500,
                 "MAX_NEW_TOKENS": 1024,
                 "MODEL": "tiny-test",

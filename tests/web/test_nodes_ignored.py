@@ -12,7 +12,7 @@ from tests.factories import gen_ring
 
 def test_nodes_page_counts_records_that_do_not_verify(app, client, session, monkeypatch):
     swarm = f"w{uuid.uuid4().hex[:10]}"
-    monkeypatch.setenv("SPECPIPE_SWARM", swarm)
+    app.config["SWARM"] = swarm
     monkeypatch.setenv("SPECPIPE_SWARM_KEY", "the swarm key")
     gen_ring(session, 2)
     assert 'id="ignored-records"' not in client.get("/nodes/").get_data(as_text=True)

@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
 
@@ -14,6 +15,8 @@ from app import create_app
 from models.db import as_utc
 from models.jobs import Job
 from models.runs import start_run
+from specpipe import inventory, streams
+from specpipe.redis_server import free_port
 from tests.factories import gen_job, gen_node, gen_proof_run, gen_ring
 from tests.web.conftest import csrf_token
 
@@ -254,8 +257,8 @@ def test_metrics_parse_as_prometheus_text(app, client, session):
         ("done", 7, 3.0, [4, 4]),
         ("done", 5, 9.0, [1]),
         ("failed", 2, None, []),
-        ("running", 1, None, []),
-        ("running", 0, None, []),
+        ("running", 1, 2.5, []),
+        ("running", 0, 1.5, []),
     ]:
         gen_job(
             session,
@@ -283,6 +286,12 @@ def test_metrics_parse_as_prometheus_text(app, client, session):
         ),
         "specpipe_tokens_per_second": ("gauge", {("specpipe_tokens_per_second", ()): 6.0}),
         "specpipe_accepted_per_round": ("gauge", {("specpipe_accepted_per_round", ()): 3.0}),
+        "specpipe_queue_depth": ("gauge", {("specpipe_queue_depth", ()): 0.0}),
+        "specpipe_active_sessions": ("gauge", {("specpipe_active_sessions", ()): 2.0}),
+        "specpipe_running_tokens_per_second": (
+            "gauge",
+            {("specpipe_running_tokens_per_second", ()): 4.0},
+        ),
         "specpipe_nodes": (
             "gauge",
             by_status("specpipe_nodes", {"online": 1, "stale": 1, "offline": 0}),
@@ -300,11 +309,55 @@ def test_metrics_parse_as_prometheus_text(app, client, session):
             "counter",
             {("specpipe_nightly_failures_total", ()): 1.0},
         ),
+        # no stage of the test's swarm in the live inventory: the families, without samples
+        "specpipe_stage_rounds": ("counter", {}),
+        "specpipe_stage_forwards": ("counter", {}),
+        "specpipe_stage_batch_size": ("gauge", {}),
+        "specpipe_stage_forward_ms": ("gauge", {}),
     }
     # Each app has its own registry: a second app on the same store reads the same numbers.
     other = create_app({**app.config, "TESTING": True})
     assert other.extensions["specpipe.metrics"] is not app.extensions["specpipe.metrics"]
     assert scrape(other.test_client()) == metrics
+
+
+def test_metrics_give_each_verified_stage_its_counters_and_batch_size(app, client, monkeypatch):
+    """Per-stage numbers come from each stage's own Redis, for verified inventory records only;
+    a stage whose Redis is down is left out, not an error."""
+    swarm, key = app.config["SWARM"], "the swarm key"
+    monkeypatch.setenv("SPECPIPE_SWARM_KEY", key)
+    registry = redis.Redis.from_url(app.config["REDIS_URL"])
+    url = app.config["REDIS_URL"]
+    try:
+        inventory.publish(registry, swarm, inventory.NodeInfo("wa", 0, 2, url), key)
+        inventory.publish(registry, swarm, inventory.NodeInfo("nj", 2, 4, url), key)
+        inventory.publish(registry, swarm, inventory.NodeInfo("tx", 2, 4, url), "forged key")
+        down = inventory.NodeInfo("mn", 0, 2, f"redis://127.0.0.1:{free_port()}/0")
+        inventory.publish(registry, swarm, down, key)
+        stats = {"processed": 12, "forwards": 4, "batch_size": 2.5, "forward_ms": 3.25}
+        registry.hset(streams.stats_key(swarm, "nj"), mapping=stats)
+        registry.hset(streams.stats_key(swarm, "tx"), mapping=stats)
+        registry.hset(streams.stats_key(swarm, "wa"), mapping={"processed": 1, "forwards": 1})
+        metrics = scrape(client)
+    finally:
+        registry.delete(inventory.nodes_key(swarm))
+        for host in ("nj", "tx", "wa"):
+            registry.delete(streams.stats_key(swarm, host))
+        registry.close()
+    assert metrics["specpipe_stage_rounds"][1] == {
+        ("specpipe_stage_rounds_total", (("host", "nj"),)): 12.0,
+        ("specpipe_stage_rounds_total", (("host", "wa"),)): 1.0,
+    }
+    assert metrics["specpipe_stage_forwards"][1] == {
+        ("specpipe_stage_forwards_total", (("host", "nj"),)): 4.0,
+        ("specpipe_stage_forwards_total", (("host", "wa"),)): 1.0,
+    }
+    assert metrics["specpipe_stage_batch_size"][1] == {
+        ("specpipe_stage_batch_size", (("host", "nj"),)): 2.5
+    }
+    assert metrics["specpipe_stage_forward_ms"][1] == {
+        ("specpipe_stage_forward_ms", (("host", "nj"),)): 3.25
+    }
 
 
 def test_unknown_page_is_friendly_404(client):
