@@ -14,6 +14,7 @@ from app.auth import current_user, user_from_token
 from app.db import get_session
 from app.errors import json_error
 from app.history import job_page
+from app.jobs import job_state
 from models.db import utcnow
 from models.jobs import Job
 from models.nodes import ring_nodes
@@ -108,7 +109,7 @@ def list_jobs():
 def get_job(job_id: int):
     """One job with its progress and output."""
     job, error = _job_or_404(job_id)
-    return error or jsonify(job.to_dict())
+    return error or jsonify(job_state(job))
 
 
 @bp.post("/jobs/<id:job_id>/cancel")

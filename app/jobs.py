@@ -32,6 +32,7 @@ from workers.submission import (
     TooManyActiveJobs,
     rerun_params,
 )
+from workers.turns import queue_place
 
 bp = Blueprint("jobs", __name__)
 
@@ -138,13 +139,18 @@ def history():
 def detail(job_id: int):
     """One job: live progress, text, parameters, seed, ring, and actions."""
     job = _get_job(job_id)
-    return render_template("jobs/detail.html", job=job)
+    return render_template("jobs/detail.html", job=job, queue=queue_place(get_session(), job))
 
 
 @bp.get("/jobs/<id:job_id>/progress")
 def progress(job_id: int):
     """The job's state as JSON, polled by the job page."""
-    return jsonify(_get_job(job_id).to_dict())
+    return jsonify(job_state(_get_job(job_id)))
+
+
+def job_state(job: Job) -> dict:
+    """The job as the API returns it, with a queued job's place in line (`queue`)."""
+    return {**job.to_dict(), "queue": queue_place(get_session(), job)}
 
 
 @bp.post("/jobs/<id:job_id>/cancel")

@@ -102,6 +102,12 @@ _JOB = {
         "attempts": {"type": "integer"},
         "run_id": _NULLABLE_INT,
         "owner": {"type": "string", "description": "The name of the user who submitted it."},
+        "queue": {
+            "type": ["object", "null"],
+            "description": "One job's reads only: a queued job's place in line (1 = next), "
+            "null once it runs.",
+            "properties": {"position": {"type": "integer"}, "queued": {"type": "integer"}},
+        },
     },
 }
 

@@ -29,18 +29,18 @@ import json
 import logging
 import secrets
 from collections.abc import Callable, Iterable
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Protocol
 
 import redis
 from celery import shared_task
 from celery.signals import worker_ready
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from models import Job
-from models.db import as_utc, utcnow
+from models.db import utcnow
 from models.runs import start_run
 from specpipe import inventory
 from specpipe.generation import Generation
@@ -56,6 +56,7 @@ from workers.celery_app import DbTask
 from workers.locks import LockKeeper
 from workers.names import COORDINATOR_QUEUE, GENERATE_TASK, RESUME_STALLED_TASK
 from workers.nodes import sync_inventory
+from workers.turns import fair_order
 
 log = logging.getLogger("specpipe.coordinator")
 
@@ -344,37 +345,6 @@ def generate(self, job_id: int) -> str | None:
     finally:
         keeper.stop()
         client.close()
-
-
-def fair_order(session: Session) -> list[int]:
-    """The queued jobs in the order coordinators take them: first the jobs of the users with the
-    fewest jobs running, among them of the user served longest ago, then the oldest job. One
-    user alone gets every session; two users take turns."""
-    queued = session.execute(
-        select(Job.id, Job.user_id).where(Job.status == "queued").order_by(Job.id)
-    ).all()
-    owners = {user_id for _, user_id in queued}
-    running = dict(
-        session.execute(
-            select(Job.user_id, func.count())
-            .where(Job.status == "running", Job.user_id.in_(owners))
-            .group_by(Job.user_id)
-        ).all()
-    )
-    last_start = dict(
-        session.execute(
-            select(Job.user_id, func.max(Job.started_at))
-            .where(Job.user_id.in_(owners), Job.started_at.is_not(None))
-            .group_by(Job.user_id)
-        ).all()
-    )
-    never = datetime.min.replace(tzinfo=UTC)
-
-    def turn(row) -> tuple:
-        job_id, user_id = row
-        return running.get(user_id, 0), as_utc(last_start.get(user_id)) or never, job_id
-
-    return [job_id for job_id, _ in sorted(queued, key=turn)]
 
 
 def _lock_first(client: redis.Redis, swarm: str, job_ids: list[int]):

@@ -51,6 +51,14 @@
     if (bar && maxTokens) bar.style.width = (100 * job.generated_tokens / maxTokens).toFixed(1) + "%";
     var waiting = document.getElementById("job-waiting");
     if (waiting) waiting.hidden = Boolean(job.output_text) || finished.indexOf(job.status) >= 0;
+    var line = document.getElementById("job-queue");
+    if (line) {
+      line.hidden = !job.queue;
+      if (job.queue) {
+        setText("job-queue-position", String(job.queue.position));
+        setText("job-queue-size", String(job.queue.queued));
+      }
+    }
     var error = document.getElementById("job-error");
     if (error) { error.hidden = !job.error; setText("job-error-text", job.error || ""); }
     var cancel = document.getElementById("cancel-form");

@@ -15,7 +15,7 @@ from specpipe.redis_ring import RedisRing
 from specpipe.ring import LocalRing
 from specpipe.sampling import SamplingParams
 from tests.swarm.toy_stage import ToyConfig, ToyStage
-from workers import coordinator
+from workers import coordinator, turns
 
 BOUNDS = [(0, 2), (2, 4)]
 ALPHABET = string.ascii_letters + string.digits + " ."  # one character per toy token id
@@ -372,7 +372,7 @@ def test_queued_jobs_take_turns_between_users(db_session):
     hers = [gen_job(db_session, owner=alice) for _ in range(3)]
     his = gen_job(db_session, owner=bob)
     db_session.commit()
-    order = coordinator.fair_order
+    order = turns.fair_order
     assert order(db_session) == [hers[0].id, hers[1].id, hers[2].id, his.id]  # nobody served
     hers[0].status, hers[0].started_at = "running", utcnow()
     db_session.commit()
@@ -384,6 +384,23 @@ def test_queued_jobs_take_turns_between_users(db_session):
     gen_job(db_session, owner=bob)  # he has another waiting
     db_session.commit()
     assert order(db_session)[0] == hers[1].id  # she was served longer ago: her turn
+
+
+def test_a_queued_jobs_place_in_line_follows_the_turns(db_session):
+    from tests.factories import gen_job, gen_user
+
+    alice, bob = gen_user(db_session, "alice"), gen_user(db_session, "bob")
+    hers = [gen_job(db_session, owner=alice) for _ in range(2)]
+    running = gen_job(db_session, owner=alice, status="running")
+    his = gen_job(db_session, owner=bob)
+    db_session.commit()
+    place = turns.queue_place
+    assert place(db_session, his) == {"position": 1, "queued": 3}  # she has one running
+    assert place(db_session, hers[1]) == {"position": 3, "queued": 3}
+    assert place(db_session, running) is None
+    his.status = "cancelled"
+    db_session.commit()
+    assert place(db_session, hers[0]) == {"position": 1, "queued": 2}
 
 
 def test_a_delivery_runs_the_job_whose_turn_it_is(db_url, monkeypatch):

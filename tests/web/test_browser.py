@@ -114,6 +114,7 @@ def test_submit_watch_history_proofs_nodes(server, page, session, queue):
     assert page.text_content("#job-prompt") == prompt  # shown as text, not markup
     assert page.text_content("#job-status .badge") == "queued"
     assert page.text_content("#job-seed").startswith("31337")
+    assert page.is_visible("#job-queue") and page.text_content("#job-queue-position") == "1"
 
     # Write progress the way the coordinator does; the page must follow without a reload.
     gen_ring(session, 4)
@@ -127,6 +128,7 @@ def test_submit_watch_history_proofs_nodes(server, page, session, queue):
     page.wait_for_function("() => document.getElementById('stat-tokens').textContent === '10'")
     assert page.text_content("#job-output") == "jumps over the lazy dog"
     assert page.text_content("#job-status .badge") == "running"
+    assert page.is_hidden("#job-queue")
     assert page.locator("#rounds-strip span").count() == 3
     heights = page.locator("#rounds-strip span").evaluate_all("s => s.map(e => e.style.height)")
     assert all(h.endswith("%") for h in heights), heights

@@ -102,8 +102,30 @@ def test_job_page_and_progress(client, session):
         2,
     )
     assert progress["tok_s"] == pytest.approx(2.0)
+    assert progress["queue"] is None
     assert client.get("/jobs/424242").status_code == 404
     assert client.get("/jobs/424242/progress").status_code == 404
+
+
+def test_a_queued_job_shows_its_place_in_line(client, session, api_token):
+    first, second = gen_job(session), gen_job(session)
+    session.commit()
+    html = client.get(f"/jobs/{second.id}").get_data(as_text=True)
+    position = html.split('id="job-queue-position">', 1)[1].split("<", 1)[0]
+    size = html.split('id="job-queue-size">', 1)[1].split("<", 1)[0]
+    assert (position, size) == ("2", "2")
+    assert client.get(f"/jobs/{first.id}/progress").get_json()["queue"] == {
+        "position": 1,
+        "queued": 2,
+    }
+    first.status = "running"
+    session.commit()
+    headers = {"Authorization": f"Bearer {api_token}"}
+    assert client.get(f"/api/v1/jobs/{second.id}", headers=headers).get_json()["queue"] == {
+        "position": 1,
+        "queued": 1,
+    }
+    assert 'id="job-queue" hidden' in client.get(f"/jobs/{first.id}").get_data(as_text=True)
 
 
 def test_job_page_shows_stop_strings_quoted(client, session):
