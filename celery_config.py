@@ -11,6 +11,7 @@ from specpipe.settings import nightly_schedule
 from workers.names import (
     COORDINATOR_QUEUE,
     GENERATE_TASK,
+    NIGHTLY_QUEUE,
     NIGHTLY_TASK,
     RESUME_STALLED_TASK,
     SYNC_NODES_TASK,
@@ -32,8 +33,11 @@ task_reject_on_worker_lost = True
 
 task_default_queue = COORDINATOR_QUEUE
 task_routes = {
-    name: {"queue": COORDINATOR_QUEUE}
-    for name in (GENERATE_TASK, RESUME_STALLED_TASK, NIGHTLY_TASK, SYNC_NODES_TASK)
+    **{
+        name: {"queue": COORDINATOR_QUEUE}
+        for name in (GENERATE_TASK, RESUME_STALLED_TASK, SYNC_NODES_TASK)
+    },
+    NIGHTLY_TASK: {"queue": NIGHTLY_QUEUE},
 }
 
 _minute, _hour = nightly_schedule()

@@ -43,8 +43,8 @@ def role_of(argv: list[str]) -> str | None:
     if "worker stage" in line and "--host" in argv:
         host = argv[argv.index("--host") + 1]
         return "stage" + host.rsplit("-stage", 1)[-1]
-    for role, words in (("coordinator", "worker coordinator"), ("beat", "worker beat"),
-                        ("web", "specpipe web")):  # fmt: skip
+    for role, words in (("coordinator", "worker coordinator"), ("nightly", "worker nightly"),
+                        ("beat", "worker beat"), ("web", "specpipe web")):  # fmt: skip
         if words in line:
             return role
     return None
@@ -108,7 +108,7 @@ class Stack:
     def roles(self) -> list[str]:
         """Every role the stack runs."""
         stages = [f"stage{i}" for i in range(self.stages)]
-        return ["redis", *stages, "coordinator", "beat", "web"]
+        return ["redis", *stages, "coordinator", "nightly", "beat", "web"]
 
     def processes(self) -> dict[str, psutil.Process]:
         """The running process of each role (the supervisor's direct children)."""

@@ -5,6 +5,9 @@ them, and the clients (the web app, the CLI) send tasks by name without importin
 """
 
 COORDINATOR_QUEUE = "coordinator"
+# The nightly regression's own lane: its own queue and worker, so it neither waits behind a
+# queue of user jobs nor takes one of their sessions.
+NIGHTLY_QUEUE = "nightly"
 
 GENERATE_TASK = "workers.coordinator.generate"
 RESUME_STALLED_TASK = "workers.coordinator.resume_stalled"

@@ -1,8 +1,9 @@
 """The nightly lossless regression: all three proofs on the live swarm, stored as one run.
 
-`workers.regression.nightly` (queue `coordinator`, fired by beat at `SPECPIPE_NIGHTLY`) runs
-proof 1 (the local math), proof 2 (speculative against plain on the ring, with the exact
-same-seed check) and proof 3 (generation, speculative and plain side by side) and stores ONE run
+`workers.regression.nightly` (queue `nightly`, its own lane; fired by beat at
+`SPECPIPE_NIGHTLY`) runs proof 1 (the local math), proof 2 (speculative against plain on the
+ring, with the exact same-seed check) and proof 3 (generation, speculative and plain side by
+side) and stores ONE run
 of kind `nightly`: seed, proofs, a snapshot of the ring it ran on, the project's commit, and a
 verdict. A proof that cannot run (no ring, no model) is stored as an `error` proof, so a broken
 swarm fails the nightly rather than skipping it.

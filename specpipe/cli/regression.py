@@ -25,9 +25,9 @@ def regression() -> None:
 def regression_run(timeout: float) -> None:
     """Run the nightly regression now and wait for its verdict.
 
-    Enqueues `workers.regression.nightly` on the `coordinator` queue (a coordinator worker
-    must be running), waits for the run to be stored and prints its verdict; the last line is
-    the run id. Exits 0 on pass, 1 otherwise.
+    Enqueues `workers.regression.nightly` on the `nightly` queue (its worker, `specpipe worker
+    nightly`, must be running; `specpipe up` runs one), waits for the run to be stored and
+    prints its verdict; the last line is the run id. Exits 0 on pass, 1 otherwise.
 
     Example:
 
@@ -38,7 +38,7 @@ def regression_run(timeout: float) -> None:
     from specpipe.redact import redact_url
     from specpipe.settings import Settings
     from workers.celery_app import celery
-    from workers.names import COORDINATOR_QUEUE, NIGHTLY_TASK
+    from workers.names import NIGHTLY_QUEUE, NIGHTLY_TASK
     from workers.regression import result_key
 
     settings = Settings.from_env()
@@ -47,7 +47,7 @@ def regression_run(timeout: float) -> None:
     client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=5)
     try:
         client.ping()
-        celery.send_task(NIGHTLY_TASK, kwargs={"key": key}, queue=COORDINATOR_QUEUE)
+        celery.send_task(NIGHTLY_TASK, kwargs={"key": key}, queue=NIGHTLY_QUEUE)
         click.echo(f"enqueued {NIGHTLY_TASK} ({key}); waiting up to {timeout:g} s", err=True)
         deadline = time.monotonic() + timeout
         outcome = None

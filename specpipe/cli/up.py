@@ -153,6 +153,7 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
         specs.insert(0, redis_spec)
     specs += [
         ProcessSpec("coordinator", [*python, "worker", "coordinator", *quiet], env),
+        ProcessSpec("nightly", [*python, "worker", "nightly", *quiet], env),
         ProcessSpec("beat", [*python, "worker", "beat", *quiet], env),
         ProcessSpec("web", [*python, "web", "--port", str(port), "--no-migrate"], env),
     ]

@@ -1,4 +1,5 @@
-"""`specpipe worker …`: run one process of the swarm (a stage, the coordinator, or beat)."""
+"""`specpipe worker …`: run one process of the swarm (a stage, the coordinator, the nightly
+lane, or beat)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 
 @click.group(name="worker")
 def worker() -> None:
-    """Run one swarm process: a stage, the coordinator or the beat scheduler."""
+    """Run one swarm process: a stage, the coordinator, the nightly lane or the beat scheduler."""
 
 
 def _layer_range(_ctx, _param, value: str) -> tuple[int, int]:
@@ -156,6 +157,26 @@ def worker_coordinator(queue: str | None, loglevel: str) -> None:
     queue = queue or COORDINATOR_QUEUE
     # Threads: a job spends its time waiting on the ring, and the jobs share one tokenizer.
     celery.worker_main(["worker", "--pool=threads", f"--concurrency={sessions}", "-Q", queue,
+                        "-n", f"{queue}@%h", f"--loglevel={loglevel}"])  # fmt: skip
+
+
+@worker.command(name="nightly")
+@click.option("--loglevel", default="INFO", show_default=True, help="Celery log level.")
+def worker_nightly(loglevel: str) -> None:
+    """Run the nightly regression's lane: a Celery worker on queue `nightly`, one run at a time.
+
+    The regression gets its own worker so that it neither waits behind queued jobs nor takes
+    a job's session; its sessions share the stages with the jobs'. Run it beside the
+    coordinator (`specpipe up` does).
+
+    Example:
+
+        REDIS_URL=redis://127.0.0.1:6379/0 specpipe worker nightly
+    """
+    from workers.names import NIGHTLY_QUEUE
+
+    celery = _celery_app()
+    celery.worker_main(["worker", "--pool=solo", "-Q", NIGHTLY_QUEUE, "-n", f"{NIGHTLY_QUEUE}@%h",
                         f"--loglevel={loglevel}"])  # fmt: skip
 
 

@@ -19,6 +19,7 @@ import redis
 from specpipe import inventory
 from specpipe.redis_server import RedisServer
 from tests.waiting import wait_until
+from workers.names import NIGHTLY_QUEUE
 from workers.regression import result_key
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,11 +106,11 @@ class Swarm:
         wait_until(online, 120, f"stages {sorted(hosts)} to come online", interval_s=0.1)
 
     def start_workers(self, n: int = 1) -> None:
-        """n Celery worker processes on the coordinator queue (one task at a time each)."""
+        """n Celery worker processes on the nightly queue (one task at a time each)."""
         for i in range(n):
             self._spawn(
                 [sys.executable, "-m", "celery", "-A", "tests.regression.celery_toy", "worker",
-                 "-Q", "coordinator", "--pool=solo", "--loglevel=WARNING", "--without-gossip",
+                 "-Q", NIGHTLY_QUEUE, "--pool=solo", "--loglevel=WARNING", "--without-gossip",
                  "--without-mingle", "--without-heartbeat", "-n", f"{self.name}-{i}@%h"],
             )  # fmt: skip
 

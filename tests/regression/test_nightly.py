@@ -24,7 +24,7 @@ from tests.regression.conftest import ROOT, SMALL_SIZES, STAGES
 from tests.regression.toy_target import toy_target
 from tests.waiting import wait_until
 from tests.web.conftest import as_user
-from workers.names import COORDINATOR_QUEUE, NIGHTLY_TASK
+from workers.names import COORDINATOR_QUEUE, GENERATE_TASK, NIGHTLY_QUEUE, NIGHTLY_TASK
 from workers.regression import attempts_key, run_nightly
 
 
@@ -52,7 +52,7 @@ def enqueue(live_swarm, monkeypatch, key: str | None = None) -> None:
 
     monkeypatch.setenv("REDIS_URL", live_swarm.redis_url)
     app = make_celery()
-    app.send_task(NIGHTLY_TASK, kwargs={"key": key} if key else {}, queue=COORDINATOR_QUEUE)
+    app.send_task(NIGHTLY_TASK, kwargs={"key": key} if key else {}, queue=NIGHTLY_QUEUE)
     app.close()
 
 
@@ -63,14 +63,23 @@ def test_the_beat_schedule_names_a_registered_task():
     scheduled = {entry["task"] for entry in celery.conf.beat_schedule.values()}
     assert NIGHTLY_TASK in scheduled
     assert NIGHTLY_TASK in celery.tasks
-    assert celery.conf.task_routes[NIGHTLY_TASK] == {"queue": COORDINATOR_QUEUE}
+    # The nightly has a lane of its own; everything else goes to the coordinator.
+    assert celery.conf.task_routes[NIGHTLY_TASK] == {"queue": NIGHTLY_QUEUE}
     for entry in celery.conf.beat_schedule.values():  # every scheduled task is routed
-        assert celery.conf.task_routes[entry["task"]] == {"queue": COORDINATOR_QUEUE}
+        lane = NIGHTLY_QUEUE if entry["task"] == NIGHTLY_TASK else COORDINATOR_QUEUE
+        assert celery.conf.task_routes[entry["task"]] == {"queue": lane}
 
 
 def test_regression_run_stores_a_run_with_every_record_field(live_swarm):
     live_swarm.start_stages()
     live_swarm.start_workers(1)
+    # A queue of user jobs that no coordinator is taking: the nightly runs in its own lane all
+    # the same, and leaves their messages where they are.
+    from workers.submission import make_client
+
+    jobs = make_client(live_swarm.redis_url)
+    for job_id in range(1, 21):
+        jobs.send_task(GENERATE_TASK, args=[job_id], queue=COORDINATOR_QUEUE)
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "specpipe", "regression", "run", "--timeout", "150"],
@@ -79,6 +88,7 @@ def test_regression_run_stores_a_run_with_every_record_field(live_swarm):
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()
     assert lines[-2] == "verdict: pass"
+    assert live_swarm.client.llen(COORDINATOR_QUEUE) == 20
 
     [run] = nightly_runs(live_swarm.db_url)
     assert lines[-1] == run.name

@@ -13,6 +13,7 @@ def test_each_process_of_up_is_told_apart_by_its_command_line():
     assert role_of(["/usr/bin/redis-server 127.0.0.1:6400"]) == "redis"
     assert role_of([*py, "worker", "stage", "--host", "box-stage2", "--layers", "2:4"]) == "stage2"
     assert role_of([*py, "worker", "coordinator", "--loglevel", "WARNING"]) == "coordinator"
+    assert role_of([*py, "worker", "nightly", "--loglevel", "WARNING"]) == "nightly"
     assert role_of([*py, "worker", "beat"]) == "beat"
     assert role_of([*py, "web", "--port", "8000", "--no-migrate"]) == "web"
     assert role_of([*py, "up"]) is None

@@ -24,6 +24,6 @@ def test_jobs_from_several_users_all_end_and_the_rate_refuses_the_rest(tmp_path)
     assert result["verdict"] == "PASS"
     # Each user's accepted jobs are theirs: read back with their own token.
     assert result["http_statuses"].get("200") == result["accepted"]
-    roles = {"redis", "stage0", "stage1", "stage2", "coordinator", "beat", "web"}
+    roles = {"redis", "stage0", "stage1", "stage2", "coordinator", "nightly", "beat", "web"}
     assert set(result["memory"]) == roles
     assert all(m["before_mib"] > 0 and m["after_mib"] > 0 for m in result["memory"].values())

@@ -169,7 +169,7 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
         assert (home / "redis").is_dir() and any((home / "redis").rglob("*.aof*"))
 
         children = up.children(recursive=True)
-        assert len(children) >= 6  # 2 stages, coordinator, beat, web, Redis
+        assert len(children) >= 7  # 2 stages, coordinator, nightly, beat, web, Redis
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         gone, alive = psutil.wait_procs(children, timeout=10)

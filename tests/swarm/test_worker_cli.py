@@ -55,7 +55,7 @@ def test_stage_without_a_swarm_key(clean_env):
     )
 
 
-@pytest.mark.parametrize("command", ["coordinator", "beat"])
+@pytest.mark.parametrize("command", ["coordinator", "nightly", "beat"])
 def test_coordinator_and_beat_need_their_broker(clean_env, command):
     clean_env.setenv("REDIS_URL", DEAD)
     result = CliRunner().invoke(cli, ["worker", command])
