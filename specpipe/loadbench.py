@@ -5,8 +5,9 @@ runs 1, 2, 4, … jobs at the same time, each a session of its own driven by its
 `RedisRing`, as the coordinator's threads drive them. Each job is a different open-ended prompt
 with a seed of its own, sampled at the given temperature with the n-gram drafter. Reported per
 count: aggregate tok/s (every job's new tokens over the wall time from the first start to the
-last end), p50 / p95 of time to first token (the prefill round) and of time to done, and the
-exactness check: every job's tokens equal its solo run in one process.
+last end), p50 / p95 of time to first token (the prefill round) and of time to done, each
+stage's mean batch size (rounds per forward over the run, from the stages' own counters), and
+the exactness check: every job's tokens equal its solo run in one process.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ PROMPTS = (
 )
 
 Log = Callable[[str], None]
+STATS_SETTLE_S = 1.5  # the bench's stages write their counters every second
 
 
 @dataclass
@@ -127,6 +129,7 @@ def _loaded_run(swarm: LocalSwarm, target, requests, expected, temp, top_p, draf
             timings[i] = exc
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+    before = _settled_stats(swarm)
     started = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -147,7 +150,23 @@ def _loaded_run(swarm: LocalSwarm, target, requests, expected, temp, top_p, draf
         "done_s": _percentiles([t.done_s for t in done]),
         "identical_to_solo": not failed
         and all(t.tokens == want for t, want in zip(done, expected, strict=True)),
+        "stage_batch_size": _batch_sizes(before, _settled_stats(swarm)),
     }
+
+
+def _settled_stats(swarm: LocalSwarm) -> list[dict[str, float]]:
+    time.sleep(STATS_SETTLE_S)
+    return swarm.stage_stats()
+
+
+def _batch_sizes(before: list[dict], after: list[dict]) -> list[float | None]:
+    """Per stage, the rounds it processed between two readings over the forwards they took."""
+    sizes = []
+    for old, new in zip(before, after, strict=True):
+        rounds = new.get("processed", 0) - old.get("processed", 0)
+        forwards = new.get("forwards", 0) - old.get("forwards", 0)
+        sizes.append(round(rounds / forwards, 2) if forwards else None)
+    return sizes
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -164,6 +183,7 @@ def _describe(row: dict) -> str:
         f"delay {row['hop_delay_ms']:g} ms, {row['jobs']} job(s): {row['aggregate_tok_s']:.2f} "
         f"tok/s in all; first token p50 {row['first_token_s']['p50']:.2f} s, p95 "
         f"{row['first_token_s']['p95']:.2f} s; done p50 {row['done_s']['p50']:.2f} s, p95 "
-        f"{row['done_s']['p95']:.2f} s; identical to solo {row['identical_to_solo']}"
+        f"{row['done_s']['p95']:.2f} s; batch per stage {row['stage_batch_size']}; "
+        f"identical to solo {row['identical_to_solo']}"
         + (f"; FAILED {len(row['failed'])}: {row['failed'][0]}" if row["failed"] else "")
     )

@@ -110,6 +110,9 @@ def test_bench_load_runs_jobs_at_once_each_as_alone(tiny, tmp_path):
     three = doc["runs"][1]
     assert three["aggregate_tok_s"] > 0 and three["done_s"]["p95"] >= three["done_s"]["p50"] > 0
     assert doc["runs"][0]["aggregate_vs_one"] == 1.0
+    # One job alone: every forward is one round. Three at once: never more forwards than rounds.
+    assert doc["runs"][0]["stage_batch_size"] == [1.0, 1.0]
+    assert all(size >= 1.0 for size in three["stage_batch_size"])
 
 
 def test_load_runs_are_checked_against_solo_runs(tiny, monkeypatch):
