@@ -69,8 +69,10 @@ SWARM_COMMANDS = (
     "xadd", "xreadgroup", "xread", "xack", "xdel", "xautoclaim", "xclaim", "xgroup|create",
     "xgroup|createconsumer", "xlen", "xrange", "xpending", "xinfo|stream", "xinfo|groups",
     "xtrim",
-    # lists: Celery's queues (kombu), the coordinator's look at queued jobs, a stream's bell
+    # lists: Celery's queues (kombu), the coordinator's look at queued jobs, a stream's bell,
+    # the web app's rate limits (the limits library's moving window)
     "lpush", "rpush", "lpop", "rpop", "brpop", "blpop", "llen", "lrange", "lrem", "ltrim",
+    "lindex",
     # hashes: the inventory, stage counters, kombu's unacked messages
     "hset", "hsetnx", "hget", "hmget", "hgetall", "hvals", "hkeys", "hlen", "hdel", "hexists",
     "hincrby", "hincrbyfloat",

@@ -193,6 +193,21 @@ def test_login_attempts_rate_limited(make_app, session, alice):
     assert log_in(other, "alice", PASSWORD).status_code == 302
 
 
+def test_login_limits_are_shared_through_the_locked_down_redis_of_up(make_app, session, alice):
+    """Two web processes on the Redis `specpipe up` runs (password, ACL) count attempts
+    together: the limits' scripts run under the swarm user, not in a per-process fallback."""
+    from specpipe.redis_server import RedisServer
+
+    with RedisServer(password="correct horse") as locked:
+        shared = {"REDIS_URL": locked.url, "LOGIN_RATE": "2/minute",
+                  "RATELIMIT_KEY_PREFIX": "test-locked-limits"}  # fmt: skip
+        first, second = make_app(**shared).test_client(), make_app(**shared).test_client()
+        assert log_in(first, "alice", "wrong password").status_code == 400
+        assert log_in(second, "alice", "wrong password").status_code == 400
+        assert log_in(first, "alice", PASSWORD).status_code == 429
+        assert log_in(second, "alice", PASSWORD).status_code == 429
+
+
 def test_metrics_for_loopback_or_token_only(anon, api_token):
     assert anon.get("/metrics").status_code == 200  # the test client is 127.0.0.1
     outside = {"REMOTE_ADDR": "203.0.113.9"}
