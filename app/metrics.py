@@ -160,7 +160,12 @@ class StageCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         by_host = {name: {h: s[name] for h, s in stats.items() if name in s}
-                   for name in ("processed", "forwards", "batch_size", "forward_ms")}  # fmt: skip
+                   for name in ("processed", "forwards")}  # fmt: skip
+        # A mean over no forward yet is no number at all, not 0.
+        for name in ("batch_size", "forward_ms"):
+            by_host[name] = {
+                h: s[name] for h, s in stats.items() if name in s and s.get("forwards")
+            }
         yield labelled_counter("specpipe_stage_rounds_total", "Rounds a stage has processed.",
                                "host", by_host["processed"])  # fmt: skip
         yield labelled_counter(
