@@ -14,6 +14,12 @@ if TYPE_CHECKING:
     from specpipe.wire import Keyring
 
 
+# The swarm's workers need nothing of each other over the broker: no gossip (its restart after
+# a lost broker connection can end the worker with "Unrecoverable error: AttributeError"), no
+# mingle at start, no event heartbeats.
+ALONE = ("--without-gossip", "--without-mingle", "--without-heartbeat")
+
+
 @click.group(name="worker")
 def worker() -> None:
     """Run one swarm process: a stage, the coordinator, the nightly lane or the beat scheduler."""
@@ -157,7 +163,7 @@ def worker_coordinator(queue: str | None, loglevel: str) -> None:
     queue = queue or COORDINATOR_QUEUE
     # Threads: a job spends its time waiting on the ring, and the jobs share one tokenizer.
     celery.worker_main(["worker", "--pool=threads", f"--concurrency={sessions}", "-Q", queue,
-                        "-n", f"{queue}@%h", f"--loglevel={loglevel}"])  # fmt: skip
+                        "-n", f"{queue}@%h", *ALONE, f"--loglevel={loglevel}"])  # fmt: skip
 
 
 @worker.command(name="nightly")
@@ -177,7 +183,7 @@ def worker_nightly(loglevel: str) -> None:
 
     celery = _celery_app()
     celery.worker_main(["worker", "--pool=solo", "-Q", NIGHTLY_QUEUE, "-n", f"{NIGHTLY_QUEUE}@%h",
-                        f"--loglevel={loglevel}"])  # fmt: skip
+                        *ALONE, f"--loglevel={loglevel}"])  # fmt: skip
 
 
 @worker.command(name="beat")
