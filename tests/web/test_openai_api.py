@@ -11,6 +11,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sqlalchemy import func, select
 
 from models.db import make_session_factory, utcnow
@@ -345,3 +347,69 @@ def test_limits_answer_429_with_retry_after(make_app, session, api_token, queue)
     limited = post(rated, "/v1/chat/completions", api_token, CHAT)
     assert_openai_error(limited, 429)
     assert int(limited.headers["Retry-After"]) >= 1
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+FIELD_VALUES = {
+    "model": st.sampled_from([MODEL, "other"]) | JSON_VALUES,
+    "prompt": st.text(max_size=20) | JSON_VALUES,
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "system", "x"]),
+                "content": st.text(max_size=10) | JSON_VALUES,
+            }
+        ),
+        max_size=3,
+    )
+    | JSON_VALUES,
+    "max_tokens": st.integers(-2, 2000) | JSON_VALUES,
+    "temperature": st.floats(-1, 3, allow_nan=False) | JSON_VALUES,
+    "top_p": st.floats(-0.5, 1.5, allow_nan=False) | JSON_VALUES,
+    "seed": st.integers(-5, 2**65) | JSON_VALUES,
+    "stop": st.lists(st.text(max_size=4), max_size=5) | JSON_VALUES,
+    "n": st.integers(0, 3) | JSON_VALUES,
+    "logprobs": st.integers(-1, 7) | st.booleans() | JSON_VALUES,
+    "top_logprobs": st.integers(-1, 7) | JSON_VALUES,
+    "stream": st.booleans() | JSON_VALUES,
+    "top_k": st.integers(-3, 50) | JSON_VALUES,
+    "draft_k": st.integers(-3, 50) | JSON_VALUES,
+}
+
+
+@st.composite
+def bodies(draw):
+    names = draw(st.sets(st.sampled_from(sorted(FIELD_VALUES))))
+    body = {name: draw(FIELD_VALUES[name]) for name in names}
+    body.update(draw(st.dictionaries(st.text(max_size=6), JSON_VALUES, max_size=2)))
+    return body
+
+
+def test_any_body_is_answered_in_openai_shape_and_refusals_change_nothing(make_app, session,
+                                                                          api_token):  # fmt: skip
+    """Generated bodies, valid and not: a refusal is a 400 or 404 in OpenAI's shape that makes
+    no job; an accepted request is a job (here never run, so its wait ends at once: 504, and
+    the job is cancelled). Nothing answers 500."""
+    client = make_app(OPENAI_WAIT_S=0.0, SUBMIT_RATE="100000/minute").test_client()
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=bodies())
+    def answers(path, body):
+        before = job_count(session)
+        response = post(client, path, api_token, body)
+        if response.status_code == 200:  # a stream: its wait ends in an error event
+            assert response.mimetype == "text/event-stream" and body.get("stream") is True
+            assert "error" in events(response)[-1] and job_count(session) == before + 1
+            return
+        error = assert_openai_error(response, response.status_code)
+        assert response.status_code in (400, 404, 504), error
+        assert job_count(session) == before + (response.status_code == 504)
+
+    answers()
+    assert not session.scalars(select(Job).where(Job.status.in_(("queued", "running")))).all()
