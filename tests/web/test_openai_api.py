@@ -413,3 +413,21 @@ def test_any_body_is_answered_in_openai_shape_and_refusals_change_nothing(make_a
 
     answers()
     assert not session.scalars(select(Job).where(Job.status.in_(("queued", "running")))).all()
+
+
+def test_a_rerun_feeds_the_prompt_the_same_way(app, db_url, session, api_token):
+    from app import submitter
+    from workers.submission import rerun_params
+
+    client = app.test_client()
+    chat = {**CHAT, "messages": [{"role": "system", "content": "Be brief."},
+                                 {"role": "user", "content": "hi"}], "logprobs": True}  # fmt: skip
+    with FakeCoordinator(db_url, [([1], "x")]):
+        answer = post(client, "/v1/chat/completions", api_token, chat).get_json()
+        raw = post(client, "/v1/completions", api_token, RAW).get_json()
+    for done in (answer, raw):
+        job = session.get(Job, done["specpipe"]["job_id"])
+        with app.app_context():
+            again = submitter().submit(session, rerun_params(job), job.owner)
+        assert again.prompt_form() == job.prompt_form() and again.seed == job.seed
+        assert again.prompt == job.prompt
