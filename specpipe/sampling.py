@@ -197,8 +197,16 @@ def token_logprobs(
         row = logp[j]
         top: tuple[tuple[int, float], ...] = ()
         if n_top:
-            ids = np.argsort(-row, kind="stable")[:n_top]
-            top = tuple((int(i), float(row[i])) for i in ids if np.isfinite(row[i]))
+            # The tokens with a log-probability (cut ones are never listed), narrowed to those at
+            # or above the n_top-th largest (ties included), then in descending order, lowest
+            # id first on ties: no sort of the whole row.
+            ids = np.flatnonzero(row > -np.inf)
+            if len(ids) > n_top:
+                values = row[ids]
+                floor = np.partition(values, len(values) - n_top)[len(values) - n_top]
+                ids = ids[values >= floor]
+            ids = ids[np.argsort(-row[ids], kind="stable")][:n_top]
+            top = tuple((int(i), float(row[i])) for i in ids)
         out.append(TokenLogprob(int(token), float(row[int(token)]), top))
     return out
 
