@@ -7,6 +7,7 @@ rounds into the store as the real one does; tests/swarm/test_openai_swarm.py run
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -431,3 +432,45 @@ def test_a_rerun_feeds_the_prompt_the_same_way(app, db_url, session, api_token):
             again = submitter().submit(session, rerun_params(job), job.owner)
         assert again.prompt_form() == job.prompt_form() and again.seed == job.seed
         assert again.prompt == job.prompt
+
+
+def test_under_waitress_chunks_arrive_as_rounds_are_stored_and_leaving_cancels(
+    app, db_url, session, api_token
+):
+    """`specpipe web` serves with waitress: the stream is not held back until the end, and a
+    client that closes its connection cancels the job there too."""
+    import socket
+
+    import waitress
+
+    server = waitress.create_server(app, host="127.0.0.1", port=0, threads=2)
+    threading.Thread(target=server.run, daemon=True).start()
+    rounds = [(list(range(n)), "x" * n) for n in range(1, 60)]
+    body = json.dumps({**RAW, "max_tokens": 64, "stream": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+               f"Authorization: Bearer {api_token}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body  # fmt: skip
+    try:
+        with FakeCoordinator(db_url, rounds, pause_s=0.1):
+            client = socket.create_connection(("127.0.0.1", server.effective_port), timeout=10)
+            started = time.monotonic()
+            client.sendall(request)
+            received = b""
+            while not re.search(rb"data: \{.*\n\n", received):
+                more = client.recv(65536)
+                assert more, received  # the server ended without a chunk
+                received += more
+            assert time.monotonic() - started < 3  # the first round, not the whole job
+            client.close()  # the client hangs up
+            first = received[received.index(b"data: {") + len(b"data: ") :].split(b"\n")[0]
+            job_id = json.loads(first)["specpipe"]["job_id"]
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                session.expire_all()
+                if session.get(Job, job_id).status == "cancelled":
+                    break
+                time.sleep(0.05)
+        job = session.get(Job, job_id)
+        assert job.status == "cancelled" and len(job.output_ids) < 59
+    finally:
+        server.close()
