@@ -244,12 +244,13 @@ def _prompt(body: dict) -> str:
     return prompt
 
 
-def _max_tokens(body: dict) -> int | None:
-    given = {name: body.get(name) for name in ("max_tokens", "max_completion_tokens")}
-    values = {v for v in given.values() if v is not None}
-    if len(values) > 1:
+def _max_tokens(body: dict) -> tuple[object, str]:
+    """The token budget asked for and the field that asked (either name will do)."""
+    given = [(body[name], name) for name in ("max_tokens", "max_completion_tokens")
+             if body.get(name) is not None]  # fmt: skip
+    if len(given) == 2 and (type(given[0][0]), given[0][0]) != (type(given[1][0]), given[1][0]):
         raise OpenAIError(400, "max_tokens and max_completion_tokens disagree", param="max_tokens")
-    return values.pop() if values else None
+    return given[0] if given else (None, "max_tokens")
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -282,8 +283,9 @@ def parse_request(chat: bool) -> Completion:
     if not isinstance(include_usage, bool):
         raise OpenAIError(400, "include_usage must be true or false", param="stream_options")
     _optional(body, "user", (str,), "text")
+    max_tokens, max_tokens_name = _max_tokens(body)
     raw = {
-        "max_new_tokens": _max_tokens(body),
+        "max_new_tokens": max_tokens,
         "temp": body.get("temperature"),
         "top_p": body.get("top_p"),
         "top_k": body.get("top_k"),
@@ -310,7 +312,8 @@ def parse_request(chat: bool) -> Completion:
         params = submitter().check(raw)
     except JobRequestError as exc:
         name, reason = next(iter(exc.errors.items()))
-        param = OPENAI_NAMES.get(name, "messages" if chat and name == "prompt" else name)
+        names = {**OPENAI_NAMES, "max_new_tokens": max_tokens_name}
+        param = names.get(name, "messages" if chat and name == "prompt" else name)
         raise OpenAIError(400, f"{param} {reason}", param=param) from None
     return Completion(chat, {**params, **extra, "logprobs": logprobs}, stream, include_usage,
                       logprobs)  # fmt: skip
