@@ -196,7 +196,7 @@ def _optional(body: dict, name: str, kinds: tuple[type, ...], what: str):
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
         raise OpenAIError(400, f"{name} must be {what}", param=name)
     return value
 
@@ -275,7 +275,7 @@ def parse_request(chat: bool) -> Completion:
     if n is not None and n != 1:
         raise OpenAIError(400, "n must be 1: this server makes one choice per request", param="n")
     for name, nothing in UNSUPPORTED.items():
-        if body.get(name) not in (None, nothing) and body.get(name) != {}:
+        if body.get(name) not in (None, nothing, {}, []):
             raise OpenAIError(400, f"{name} is not supported by this server", param=name)
     stream = _optional(body, "stream", (bool,), "true or false") or False
     options = _optional(body, "stream_options", (dict,), "an object") or {}
