@@ -1,4 +1,5 @@
-"""The Flask web app: job submission, history, proofs, nodes and the JSON API.
+"""The Flask web app: job submission, history, proofs, nodes, the JSON API and the
+OpenAI-compatible API.
 
 `create_app` is the factory: configuration from the environment through `specpipe.settings`,
 overridden by `test_config`; one database session per request; logins (`app.auth`), rate
@@ -42,6 +43,8 @@ def default_config() -> dict:
         "LOGIN_RATE": settings.login_rate(),
         "MAX_CONTENT_LENGTH": 1 << 20,
         "HISTORY_PAGE_SIZE": 25,
+        "OPENAI_POLL_S": 0.1,  # how often a /v1 request reads its job's row
+        "OPENAI_WAIT_S": 600.0,  # how long it waits for the job to finish
         "SESSION_COOKIE_HTTPONLY": True,
         "SESSION_COOKIE_SAMESITE": "Lax",
         "SESSION_COOKIE_SECURE": settings.https(),
@@ -73,6 +76,7 @@ def create_app(test_config: dict | None = None) -> Flask:
         metrics,
         nightly,
         nodes,
+        openai_api,
         ops,
         plots,
         proofs,
@@ -98,10 +102,12 @@ def create_app(test_config: dict | None = None) -> Flask:
     nightly.init_app(app)
     metrics.init_app(app)
     plots.init_app(app)
-    for blueprint in (auth.bp, jobs.bp, proofs.bp, nodes.bp, runs.bp, ops.bp, api.bp):
+    blueprints = (auth.bp, jobs.bp, proofs.bp, nodes.bp, runs.bp, ops.bp, api.bp, openai_api.bp)
+    for blueprint in blueprints:
         app.register_blueprint(blueprint)
     rate_limits.init_app(app)  # wraps views, so after the blueprints
     forms.csrf.exempt(api.bp)
+    forms.csrf.exempt(openai_api.bp)
     app.jinja_env.globals["site_name"] = "specpipe"
     app.jinja_env.filters.update(forms.FILTERS)
     return app

@@ -3,7 +3,8 @@
 Every page needs a logged-in user except `/login`, `/healthz`, `/metrics` (a token or a loopback
 client, see `app.ops`) and the static files; the JSON API has its bearer tokens instead
 (`app.api`). A user is remembered in Flask's signed session cookie by id and a fingerprint of
-the password hash, so changing a password or deleting the user ends its sessions. `g.user` is
+the password hash, so changing a password or deleting the user ends its sessions. The
+OpenAI-compatible API under /v1 takes the same bearer tokens (`app.openai_api`). `g.user` is
 the user a request acts as: the session's on pages, the token's owner in the API.
 """
 
@@ -53,7 +54,7 @@ def init_app(app: Flask) -> None:
 
 
 def _is_api() -> bool:
-    return request.path.startswith("/api/")
+    return request.path.startswith(("/api/", "/v1/"))
 
 
 def load_user() -> None:

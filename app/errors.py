@@ -1,5 +1,6 @@
-"""Error pages: JSON under /api/, a friendly page elsewhere. Nothing reaches the user as a 500
-traceback; unexpected errors are logged and answered with a short message."""
+"""Error pages: JSON under /api/, OpenAI's error shape under /v1/, a friendly page elsewhere.
+Nothing reaches the user as a 500 traceback; unexpected errors are logged and answered with a
+short message."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from werkzeug.exceptions import HTTPException, InternalServerError
 
 def _wants_json() -> bool:
     return request.path.startswith("/api/")
+
+
+def _openai() -> bool:
+    return request.path.startswith("/v1/")
 
 
 def json_error(status: int, error: str, **extra):
@@ -33,6 +38,10 @@ def init_app(app: Flask) -> None:
 
         retry = retry_after_s()
         reason = f"too many requests (at most {exc.description}): try again in {retry} s"
+        if _openai():
+            from app.openai_api import error_response
+
+            return error_response(429, reason, retry_after=retry)
         if _wants_json():
             response = json_error(429, reason, retry_after=retry)
         elif request.endpoint == "jobs.submit":
@@ -52,6 +61,13 @@ def init_app(app: Flask) -> None:
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):
+        if _openai():
+            from app.openai_api import error_response
+
+            response = error_response(exc.code or 500, exc.description or exc.name)
+            if exc.code == 405 and exc.valid_methods:
+                response.headers["Allow"] = ", ".join(exc.valid_methods)
+            return response
         if _wants_json():
             response = json_error(exc.code or 500, exc.description or exc.name)
             if exc.code == 405 and exc.valid_methods:
@@ -65,6 +81,10 @@ def init_app(app: Flask) -> None:
         if isinstance(exc, HTTPException):
             return http_error(exc)
         message = InternalServerError.description
+        if _openai():
+            from app.openai_api import error_response
+
+            return error_response(500, "internal error")
         if _wants_json():
             return json_error(500, "internal error")
         return render_template("error.html", code=500, message=message), 500

@@ -1,9 +1,10 @@
 """Rate limits (Flask-Limiter), counted in the swarm's Redis so every web process shares them.
 
-Two limits: job submissions per user (`SUBMIT_RATE`: the form, a re-run and the API draw on one
-allowance) and login attempts per client address (`LOGIN_RATE`). A request over a limit is
-answered 429 with `Retry-After` (`app.errors`). The cap on a user's queued and running jobs is
-not a rate: the submission path checks it (`workers.submission`).
+Two limits: job submissions per user (`SUBMIT_RATE`: the form, a re-run, the API and the
+OpenAI-compatible completions draw on one allowance) and login attempts per client address
+(`LOGIN_RATE`). A request over a limit is answered 429 with `Retry-After` (`app.errors`). The
+cap on a user's queued and running jobs is not a rate: the submission path checks it
+(`workers.submission`).
 
 Each app has its own `Limiter` (as it has its own metrics registry), which wraps the limited
 views once the blueprints are registered, so several apps in one process never share state.
@@ -17,7 +18,13 @@ from flask import Flask, current_app, g
 from flask_limiter import Limiter
 from flask_limiter.util import get_remote_address
 
-SUBMISSION_ENDPOINTS = ("jobs.submit", "jobs.rerun", "api.create_job")
+SUBMISSION_ENDPOINTS = (
+    "jobs.submit",
+    "jobs.rerun",
+    "api.create_job",
+    "openai.chat_completions",
+    "openai.completions",
+)
 LOGIN_ENDPOINT = "auth.login"
 
 

@@ -1,4 +1,11 @@
-"""Jobs: one generation request from the web form or the API, its parameters and its result."""
+"""Jobs: one generation request from the web form or the API, its parameters and its result.
+
+The prompt goes through the model's chat template as one user message, unless the job says
+otherwise: `raw_prompt` feeds it as it is (OpenAI's completions), `messages` holds a whole chat
+(OpenAI's chat completions), and `prompt` is then that chat as readable text. `logprobs` asks
+for the committed tokens' log-probabilities (with that many alternatives, 0 … 5), stored in
+`output_logprobs` one entry per output id: `[logprob, [[id, logprob], ...]]`.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    false,
     text,
 )
 from sqlalchemy.orm import Mapped, mapped_column, relationship
@@ -58,6 +66,9 @@ class Job(Base):
     draft_k: Mapped[int] = mapped_column(Integer)  # 0: plain sampling, no speculation
     # Up to 4 strings; the output text ends before the first of them that appears.
     stop: Mapped[list] = mapped_column(default=list, server_default=text("'[]'"))
+    raw_prompt: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    messages: Mapped[list | None] = mapped_column()  # [{"role", "content"}, ...] of a chat
+    logprobs: Mapped[int | None] = mapped_column(Integer)  # None: not asked for
 
     status: Mapped[str] = mapped_column(String(16), default="queued")
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
@@ -72,6 +83,7 @@ class Job(Base):
     tok_s: Mapped[float | None] = mapped_column(Float)
     rounds: Mapped[int] = mapped_column(Integer, default=0)
     accepted_drafts: Mapped[list] = mapped_column(default=list)
+    output_logprobs: Mapped[list] = mapped_column(default=list, server_default=text("'[]'"))
 
     run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))
     run: Mapped[Run | None] = relationship(back_populates="jobs")  # noqa: F821
@@ -112,6 +124,10 @@ class Job(Base):
             "stop": list(self.stop or []),
         }
 
+    def prompt_form(self) -> dict:
+        """How the prompt is fed and what else the output carries: what a re-run must keep."""
+        return {"raw_prompt": self.raw_prompt, "messages": self.messages, "logprobs": self.logprobs}
+
     def request_cancel(self) -> None:
         """Ask for a cooperative stop: a queued job ends now, a running one at its next round."""
         if self.finished:
@@ -122,9 +138,17 @@ class Job(Base):
             self.finished_at = utcnow()
 
     def record_progress(
-        self, ids: list[int], text: str, accepted_drafts: list[int], elapsed_s: float
+        self,
+        ids: list[int],
+        text: str,
+        accepted_drafts: list[int],
+        elapsed_s: float,
+        logprobs: list | None = None,
     ) -> None:
-        """Store what has been committed so far; called by the coordinator every round."""
+        """Store what has been committed so far; called by the coordinator every round.
+        `logprobs`, when the job asked for them: one `[logprob, [[id, logprob], ...]]` per id."""
+        if logprobs is not None:
+            self.output_logprobs = list(logprobs)
         self.output_ids = list(ids)
         self.output_text = text
         self.generated_tokens = len(ids)
@@ -143,6 +167,7 @@ class Job(Base):
             "prompt": self.prompt,
             "model": self.model,
             **self.params(),
+            **self.prompt_form(),
             "seed_was_random": self.seed_was_random,
             "cancel_requested": self.cancel_requested,
             "output_text": self.output_text,
@@ -153,6 +178,7 @@ class Job(Base):
             "rounds": self.rounds,
             "accepted_drafts": self.accepted_drafts or [],
             "accepted_drafts_mean": self.accepted_drafts_mean,
+            "output_logprobs": self.output_logprobs or [],
             "tokens_per_round": self.tokens_per_round,
             "error": self.error,
             "attempts": self.attempts,

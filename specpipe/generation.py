@@ -6,6 +6,9 @@ at the first position whose cached token was not committed, and the stages trunc
 (this is how rejected drafts roll back). A stage that lost its state answers with a gap; the
 loop then replays the committed prefix from position 0, which changes nothing in the output
 because every token is sampled from the uniform keyed by its own position.
+
+When the session's parameters ask for log-probabilities, `logprobs` holds one `TokenLogprob`
+per new token, as the tail computed them from the same logits it sampled from.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 
 from specpipe.drafting import NgramDrafter
 from specpipe.ring import GapError, Ring
-from specpipe.sampling import SamplingParams, committed_tokens
+from specpipe.sampling import SamplingParams, TokenLogprob, committed_tokens
 
 
 @dataclass
@@ -75,6 +78,7 @@ class Generation:
         # Sees the generated ids after each round (stop strings); the whole round stays committed.
         self.should_stop = should_stop
         self.stats = GenerationStats()
+        self.logprobs: list[TokenLogprob] = []  # of this run's new tokens, when asked for
         self.finished = bool(resume) and (
             resume[-1] in self.eos_ids or (should_stop is not None and should_stop(list(resume)))
         )
@@ -101,6 +105,7 @@ class Generation:
                         committed, self.finished = committed[: i + 1], True
                         break
                 self.tokens += committed
+                self.logprobs += getattr(result, "logprobs", [])[: len(committed)]
                 self.drafter.extend(committed)
                 if self.should_stop is not None and self.should_stop(self.generated):
                     self.finished = True

@@ -9,7 +9,8 @@ sequence number larger than the last, which is how stages tell a replay from a f
 a reply counts only if it is addressed to this session's reply stream, comes from a stage of
 the route and answers one of the round's ids: anything else is dropped and counted. A `gap`
 reply re-sends the session's reset to every stage and raises `GapError`, so the caller's
-replay from position 0 finds the tail with its sampling parameters again.
+replay from position 0 finds the tail with its sampling parameters again. A result is a
+`RoundResult`, with the tail's log-probabilities when the session's parameters asked for them.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import redis
 from specpipe import inventory, streams, wire
 from specpipe.inventory import NodeInfo
 from specpipe.redact import redact_text, redact_url
-from specpipe.ring import GapError
-from specpipe.sampling import Sampler, SamplingParams
+from specpipe.ring import GapError, RoundResult
+from specpipe.sampling import Sampler, SamplingParams, TokenLogprob
 from specpipe.settings import Settings
 
 # What a round's wait grows by for each token it carries: a long prefill, or the replay of a
@@ -188,7 +189,9 @@ class RedisRing:
             if reply.kind == "result":
                 if len(reply.tokens) != n_draft + 1:
                     raise RingError(f"result of {len(reply.tokens)} ids for {n_draft} drafts")
-                return list(reply.tokens)
+                logprobs = [TokenLogprob(token, lp, top) for token, (lp, top)
+                            in zip(reply.tokens, reply.logprobs, strict=False)]  # fmt: skip
+                return RoundResult(reply.tokens, logprobs)
             if reply.kind == "gap":
                 self._until_reachable(
                     lambda: self._control(session, "reset", self._params[session])
@@ -231,6 +234,8 @@ class RedisRing:
                 "top_k": int(params.top_k),
                 "seed": int(params.seed),
             }
+            if params.logprobs is not None:
+                fields["logprobs"] = int(params.logprobs)
         message = wire.Message(
             kind=kind,
             session=session,

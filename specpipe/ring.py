@@ -6,6 +6,9 @@ the `n_draft + 1` positions that follow the last non-draft token (see `Sampler.a
 ring returns it. A stage whose cache ends before `start_pos` (it restarted) raises `GapError`;
 the caller then replays the committed prefix as one round from position 0.
 
+When the session asked for log-probabilities (`SamplingParams.logprobs`), the result is a
+`RoundResult`: still the list of ids, with the committed tokens' `TokenLogprob`s beside it.
+
 `LocalRing` runs the stages in this process; `RedisRing` (the swarm) sends each hop over Redis
 Streams. Both offer the same three calls, so the generation loop cannot tell them apart.
 """
@@ -18,11 +21,20 @@ from typing import Protocol
 
 import torch
 
-from specpipe.sampling import Sampler, SamplingParams
+from specpipe.sampling import Sampler, SamplingParams, TokenLogprob
 
 
 class GapError(RuntimeError):
     """A stage was asked to continue from a position beyond its KV cache (it lost its state)."""
+
+
+class RoundResult(list):
+    """A round's doctored result vector (a list of ids, equal to the plain list) carrying the
+    committed tokens' log-probabilities when the session asked for them."""
+
+    def __init__(self, ids, logprobs: Sequence[TokenLogprob] = ()) -> None:
+        super().__init__(ids)
+        self.logprobs = list(logprobs)
 
 
 @dataclass(frozen=True)
@@ -102,7 +114,9 @@ class LocalRing:
             hidden = stage.forward(session, hidden, start_pos)
         hidden = self.stages[-1].forward(session, hidden, start_pos, last_rows=n_draft + 1)
         drafts = list(tokens)[len(tokens) - n_draft :]
-        return sampler.accept(hidden[-(n_draft + 1) :], drafts, start_pos + len(tokens) - n_draft)
+        logits = hidden[-(n_draft + 1) :]
+        result = sampler.accept(logits, drafts, start_pos + len(tokens) - n_draft)
+        return RoundResult(result, sampler.result_logprobs(logits, result))
 
     def drop(self, session: str) -> None:
         for stage in self.stages:

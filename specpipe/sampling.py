@@ -10,6 +10,10 @@ rule in two forms.
   tokens are therefore exactly what plain sampling with the same seed produces.
 - The *residual* form (the textbook rule, used by the proofs as a second implementation):
   accept d with probability p(d); on rejection sample from p with d removed.
+- `token_logprobs` reports, when a session asks for them, each committed token's
+  log-probability under that same target distribution (after temperature, top-k and top-p) and
+  the most likely alternatives. Greedy (temp <= 0) targets a point mass, whose log-probabilities
+  say nothing; there it reports the model's own distribution, the log-softmax of the raw logits.
 
 Probabilities are numpy float64, computed from logits widened to float64 (float32 logits are
 checked and searched for their argmax as they are: widening is exact and keeps the order). Rows
@@ -143,6 +147,68 @@ def _top_p_keep(p: np.ndarray, top_p: float) -> np.ndarray:
         keep[order] = mass_before < top_p
         return keep
     raise AssertionError("unreachable: the last pass sorts the whole row")
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-probabilities of committed tokens
+
+MAX_TOP_LOGPROBS = 5
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One committed token's log-probability under the target, and the `top` most likely
+    tokens there as (id, log-probability), most likely first (lowest id first on ties)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(
+    logits, tokens: Sequence[int], temp: float, top_p: float = 1.0, top_k: int = 0, n_top: int = 0
+) -> list[TokenLogprob]:
+    """Each row's token's log-probability, with the `n_top` (0 … 5) most likely alternatives.
+
+    Row j of `logits` `[N, V]` is the position where `tokens[j]` was committed. For temp > 0 the
+    numbers are log `target_probs` (temperature, top-k, top-p), computed in the log domain: a
+    kept token's log-probability is its scaled logit minus the log-sum-exp of the kept ones, so
+    it stays finite however small its probability. Tokens the cut removed have no finite
+    log-probability and are never listed as alternatives. For temp <= 0 (greedy, a point mass)
+    they are the log-softmax of the raw logits.
+    """
+    z = _as_logits(logits).astype(np.float64, copy=False)
+    check_params(temp, top_p, top_k)
+    if isinstance(n_top, bool) or not 0 <= n_top <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"n_top must be between 0 and {MAX_TOP_LOGPROBS}, got {n_top!r}")
+    if len(tokens) != len(z):
+        raise ValueError(f"{len(tokens)} tokens for {len(z)} rows of logits")
+    if temp > 0:
+        scaled = z / float(temp)
+        kept = _target_probs(z, float(temp), float(top_p), int(top_k)) > 0
+    else:
+        scaled, kept = z, np.isfinite(z)
+    masked = np.where(kept, scaled, -np.inf)
+    peak = masked.max(axis=1, keepdims=True)
+    log_norm = peak + np.log(np.exp(masked - peak).sum(axis=1, keepdims=True))
+    logp = masked - log_norm
+    out = []
+    for j, token in enumerate(tokens):
+        row = logp[j]
+        top: tuple[tuple[int, float], ...] = ()
+        if n_top:
+            # The tokens with a log-probability (cut ones are never listed), narrowed to those at
+            # or above the n_top-th largest (ties included), then in descending order, lowest
+            # id first on ties: no sort of the whole row.
+            ids = np.flatnonzero(row > -np.inf)
+            if len(ids) > n_top:
+                values = row[ids]
+                floor = np.partition(values, len(values) - n_top)[len(values) - n_top]
+                ids = ids[values >= floor]
+            ids = ids[np.argsort(-row[ids], kind="stable")][:n_top]
+            top = tuple((int(i), float(row[i])) for i in ids)
+        out.append(TokenLogprob(int(token), float(row[int(token)]), top))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,6 +381,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    # None: no log-probabilities (a round costs nothing more); 0 … 5: the committed tokens'
+    # log-probabilities with that many alternatives each.
+    logprobs: int | None = None
 
 
 class Sampler:
@@ -325,21 +394,45 @@ class Sampler:
     """
 
     def __init__(
-        self, *, temp: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0
+        self,
+        *,
+        temp: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        logprobs: int | None = None,
     ) -> None:
         check_params(temp, top_p, top_k)
         check_seed(seed)
+        if logprobs is not None and (
+            isinstance(logprobs, bool)
+            or not isinstance(logprobs, numbers.Integral)
+            or not 0 <= logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise ValueError(f"logprobs must be None or 0 … {MAX_TOP_LOGPROBS}, got {logprobs!r}")
         self.temp, self.top_p, self.top_k, self.seed = (
             float(temp),
             float(top_p),
             int(top_k),
             int(seed),
         )
+        self.logprobs = None if logprobs is None else int(logprobs)
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> Sampler:
         """A sampler for `params`; ValueError when they are out of range."""
-        return cls(temp=params.temp, top_p=params.top_p, top_k=params.top_k, seed=params.seed)
+        return cls(temp=params.temp, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
+                   logprobs=params.logprobs)  # fmt: skip
+
+    def result_logprobs(self, logits, result: Sequence[int]) -> list[TokenLogprob]:
+        """The log-probabilities of a result vector's committed tokens (its ids before the
+        first -1), from the rows of `logits` `[K+1, V]` they were drawn at; none unless this
+        session asked for them."""
+        if self.logprobs is None:
+            return []
+        committed = [int(t) for t in result if t >= 0]
+        rows = _as_logits(logits)[: len(committed)]
+        return token_logprobs(rows, committed, self.temp, self.top_p, self.top_k, self.logprobs)
 
     @property
     def greedy(self) -> bool:

@@ -5,7 +5,8 @@ a member of the stage consumer group, verifies each message, runs `stage.forward
 hidden states to the next hop's stream on that hop's Redis, or, on the tail, samples the
 doctored result vector with the session's parameters and sends it to the coordinator's reply
 stream. A stage that has lost a session's cache answers `gap`. Per-session `reset` (the tail
-keeps temp, top_p, top_k and seed), `reseed` (new parameters, caches kept) and `drop` arrive as
+keeps temp, top_p, top_k and seed, and whether to send the committed tokens' log-probabilities
+with each result), `reseed` (new parameters, caches kept) and `drop` arrive as
 signed messages on the same stream, so they are ordered with the rounds.
 
 What is accepted: a message signed with a key of the swarm's keyring, addressed to this stage's
@@ -335,8 +336,10 @@ class StageWorker:
             self.stage.drop(message.session)
         p = message.params
         try:
+            logprobs = int(p["logprobs"]) if "logprobs" in p else None
             sampler = _sampler_class()(temp=float(p["temp"]), top_p=float(p["top_p"]),
-                                       top_k=int(p["top_k"]), seed=int(p["seed"]))  # fmt: skip
+                                       top_k=int(p["top_k"]), seed=int(p["seed"]),
+                                       logprobs=logprobs)  # fmt: skip
         except (KeyError, ValueError, TypeError, OverflowError) as exc:
             self._drop(f"reset with bad sampling parameters: {exc}")
             return
@@ -449,12 +452,14 @@ class StageWorker:
         drafts = list(message.tokens[len(message.tokens) - k :]) if k else []
         first_sampled = message.start_pos + len(message.tokens) - k
         try:
-            result = sampler.accept(logits[-(k + 1) :], drafts, first_sampled)
+            rows = logits[-(k + 1) :]
+            result = sampler.accept(rows, drafts, first_sampled)
+            logprobs = tuple((lp.logprob, lp.top) for lp in sampler.result_logprobs(rows, result))
         except ValueError as exc:  # e.g. a draft id outside the vocabulary, NaN logits
             self._count("errors")
             self._reply(message, "error", reason=f"{self.config.host}: {exc}")
             return
-        self._reply(message, "result", tokens=tuple(int(t) for t in result))
+        self._reply(message, "result", tokens=tuple(int(t) for t in result), logprobs=logprobs)
 
     def _reply(self, message: wire.Message, kind: str, **fields) -> None:
         stream = streams.reply_key(self.config.swarm, message.session)

@@ -28,6 +28,8 @@ class Target:
     decode: Callable[[list[int]], str]
     eos_ids: tuple[int, ...] = ()
     quant: str = "none"
+    # a chat's messages through the chat template (ModelError when the model has none)
+    chat_ids: Callable[[list[dict]], list[int]] | None = None
     # (n_stages, **options) -> the model as n_stages stages in this process
     load_stages: Callable[..., Sequence[Stage]] | None = field(default=None, repr=False)
 
@@ -77,6 +79,7 @@ def _open_checkpoint(name: str) -> Target:
         name=label,
         n_layers=checkpoint.config.n_layers,
         prompt_ids=tokenizer.prompt_ids,
+        chat_ids=tokenizer.chat_ids,
         decode=tokenizer.decode,
         eos_ids=tuple(sorted(eos)),
         quant=_quant(checkpoint),

@@ -8,7 +8,8 @@ where `tag` is HMAC-SHA256 over everything before it, under the swarm key the ke
 `Keyring` holds the key that signs and the older ones still accepted while a new key spreads).
 The header names the swarm, where the message goes and what it is (the destination stream, the
 direction, the sender), the session with its sequence number and round id, positions, the token
-ids and the payload's dtype and shape; the payload is the tensor's bytes, nothing else. `decode`
+ids (with their log-probabilities on a tail's result, when the session asked for them) and the
+payload's dtype and shape; the payload is the tensor's bytes, nothing else. `decode`
 checks the size limits and the signature (constant-time) before it parses the header, and the
 dtype whitelist and the shape-versus-byte-count before it reads the payload. A receiver passes
 its own stream, so a message copied into another stream is refused; freshness (the sequence
@@ -41,6 +42,7 @@ MAX_DIMS = 4
 MAX_DIM = 2**31  # of each tensor dimension
 TOKEN_LIMIT = 2**31  # token ids (and the result vector's -1) fit in 32 bits
 POSITION_LIMIT = 2**40
+MAX_ALTERNATIVES = 5  # top log-probabilities per committed token on a result
 
 # Kinds of message, by direction: what a stage's input stream carries (a round travelling
 # through the stages and the per-session controls) and what a coordinator's reply stream does
@@ -111,6 +113,9 @@ class Message:
     reply: str = ""  # Redis URL holding the coordinator's reply stream
     params: dict[str, float | int] = field(default_factory=dict)  # reset/reseed: temp, ...
     reason: str = ""  # gap / error: what went wrong
+    # result, when asked: per committed token, its log-probability and the most likely
+    # alternatives as (id, log-probability)
+    logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
 
     @property
     def direction(self) -> str:
@@ -199,6 +204,10 @@ def encode(message: Message, swarm: str, keys: Keyring | bytes | str) -> bytes:
         "params": dict(message.params),
         "reason": message.reason,
     }
+    if message.logprobs:  # only on the results of sessions that asked: others pay nothing
+        header["logprobs"] = [
+            [float(lp), [[int(i), float(a)] for i, a in top]] for lp, top in message.logprobs
+        ]
     payload = b""
     if message.tensor is not None:
         tensor = message.tensor.detach()
@@ -327,7 +336,31 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
         reply=_field(header, "reply", str, ""),
         params=params,
         reason=_field(header, "reason", str, ""),
+        logprobs=_logprobs(_field(header, "logprobs", list, []), len(tokens)),
     )
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _logprobs(entries: list, n_tokens: int) -> tuple:
+    if len(entries) > n_tokens:
+        raise WireError("more log-probabilities than tokens")
+    out = []
+    for entry in entries:
+        if not (isinstance(entry, list) and len(entry) == 2 and _is_number(entry[0])
+                and isinstance(entry[1], list) and len(entry[1]) <= MAX_ALTERNATIVES):  # fmt: skip
+            raise WireError("log-probabilities must be [logprob, [[id, logprob], ...]]")
+        top = []
+        for pair in entry[1]:
+            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int)
+                    and not isinstance(pair[0], bool) and 0 <= pair[0] < TOKEN_LIMIT
+                    and _is_number(pair[1])):  # fmt: skip
+                raise WireError("an alternative must be [id, logprob]")
+            top.append((pair[0], float(pair[1])))
+        out.append((float(entry[0]), tuple(top)))
+    return tuple(out)
 
 
 _last_route: tuple[list, tuple[Hop, ...]] = ([], ())

@@ -48,7 +48,7 @@ from specpipe.inventory import RouteError
 from specpipe.redact import one_line_reason, redact_url
 from specpipe.redis_ring import RedisRing, RingError
 from specpipe.ring import GapError, Ring
-from specpipe.sampling import SamplingParams
+from specpipe.sampling import SamplingParams, TokenLogprob
 from specpipe.settings import Settings, default_model, stalled_after_s
 from specpipe.stopping import GenerationText
 from specpipe.target import open_target
@@ -70,7 +70,7 @@ MAX_ATTEMPTS = 3
 class Codec(Protocol):
     """Text to token ids and back: what the coordinator needs of a tokenizer."""
 
-    def prompt_ids(self, prompt: str) -> list[int]: ...
+    def prompt_ids(self, prompt: str, raw: bool = False) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -109,9 +109,11 @@ def run_job(
         if job.run is None:
             job.run = _start_run(session, job, ring)
             session.commit()
-        prompt_ids = codec.prompt_ids(job.prompt)
+        prompt_ids = job_prompt_ids(codec, job)
         job.prompt_tokens = len(prompt_ids)
-        params = SamplingParams(temp=job.temp, top_p=job.top_p, top_k=job.top_k, seed=job.seed)
+        params = SamplingParams(temp=job.temp, top_p=job.top_p, top_k=job.top_k, seed=job.seed,
+                                logprobs=job.logprobs)  # fmt: skip
+        stored_logprobs = list(job.output_logprobs or [])[: len(job.output_ids or [])]
         resume = list(job.output_ids or [])
         accepted = list(job.accepted_drafts or [])
         # The time already spent, so tok/s after a resume still counts the whole job.
@@ -135,7 +137,10 @@ def run_job(
             counted = generation.stats.accepted
             ids = generation.generated
             text, _ = output.cut(ids)
-            job.record_progress(ids, text, accepted, spent_s + generation.stats.seconds)
+            logprobs = None
+            if job.logprobs is not None:
+                logprobs = stored_logprobs + [logprob_entry(lp) for lp in generation.logprobs]
+            job.record_progress(ids, text, accepted, spent_s + generation.stats.seconds, logprobs)
             session.commit()
             session.refresh(job, ["cancel_requested"])  # the web app may have asked
             if job.cancel_requested:
@@ -161,6 +166,26 @@ def run_job(
     finally:
         if ring is not None:
             _drop_quietly(ring, ring_session)
+
+
+def job_prompt_ids(codec: Codec, job: Job) -> list[int]:
+    """The ids the job's prompt is fed as: its chat's messages through the chat template, its
+    prompt as it is (raw), or its prompt as one user message."""
+    if job.messages:
+        if getattr(codec, "chat_ids", None) is None:
+            raise ValueError(f"model {job.model!r} cannot take a chat's messages")
+        try:
+            return codec.chat_ids(job.messages)
+        except Exception as exc:  # a template that refuses the messages: one line on the job
+            raise ValueError(f"the chat template refused the messages: {exc}") from None
+    if job.raw_prompt:
+        return codec.prompt_ids(job.prompt, raw=True)
+    return codec.prompt_ids(job.prompt)
+
+
+def logprob_entry(logprob: TokenLogprob) -> list:
+    """A token's log-probabilities as a job stores them: `[logprob, [[id, logprob], ...]]`."""
+    return [logprob.logprob, [[i, a] for i, a in logprob.top]]
 
 
 def _pending(session: Session, job_id: int) -> tuple[Job | None, str | None]:

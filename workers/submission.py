@@ -107,7 +107,8 @@ class Submitter:
         self, session: Session, params: Mapping[str, object], owner: User | None = None
     ) -> Job:
         """Store a queued job for checked `params`, owned by `owner` (else the built-in admin),
-        and enqueue it.
+        and enqueue it. Besides the checked fields, `params` may say how the prompt is fed
+        (`raw_prompt`, `messages`) and ask for `logprobs` (see `models.jobs`).
 
         Raises TooManyActiveJobs, storing nothing, when the owner is at the active-jobs cap, and
         QueueUnavailable, with the job marked failed, when the broker cannot be reached.
@@ -127,6 +128,9 @@ class Submitter:
             seed_was_random=seed is None,
             draft_k=params["draft_k"],
             stop=list(params.get("stop") or []),
+            raw_prompt=bool(params.get("raw_prompt", False)),
+            messages=params.get("messages"),
+            logprobs=params.get("logprobs"),
             status="queued",
         )
         session.add(job)
@@ -171,8 +175,8 @@ class Submitter:
 
 
 def rerun_params(job: Job) -> dict:
-    """The parameters that reproduce `job`: same prompt, settings and seed."""
-    return {"prompt": job.prompt, **job.params()}
+    """The parameters that reproduce `job`: same prompt (fed the same way), settings and seed."""
+    return {"prompt": job.prompt, **job.params(), **job.prompt_form()}
 
 
 def parse_job_request(raw: Mapping[str, object], limits: JobLimits, from_text: bool) -> dict:

@@ -58,7 +58,13 @@ class Tokenizer:
         """The ids to feed for a user prompt: through the chat template unless raw or none."""
         if raw or not self.chat_template:
             return self.encode(prompt)
-        return self.encode(self.render_chat([{"role": "user", "content": prompt}]), False)
+        return self.chat_ids([{"role": "user", "content": prompt}])
+
+    def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The ids to feed for a chat: its messages through the chat template."""
+        if not self.chat_template:
+            raise ModelError(f"{self.source}: the model has no chat template")
+        return self.encode(self.render_chat(messages), False)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         """The chat template applied to `messages`, ending with the assistant's turn opened."""

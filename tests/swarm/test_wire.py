@@ -3,6 +3,7 @@
 import hashlib
 import hmac
 import struct
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -255,3 +256,15 @@ def test_an_empty_tensor_of_an_impossible_shape_is_refused():
     data = sign(raw({"swarm": SWARM, "kind": "round", "dtype": "float32", "shape": [0, 2**63]}))
     with pytest.raises(wire.WireError, match="bad shape"):
         wire.decode(data, SWARM, KEY)
+
+
+def test_a_result_carries_log_probabilities_and_bad_ones_are_refused():
+    reply = wire.Message(kind="result", session="s", to="r", tokens=(4, 7),
+                         logprobs=((-0.5, ((4, -0.5), (2, -1.25))), (-2.0, ())))  # fmt: skip
+    back = wire.decode(wire.encode(reply, "sw", b"k" * 32), "sw", b"k" * 32)
+    assert back.logprobs == reply.logprobs
+    plain = wire.decode(wire.encode(replace(reply, logprobs=()), "sw", b"k" * 32), "sw", b"k" * 32)
+    assert plain.logprobs == ()
+    too_many = replace(reply, tokens=(4,))
+    with pytest.raises(wire.WireError, match="more log-probabilities"):
+        wire.decode(wire.encode(too_many, "sw", b"k" * 32), "sw", b"k" * 32)

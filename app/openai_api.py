@@ -1,0 +1,584 @@
+"""The OpenAI-compatible API under /v1: chat and raw completions, and the model the swarm serves.
+
+Every request is an ordinary job of the bearer token's owner (the tokens of `/api/v1`), made by
+the one submission path (`workers.submission.Submitter`) and visible in that user's history;
+the response names it (`id` is `cmpl-<job id>` or `chatcmpl-<job id>`, and the `specpipe`
+extension field holds the job id and the seed that replays it). The request waits for the job
+by reading its row, which the coordinator updates after every round, every `OPENAI_POLL_S`
+seconds (a read of one row by primary key), for at most `OPENAI_WAIT_S` seconds.
+
+- `/v1/completions` feeds the prompt as it is; `/v1/chat/completions` feeds the messages through
+  the model's chat template (a lone user message is stored as a plain job: the same ids as
+  `specpipe generate` gives for that prompt).
+- `stream: true` answers Server-Sent Events in OpenAI's chunk format, ending with `[DONE]`. A
+  chunk carries the text that became stable since the last one: an ending that may still turn
+  into a stop string, or an incomplete UTF-8 sequence, waits for the next round, so the chunks'
+  text put together is exactly the whole text. A client that goes away cancels its job.
+- `logprobs`: the committed tokens' log-probabilities under the target distribution (after
+  temperature, top-k and top-p; for temperature 0 the log-softmax of the raw logits), with up
+  to 5 alternatives, as the tail computed them (`specpipe.sampling.token_logprobs`).
+- Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for bad
+  fields, 401 for a missing or bad key, 404 for another model, 429 (with `Retry-After`) under
+  the rate and active-job limits.
+
+Unknown fields are ignored, as OpenAI does; known ones of the wrong type or range are refused,
+and so are the features this server does not have (`n` above 1, `echo`, penalties, tools).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
+from sqlalchemy.orm import Session
+
+from app import submitter
+from app.auth import current_user, user_from_token
+from app.db import get_session
+from models.db import utcnow
+from models.jobs import Job
+from models.nodes import ring_nodes
+from specpipe import __version__
+from specpipe.sampling import MAX_TOP_LOGPROBS
+from specpipe.settings import JOB_DEFAULTS
+from specpipe.stopping import GenerationText, hold_back_stop_prefix
+from specpipe.target import open_target
+from workers.submission import JobRequestError, QueueUnavailable, TooManyActiveJobs
+
+bp = Blueprint("openai", __name__, url_prefix="/v1")
+
+CHAT_ROLES = ("system", "user", "assistant")
+KEEP_ALIVE_S = 1.0  # a stream sends a comment this often while it waits: a gone client shows
+# Our job fields by the OpenAI names that set them.
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "temp": "temperature"}
+# Known fields this server cannot honour, with the value that asks for nothing.
+UNSUPPORTED = {
+    "echo": False,
+    "best_of": 1,
+    "suffix": None,
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "logit_bias": None,
+    "tools": None,
+    "functions": None,
+}
+
+
+class OpenAIError(Exception):
+    """A request answered with an error in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        retry_after: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind, self.retry_after = kind, retry_after
+
+    def body(self) -> dict:
+        """The error object of OpenAI's shape."""
+        return {"message": self.message, "type": self.kind, "param": self.param,
+                "code": self.code}  # fmt: skip
+
+    def response(self) -> Response:
+        response = jsonify({"error": self.body()})
+        response.status_code = self.status
+        if self.retry_after is not None:
+            response.headers["Retry-After"] = str(self.retry_after)
+        if self.status == 401:
+            response.headers["WWW-Authenticate"] = 'Bearer realm="specpipe"'
+        return response
+
+
+def error_response(status: int, message: str, retry_after: int | None = None) -> Response:
+    """An error for any request under /v1 (the app's handlers call this for those paths)."""
+    kinds = {401: "invalid_request_error", 404: "invalid_request_error", 429: "requests"}
+    kind = kinds.get(status, "invalid_request_error" if status < 500 else "server_error")
+    code = "rate_limit_exceeded" if status == 429 else None
+    return OpenAIError(status, message, code=code, kind=kind, retry_after=retry_after).response()
+
+
+@bp.errorhandler(OpenAIError)
+def openai_error(exc: OpenAIError) -> Response:
+    return exc.response()
+
+
+@bp.before_request
+def require_key():
+    """`Authorization: Bearer <token>`: the same tokens as /api/v1, acting as their owner."""
+    user = user_from_token()
+    if user is None:
+        raise OpenAIError(401, "a valid API key is required (Authorization: Bearer <token>)",
+                          code="invalid_api_key")  # fmt: skip
+    g.user = user
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+def served_model() -> str:
+    """The model this swarm's jobs run on."""
+    return submitter().model
+
+
+def _model_entry() -> dict:
+    now = utcnow()
+    ring = [
+        {
+            "host": n.host,
+            "role": n.role,
+            "layer_start": n.layer_start,
+            "layer_end": n.layer_end,
+            "status": n.status(now),
+            "software_version": n.software_version,
+        }  # fmt: skip
+        for n in ring_nodes(get_session())
+    ]
+    return {"id": served_model(), "object": "model", "created": 0, "owned_by": "specpipe",
+            "ring": ring}  # fmt: skip
+
+
+@bp.get("/models")
+def list_models():
+    """The model the swarm serves, with the ring of stages serving it."""
+    return jsonify({"object": "list", "data": [_model_entry()]})
+
+
+@bp.get("/models/<path:model>")
+def get_model(model: str):
+    """One model: the one served, else 404."""
+    _check_model(model)
+    return jsonify(_model_entry())
+
+
+def _check_model(model: object) -> None:
+    if not isinstance(model, str) or not model:
+        raise OpenAIError(400, "model must be the name of a model", param="model")
+    if model != served_model():
+        raise OpenAIError(404, f"the model {model!r} is not served here; "
+                          f"this swarm serves {served_model()!r}", param="model",
+                          code="model_not_found")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+
+
+@dataclass
+class Completion:
+    """A checked request: the job's parameters and how to answer."""
+
+    chat: bool
+    params: dict
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+
+
+def _body() -> dict:
+    body = request.get_json(silent=True)
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the body must be a JSON object (Content-Type: application/json)")
+    return body
+
+
+def _optional(body: dict, name: str, kinds: tuple[type, ...], what: str):
+    value = body.get(name)
+    if value is None:
+        return None
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        raise OpenAIError(400, f"{name} must be {what}", param=name)
+    return value
+
+
+def _content(message: dict, index: int) -> str:
+    content = message.get("content")
+    param = f"messages[{index}].content"
+    if content is None and message.get("role") == "assistant":
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):  # fmt: skip
+                raise OpenAIError(400, "only text content parts are supported", param=param)
+            parts.append(part["text"])
+        return "".join(parts)
+    raise OpenAIError(400, "content must be text or a list of text parts", param=param)
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError(400, "messages must be a non-empty list", param="messages")
+    clean = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
+            raise OpenAIError(400, f"each message needs a role: one of {', '.join(CHAT_ROLES)}",
+                              param=f"messages[{i}].role")  # fmt: skip
+        clean.append({"role": message["role"], "content": _content(message, i)})
+    return clean
+
+
+def _prompt(body: dict) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    if isinstance(prompt, list):
+        raise OpenAIError(400, "prompt must be one string (a list of one string will do)",
+                          param="prompt")  # fmt: skip
+    if not isinstance(prompt, str):
+        raise OpenAIError(400, "prompt must be text", param="prompt")
+    return prompt
+
+
+def _max_tokens(body: dict) -> tuple[object, str]:
+    """The token budget asked for and the field that asked (either name will do)."""
+    given = [(body[name], name) for name in ("max_tokens", "max_completion_tokens")
+             if body.get(name) is not None]  # fmt: skip
+    if len(given) == 2 and (type(given[0][0]), given[0][0]) != (type(given[1][0]), given[1][0]):
+        raise OpenAIError(400, "max_tokens and max_completion_tokens disagree", param="max_tokens")
+    return given[0] if given else (None, "max_tokens")
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    if chat:
+        wanted = _optional(body, "logprobs", (bool,), "true or false")
+        top = _optional(body, "top_logprobs", (int,), "a whole number")
+        if top is not None and not wanted:
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        count, param = (top or 0) if wanted else None, "top_logprobs"
+    else:
+        count, param = _optional(body, "logprobs", (int,), "a whole number"), "logprobs"
+    if count is not None and not 0 <= count <= MAX_TOP_LOGPROBS:
+        raise OpenAIError(400, f"{param} must be between 0 and {MAX_TOP_LOGPROBS}", param=param)
+    return count
+
+
+def parse_request(chat: bool) -> Completion:
+    """Check an OpenAI request; raises OpenAIError naming the first bad field."""
+    body = _body()
+    _check_model(body.get("model"))
+    n = _optional(body, "n", (int,), "a whole number")
+    if n is not None and n != 1:
+        raise OpenAIError(400, "n must be 1: this server makes one choice per request", param="n")
+    for name, nothing in UNSUPPORTED.items():
+        if body.get(name) not in (None, nothing, {}, []):
+            raise OpenAIError(400, f"{name} is not supported by this server", param=name)
+    stream = _optional(body, "stream", (bool,), "true or false") or False
+    options = _optional(body, "stream_options", (dict,), "an object") or {}
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise OpenAIError(400, "include_usage must be true or false", param="stream_options")
+    _optional(body, "user", (str,), "text")
+    max_tokens, max_tokens_name = _max_tokens(body)
+    raw = {
+        "max_new_tokens": max_tokens,
+        "temp": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "top_k": body.get("top_k"),
+        "seed": body.get("seed"),
+        "draft_k": body.get("draft_k"),
+        "stop": body.get("stop"),
+    }
+    defaults = {"temp": 1.0, "top_p": 1.0, "top_k": 0, "draft_k": JOB_DEFAULTS["draft_k"],
+                "max_new_tokens": JOB_DEFAULTS["max_new_tokens"]}  # fmt: skip
+    raw = {name: defaults[name] if value is None and name in defaults else value
+           for name, value in raw.items()}  # fmt: skip
+    extra: dict = {"raw_prompt": not chat, "messages": None}
+    if chat:
+        messages = _messages(body)
+        if len(messages) == 1 and messages[0]["role"] == "user":
+            raw["prompt"] = messages[0]["content"]  # a plain job: as `specpipe generate` runs it
+        else:
+            raw["prompt"] = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages)
+            extra["messages"] = messages
+    else:
+        raw["prompt"] = _prompt(body)
+    logprobs = _logprobs(body, chat)
+    try:
+        params = submitter().check(raw)
+    except JobRequestError as exc:
+        name, reason = next(iter(exc.errors.items()))
+        names = {**OPENAI_NAMES, "max_new_tokens": max_tokens_name}
+        param = names.get(name, "messages" if chat and name == "prompt" else name)
+        raise OpenAIError(400, f"{param} {reason}", param=param) from None
+    return Completion(chat, {**params, **extra, "logprobs": logprobs}, stream, include_usage,
+                      logprobs)  # fmt: skip
+
+
+def _submit(completion: Completion) -> Job:
+    try:
+        return submitter().submit(get_session(), completion.params, current_user())
+    except TooManyActiveJobs as exc:
+        raise OpenAIError(429, str(exc), code="rate_limit_exceeded", kind="requests",
+                          retry_after=exc.retry_after_s) from None  # fmt: skip
+    except QueueUnavailable as exc:
+        raise OpenAIError(503, f"job {exc.job.id} could not be queued: {exc}",
+                          kind="server_error") from None  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Waiting for the job
+
+
+def job_updates(
+    session: Session, job_id: int, poll_s: float, wait_s: float, idle_s: float | None = None
+) -> Iterator[Job | None]:
+    """The job each time its stored progress changed, and once more when it has finished; with
+    `idle_s`, None after that many seconds without a change.
+
+    Each look reads the row afresh (a new transaction, so a snapshot never hides a round).
+    Raises TimeoutError after `wait_s` seconds without the job finishing."""
+    deadline = time.monotonic() + wait_s
+    seen, last_change = None, time.monotonic()
+    while True:
+        session.rollback()  # ends the read transaction: the next look sees the latest round
+        job = session.get(Job, job_id, populate_existing=True)
+        state = (job.status, len(job.output_ids or []), job.output_text)
+        if state != seen or job.finished:
+            seen, last_change = state, time.monotonic()
+            yield job
+        elif idle_s is not None and time.monotonic() - last_change >= idle_s:
+            last_change = time.monotonic()
+            yield None
+        if job.finished:
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"job {job_id} did not finish within {wait_s:g} s")
+        time.sleep(poll_s)
+
+
+def _cancel(session: Session, job_id: int) -> None:
+    session.rollback()
+    job = session.get(Job, job_id, populate_existing=True)
+    if job is not None and not job.finished:
+        job.request_cancel()
+        session.commit()
+
+
+def _failure(job: Job) -> OpenAIError:
+    if job.status == "cancelled":
+        return OpenAIError(409, f"job {job.id} was cancelled", code="cancelled")
+    return OpenAIError(500, f"job {job.id} failed: {job.error or 'no reason given'}",
+                       kind="server_error")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Answers
+
+
+def _target(job: Job):
+    """The job's model as the coordinator opened it (its tokenizer), or None if it cannot open."""
+    try:
+        return open_target(job.model)
+    except ValueError:
+        return None
+
+
+def finish_reason(job: Job, target=None) -> str:
+    """`length` when the token budget ended the job, else `stop` (EOS or a stop string)."""
+    ids = list(job.output_ids or [])
+    if len(ids) < job.max_new_tokens:
+        return "stop"
+    if target is not None and (ids[-1] in target.eos_ids or
+                               GenerationText(target.decode, target.eos_ids,
+                                              job.stop or []).cut(ids)[1]):  # fmt: skip
+        return "stop"
+    return "length"
+
+
+def fingerprint(job: Job) -> str:
+    """The model and the ring's software versions (as its stages reported them) in 12 digits."""
+    versions = sorted({s.software_version for s in (job.run.node_snapshots if job.run else [])
+                       if s.software_version} or {__version__})  # fmt: skip
+    return "fp_" + hashlib.sha256(f"{job.model}|{'+'.join(versions)}".encode()).hexdigest()[:12]
+
+
+def _usage(job: Job) -> dict:
+    prompt, completion = job.prompt_tokens or 0, len(job.output_ids or [])
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}  # fmt: skip
+
+
+def _extension(job: Job) -> dict:
+    return {"job_id": job.id, "seed": job.seed, "seed_was_random": job.seed_was_random,
+            "draft_k": job.draft_k, "rounds": job.rounds, "tok_s": job.tok_s}  # fmt: skip
+
+
+def _token_text(target, token: int) -> str:
+    return target.decode([token]) if target is not None else ""
+
+
+def _chat_logprobs(entries: list, ids: list[int], target) -> dict:
+    def one(token: int, logprob: float) -> dict:
+        text = _token_text(target, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for token, (logprob, top) in zip(ids, entries, strict=False):
+        content.append({**one(token, logprob), "top_logprobs": [one(i, lp) for i, lp in top]})
+    return {"content": content}
+
+
+def _completion_logprobs(entries: list, ids: list[int], target, offset: int) -> dict:
+    tokens, logprobs, tops, offsets = [], [], [], []
+    for token, (logprob, top) in zip(ids, entries, strict=False):
+        text = _token_text(target, token)
+        offsets.append(offset)
+        offset += len(text)
+        tokens.append(text)
+        logprobs.append(logprob)
+        tops.append({_token_text(target, i): lp for i, lp in top})
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
+            "text_offset": offsets}  # fmt: skip
+
+
+def _logprobs_of(completion: Completion, job: Job, start: int, end: int, target, offset: int):
+    if completion.logprobs is None:
+        return None
+    ids = list(job.output_ids or [])[start:end]
+    entries = list(job.output_logprobs or [])[start:end]
+    if completion.chat:
+        return _chat_logprobs(entries, ids, target)
+    return _completion_logprobs(entries, ids, target, offset)
+
+
+def _head(completion: Completion, job: Job, chunk: bool) -> dict:
+    if completion.chat:
+        kind = "chat.completion.chunk" if chunk else "chat.completion"
+        prefix = "chatcmpl"
+    else:
+        kind, prefix = "text_completion", "cmpl"
+    created = int(job.created_at.timestamp()) if job.created_at else int(time.time())
+    return {"id": f"{prefix}-{job.id}", "object": kind, "created": created, "model": job.model,
+            "system_fingerprint": fingerprint(job)}  # fmt: skip
+
+
+def whole_answer(completion: Completion, job: Job) -> dict:
+    """The non-streamed response for a finished job."""
+    target = _target(job)
+    text = job.output_text or ""
+    logprobs = _logprobs_of(completion, job, 0, len(job.output_ids or []), target, 0)
+    choice: dict = {"index": 0, "finish_reason": finish_reason(job, target), "logprobs": logprobs}
+    if completion.chat:
+        choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+    else:
+        choice["text"] = text
+    return {**_head(completion, job, False), "choices": [choice], "usage": _usage(job),
+            "specpipe": _extension(job)}  # fmt: skip
+
+
+def _chunk(completion: Completion, job: Job, text: str | None, logprobs, finish: str | None,
+           first: bool = False) -> dict:  # fmt: skip
+    choice: dict = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+    if completion.chat:
+        delta: dict = {"role": "assistant", "content": ""} if first else {}
+        if text:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    return {**_head(completion, job, True), "choices": [choice], "specpipe": _extension(job)}
+
+
+def _event(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def stable_text(job: Job) -> str:
+    """What of a running job's text can no longer change: its text without an ending that may
+    still become a stop string or a whole UTF-8 character."""
+    text = job.output_text or ""
+    if job.finished:
+        return text
+    text = hold_back_stop_prefix(text, job.stop or [])
+    return text.rstrip("\ufffd")
+
+
+def stream_answer(app: Flask, completion: Completion, job_id: int) -> Iterator[str]:
+    """The Server-Sent Events of a streamed answer; cancels the job if the client goes away."""
+    session: Session = app.extensions["specpipe.sessions"]()
+    poll_s, wait_s = app.config["OPENAI_POLL_S"], app.config["OPENAI_WAIT_S"]
+    done = False
+    try:
+        sent_text, sent_ids, first, target = "", 0, True, None
+        for job in job_updates(session, job_id, poll_s, wait_s, idle_s=KEEP_ALIVE_S):
+            if job is None:  # nothing new for a while: a comment shows whether anyone listens
+                yield ": waiting\n\n"
+                continue
+            if job.finished and job.status != "done":
+                yield _event({"error": _failure(job).body()})
+                done = True
+                return
+            text = stable_text(job)
+            if not text.startswith(sent_text):
+                continue  # a rare decoder whose text changed behind the shown part: wait
+            n_ids = len(job.output_ids or [])
+            if target is None and (completion.logprobs is not None or job.finished):
+                target = _target(job)
+            logprobs = _logprobs_of(completion, job, sent_ids, n_ids, target, len(sent_text))
+            if text != sent_text or first or logprobs:
+                yield _event(_chunk(completion, job, text[len(sent_text) :], logprobs, None, first))
+                sent_text, sent_ids, first = text, n_ids, False
+            if job.finished:
+                yield _event(_chunk(completion, job, None, None, finish_reason(job, target)))
+                if completion.include_usage:
+                    yield _event({**_head(completion, job, True), "choices": [],
+                                  "usage": _usage(job)})  # fmt: skip
+                yield _event("[DONE]")
+                done = True
+                return
+    except TimeoutError as exc:
+        yield _event({"error": OpenAIError(504, str(exc), kind="timeout").body()})
+    finally:
+        if not done:  # the client went away, or the wait ran out: the job is not wanted
+            _cancel(session, job_id)
+        session.close()
+
+
+def _answer(chat: bool):
+    completion = parse_request(chat)
+    job = _submit(completion)
+    if completion.stream:
+        job_id = job.id
+        app = current_app._get_current_object()
+        response = Response(stream_answer(app, completion, job_id), mimetype="text/event-stream")
+        response.headers["Cache-Control"] = "no-cache"
+        response.headers["X-Accel-Buffering"] = "no"
+        return response
+    session, config, job_id = get_session(), current_app.config, job.id
+    poll_s, wait_s = config["OPENAI_POLL_S"], config["OPENAI_WAIT_S"]
+    try:
+        *_, job = job_updates(session, job_id, poll_s, wait_s)  # to the end: the finished job
+    except TimeoutError as exc:
+        _cancel(session, job_id)
+        raise OpenAIError(504, str(exc), kind="timeout") from None
+    if job.status != "done":
+        raise _failure(job)
+    return jsonify(whole_answer(completion, job))
+
+
+@bp.post("/chat/completions")
+def chat_completions():
+    """A chat completion: the messages through the model's chat template."""
+    return _answer(chat=True)
+
+
+@bp.post("/completions")
+def completions():
+    """A completion of a raw prompt."""
+    return _answer(chat=False)
