@@ -37,10 +37,10 @@ from dataclasses import dataclass, replace
 import redis
 import torch
 
-from specpipe import inventory, streams, wire
+from specpipe import inventory, kvbudget, streams, wire
 from specpipe.ring import GapError, Request, Stage
 from specpipe.sampling import Sampler
-from specpipe.settings import TEST_LOSSY_TAIL_VAR, test_lossy_tail
+from specpipe.settings import TEST_LOSSY_TAIL_VAR, kv_budget_tokens, test_lossy_tail
 
 log = logging.getLogger("specpipe.stage")
 
@@ -82,7 +82,8 @@ class StageWorker:
         self.stage = stage
         self.config = config
         # The record says what this process does, whatever the caller built it with.
-        self.node = None if node is None else replace(node, test_lossy_tail=test_lossy_tail())
+        self.node = node and replace(node, test_lossy_tail=test_lossy_tail(),
+                                     kv_budget_tokens=kv_budget(stage))  # fmt: skip
         self.keys = wire.keyring(config.keys)
         self.stream = streams.stage_key(config.swarm, config.host)
         self.connections = streams.Connections()
@@ -509,6 +510,27 @@ class StageWorker:
         table.move_to_end(session)
         while len(table) > limit:
             table.popitem(last=False)
+
+
+def kv_budget(stage: Stage) -> int:
+    """The tokens of KV cache this stage holds across its sessions, as its record advertises:
+    `SPECPIPE_KV_BUDGET_TOKENS`, else a share of the memory available now (the GPU's free
+    memory on a GPU) over what one token of the stage's layers takes; 0 when neither is known."""
+    configured = kv_budget_tokens()
+    if configured is not None:
+        return configured
+    try:  # a model's stage (StageModel); another kind of stage has no budget unless configured
+        cfg, layers = stage.cfg, stage.end - stage.start
+        element = torch.empty((), dtype=stage.dtype).element_size()
+        per_token = kvbudget.bytes_per_token(layers, cfg.n_kv_heads, cfg.head_dim, element)
+        device = torch.device(stage.device)
+    except AttributeError:
+        return 0
+    if device.type == "cuda":
+        available = torch.cuda.mem_get_info(device)[0]
+    else:
+        available = kvbudget.available_memory_bytes()
+    return kvbudget.default_budget_tokens(per_token, available)
 
 
 def _sampler_class() -> type[Sampler]:
