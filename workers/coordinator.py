@@ -18,8 +18,11 @@ its `output_text` is cut just before the earliest occurrence, while `output_ids`
 count and tok/s that follow from them) keep every token committed up to and including that
 round, so a few ids past the stop may be stored.
 
-A job's `accepted_drafts` lists the drafts accepted in each round (0 … draft_k); tokens
-committed per round are those plus the target's own token (`Job.tokens_per_round`).
+A job's `draft_k` is the most drafts a round sends: each round's K is chosen from the
+session's recent acceptance and round times (`specpipe/draftlength.py`), so speculation never
+costs a job more than plain decoding would. Its `accepted_drafts` lists the drafts accepted in
+each round (0 … draft_k); tokens committed per round are those plus the target's own token
+(`Job.tokens_per_round`).
 """
 
 from __future__ import annotations
@@ -143,7 +146,8 @@ def run_job(
             prompt_ids,
             params,
             max_new_tokens=job.max_new_tokens,
-            draft_k=job.draft_k,
+            draft_k=job.draft_k,  # the most a round sends: each round's K is chosen
+            adaptive=True,
             eos_ids=eos,
             resume=resume,  # a re-run continues from what was stored
             should_stop=output.should_stop,
@@ -213,7 +217,7 @@ def _pending(session: Session, job_id: int) -> tuple[Job | None, str | None]:
 def _start_run(session: Session, job: Job, ring: Ring):
     """A generation run for `job`, its node snapshot cut down to the ring the job runs on."""
     hosts = [hop.host for hop in getattr(ring, "route", ())]
-    method = f"speculative, n-gram drafter, K={job.draft_k}" if job.draft_k else "plain"
+    method = f"speculative, n-gram drafter, adaptive K<={job.draft_k}" if job.draft_k else "plain"
     run = start_run(
         session, "generation", model=job.model, method=method,
         topology=" -> ".join(hosts) if hosts else None,
