@@ -268,3 +268,69 @@ def test_a_job_beyond_the_models_context_fails_at_once_in_the_coordinator(db_url
         f"the prompt is {PROMPT_TOKENS} tokens, and with max_new_tokens 40 the job needs "
         f"{PROMPT_TOKENS + 40} positions, beyond the model's context of {PROMPT_TOKENS + 39} tokens"
     )
+
+
+BUDGET = 100  # tokens of cache per stage in the swarm below: one job of 60 new tokens at a time
+
+
+@pytest.fixture(scope="module")
+def budget_swarm(tmp_path_factory, database_url):
+    """Two `specpipe worker stage` processes of the tiny checkpoint whose KV budget is BUDGET,
+    a coordinator process and a private Redis locked down as `specpipe up` runs it."""
+    import secrets
+    import uuid
+
+    from specpipe.redis_server import RedisServer
+    from tests.swarmprocs import Swarm, write_tiny_model
+
+    tiny = write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
+    with RedisServer(password=secrets.token_hex(16)) as server:
+        group = Swarm(server.url, f"t{uuid.uuid4().hex[:8]}", secrets.token_hex(16), tiny,
+                      DATABASE_URL=database_url, SPECPIPE_STALLED_S="2",
+                      SPECPIPE_KV_BUDGET_TOKENS=str(BUDGET))  # fmt: skip
+        try:
+            group.start_stage("s0", "0:2")
+            group.start_stage("s1", "2:4")
+            group.start_coordinator(log=tmp_path_factory.mktemp("logs") / "coordinator.log")
+            group.wait_stages(["s0", "s1"])
+            yield group
+        finally:
+            group.stop()
+
+
+def test_on_real_stages_a_job_waits_for_room_and_one_that_never_fits_fails(budget_swarm, db_url):
+    from specpipe import inventory
+    from specpipe.settings import job_limits
+    from workers.submission import Submitter
+
+    swarm = budget_swarm
+    client = redis.Redis.from_url(swarm.redis_url)
+    try:
+        nodes = inventory.load(client, swarm.swarm, swarm.key)
+        assert sorted(n.kv_budget_tokens for n in nodes) == [BUDGET, BUDGET]
+    finally:
+        client.close()
+    submitter = Submitter.connect(swarm.redis_url, str(swarm.model), job_limits())
+
+    def submit(**fields) -> int:
+        request = {"prompt": "hello world", "temp": 0.8, "top_p": 1.0, "seed": 3, **fields}
+        with make_session_factory(db_url)() as session:
+            return submitter.submit(session, submitter.check(request)).id
+
+    def finished(ids):
+        def check():
+            with make_session_factory(db_url)() as session:
+                jobs = [session.get(Job, i) for i in ids]
+            return jobs if all(j.finished for j in jobs) else None
+
+        return check
+
+    (huge,) = wait_until(finished([submit(max_new_tokens=BUDGET)]), 30, "the huge job to end")
+    assert huge.status == "failed" and huge.rounds == 0
+    assert "NeverFits" in huge.error and f"stage s0 ever holds ({BUDGET} tokens)" in huge.error
+    ids = [submit(max_new_tokens=60, seed=s) for s in (1, 2)]
+    first, second = wait_until(finished(ids), 120, "the two jobs to end")
+    assert (first.status, second.status) == ("done", "done"), (first.error, second.error)
+    # The second waited for the first's room: one ran after the other.
+    one, other = sorted((first, second), key=lambda j: j.started_at)
+    assert other.started_at >= one.finished_at
