@@ -18,7 +18,9 @@ an ack: nothing can make the stage crash or read it again.
 
 A session that sees no message for `session_idle_s` (its coordinator died, or went away without
 a drop) is forgotten at the next heartbeat: its caches are freed, and if its job comes back the
-coordinator gets a gap and replays. One process per stage: nothing is forked.
+coordinator gets a gap and replays. A stage whose caches hold more than its KV budget (its
+inventory record's `kv_budget_tokens`, `kv_budget`) forgets, at a heartbeat, the sessions idle
+longest among those idle for `OVER_BUDGET_IDLE_S`. One process per stage: nothing is forked.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ TIMING_WEIGHT = 0.1  # of the latest round in the running means of round timings
 MAX_SESSIONS = 4096  # sessions whose sampling parameters are kept
 MAX_SEQUENCES = 65536  # sessions whose last sequence number is remembered, dropped ones too
 KEY_RELOAD_S = 1.0  # an unknown key id reloads the keyring at most this often
+OVER_BUDGET_IDLE_S = 30.0  # over the KV budget, a session idle this long is forgotten
 COUNTERS = ("processed", "dropped", "replayed", "gaps", "errors")
 
 
@@ -82,8 +85,9 @@ class StageWorker:
         self.stage = stage
         self.config = config
         # The record says what this process does, whatever the caller built it with.
+        self.kv_budget_tokens = kv_budget(stage)
         self.node = node and replace(node, test_lossy_tail=test_lossy_tail(),
-                                     kv_budget_tokens=kv_budget(stage))  # fmt: skip
+                                     kv_budget_tokens=self.kv_budget_tokens)  # fmt: skip
         self.keys = wire.keyring(config.keys)
         self.stream = streams.stage_key(config.swarm, config.host)
         self.connections = streams.Connections()
@@ -142,6 +146,7 @@ class StageWorker:
             return
         self._next_heartbeat = now + self.config.heartbeat_s
         self.forget_idle_sessions(now)
+        self.keep_within_budget(now)
         self.reload_keys()
         try:
             if self.node is not None:
@@ -170,6 +175,29 @@ class StageWorker:
         if idle:
             log.info("%s: dropped %d idle session(s)", self.config.host, len(idle))
         return idle
+
+    def keep_within_budget(self, now: float | None = None) -> list[str]:
+        """While the caches hold more tokens than the budget, forget the session idle longest,
+        if it has been idle for `OVER_BUDGET_IDLE_S`: the room coordinators reserve ends with
+        their jobs (or their locks), but a cache lives on here until its drop, or until
+        `session_idle_s`. A session forgotten too early costs only a replay (a gap)."""
+        held_tokens = getattr(self.stage, "held_tokens", None)
+        if not self.kv_budget_tokens or held_tokens is None:
+            return []
+        held = held_tokens()
+        total = sum(held.values())
+        cutoff = (time.monotonic() if now is None else now) - OVER_BUDGET_IDLE_S
+        forgotten = []
+        for session in sorted(held, key=lambda s: self._last_used.get(s, 0.0)):
+            if total <= self.kv_budget_tokens or self._last_used.get(session, 0.0) > cutoff:
+                break
+            self._forget(session)
+            total -= held[session]
+            forgotten.append(session)
+        if forgotten:
+            log.info("%s: over the KV budget; dropped %d idle session(s)", self.config.host,
+                     len(forgotten))  # fmt: skip
+        return forgotten
 
     def _forget(self, session: str) -> None:
         self.stage.drop(session)

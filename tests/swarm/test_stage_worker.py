@@ -323,3 +323,32 @@ def test_a_session_dropped_in_the_middle_of_a_batch_leaves_the_others_exact(
     assert "s2" not in together.stage.sessions
     together.handle(round_of(together, "s2", (3,), 3, 0))
     assert [r.kind for r in replies(redis_url, swarm, key, "s2")] == ["result", "result", "gap"]
+
+
+def test_over_its_kv_budget_a_stage_forgets_the_sessions_idle_longest(
+    swarm, key, redis_url, tmp_path, monkeypatch
+):
+    from specpipe.model.resolve import open_checkpoint
+    from specpipe.model.stage import load_stage
+    from tests.swarmprocs import write_tiny_model
+
+    monkeypatch.setenv("SPECPIPE_KV_BUDGET_TOKENS", "12")
+    source = open_checkpoint(str(write_tiny_model(tmp_path / "tiny")))
+    config = WorkerConfig(host="t", swarm=swarm, keys=key, redis_url=redis_url)
+    worker = StageWorker(load_stage(source, 0, source.config.n_layers), config)
+    assert worker.kv_budget_tokens == 12
+    for session in ("old", "older", "new"):
+        deliver(worker, wire.Message(kind="reset", session=session, params=RESET))
+        message = round_message(redis_url, ["t"], tokens=(1, 2, 3, 4, 5))
+        worker.handle(signed(worker, replace(message, session=session)))
+    assert worker.stage.held_tokens() == {"old": 5, "older": 5, "new": 5}
+    now = time.monotonic()
+    worker._last_used.update(older=now - 100, old=now - 50, new=now - 1)
+    assert worker.keep_within_budget(now) == ["older"]  # 10 tokens left: within the budget
+    assert set(worker.stage.held_tokens()) == {"old", "new"}
+    worker._last_used.update(old=now - 1)
+    deliver(worker, wire.Message(kind="reset", session="more", params=RESET))
+    message = round_message(redis_url, ["t"], tokens=(1, 2, 3, 4, 5))
+    worker.handle(signed(worker, replace(message, session="more")))
+    # 15 tokens, but every session was busy a moment ago: none is forgotten.
+    assert worker.keep_within_budget(now) == []
