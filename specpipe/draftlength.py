@@ -24,7 +24,8 @@ Both sides are measured as the session runs:
   the drafts, so the proposal's leading matches are exactly the drafts that would have been
   accepted; a proposal longer than what was committed is censored there (successes counted, no
   failure), which keeps successes / (successes + failures) the estimate of `a` under that
-  model. Both counts decay by `ACCEPT_DECAY` each round, so the estimate follows the text.
+  model. Both counts (and the prior's pseudo-counts) decay by `ACCEPT_DECAY` with each scored
+  proposal, so the estimate follows the text; rounds without a proposal leave it as it is.
 - c0 and cd: a least-squares line through (drafts sent, round seconds) of the recent rounds
   (decaying by `COST_DECAY`), whose slope is pulled toward a prior of `PRIOR_DRAFT_SHARE` of a
   round per draft (a ridge) while the K sent has not varied enough to tell. Rounds that carry
@@ -37,12 +38,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-ACCEPT_DECAY = 0.9  # per round: the acceptance weighs roughly the last ten rounds
-COST_DECAY = 0.95  # per round: the cost line weighs roughly the last twenty
+ACCEPT_DECAY = 0.9  # per scored proposal: the acceptance weighs roughly the last ten
+COST_DECAY = 0.98  # per round: the cost line weighs roughly the last fifty
 PRIOR_ACCEPT = 0.5  # the acceptance believed before any proposal is scored
 PRIOR_ACCEPT_WEIGHT = 2.0  # worth that many scored drafts
 PRIOR_DRAFT_SHARE = 0.03  # a draft row's cost as a share of a round, before it is measured
-PRIOR_SLOPE_WEIGHT = 4.0  # worth that much spread in K (drafts squared times rounds)
+# Worth that much spread in K (drafts squared times rounds): two rounds of 8 drafts among rounds
+# of none. Round times are noisy on a shared machine, and a slope measured from one such round
+# would be mostly noise.
+PRIOR_SLOPE_WEIGHT = 128.0
 MARGIN = 0.02  # drafts must promise this much over plain decoding
 
 
@@ -112,9 +116,9 @@ class DraftLength:
         tokens the round `committed`, how many drafts were `sent` and the round's `seconds`.
         `steady` is False for a round that carried more than one committed token (the prefill,
         a replay), whose time says nothing of a draft's cost."""
-        self.successes *= ACCEPT_DECAY
-        self.failures *= ACCEPT_DECAY
         if proposal and committed:
+            self.successes *= ACCEPT_DECAY
+            self.failures *= ACCEPT_DECAY
             compared = min(len(proposal), len(committed))
             matched = 0
             while matched < compared and proposal[matched] == committed[matched]:
