@@ -11,11 +11,13 @@ two coordinators never both take the last room. A job that does not fit now wait
 job larger than the smallest budget on its route can never run and fails at once. A reservation
 is a field of the hash `specpipe:{swarm}:kv:{host}` naming its holder, a key that lives as long
 as the job runs (the job's lock): the job's end deletes it, and when a coordinator dies its lock
-lapses and the next reservation on that stage drops the orphan, so no room leaks.
+lapses and the next reservation on that stage drops the orphan, so no room leaks. While a job
+waits, the hash `specpipe:{swarm}:kv-waiting` says which stage is full (`Reservations.waiting`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,11 @@ from pathlib import Path
 import redis
 
 MEMORY_SHARE = 0.5  # of the memory available at start that a stage's caches may take
+
+
+def waiting_key(swarm: str) -> str:
+    """The hash of the jobs waiting for room: job name -> JSON of why, and who waits."""
+    return f"specpipe:{swarm}:kv-waiting"
 
 
 def reservations_key(swarm: str, host: str) -> str:
@@ -145,6 +152,31 @@ class Reservations:
         keys = [reservations_key(self.swarm, hop.host) for hop in route]
         if keys:
             self._release(keys=keys, args=[name, attempt])
+
+    def mark_waiting(self, name: str, holder: str, full: Full, need: int) -> None:
+        """Say that job `name` waits for room on `full.host` (while `holder` exists)."""
+        reason = {"host": full.host, "used": full.used, "budget": full.budget, "need": need,
+                  "holder": holder}  # fmt: skip
+        self.client.hset(waiting_key(self.swarm), name, json.dumps(reason))
+
+    def clear_waiting(self, name: str) -> None:
+        """Job `name` waits no more."""
+        self.client.hdel(waiting_key(self.swarm), name)
+
+    def waiting(self) -> dict[str, dict]:
+        """The jobs waiting for room now, by name: the stage that is full (`host`, `used`,
+        `budget`) and the tokens the job `need`s. A waiter whose holder is gone (its
+        coordinator died) is not listed."""
+        out = {}
+        for name, raw in self.client.hgetall(waiting_key(self.swarm)).items():
+            try:
+                reason = json.loads(raw)
+                holder = reason.pop("holder")
+            except (ValueError, KeyError, TypeError):
+                continue
+            if self.client.exists(holder):
+                out[name.decode()] = reason
+        return out
 
     def used(self, host: str) -> int:
         """The tokens reserved on `host` now, live holders only."""

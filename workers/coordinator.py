@@ -471,19 +471,24 @@ def room_keeper(
         route = list(getattr(ring, "route", ()))
         name, attempt = f"job-{job.id}", secrets.token_hex(4)
         waiting = False
-        while True:
-            full = reservations.reserve(route, name, need, holder, attempt)
-            if full is None:
-                return lambda: reservations.release(route, name, attempt)
-            if not waiting:
-                log.info("job %s waits for room: stage %s holds %d of %d tokens, it needs %d",
-                         job.id, full.host, full.used, full.budget, need)  # fmt: skip
-                waiting = True
-            session.refresh(job, ["cancel_requested"])
-            session.commit()  # no transaction stays open while it waits
-            if job.cancel_requested or not owned():
-                return None
-            time.sleep(poll_s)
+        try:
+            while True:
+                full = reservations.reserve(route, name, need, holder, attempt)
+                if full is None:
+                    return lambda: reservations.release(route, name, attempt)
+                if not waiting:
+                    log.info("job %s waits for room: stage %s holds %d of %d tokens, it needs "
+                             "%d", job.id, full.host, full.used, full.budget, need)  # fmt: skip
+                    reservations.mark_waiting(name, holder, full, need)
+                    waiting = True
+                session.refresh(job, ["cancel_requested"])
+                session.commit()  # no transaction stays open while it waits
+                if job.cancel_requested or not owned():
+                    return None
+                time.sleep(poll_s)
+        finally:
+            if waiting:
+                reservations.clear_waiting(name)
 
     return admit
 

@@ -106,6 +106,15 @@ def test_a_resumed_job_takes_over_its_own_room(client, swarm, holders):
     assert rooms.used("a") == 0
 
 
+def test_a_waiter_whose_coordinator_died_is_not_listed(client, swarm, holders):
+    rooms = Reservations(client, swarm)
+    alive, dead = holders("alive"), holders("dead")
+    rooms.mark_waiting("job-1", alive, Full("a", 90, 100), 20)
+    rooms.mark_waiting("job-2", dead, Full("b", 50, 60), 20)
+    client.delete(dead)
+    assert rooms.waiting() == {"job-1": {"host": "a", "used": 90, "budget": 100, "need": 20}}
+
+
 class RouteRing:
     """The toy ring with a route whose stages advertise a budget; rounds can be held up."""
 
@@ -178,6 +187,9 @@ def test_a_second_job_waits_queued_until_the_first_gives_back_its_room(
     time.sleep(0.5)
     assert load(db_url, second).status == "queued" and ring2.rounds == 0
     assert load(db_url, first).status == "running"
+    assert rooms.waiting() == {
+        f"job-{second}": {"host": "s0", "used": need, "budget": need + 5, "need": need}
+    }
     gate.set()
     t1.join(30)
     t2.join(30)
@@ -185,6 +197,7 @@ def test_a_second_job_waits_queued_until_the_first_gives_back_its_room(
     a, b = load(db_url, first), load(db_url, second)
     assert b.started_at >= a.finished_at
     assert (rooms.used("s0"), rooms.used("s1")) == (0, 0)
+    assert rooms.waiting() == {}
 
 
 @pytest.mark.parametrize("ending", ["done", "failed", "cancelled"])
@@ -246,9 +259,11 @@ def test_a_job_cancelled_while_it_waits_ends_cancelled_without_running(
     with make_session_factory(db_url)() as session:
         session.get(Job, job_id).request_cancel()
         session.commit()
+    assert list(rooms.waiting()) == [f"job-{job_id}"]
     thread.join(30)
     assert out["status"] == "cancelled" and ring.rounds == 0
     assert load(db_url, job_id).status == "cancelled"
+    assert rooms.waiting() == {}
 
 
 def test_a_job_beyond_the_models_context_fails_at_once_in_the_coordinator(db_url):
