@@ -1,5 +1,8 @@
 """The generation loop: draft, one round through the ring, the equality accept loop, commit.
 
+With `adaptive`, each round sends the number of drafts `specpipe/draftlength.py` expects to be
+fastest (at most `draft_k`); the committed tokens are the same whatever it sends.
+
 The same loop runs over a `LocalRing` (one process) and a `RedisRing` (the swarm). Positions
 are absolute: after a round the stages' caches hold every position sent; the next round starts
 at the first position whose cached token was not committed, and the stages truncate there
@@ -18,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from specpipe.drafting import NgramDrafter
+from specpipe.draftlength import DraftLength
 from specpipe.ring import GapError, Ring
 from specpipe.sampling import SamplingParams, TokenLogprob, committed_tokens
 
@@ -59,6 +63,7 @@ class Generation:
         *,
         max_new_tokens: int,
         draft_k: int = 4,
+        adaptive: bool = False,
         eos_ids: Iterable[int] = (),
         drafter: NgramDrafter | None = None,
         resume: Sequence[int] = (),
@@ -75,6 +80,8 @@ class Generation:
         self.n_prompt = len(prompt_ids)
         self.drafter = drafter or NgramDrafter()
         self.drafter.extend(self.tokens)
+        # With `adaptive`, draft_k is the most a round sends; each round's K is chosen.
+        self.draft_length = DraftLength(draft_k) if adaptive and draft_k else None
         # Sees the generated ids after each round (stop strings); the whole round stays committed.
         self.should_stop = should_stop
         self.stats = GenerationStats()
@@ -96,9 +103,18 @@ class Generation:
         try:
             while not self.finished and len(self.generated) < self.max_new_tokens:
                 budget = self.max_new_tokens - len(self.generated)
-                drafts = self.drafter.propose(min(self.draft_k, budget - 1))
-                result = self._round(self.tokens[cached:] + drafts, cached, drafts)
+                proposal = self.drafter.propose(min(self.draft_k, budget - 1))
+                drafts = proposal
+                if self.draft_length is not None:
+                    drafts = proposal[: self.draft_length.choose(len(proposal))]
+                send, replays = self.tokens[cached:] + drafts, self.stats.replays
+                round_started = time.perf_counter()
+                result = self._round(send, cached, drafts)
                 committed = committed_tokens(drafts, result)
+                if self.draft_length is not None:
+                    seconds = time.perf_counter() - round_started
+                    steady = len(send) == len(drafts) + 1 and self.stats.replays == replays
+                    self.draft_length.observe(proposal, committed, len(drafts), seconds, steady)
                 cached = len(self.tokens) + len(committed) - 1
                 for i, token in enumerate(committed):
                     if token in self.eos_ids:

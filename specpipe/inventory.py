@@ -75,6 +75,7 @@ class NodeInfo:
     software_version: str = __version__
     last_heartbeat: float = 0.0
     test_lossy_tail: bool = False  # TEST ONLY lossy sampling is on: the output is NOT lossless
+    kv_budget_tokens: int = 0  # tokens of KV cache across sessions (specpipe/kvbudget.py); 0: none
 
     @property
     def layers(self) -> str:

@@ -47,6 +47,7 @@ class JobTiming:
     tokens: list[int]
     first_token_s: float  # from its start to the end of its prefill round
     done_s: float  # from its start to its last round
+    rounds: int = 0
 
 
 def job_requests(n: int, seed: int) -> list[tuple[str, int]]:
@@ -55,17 +56,18 @@ def job_requests(n: int, seed: int) -> list[tuple[str, int]]:
 
 
 def run_job(ring, prompt_ids: Sequence[int], params: SamplingParams, draft_k: int,
-            max_new_tokens: int) -> JobTiming:  # fmt: skip
-    """One job to its end on `ring`, timed."""
+            max_new_tokens: int, adaptive: bool = False) -> JobTiming:  # fmt: skip
+    """One job to its end on `ring`, timed; `adaptive` chooses each round's K up to draft_k."""
     generation = Generation(ring, f"load-{uuid.uuid4().hex[:10]}", prompt_ids, params,
-                            max_new_tokens=max_new_tokens, draft_k=draft_k)  # fmt: skip
+                            max_new_tokens=max_new_tokens, draft_k=draft_k,
+                            adaptive=adaptive)  # fmt: skip
     started = time.perf_counter()
     first = None
     for _ in generation.rounds():
         first = first if first is not None else time.perf_counter() - started
     done = time.perf_counter() - started
     ring.drop(generation.session)
-    return JobTiming(generation.generated, first or done, done)
+    return JobTiming(generation.generated, first or done, done, generation.stats.rounds)
 
 
 def solo_tokens(model: str, requests: Sequence[tuple[str, int]], temp: float, top_p: float,
@@ -186,4 +188,88 @@ def _describe(row: dict) -> str:
         f"{row['done_s']['p95']:.2f} s; batch per stage {row['stage_batch_size']}; "
         f"identical to solo {row['identical_to_solo']}"
         + (f"; FAILED {len(row['failed'])}: {row['failed'][0]}" if row["failed"] else "")
+    )
+
+
+# The adaptive-K comparison: (name, draft_k, adaptive) of each way a job is run.
+def k_methods(fixed: Sequence[int], max_k: int) -> list[tuple[str, int, bool]]:
+    """Plain decoding, each fixed K, and the adaptive rule up to `max_k`."""
+    methods = [("plain", 0, False)]
+    methods += [(f"K={k}", k, False) for k in sorted(set(fixed)) if k > 0]
+    return methods + [(f"adaptive<={max_k}", max_k, True)]
+
+
+def adaptive_k(
+    model: str,
+    n_stages: int,
+    delays: Sequence[float],
+    fixed: Sequence[int],
+    max_k: int,
+    tokens: int,
+    temp: float,
+    top_p: float,
+    seed: int,
+    repeats: int,
+    log: Log,
+) -> dict:
+    """Adaptive K against plain and fixed K on grounded and novel prompts, one job at a time on
+    real stage processes at each link delay. The methods of a (prompt, seed) run back to back,
+    in an order that rotates, so a machine's drift touches them alike. Per (delay, kind,
+    method): tok/s as all its jobs' tokens over all their time, and the ratios to plain and to
+    the best fixed K; every method's tokens must equal plain's (the same seed)."""
+    from specpipe.ringbench import GROUNDED_PROMPT, NOVEL_PROMPT
+
+    target = open_target(model)
+    methods = k_methods(fixed, max_k)
+    prompts = {"grounded": target.prompt_ids(GROUNDED_PROMPT),
+               "novel": target.prompt_ids(NOVEL_PROMPT)}  # fmt: skip
+    rows, exact = [], True
+    for delay in delays:
+        totals = {(kind, name): [0, 0.0, 0] for kind in prompts for name, _, _ in methods}
+        with LocalSwarm(model, n_stages, link_delay_ms=delay) as swarm:
+            ring = swarm.ring()
+            try:
+                for r in range(repeats):
+                    for kind, prompt_ids in prompts.items():
+                        params = SamplingParams(temp=temp, top_p=top_p, seed=seed + r)
+                        order = methods[r % len(methods) :] + methods[: r % len(methods)]
+                        outputs = {}
+                        for name, k, adaptive in order:
+                            ring.reset("adaptive-k", params)
+                            timing = run_job(ring, prompt_ids, params, k, tokens, adaptive)
+                            outputs[name] = timing.tokens
+                            totals[(kind, name)][0] += len(timing.tokens)
+                            totals[(kind, name)][1] += timing.done_s
+                            totals[(kind, name)][2] += timing.rounds
+                        same = all(t == outputs["plain"] for t in outputs.values())
+                        exact = exact and same
+                        log(f"delay {delay:g} ms, {kind}, seed {seed + r}: "
+                            f"identical to plain {same}")  # fmt: skip
+            finally:
+                ring.close()
+        for kind in prompts:
+            rates = {name: totals[(kind, name)][0] / totals[(kind, name)][1]
+                     for name, _, _ in methods}  # fmt: skip
+            per_round = {name: totals[(kind, name)][0] / max(totals[(kind, name)][2], 1)
+                         for name, _, _ in methods}  # fmt: skip
+            plain = rates["plain"]
+            best_fixed = max(v for name, v in rates.items() if name.startswith("K="))
+            adaptive = rates[methods[-1][0]]
+            row = {"hop_delay_ms": delay, "kind": kind, "tok_s": rates,
+                   "tokens_per_round": per_round,
+                   "vs_plain": {name: v / plain for name, v in rates.items()},
+                   "adaptive_vs_best_fixed": adaptive / best_fixed}  # fmt: skip
+            rows.append(row)
+            log(_describe_k(row))
+    return {"model": target.name, "stages": n_stages, "tokens": tokens, "temp": temp,
+            "repeats": repeats, "identical_to_plain": exact, "runs": rows}  # fmt: skip
+
+
+def _describe_k(row: dict) -> str:
+    rates = ", ".join(f"{name} {v:.2f}" for name, v in row["tok_s"].items())
+    ratios = ", ".join(f"{name} {v:.2f}x" for name, v in row["vs_plain"].items() if name != "plain")
+    return (
+        f"delay {row['hop_delay_ms']:g} ms, {row['kind']}: tok/s {rates}; vs plain {ratios}; "
+        f"adaptive vs best fixed {row['adaptive_vs_best_fixed']:.2f}x; tokens per round "
+        + ", ".join(f"{name} {v:.2f}" for name, v in row["tokens_per_round"].items())
     )

@@ -175,6 +175,13 @@ def max_sessions() -> int:
     return _env_int("SPECPIPE_MAX_SESSIONS", 8)
 
 
+def kv_budget_tokens() -> int | None:
+    """`SPECPIPE_KV_BUDGET_TOKENS`: the tokens of KV cache a stage holds across its sessions;
+    unset, a stage takes a share of the memory available when it starts."""
+    value = _env_int("SPECPIPE_KV_BUDGET_TOKENS", 0)
+    return value or None
+
+
 def stalled_after_s() -> float:
     """`SPECPIPE_STALLED_S` (10): the lifetime of a job's lock, refreshed while its coordinator
     lives; a running job without progress or lock for that long is resumed elsewhere."""

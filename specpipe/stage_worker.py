@@ -19,7 +19,9 @@ an ack: nothing can make the stage crash or read it again.
 
 A session that sees no message for `session_idle_s` (its coordinator died, or went away without
 a drop) is forgotten at the next heartbeat: its caches are freed, and if its job comes back the
-coordinator gets a gap and replays. One process per stage: nothing is forked.
+coordinator gets a gap and replays. A stage whose caches hold more than its KV budget (its
+inventory record's `kv_budget_tokens`, `kv_budget`) forgets, at a heartbeat, the sessions idle
+longest among those idle for `OVER_BUDGET_IDLE_S`. One process per stage: nothing is forked.
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ from dataclasses import dataclass, replace
 import redis
 import torch
 
-from specpipe import inventory, streams, wire
+from specpipe import inventory, kvbudget, streams, wire
 from specpipe.ring import GapError, Request, Stage
 from specpipe.sampling import Sampler
-from specpipe.settings import TEST_LOSSY_TAIL_VAR, test_lossy_tail
+from specpipe.settings import TEST_LOSSY_TAIL_VAR, kv_budget_tokens, test_lossy_tail
 
 log = logging.getLogger("specpipe.stage")
 
@@ -49,6 +51,7 @@ TIMING_WEIGHT = 0.1  # of the latest round in the running means of round timings
 MAX_SESSIONS = 4096  # sessions whose sampling parameters are kept
 MAX_SEQUENCES = 65536  # sessions whose last sequence number is remembered, dropped ones too
 KEY_RELOAD_S = 1.0  # an unknown key id reloads the keyring at most this often
+OVER_BUDGET_IDLE_S = 30.0  # over the KV budget, a session idle this long is forgotten
 # `processed` counts rounds, `forwards` the forwards they ran in (a batch of rounds is one), so
 # processed / forwards over an interval is its mean batch size.
 COUNTERS = ("processed", "forwards", "dropped", "replayed", "gaps", "errors")
@@ -85,7 +88,9 @@ class StageWorker:
         self.stage = stage
         self.config = config
         # The record says what this process does, whatever the caller built it with.
-        self.node = None if node is None else replace(node, test_lossy_tail=test_lossy_tail())
+        self.kv_budget_tokens = kv_budget(stage)
+        self.node = node and replace(node, test_lossy_tail=test_lossy_tail(),
+                                     kv_budget_tokens=self.kv_budget_tokens)  # fmt: skip
         self.keys = wire.keyring(config.keys)
         self.stream = streams.stage_key(config.swarm, config.host)
         self.connections = streams.Connections()
@@ -144,6 +149,7 @@ class StageWorker:
             return
         self._next_heartbeat = now + self.config.heartbeat_s
         self.forget_idle_sessions(now)
+        self.keep_within_budget(now)
         self.reload_keys()
         try:
             if self.node is not None:
@@ -172,6 +178,29 @@ class StageWorker:
         if idle:
             log.info("%s: dropped %d idle session(s)", self.config.host, len(idle))
         return idle
+
+    def keep_within_budget(self, now: float | None = None) -> list[str]:
+        """While the caches hold more tokens than the budget, forget the session idle longest,
+        if it has been idle for `OVER_BUDGET_IDLE_S`: the room coordinators reserve ends with
+        their jobs (or their locks), but a cache lives on here until its drop, or until
+        `session_idle_s`. A session forgotten too early costs only a replay (a gap)."""
+        held_tokens = getattr(self.stage, "held_tokens", None)
+        if not self.kv_budget_tokens or held_tokens is None:
+            return []
+        held = held_tokens()
+        total = sum(held.values())
+        cutoff = (time.monotonic() if now is None else now) - OVER_BUDGET_IDLE_S
+        forgotten = []
+        for session in sorted(held, key=lambda s: self._last_used.get(s, 0.0)):
+            if total <= self.kv_budget_tokens or self._last_used.get(session, 0.0) > cutoff:
+                break
+            self._forget(session)
+            total -= held[session]
+            forgotten.append(session)
+        if forgotten:
+            log.info("%s: over the KV budget; dropped %d idle session(s)", self.config.host,
+                     len(forgotten))  # fmt: skip
+        return forgotten
 
     def _forget(self, session: str) -> None:
         self.stage.drop(session)
@@ -517,6 +546,27 @@ class StageWorker:
         table.move_to_end(session)
         while len(table) > limit:
             table.popitem(last=False)
+
+
+def kv_budget(stage: Stage) -> int:
+    """The tokens of KV cache this stage holds across its sessions, as its record advertises:
+    `SPECPIPE_KV_BUDGET_TOKENS`, else a share of the memory available now (the GPU's free
+    memory on a GPU) over what one token of the stage's layers takes; 0 when neither is known."""
+    configured = kv_budget_tokens()
+    if configured is not None:
+        return configured
+    try:  # a model's stage (StageModel); another kind of stage has no budget unless configured
+        cfg, layers = stage.cfg, stage.end - stage.start
+        element = torch.empty((), dtype=stage.dtype).element_size()
+        per_token = kvbudget.bytes_per_token(layers, cfg.n_kv_heads, cfg.head_dim, element)
+        device = torch.device(stage.device)
+    except AttributeError:
+        return 0
+    if device.type == "cuda":
+        available = torch.cuda.mem_get_info(device)[0]
+    else:
+        available = kvbudget.available_memory_bytes()
+    return kvbudget.default_budget_tokens(per_token, available)
 
 
 def _sampler_class() -> type[Sampler]:

@@ -30,6 +30,7 @@ class Target:
     quant: str = "none"
     # a chat's messages through the chat template (ModelError when the model has none)
     chat_ids: Callable[[list[dict]], list[int]] | None = None
+    context_length: int = 0  # positions the model attends over; 0 when unknown
     # (n_stages, **options) -> the model as n_stages stages in this process
     load_stages: Callable[..., Sequence[Stage]] | None = field(default=None, repr=False)
 
@@ -83,8 +84,24 @@ def _open_checkpoint(name: str) -> Target:
         decode=tokenizer.decode,
         eos_ids=tuple(sorted(eos)),
         quant=_quant(checkpoint),
+        context_length=int(checkpoint.config.max_position_embeddings or 0),
         load_stages=lambda n, **options: load_stages(name, n, **options),
     )
+
+
+def context_error(target: Target, prompt_tokens: int, max_new_tokens: int) -> str | None:
+    """Why a job of `prompt_tokens` and `max_new_tokens` cannot run on `target`, or None.
+
+    The stages' caches hold at most prompt + max_new_tokens - 1 positions: a round's drafts never
+    reach past the token budget, so the draft length adds nothing."""
+    need = prompt_tokens + max_new_tokens
+    if target.context_length and need > target.context_length:
+        return (
+            f"the prompt is {prompt_tokens} tokens, and with max_new_tokens {max_new_tokens} "
+            f"the job needs {need} positions, beyond the model's context of "
+            f"{target.context_length} tokens"
+        )
+    return None
 
 
 def _quant(checkpoint) -> str:

@@ -18,8 +18,11 @@ its `output_text` is cut just before the earliest occurrence, while `output_ids`
 count and tok/s that follow from them) keep every token committed up to and including that
 round, so a few ids past the stop may be stored.
 
-A job's `accepted_drafts` lists the drafts accepted in each round (0 … draft_k); tokens
-committed per round are those plus the target's own token (`Job.tokens_per_round`).
+A job's `draft_k` is the most drafts a round sends: each round's K is chosen from the
+session's recent acceptance and round times (`specpipe/draftlength.py`), so speculation never
+costs a job more than plain decoding would. Its `accepted_drafts` lists the drafts accepted in
+each round (0 … draft_k); tokens committed per round are those plus the target's own token
+(`Job.tokens_per_round`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import base64
 import json
 import logging
 import secrets
+import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Protocol
@@ -45,13 +49,14 @@ from models.runs import start_run
 from specpipe import inventory
 from specpipe.generation import Generation
 from specpipe.inventory import RouteError
+from specpipe.kvbudget import Reservations
 from specpipe.redact import one_line_reason, redact_url
 from specpipe.redis_ring import RedisRing, RingError
 from specpipe.ring import GapError, Ring
 from specpipe.sampling import SamplingParams, TokenLogprob
 from specpipe.settings import Settings, default_model, stalled_after_s
 from specpipe.stopping import GenerationText
-from specpipe.target import open_target
+from specpipe.target import Target, context_error, open_target
 from workers.celery_app import DbTask
 from workers.locks import LockKeeper
 from workers.names import COORDINATOR_QUEUE, GENERATE_TASK, RESUME_STALLED_TASK
@@ -60,11 +65,17 @@ from workers.turns import fair_order
 
 log = logging.getLogger("specpipe.coordinator")
 
+ROOM_POLL_S = 0.2  # how often a job waiting for its stages' room asks again
 QUEUED_GRACE_S = 30.0  # a queued job younger than this may still be on its way to the broker
 UNACKED_KEY = "unacked"  # where Celery's Redis transport keeps delivered, unacked messages
 # A job is started at most this often: a coordinator that dies on it every time (a crash it
 # triggers, a machine that keeps going away) does not make it run forever.
 MAX_ATTEMPTS = 3
+
+
+# (job, its ring, the tokens of cache it needs) -> a callable giving the room back, once the job
+# may start; None when it must not start (cancelled while waiting, or its lock was lost).
+Admit = Callable[[Job, Ring, int], Callable[[], None] | None]
 
 
 class Codec(Protocol):
@@ -82,11 +93,14 @@ def run_job(
     codec: Codec,
     eos_ids: Iterable[int] = (),
     keep_alive: Callable[[], bool] | None = None,
+    admit: Admit | None = None,
 ) -> str | None:
     """Run (or resume) one job to its end and return its status; None when there is no job.
 
     `keep_alive` is called every round (it refreshes the job's lock); when it returns False
-    another coordinator owns the job, and this one stops without touching it further."""
+    another coordinator owns the job, and this one stops without touching it further.
+    `admit` (see `Admit`) waits, the job still queued, until its stages have room for its
+    cache; the room goes back when the job ends, however it ends."""
     eos = set(eos_ids)
     job, outcome = _pending(session, job_id)
     if job is None:
@@ -96,20 +110,29 @@ def run_job(
     if job.attempts >= MAX_ATTEMPTS:
         reason = f"gave up after {job.attempts} attempts: its coordinator stopped each time"
         return _finish(session, job, "failed", reason)
-    job.status, job.error, job.attempts = "running", None, job.attempts + 1
-    job.started_at = job.started_at or utcnow()
-    session.commit()
 
     # A name of its own per attempt: rounds a dead coordinator left in flight may still reach
     # the stages after this attempt's reset, and must not write into this attempt's caches.
     ring_session = f"job-{job.id}-{secrets.token_hex(4)}"
     ring = None
+    release: Callable[[], None] | None = None
     try:
         ring = make_ring(job)
+        prompt_ids = job_prompt_ids(codec, job)
+        reason = context_error_of(codec, len(prompt_ids), job.max_new_tokens)
+        if reason is not None:
+            return _finish(session, job, "failed", reason)
+        if admit is not None:
+            release = admit(job, ring, len(prompt_ids) + job.max_new_tokens)
+            if release is None:  # cancelled while it waited, or another coordinator has it
+                session.refresh(job, ["cancel_requested", "status"])
+                return _finish(session, job, "cancelled") if job.cancel_requested else job.status
+        job.status, job.error, job.attempts = "running", None, job.attempts + 1
+        job.started_at = job.started_at or utcnow()
+        session.commit()
         if job.run is None:
             job.run = _start_run(session, job, ring)
             session.commit()
-        prompt_ids = job_prompt_ids(codec, job)
         job.prompt_tokens = len(prompt_ids)
         params = SamplingParams(temp=job.temp, top_p=job.top_p, top_k=job.top_k, seed=job.seed,
                                 logprobs=job.logprobs)  # fmt: skip
@@ -126,7 +149,8 @@ def run_job(
             prompt_ids,
             params,
             max_new_tokens=job.max_new_tokens,
-            draft_k=job.draft_k,
+            draft_k=job.draft_k,  # the most a round sends: each round's K is chosen
+            adaptive=True,
             eos_ids=eos,
             resume=resume,  # a re-run continues from what was stored
             should_stop=output.should_stop,
@@ -166,6 +190,22 @@ def run_job(
     finally:
         if ring is not None:
             _drop_quietly(ring, ring_session)
+        if release is not None:
+            _release_quietly(release)
+
+
+def context_error_of(codec: Codec, prompt_tokens: int, max_new_tokens: int) -> str | None:
+    """Why the job cannot fit the model's context (when the codec is a Target that knows it)."""
+    if not isinstance(codec, Target):
+        return None
+    return context_error(codec, prompt_tokens, max_new_tokens)
+
+
+def _release_quietly(release: Callable[[], None]) -> None:
+    try:
+        release()
+    except redis.RedisError as exc:  # the room comes back anyway once the job's lock lapses
+        log.warning("could not give back a job's KV room: %s", exc)
 
 
 def job_prompt_ids(codec: Codec, job: Job) -> list[int]:
@@ -203,7 +243,7 @@ def _pending(session: Session, job_id: int) -> tuple[Job | None, str | None]:
 def _start_run(session: Session, job: Job, ring: Ring):
     """A generation run for `job`, its node snapshot cut down to the ring the job runs on."""
     hosts = [hop.host for hop in getattr(ring, "route", ())]
-    method = f"speculative, n-gram drafter, K={job.draft_k}" if job.draft_k else "plain"
+    method = f"speculative, n-gram drafter, adaptive K<={job.draft_k}" if job.draft_k else "plain"
     run = start_run(
         session, "generation", model=job.model, method=method,
         topology=" -> ".join(hosts) if hosts else None,
@@ -385,7 +425,7 @@ def _lock_first(client: redis.Redis, swarm: str, job_ids: list[int]):
 
 
 def _run_locked(session: Session, job: Job, settings: Settings, keeper: LockKeeper) -> str | None:
-    """Run `job`, whose lock `keeper` holds."""
+    """Run `job`, whose lock `keeper` holds, once its stages have room for it."""
     try:
         target = open_target(job.model)
     except ValueError as exc:
@@ -401,7 +441,51 @@ def _run_locked(session: Session, job: Job, settings: Settings, keeper: LockKeep
     def make_ring(_job: Job) -> CheckedRing:
         return CheckedRing(build_ring, lambda: served_layers(settings))
 
-    return run_job(session, job.id, make_ring, target, target.eos_ids, keeper.owned)
+    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=5)
+    admit = room_keeper(session, Reservations(client, settings.swarm),
+                        lock_key(settings.swarm, job.id), keeper.owned)  # fmt: skip
+    try:
+        return run_job(session, job.id, make_ring, target, target.eos_ids, keeper.owned, admit)
+    finally:
+        client.close()
+
+
+def room_keeper(
+    session: Session,
+    reservations: Reservations,
+    holder: str,
+    owned: Callable[[], bool],
+    poll_s: float = ROOM_POLL_S,
+) -> Admit:
+    """An `Admit` that reserves a job's cache on its route's stages, waiting while they are
+    full (the job stays queued; a cancel request or a lost lock ends the wait). The reservation
+    lives while the key `holder` (the job's lock) does. A job that no stage of its route could
+    ever hold raises NeverFits, which fails it with the reason."""
+
+    def admit(job: Job, ring: Ring, need: int) -> Callable[[], None] | None:
+        route = list(getattr(ring, "route", ()))
+        name, attempt = f"job-{job.id}", secrets.token_hex(4)
+        waiting = False
+        try:
+            while True:
+                full = reservations.reserve(route, name, need, holder, attempt)
+                if full is None:
+                    return lambda: reservations.release(route, name, attempt)
+                if not waiting:
+                    log.info("job %s waits for room: stage %s holds %d of %d tokens, it needs "
+                             "%d", job.id, full.host, full.used, full.budget, need)  # fmt: skip
+                    reservations.mark_waiting(name, holder, full, need)
+                    waiting = True
+                session.refresh(job, ["cancel_requested"])
+                session.commit()  # no transaction stays open while it waits
+                if job.cancel_requested or not owned():
+                    return None
+                time.sleep(poll_s)
+        finally:
+            if waiting:
+                reservations.clear_waiting(name)
+
+    return admit
 
 
 @shared_task(name=RESUME_STALLED_TASK, bind=True, base=DbTask, ignore_result=True)

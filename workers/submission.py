@@ -13,6 +13,12 @@ exactly.
 Every job has an owner: the user who submitted it (the built-in admin when none is given, as for
 `specpipe generate`). A user with `JobLimits.max_active_jobs` jobs queued or running gets
 TooManyActiveJobs instead of another.
+
+A job whose prompt tokens plus `max_new_tokens` pass the model's context length is refused
+(a `max_new_tokens` field error). Counting the prompt's tokens needs the model's tokenizer,
+opened once per process with `open_target` (its tokenizer and configuration, never its
+weights); where the model cannot be opened here, the coordinator makes the same check and fails
+the job at once with the reason.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import logging
 import math
 import re
 import secrets
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -34,6 +41,7 @@ from models.jobs import ACTIVE_STATUSES, Job
 from models.users import User, builtin_admin
 from specpipe.settings import JOB_DEFAULTS, JobLimits
 from specpipe.stopping import check_stop_strings
+from specpipe.target import Target, context_error, open_target
 from workers.names import COORDINATOR_QUEUE, GENERATE_TASK
 
 log = logging.getLogger(__name__)
@@ -101,7 +109,19 @@ class Submitter:
         """Clean values for `raw`; raises JobRequestError listing every bad field.
 
         `from_text` accepts form strings for the numbers, and stop strings one per line."""
-        return parse_job_request(raw, self.limits, from_text)
+        return self.check_context(parse_job_request(raw, self.limits, from_text))
+
+    def check_context(self, params: dict) -> dict:
+        """`params` when the prompt's tokens and `max_new_tokens` fit the model's context;
+        else JobRequestError on `max_new_tokens`."""
+        target = _target_here(self.model)
+        if target is not None:
+            reason = context_error(
+                target, len(target.prompt_ids(params["prompt"])), params["max_new_tokens"]
+            )
+            if reason is not None:
+                raise JobRequestError({"max_new_tokens": reason})
+        return params
 
     def submit(
         self, session: Session, params: Mapping[str, object], owner: User | None = None
@@ -172,6 +192,23 @@ class Submitter:
             retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.5},
         )
         return result.id
+
+
+_TARGETS: dict[str, Target | None] = {}
+_TARGETS_LOCK = threading.Lock()
+
+
+def _target_here(model: str) -> Target | None:
+    """The model's tokenizer and context length in this process, None where it cannot be
+    opened (the coordinator checks the context then); tried once per model and process."""
+    with _TARGETS_LOCK:
+        if model not in _TARGETS:
+            try:
+                _TARGETS[model] = open_target(model)
+            except Exception as exc:  # a missing or broken model is the coordinator's to report
+                log.info("cannot open model %r to check prompts' length here: %s", model, exc)
+                _TARGETS[model] = None
+        return _TARGETS[model]
 
 
 def rerun_params(job: Job) -> dict:

@@ -211,6 +211,48 @@ def bench_load(model, stages, counts, delays, tokens, temp, top_p, draft_k, seed
         raise click.ClickException("a loaded job's tokens differ from its solo run")
 
 
+@bench.command(name="adaptive-k")
+@click.option("--model", default="default", show_default=True, help="Model to serve.")
+@click.option("--stages", type=click.IntRange(1, 16), default=4, show_default=True,
+              help="Stage processes.")  # fmt: skip
+@click.option("--hop-delay-ms", "delays", type=click.FloatRange(0, 10_000), multiple=True,
+              default=(0.0, 25.0), show_default=True,
+              help="Simulated one-way latency per hop; repeat for several.")  # fmt: skip
+@click.option("--k", "fixed", type=click.IntRange(1, 64), multiple=True, default=(2, 4, 8),
+              show_default=True,
+              help="Fixed draft lengths to compare; repeat for several.")  # fmt: skip
+@click.option("--max-k", type=click.IntRange(1, 64), default=8, show_default=True,
+              help="The adaptive rule's largest K (a job's draft_k).")  # fmt: skip
+@click.option("--tokens", type=click.IntRange(4, 4096), default=64, show_default=True,
+              help="New tokens per job.")  # fmt: skip
+@click.option("--temp", type=click.FloatRange(min=0), default=0.7, show_default=True)
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95,
+              show_default=True)  # fmt: skip
+@click.option("--seed", type=click.IntRange(0, 2**63), default=1, show_default=True)
+@click.option("--repeats", type=click.IntRange(1, 50), default=2, show_default=True,
+              help="Seeds per prompt; each runs every method.")  # fmt: skip
+@json_option
+@_model_errors
+def bench_adaptive_k(model, stages, delays, fixed, max_k, tokens, temp, top_p, seed, repeats,
+                     json_path):  # fmt: skip
+    """Adaptive draft length against plain decoding and fixed K, on a grounded and a novel
+    prompt, at each hop delay: tok/s and the ratios, measured side by side in one run, and
+    every method's tokens against plain's.
+
+    Example:
+
+        specpipe bench adaptive-k --hop-delay-ms 0 --hop-delay-ms 25 --k 2 --k 4 --k 8
+    """
+    from specpipe import loadbench
+
+    click.echo(f"bench adaptive-k: {model}, {stages} stages, {tokens} tokens per job, temp {temp}")
+    result = loadbench.adaptive_k(model, stages, delays, fixed, max_k, tokens, temp, top_p,
+                                  seed, repeats, click.echo)  # fmt: skip
+    write_json(json_path, result)
+    if not result["identical_to_plain"]:
+        raise click.ClickException("a method's tokens differ from plain decoding's")
+
+
 @bench.command(name="exact")
 @click.option("--model", default="default", show_default=True, help="Model to serve.")
 @click.option("--stages", type=click.IntRange(1, 16), default=4, show_default=True)

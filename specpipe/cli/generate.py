@@ -276,6 +276,7 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
     config = settings.Settings.from_env()
     url, swarm = config.redis_url, config.swarm
     submitter = Submitter.connect(url, model or settings.default_model(), settings.job_limits())
+    request = checked_request(request, submitter.check_context)
     hint = "start one with `specpipe up`, or set REDIS_URL"
     client = redis.Redis.from_url(url, socket_connect_timeout=3)
     try:
@@ -327,12 +328,15 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
     return job_id, outcome
 
 
-def checked_request(request: dict) -> dict:
-    """The request checked against the job limits the web app and the API apply."""
+def checked_request(request: dict, check=None) -> dict:
+    """The request checked against the job limits the web app and the API apply (or by
+    `check`, a submitter's further check of checked values)."""
     from specpipe.settings import job_limits
     from workers.submission import JobRequestError, parse_job_request
 
     try:
+        if check is not None:
+            return check(request)
         return parse_job_request(request, job_limits(), from_text=False)
     except JobRequestError as exc:
         problems = [f"{_option(name)} {reason}" for name, reason in exc.errors.items()]

@@ -101,6 +101,10 @@ def worker_stage(
         raise click.ClickException(
             "no swarm key: set SPECPIPE_SWARM_KEY (or run `specpipe up`, which keeps one)"
         )
+    try:
+        settings.kv_budget_tokens()
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     redis_url = redis_url or settings.redis_url()
     for url in {redis_url, registry_url or redis_url}:
         _check_reachable(url, "Redis")

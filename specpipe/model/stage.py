@@ -172,6 +172,10 @@ class StageModel(nn.Module):
         """Forget a session's cache."""
         self.sessions.pop(session, None)
 
+    def held_tokens(self) -> dict[str, int]:
+        """The positions each session's cache holds now."""
+        return {name: cache.length for name, cache in self.sessions.items()}
+
 
 def check_range(cfg: ModelConfig, start: int, end: int, source: str) -> None:
     """Raise ModelError unless 0 <= start < end <= n_layers."""

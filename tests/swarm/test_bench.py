@@ -128,3 +128,37 @@ def test_load_runs_are_checked_against_solo_runs(tiny, monkeypatch):
             "--hop-delay-ms", "0", "--tokens", "8"]  # fmt: skip
     result = CliRunner().invoke(cli, args)
     assert result.exit_code != 0 and "differ from its solo run" in result.output
+
+
+def test_bench_adaptive_k_compares_the_methods_side_by_side(tiny, tmp_path):
+    out = tmp_path / "adaptive.json"
+    args = ["bench", "adaptive-k", "--model", str(tiny), "--stages", "2", "--hop-delay-ms", "0",
+            "--k", "2", "--max-k", "4", "--tokens", "12", "--repeats", "1",
+            "--json", str(out)]  # fmt: skip
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["identical_to_plain"] is True
+    assert [(r["hop_delay_ms"], r["kind"]) for r in doc["runs"]] == [(0, "grounded"), (0, "novel")]
+    for row in doc["runs"]:
+        assert set(row["tok_s"]) == {"plain", "K=2", "adaptive<=4"}
+        assert row["vs_plain"]["plain"] == 1.0 and row["tok_s"]["adaptive<=4"] > 0
+        assert row["adaptive_vs_best_fixed"] == row["tok_s"]["adaptive<=4"] / row["tok_s"]["K=2"]
+
+
+def test_bench_adaptive_k_fails_when_a_method_commits_other_tokens(tiny, monkeypatch):
+    from specpipe import loadbench
+
+    real = loadbench.run_job
+
+    def wrong_when_adaptive(*args, **kwargs):  # a broken method: the check must notice
+        timing = real(*args, **kwargs)
+        if args[-1] is True:
+            timing.tokens = [*timing.tokens[:-1], timing.tokens[-1] + 1]
+        return timing
+
+    monkeypatch.setattr(loadbench, "run_job", wrong_when_adaptive)
+    args = ["bench", "adaptive-k", "--model", str(tiny), "--stages", "2", "--hop-delay-ms", "0",
+            "--k", "2", "--max-k", "4", "--tokens", "8", "--repeats", "1"]  # fmt: skip
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code != 0 and "differ from plain decoding's" in result.output

@@ -277,3 +277,80 @@ def test_rounds_of_several_sessions_in_one_read_run_as_one_forward(swarm, key, r
     assert together.timings["batch_size"] == 3 and alone.timings["batch_size"] == 1
     assert (together.counters["processed"], together.counters["forwards"]) == (3, 1)
     assert (alone.counters["processed"], alone.counters["forwards"]) == (3, 3)
+
+
+def test_a_session_dropped_in_the_middle_of_a_batch_leaves_the_others_exact(
+    swarm, key, redis_url, tmp_path
+):
+    """A job cancelled while others' rounds share its read: its drop splits the batch, the
+    others' answers are the ones they get alone, and its cache is gone (a later round: gap)."""
+    from specpipe.model.resolve import open_checkpoint
+    from specpipe.model.stage import load_stage
+    from tests.swarmprocs import write_tiny_model
+
+    source = open_checkpoint(str(write_tiny_model(tmp_path / "tiny")))
+
+    def tail(host: str) -> StageWorker:
+        config = WorkerConfig(host=host, swarm=swarm, keys=key, redis_url=redis_url)
+        return StageWorker(load_stage(source, 0, source.config.n_layers), config)
+
+    together, alone = tail("t"), tail("u")
+    prompts = {"s1": (1, 2, 3, 4, 5), "s2": (7, 8), "s3": (9, 10, 11, 12)}
+    steps = {"s1": (6, 7, 8), "s2": (9,), "s3": (13, 14)}  # each with its drafts after the first
+
+    def round_of(worker, session, tokens, start_pos, n_draft):
+        message = round_message(redis_url, [worker.config.host], tokens=tokens, n_draft=n_draft,
+                                start_pos=start_pos)  # fmt: skip
+        return signed(worker, replace(message, session=session))
+
+    def drop(worker, session):
+        return signed(worker, wire.Message(kind="drop", session=session))
+
+    for worker in (together, alone):
+        for session in prompts:
+            deliver(worker, wire.Message(kind="reset", session=session, params=RESET))
+    together.handle_many([round_of(together, s, p, 0, 0) for s, p in prompts.items()])
+    together.handle_many([
+        round_of(together, "s1", steps["s1"], 5, 2),
+        round_of(together, "s2", steps["s2"], 2, 0),
+        drop(together, "s2"),  # its job was cancelled
+        round_of(together, "s3", steps["s3"], 4, 1),
+    ])  # fmt: skip
+    for session in ("s1", "s3"):
+        alone.handle(round_of(alone, session, prompts[session], 0, 0))
+        alone.handle(round_of(alone, session, steps[session], len(prompts[session]),
+                              len(steps[session]) - 1))  # fmt: skip
+        got = [r.tokens for r in replies(redis_url, swarm, key, session)]
+        assert len(got) == 4 and got[:2] == got[2:], session  # together's two, then alone's
+    assert "s2" not in together.stage.sessions
+    together.handle(round_of(together, "s2", (3,), 3, 0))
+    assert [r.kind for r in replies(redis_url, swarm, key, "s2")] == ["result", "result", "gap"]
+
+
+def test_over_its_kv_budget_a_stage_forgets_the_sessions_idle_longest(
+    swarm, key, redis_url, tmp_path, monkeypatch
+):
+    from specpipe.model.resolve import open_checkpoint
+    from specpipe.model.stage import load_stage
+    from tests.swarmprocs import write_tiny_model
+
+    monkeypatch.setenv("SPECPIPE_KV_BUDGET_TOKENS", "12")
+    source = open_checkpoint(str(write_tiny_model(tmp_path / "tiny")))
+    config = WorkerConfig(host="t", swarm=swarm, keys=key, redis_url=redis_url)
+    worker = StageWorker(load_stage(source, 0, source.config.n_layers), config)
+    assert worker.kv_budget_tokens == 12
+    for session in ("old", "older", "new"):
+        deliver(worker, wire.Message(kind="reset", session=session, params=RESET))
+        message = round_message(redis_url, ["t"], tokens=(1, 2, 3, 4, 5))
+        worker.handle(signed(worker, replace(message, session=session)))
+    assert worker.stage.held_tokens() == {"old": 5, "older": 5, "new": 5}
+    now = time.monotonic()
+    worker._last_used.update(older=now - 100, old=now - 50, new=now - 1)
+    assert worker.keep_within_budget(now) == ["older"]  # 10 tokens left: within the budget
+    assert set(worker.stage.held_tokens()) == {"old", "new"}
+    worker._last_used.update(old=now - 1)
+    deliver(worker, wire.Message(kind="reset", session="more", params=RESET))
+    message = round_message(redis_url, ["t"], tokens=(1, 2, 3, 4, 5))
+    worker.handle(signed(worker, replace(message, session="more")))
+    # 15 tokens, but every session was busy a moment ago: none is forgotten.
+    assert worker.keep_within_budget(now) == []

@@ -55,6 +55,15 @@ def test_stage_without_a_swarm_key(clean_env):
     )
 
 
+def test_stage_with_a_bad_kv_budget_is_one_line(clean_env):
+    clean_env.setenv("SPECPIPE_KV_BUDGET_TOKENS", "lots")
+    result = CliRunner().invoke(cli, ["worker", "stage", "--host", "h", "--layers", "0:2"])
+    assert result.exit_code == 1
+    assert result.output.strip() == (
+        "Error: SPECPIPE_KV_BUDGET_TOKENS must be an integer >= 1, got 'lots'"
+    )
+
+
 @pytest.mark.parametrize("command", ["coordinator", "nightly", "beat"])
 def test_coordinator_and_beat_need_their_broker(clean_env, command):
     clean_env.setenv("REDIS_URL", DEAD)

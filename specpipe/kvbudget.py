@@ -1,0 +1,200 @@
+"""KV memory budgets: the tokens of cache a stage holds across its sessions, and the room a job
+reserves against the budgets of its route.
+
+A stage's budget is `SPECPIPE_KV_BUDGET_TOKENS`, else a share of the memory available when it
+starts divided by what one token of its own layers' keys and values takes; the stage advertises
+it in its inventory record (`kv_budget_tokens`, 0: no budget known).
+
+Before a job's first round the coordinator reserves prompt + max_new_tokens tokens, every
+position its session can ever hold, on every stage of its route at once, with one Lua script:
+two coordinators never both take the last room. A job that does not fit now waits for room; a
+job larger than the smallest budget on its route can never run and fails at once. A reservation
+is a field of the hash `specpipe:{swarm}:kv:{host}` naming its holder, a key that lives as long
+as the job runs (the job's lock): the job's end deletes it, and when a coordinator dies its lock
+lapses and the next reservation on that stage drops the orphan, so no room leaks. While a job
+waits, the hash `specpipe:{swarm}:kv-waiting` says which stage is full (`Reservations.waiting`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+MEMORY_SHARE = 0.5  # of the memory available at start that a stage's caches may take
+
+
+def waiting_key(swarm: str) -> str:
+    """The hash of the jobs waiting for room: job name -> JSON of why, and who waits."""
+    return f"specpipe:{swarm}:kv-waiting"
+
+
+def reservations_key(swarm: str, host: str) -> str:
+    """The hash of the reservations against one stage's budget."""
+    return f"specpipe:{swarm}:kv:{host}"
+
+
+def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, element_size: int) -> int:
+    """What one position of a session's cache takes across `n_layers` layers: keys and values."""
+    return 2 * n_layers * n_kv_heads * head_dim * element_size
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo, 0 when unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def default_budget_tokens(per_token: int, available: int, share: float = MEMORY_SHARE) -> int:
+    """The tokens `share` of `available` bytes holds at `per_token` bytes each; 0 (no budget)
+    when either is unknown."""
+    if per_token <= 0 or available <= 0:
+        return 0
+    return max(1, int(available * share) // per_token)
+
+
+class NeverFits(ValueError):
+    """A job needs more cache than some stage of its route can ever hold."""
+
+
+@dataclass(frozen=True)
+class Full:
+    """Why a reservation did not fit now: the stage whose room is taken."""
+
+    host: str
+    used: int
+    budget: int
+
+
+# KEYS: each stage's reservation hash. ARGV: need, field, holder, attempt, then each budget.
+# A reservation's value is "<tokens> <holder key> <attempt>"; one whose holder key is gone (its
+# job ended without releasing it, its coordinator died) is dropped as the room is counted. The
+# job's own field is replaced, not counted: a resumed job takes over its earlier attempt's room.
+_RESERVE = """
+local need, field, holder, attempt = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4]
+for i, key in ipairs(KEYS) do
+  local budget = tonumber(ARGV[4 + i])
+  local used = 0
+  local entries = redis.call('HGETALL', key)
+  for j = 1, #entries, 2 do
+    local name = entries[j]
+    local tokens, owner = string.match(entries[j + 1], '^(%d+) (%S+) %S+$')
+    if name ~= field then
+      if tokens and redis.call('EXISTS', owner) == 1 then
+        used = used + tonumber(tokens)
+      else
+        redis.call('HDEL', key, name)
+      end
+    end
+  end
+  if budget > 0 and used + need > budget then
+    return {i, used}
+  end
+end
+for _, key in ipairs(KEYS) do
+  redis.call('HSET', key, field, need .. ' ' .. holder .. ' ' .. attempt)
+end
+return {0, 0}
+"""
+
+# KEYS: each stage's reservation hash. ARGV: field, attempt. Only this attempt's own room goes:
+# a later attempt of the same job may hold the field by now.
+_RELEASE = """
+for _, key in ipairs(KEYS) do
+  local value = redis.call('HGET', key, ARGV[1])
+  if value and string.match(value, '%S+$') == ARGV[2] then
+    redis.call('HDEL', key, ARGV[1])
+  end
+end
+return 0
+"""
+
+
+class Reservations:
+    """Reserve and release a job's room on the stages of its route, in the swarm's Redis."""
+
+    def __init__(self, client: redis.Redis, swarm: str) -> None:
+        self.client, self.swarm = client, swarm
+        self._reserve = client.register_script(_RESERVE)
+        self._release = client.register_script(_RELEASE)
+
+    def reserve(
+        self,
+        route: Sequence,
+        name: str,
+        need: int,
+        holder: str,
+        attempt: str,
+    ) -> Full | None:
+        """Reserve `need` tokens on every hop of `route` (nodes with `host` and
+        `kv_budget_tokens`) for job `name`, while key `holder` exists; None when done, else
+        the stage that is full now (nothing is reserved). NeverFits when a hop's budget is
+        smaller than `need`."""
+        check_fits(route, need)
+        keys = [reservations_key(self.swarm, hop.host) for hop in route]
+        budgets = [int(getattr(hop, "kv_budget_tokens", 0) or 0) for hop in route]
+        index, used = self._reserve(keys=keys, args=[need, name, holder, attempt, *budgets])
+        if index == 0:
+            return None
+        hop = route[int(index) - 1]
+        return Full(hop.host, int(used), budgets[int(index) - 1])
+
+    def release(self, route: Sequence, name: str, attempt: str) -> None:
+        """Give back the room attempt `attempt` of job `name` reserved on `route`."""
+        keys = [reservations_key(self.swarm, hop.host) for hop in route]
+        if keys:
+            self._release(keys=keys, args=[name, attempt])
+
+    def mark_waiting(self, name: str, holder: str, full: Full, need: int) -> None:
+        """Say that job `name` waits for room on `full.host` (while `holder` exists)."""
+        reason = {"host": full.host, "used": full.used, "budget": full.budget, "need": need,
+                  "holder": holder}  # fmt: skip
+        self.client.hset(waiting_key(self.swarm), name, json.dumps(reason))
+
+    def clear_waiting(self, name: str) -> None:
+        """Job `name` waits no more."""
+        self.client.hdel(waiting_key(self.swarm), name)
+
+    def waiting(self) -> dict[str, dict]:
+        """The jobs waiting for room now, by name: the stage that is full (`host`, `used`,
+        `budget`) and the tokens the job `need`s. A waiter whose holder is gone (its
+        coordinator died) is not listed."""
+        out = {}
+        for name, raw in self.client.hgetall(waiting_key(self.swarm)).items():
+            try:
+                reason = json.loads(raw)
+                holder = reason.pop("holder")
+            except (ValueError, KeyError, TypeError):
+                continue
+            if self.client.exists(holder):
+                out[name.decode()] = reason
+        return out
+
+    def used(self, host: str) -> int:
+        """The tokens reserved on `host` now, live holders only."""
+        total = 0
+        for value in self.client.hvals(reservations_key(self.swarm, host)):
+            tokens, holder, _ = value.decode().split(" ")
+            if self.client.exists(holder):
+                total += int(tokens)
+        return total
+
+
+def check_fits(route: Sequence, need: int) -> None:
+    """NeverFits, naming the stage, when some hop of `route` has a budget below `need`."""
+    for hop in route:
+        budget = int(getattr(hop, "kv_budget_tokens", 0) or 0)
+        if 0 < budget < need:
+            raise NeverFits(
+                f"the job needs {need} tokens of KV cache (prompt + max_new_tokens), more than "
+                f"stage {hop.host} ever holds ({budget} tokens): shorten the prompt or "
+                "max_new_tokens"
+            )
