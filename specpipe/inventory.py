@@ -4,6 +4,9 @@ Every stage worker publishes a `NodeInfo` as JSON into the hash `specpipe:{swarm
 swarm's registry Redis and refreshes it (its heartbeat) while it runs. A node is *online* when
 its last heartbeat is at most 30 s old, *stale* up to 120 s, *offline* after that. `route`
 builds a ring from the online nodes: stages that cover every layer exactly once, in order.
+Several hosts may serve the same range (spares): the route takes the healthiest, one whose
+heartbeat has not *lapsed* (missed `LAPSE_BEATS` of the beats it promised, `heartbeat_s`), the
+freshest among those; a coordinator whose route has a lapsed hop re-routes around it.
 
 Records are signed: each value is `<HMAC-SHA256 hex> <record JSON>`, the tag computed with the
 swarm key over the swarm's name and the record's exact bytes. `read` checks the tag (constant
@@ -23,7 +26,7 @@ import json
 import math
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -36,6 +39,11 @@ from specpipe.settings import TEST_LOSSY_TAIL_VAR
 ONLINE_S = 30.0
 STALE_S = 120.0
 MAX_SKEW_S = 30.0  # a heartbeat further ahead of this host's clock is not believed
+# A node that missed this many of its beats (and at least LAPSE_MIN_S) is taken for dead by a
+# coordinator with a spare at hand; its stage heartbeats from a thread of its own, so a long
+# forward does not hold a beat up.
+LAPSE_BEATS = 3
+LAPSE_MIN_S = 1.0
 _MAC_CONTEXT = b"specpipe inventory record v1\x00"
 Keys = bytes | str | Sequence[bytes | str]  # one swarm key, or those a rotation accepts
 
@@ -74,6 +82,7 @@ class NodeInfo:
     memory_bytes: int = 0
     software_version: str = __version__
     last_heartbeat: float = 0.0
+    heartbeat_s: float = 10.0  # the beat the node promises; older records beat every 10 s
     test_lossy_tail: bool = False  # TEST ONLY lossy sampling is on: the output is NOT lossless
 
     @property
@@ -84,6 +93,14 @@ class NodeInfo:
     def status(self, now: float | None = None) -> str:
         """online / stale / offline by the age of the last heartbeat."""
         return heartbeat_status((time.time() if now is None else now) - self.last_heartbeat)
+
+    def lapse_s(self) -> float:
+        """How long after its last heartbeat the node counts as lapsed."""
+        return max(LAPSE_BEATS * self.heartbeat_s, LAPSE_MIN_S)
+
+    def lapsed(self, now: float | None = None) -> bool:
+        """Whether the node has missed LAPSE_BEATS of its promised heartbeats."""
+        return (time.time() if now is None else now) - self.last_heartbeat > self.lapse_s()
 
     def to_json(self) -> str:
         """The record as JSON, in the one canonical encoding that is signed."""
@@ -275,12 +292,18 @@ def ignored_note(count: int) -> str:
 
 
 def route(
-    nodes: list[NodeInfo], n_layers: int, model: str | None = None, now: float | None = None
+    nodes: list[NodeInfo],
+    n_layers: int,
+    model: str | None = None,
+    now: float | None = None,
+    avoid: Collection[str] = (),
 ) -> list[NodeInfo]:
-    """The ring: online stages covering layers 0:n_layers exactly once, in order.
+    """The ring: online stages covering layers 0:n_layers exactly once, in order, none of the
+    hosts in `avoid`.
 
-    Where several hosts serve the same range the freshest heartbeat wins. Raises RouteError
-    naming the first layers no online stage serves."""
+    Where several hosts serve the same range the healthiest wins: one whose heartbeat has not
+    lapsed, the freshest among those. Raises RouteError naming the first layers no online stage
+    serves."""
     if n_layers <= 0:
         raise RouteError(f"a model needs at least one layer, got {n_layers}")
     now = time.time() if now is None else now
@@ -291,9 +314,10 @@ def route(
         and n.status(now) == "online"
         and 0 <= n.layer_start < n.layer_end <= n_layers
         and (model is None or not n.model or n.model == model)
+        and n.host not in avoid
     ]
     by_start: dict[int, list[NodeInfo]] = {}
-    for node in sorted(usable, key=lambda n: -n.last_heartbeat):
+    for node in sorted(usable, key=lambda n: (n.lapsed(now), -n.last_heartbeat)):
         by_start.setdefault(node.layer_start, []).append(node)
 
     # Depth-first over layer boundaries; `dead` remembers boundaries no route can finish from.
@@ -364,3 +388,22 @@ def table(nodes: list[NodeInfo], now: float | None = None) -> list[str]:
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def lost_hops(hops: Sequence[NodeInfo], nodes: list[NodeInfo],
+              now: float | None = None) -> list[str]:  # fmt: skip
+    """The hosts of a route (`hops`, as routed) that the inventory `nodes` no longer vouches
+    for: gone from it (a clean shutdown), lapsed (killed, cut off, stopped), or serving other
+    layers than the route has them for."""
+    now = time.time() if now is None else now
+    current = {n.host: n for n in nodes}
+    lost = []
+    for hop in hops:
+        node = current.get(hop.host)
+        if (
+            node is None
+            or node.lapsed(now)
+            or (node.layer_start, node.layer_end) != (hop.layer_start, hop.layer_end)
+        ):
+            lost.append(hop.host)
+    return lost

@@ -82,7 +82,10 @@ class StageWorker:
         self.stage = stage
         self.config = config
         # The record says what this process does, whatever the caller built it with.
-        self.node = None if node is None else replace(node, test_lossy_tail=test_lossy_tail())
+        self.node = None
+        if node is not None:
+            self.node = replace(node, test_lossy_tail=test_lossy_tail(),
+                                heartbeat_s=config.heartbeat_s)  # fmt: skip
         self.keys = wire.keyring(config.keys)
         self.stream = streams.stage_key(config.swarm, config.host)
         self.connections = streams.Connections()
@@ -111,6 +114,38 @@ class StageWorker:
     def serve(self, stop: threading.Event | None = None) -> None:
         """Process messages until `stop` is set."""
         stop = stop or threading.Event()
+        beating = threading.Event()
+        beat = threading.Thread(target=self._beat, args=(beating,), daemon=True)
+        if self.node is not None:
+            beat.start()
+        try:
+            self._serve(stop)
+        finally:
+            beating.set()
+            if beat.is_alive():
+                beat.join()
+
+    def _beat(self, stop: threading.Event) -> None:
+        """Publish the node's record every `heartbeat_s` until `stop`, whatever the serving
+        loop is doing: a coordinator with a spare takes a record that stops coming for a dead
+        stage, so a long forward must not hold a beat up. Its own client: not the loop's."""
+        registry = redis.Redis.from_url(self.config.registry_url or self.config.redis_url,
+                                        socket_timeout=5, socket_connect_timeout=5)  # fmt: skip
+        try:
+            while not stop.is_set():
+                self.publish(registry)
+                stop.wait(self.config.heartbeat_s)
+        finally:
+            registry.close()
+
+    def publish(self, registry: redis.Redis) -> None:
+        """Publish this node's signed record now (its heartbeat)."""
+        try:
+            inventory.publish(registry, self.config.swarm, self.node, self.keys.current)
+        except redis.RedisError as exc:
+            log.warning("%s: heartbeat failed: %s", self.config.host, exc)
+
+    def _serve(self, stop: threading.Event) -> None:
         wait_s = 0.0
         while not stop.is_set():
             try:
@@ -135,7 +170,8 @@ class StageWorker:
             log.warning("%s: could not flush acks and counters: %s", self.config.host, exc)
 
     def heartbeat(self, force: bool = False) -> None:
-        """Refresh this node's inventory record and counters when one is due."""
+        """Refresh this node's inventory record and counters, and forget idle sessions, when
+        a beat is due (the record is also refreshed by `serve`'s own beat)."""
         now = time.monotonic()
         if not force and now < self._next_heartbeat:
             return

@@ -44,8 +44,9 @@ def _layer_range(_ctx, _param, value: str) -> tuple[int, int]:
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads for torch (default: torch's choice).")  # fmt: skip
-@click.option("--heartbeat-s", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
-              help="Seconds between inventory heartbeats.")  # fmt: skip
+@click.option("--heartbeat-s", type=click.FloatRange(min=0.1), default=0.5, show_default=True,
+              help="Seconds between inventory heartbeats; a coordinator with a spare for this "
+              "stage's layers re-routes after three missed beats.")  # fmt: skip
 @click.option("--session-idle-s", type=click.FloatRange(min=1), default=600.0,
               show_default=True,
               help="Free a session's caches after this long without a message.")  # fmt: skip
