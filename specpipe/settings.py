@@ -99,6 +99,12 @@ def configured_redis_url() -> str | None:
     return os.environ.get("REDIS_URL") or None
 
 
+def registry_url() -> str | None:
+    """`SPECPIPE_REGISTRY_URL`: the swarm's registry Redis, for a stage whose own Redis (its
+    `REDIS_URL`) is another; None when unset. Kept off command lines: it carries a password."""
+    return os.environ.get("SPECPIPE_REGISTRY_URL") or None
+
+
 def swarm_name(*, running: bool = True) -> str:
     """`SPECPIPE_SWARM`, else (with `running`) the name `specpipe up` recorded, else "default"."""
     recorded = swarm_file().get("swarm") if running else None

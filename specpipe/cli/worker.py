@@ -36,7 +36,8 @@ def _layer_range(_ctx, _param, value: str) -> tuple[int, int]:
 @click.option("--redis", "redis_url", default=None,
               help="This host's Redis (its input stream); default: REDIS_URL.")  # fmt: skip
 @click.option("--registry", "registry_url", default=None,
-              help="The Redis holding the inventory; default: --redis.")  # fmt: skip
+              help="The Redis holding the inventory; default: SPECPIPE_REGISTRY_URL, "
+              "else --redis.")  # fmt: skip
 @click.option("--public-ip", default="", help="Public IP to record in the inventory.")
 @click.option("--geo", default="", help="Location label to record (e.g. WA).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
@@ -96,6 +97,7 @@ def worker_stage(
             "no swarm key: set SPECPIPE_SWARM_KEY (or run `specpipe up`, which keeps one)"
         )
     redis_url = redis_url or settings.redis_url()
+    registry_url = registry_url or settings.registry_url()
     for url in {redis_url, registry_url or redis_url}:
         _check_reachable(url, "Redis")
     if threads:
