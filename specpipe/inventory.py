@@ -61,7 +61,12 @@ def nodes_key(swarm: str) -> str:
 
 
 class RouteError(RuntimeError):
-    """The online stages cannot form a ring over every layer."""
+    """The online stages cannot form a ring over every layer; `start:end` is the first range
+    no online stage serves (where the ring cannot go on)."""
+
+    def __init__(self, message: str, start: int = 0, end: int = 0) -> None:
+        super().__init__(message)
+        self.start, self.end = start, end
 
 
 @dataclass(frozen=True)
@@ -342,7 +347,7 @@ def route(
     # Every boundary visited is dead; the furthest one is where no online stage starts.
     pos = max(dead)
     end = min((n.layer_start for n in usable if n.layer_start > pos), default=n_layers)
-    raise RouteError(f"no online stage serves layers {pos}:{end}")
+    raise RouteError(f"no online stage serves layers {pos}:{end}", pos, end)
 
 
 def with_roles(nodes: list[NodeInfo]) -> list[NodeInfo]:
@@ -407,3 +412,36 @@ def lost_hops(hops: Sequence[NodeInfo], nodes: list[NodeInfo],
         ):
             lost.append(hop.host)
     return lost
+
+
+def choose_layers(nodes: list[NodeInfo], n_layers: int, model: str | None = None,
+                  load: dict[str, int] | None = None,
+                  now: float | None = None) -> tuple[int, int, str]:  # fmt: skip
+    """The layer range a new host should serve, and why: the first range no online stage
+    serves (from the first uncovered layer to where the next served range starts); when every
+    layer is served, a spare for the busiest range of the route: the one with the fewest
+    replicas, then the most rounds processed (`load`, per host), then the first."""
+    now = time.time() if now is None else now
+    online = [
+        n
+        for n in nodes
+        if n.status(now) == "online"
+        and not n.lapsed(now)
+        and 0 <= n.layer_start < n.layer_end <= n_layers
+        and (model is None or not n.model or n.model == model)
+    ]
+    try:
+        ring = route(online, n_layers, model=model, now=now)
+    except RouteError as exc:
+        return exc.start, exc.end, "nobody serves it"
+    load = load or {}
+
+    def busy(hop: NodeInfo) -> tuple:
+        same = [
+            n for n in online if (n.layer_start, n.layer_end) == (hop.layer_start, hop.layer_end)
+        ]
+        return (len(same), -sum(load.get(n.host, 0) for n in same), hop.layer_start)
+
+    hop = min(ring, key=busy)
+    replicas = busy(hop)[0]
+    return hop.layer_start, hop.layer_end, f"a spare: {replicas} host(s) serve it, the busiest"

@@ -6,8 +6,8 @@ Redis (a password each; host 1's speaks TLS only, with a certificate signed by a
 makes with `openssl`) and, on the hosts that serve, its own stage worker. Host 0 also runs the
 swarm's registry and broker (its Redis), the coordinator, beat and the web app, with a SQLite
 store in the lab's folder. The kernel here has no netem: a link's latency is the sending
-stage's own `--link-delay-ms`. Hosts beyond the serving ones (`idle`) get a namespace and a
-Redis and nothing else: a place to run `specpipe join`.
+stage's own `--link-delay-ms`. Hosts beyond the serving ones (`idle`) get a namespace and
+nothing else: a place to run `specpipe join`, which starts the host's Redis itself.
 
 The lab's folder is an instance folder (`SPECPIPE_HOME`): the swarm key, `swarm.json` and the
 store live there, so `SPECPIPE_HOME=<lab> specpipe generate …` submits to the lab from this
@@ -171,6 +171,8 @@ class Lab:
         env.pop("SPECPIPE_SWARM_KEY", None)  # the lab's own key, from its folder
         if host is not None:
             env["REDIS_URL"] = host.redis_url
+            if not host.redis_url:  # an idle host: no Redis until one is started there
+                env.pop("REDIS_URL")
         return env
 
     # --- up ------------------------------------------------------------------------------
@@ -185,8 +187,8 @@ class Lab:
         database_url: str | None = None,
     ) -> dict:
         """Make the network and every host's Redis: one serving host per layer range in
-        `layers` (host i will serve `layers[i]`, see `serve`) and `idle` hosts with only a
-        Redis; return the state. LabError on any failure, after taking down what was made."""
+        `layers` (host i will serve `layers[i]`, see `serve`) and `idle` bare hosts; return
+        the state. LabError on any failure, after taking down what was made."""
         check_can_run()
         if self.running():
             raise LabError(f"a lab already runs from {self.home}: `specpipe lab down` first")
@@ -216,7 +218,10 @@ class Lab:
             self._network(n_hosts)
             self._secrets()
             for index in range(n_hosts):
-                self._start_redis(index)
+                if index < len(layers):
+                    self._start_redis(index)
+                else:
+                    self._add_idle(index)
             return self.state
         except BaseException:
             self.down()
@@ -304,6 +309,13 @@ class Lab:
         self._save()
         self.spawn(host, "redis", server.argv())
         self._wait(lambda: answers(server.url), 20, f"{host.name}'s Redis")
+        return host
+
+    def _add_idle(self, index: int) -> Host:
+        host = Host(index, f"{PREFIX}-{self.state['id']}-h{index}",
+                    f"{self.state['subnet']}.{index + 1}", "", False)  # fmt: skip
+        self.state["hosts"].append(host.__dict__)
+        self._save()
         return host
 
     def spawn(self, host: Host, name: str, argv: Sequence[str]) -> int:

@@ -41,7 +41,7 @@ HOME_OPTION = click.option("--home", type=click.Path(file_okay=False, path_type=
 @click.option("--hosts", type=click.IntRange(1, 32), default=4, show_default=True,
               help="Hosts serving the model, each an even share of its layers.")  # fmt: skip
 @click.option("--idle", type=click.IntRange(0, 16), default=0, show_default=True,
-              help="More hosts with only a Redis (a place for `specpipe join`).")  # fmt: skip
+              help="More hosts with nothing running (a place for `specpipe join`).")  # fmt: skip
 @click.option("--model", "model_name", default="default", show_default=True, help="Model.")
 @click.option("--link-delay-ms", "delays", default="", callback=_delays,
               help="One-way delay of each serving host's outgoing link, in ring order: one "
@@ -93,8 +93,8 @@ def lab_up(hosts: int, idle: int, model_name: str, delays: list[float], port: in
         serves = (f"layers {layers[host.index][0]}:{layers[host.index][1]}"
                   if host.index < len(layers) else "idle")  # fmt: skip
         tls = ", TLS" if host.tls else ""
-        click.echo(f"  {host.name}  {host.address}  {serves}  Redis {redact_url(host.redis_url)}"
-                   f"{tls}")  # fmt: skip
+        redis_url = f"Redis {redact_url(host.redis_url)}{tls}" if host.redis_url else "no Redis"
+        click.echo(f"  {host.name}  {host.address}  {serves}  {redis_url}")
     click.echo(f"web {state['web_url']}  (SPECPIPE_HOME={the_lab.home})")
 
 

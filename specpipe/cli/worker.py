@@ -81,6 +81,44 @@ def worker_stage(
 
         SPECPIPE_SWARM_KEY=... specpipe worker stage --host wa --layers 0:9 --geo WA
     """
+    from specpipe import settings
+
+    serve_stage(
+        host,
+        layers,
+        model_name,
+        redis_url=redis_url or settings.redis_url(),
+        registry_url=registry_url or settings.registry_url(),
+        public_ip=public_ip,
+        geo=geo,
+        dtype=dtype,
+        device=device,
+        threads=threads,
+        heartbeat_s=heartbeat_s,
+        session_idle_s=session_idle_s,
+        link_delay_ms=link_delay_ms,
+    )
+
+
+def serve_stage(
+    host: str,
+    layers: tuple[int, int],
+    model_name: str,
+    *,
+    redis_url: str,
+    registry_url: str | None,
+    public_ip: str = "",
+    geo: str = "",
+    dtype: str = "float32",
+    device: str = "cpu",
+    threads: int | None = None,
+    heartbeat_s: float = 0.5,
+    session_idle_s: float = 600.0,
+    link_delay_ms: float = 0.0,
+    config: Settings | None = None,
+) -> None:
+    """Load layers `layers` of `model_name`, register as `host` and serve until SIGINT or
+    SIGTERM (what `worker stage` and `join` run). One-line ClickExceptions for what is wrong."""
     import logging
 
     import torch
@@ -91,13 +129,11 @@ def worker_stage(
     from specpipe.model.stage import load_stage
     from specpipe.stage_worker import WorkerConfig, run
 
-    config = settings.Settings.from_env()
+    config = config or settings.Settings.from_env()
     if not config.swarm_key:
         raise click.ClickException(
             "no swarm key: set SPECPIPE_SWARM_KEY (or run `specpipe up`, which keeps one)"
         )
-    redis_url = redis_url or settings.redis_url()
-    registry_url = registry_url or settings.registry_url()
     for url in {redis_url, registry_url or redis_url}:
         _check_reachable(url, "Redis")
     if threads:

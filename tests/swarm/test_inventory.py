@@ -109,6 +109,24 @@ def test_lost_hops_are_the_lapsed_the_departed_and_the_resplit():
     assert inventory.lost_hops(hops[:1], now, NOW) == []
 
 
+def test_a_new_host_takes_the_first_range_nobody_serves():
+    nodes = [node("a", 0, 2), node("c", 5, 8), node("d", 2, 3, age=60)]  # d is stale
+    assert inventory.choose_layers(nodes, 8, now=NOW)[:2] == (2, 5)
+    assert inventory.choose_layers([], 8, now=NOW)[:2] == (0, 8)
+    assert inventory.choose_layers(nodes[:1], 8, now=NOW) == (2, 8, "nobody serves it")
+
+
+def test_when_all_is_served_a_new_host_spares_the_busiest_range():
+    nodes = [node("a", 0, 2), node("b1", 2, 4), node("b2", 2, 4, age=1), node("c", 4, 6)]
+    # The ranges with one host each: a's and c's; c has processed more rounds.
+    start, end, why = inventory.choose_layers(nodes, 6, load={"a": 10, "c": 30}, now=NOW)
+    assert (start, end) == (4, 6) and why.startswith("a spare")
+    assert inventory.choose_layers(nodes, 6, now=NOW)[:2] == (0, 2)  # a tie: the first
+    # A model the nodes do not serve has everything uncovered.
+    assert inventory.choose_layers([node("x", 0, 6, model="m")], 6, model="n", now=NOW)[:2] == (
+        0, 6)  # fmt: skip
+
+
 def test_the_promised_heartbeat_round_trips_and_older_records_beat_every_ten_seconds():
     record = node("a", 0, 1, heartbeat_s=0.5)
     assert NodeInfo.from_json(record.to_json()) == record
