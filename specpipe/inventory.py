@@ -88,6 +88,12 @@ class NodeInfo:
     software_version: str = __version__
     last_heartbeat: float = 0.0
     heartbeat_s: float = 10.0  # the beat the node promises; older records beat every 10 s
+    # The ring's latency as this stage sees it: the host its rounds go on to (or "coordinator"
+    # from the tail), the round trip of a PING to that hop's Redis, measured at a heartbeat,
+    # and the one-way delay the stage adds to that link itself (`--link-delay-ms`, benchmarks).
+    next_hop: str = ""
+    next_hop_rtt_ms: float = 0.0
+    link_delay_ms: float = 0.0
     test_lossy_tail: bool = False  # TEST ONLY lossy sampling is on: the output is NOT lossless
 
     @property
@@ -366,13 +372,34 @@ def with_roles(nodes: list[NodeInfo]) -> list[NodeInfo]:
     return [n if n.role else replace(n, role=role(n)) for n in ordered]
 
 
+def _link(node: NodeInfo) -> str:
+    """The link to the next hop: its PING round trip, and the delay the stage adds to it."""
+    if not node.next_hop:
+        return "-"
+    delay = f" +{node.link_delay_ms:g} ms" if node.link_delay_ms else ""
+    return f"rtt {node.next_hop_rtt_ms:.2f} ms{delay}"
+
+
 def table(nodes: list[NodeInfo], now: float | None = None) -> list[str]:
     """The inventory as aligned text lines, in ring order (what `specpipe nodes` prints). When
     a node runs the test-only lossy tail a last column, WARNING, marks it."""
     now = time.time() if now is None else now
     ordered = with_roles(nodes)
     warn = bool(lossy_hosts(ordered))
-    header = ("HOST", "ROLE", "LAYERS", "STATUS", "SEEN", "REDIS", "GEO", "PUBLIC IP", "GPU", "MEM")
+    header = (
+        "HOST",
+        "ROLE",
+        "LAYERS",
+        "STATUS",
+        "SEEN",
+        "REDIS",
+        "GEO",
+        "PUBLIC IP",
+        "GPU",
+        "MEM",
+        "NEXT HOP",
+        "LINK",
+    )
     rows = [(*header, "WARNING") if warn else header]
     for n in ordered:
         gpu = n.cpu_model if n.gpu_name == "cpu" and n.cpu_model else n.gpu_name
@@ -388,6 +415,8 @@ def table(nodes: list[NodeInfo], now: float | None = None) -> list[str]:
                 n.public_ip or "-",
                 gpu,
                 f"{n.memory_bytes / 2**30:.1f} GiB",
+                n.next_hop or "-",
+                _link(n),
                 *(["TEST LOSSY TAIL" if n.test_lossy_tail else "-"] if warn else []),
             )
         )
@@ -445,3 +474,85 @@ def choose_layers(nodes: list[NodeInfo], n_layers: int, model: str | None = None
     hop = min(ring, key=busy)
     replicas = busy(hop)[0]
     return hop.layer_start, hop.layer_end, f"a spare: {replicas} host(s) serve it, the busiest"
+
+
+@dataclass(frozen=True)
+class HopLatency:
+    """One hop of the ring: the stage's own time per round and its link onward."""
+
+    host: str
+    next_hop: str
+    forward_ms: float  # the stage's forward (running mean)
+    handling_ms: float  # checking, decoding, encoding, sending on (running mean)
+    link_ms: float  # one way to the next hop: half the PING round trip plus the set delay
+
+    @property
+    def total_ms(self) -> float:
+        return self.forward_ms + self.handling_ms + self.link_ms
+
+
+@dataclass(frozen=True)
+class RingLatency:
+    """Where a round's time goes around the ring, and the tok/s that latency allows."""
+
+    hops: list[HopLatency]
+
+    @property
+    def ring_ms(self) -> float:
+        """One round's trip: every stage's time and every link's, the tail's back included."""
+        return sum(hop.total_ms for hop in self.hops)
+
+    def ceiling_tok_s(self, tokens_per_round: float = 1.0) -> float:
+        """The latency ceiling: tokens committed per round over the ring's time (0: unknown)."""
+        return tokens_per_round * 1000 / self.ring_ms if self.ring_ms > 0 else 0.0
+
+    def as_dict(self, tokens_per_round: float = 1.0) -> dict:
+        return {
+            "hops": [{**asdict(hop), "total_ms": round(hop.total_ms, 3)} for hop in self.hops],
+            "ring_ms": round(self.ring_ms, 3),
+            "tokens_per_round": tokens_per_round,
+            "ceiling_tok_s": round(self.ceiling_tok_s(tokens_per_round), 2),
+        }
+
+
+def measured_ring(nodes: list[NodeInfo], now: float | None = None) -> list[NodeInfo] | None:
+    """The ring routing builds from `nodes` now, once every stage of it has measured its link
+    onward (from its first round on); None before, or when the nodes form no ring."""
+    online = [n for n in nodes if n.status(now) == "online"]
+    if not online:
+        return None
+    try:
+        ring = route(online, max(n.layer_end for n in online), now=now)
+    except RouteError:
+        return None
+    return ring if all(n.next_hop for n in ring) else None
+
+
+def ring_latency(ring: list[NodeInfo], stats: dict[str, dict | None]) -> RingLatency:
+    """The latency of `ring` (a route, in order) from its records and each stage's running
+    means (`stats`, by host, as `streams.read_stats` gives them; None where unknown)."""
+    hops = []
+    for node in ring:
+        timings = stats.get(node.host) or {}
+        hops.append(
+            HopLatency(
+                host=node.host,
+                next_hop=node.next_hop or "?",
+                forward_ms=float(timings.get("forward_ms", 0.0)),
+                handling_ms=float(timings.get("hop_ms", 0.0)),
+                link_ms=node.next_hop_rtt_ms / 2 + node.link_delay_ms,
+            )
+        )
+    return RingLatency(hops)
+
+
+def latency_lines(latency: RingLatency) -> list[str]:
+    """The ring's latency as text: a line per hop, the ring's time and the ceiling."""
+    lines = ["RING LATENCY (per round)"]
+    for hop in latency.hops:
+        lines.append(f"  {hop.host} -> {hop.next_hop}: forward {hop.forward_ms:.1f} ms, "
+                     f"handling {hop.handling_ms:.1f} ms, link {hop.link_ms:.2f} ms")  # fmt: skip
+    ceiling = latency.ceiling_tok_s()
+    lines.append(f"  ring time {latency.ring_ms:.1f} ms; latency ceiling "
+                 f"{ceiling:.1f} tok/s per token per round")  # fmt: skip
+    return lines

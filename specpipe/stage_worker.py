@@ -85,7 +85,10 @@ class StageWorker:
         self.node = None
         if node is not None:
             self.node = replace(node, test_lossy_tail=test_lossy_tail(),
-                                heartbeat_s=config.heartbeat_s)  # fmt: skip
+                                heartbeat_s=config.heartbeat_s,
+                                link_delay_ms=config.link_delay_s * 1000)  # fmt: skip
+        # Where this stage's rounds went on to last (host, Redis URL): the link it measures.
+        self.next_hop: tuple[str, str] | None = None
         self.keys = wire.keyring(config.keys)
         self.stream = streams.stage_key(config.swarm, config.host)
         self.connections = streams.Connections()
@@ -131,12 +134,33 @@ class StageWorker:
         stage, so a long forward must not hold a beat up. Its own client: not the loop's."""
         registry = redis.Redis.from_url(self.config.registry_url or self.config.redis_url,
                                         socket_timeout=5, socket_connect_timeout=5)  # fmt: skip
+        probes = streams.Connections()
         try:
             while not stop.is_set():
+                self.measure_next_hop(probes)
                 self.publish(registry)
                 stop.wait(self.config.heartbeat_s)
         finally:
             registry.close()
+            probes.close()
+
+    def measure_next_hop(self, probes: streams.Connections) -> float | None:
+        """Time a PING to the Redis of the hop this stage's rounds go on to and put it in the
+        node's record; None (nothing recorded) before the first round or when it fails."""
+        if self.next_hop is None or self.node is None:
+            return None
+        host, url = self.next_hop
+        try:
+            client = probes.get(url)
+            client.ping()  # the connection is made: the timing below is one round trip
+            started = time.perf_counter()
+            client.ping()
+            rtt_ms = (time.perf_counter() - started) * 1000
+        except redis.RedisError as exc:
+            log.warning("%s: cannot reach %s's Redis: %s", self.config.host, host, exc)
+            return None
+        self.node = replace(self.node, next_hop=host, next_hop_rtt_ms=round(rtt_ms, 3))
+        return rtt_ms
 
     def publish(self, registry: redis.Redis) -> None:
         """Publish this node's signed record now (its heartbeat)."""
@@ -469,6 +493,7 @@ class StageWorker:
             except wire.WireError as exc:
                 self._failed(message, exc)
                 return
+            self.next_hop = (nxt.host, nxt.redis_url)
             self._send(nxt.redis_url, stream, data, message, f"pass the round to {nxt.host}")
 
     def _sample(self, message: wire.Message, logits: torch.Tensor) -> None:
@@ -501,6 +526,8 @@ class StageWorker:
             **fields,
         )
         data = wire.encode(reply, self.config.swarm, self.keys)
+        if kind == "result":
+            self.next_hop = (wire.COORDINATOR, message.reply)
         self._send(message.reply, stream, data, None, f"reply to {message.session}")
 
     def _send(self, url: str, stream: str, data: bytes, message: wire.Message | None,
