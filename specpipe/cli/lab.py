@@ -62,11 +62,27 @@ def lab_up(hosts: int, idle: int, model_name: str, delays: list[float], port: in
 
         specpipe lab up --hosts 4 --link-delay-ms 11,8,3.4,19
     """
+    from specpipe.redact import redact_url
+
+    the_lab, layers = bring_up(_home(home), hosts, idle, model_name, delays, port)
+    state = the_lab.state
+    for host in the_lab.hosts():
+        serves = (f"layers {layers[host.index][0]}:{layers[host.index][1]}"
+                  if host.index < len(layers) else "idle")  # fmt: skip
+        tls = ", TLS" if host.tls else ""
+        redis_url = f"Redis {redact_url(host.redis_url)}{tls}" if host.redis_url else "no Redis"
+        click.echo(f"  {host.name}  {host.address}  {serves}  {redis_url}")
+    click.echo(f"web {state['web_url']}  (SPECPIPE_HOME={the_lab.home})")
+
+
+def bring_up(home: Path, hosts: int, idle: int, model_name: str, delays: list[float],
+             port: int):  # fmt: skip
+    """Bring up a lab in `home` serving `model_name` on `hosts` hosts, its store migrated;
+    (the Lab, the layer ranges). One-line ClickExceptions, with nothing left up, on failure."""
     from models import migrate as migrations
     from specpipe.lab import Lab, LabError, check_can_run
     from specpipe.model.errors import ModelError
     from specpipe.model.resolve import even_split, open_checkpoint
-    from specpipe.redact import redact_url
     from specpipe.redis_server import RedisUnavailable
 
     try:
@@ -77,25 +93,19 @@ def lab_up(hosts: int, idle: int, model_name: str, delays: list[float], port: in
         layers = even_split(open_checkpoint(model_name).config.n_layers, hosts)
     except ModelError as exc:
         raise ModelInputError(str(exc)) from None
-    the_lab = Lab(_home(home))
+    the_lab = Lab(home)
     try:
         state = the_lab.up(layers, model_name, idle=idle, link_delays_ms=delays)
         click.echo(f"lab {state['id']}: {hosts + idle} hosts on {state['subnet']}.0/24")
         migrations.upgrade(state["database_url"])
-        state = the_lab.serve(model_name, web_port=port)
+        the_lab.serve(model_name, web_port=port)
     except (LabError, RedisUnavailable) as exc:
         the_lab.down()
         raise click.ClickException(str(exc)) from None
     except BaseException:
         the_lab.down()
         raise
-    for host in the_lab.hosts():
-        serves = (f"layers {layers[host.index][0]}:{layers[host.index][1]}"
-                  if host.index < len(layers) else "idle")  # fmt: skip
-        tls = ", TLS" if host.tls else ""
-        redis_url = f"Redis {redact_url(host.redis_url)}{tls}" if host.redis_url else "no Redis"
-        click.echo(f"  {host.name}  {host.address}  {serves}  {redis_url}")
-    click.echo(f"web {state['web_url']}  (SPECPIPE_HOME={the_lab.home})")
+    return the_lab, layers
 
 
 @lab.command(name="down")
