@@ -516,16 +516,18 @@ class RingLatency:
 
 
 def measured_ring(nodes: list[NodeInfo], now: float | None = None) -> list[NodeInfo] | None:
-    """The ring routing builds from `nodes` now, once every stage of it has measured its link
-    onward (from its first round on); None before, or when the nodes form no ring."""
+    """A ring routing can build from the online `nodes` that have measured their link onward
+    (from their first round on); None when they form none (a spare that has not carried a
+    round yet is left out)."""
     online = [n for n in nodes if n.status(now) == "online"]
-    if not online:
+    measured = [n for n in online if n.next_hop]
+    if not measured:
         return None
     try:
-        ring = route(online, max(n.layer_end for n in online), now=now)
+        ring = route(measured, max(n.layer_end for n in online), now=now)
     except RouteError:
         return None
-    return ring if all(n.next_hop for n in ring) else None
+    return ring
 
 
 def ring_latency(ring: list[NodeInfo], stats: dict[str, dict | None]) -> RingLatency:

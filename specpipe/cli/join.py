@@ -44,8 +44,9 @@ def address_towards(url: str) -> str:
     default=None,
     help="This stage's name in the inventory [default: the machine's hostname].",
 )
-@click.option("--model", "model_name", default="default", show_default=True,
-              help="The swarm's model, as a checkpoint this host has.")  # fmt: skip
+@click.option("--model", "model_name", default=None,
+              help="The swarm's model, as a checkpoint this host has [default: "
+              "SPECPIPE_MODEL, else the embedded default].")  # fmt: skip
 @click.option("--redis", "redis_url", default=None,
               help="This host's Redis; default: REDIS_URL, else one started here with a "
               "password, on --address:--port.")  # fmt: skip
@@ -66,7 +67,7 @@ def join(
     registry_url: str | None,
     layers: tuple[int, int] | None,
     host_name: str | None,
-    model_name: str,
+    model_name: str | None,
     redis_url: str | None,
     address: str | None,
     port: int,
@@ -96,6 +97,7 @@ def join(
     from specpipe.redact import redact_url
     from specpipe.redis_server import RedisServer, RedisUnavailable
 
+    model_name = model_name or settings.default_model()
     config = settings.Settings.from_env()
     if not config.swarm_key:
         raise click.ClickException(

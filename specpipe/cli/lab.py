@@ -42,14 +42,15 @@ HOME_OPTION = click.option("--home", type=click.Path(file_okay=False, path_type=
               help="Hosts serving the model, each an even share of its layers.")  # fmt: skip
 @click.option("--idle", type=click.IntRange(0, 16), default=0, show_default=True,
               help="More hosts with nothing running (a place for `specpipe join`).")  # fmt: skip
-@click.option("--model", "model_name", default="default", show_default=True, help="Model.")
+@click.option("--model", "model_name", default=None,
+              help="Model [default: SPECPIPE_MODEL, else the embedded default].")  # fmt: skip
 @click.option("--link-delay-ms", "delays", default="", callback=_delays,
               help="One-way delay of each serving host's outgoing link, in ring order: one "
               "value for all or one per host (e.g. 11,8,3.4,19).")  # fmt: skip
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True,
               help="Port of the web app on host 0's address.")  # fmt: skip
 @HOME_OPTION
-def lab_up(hosts: int, idle: int, model_name: str, delays: list[float], port: int,
+def lab_up(hosts: int, idle: int, model_name: str | None, delays: list[float], port: int,
            home: Path | None) -> None:  # fmt: skip
     """Bring up the lab and leave it running: per host a network namespace on a bridge with
     its own address, its own Redis (a password each; host 1's TLS only) and its own stage;
@@ -62,8 +63,10 @@ def lab_up(hosts: int, idle: int, model_name: str, delays: list[float], port: in
 
         specpipe lab up --hosts 4 --link-delay-ms 11,8,3.4,19
     """
+    from specpipe import settings
     from specpipe.redact import redact_url
 
+    model_name = model_name or settings.default_model()
     the_lab, layers = bring_up(_home(home), hosts, idle, model_name, delays, port)
     state = the_lab.state
     for host in the_lab.hosts():
