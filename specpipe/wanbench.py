@@ -5,9 +5,12 @@ delays its outgoing link by its share of the geography (the reference run's WA â
 and back: one way 11, 8, 3.4 and 19 ms). The ring is built from the lab's inventory, as a
 coordinator builds it; for each prompt (input-grounded, open-ended) and temperature it runs the
 same generation plain and speculative and reports tok/s, tokens per round, and the latency
-ceiling the stages measured (tokens per round over the ring's time: every link one way, from
-the stages' PINGs and delays, and every stage's forward and handling), with the ratio of the
-measured tok/s to it. Speculative and plain must give the same tokens (the same seed).
+ceilings the stages measured, with the ratio of the measured tok/s to each: the ring's
+(tokens per round over the ring's time: every link one way, from the stages' PINGs and
+delays, and every stage's forward and handling, read right after that mode's generation) and
+the links' alone (tokens per round over the links' time: what a round allows when compute is
+free: the target on fast hardware). Speculative and plain must give the same tokens (the
+same seed).
 """
 
 from __future__ import annotations
@@ -69,61 +72,69 @@ def run(settings: Settings, model: str, *, tokens: int, temps: Sequence[float], 
             ids = target.prompt_ids(text)
             for temp in temps:
                 params = SamplingParams(temp=temp, top_p=1.0 if temp == 0 else 0.95, seed=seed)
+                # The stages' timings are running means of their latest rounds: each mode's
+                # ring time is read right after its own generation.
                 plain = timed_generation(ring, ids, params, 0, tokens)
+                time.sleep(MEASURE_S)
+                plain_latency = ring_latency_now(settings)
                 spec = timed_generation(ring, ids, params, draft_k, tokens)
                 time.sleep(MEASURE_S)
-                latency = ring_latency_now(settings)
-                rows.append(_row(name, temp, plain, spec, latency))
+                spec_latency = ring_latency_now(settings)
+                rows.append(_row(name, temp, (plain, plain_latency), (spec, spec_latency)))
                 log(_line(rows[-1]))
     finally:
         ring.close()
     return {"route": [hop.host for hop in ring.route], "rows": rows}
 
 
-def _row(name: str, temp: float, plain: Timed, spec: Timed,
-         latency: inventory.RingLatency | None) -> dict:  # fmt: skip
-    row = {"prompt": name, "temp": temp, "identical": spec.tokens == plain.tokens}
-    for mode, timed in (("plain", plain), ("spec", spec)):
-        ceiling = latency.ceiling_tok_s(timed.tokens_per_round) if latency else None
+def _row(name: str, temp: float, plain: tuple[Timed, inventory.RingLatency | None],
+         spec: tuple[Timed, inventory.RingLatency | None]) -> dict:  # fmt: skip
+    """One (prompt, temperature): each mode's tok/s against two ceilings: the ring's (its
+    links and its stages' measured times) and the links' alone (compute for free)."""
+    row = {"prompt": name, "temp": temp, "identical": spec[0].tokens == plain[0].tokens}
+    for mode, (timed, latency) in (("plain", plain), ("spec", spec)):
+        per_round = timed.tokens_per_round
+        ceiling = latency.ceiling_tok_s(per_round) if latency else 0.0
+        link_ms = sum(h.link_ms for h in latency.hops) if latency else 0.0
+        link_ceiling = per_round * 1000 / link_ms if link_ms else 0.0
         row[mode] = {
             "tok_s": round(timed.tok_s, 2),
-            "tokens_per_round": round(timed.tokens_per_round, 2),
+            "tokens_per_round": round(per_round, 2),
             "round_ms": round(timed.round_ms, 2),
+            "ring_ms": round(latency.ring_ms, 2) if latency else None,
+            "link_ms": round(link_ms, 2) if latency else None,
             "ceiling_tok_s": round(ceiling, 2) if ceiling else None,
             "of_ceiling": round(timed.tok_s / ceiling, 3) if ceiling else None,
+            "link_ceiling_tok_s": round(link_ceiling, 2) if link_ceiling else None,
+            "of_link_ceiling": round(timed.tok_s / link_ceiling, 3) if link_ceiling else None,
         }
-    row["ring_ms"] = round(latency.ring_ms, 2) if latency else None
-    row["link_ms"] = round(sum(h.link_ms for h in latency.hops), 2) if latency else None
-    row["speedup"] = round(spec.tok_s / plain.tok_s, 2) if plain.tok_s else None
+    row["speedup"] = round(spec[0].tok_s / plain[0].tok_s, 2) if plain[0].tok_s else None
     return row
 
 
 def _line(row: dict) -> str:
-    plain, spec = row["plain"], row["spec"]
-
     def part(label: str, r: dict) -> str:
         share = f", {r['of_ceiling']:.0%} of {r['ceiling_tok_s']:.1f}" if r["of_ceiling"] else ""
-        return f"{label} {r['tok_s']:.1f} tok/s ({r['tokens_per_round']:.2f}/round{share})"
+        return (f"{label} {r['tok_s']:.1f} tok/s ({r['tokens_per_round']:.2f}/round{share}, "
+                f"ring {r['ring_ms']} ms)")  # fmt: skip
 
-    return (f"{row['prompt']:8} temp {row['temp']:g}: {part('plain', plain)}, "
-            f"{part('spec', spec)}, {row['speedup']}x, identical {row['identical']}; "
-            f"ring {row['ring_ms']} ms (links {row['link_ms']} ms)")  # fmt: skip
+    plain, spec = part("plain", row["plain"]), part("spec", row["spec"])
+    return (f"{row['prompt']:8} temp {row['temp']:g}: {plain}, {spec}, {row['speedup']}x, "
+            f"identical {row['identical']}")  # fmt: skip
 
 
 def table(result: dict) -> list[str]:
     """The rows as a Markdown table."""
     lines = [
-        "| prompt | temp | plain tok/s | spec tok/s | speedup | tokens/round (spec) | "
-        "ring ms | ceiling spec tok/s | spec / ceiling | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| prompt | temp | mode | tok/s | tokens/round | ring ms | ceiling tok/s | of ceiling | "
+        "links ms | links-only ceiling | of it | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
-        spec = row["spec"]
-        ceiling = spec["ceiling_tok_s"] if spec["ceiling_tok_s"] is not None else "-"
-        share = f"{spec['of_ceiling']:.2f}" if spec["of_ceiling"] is not None else "-"
-        lines.append(
-            f"| {row['prompt']} | {row['temp']:g} | {row['plain']['tok_s']} | {spec['tok_s']} | "
-            f"{row['speedup']} | {spec['tokens_per_round']} | {row['ring_ms']} | {ceiling} | "
-            f"{share} | {row['identical']} |"
-        )
+        for mode in ("plain", "spec"):
+            r = row[mode]
+            cells = [row["prompt"], f"{row['temp']:g}", mode, r["tok_s"], r["tokens_per_round"],
+                     r["ring_ms"], r["ceiling_tok_s"], r["of_ceiling"], r["link_ms"],
+                     r["link_ceiling_tok_s"], r["of_link_ceiling"], row["identical"]]  # fmt: skip
+            lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
     return lines
