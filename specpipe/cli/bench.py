@@ -403,9 +403,9 @@ def bench_wan(model, delays, tokens, temps, seed, draft_k, home, json_path):
     import tempfile
 
     from specpipe import wanbench
-    from specpipe.cli.lab import _delays, bring_up
+    from specpipe.cli.lab import bring_up, link_delays
 
-    ms = _delays(None, None, delays)
+    ms = link_delays(None, None, delays)
     if not ms:
         raise click.BadParameter("give one delay per host", param_hint="--link-delay-ms")
     with tempfile.TemporaryDirectory(prefix="specpipe-wan-") as scratch:

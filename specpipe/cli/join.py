@@ -8,12 +8,12 @@ from urllib.parse import urlparse
 import click
 
 from specpipe.cli.model import ModelInputError
-from specpipe.cli.worker import _check_reachable, _layer_range, serve_stage
+from specpipe.cli.worker import check_reachable, layer_range, serve_stage
 
 
 def _layers(ctx, param, value: str) -> tuple[int, int] | None:
     """None for `auto`, else the range A:B."""
-    return None if value.strip().lower() == "auto" else _layer_range(ctx, param, value)
+    return None if value.strip().lower() == "auto" else layer_range(ctx, param, value)
 
 
 def address_towards(url: str) -> str:
@@ -106,7 +106,7 @@ def join(
     registry_url = registry_url or settings.registry_url()
     if not registry_url:
         raise click.ClickException("no registry: pass --registry URL or set SPECPIPE_REGISTRY_URL")
-    _check_reachable(registry_url, "the registry")
+    check_reachable(registry_url, "the registry")
     try:
         n_layers = open_checkpoint(model_name).config.n_layers
         label = model_label(model_name)

@@ -20,7 +20,8 @@ def _home(home: Path | None) -> Path:
     return home or settings.instance_dir() / "lab"
 
 
-def _delays(_ctx, _param, value: str) -> list[float]:
+def link_delays(_ctx, _param, value: str) -> list[float]:
+    """A click callback: `11,8,3.4,19` as milliseconds, none negative."""
     try:
         delays = [float(part) for part in value.split(",") if part.strip()] if value else []
     except ValueError:
@@ -44,7 +45,7 @@ HOME_OPTION = click.option("--home", type=click.Path(file_okay=False, path_type=
               help="More hosts with nothing running (a place for `specpipe join`).")  # fmt: skip
 @click.option("--model", "model_name", default=None,
               help="Model [default: SPECPIPE_MODEL, else the embedded default].")  # fmt: skip
-@click.option("--link-delay-ms", "delays", default="", callback=_delays,
+@click.option("--link-delay-ms", "delays", default="", callback=link_delays,
               help="One-way delay of each serving host's outgoing link, in ring order: one "
               "value for all or one per host (e.g. 11,8,3.4,19).")  # fmt: skip
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True,

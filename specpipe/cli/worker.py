@@ -18,7 +18,8 @@ def worker() -> None:
     """Run one swarm process: a stage, the coordinator or the beat scheduler."""
 
 
-def _layer_range(_ctx, _param, value: str) -> tuple[int, int]:
+def layer_range(_ctx, _param, value: str) -> tuple[int, int]:
+    """A click callback: `A:B` as the layer range (A, B), A below B."""
     start, sep, end = value.partition(":")
     if not sep or not start.strip().isdigit() or not end.strip().isdigit():
         raise click.BadParameter(f"{value!r} is not A:B (two layer numbers)")
@@ -30,7 +31,7 @@ def _layer_range(_ctx, _param, value: str) -> tuple[int, int]:
 
 @worker.command(name="stage")
 @click.option("--host", required=True, help="This stage's name in the inventory (unique).")
-@click.option("--layers", required=True, callback=_layer_range,
+@click.option("--layers", required=True, callback=layer_range,
               help="Layer range A:B (half-open) this stage serves.")  # fmt: skip
 @click.option("--model", "model_name", default="default", show_default=True, help="Model.")
 @click.option("--redis", "redis_url", default=None,
@@ -135,7 +136,7 @@ def serve_stage(
             "no swarm key: set SPECPIPE_SWARM_KEY (or run `specpipe up`, which keeps one)"
         )
     for url in {redis_url, registry_url or redis_url}:
-        _check_reachable(url, "Redis")
+        check_reachable(url, "Redis")
     if threads:
         torch.set_num_threads(threads)
     start, end = layers
@@ -220,13 +221,13 @@ def worker_beat(loglevel: str) -> None:
 def _celery_app():
     from specpipe import settings
 
-    _check_reachable(settings.redis_url(), "the broker Redis")
+    check_reachable(settings.redis_url(), "the broker Redis")
     from workers.celery_app import celery
 
     return celery
 
 
-def _check_reachable(url: str, what: str) -> None:
+def check_reachable(url: str, what: str) -> None:
     """A one-line ClickException unless the Redis at `url` answers a ping."""
     import redis
 
