@@ -37,6 +37,7 @@ from specpipe import inventory
 from specpipe.redis_server import RedisServer, TlsFiles, answers, find_binary
 
 LAB_FILE = "lab.json"
+LAB_STORE = "lab.sqlite3"  # the lab's own store, made afresh by each `up`
 SWARM = "lab"
 REDIS_PORT = 6379  # every host has a network stack of its own: the same port on each
 WEB_PORT = 8000
@@ -195,6 +196,10 @@ class Lab:
         self.home.mkdir(parents=True, exist_ok=True)
         self.home.chmod(0o700)
         (self.home / "logs").mkdir(exist_ok=True)
+        # A new lab starts empty: no inventory, queues, streams or jobs kept by an earlier one.
+        for data in [*self.home.glob("h*/redis"), self.home / "redis"]:
+            shutil.rmtree(data, ignore_errors=True)
+        (self.home / LAB_STORE).unlink(missing_ok=True)
         lab_id = secrets.token_hex(2)
         subnet = _free_subnet()
         n_hosts = len(layers) + idle
@@ -207,7 +212,7 @@ class Lab:
             "subnet": subnet,
             "layers": [list(r) for r in layers],
             "link_delays_ms": delays,
-            "database_url": database_url or f"sqlite:///{self.home / 'lab.sqlite3'}",
+            "database_url": database_url or f"sqlite:///{self.home / LAB_STORE}",
             "namespaces": [],
             "links": [],
             "processes": {},

@@ -110,9 +110,10 @@ class StageWorker:
         self._last_used: dict[str, float] = {}  # session -> monotonic time of its last message
         self._next_heartbeat = 0.0
         self._next_key_reload = 0.0
-        self._delayed: queue.SimpleQueue = queue.SimpleQueue()  # (due, send) on a slow link
-        if config.link_delay_s > 0:
-            threading.Thread(target=self._send_delayed, daemon=True).start()
+        # On a slow link, one outbox and sending thread per destination Redis, (due, send) in
+        # order: a next host gone silent holds up only what goes to it.
+        self._outboxes: dict[str, queue.SimpleQueue] = {}
+        self._outbox_lock = threading.Lock()  # a failed send's error reply comes from a sender
 
     def serve(self, stop: threading.Event | None = None) -> None:
         """Process messages until `stop` is set."""
@@ -552,14 +553,21 @@ class StageWorker:
                     self._reply(message, "error", reason=reason)
 
         if self.config.link_delay_s > 0:
-            self._delayed.put((time.monotonic() + self.config.link_delay_s, send))
+            with self._outbox_lock:
+                outbox = self._outboxes.get(url)
+                if outbox is None:
+                    outbox = self._outboxes[url] = queue.SimpleQueue()
+                    threading.Thread(target=self._send_delayed, args=(outbox,),
+                                     daemon=True).start()  # fmt: skip
+            outbox.put((time.monotonic() + self.config.link_delay_s, send))
         else:
             send()
 
-    def _send_delayed(self) -> None:
-        """The link's far end: sends each queued message once its delay has passed, in order."""
+    def _send_delayed(self, outbox: queue.SimpleQueue) -> None:
+        """The link's far end: sends each message of `outbox` once its delay has passed, in
+        order."""
         while True:
-            due, send = self._delayed.get()
+            due, send = outbox.get()
             time.sleep(max(0.0, due - time.monotonic()))
             try:
                 send()

@@ -120,7 +120,8 @@ def join(
     finally:
         client.close()
     host_name = host_name or socket.gethostname().split(".")[0]
-    taken = [n for n in nodes if n.host == host_name and n.status() == "online"]
+    # A name whose heartbeat lapsed (that host died) may be taken again.
+    taken = [n for n in nodes if n.host == host_name and not n.lapsed()]
     if taken:
         raise click.ClickException(
             f"a host named {host_name!r} already serves layers {taken[0].layers}: pass --host"
