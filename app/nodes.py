@@ -12,7 +12,7 @@ from redis.retry import Retry
 from app.db import get_session
 from models.db import utcnow
 from models.nodes import Node, ring_nodes
-from specpipe import inventory
+from specpipe import inventory, streams
 from specpipe.inventory import lossy_warning
 from specpipe.settings import swarm_keys
 
@@ -56,19 +56,31 @@ def ring_arrows(points: list[dict], node_radius: float = 34) -> list[dict]:
     return arrows
 
 
-def ignored_records() -> int | None:
-    """How many records in the live inventory fail to verify; None when it cannot be read."""
+def _client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1,
+                                retry=Retry(NoBackoff(), 0))  # fmt: skip
+
+
+def live_inventory() -> tuple[int | None, inventory.RingLatency | None]:
+    """From the live inventory: how many records fail to verify (None when it cannot be read)
+    and the ring's latency, with each stage's timings from its own Redis (None until the
+    stages have measured their links)."""
     keys = swarm_keys()
     if not keys:
-        return None
-    client = redis.Redis.from_url(current_app.config["REDIS_URL"], socket_connect_timeout=0.5,
-                                  socket_timeout=1, retry=Retry(NoBackoff(), 0))  # fmt: skip
+        return None, None
+    client = _client(current_app.config["REDIS_URL"])
     try:
-        return inventory.read(client, current_app.config["SWARM"], keys).ignored
+        found = inventory.read(client, current_app.config["SWARM"], keys)
     except (redis.RedisError, ValueError):
-        return None
+        return None, None
     finally:
         client.close()
+    ring = inventory.measured_ring(found.nodes)
+    if ring is None:
+        return found.ignored, None
+    stats = streams.read_stages_stats([(n.host, n.redis_url) for n in ring],
+                                      current_app.config["SWARM"], timeout_s=1.0)  # fmt: skip
+    return found.ignored, inventory.ring_latency(ring, stats)
 
 
 @bp.get("/")
@@ -83,6 +95,7 @@ def index():
         counts[node.status(now)] += 1
     ends = [n.layer_end for n in nodes if n.layer_end is not None]
     lossy = [n.host for n in nodes if n.test_lossy_tail]
+    ignored, latency = live_inventory()
     return render_template(
         "nodes/index.html",
         nodes=nodes,
@@ -93,5 +106,6 @@ def index():
         points=points,
         arrows=ring_arrows(points),
         lossy_warning=lossy_warning(lossy) if lossy else None,
-        ignored=ignored_records(),
+        ignored=ignored,
+        latency=latency,
     )

@@ -4,6 +4,9 @@ Every stage worker publishes a `NodeInfo` as JSON into the hash `specpipe:{swarm
 swarm's registry Redis and refreshes it (its heartbeat) while it runs. A node is *online* when
 its last heartbeat is at most 30 s old, *stale* up to 120 s, *offline* after that. `route`
 builds a ring from the online nodes: stages that cover every layer exactly once, in order.
+Several hosts may serve the same range (spares): the route takes the healthiest, one whose
+heartbeat has not *lapsed* (missed `LAPSE_BEATS` of the beats it promised, `heartbeat_s`), the
+freshest among those; a coordinator whose route has a lapsed hop re-routes around it.
 
 Records are signed: each value is `<HMAC-SHA256 hex> <record JSON>`, the tag computed with the
 swarm key over the swarm's name and the record's exact bytes. `read` checks the tag (constant
@@ -23,7 +26,7 @@ import json
 import math
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -36,6 +39,11 @@ from specpipe.settings import TEST_LOSSY_TAIL_VAR
 ONLINE_S = 30.0
 STALE_S = 120.0
 MAX_SKEW_S = 30.0  # a heartbeat further ahead of this host's clock is not believed
+# A node that missed this many of its beats (and at least LAPSE_MIN_S) is taken for dead by a
+# coordinator with a spare at hand; its stage heartbeats from a thread of its own, so a long
+# forward does not hold a beat up.
+LAPSE_BEATS = 3
+LAPSE_MIN_S = 1.0
 _MAC_CONTEXT = b"specpipe inventory record v1\x00"
 Keys = bytes | str | Sequence[bytes | str]  # one swarm key, or those a rotation accepts
 
@@ -53,7 +61,12 @@ def nodes_key(swarm: str) -> str:
 
 
 class RouteError(RuntimeError):
-    """The online stages cannot form a ring over every layer."""
+    """The online stages cannot form a ring over every layer; `start:end` is the first range
+    no online stage serves (where the ring cannot go on)."""
+
+    def __init__(self, message: str, start: int = 0, end: int = 0) -> None:
+        super().__init__(message)
+        self.start, self.end = start, end
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,13 @@ class NodeInfo:
     memory_bytes: int = 0
     software_version: str = __version__
     last_heartbeat: float = 0.0
+    heartbeat_s: float = 10.0  # the beat the node promises; older records beat every 10 s
+    # The ring's latency as this stage sees it: the host its rounds go on to (or "coordinator"
+    # from the tail), the round trip of a PING to that hop's Redis, measured at a heartbeat,
+    # and the one-way delay the stage adds to that link itself (`--link-delay-ms`, benchmarks).
+    next_hop: str = ""
+    next_hop_rtt_ms: float = 0.0
+    link_delay_ms: float = 0.0
     test_lossy_tail: bool = False  # TEST ONLY lossy sampling is on: the output is NOT lossless
     kv_budget_tokens: int = 0  # tokens of KV cache across sessions (specpipe/kvbudget.py); 0: none
 
@@ -85,6 +105,14 @@ class NodeInfo:
     def status(self, now: float | None = None) -> str:
         """online / stale / offline by the age of the last heartbeat."""
         return heartbeat_status((time.time() if now is None else now) - self.last_heartbeat)
+
+    def lapse_s(self) -> float:
+        """How long after its last heartbeat the node counts as lapsed."""
+        return max(LAPSE_BEATS * self.heartbeat_s, LAPSE_MIN_S)
+
+    def lapsed(self, now: float | None = None) -> bool:
+        """Whether the node has missed LAPSE_BEATS of its promised heartbeats."""
+        return (time.time() if now is None else now) - self.last_heartbeat > self.lapse_s()
 
     def to_json(self) -> str:
         """The record as JSON, in the one canonical encoding that is signed."""
@@ -276,12 +304,18 @@ def ignored_note(count: int) -> str:
 
 
 def route(
-    nodes: list[NodeInfo], n_layers: int, model: str | None = None, now: float | None = None
+    nodes: list[NodeInfo],
+    n_layers: int,
+    model: str | None = None,
+    now: float | None = None,
+    avoid: Collection[str] = (),
 ) -> list[NodeInfo]:
-    """The ring: online stages covering layers 0:n_layers exactly once, in order.
+    """The ring: online stages covering layers 0:n_layers exactly once, in order, none of the
+    hosts in `avoid`.
 
-    Where several hosts serve the same range the freshest heartbeat wins. Raises RouteError
-    naming the first layers no online stage serves."""
+    Where several hosts serve the same range the healthiest wins: one whose heartbeat has not
+    lapsed, the freshest among those. Raises RouteError naming the first layers no online stage
+    serves."""
     if n_layers <= 0:
         raise RouteError(f"a model needs at least one layer, got {n_layers}")
     now = time.time() if now is None else now
@@ -292,9 +326,10 @@ def route(
         and n.status(now) == "online"
         and 0 <= n.layer_start < n.layer_end <= n_layers
         and (model is None or not n.model or n.model == model)
+        and n.host not in avoid
     ]
     by_start: dict[int, list[NodeInfo]] = {}
-    for node in sorted(usable, key=lambda n: -n.last_heartbeat):
+    for node in sorted(usable, key=lambda n: (n.lapsed(now), -n.last_heartbeat)):
         by_start.setdefault(node.layer_start, []).append(node)
 
     # Depth-first over layer boundaries; `dead` remembers boundaries no route can finish from.
@@ -319,7 +354,7 @@ def route(
     # Every boundary visited is dead; the furthest one is where no online stage starts.
     pos = max(dead)
     end = min((n.layer_start for n in usable if n.layer_start > pos), default=n_layers)
-    raise RouteError(f"no online stage serves layers {pos}:{end}")
+    raise RouteError(f"no online stage serves layers {pos}:{end}", pos, end)
 
 
 def with_roles(nodes: list[NodeInfo]) -> list[NodeInfo]:
@@ -338,13 +373,34 @@ def with_roles(nodes: list[NodeInfo]) -> list[NodeInfo]:
     return [n if n.role else replace(n, role=role(n)) for n in ordered]
 
 
+def _link(node: NodeInfo) -> str:
+    """The link to the next hop: its PING round trip, and the delay the stage adds to it."""
+    if not node.next_hop:
+        return "-"
+    delay = f" +{node.link_delay_ms:g} ms" if node.link_delay_ms else ""
+    return f"rtt {node.next_hop_rtt_ms:.2f} ms{delay}"
+
+
 def table(nodes: list[NodeInfo], now: float | None = None) -> list[str]:
     """The inventory as aligned text lines, in ring order (what `specpipe nodes` prints). When
     a node runs the test-only lossy tail a last column, WARNING, marks it."""
     now = time.time() if now is None else now
     ordered = with_roles(nodes)
     warn = bool(lossy_hosts(ordered))
-    header = ("HOST", "ROLE", "LAYERS", "STATUS", "SEEN", "REDIS", "GEO", "PUBLIC IP", "GPU", "MEM")
+    header = (
+        "HOST",
+        "ROLE",
+        "LAYERS",
+        "STATUS",
+        "SEEN",
+        "REDIS",
+        "GEO",
+        "PUBLIC IP",
+        "GPU",
+        "MEM",
+        "NEXT HOP",
+        "LINK",
+    )
     rows = [(*header, "WARNING") if warn else header]
     for n in ordered:
         gpu = n.cpu_model if n.gpu_name == "cpu" and n.cpu_model else n.gpu_name
@@ -360,8 +416,146 @@ def table(nodes: list[NodeInfo], now: float | None = None) -> list[str]:
                 n.public_ip or "-",
                 gpu,
                 f"{n.memory_bytes / 2**30:.1f} GiB",
+                n.next_hop or "-",
+                _link(n),
                 *(["TEST LOSSY TAIL" if n.test_lossy_tail else "-"] if warn else []),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def lost_hops(hops: Sequence[NodeInfo], nodes: list[NodeInfo],
+              now: float | None = None) -> list[str]:  # fmt: skip
+    """The hosts of a route (`hops`, as routed) that the inventory `nodes` no longer vouches
+    for: gone from it (a clean shutdown), lapsed (killed, cut off, stopped), or serving other
+    layers than the route has them for."""
+    now = time.time() if now is None else now
+    current = {n.host: n for n in nodes}
+    lost = []
+    for hop in hops:
+        node = current.get(hop.host)
+        if (
+            node is None
+            or node.lapsed(now)
+            or (node.layer_start, node.layer_end) != (hop.layer_start, hop.layer_end)
+        ):
+            lost.append(hop.host)
+    return lost
+
+
+def choose_layers(nodes: list[NodeInfo], n_layers: int, model: str | None = None,
+                  load: dict[str, int] | None = None,
+                  now: float | None = None) -> tuple[int, int, str]:  # fmt: skip
+    """The layer range a new host should serve, and why: the first range no online stage
+    serves (from the first uncovered layer to where the next served range starts); when every
+    layer is served, a spare for the busiest range of the route: the one with the fewest
+    replicas, then the most rounds processed (`load`, per host), then the first."""
+    now = time.time() if now is None else now
+    online = [
+        n
+        for n in nodes
+        if n.status(now) == "online"
+        and not n.lapsed(now)
+        and 0 <= n.layer_start < n.layer_end <= n_layers
+        and (model is None or not n.model or n.model == model)
+    ]
+    try:
+        ring = route(online, n_layers, model=model, now=now)
+    except RouteError as exc:
+        return exc.start, exc.end, "nobody serves it"
+    load = load or {}
+
+    def busy(hop: NodeInfo) -> tuple:
+        same = [
+            n for n in online if (n.layer_start, n.layer_end) == (hop.layer_start, hop.layer_end)
+        ]
+        return (len(same), -sum(load.get(n.host, 0) for n in same), hop.layer_start)
+
+    hop = min(ring, key=busy)
+    replicas = busy(hop)[0]
+    return hop.layer_start, hop.layer_end, f"a spare: {replicas} host(s) serve it, the busiest"
+
+
+@dataclass(frozen=True)
+class HopLatency:
+    """One hop of the ring: the stage's own time per round and its link onward."""
+
+    host: str
+    next_hop: str
+    forward_ms: float  # the stage's forward (running mean)
+    handling_ms: float  # checking, decoding, encoding, sending on (running mean)
+    link_ms: float  # one way to the next hop: half the PING round trip plus the set delay
+
+    @property
+    def total_ms(self) -> float:
+        return self.forward_ms + self.handling_ms + self.link_ms
+
+
+@dataclass(frozen=True)
+class RingLatency:
+    """Where a round's time goes around the ring, and the tok/s that latency allows."""
+
+    hops: list[HopLatency]
+
+    @property
+    def ring_ms(self) -> float:
+        """One round's trip: every stage's time and every link's, the tail's back included."""
+        return sum(hop.total_ms for hop in self.hops)
+
+    def ceiling_tok_s(self, tokens_per_round: float = 1.0) -> float:
+        """The latency ceiling: tokens committed per round over the ring's time (0: unknown)."""
+        return tokens_per_round * 1000 / self.ring_ms if self.ring_ms > 0 else 0.0
+
+    def as_dict(self, tokens_per_round: float = 1.0) -> dict:
+        return {
+            "hops": [{**asdict(hop), "total_ms": round(hop.total_ms, 3)} for hop in self.hops],
+            "ring_ms": round(self.ring_ms, 3),
+            "tokens_per_round": tokens_per_round,
+            "ceiling_tok_s": round(self.ceiling_tok_s(tokens_per_round), 2),
+        }
+
+
+def measured_ring(nodes: list[NodeInfo], now: float | None = None) -> list[NodeInfo] | None:
+    """A ring routing can build from the online `nodes` that have measured their link onward
+    (from their first round on); None when they form none (a spare that has not carried a
+    round yet is left out)."""
+    online = [n for n in nodes if n.status(now) == "online"]
+    measured = [n for n in online if n.next_hop]
+    if not measured:
+        return None
+    try:
+        ring = route(measured, max(n.layer_end for n in online), now=now)
+    except RouteError:
+        return None
+    return ring
+
+
+def ring_latency(ring: list[NodeInfo], stats: dict[str, dict | None]) -> RingLatency:
+    """The latency of `ring` (a route, in order) from its records and each stage's running
+    means (`stats`, by host, as `streams.read_stats` gives them; None where unknown)."""
+    hops = []
+    for node in ring:
+        timings = stats.get(node.host) or {}
+        hops.append(
+            HopLatency(
+                host=node.host,
+                next_hop=node.next_hop or "?",
+                forward_ms=float(timings.get("forward_ms", 0.0)),
+                handling_ms=float(timings.get("hop_ms", 0.0)),
+                link_ms=node.next_hop_rtt_ms / 2 + node.link_delay_ms,
+            )
+        )
+    return RingLatency(hops)
+
+
+def latency_lines(latency: RingLatency) -> list[str]:
+    """The ring's latency as text: a line per hop, the ring's time and the ceiling."""
+    lines = ["RING LATENCY (per round)"]
+    for hop in latency.hops:
+        lines.append(f"  {hop.host} -> {hop.next_hop}: forward {hop.forward_ms:.1f} ms, "
+                     f"handling {hop.handling_ms:.1f} ms, link {hop.link_ms:.2f} ms")  # fmt: skip
+    ceiling = latency.ceiling_tok_s()
+    lines.append(f"  ring time {latency.ring_ms:.1f} ms; latency ceiling "
+                 f"{ceiling:.1f} tok/s per token per round")  # fmt: skip
+    return lines

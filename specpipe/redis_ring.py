@@ -11,13 +11,17 @@ the route and answers one of the round's ids: anything else is dropped and count
 reply re-sends the session's reset to every stage and raises `GapError`, so the caller's
 replay from position 0 finds the tail with its sampling parameters again. A result is a
 `RoundResult`, with the tail's log-probabilities when the session's parameters asked for them.
+
+A round that has waited `watch_after_s` without a reply asks its `watchdog` (when it has one)
+every `watch_every_s` whether a hop of the route is gone; a reason back ends the round at once
+with `HopLostError`, so the caller can re-route to a spare instead of waiting out the tries.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 
 import redis
@@ -33,10 +37,16 @@ from specpipe.settings import Settings
 # whole generation after a gap, takes the stages longer than one decode step.
 PER_TOKEN_S = 0.05
 RECONNECT_S = 1.0  # pause before sending a round again after a connection error
+WATCH_AFTER_S = 0.5  # a round this late asks its watchdog whether a hop is gone…
+WATCH_EVERY_S = 0.25  # …and again this often while it waits
 
 
 class RingError(RuntimeError):
     """The ring did not answer a round, or answered with an error."""
+
+
+class HopLostError(RingError):
+    """A hop of the route is gone (its watchdog says why): the round will not be answered."""
 
 
 class RedisRing:
@@ -53,6 +63,8 @@ class RedisRing:
         maxlen: int = streams.DEFAULT_MAXLEN,
         link_delay_s: float = 0.0,
         per_token_s: float = PER_TOKEN_S,
+        watchdog: Callable[[], str | None] | None = None,
+        watch_after_s: float = WATCH_AFTER_S,
     ) -> None:
         if not route:
             raise ValueError("a ring needs at least one stage")
@@ -73,6 +85,9 @@ class RedisRing:
         self._cursor: dict[str, bytes | str] = {}  # last reply entry id read, per session
         self._seq = 0  # the last sequence number sent, for any session
         self.dropped_replies = 0  # replies refused: stale, replayed, redirected or forged
+        # Asked while a round is late: a reason when a hop of the route is gone for good.
+        self.watchdog = watchdog
+        self.watch_after_s = watch_after_s
 
     @classmethod
     def from_inventory(
@@ -83,6 +98,7 @@ class RedisRing:
         *,
         registry_url: str | None = None,
         reply_url: str | None = None,
+        avoid: Collection[str] = (),
         **options,
     ) -> RedisRing:
         """The ring every caller builds: the online stages serving `model` that the swarm's
@@ -91,6 +107,7 @@ class RedisRing:
         The registry is `settings.redis_url` unless `registry_url` is given, and replies come
         back there unless `reply_url` is given. Raises RingError when the swarm has no key or
         the registry cannot be read, RouteError when the online stages leave layers uncovered.
+        The hosts in `avoid` are left out (a failover around them).
         """
         if not settings.swarm_key:
             raise RingError("the swarm is not configured: SPECPIPE_SWARM_KEY is not set")
@@ -102,7 +119,7 @@ class RedisRing:
             raise RingError(f"cannot read the inventory at {redact_url(registry)}: {exc}") from None
         finally:
             client.close()
-        route = inventory.route(nodes, n_layers, model=model)
+        route = inventory.route(nodes, n_layers, model=model, avoid=avoid)
         keys = wire.Keyring(settings.accepted_swarm_keys)
         return cls(route, settings.swarm, keys, reply_url or registry, **options)
 
@@ -180,6 +197,7 @@ class RedisRing:
                     reply = self._wait(session, round_ids, wait_s)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 problem = f"Redis unavailable: {exc}"
+                self._watch()
                 time.sleep(RECONNECT_S)
                 continue
             if reply is None:
@@ -208,9 +226,10 @@ class RedisRing:
         hops = len(self.route) + 1
         return self.timeout_s + n_tokens * self.per_token_s + hops * self.link_delay_s
 
-    def drop(self, session: str) -> None:
-        """Forget the session on every stage and delete its reply stream."""
-        self._control(session, "drop", None)
+    def drop(self, session: str, skip: Collection[str] = ()) -> None:
+        """Forget the session on every stage (but the hosts in `skip`, gone ones) and delete
+        its reply stream."""
+        self._control(session, "drop", None, [hop for hop in self.route if hop.host not in skip])
         self.connections.get(self.reply_url).delete(streams.reply_key(self.swarm, session))
         self._params.pop(session, None)
         self._cursor.pop(session, None)
@@ -270,6 +289,12 @@ class RedisRing:
             except redis.RedisError as exc:
                 raise RingError(f"Redis refused: {redact_text(str(exc))}") from None
 
+    def _watch(self) -> None:
+        """HopLostError when the watchdog says a hop of the route is gone."""
+        reason = self.watchdog() if self.watchdog is not None else None
+        if reason:
+            raise HopLostError(reason)
+
     def _next_seq(self) -> int:
         self._seq = wire.next_seq(self._seq)
         return self._seq
@@ -281,13 +306,20 @@ class RedisRing:
         `send`, commands for the reply's Redis, go out in the same write as the first read."""
         link = self.connections.link(self.reply_url)
         key = streams.reply_key(self.swarm, session)
-        deadline = time.monotonic() + wait_s
+        now = time.monotonic()
+        deadline, watch_at = now + wait_s, now + self.watch_after_s
         while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
+            now = time.monotonic()
+            if self.watchdog is not None and now >= watch_at:
+                self._watch()
+                watch_at = now + WATCH_EVERY_S
+            left_ms = int((deadline - now) * 1000)
             if left_ms <= 0:
                 return None
             cursor = self._cursor.get(session, "0-0")
             block_ms = min(left_ms, streams.MAX_BLOCK_MS)
+            if self.watchdog is not None:
+                block_ms = max(1, min(block_ms, int((watch_at - now) * 1000) + 1))
             read = ("XREAD", "BLOCK", block_ms, "STREAMS", key, cursor)
             entries = link.call(*send, read)[-1]
             send = ()

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
@@ -115,6 +116,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """A TLS server's certificate, its key, and the CA that signed it (PEM files)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+    def argv(self, port: int) -> list[str]:
+        """redis-server's options for TLS only on `port`, clients not asked for certificates."""
+        return ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(self.cert),
+                "--tls-key-file", str(self.key), "--tls-ca-cert-file", str(self.ca),
+                "--tls-auth-clients", "no"]  # fmt: skip
+
+
 class RedisServer:
     """A private redis-server child process.
 
@@ -124,6 +140,10 @@ class RedisServer:
     append-only file there, so what was queued survives a restart; without, it keeps nothing.
     Whatever the memory limit (`maxmemory`, in Redis's units such as "2gb"; none by default),
     it never evicts keys: queued work is refused, never dropped.
+
+    `host` is the address it listens on (another host's stages reach it there). With `tls`, the
+    server speaks only TLS on its port, with the certificate and key given, and its URL names
+    the CA that signed them (`rediss://…?ssl_ca_certs=`).
 
     With `password` the server is locked down (see the module's docstring) and both URLs carry
     the user and password. Its ACL goes into a config file, mode 0600 in the owner-only
@@ -137,13 +157,19 @@ class RedisServer:
         data_dir: Path | None = None,
         password: str | None = None,
         maxmemory: str | None = None,
+        host: str = "127.0.0.1",
+        tls: TlsFiles | None = None,
     ) -> None:
         self.binary = binary or find_binary()
         self.port = port or free_port()
         self.password = password
         self.maxmemory = maxmemory
+        self.host, self.tls = host, tls
         auth = f"{USER}:{quote(password, safe='')}@" if password else ""
-        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
+        if tls is None:
+            self.url = f"redis://{auth}{host}:{self.port}/0"
+        else:
+            self.url = f"rediss://{auth}{host}:{self.port}/0?ssl_ca_certs={quote(str(tls.ca))}"
         self.process: subprocess.Popen | None = None
         self.data_dir = data_dir
         self._dir: tempfile.TemporaryDirectory | None = None
@@ -176,8 +202,8 @@ class RedisServer:
         argv = [
             self.binary,
             *([str(self.config_path)] if self.config_path else []),  # a config file goes first
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
+            *(["--port", str(self.port)] if self.tls is None else self.tls.argv(self.port)),
+            "--bind", self.host,
             "--save", "",
             *persistence,
             "--maxmemory", self.maxmemory or "0",

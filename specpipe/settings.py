@@ -99,6 +99,12 @@ def configured_redis_url() -> str | None:
     return os.environ.get("REDIS_URL") or None
 
 
+def registry_url() -> str | None:
+    """`SPECPIPE_REGISTRY_URL`: the swarm's registry Redis, for a stage whose own Redis (its
+    `REDIS_URL`) is another; None when unset. Kept off command lines: it carries a password."""
+    return os.environ.get("SPECPIPE_REGISTRY_URL") or None
+
+
 def swarm_name(*, running: bool = True) -> str:
     """`SPECPIPE_SWARM`, else (with `running`) the name `specpipe up` recorded, else "default"."""
     recorded = swarm_file().get("swarm") if running else None
@@ -113,14 +119,16 @@ def swarm_key() -> str | None:
 
 def swarm_keys(now: float | None = None) -> tuple[str, ...]:
     """The swarm keys accepted now, the signing one first: `SPECPIPE_SWARM_KEY` (one key, or
-    `NEW,OLD` while a new key spreads), else the instance folder's key file, else ().
+    `NEW,OLD` while a new key spreads), else the key file `SPECPIPE_SWARM_KEY_FILE` names, else
+    the instance folder's key file, else ().
 
     The file's first line is the signing key; each further line, `KEY UNTIL`, is an old key
     accepted until the Unix time UNTIL (`specpipe key rotate` writes them)."""
     value = os.environ.get("SPECPIPE_SWARM_KEY")
     if value:
         return tuple(k.strip() for k in value.split(",") if k.strip())
-    return key_file_keys(instance_dir() / SWARM_KEY_FILE, now)
+    path = os.environ.get("SPECPIPE_SWARM_KEY_FILE")
+    return key_file_keys(Path(path) if path else instance_dir() / SWARM_KEY_FILE, now)
 
 
 def key_file_keys(path: Path, now: float | None = None) -> tuple[str, ...]:

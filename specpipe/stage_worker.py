@@ -89,8 +89,14 @@ class StageWorker:
         self.config = config
         # The record says what this process does, whatever the caller built it with.
         self.kv_budget_tokens = kv_budget(stage)
-        self.node = node and replace(node, test_lossy_tail=test_lossy_tail(),
-                                     kv_budget_tokens=self.kv_budget_tokens)  # fmt: skip
+        self.node = None
+        if node is not None:
+            self.node = replace(node, test_lossy_tail=test_lossy_tail(),
+                                kv_budget_tokens=self.kv_budget_tokens,
+                                heartbeat_s=config.heartbeat_s,
+                                link_delay_ms=config.link_delay_s * 1000)  # fmt: skip
+        # Where this stage's rounds went on to last (host, Redis URL): the link it measures.
+        self.next_hop: tuple[str, str] | None = None
         self.keys = wire.keyring(config.keys)
         self.stream = streams.stage_key(config.swarm, config.host)
         self.connections = streams.Connections()
@@ -112,13 +118,67 @@ class StageWorker:
         self._last_used: dict[str, float] = {}  # session -> monotonic time of its last message
         self._next_heartbeat = 0.0
         self._next_key_reload = 0.0
-        self._delayed: queue.SimpleQueue = queue.SimpleQueue()  # (due, send) on a slow link
-        if config.link_delay_s > 0:
-            threading.Thread(target=self._send_delayed, daemon=True).start()
+        # On a slow link, one outbox and sending thread per destination Redis, (due, send) in
+        # order: a next host gone silent holds up only what goes to it.
+        self._outboxes: dict[str, queue.SimpleQueue] = {}
+        self._outbox_lock = threading.Lock()  # a failed send's error reply comes from a sender
 
     def serve(self, stop: threading.Event | None = None) -> None:
         """Process messages until `stop` is set."""
         stop = stop or threading.Event()
+        beating = threading.Event()
+        beat = threading.Thread(target=self._beat, args=(beating,), daemon=True)
+        if self.node is not None:
+            beat.start()
+        try:
+            self._serve(stop)
+        finally:
+            beating.set()
+            if beat.is_alive():
+                beat.join()
+
+    def _beat(self, stop: threading.Event) -> None:
+        """Publish the node's record every `heartbeat_s` until `stop`, whatever the serving
+        loop is doing: a coordinator with a spare takes a record that stops coming for a dead
+        stage, so a long forward must not hold a beat up. Its own client: not the loop's."""
+        registry = redis.Redis.from_url(self.config.registry_url or self.config.redis_url,
+                                        socket_timeout=5, socket_connect_timeout=5)  # fmt: skip
+        probes = streams.Connections()
+        try:
+            while not stop.is_set():
+                self.measure_next_hop(probes)
+                self.publish(registry)
+                stop.wait(self.config.heartbeat_s)
+        finally:
+            registry.close()
+            probes.close()
+
+    def measure_next_hop(self, probes: streams.Connections) -> float | None:
+        """Time a PING to the Redis of the hop this stage's rounds go on to and put it in the
+        node's record; None (nothing recorded) before the first round or when it fails."""
+        if self.next_hop is None or self.node is None:
+            return None
+        host, url = self.next_hop
+        try:
+            client = probes.get(url)
+            client.ping()  # the connection is made: the timing below is one round trip
+            started = time.perf_counter()
+            client.ping()
+            rtt_ms = (time.perf_counter() - started) * 1000
+        except redis.RedisError as exc:
+            log.warning("%s: cannot reach %s's Redis: %s", self.config.host, host, exc)
+            return None
+        self.node = replace(self.node, next_hop=host, next_hop_rtt_ms=round(rtt_ms, 3))
+        return rtt_ms
+
+    def publish(self, registry: redis.Redis) -> None:
+        """Publish this node's signed record now (its heartbeat)."""
+        try:
+            inventory.publish(registry, self.config.swarm, self.node, self.keys.current)
+        except redis.RedisError as exc:
+            log.warning("%s: heartbeat failed: %s", self.config.host, exc)
+
+    def _serve(self, stop: threading.Event) -> None:
         wait_s = 0.0
         while not stop.is_set():
             try:
@@ -143,7 +203,8 @@ class StageWorker:
             log.warning("%s: could not flush acks and counters: %s", self.config.host, exc)
 
     def heartbeat(self, force: bool = False) -> None:
-        """Refresh this node's inventory record and counters when one is due."""
+        """Refresh this node's inventory record and counters, and forget idle sessions, when
+        a beat is due (the record is also refreshed by `serve`'s own beat)."""
         now = time.monotonic()
         if not force and now < self._next_heartbeat:
             return
@@ -468,6 +529,7 @@ class StageWorker:
             except wire.WireError as exc:
                 self._failed(message, exc)
                 return
+            self.next_hop = (nxt.host, nxt.redis_url)
             self._send(nxt.redis_url, stream, data, message, f"pass the round to {nxt.host}")
 
     def _sample(self, message: wire.Message, logits: torch.Tensor) -> None:
@@ -502,6 +564,8 @@ class StageWorker:
             **fields,
         )
         data = wire.encode(reply, self.config.swarm, self.keys)
+        if kind == "result":
+            self.next_hop = (wire.COORDINATOR, message.reply)
         self._send(message.reply, stream, data, None, f"reply to {message.session}")
 
     def _send(self, url: str, stream: str, data: bytes, message: wire.Message | None,
@@ -526,14 +590,21 @@ class StageWorker:
                     self._reply(message, "error", reason=reason)
 
         if self.config.link_delay_s > 0:
-            self._delayed.put((time.monotonic() + self.config.link_delay_s, send))
+            with self._outbox_lock:
+                outbox = self._outboxes.get(url)
+                if outbox is None:
+                    outbox = self._outboxes[url] = queue.SimpleQueue()
+                    threading.Thread(target=self._send_delayed, args=(outbox,),
+                                     daemon=True).start()  # fmt: skip
+            outbox.put((time.monotonic() + self.config.link_delay_s, send))
         else:
             send()
 
-    def _send_delayed(self) -> None:
-        """The link's far end: sends each queued message once its delay has passed, in order."""
+    def _send_delayed(self, outbox: queue.SimpleQueue) -> None:
+        """The link's far end: sends each message of `outbox` once its delay has passed, in
+        order."""
         while True:
-            due, send = self._delayed.get()
+            due, send = outbox.get()
             time.sleep(max(0.0, due - time.monotonic()))
             try:
                 send()

@@ -51,7 +51,7 @@ from specpipe.generation import Generation
 from specpipe.inventory import RouteError
 from specpipe.kvbudget import Reservations
 from specpipe.redact import one_line_reason, redact_url
-from specpipe.redis_ring import RedisRing, RingError
+from specpipe.redis_ring import HopLostError, RedisRing, RingError
 from specpipe.ring import GapError, Ring
 from specpipe.sampling import SamplingParams, TokenLogprob
 from specpipe.settings import Settings, default_model, stalled_after_s
@@ -71,6 +71,7 @@ UNACKED_KEY = "unacked"  # where Celery's Redis transport keeps delivered, unack
 # A job is started at most this often: a coordinator that dies on it every time (a crash it
 # triggers, a machine that keeps going away) does not make it run forever.
 MAX_ATTEMPTS = 3
+FAILOVER_WAIT_S = 10.0  # the longest a failed round waits to learn which hop died
 
 
 # (job, its ring, the tokens of cache it needs) -> a callable giving the room back, once the job
@@ -297,7 +298,16 @@ def open_default_model(**_) -> None:
 
 
 class CheckedRing:
-    """A job's ring, checked against the inventory whenever a stage answers `gap`.
+    """A job's ring, checked against the inventory when a hop goes quiet or answers `gap`.
+
+    Failover: two stages may serve the same layers. While a round waits, the ring's watchdog
+    asks `lost_hops` whether a hop of the route has lapsed (stopped heartbeating: killed, cut
+    off), left or serves other layers *and* the inventory holds a route around it; then the
+    ring is built again without those hosts and the job replays on the spare at once (a
+    `GapError` to the generation loop), without waiting for the dead host. A stage that could
+    not pass a round on (its next hop's Redis is gone with its host) fails the round at once;
+    the ring then waits up to the route's lapse time for the inventory to say which hop died.
+    Without a spare nothing changes: the round waits, and a restarted stage answers gap.
 
     A stage that restarted has lost its caches and answers gap, and the job replays its tokens
     from position 0. If the stage came back serving other layers than the ring's route has it
@@ -308,11 +318,16 @@ class CheckedRing:
     re-routes, or fails with a RouteError naming the layers no online stage serves."""
 
     def __init__(
-        self, build: Callable[[], Ring], layers_now: Callable[[], dict[str, tuple[int, int]]]
+        self,
+        build: Callable[..., Ring],
+        layers_now: Callable[[], dict[str, tuple[int, int]]],
+        lost_hops: Callable[[tuple], list[str]] | None = None,
     ) -> None:
-        self.build, self.layers_now = build, layers_now
-        self.ring = build()
+        # `build()` makes the ring; `build(avoid=hosts)` one around those hosts (failover).
+        self.build, self.layers_now, self.lost_hops = build, layers_now, lost_hops
+        self.ring = self._watched(build())
         self.rebuilt = 0
+        self.failovers = 0
 
     @property
     def route(self) -> tuple:
@@ -327,16 +342,25 @@ class CheckedRing:
     def round(self, session: str, tokens, start_pos: int, n_draft: int) -> list[int]:
         try:
             return self.ring.round(session, tokens, start_pos, n_draft)
+        except HopLostError as exc:
+            self._fail_over(session, self._lost() or [], str(exc))
+            raise GapError(f"re-routed around a lost stage: {exc}") from None
         except GapError:
             if self._route_changed():
                 old, self.ring = self.ring, None
                 _drop_quietly(old, session)
-                self.ring = self.build()  # RouteError when the stages no longer cover the model
+                self.ring = self._watched(self.build())  # RouteError: the model is not covered
                 self.rebuilt += 1
                 hosts = " -> ".join(hop.host for hop in self.route)
                 log.warning("session %s: a stage serves other layers now; new ring %s",
                             session, hosts)  # fmt: skip
             raise
+        except RingError as exc:
+            lost = self._await_lost()
+            if not lost:
+                raise
+            self._fail_over(session, lost, str(exc))
+            raise GapError(f"re-routed around a lost stage: {exc}") from None
 
     def drop(self, session: str) -> None:
         if self.ring is not None:
@@ -346,6 +370,53 @@ class CheckedRing:
         close = getattr(self.ring, "close", None)
         if close is not None:
             close()
+
+    def _watched(self, ring: Ring) -> Ring:
+        """`ring`, whose late rounds ask whether a hop of its route is lost (where it can)."""
+        if self.lost_hops is not None and hasattr(ring, "watchdog"):
+            ring.watchdog = self._lost_reason
+        return ring
+
+    def _lost(self) -> list[str]:
+        """The hosts of the route that are gone while a route around them exists."""
+        if self.lost_hops is None:
+            return []
+        try:
+            return self.lost_hops(self.route)
+        except (redis.RedisError, RouteError) as exc:  # cannot tell: keep waiting
+            log.warning("cannot check the route's stages: %s", exc)
+            return []
+
+    def _lost_reason(self) -> str | None:
+        lost = self._lost()
+        return f"{', '.join(lost)} stopped heartbeating" if lost else None
+
+    def _await_lost(self) -> list[str]:
+        """The lost hosts of the route, waiting for as long as a dead hop takes to lapse."""
+        lapse_s = max((getattr(hop, "lapse_s", lambda: 0.0)() for hop in self.route),
+                      default=0.0)  # fmt: skip
+        give_up_at = time.monotonic() + min(lapse_s, FAILOVER_WAIT_S)
+        while True:
+            lost = self._lost()
+            if lost or time.monotonic() >= give_up_at:
+                return lost
+            time.sleep(0.25)
+
+    def _fail_over(self, session: str, lost: list[str], why: str) -> None:
+        """Build the ring again around the `lost` hosts; the caller replays on it."""
+        old, self.ring = self.ring, None
+        try:
+            old.drop(session, skip=lost)  # the lost hosts' Redis may be gone with them
+        except Exception as exc:  # only costs the survivors some memory until they idle out
+            log.warning("could not drop %s on the old ring: %s", session, exc)
+        close = getattr(old, "close", None)
+        if close is not None:
+            close()
+        self.ring = self._watched(self.build(avoid=frozenset(lost)))
+        self.failovers += 1
+        hosts = " -> ".join(hop.host for hop in self.route)
+        log.warning("session %s: %s lost (%s); failed over to %s", session, ", ".join(lost),
+                    one_line_reason(why), hosts)  # fmt: skip
 
     def _route_changed(self) -> bool:
         try:
@@ -362,12 +433,35 @@ class CheckedRing:
 
 def served_layers(settings: Settings) -> dict[str, tuple[int, int]]:
     """Each stage host's layer range as the swarm's inventory has it now."""
-    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=5)
+    return {n.host: (n.layer_start, n.layer_end) for n in _inventory_now(settings)}
+
+
+def lost_with_spare(settings: Settings, model: str, n_layers: int) -> Callable[[tuple], list[str]]:
+    """For a CheckedRing: the hosts of a route that the inventory no longer vouches for
+    (`inventory.lost_hops`), when the online stages still cover the model without them; none
+    while there is no spare (the job then waits for the stage to come back)."""
+
+    def lost(route: tuple) -> list[str]:
+        nodes, now = _inventory_now(settings, timeout_s=2), time.time()
+        gone = inventory.lost_hops(route, nodes, now)
+        if not gone:
+            return []
+        try:
+            inventory.route(nodes, n_layers, model=model, now=now, avoid=gone)
+        except RouteError:
+            return []
+        return gone
+
+    return lost
+
+
+def _inventory_now(settings: Settings, timeout_s: float = 5) -> list[inventory.NodeInfo]:
+    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=timeout_s,
+                                  socket_timeout=timeout_s)  # fmt: skip
     try:
-        nodes = inventory.load(client, settings.swarm, settings.accepted_swarm_keys)
+        return inventory.load(client, settings.swarm, settings.accepted_swarm_keys)
     finally:
         client.close()
-    return {n.host: (n.layer_start, n.layer_end) for n in nodes}
 
 
 def lock_key(swarm: str, job_id: int) -> str:
@@ -433,13 +527,14 @@ def _run_locked(session: Session, job: Job, settings: Settings, keeper: LockKeep
     except Exception as exc:  # a model that breaks its reader: still one line on the job
         return _finish(session, job, "failed", f"cannot open model {job.model!r}: {exc}")
 
-    def build_ring() -> RedisRing:
-        ring = RedisRing.from_inventory(settings, target.name, target.n_layers)
+    def build_ring(avoid: frozenset[str] = frozenset()) -> RedisRing:
+        ring = RedisRing.from_inventory(settings, target.name, target.n_layers, avoid=avoid)
         sync_inventory(session, list(ring.route))  # the run's snapshot is the ring as it is now
         return ring
 
     def make_ring(_job: Job) -> CheckedRing:
-        return CheckedRing(build_ring, lambda: served_layers(settings))
+        lost = lost_with_spare(settings, target.name, target.n_layers)
+        return CheckedRing(build_ring, lambda: served_layers(settings), lost)
 
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=5)
     admit = room_keeper(session, Reservations(client, settings.swarm),

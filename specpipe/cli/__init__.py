@@ -7,7 +7,9 @@ from specpipe import __version__
 from specpipe.cli.bench import bench
 from specpipe.cli.db import db
 from specpipe.cli.generate import generate
+from specpipe.cli.join import join
 from specpipe.cli.key import key
+from specpipe.cli.lab import lab
 from specpipe.cli.model import model
 from specpipe.cli.nodes import nodes
 from specpipe.cli.proof import proof
@@ -28,7 +30,7 @@ def cli() -> None:
 
 for command in (generate, model, proof, regression, bench, nodes, runs, db, user, token, key, web):
     cli.add_command(command)
-for command in (worker, up):
+for command in (worker, up, join, lab):
     cli.add_command(command)
 
 

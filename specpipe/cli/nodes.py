@@ -30,7 +30,12 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     `stats`, read from its own Redis: rounds processed, the forwards they ran in (several
     sessions' rounds batched are one), messages dropped, replayed, gaps, errors, and running
     means of its forward, of what the hop adds around it and of the rounds per forward
-    (`forward_ms`, `hop_ms`, `batch_size`); null where that Redis cannot be reached.
+    (`forward_ms`, `hop_ms`, `batch_size`); null where that Redis cannot be reached. Once the
+    ring has carried rounds, `ring` gives its latency: per hop the forward, the handling and
+    the link to the next hop (half the PING round trip each stage measures at its heartbeats,
+    plus any simulated delay), the ring's time per round and the latency ceiling in tok/s at
+    one token per round (multiply by a job's tokens per round); the text output ends with the
+    same.
 
     A node whose worker runs with the test-only SPECPIPE_TEST_LOSSY_TAIL=1 is marked TEST LOSSY
     TAIL (`test_lossy_tail` in JSON), and a warning naming it goes to stderr: its output is NOT
@@ -68,16 +73,29 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     lossy = inventory.lossy_hosts(found.nodes)
     if lossy:
         click.echo(f"warning: {inventory.lossy_warning(lossy)}", err=True)
+    records = _records(found.nodes, swarm)
+    latency = _latency(found.nodes, {r["host"]: r["stats"] for r in records})
     if as_json:
-        records = _records(found.nodes, swarm)
-        click.echo(json.dumps({"swarm": swarm, "nodes": records,
+        ring = latency.as_dict() if latency else None
+        click.echo(json.dumps({"swarm": swarm, "nodes": records, "ring": ring,
                                "ignored_records": found.ignored}, indent=2))  # fmt: skip
         return
     lines = inventory.table(found.nodes) if found.nodes else [f"no nodes in swarm {swarm!r}"]
     for line in lines:
         click.echo(line)
+    if latency:
+        for line in inventory.latency_lines(latency):
+            click.echo(line)
     if found.ignored:
         click.echo(inventory.ignored_note(found.ignored))
+
+
+def _latency(found: list, stats: dict):
+    """The latency of the ring routing builds now (None before its stages measured it)."""
+    from specpipe import inventory
+
+    ring = inventory.measured_ring(found)
+    return inventory.ring_latency(ring, stats) if ring else None
 
 
 def _records(found: list, swarm: str) -> list[dict]:

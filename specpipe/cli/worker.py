@@ -25,7 +25,8 @@ def worker() -> None:
     """Run one swarm process: a stage, the coordinator, the nightly lane or the beat scheduler."""
 
 
-def _layer_range(_ctx, _param, value: str) -> tuple[int, int]:
+def layer_range(_ctx, _param, value: str) -> tuple[int, int]:
+    """A click callback: `A:B` as the layer range (A, B), A below B."""
     start, sep, end = value.partition(":")
     if not sep or not start.strip().isdigit() or not end.strip().isdigit():
         raise click.BadParameter(f"{value!r} is not A:B (two layer numbers)")
@@ -37,13 +38,14 @@ def _layer_range(_ctx, _param, value: str) -> tuple[int, int]:
 
 @worker.command(name="stage")
 @click.option("--host", required=True, help="This stage's name in the inventory (unique).")
-@click.option("--layers", required=True, callback=_layer_range,
+@click.option("--layers", required=True, callback=layer_range,
               help="Layer range A:B (half-open) this stage serves.")  # fmt: skip
 @click.option("--model", "model_name", default="default", show_default=True, help="Model.")
 @click.option("--redis", "redis_url", default=None,
               help="This host's Redis (its input stream); default: REDIS_URL.")  # fmt: skip
 @click.option("--registry", "registry_url", default=None,
-              help="The Redis holding the inventory; default: --redis.")  # fmt: skip
+              help="The Redis holding the inventory; default: SPECPIPE_REGISTRY_URL, "
+              "else --redis.")  # fmt: skip
 @click.option("--public-ip", default="", help="Public IP to record in the inventory.")
 @click.option("--geo", default="", help="Location label to record (e.g. WA).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
@@ -51,8 +53,9 @@ def _layer_range(_ctx, _param, value: str) -> tuple[int, int]:
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads for torch (default: torch's choice).")  # fmt: skip
-@click.option("--heartbeat-s", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
-              help="Seconds between inventory heartbeats.")  # fmt: skip
+@click.option("--heartbeat-s", type=click.FloatRange(min=0.1), default=0.5, show_default=True,
+              help="Seconds between inventory heartbeats; a coordinator with a spare for this "
+              "stage's layers re-routes after three missed beats.")  # fmt: skip
 @click.option("--session-idle-s", type=click.FloatRange(min=1), default=600.0,
               show_default=True,
               help="Free a session's caches after this long without a message.")  # fmt: skip
@@ -86,6 +89,44 @@ def worker_stage(
 
         SPECPIPE_SWARM_KEY=... specpipe worker stage --host wa --layers 0:9 --geo WA
     """
+    from specpipe import settings
+
+    serve_stage(
+        host,
+        layers,
+        model_name,
+        redis_url=redis_url or settings.redis_url(),
+        registry_url=registry_url or settings.registry_url(),
+        public_ip=public_ip,
+        geo=geo,
+        dtype=dtype,
+        device=device,
+        threads=threads,
+        heartbeat_s=heartbeat_s,
+        session_idle_s=session_idle_s,
+        link_delay_ms=link_delay_ms,
+    )
+
+
+def serve_stage(
+    host: str,
+    layers: tuple[int, int],
+    model_name: str,
+    *,
+    redis_url: str,
+    registry_url: str | None,
+    public_ip: str = "",
+    geo: str = "",
+    dtype: str = "float32",
+    device: str = "cpu",
+    threads: int | None = None,
+    heartbeat_s: float = 0.5,
+    session_idle_s: float = 600.0,
+    link_delay_ms: float = 0.0,
+    config: Settings | None = None,
+) -> None:
+    """Load layers `layers` of `model_name`, register as `host` and serve until SIGINT or
+    SIGTERM (what `worker stage` and `join` run). One-line ClickExceptions for what is wrong."""
     import logging
 
     import torch
@@ -96,7 +137,7 @@ def worker_stage(
     from specpipe.model.stage import load_stage
     from specpipe.stage_worker import WorkerConfig, run
 
-    config = settings.Settings.from_env()
+    config = config or settings.Settings.from_env()
     if not config.swarm_key:
         raise click.ClickException(
             "no swarm key: set SPECPIPE_SWARM_KEY (or run `specpipe up`, which keeps one)"
@@ -105,9 +146,8 @@ def worker_stage(
         settings.kv_budget_tokens()
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    redis_url = redis_url or settings.redis_url()
     for url in {redis_url, registry_url or redis_url}:
-        _check_reachable(url, "Redis")
+        check_reachable(url, "Redis")
     if threads:
         torch.set_num_threads(threads)
     start, end = layers
@@ -212,13 +252,13 @@ def worker_beat(loglevel: str) -> None:
 def _celery_app():
     from specpipe import settings
 
-    _check_reachable(settings.redis_url(), "the broker Redis")
+    check_reachable(settings.redis_url(), "the broker Redis")
     from workers.celery_app import celery
 
     return celery
 
 
-def _check_reachable(url: str, what: str) -> None:
+def check_reachable(url: str, what: str) -> None:
     """A one-line ClickException unless the Redis at `url` answers a ping."""
     import redis
 

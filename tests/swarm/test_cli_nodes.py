@@ -73,7 +73,8 @@ def test_nodes_json_lists_records_status_and_stage_stats_in_ring_order(swarm, re
 def test_nodes_json_of_an_empty_swarm_is_an_empty_list(swarm, redis_url):
     result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, "--json"])
     assert result.exit_code == 0
-    assert json.loads(result.output) == {"swarm": swarm, "nodes": [], "ignored_records": 0}
+    assert json.loads(result.output) == {"swarm": swarm, "nodes": [], "ring": None,
+                                         "ignored_records": 0}  # fmt: skip
 
 
 def test_nodes_count_ignored_records_and_hide_passwords(swarm, redis_url, key):
@@ -132,3 +133,43 @@ def test_nodes_without_a_test_lossy_tail_warn_of_nothing(swarm, redis_url, key):
         result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, *extra])
         assert result.exit_code == 0 and result.stderr == ""
         assert "LOSSY" not in result.stdout
+
+
+def test_the_ring_latency_adds_every_stage_and_link_and_gives_the_ceiling():
+    wa = NodeInfo("wa", 0, 2, "redis://wa", next_hop="nj", next_hop_rtt_ms=2.0, link_delay_ms=11)
+    nj = NodeInfo("nj", 2, 4, "redis://nj", next_hop="coordinator", next_hop_rtt_ms=1.0)
+    ring = [wa, nj]
+    stats = {"wa": {"forward_ms": 3.0, "hop_ms": 0.5}, "nj": None}
+    latency = inventory.ring_latency(ring, stats)
+    assert [h.link_ms for h in latency.hops] == [12.0, 0.5]
+    assert latency.ring_ms == pytest.approx(3.0 + 0.5 + 12.0 + 0.5)
+    assert latency.ceiling_tok_s(2.0) == pytest.approx(2000 / 16.0)
+    assert latency.as_dict()["ceiling_tok_s"] == pytest.approx(62.5)
+    assert inventory.latency_lines(latency)[-1].endswith("62.5 tok/s per token per round")
+
+
+def test_nodes_show_each_hops_measured_link_once_the_ring_has_carried_rounds(
+    stages, ring_settings, redis_url, swarm
+):
+    from specpipe.redis_ring import RedisRing
+    from tests.swarm.test_redis_ring import PARAMS, drive, two_heartbeats_later
+
+    stages.start("h0", "0:2", redis_url, wait=False)
+    stages.start("h1", "2:4", redis_url, wait=False)
+    stages.wait_ready(["h0", "h1"])
+    before = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, "--json"])
+    assert json.loads(before.output)["ring"] is None  # no round yet: no link measured
+    ring = RedisRing.from_inventory(ring_settings, "toy", 4)
+    ring.reset("s", PARAMS)
+    drive(ring, "s", rounds=3, k=2)
+    ring.close()
+    for host in ("h0", "h1"):
+        two_heartbeats_later(redis_url, swarm, ring_settings.swarm_key.encode(), host)
+    result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, "--json"])
+    latency = json.loads(result.output)["ring"]
+    hops = [(h["host"], h["next_hop"]) for h in latency["hops"]]
+    assert hops == [("h0", "h1"), ("h1", "coordinator")]
+    assert all(0 < h["link_ms"] < 50 and h["forward_ms"] > 0 for h in latency["hops"])
+    assert latency["ceiling_tok_s"] == pytest.approx(1000 / latency["ring_ms"], rel=1e-3)
+    text = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm]).output
+    assert "h0 -> h1: forward" in text and "latency ceiling" in text

@@ -11,6 +11,7 @@ from models import Job
 from models.db import make_session_factory
 from models.users import builtin_admin
 from specpipe.generation import Generation
+from specpipe.inventory import NodeInfo
 from specpipe.redis_ring import RedisRing
 from specpipe.ring import LocalRing
 from specpipe.sampling import SamplingParams
@@ -513,3 +514,66 @@ def test_a_stage_back_with_layers_nobody_else_completes_fails_the_job_with_them(
 
     assert run_job(make_session_factory(db_url), job_id, make, ToyCodec(), {EOS}) == "failed"
     assert load(db_url, job_id).error == "RouteError: no online stage serves layers 2:3"
+
+
+class LosingRing(GappyRing):
+    """A routed toy ring whose round `lose_at` finds a hop gone: the watchdog's verdict, or a
+    stage that could not pass the round on to it (`error`)."""
+
+    def __init__(self, route, lose_at: int | None = None, error: bool = False) -> None:
+        super().__init__(route)
+        self.lose_at, self.error, self.watchdog, self.dropped_on = lose_at, error, None, None
+
+    def round(self, session, tokens, start_pos, n_draft):
+        from specpipe.redis_ring import HopLostError, RingError
+
+        self.rounds += 1
+        if self.rounds == self.lose_at:
+            if self.error:
+                raise RingError("round failed: h0: cannot pass the round to h1")
+            raise HopLostError(self.watchdog() or "the watchdog saw nothing")
+        return self.ring.round(session, tokens, start_pos, n_draft)
+
+    def drop(self, session, skip=()):
+        self.dropped_on = [hop.host for hop in self.route if hop.host not in skip]
+        self.ring.drop(session)
+
+
+@pytest.mark.parametrize("error", [False, True], ids=["watchdog", "pass-on-error"])
+def test_a_lost_hop_with_a_spare_fails_over_and_the_job_ends_undisturbed(db_url, error):
+    job_id = add_job(db_url, temp=0.9, draft_k=3, max_new_tokens=30)
+    first = LosingRing(routed((0, 2), (2, 4)), lose_at=4, error=error)
+    spare = LosingRing([*routed((0, 2)), NodeInfo("h1b", 2, 4, "redis://x")])
+    avoided = []
+
+    def build(avoid=frozenset()):
+        avoided.append(set(avoid))
+        return spare if avoid else first
+
+    def make(_job):
+        return coordinator.CheckedRing(build, lambda: {}, lambda route: ["h1"])
+
+    assert run_job(make_session_factory(db_url), job_id, make, ToyCodec(), {EOS}) == "done"
+    job = load(db_url, job_id)
+    assert job.output_ids == undisturbed(job)
+    assert avoided == [set(), {"h1"}] and spare.rounds > 0
+    assert first.watchdog is not None  # the ring's late rounds ask the inventory
+    assert first.dropped_on == ["h0"]  # the session is dropped on the survivors only
+
+
+def test_without_a_spare_a_ring_error_still_fails_the_job_with_it(db_url, monkeypatch):
+    monkeypatch.setattr(coordinator, "FAILOVER_WAIT_S", 0.5)
+    job_id = add_job(db_url, max_new_tokens=30)
+    ring = LosingRing(routed((0, 2), (2, 4)), lose_at=2, error=True)
+    checks = []
+
+    def no_spare(route):
+        checks.append([hop.host for hop in route])
+        return []
+
+    def make(_job):
+        return coordinator.CheckedRing(lambda: ring, lambda: {}, no_spare)
+
+    assert run_job(make_session_factory(db_url), job_id, make, ToyCodec(), {EOS}) == "failed"
+    assert "cannot pass the round to h1" in load(db_url, job_id).error
+    assert checks and checks[0] == ["h0", "h1"]  # it looked for a spare before giving up

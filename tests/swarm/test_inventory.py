@@ -82,6 +82,59 @@ def test_freshest_of_two_replicas_wins():
     assert [n.host for n in route(nodes, 4, now=NOW)] == ["new", "t"]
 
 
+def test_a_lapsed_replica_loses_to_a_healthy_one_even_a_less_fresh_one():
+    # "fast" promised a beat every 0.5 s and missed three; "slow" beats every 10 s and is on time.
+    nodes = [node("fast", 2, 4, age=2, heartbeat_s=0.5), node("slow", 2, 4, age=5),
+             node("h", 0, 2)]  # fmt: skip
+    assert nodes[0].lapsed(NOW) and not nodes[1].lapsed(NOW)
+    assert [n.host for n in route(nodes, 4, now=NOW)] == ["h", "slow"]
+    # Lapsed is not offline: with no one else for its layers, it is still routed.
+    assert [n.host for n in route(nodes[::2], 4, now=NOW)] == ["h", "fast"]
+
+
+def test_a_route_avoids_the_hosts_it_is_told_to_or_names_what_is_left_uncovered():
+    nodes = [node("a", 0, 2), node("t1", 2, 4, age=1), node("t2", 2, 4, age=2)]
+    assert [n.host for n in route(nodes, 4, now=NOW)] == ["a", "t1"]
+    assert [n.host for n in route(nodes, 4, now=NOW, avoid={"t1"})] == ["a", "t2"]
+    with pytest.raises(RouteError, match="layers 2:4"):
+        route(nodes, 4, now=NOW, avoid={"t1", "t2"})
+
+
+def test_lost_hops_are_the_lapsed_the_departed_and_the_resplit():
+    hops = route([node("a", 0, 1), node("b", 1, 2), node("c", 2, 3), node("d", 3, 4)], 4,
+                 now=NOW)  # fmt: skip
+    now = [node("a", 0, 1, age=1.4, heartbeat_s=0.5), node("b", 1, 2, age=1.6, heartbeat_s=0.5),
+           node("c", 2, 4)]  # fmt: skip
+    assert inventory.lost_hops(hops, now, NOW) == ["b", "c", "d"]
+    assert inventory.lost_hops(hops[:1], now, NOW) == []
+
+
+def test_a_new_host_takes_the_first_range_nobody_serves():
+    nodes = [node("a", 0, 2), node("c", 5, 8), node("d", 2, 3, age=60)]  # d is stale
+    assert inventory.choose_layers(nodes, 8, now=NOW)[:2] == (2, 5)
+    assert inventory.choose_layers([], 8, now=NOW)[:2] == (0, 8)
+    assert inventory.choose_layers(nodes[:1], 8, now=NOW) == (2, 8, "nobody serves it")
+
+
+def test_when_all_is_served_a_new_host_spares_the_busiest_range():
+    nodes = [node("a", 0, 2), node("b1", 2, 4), node("b2", 2, 4, age=1), node("c", 4, 6)]
+    # The ranges with one host each: a's and c's; c has processed more rounds.
+    start, end, why = inventory.choose_layers(nodes, 6, load={"a": 10, "c": 30}, now=NOW)
+    assert (start, end) == (4, 6) and why.startswith("a spare")
+    assert inventory.choose_layers(nodes, 6, now=NOW)[:2] == (0, 2)  # a tie: the first
+    # A model the nodes do not serve has everything uncovered.
+    assert inventory.choose_layers([node("x", 0, 6, model="m")], 6, model="n", now=NOW)[:2] == (
+        0, 6)  # fmt: skip
+
+
+def test_the_promised_heartbeat_round_trips_and_older_records_beat_every_ten_seconds():
+    record = node("a", 0, 1, heartbeat_s=0.5)
+    assert NodeInfo.from_json(record.to_json()) == record
+    old = json.loads(node("a", 0, 1).to_json())
+    del old["heartbeat_s"]
+    assert NodeInfo.from_json(json.dumps(old)).lapse_s() == 30.0
+
+
 def test_layers_beyond_the_model_and_other_models_are_ignored():
     nodes = [node("a", 0, 2, model="m"), node("b", 2, 5, model="m"), node("c", 2, 4, model="x")]
     with pytest.raises(RouteError, match="layers 2:4"):

@@ -6,7 +6,7 @@ import uuid
 
 import redis
 
-from specpipe import inventory
+from specpipe import inventory, streams
 from tests.factories import gen_ring
 
 
@@ -28,3 +28,30 @@ def test_nodes_page_counts_records_that_do_not_verify(app, client, session, monk
         registry.close()
     note = html.split('id="ignored-records">', 1)[1].split("</div>", 1)[0]
     assert note.startswith("2 inventory records ignored: unsigned, forged")
+
+
+def test_nodes_page_shows_the_rings_latency_once_measured(app, client, session, monkeypatch):
+    swarm = f"w{uuid.uuid4().hex[:10]}"
+    monkeypatch.setenv("SPECPIPE_SWARM", swarm)
+    monkeypatch.setenv("SPECPIPE_SWARM_KEY", "the swarm key")
+    gen_ring(session, 2)
+    url = app.config["REDIS_URL"]
+    registry = redis.Redis.from_url(url)
+    try:
+        wa = inventory.NodeInfo("wa", 0, 2, url, next_hop="nj", next_hop_rtt_ms=1.0,
+                                link_delay_ms=11)  # fmt: skip
+        nj = inventory.NodeInfo("nj", 2, 4, url)  # has not carried a round yet
+        for node in (wa, nj):
+            inventory.publish(registry, swarm, node, "the swarm key")
+        assert 'id="ring-time"' not in client.get("/nodes/").get_data(as_text=True)
+        nj = inventory.NodeInfo("nj", 2, 4, url, next_hop="coordinator", next_hop_rtt_ms=3.0)
+        inventory.publish(registry, swarm, nj, "the swarm key")
+        registry.hset(streams.stats_key(swarm, "wa"), mapping={"forward_ms": 2.0, "hop_ms": 0.5})
+        html = client.get("/nodes/").get_data(as_text=True)
+    finally:
+        registry.delete(inventory.nodes_key(swarm), streams.stats_key(swarm, "wa"))
+        registry.close()
+    # 2 + 0.5 + (0.5 + 11) at wa, 1.5 at nj: 15.5 ms a round, 64.5 tok/s a token a round.
+    assert html.split('id="ring-time">', 1)[1].startswith("15.5 ms per round")
+    assert html.split('id="latency-ceiling">', 1)[1].startswith("64.5 tok/s")
+    assert "wa → nj" in html and "nj → coordinator" in html

@@ -1,0 +1,166 @@
+"""`specpipe join`: one command on a new host joins a running swarm as a stage."""
+
+from __future__ import annotations
+
+import socket
+from urllib.parse import urlparse
+
+import click
+
+from specpipe.cli.model import ModelInputError
+from specpipe.cli.worker import check_reachable, layer_range, serve_stage
+
+
+def _layers(ctx, param, value: str) -> tuple[int, int] | None:
+    """None for `auto`, else the range A:B."""
+    return None if value.strip().lower() == "auto" else layer_range(ctx, param, value)
+
+
+def address_towards(url: str) -> str:
+    """The address of this host's interface that reaches the Redis at `url` (the one the
+    other hosts of the swarm reach this host at); 127.0.0.1 for a local socket."""
+    parsed = urlparse(url)
+    if parsed.scheme == "unix" or not parsed.hostname:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((parsed.hostname, parsed.port or 6379))  # no packet is sent
+        return probe.getsockname()[0]
+
+
+@click.command(name="join")
+@click.option("--registry", "registry_url", default=None,
+              help="The swarm's registry Redis; default: SPECPIPE_REGISTRY_URL (which keeps "
+              "its password off the command line).")  # fmt: skip
+@click.option(
+    "--layers",
+    default="auto",
+    show_default=True,
+    callback=_layers,
+    help="A:B, or auto: the first range nobody serves, else a spare for the busiest.",
+)
+@click.option(
+    "--host",
+    "host_name",
+    default=None,
+    help="This stage's name in the inventory [default: the machine's hostname].",
+)
+@click.option("--model", "model_name", default=None,
+              help="The swarm's model, as a checkpoint this host has [default: "
+              "SPECPIPE_MODEL, else the embedded default].")  # fmt: skip
+@click.option("--redis", "redis_url", default=None,
+              help="This host's Redis; default: REDIS_URL, else one started here with a "
+              "password, on --address:--port.")  # fmt: skip
+@click.option("--address", default=None,
+              help="Where the other hosts reach this one [default: this host's address "
+              "towards the registry].")  # fmt: skip
+@click.option("--port", type=click.IntRange(1, 65535), default=6379, show_default=True,
+              help="Port of the Redis started here.")  # fmt: skip
+@click.option("--geo", default="", help="Location label to record (e.g. WA).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads for torch (default: torch's choice).")  # fmt: skip
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              default="float32", show_default=True, help="Compute dtype.")  # fmt: skip
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
+@click.option("--link-delay-ms", type=click.FloatRange(min=0), default=0.0,
+              help="Simulate a slow outgoing link (benchmarks).")  # fmt: skip
+def join(
+    registry_url: str | None,
+    layers: tuple[int, int] | None,
+    host_name: str | None,
+    model_name: str | None,
+    redis_url: str | None,
+    address: str | None,
+    port: int,
+    geo: str,
+    threads: int | None,
+    dtype: str,
+    device: str,
+    link_delay_ms: float,
+) -> None:
+    """Join the swarm whose registry is REGISTRY as a stage, and serve until stopped.
+
+    The swarm key comes from SPECPIPE_SWARM_KEY or the file SPECPIPE_SWARM_KEY_FILE names.
+    Uses this host's Redis (--redis, REDIS_URL) or starts one, locked down with a password
+    kept in the instance folder; chooses a layer range (--layers, or auto); registers with
+    the address the other hosts reach it at; Ctrl-C or SIGTERM leaves the swarm.
+
+    Example:
+
+        SPECPIPE_SWARM_KEY_FILE=/etc/specpipe/swarm_key \\
+        SPECPIPE_REGISTRY_URL=redis://specpipe:PASSWORD@203.0.113.7:6379/0 specpipe join
+    """
+    import redis
+
+    from specpipe import inventory, settings, streams
+    from specpipe.model.errors import ModelError
+    from specpipe.model.resolve import model_label, open_checkpoint
+    from specpipe.redact import redact_url
+    from specpipe.redis_server import RedisServer, RedisUnavailable
+
+    model_name = model_name or settings.default_model()
+    config = settings.Settings.from_env()
+    if not config.swarm_key:
+        raise click.ClickException(
+            "no swarm key: set SPECPIPE_SWARM_KEY or SPECPIPE_SWARM_KEY_FILE"
+        )
+    registry_url = registry_url or settings.registry_url()
+    if not registry_url:
+        raise click.ClickException("no registry: pass --registry URL or set SPECPIPE_REGISTRY_URL")
+    check_reachable(registry_url, "the registry")
+    try:
+        n_layers = open_checkpoint(model_name).config.n_layers
+        label = model_label(model_name)
+    except ModelError as exc:
+        raise ModelInputError(str(exc)) from None
+    client = redis.Redis.from_url(registry_url, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        nodes = inventory.load(client, config.swarm, config.accepted_swarm_keys)
+    except redis.RedisError as exc:
+        raise click.ClickException(f"cannot read the inventory: {exc}") from None
+    finally:
+        client.close()
+    host_name = host_name or socket.gethostname().split(".")[0]
+    # A name whose heartbeat lapsed (that host died) may be taken again.
+    taken = [n for n in nodes if n.host == host_name and not n.lapsed()]
+    if taken:
+        raise click.ClickException(
+            f"a host named {host_name!r} already serves layers {taken[0].layers}: pass --host"
+        )
+    if layers is None:
+        load = {}
+        for node in nodes:  # rounds each stage has processed, from its own Redis
+            try:
+                stats = redis.Redis.from_url(node.redis_url, socket_connect_timeout=2,
+                                             socket_timeout=2)  # fmt: skip
+                load[node.host] = int(streams.read_stats(stats, config.swarm, node.host)
+                                      .get("processed", 0))  # fmt: skip
+                stats.close()
+            except (redis.RedisError, ValueError):
+                pass
+        start, end, why = inventory.choose_layers(nodes, n_layers, label, load)
+    else:
+        start, end = layers
+        if end > n_layers:
+            raise click.BadParameter(f"{label} has {n_layers} layers", param_hint="--layers")
+        why = "as asked"
+    address = address or address_towards(registry_url)
+    server = None
+    redis_url = redis_url or settings.configured_redis_url()
+    if redis_url is None:
+        server = RedisServer(port=port, host=address, password=settings.ensure_redis_password(),
+                             data_dir=settings.instance_dir() / "redis",
+                             maxmemory=settings.redis_maxmemory())  # fmt: skip
+        try:
+            redis_url = server.start()
+        except RedisUnavailable as exc:
+            raise click.ClickException(str(exc)) from None
+    click.echo(f"joining swarm {config.swarm!r} as {host_name}: layers {start}:{end} ({why}), "
+               f"Redis {redact_url(redis_url)}")  # fmt: skip
+    try:
+        serve_stage(host_name, (start, end), model_name, redis_url=redis_url,
+                    registry_url=registry_url, public_ip=address, geo=geo, dtype=dtype,
+                    device=device, threads=threads, link_delay_ms=link_delay_ms,
+                    config=config)  # fmt: skip
+    finally:
+        if server is not None:
+            server.stop()

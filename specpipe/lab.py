@@ -1,0 +1,486 @@
+"""A multi-host lab on one machine: each host a network namespace of its own on a bridge.
+
+`Lab.up` makes a bridge with an address in the root namespace (so this machine reaches every
+host), and per host a namespace joined to it by a veth pair, with its own address, its own
+Redis (a password each; host 1's speaks TLS only, with a certificate signed by a CA the lab
+makes with `openssl`) and, on the hosts that serve, its own stage worker. Host 0 also runs the
+swarm's registry and broker (its Redis), the coordinator, beat and the web app, with a SQLite
+store in the lab's folder. The kernel here has no netem: a link's latency is the sending
+stage's own `--link-delay-ms`. Hosts beyond the serving ones (`idle`) get a namespace and
+nothing else: a place to run `specpipe join`, which starts the host's Redis itself.
+
+The lab's folder is an instance folder (`SPECPIPE_HOME`): the swarm key, `swarm.json` and the
+store live there, so `SPECPIPE_HOME=<lab> specpipe generate …` submits to the lab from this
+machine. `lab.json` there records every namespace, link and process *before* it is made, so
+`Lab.down` removes them all even after a crash halfway; it also kills whatever else runs in
+the lab's namespaces. Root only: namespaces need it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from specpipe import inventory
+from specpipe.redis_server import RedisServer, TlsFiles, answers, find_binary
+
+LAB_FILE = "lab.json"
+LAB_STORE = "lab.sqlite3"  # the lab's own store, made afresh by each `up`
+SWARM = "lab"
+REDIS_PORT = 6379  # every host has a network stack of its own: the same port on each
+WEB_PORT = 8000
+TLS_HOST = 1  # the host whose Redis speaks only TLS (when the lab has one)
+SUBNET_PREFIX = "10.231"  # hosts at 10.231.N.1…, the bridge at 10.231.N.254
+PREFIX = "splab"  # of every namespace and link a lab makes
+
+
+class LabError(RuntimeError):
+    """The lab cannot be brought up (or down) here; the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class Host:
+    """One host of the lab: its namespace, address and Redis."""
+
+    index: int
+    namespace: str
+    address: str
+    redis_url: str
+    tls: bool
+
+    @property
+    def name(self) -> str:
+        return f"h{self.index}"
+
+
+def check_can_run() -> None:
+    """LabError unless this process is root and `ip netns` and redis-server are there."""
+    if os.geteuid() != 0:
+        raise LabError("the lab needs root: network namespaces cannot be made otherwise")
+    if shutil.which("ip") is None:
+        raise LabError("the lab needs the `ip` command (iproute2)")
+    try:
+        subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, timeout=10)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        raise LabError(f"`ip netns` does not work here: {exc}") from None
+    find_binary()
+
+
+def _ip(*args: str, namespace: str | None = None, check: bool = True) -> str:
+    argv = ["ip", *(["-n", namespace] if namespace else []), *args]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if check and done.returncode != 0:
+        raise LabError(f"`{' '.join(argv)}` failed: {done.stderr.strip() or done.returncode}")
+    return done.stdout
+
+
+def _private(path: Path, text: str) -> None:
+    """Write `text` to `path`, readable by its owner only."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+
+
+def make_certificates(directory: Path, address: str) -> TlsFiles:
+    """A CA and a server certificate it signed for `address`, made with `openssl`."""
+    if shutil.which("openssl") is None:
+        raise LabError("the lab's TLS link needs the `openssl` command")
+
+    def openssl(*args: str) -> None:
+        done = subprocess.run(["openssl", *args], cwd=directory, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise LabError(f"openssl {args[0]} failed: {done.stderr.strip()[-200:]}")
+
+    directory.mkdir(parents=True, exist_ok=True)
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "30", "-subj",
+            "/CN=specpipe lab CA", "-keyout", "ca.key", "-out", "ca.pem")  # fmt: skip
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={address}", "-keyout",
+            "server.key", "-out", "server.csr")  # fmt: skip
+    (directory / "san.ext").write_text(f"subjectAltName=IP:{address}\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "30", "-extfile", "san.ext",
+            "-out", "server.pem")  # fmt: skip
+    for name in ("ca.key", "server.key"):
+        (directory / name).chmod(0o600)
+    return TlsFiles(cert=directory / "server.pem", key=directory / "server.key",
+                    ca=directory / "ca.pem")  # fmt: skip
+
+
+class Lab:
+    """The lab whose folder is `home`."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = Path(home).resolve()
+        self.state_path = self.home / LAB_FILE
+        self.state: dict = {}
+
+    # --- state ---------------------------------------------------------------------------
+
+    def load(self) -> dict:
+        """The recorded state ({} when there is none)."""
+        try:
+            self.state = json.loads(self.state_path.read_text())
+        except (OSError, ValueError):
+            self.state = {}
+        return self.state
+
+    def _save(self) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        _private(self.state_path, json.dumps(self.state, indent=2) + "\n")
+
+    def _record(self, kind: str, value) -> None:
+        """Note a resource in the state file before it is made."""
+        self.state.setdefault(kind, []).append(value)
+        self._save()
+
+    def running(self) -> bool:
+        """Whether a lab recorded here still has a namespace."""
+        if not self.load():
+            return False
+        existing = set(_ip("netns", "list", check=False).split())
+        return any(ns in existing for ns in self.state.get("namespaces", []))
+
+    def hosts(self) -> list[Host]:
+        """The hosts as recorded (addresses, Redis URLs with their passwords)."""
+        return [Host(**h) for h in self.load().get("hosts", [])]
+
+    def env(self, host: Host | None = None) -> dict[str, str]:
+        """The environment of a swarm process on `host` (host 0's registry and store)."""
+        state = self.state or self.load()
+        env = {
+            **os.environ,
+            "SPECPIPE_HOME": str(self.home),
+            "SPECPIPE_SWARM": state["swarm"],
+            "REDIS_URL": state["registry_url"],
+            "SPECPIPE_REGISTRY_URL": state["registry_url"],
+            "DATABASE_URL": state["database_url"],
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+        }
+        env.pop("SPECPIPE_SWARM_KEY", None)  # the lab's own key, from its folder
+        if host is not None:
+            env["REDIS_URL"] = host.redis_url
+            if not host.redis_url:  # an idle host: no Redis until one is started there
+                env.pop("REDIS_URL")
+        return env
+
+    # --- up ------------------------------------------------------------------------------
+
+    def up(
+        self,
+        layers: Sequence[tuple[int, int]],
+        model: str,
+        *,
+        idle: int = 0,
+        link_delays_ms: Sequence[float] = (),
+        database_url: str | None = None,
+    ) -> dict:
+        """Make the network and every host's Redis: one serving host per layer range in
+        `layers` (host i will serve `layers[i]`, see `serve`) and `idle` bare hosts; return
+        the state. LabError on any failure, after taking down what was made."""
+        check_can_run()
+        if self.running():
+            raise LabError(f"a lab already runs from {self.home}: `specpipe lab down` first")
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.home.chmod(0o700)
+        (self.home / "logs").mkdir(exist_ok=True)
+        # A new lab starts empty: no inventory, queues, streams or jobs kept by an earlier one.
+        for data in [*self.home.glob("h*/redis"), self.home / "redis"]:
+            shutil.rmtree(data, ignore_errors=True)
+        (self.home / LAB_STORE).unlink(missing_ok=True)
+        lab_id = secrets.token_hex(2)
+        subnet = _free_subnet()
+        n_hosts = len(layers) + idle
+        delays = _per_host(link_delays_ms, len(layers))
+        self.state = {
+            "id": lab_id,
+            "swarm": SWARM,
+            "model": model,
+            "bridge": f"{PREFIX}{lab_id}",
+            "subnet": subnet,
+            "layers": [list(r) for r in layers],
+            "link_delays_ms": delays,
+            "database_url": database_url or f"sqlite:///{self.home / LAB_STORE}",
+            "namespaces": [],
+            "links": [],
+            "processes": {},
+            "hosts": [],
+        }
+        self._save()
+        try:
+            self._network(n_hosts)
+            self._secrets()
+            for index in range(n_hosts):
+                if index < len(layers):
+                    self._start_redis(index)
+                else:
+                    self._add_idle(index)
+            return self.state
+        except BaseException:
+            self.down()
+            raise
+
+    def serve(self, model: str, *, web_port: int = WEB_PORT, stage_args: Sequence[str] = (),
+              timeout_s: float = 180.0) -> dict:  # fmt: skip
+        """Start the stage workers and host 0's coordinator, beat and web app; wait for them.
+        (The store must be migrated first.)"""
+        hosts = self.hosts()
+        registry = self.state["registry_url"]
+        python = [sys.executable, "-m", "specpipe"]
+        plan = zip(hosts, self.state["layers"], self.state["link_delays_ms"], strict=False)
+        for host, (start, end), delay in plan:
+            argv = [*python, "worker", "stage", "--host", host.name, "--layers", f"{start}:{end}",
+                    "--model", model, "--threads", "1", "--public-ip", host.address,
+                    "--link-delay-ms", f"{delay:g}", *stage_args]  # fmt: skip
+            self.spawn(host, f"stage-{host.name}", argv)
+        head = hosts[0]
+        quiet = ["--loglevel", "WARNING"]
+        self.spawn(head, "coordinator", [*python, "worker", "coordinator", *quiet])
+        self.spawn(head, "beat", [*python, "worker", "beat", *quiet])
+        self.spawn(head, "web", [*python, "web", "--host", head.address, "--port",
+                                 str(web_port), "--no-migrate"])  # fmt: skip
+        web_url = f"http://{head.address}:{web_port}/"
+        self.state["web_url"] = web_url
+        self._save()
+        serving = [h.name for h in hosts[: len(self.state["layers"])]]
+        self.wait_stages(serving, timeout_s)
+        self._wait(lambda: _http_ok(web_url + "healthz"), timeout_s, "the web app")
+        swarm_file = {"redis_url": registry, "web_url": web_url, "swarm": self.state["swarm"],
+                      "model": model, "stages": len(serving),
+                      "database_url": self.state["database_url"]}  # fmt: skip
+        _private(self.home / "swarm.json", json.dumps(swarm_file, indent=2) + "\n")
+        return self.state
+
+    def _network(self, n_hosts: int) -> None:
+        bridge, subnet = self.state["bridge"], self.state["subnet"]
+        self._record("links", bridge)
+        _ip("link", "add", "name", bridge, "type", "bridge")
+        _ip("addr", "add", f"{subnet}.254/24", "dev", bridge)
+        _ip("link", "set", bridge, "up")
+        for index in range(n_hosts):
+            self.add_namespace(index)
+
+    def add_namespace(self, index: int) -> str:
+        """Host `index`'s namespace on the bridge, with its address; return its name."""
+        lab_id, subnet = self.state["id"], self.state["subnet"]
+        namespace, veth, peer = f"{PREFIX}-{lab_id}-h{index}", f"{PREFIX}{lab_id}v{index}", \
+            f"{PREFIX}{lab_id}p{index}"  # fmt: skip
+        self._record("namespaces", namespace)
+        _ip("netns", "add", namespace)
+        self._record("links", veth)
+        _ip("link", "add", veth, "type", "veth", "peer", "name", peer)
+        _ip("link", "set", peer, "netns", namespace)
+        _ip("link", "set", peer, "name", "eth0", namespace=namespace)
+        _ip("addr", "add", f"{subnet}.{index + 1}/24", "dev", "eth0", namespace=namespace)
+        _ip("link", "set", "eth0", "up", namespace=namespace)
+        _ip("link", "set", "lo", "up", namespace=namespace)
+        _ip("link", "set", veth, "master", self.state["bridge"])
+        _ip("link", "set", veth, "up")
+        return namespace
+
+    def _secrets(self) -> None:
+        key = self.home / "swarm_key"
+        if not key.exists():
+            _private(key, secrets.token_hex(32) + "\n")
+        secret = self.home / "secret_key"
+        if not secret.exists():
+            _private(secret, secrets.token_hex(32) + "\n")
+
+    def _start_redis(self, index: int) -> Host:
+        namespace = f"{PREFIX}-{self.state['id']}-h{index}"
+        address = f"{self.state['subnet']}.{index + 1}"
+        directory = self.home / f"h{index}"
+        tls = None
+        if index == TLS_HOST:
+            tls = make_certificates(directory / "tls", address)
+        server = RedisServer(port=REDIS_PORT, data_dir=directory / "redis",
+                             password=secrets.token_hex(16), host=address, tls=tls)  # fmt: skip
+        host = Host(index, namespace, address, server.url, tls is not None)
+        self.state["hosts"].append(host.__dict__)
+        if index == 0:
+            self.state["registry_url"] = server.url
+        self._save()
+        self.spawn(host, "redis", server.argv())
+        self._wait(lambda: answers(server.url), 20, f"{host.name}'s Redis")
+        return host
+
+    def _add_idle(self, index: int) -> Host:
+        host = Host(index, f"{PREFIX}-{self.state['id']}-h{index}",
+                    f"{self.state['subnet']}.{index + 1}", "", False)  # fmt: skip
+        self.state["hosts"].append(host.__dict__)
+        self._save()
+        return host
+
+    def spawn(self, host: Host, name: str, argv: Sequence[str]) -> int:
+        """Run `argv` in `host`'s namespace with the lab's environment; its output goes to
+        logs/<host>-<name>.log. Returns its pid."""
+        log_path = self.home / "logs" / f"{host.name}-{name}.log"
+        with open(log_path, "a") as log:
+            process = subprocess.Popen(
+                ["ip", "netns", "exec", host.namespace, *argv],
+                env=self.env(host),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.state["processes"][f"{host.name}-{name}"] = process.pid
+        self._save()
+        return process.pid
+
+    def wait_stages(self, hosts: Sequence[str], timeout_s: float) -> None:
+        """Wait until each of `hosts` has a fresh record in the registry."""
+        client = redis.Redis.from_url(self.state["registry_url"], socket_connect_timeout=5,
+                                      socket_timeout=5)  # fmt: skip
+        key = (self.home / "swarm_key").read_text().strip()
+        since = time.time() - 1
+
+        def fresh() -> bool:
+            nodes = inventory.load(client, self.state["swarm"], key)
+            seen = {n.host for n in nodes if n.last_heartbeat >= since}
+            return set(hosts) <= seen
+
+        try:
+            self._wait(fresh, timeout_s, f"stages {', '.join(hosts)} to register")
+        finally:
+            client.close()
+
+    def _wait(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise LabError(f"{what} did not come up in {timeout_s:g} s "
+                               f"(logs in {self.home / 'logs'})")  # fmt: skip
+            dead = [name for name, pid in self.state.get("processes", {}).items()
+                    if not _alive(pid)]  # fmt: skip
+            if dead:
+                raise LabError(f"{', '.join(sorted(dead))} exited (logs in {self.home / 'logs'})")
+            time.sleep(0.2)
+
+    # --- down ----------------------------------------------------------------------------
+
+    def down(self, timeout_s: float = 10.0) -> list[str]:
+        """Stop every process in the lab's namespaces and remove the namespaces and links;
+        return what was removed. Safe to run again, and after a crash."""
+        state = self.load()
+        lab_id = state.get("id")
+        namespaces = set(state.get("namespaces", []))
+        links = set(state.get("links", []))
+        if lab_id:  # anything made under the lab's names that the state did not get to record
+            prefix = f"{PREFIX}-{lab_id}-"
+            namespaces |= {ns for ns in _ip("netns", "list", check=False).split()
+                           if ns.startswith(prefix)}  # fmt: skip
+            links |= {name for name in _links() if name.startswith(f"{PREFIX}{lab_id}")}
+        existing = set(_ip("netns", "list", check=False).split())
+        pids = {pid for pid in state.get("processes", {}).values() if _alive(pid)}
+        for namespace in namespaces & existing:
+            pids |= {int(p) for p in _ip("netns", "pids", namespace, check=False).split()}
+        _stop(pids, timeout_s)
+        removed = []
+        for namespace in sorted(namespaces & existing):
+            _ip("netns", "del", namespace, check=False)
+            removed.append(f"namespace {namespace}")
+        present = set(_links())
+        for link in sorted(links & present):
+            _ip("link", "del", link, check=False)
+            removed.append(f"link {link}")
+        if pids:
+            removed.append(f"{len(pids)} processes")
+        self.state_path.unlink(missing_ok=True)
+        (self.home / "swarm.json").unlink(missing_ok=True)
+        self.state = {}
+        return removed
+
+
+def _per_host(delays: Sequence[float], n: int) -> list[float]:
+    """One delay per serving host: as given, one for all, or none."""
+    if not delays:
+        return [0.0] * n
+    if len(delays) == 1:
+        return [float(delays[0])] * n
+    if len(delays) != n:
+        raise LabError(f"{len(delays)} link delays for {n} serving hosts: give one or {n}")
+    return [float(d) for d in delays]
+
+
+def _free_subnet() -> str:
+    """A 10.231.N prefix no interface of this machine uses."""
+    used = _ip("-4", "-o", "addr", check=False)
+    for n in range(1, 255):
+        if f" {SUBNET_PREFIX}.{n}." not in used:
+            return f"{SUBNET_PREFIX}.{n}"
+    raise LabError(f"every {SUBNET_PREFIX}.N.0/24 subnet is taken")
+
+
+def _links() -> list[str]:
+    names = []
+    for line in _ip("-o", "link", check=False).splitlines():
+        parts = line.split(":", 2)
+        if len(parts) > 1:
+            names.append(parts[1].strip().split("@")[0])
+    return names
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (our child that exited, not yet reaped) is not alive.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _stop(pids: set[int], timeout_s: float) -> None:
+    """SIGTERM each, then SIGKILL what is left after `timeout_s`."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        _reap(pids)
+        time.sleep(0.1)
+    for pid in pids:
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    time.sleep(0.1)
+    _reap(pids)
+
+
+def _reap(pids: set[int]) -> None:
+    """Collect those of `pids` that are this process's exited children (no zombies left)."""
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # not our child: its own parent collects it
+            pass
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False

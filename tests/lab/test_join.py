@@ -1,0 +1,123 @@
+"""`specpipe join` in the lab: a bare host joins the running swarm with one command (starting
+its own Redis, choosing its layers, registering at its own address), as a spare; then the
+stage a job runs through is killed and the job goes on through the other, across namespaces."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import redis
+
+from models import Job
+from models.db import make_session_factory
+from models.runs import Run
+from specpipe import inventory
+from tests.lab.conftest import run
+from tests.waiting import wait_until
+
+PROMPT = "hello world"
+ARGS = ["--temp", "0.8", "--seed", "11", "--max-new-tokens", "120", "--no-spec"]
+
+
+def lab_env(lab) -> dict[str, str]:
+    return {"SPECPIPE_HOME": str(lab.home), "REDIS_URL": "", "SPECPIPE_SWARM": "",
+            "SPECPIPE_SWARM_KEY": "", "DATABASE_URL": ""}  # fmt: skip
+
+
+def nodes(lab) -> list[inventory.NodeInfo]:
+    client = redis.Redis.from_url(lab.state["registry_url"])
+    try:
+        return inventory.load(client, "lab", (lab.home / "swarm_key").read_text().strip())
+    finally:
+        client.close()
+
+
+def latest_job(lab) -> Job | None:
+    with make_session_factory(lab.state["database_url"])() as session:
+        return session.query(Job).order_by(Job.id.desc()).first()
+
+
+def test_join_needs_a_key_and_a_registry_and_says_so_in_one_line(tmp_path):
+    env = {"SPECPIPE_HOME": str(tmp_path), "SPECPIPE_SWARM_KEY": "", "SPECPIPE_REGISTRY_URL": ""}
+    result = run("join", env=env)
+    assert result.exit_code == 1
+    assert (
+        result.output.strip()
+        == "Error: no swarm key: set SPECPIPE_SWARM_KEY or SPECPIPE_SWARM_KEY_FILE"
+    )
+    result = run("join", env={**env, "SPECPIPE_SWARM_KEY": "k" * 32})
+    assert result.exit_code == 1
+    assert "no registry: pass --registry URL or set SPECPIPE_REGISTRY_URL" in result.output
+
+
+def test_a_bare_host_joins_as_a_spare_and_takes_over_when_the_stage_dies(lab, tiny):
+    lab.load()
+    bare = lab.hosts()[2]
+    assert not bare.redis_url  # nothing runs there yet
+    joined = subprocess.Popen(
+        ["ip", "netns", "exec", bare.namespace, sys.executable, "-m", "specpipe", "join",
+         "--layers", "auto", "--model", str(tiny), "--host", bare.name, "--threads", "1",
+         "--link-delay-ms", "2"],
+        env=lab.env(bare), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: any(n.host == bare.name for n in nodes(lab)) or joined.poll(), 60,
+                   "the new host to register")  # fmt: skip
+        assert joined.poll() is None, joined.stdout.read()
+        record = next(n for n in nodes(lab) if n.host == bare.name)
+        # Every layer was served: it spares one of the two ranges, at its own address, with a
+        # Redis it started there (locked down: a password).
+        assert record.layers in ("0:2", "2:4") and record.public_ip == bare.address
+        assert record.redis_url.startswith("redis://specpipe:")
+        assert f"@{bare.address}:6379/" in record.redis_url
+        partner = next(
+            n.host for n in nodes(lab) if n.layers == record.layers and n.host != bare.name
+        )
+
+        local = run("generate", PROMPT, "--model", str(tiny), "--json", "--local", "--stages",
+                    "2", *ARGS, env=lab_env(lab))  # fmt: skip
+        want = json.loads(local.output)["tokens"]
+        out = {}
+        thread = threading.Thread(
+            target=lambda: out.update(
+                result=run(
+                    "generate", PROMPT, "--model", str(tiny), "--json", *ARGS, env=lab_env(lab)
+                )
+            )
+        )
+        thread.start()
+        job = wait_until(lambda: (j := latest_job(lab)) and j.generated_tokens >= 10 and j.run_id
+                         and j, 60, "10 tokens of the job")  # fmt: skip
+        with make_session_factory(lab.state["database_url"])() as session:
+            route = session.get(Run, job.run_id).topology.split(" -> ")
+        victim = bare.name if bare.name in route else partner
+        assert victim in route
+        before = job.generated_tokens
+        if victim == bare.name:
+            joined.send_signal(signal.SIGKILL)
+        else:
+            os.kill(lab.state["processes"][f"{victim}-stage-{victim}"], signal.SIGKILL)
+        killed = time.monotonic()
+
+        def next_round() -> bool:
+            job = latest_job(lab)
+            return job.generated_tokens > before + 1 or job.finished
+
+        wait_until(next_round, 60, "the next round", interval_s=0.01)
+        stall_s = time.monotonic() - killed
+        thread.join(120)
+        result = out["result"]
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output)["tokens"] == want
+        assert stall_s < 6.0, stall_s
+        print(f"failover across namespaces ({victim} killed): {stall_s:.2f} s to the next round")
+    finally:
+        if joined.poll() is None:
+            joined.terminate()
+            joined.wait(20)

@@ -1,0 +1,99 @@
+"""The multi-host lab: hosts in network namespaces of their own, each with its own Redis (one
+behind TLS) and stage, jobs through them equal to the one-process run, and `lab down` leaving
+nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from specpipe.lab import Lab
+from tests.lab.conftest import lab_unavailable, run
+
+PROMPT = "hello world"
+
+
+def generate(lab: Lab, tiny, *args: str) -> dict:
+    result = run("generate", PROMPT, "--model", str(tiny), "--json", "--max-new-tokens", "40",
+                 *args, env={"SPECPIPE_HOME": str(lab.home), "REDIS_URL": "",
+                             "SPECPIPE_SWARM": "", "SPECPIPE_SWARM_KEY": "",
+                             "DATABASE_URL": ""})  # fmt: skip
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_every_host_has_its_own_namespace_address_and_redis(lab):
+    hosts = lab.hosts()
+    assert [h.name for h in hosts] == ["h0", "h1", "h2"]
+    assert len({h.namespace for h in hosts}) == len({h.address for h in hosts}) == 3
+    assert [h.tls for h in hosts] == [False, True, False]
+    assert hosts[1].redis_url.startswith("rediss://specpipe:")
+    # Each Redis listens on its host's address only: not from another host's loopback.
+    here = subprocess.run(["ip", "netns", "exec", hosts[0].namespace, "ss", "-ltn"],
+                          capture_output=True, text=True).stdout  # fmt: skip
+    assert f"{hosts[0].address}:6379" in here and "127.0.0.1:6379" not in here
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [["--temp", "0"], ["--temp", "0.8", "--seed", "7"]],
+    ids=["greedy", "sampled"],
+)
+def test_a_job_through_the_lab_equals_the_one_process_run(lab, tiny, kw):
+    local = generate(lab, tiny, "--local", "--stages", "2", "--no-spec", *kw)
+    spec = generate(lab, tiny, *kw)
+    plain = generate(lab, tiny, "--no-spec", *kw)
+    assert spec["tokens"] == plain["tokens"] == local["tokens"]
+    assert len(local["tokens"]) > 10
+
+
+def test_lab_down_leaves_no_namespace_link_or_process(tiny, tmp_path):
+    reason = lab_unavailable()
+    if reason:
+        pytest.skip(reason)
+    home = tmp_path / "lab"
+    up = run("lab", "up", "--hosts", "1", "--model", str(tiny), "--port", "8001",
+             "--home", str(home))  # fmt: skip
+    lab = Lab(home)
+    state = lab.load()
+    try:
+        assert up.exit_code == 0, up.output
+        assert state["processes"] and all(alive(pid) for pid in state["processes"].values())
+        os.kill(state["processes"]["h0-coordinator"], 9)  # a crash leaves things half up
+    finally:
+        down = run("lab", "down", "--home", str(home))
+    assert down.exit_code == 0, down.output
+    assert not set(state["namespaces"]) & set(netns())
+    assert not [name for name in links() if name.startswith(state["bridge"])]
+    assert not [pid for pid in state["processes"].values() if alive(pid)]
+    assert run("lab", "down", "--home", str(home)).output.strip() == "lab down: no lab here"
+
+
+def test_the_lab_says_in_one_line_that_it_needs_root(monkeypatch, tmp_path):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    result = run("lab", "up", "--hosts", "2", "--home", str(tmp_path / "lab"))
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "Error: the lab needs root: network namespaces cannot be made otherwise"
+    ]
+    assert not (tmp_path / "lab").exists()
+
+
+def netns() -> list[str]:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+
+
+def links() -> list[str]:
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
