@@ -212,7 +212,8 @@ def test_errors_arrive_as_typed_exceptions(tiny, stack, client):
         client.chat.completions.create(model=str(tiny), messages=[], max_tokens=3)
     models = client.models.list()
     assert [m.id for m in models.data] == [str(tiny)]
-    assert {n["host"] for n in models.data[0].model_extra["ring"]} <= {"s0", "s1"}
+    # The store's nodes, which other tests' swarms may have added to: this swarm's among them.
+    assert {n["host"] for n in models.data[0].model_extra["ring"]} >= {"s0", "s1"}
     # A user at the active-jobs cap gets 429 with Retry-After: the client's RateLimitError.
     with make_session_factory(stack["db"])() as session:
         busy = create_user(session, f"busy-{uuid.uuid4().hex[:6]}", None)
@@ -233,9 +234,10 @@ def test_errors_arrive_as_typed_exceptions(tiny, stack, client):
 
 
 def test_a_client_that_leaves_a_stream_cancels_its_job(tiny, stack, client):
-    # Greedy on this checkpoint repeats itself without an end: it would run to the budget.
+    # Greedy on this checkpoint repeats itself without an end: it would run to the budget (as
+    # much as the checkpoint's context of 256 positions leaves).
     stream = client.completions.create(model=str(tiny), prompt=PROMPT, temperature=0,
-                                       max_tokens=2000, stream=True,
+                                       max_tokens=240, stream=True,
                                        extra_body={"draft_k": 0})  # fmt: skip
     first = next(iter(stream))
     job_id = first.model_extra["specpipe"]["job_id"]
@@ -244,4 +246,4 @@ def test_a_client_that_leaves_a_stream_cancels_its_job(tiny, stack, client):
     while stored(stack, job_id).status != "cancelled" and time.monotonic() < deadline:
         time.sleep(0.2)
     job = stored(stack, job_id)
-    assert job.status == "cancelled" and len(job.output_ids) < 2000
+    assert job.status == "cancelled" and len(job.output_ids) < 240

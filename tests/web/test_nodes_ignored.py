@@ -32,7 +32,7 @@ def test_nodes_page_counts_records_that_do_not_verify(app, client, session, monk
 
 def test_nodes_page_shows_the_rings_latency_once_measured(app, client, session, monkeypatch):
     swarm = f"w{uuid.uuid4().hex[:10]}"
-    monkeypatch.setenv("SPECPIPE_SWARM", swarm)
+    app.config["SWARM"] = swarm
     monkeypatch.setenv("SPECPIPE_SWARM_KEY", "the swarm key")
     gen_ring(session, 2)
     url = app.config["REDIS_URL"]
