@@ -563,14 +563,20 @@ def room_keeper(
         waiting = False
         try:
             while True:
-                full = reservations.reserve(route, name, need, holder, attempt)
-                if full is None:
-                    return lambda: reservations.release(route, name, attempt)
-                if not waiting:
-                    log.info("job %s waits for room: stage %s holds %d of %d tokens, it needs "
-                             "%d", job.id, full.host, full.used, full.budget, need)  # fmt: skip
-                    reservations.mark_waiting(name, holder, full, need)
-                    waiting = True
+                try:
+                    full = reservations.reserve(route, name, need, holder, attempt)
+                    if full is None:
+                        return lambda: reservations.release(route, name, attempt)
+                    if not waiting:
+                        log.info("job %s waits for room: stage %s holds %d of %d tokens, it "
+                                 "needs %d", job.id, full.host, full.used, full.budget,
+                                 need)  # fmt: skip
+                        reservations.mark_waiting(name, holder, full, need)
+                        waiting = True
+                except redis.RedisError as exc:
+                    # Redis restarting: wait it out as a round does; a lock that lapses
+                    # meanwhile ends the wait, and the job is resumed from the store.
+                    log.warning("job %s: cannot reserve its room yet: %s", job.id, exc)
                 session.refresh(job, ["cancel_requested"])
                 session.commit()  # no transaction stays open while it waits
                 if job.cancel_requested or not owned():
@@ -578,7 +584,10 @@ def room_keeper(
                 time.sleep(poll_s)
         finally:
             if waiting:
-                reservations.clear_waiting(name)
+                try:
+                    reservations.clear_waiting(name)
+                except redis.RedisError:  # the marker lapses with its holder's lock
+                    pass
 
     return admit
 

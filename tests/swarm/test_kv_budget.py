@@ -200,6 +200,29 @@ def test_a_second_job_waits_queued_until_the_first_gives_back_its_room(
     assert rooms.waiting() == {}
 
 
+def test_a_job_waits_out_a_redis_that_is_restarting_for_its_room(db_url, client, swarm, holders):
+    """Redis killed while a job is about to start: its reservation waits, as a round does,
+    instead of failing the job."""
+
+    class Restarting(Reservations):
+        refusals = 3
+
+        def reserve(self, *args, **kwargs):
+            if self.refusals:
+                self.refusals -= 1
+                raise redis.ConnectionError("Error 111 connecting to 127.0.0.1. Refused.")
+            return super().reserve(*args, **kwargs)
+
+    job_id = add_job(db_url, max_new_tokens=20)
+    rooms = Restarting(client, swarm)
+    with make_session_factory(db_url)() as session:
+        admit = coordinator.room_keeper(session, rooms, holders("1"), lambda: True, poll_s=0.05)
+        status = coordinator.run_job(session, job_id, lambda _j: RouteRing(500), ToyCodec(),
+                                     {EOS}, admit=admit)  # fmt: skip
+    assert status == "done" and rooms.refusals == 0
+    assert rooms.used("s0") == 0
+
+
 @pytest.mark.parametrize("ending", ["done", "failed", "cancelled"])
 def test_no_room_is_left_reserved_however_a_job_ends(db_url, client, swarm, holders, ending):
     job_id = add_job(db_url, max_new_tokens=40, draft_k=0)
