@@ -6,6 +6,7 @@ import click
 from specpipe import __version__
 from specpipe.cli.bench import bench
 from specpipe.cli.db import db
+from specpipe.cli.drafter import drafter
 from specpipe.cli.generate import generate
 from specpipe.cli.join import join
 from specpipe.cli.key import key
@@ -30,7 +31,7 @@ def cli() -> None:
 
 for command in (generate, model, proof, regression, bench, nodes, runs, db, user, token, key, web):
     cli.add_command(command)
-for command in (worker, up, join, lab):
+for command in (worker, up, join, lab, drafter):
     cli.add_command(command)
 
 

@@ -466,3 +466,41 @@ def bench_wan(model, delays, tokens, temps, seed, draft_k, home, json_path):
     write_json(json_path, result)
     if not all(row["identical"] for row in result["rows"]):
         raise click.ClickException("speculative and plain gave different tokens")
+
+
+@bench.command(name="draft-head")
+@click.option("--model", default="default", show_default=True, help="The target model.")
+@click.option("--head", "head_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="The head file (default: the one shipped for the model).")  # fmt: skip
+@click.option("--k", "draft_k", type=click.IntRange(1, 16), default=5, show_default=True,
+              help="Drafts per round.")  # fmt: skip
+@click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Timings per figure (the median is shown).")  # fmt: skip
+@sampling_options(0.7, 0.95, greedy=False)
+def bench_draft_head(model: str, head_path: Path | None, draft_k: int, repeats: int,
+                     temp: float, top_p: float, top_k: int) -> None:  # fmt: skip
+    """What a round's tail costs with the draft head: the verify with today's inverse-CDF
+    sampler and with the Gumbel one, the head's K drafts, and the Gumbel noise of one position.
+    Agreement and tokens per round: `specpipe drafter eval`.
+
+    Example:
+
+        specpipe bench draft-head --k 5
+    """
+    from specpipe.cli.drafter import load_head, open_whole_model
+    from specpipe.draftertrain import EVAL_PROMPTS, tail_costs
+    from specpipe.sampling import SamplingParams
+
+    label, cfg, tokenizer, _, stage = open_whole_model(model, threads=1)
+    head, _ = load_head(head_path, label, cfg)
+    prompt = tokenizer.prompt_ids(EVAL_PROMPTS[0])
+    params = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, seed=1)
+    costs = tail_costs(stage, head, prompt, draft_k, params, repeats)
+    click.echo(
+        f"{label}, K={draft_k}, temp {temp} top_p {top_p} top_k {top_k}, one thread: verify "
+        f"{costs['verify_inverse_cdf_ms']:.2f} ms (inverse CDF) vs "
+        f"{costs['verify_gumbel_ms']:.2f} ms (Gumbel); "
+        f"head drafts {costs['head_drafts_ms']:.2f} ms; "
+        f"noise {costs['noise_whole_vocab_ms']:.2f} ms over the vocabulary ({costs['vocab']:.0f}) "
+        f"vs {costs['noise_support_ms']:.3f} ms over the support ({costs['support_size']:.0f})"
+    )

@@ -1,0 +1,99 @@
+"""The Gumbel-max coupling: the target's draw in a form any drafter can share.
+
+The sampler today draws the token at absolute position t by the inverse CDF of p_t at one
+uniform u_t keyed by (seed, t). A drafter with its own distribution q only agrees with that
+draw when q's CDF happens to put u_t in the same token's interval, which depends on the id
+order of everything before it. The Gumbel-max form gives each token its own noise:
+
+    g_i = -log(-log(u_i)),   u_i from Philox keyed by (seed, t, token i)
+    x_t = argmax_{i : p_i > 0} (log p_i + g_i)          the target's draw
+    y_t = argmax_{i : q_i > 0} (log q_i + g_i)          a drafter's draw, same noise
+
+For iid Gumbel noise P(x_t = i) = p_i exactly (the Gumbel-max trick), so committed tokens are
+plain sampling's whatever the drafter proposed, and x_t and y_t agree with probability at least
+(1 - TV(p, q)) / (1 + TV(p, q)) (Gumbel coupling; the ceiling of any coupling is
+1 - TV = Σ min(p_i, q_i)). A token's noise depends only on (seed, t, i), never on which other
+tokens the top-k / top-p cut left, so only the support needs noise.
+
+Noise stream: Philox-4x64-10 (the sampler's `philox4x64`) with key (seed, 0) and counter
+(t, i // 4, GUMBEL_STREAM, 0); token i takes word i % 4 of its block. The third counter word
+keeps these blocks apart from the inverse-CDF uniforms, whose counter is (t, 0, 0, 0).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from specpipe.sampling import Sampler, _target_probs, check_seed, philox4x64
+
+GUMBEL_STREAM = 1  # counter word 2 of the Gumbel blocks; the inverse-CDF uniforms use 0
+
+
+def _check_position(position: int) -> None:
+    if isinstance(position, bool) or not isinstance(position, numbers.Integral) or position < 0:
+        raise ValueError(f"position must be a non-negative integer, got {position!r}")
+
+
+def token_uniforms(seed: int, position: int, ids) -> np.ndarray:
+    """u_i in (0, 1) for each token id in `ids` at (seed, absolute position): float64 [len]."""
+    check_seed(seed)
+    _check_position(position)
+    ids = np.asarray(ids, dtype=np.uint64).reshape(-1)
+    blocks, word_of = np.unique(ids >> np.uint64(2), return_inverse=True)
+    n = len(blocks)
+    pos = np.full(n, position, dtype=np.uint64)
+    stream = np.full(n, GUMBEL_STREAM, dtype=np.uint64)
+    zero = np.zeros(n, dtype=np.uint64)
+    words = np.stack(philox4x64((pos, blocks, stream, zero), (np.full(n, seed, np.uint64), zero)))
+    word = words[(ids & np.uint64(3)).astype(np.intp), word_of]  # [len]: word i % 4 of block
+    # 53 bits, centred in their interval so that u is never 0 (log 0) nor 1.
+    return ((word >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+
+
+def gumbel_noise(seed: int, position: int, ids) -> np.ndarray:
+    """g_i = -log(-log u_i) for each token id in `ids` at (seed, position): float64 [len]."""
+    return -np.log(-np.log(token_uniforms(seed, position, ids)))
+
+
+def gumbel_draw(probs: np.ndarray, seed: int, position: int, ids: np.ndarray | None = None) -> int:
+    """argmax over the support of log p_i + g_i: one token of `probs` [V] at (seed, position).
+
+    The target calls it with p, a drafter with its q; the same noise couples the two draws.
+    `ids` [V] names the token of each entry when `probs` covers only some of the vocabulary
+    (a drafter's); the noise and the result are those tokens'.
+    """
+    support = np.flatnonzero(probs > 0)
+    if len(support) == 0:
+        raise ValueError("probs has no token with positive mass")
+    tokens = support if ids is None else np.asarray(ids)[support]
+    if len(support) == 1:  # a point mass (greedy, or a sharp top-p cut) needs no noise
+        return int(tokens[0])
+    scores = np.log(probs[support]) + gumbel_noise(seed, position, tokens)
+    return int(tokens[np.argmax(scores)])
+
+
+def gumbel_draws(probs: np.ndarray, seed: int, start_pos: int) -> np.ndarray:
+    """`gumbel_draw` for each row of `probs` [N, V] at positions start_pos, start_pos+1, …"""
+    probs = np.asarray(probs).reshape(-1, np.shape(probs)[-1])
+    return np.array(
+        [gumbel_draw(row, seed, start_pos + j) for j, row in enumerate(probs)], dtype=np.int64
+    )
+
+
+class GumbelSampler(Sampler):
+    """A `Sampler` whose draw at position t is the Gumbel-max draw keyed by (seed, t).
+
+    `sample` and `accept` keep their meaning: the committed tokens follow the target exactly,
+    and a plain run and a speculative run with the same seed commit the same tokens. Greedy
+    (temp <= 0) is the argmax, as before. It draws different tokens than `Sampler` for the same
+    seed, so a run must record which sampler produced it.
+    """
+
+    def _draws(self, z: np.ndarray, start_pos: int) -> np.ndarray:
+        if self.greedy:
+            return np.argmax(z, axis=1)
+        _check_position(start_pos)
+        return gumbel_draws(_target_probs(z, self.temp, self.top_p, self.top_k), self.seed,
+                            start_pos)  # fmt: skip

@@ -1,0 +1,516 @@
+"""The draft head's data, training and evaluation, all offline and on the CPU.
+
+Data: the target continues the project's own prompts (those below; none is downloaded), several
+sessions per forward (`StageModel.forward_many`), sampled with the Gumbel-max coupling at a
+temperature between 0.7 and 1.0. The whole model is one stage; a hook on its final norm keeps
+the residual stream that enters it (the pre-norm feature h_j of every position j), and the
+forward's own logits give the target's distribution at every position, of which the top
+`TEACHER_TOP` probabilities are kept.
+
+Training (self-distillation): from (h_j, x_{j+1}) the head predicts ĥ_{j+1}; its logits through
+the target's norm and head are pulled towards the target's distribution at j+1 (cross-entropy
+to the kept top probabilities, renormalised), and rms(ĥ) towards rms(h_{j+1}) (feature
+regression, as EAGLE does). The head is then run once more on its own ĥ_{j+1} and x_{j+2}, so it
+learns to draft from its own features, as it does from draft 2 on.
+
+Evaluation on held-out prompts: the target generates (Gumbel draws at temp/top_p, or greedy);
+at every generated position T the head drafts K tokens from (h_{T-1}, x_T) with the noise of
+positions T+1 … T+K, and each draft is compared with the target's own token there. The n-gram
+drafter runs on the same text.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from specpipe.coupling import gumbel_draw
+from specpipe.drafthead import DraftHead, TargetParts, _rms, coupled_draft, frequent_tokens
+from specpipe.drafting import NgramDrafter
+from specpipe.loadbench import PROMPTS as LOAD_PROMPTS
+from specpipe.proofs.prompts import DEFAULT_GENERATION_PROMPT, DEFAULT_PROMPTS
+from specpipe.ring import Request
+from specpipe.sampling import SamplingParams, draw, target_probs, uniform
+
+Log = Callable[[str], None]
+
+TEACHER_TOP = 64  # target probabilities kept per position
+HEAD_HIDDEN = 1024  # the head's MLP width
+
+# Prompts the training data continues: the project's own, and more of other kinds.
+TRAIN_PROMPTS = (
+    *DEFAULT_PROMPTS,
+    DEFAULT_GENERATION_PROMPT,
+    *LOAD_PROMPTS,
+    "Explain how a refrigerator keeps food cold.",
+    "Write a recipe for a vegetable soup.",
+    "What are the main causes of the seasons on Earth?",
+    "Give five tips for learning a new language.",
+    "Describe a busy market in the morning.",
+    "Write a dialogue between a teacher and a student about fractions.",
+    "Explain what a computer program is to a child.",
+    "Write a product description for a waterproof backpack.",
+    "Summarise the plot of a detective story you invent.",
+    "List the steps to plant a tree.",
+    "Write an email asking a colleague to reschedule a meeting.",
+    "Why do cats purr? Give a short answer.",
+    "Describe the life cycle of a butterfly.",
+    "Write a haiku about autumn leaves.",
+    "Explain the difference between weather and climate.",
+    "Write a short speech for a school graduation.",
+    "How does a bicycle stay upright?",
+    "Tell a joke about a programmer and a duck.",
+    "Write a diary entry of an astronaut on the first day in orbit.",
+    "Explain how to make a paper airplane.",
+    "What is photosynthesis? Explain in simple words.",
+    "Write a review of an imaginary restaurant.",
+    "Describe your ideal weekend.",
+    "Give advice to someone starting their first job.",
+    "Write a Python function that reverses a string, and explain it.",
+    "Explain why exercise is good for health.",
+    "Describe a thunderstorm from the point of view of a tree.",
+    "Write a limerick about a forgetful wizard.",
+    "What should I pack for a camping trip?",
+    "Explain how the internet sends a message from one computer to another.",
+    "Write the opening paragraph of a fantasy novel.",
+    "Compare tea and coffee.",
+    "Write a thank-you note to a neighbour.",
+    "Explain the rules of chess briefly.",
+    "Describe a robot that helps in a hospital.",
+    "Write a short mystery set on a train.",
+    "How do bees make honey?",
+    "Write a motivational message for a student before an exam.",
+)
+
+# Held out: never continued for training.
+EVAL_PROMPTS = (
+    "Describe an underwater city and the people who live there.",
+    "Write a story about a clock that runs backwards.",
+    "Explain how a lighthouse lens works.",
+    "Write a letter to your future self.",
+    "What would happen if the moon disappeared?",
+    "Invent a holiday and describe how people celebrate it.",
+    "Write a poem about a quiet library.",
+    "Give a tour of a museum of lost socks.",
+)
+
+
+@dataclass
+class Sequences:
+    """Generated text with what the target computed at each position, flattened.
+
+    A sequence's rows run from its last prompt token (position n-1) to its last token. Row j:
+    the token at that position, the pre-norm feature there [D], the target's top probabilities
+    for the next position, and `left[j]`: rows after j in the same sequence."""
+
+    tokens: np.ndarray  # [M] int64
+    features: torch.Tensor  # [M, D] float32
+    top_ids: torch.Tensor  # [M, TEACHER_TOP] int64
+    top_probs: torch.Tensor  # [M, TEACHER_TOP] float32
+    left: np.ndarray  # [M] int64
+    positions: np.ndarray  # [M] int64: the absolute position of each row
+    seeds: np.ndarray  # [M] int64: the seed its sequence was sampled with
+    starts: list[int] = field(default_factory=list)  # the first row of each sequence
+    prompts: list[list[int]] = field(default_factory=list)  # each sequence's prompt
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def generated(self) -> int:
+        """Tokens the target sampled (the rows that are not a prompt's last token)."""
+        return len(self.tokens) - len(self.starts)
+
+
+@dataclass
+class _Session:
+    name: str
+    prompt: list[int]
+    seed: int
+    temp: float
+    tokens: list[int] = field(default_factory=list)  # from the prompt's last token on
+    features: list[torch.Tensor] = field(default_factory=list)
+    top_ids: list[torch.Tensor] = field(default_factory=list)
+    top_probs: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """One sequence to generate: a prompt's ids, the seed and temperature of its draws."""
+
+    prompt: list[int]
+    seed: int
+    temp: float  # <= 0: greedy
+
+
+def generate(
+    stage,
+    jobs: Sequence[Continuation],
+    top_p: float,
+    max_new: int,
+    width: int = 48,
+    eos_ids: Sequence[int] = (),
+    log: Log | None = None,
+) -> Sequences:
+    """Continue each job's prompt on `stage` (the whole model) by max_new tokens or to EOS,
+    with Gumbel draws at its seed and temp; up to `width` sessions in each forward. Keeps each
+    position's pre-norm feature and the target's top probabilities."""
+    captured: list[torch.Tensor] = []
+    hook = stage.norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+    queue = [_Session(f"draft-data-{i}", list(job.prompt), job.seed, job.temp)
+             for i, job in enumerate(jobs)]  # fmt: skip
+    sessions, active, sampled = list(queue), [], 0
+    queue.reverse()
+    started, reported = time.perf_counter(), 0
+    try:
+        while queue or active:
+            while queue and len(active) < width:
+                active.append(queue.pop())
+            # A new session sends its prompt and keeps only the last row; the others their token.
+            requests = [Request(s.name, torch.tensor(s.prompt), 0, 1) if not s.tokens
+                        else Request(s.name, torch.tensor(s.tokens[-1:]),
+                                     len(s.prompt) + len(s.tokens) - 2)
+                        for s in active]  # fmt: skip
+            captured.clear()
+            outs = stage.forward_many(requests)
+            (features,) = captured  # [one row per session, D]: what entered the final norm
+            still = []
+            for s, row, logits in zip(active, features, outs, strict=True):
+                if isinstance(logits, BaseException):
+                    raise logits
+                if not s.tokens:
+                    s.tokens.append(s.prompt[-1])
+                s.features.append(row[None].float().clone())
+                top = torch.softmax(logits.float(), dim=-1).topk(TEACHER_TOP, dim=-1)  # temp 1
+                s.top_ids.append(top.indices)
+                s.top_probs.append(top.values)
+                if len(s.tokens) > max_new or (len(s.tokens) > 1 and s.tokens[-1] in eos_ids):
+                    stage.drop(s.name)
+                    continue
+                pos = len(s.prompt) + len(s.tokens) - 1
+                s.tokens.append(_target_draw(logits[-1].numpy(), s.temp, top_p, s.seed, pos))
+                sampled += 1
+                still.append(s)
+            active = still
+            if log and sampled - reported >= 500:
+                reported = sampled
+                rate = sampled / (time.perf_counter() - started)
+                log(f"  generated {sampled} tokens ({rate:.1f} tok/s)")
+    finally:
+        hook.remove()
+    return _flatten(sessions)
+
+
+def _target_draw(logits: np.ndarray, temp: float, top_p: float, seed: int, pos: int) -> int:
+    if temp <= 0:
+        return int(np.argmax(logits))
+    return gumbel_draw(target_probs(logits, temp, top_p), seed, pos)
+
+
+def _flatten(sessions: Sequence[_Session]) -> Sequences:
+    tokens, left, positions, seeds, starts = [], [], [], [], []
+    for s in sessions:
+        s.tokens = s.tokens[: len(s.features)]  # the last draw was never fed back
+        starts.append(len(tokens))
+        tokens += s.tokens
+        length = len(s.tokens)
+        left += [length - 1 - j for j in range(length)]
+        positions += [len(s.prompt) - 1 + j for j in range(length)]
+        seeds += [s.seed] * length
+    return Sequences(
+        tokens=np.array(tokens, dtype=np.int64),
+        features=torch.cat([f for s in sessions for f in s.features]),
+        top_ids=torch.cat([t for s in sessions for t in s.top_ids]),
+        top_probs=torch.cat([t for s in sessions for t in s.top_probs]),
+        left=np.array(left, dtype=np.int64),
+        positions=np.array(positions, dtype=np.int64),
+        seeds=np.array(seeds, dtype=np.int64),
+        starts=starts,
+        prompts=[s.prompt for s in sessions],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+
+
+def training_parts(stage) -> TargetParts:
+    """The target's embedding, norm and head as plain, frozen products for training."""
+    stage.requires_grad_(False)
+    embed_weight = stage.embed.weight  # [V, D]
+    head_weight = stage.head.weight if stage.head.weight is not None else embed_weight
+    return TargetParts(
+        embed=lambda ids: F.embedding(ids, embed_weight),
+        norm=stage.norm,
+        head=lambda x: F.linear(x, head_weight),
+        head_weight=head_weight,
+    )
+
+
+def distill_loss(
+    head: DraftHead,
+    parts: TargetParts,
+    data: Sequences,
+    rows: torch.Tensor,
+    unroll: int,
+    feature_weight: float = 1.0,
+) -> tuple[torch.Tensor, list[float]]:
+    """The loss on training rows j (each with `unroll` rows after it) and each step's CE."""
+    h = data.features[rows]  # [B, D]: h_j
+    loss, ces = torch.zeros(()), []
+    for r in range(1, unroll + 1):
+        nxt = rows + r
+        h, logits = head.step(parts, h, torch.as_tensor(data.tokens[nxt]))  # ĥ_{j+r}, [B, V']
+        teacher, columns = data.top_probs[nxt], data.top_ids[nxt]  # [B, TOP]
+        if head.vocab is not None:  # the teacher's mass on the head's tokens, renormalised
+            size = int(max(data.top_ids.max(), head.vocab.max())) + 1
+            column_of = torch.full((size,), -1, dtype=torch.long)  # token -> column, or -1
+            column_of[head.vocab] = torch.arange(len(head.vocab))
+            columns = column_of[columns]
+            teacher = torch.where(columns >= 0, teacher, 0.0)
+            columns = columns.clamp(min=0)
+        teacher = teacher / teacher.sum(-1, keepdim=True).clamp(min=1e-9)
+        log_q = torch.log_softmax(logits, dim=-1).gather(1, columns)  # [B, TOP]
+        ce = -(teacher * log_q).sum(-1).mean()
+        regression = (_rms(h) - _rms(data.features[nxt])).pow(2).mean()
+        loss = loss + ce + feature_weight * regression
+        ces.append(float(ce.detach()))
+    return loss / unroll, ces
+
+
+def train_head(
+    parts: TargetParts,
+    data: Sequences,
+    steps: int,
+    batch: int = 128,
+    unroll: int = 2,
+    lr: float = 2e-3,
+    seed: int = 0,
+    hidden: int = HEAD_HIDDEN,
+    draft_vocab: int = 0,
+    log: Log | None = None,
+) -> tuple[DraftHead, list[float]]:
+    """Train a head on `data` for `steps` AdamW steps (cosine decay); the loss per step. With
+    `draft_vocab` > 0 it drafts only that many tokens, those the target gave most mass."""
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    vocab = None
+    if draft_vocab > 0 and parts.head_weight is not None:
+        vocab = frequent_tokens(data.top_ids, data.top_probs, len(parts.head_weight), draft_vocab)
+    head = DraftHead(data.features.shape[1], hidden, vocab)
+    usable = np.flatnonzero(data.left >= unroll)
+    if len(usable) == 0:
+        raise ValueError(f"no sequence is longer than {unroll + 1} tokens: nothing to train on")
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    losses, started = [], time.perf_counter()
+    for step in range(steps):
+        for group in opt.param_groups:  # cosine to a tenth, after a short warm-up
+            warm = min(1.0, (step + 1) / max(1, steps // 20))
+            group["lr"] = lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
+        rows = torch.as_tensor(rng.choice(usable, size=min(batch, len(usable)), replace=False))
+        loss, ces = distill_loss(head, parts, data, rows, unroll)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        if log and (step % 25 == 0 or step == steps - 1):
+            spent = time.perf_counter() - started
+            log(f"  step {step + 1}/{steps}: loss {np.mean(losses[-25:]):.3f}, cross-entropy per "
+                f"draft step {', '.join(f'{c:.2f}' for c in ces)} ({spent:.0f} s)")  # fmt: skip
+    return head.eval(), losses
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+
+
+@dataclass
+class DrafterScore:
+    """Per draft position j = 1..K: how often drafts 1..j all equal the target's tokens."""
+
+    accepted: list[float]  # P(drafts 1..j accepted)
+    rounds: int  # positions a round was started from
+
+    @property
+    def per_position(self) -> list[float]:
+        """P(draft j accepted | drafts before it were)."""
+        before = [1.0, *self.accepted[:-1]]
+        return [a / b if b else 0.0 for a, b in zip(self.accepted, before, strict=True)]
+
+    def tokens_per_round(self, k: int) -> float:
+        """Expected committed tokens per round with K = k: the target's own plus accepted."""
+        return 1.0 + sum(self.accepted[:k])
+
+    def as_dict(self) -> dict[str, object]:
+        k = len(self.accepted)
+        return {
+            "rounds": self.rounds,
+            "accepted_through": self.accepted,
+            "per_position": self.per_position,
+            "tokens_per_round": {str(i): self.tokens_per_round(i) for i in range(1, k + 1)},
+        }
+
+
+def _score(matches: np.ndarray) -> DrafterScore:
+    """matches [N, K] bool: draft j of round n equals the target's token."""
+    through = np.cumprod(matches, axis=1).mean(axis=0) if len(matches) else np.zeros(0)
+    return DrafterScore([float(a) for a in through], len(matches))
+
+
+def round_rows(data: Sequences, k: int) -> np.ndarray:
+    """The rows j = T-1 for every generated position T of every sequence that has K tokens
+    after it: a round whose last committed token is x_T drafts positions T+1 … T+K."""
+    rows = []
+    for start in data.starts:
+        # Row start + i is position n-1+i; T runs over the generated positions n … with
+        # T + K at most the last, so the rows are start … start + length - 2 - K.
+        rows += range(start, start + int(data.left[start]) - k)
+    return np.array(rows, dtype=np.int64)
+
+
+@torch.inference_mode()
+def head_drafts(head: DraftHead, parts: TargetParts, data: Sequences, rows: np.ndarray, k: int,
+                params: SamplingParams) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """Drafts [N, K] from each row j = T-1 (h_{T-1}, and x_T at row j+1) with its sequence's
+    seed; the overlap Σ_i min(p_i, q_i) [N] of the head's first draft distribution q with the
+    target's p at T+1 (computed from the target's own h_T); and [N] whether the inverse-CDF
+    draws of p and q at the sampler's u_{T+1} would agree."""
+    h = data.features[rows]  # [N, D]
+    tokens = torch.as_tensor(data.tokens[rows + 1])  # [N]: x_T
+    target = parts.head(parts.norm(data.features[rows + 1])).float().numpy()  # [N, V]
+    drafts = np.zeros((len(rows), k), dtype=np.int64)
+    overlap = np.zeros(len(rows))
+    inverse_cdf = np.zeros(len(rows), dtype=bool)
+    ids = head.token_ids()
+    for j in range(1, k + 1):
+        h, logits = head.step(parts, h, tokens)  # ĥ_{T+j-1}, q for position T+j
+        z = logits.numpy()
+        for n, row in enumerate(rows):
+            seed, position = int(data.seeds[row]), int(data.positions[row]) + 1 + j
+            seeded = SamplingParams(params.temp, params.top_p, params.top_k, seed)
+            drafts[n, j - 1] = coupled_draft(z[n], seeded, position, ids)
+            if j == 1:
+                p = target_probs(target[n], params.temp, params.top_p, params.top_k)
+                q = target_probs(z[n], params.temp, params.top_p, params.top_k)
+                if ids is not None:  # on the whole vocabulary, zero off the head's tokens
+                    q = np.zeros_like(p)
+                    q[ids] = target_probs(z[n], params.temp, params.top_p, params.top_k)
+                overlap[n] = np.minimum(p, q).sum()
+                # Today's coupling for comparison: both inverse CDFs at the shared u_t (for
+                # greedy both are one-hot and any u gives their argmax).
+                u = np.array(uniform(seed, position))
+                inverse_cdf[n] = draw(p, u) == draw(q, u)
+        tokens = torch.as_tensor(drafts[:, j - 1])
+    return drafts, overlap, inverse_cdf
+
+
+def ngram_matches(data: Sequences, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The n-gram drafter on the same rounds: [N, K] whether its draft j equals the target's
+    token, and [N] whether it proposed anything. It sees each sequence up to x_T."""
+    hits = np.zeros((len(rows), k), dtype=bool)
+    proposed = np.zeros(len(rows), dtype=bool)
+    sequence_of = {start: i for i, start in enumerate(data.starts)}
+    drafter, seen = NgramDrafter(), None  # seen: the last row whose next token it holds
+    for n, row in enumerate(rows):
+        if (
+            seen is None or row != seen + 1 or row in sequence_of
+        ):  # a new sequence: the prompt, then its tokens up to x_T
+            start = data.starts[int(np.searchsorted(data.starts, row, side="right")) - 1]
+            drafter = NgramDrafter()
+            drafter.extend(data.prompts[sequence_of[start]][:-1])
+            drafter.extend(data.tokens[start : row + 2].tolist())
+        else:
+            drafter.extend([int(data.tokens[row + 1])])
+        seen = row
+        proposal = drafter.propose(k)
+        proposed[n] = bool(proposal)
+        truth = data.tokens[row + 2 : row + 2 + k]
+        for j, token in enumerate(proposal[: len(truth)]):
+            hits[n, j] = token == truth[j]
+    return hits, proposed
+
+
+def evaluate(head: DraftHead, parts: TargetParts, data: Sequences, k: int,
+             params: SamplingParams) -> dict[str, object]:  # fmt: skip
+    """Agreement per draft position for the head, the n-gram drafter and both (the n-gram
+    where it proposes, the head elsewhere), over every generated round start of `data`; and
+    the head's mean overlap Σ min(p, q) at draft 1, the ceiling of any coupling."""
+    rows = round_rows(data, k)
+    drafts, overlap, inverse_cdf = head_drafts(head, parts, data, rows, k, params)
+    truth = np.stack([data.tokens[rows + 1 + j] for j in range(1, k + 1)], axis=1)  # [N, K]
+    head_hits = drafts == truth
+    ngram_hits, proposed = ngram_matches(data, rows, k)
+    both_hits = np.where(proposed[:, None], ngram_hits, head_hits)
+    return {
+        "rounds": len(rows),
+        "head": _score(head_hits).as_dict(),
+        "head_ceiling_draft_1": float(overlap.mean()) if len(rows) else 0.0,
+        "head_inverse_cdf_draft_1": float(inverse_cdf.mean()) if len(rows) else 0.0,
+        "ngram": _score(ngram_hits).as_dict(),
+        "ngram_proposes": float(proposed.mean()) if len(rows) else 0.0,
+        "both": _score(both_hits).as_dict(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# What a round's tail costs
+
+
+def _median_ms(run: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return float(np.median(times) * 1e3)
+
+
+def tail_costs(stage, head: DraftHead, prompt: Sequence[int], k: int, params: SamplingParams,
+               repeats: int = 20) -> dict[str, float]:  # fmt: skip
+    """Median milliseconds of the tail's sampling work for one round of K drafts on `prompt`:
+    the verify with today's sampler and with the Gumbel one (every draft accepted: all K+1 rows
+    drawn), the head's K drafts, and the Gumbel noise of one position over the whole vocabulary
+    and over the support temp / top-p / top-k leave."""
+    from specpipe.coupling import GumbelSampler, gumbel_noise
+    from specpipe.sampling import Sampler
+
+    session = "tail-costs"
+    captured: list[torch.Tensor] = []
+    hook = stage.norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+    try:
+        logits = stage.forward(session, torch.tensor(list(prompt)), 0, last_rows=k + 1)
+    finally:
+        hook.remove()
+        stage.drop(session)
+    features = captured[0]  # [K+1, D]
+    start = len(prompt) - k
+    plain = Sampler.from_params(params)
+    gumbel = GumbelSampler.from_params(params)
+    # Each sampler's own draws as drafts: accepted all the way.
+    own_plain = [plain.sample(logits[j], start + j) for j in range(k)]
+    own = [gumbel.sample(logits[j], start + j) for j in range(k)]
+    token = gumbel.sample(logits[-1], len(prompt))  # x_T, sampled from the last row
+    parts = TargetParts.from_stage(stage)
+    support = np.flatnonzero(target_probs(logits[0].numpy(), params.temp, params.top_p,
+                                          params.top_k))  # fmt: skip
+    vocab = np.arange(logits.shape[1])
+    return {
+        "verify_inverse_cdf_ms": _median_ms(
+            lambda: plain.accept(logits, own_plain, start), repeats
+        ),
+        "verify_gumbel_ms": _median_ms(lambda: gumbel.accept(logits, own, start), repeats),
+        "head_drafts_ms": _median_ms(
+            lambda: head.draft(parts, features[-1], token, len(prompt), k, params), repeats
+        ),
+        "noise_whole_vocab_ms": _median_ms(lambda: gumbel_noise(params.seed, 7, vocab), repeats),
+        "noise_support_ms": _median_ms(lambda: gumbel_noise(params.seed, 7, support), repeats),
+        "support_size": float(len(support)),
+        "vocab": float(len(vocab)),
+    }

@@ -1,0 +1,225 @@
+"""A learned draft head: from the target's last hidden state and the token it just sampled,
+predict the next hidden state, and read drafts through the target's own final norm and head.
+
+The design is EAGLE's (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
+Uncertainty"): drafting at the feature level, conditioned on the sampled token, with the
+target's frozen LM head turning features into tokens; without EAGLE's attention layer, as
+Medusa's heads (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with
+Multiple Decoding Heads") do without one, so the head keeps no cache and a round's drafting is
+K small matrix products on one row.
+
+    h      [D]   the target's residual stream before the final norm, at position T-1
+                 (the row whose logits sampled x_T)
+    e      [D]   the target's embedding of x_T
+    x    = fc([rms(h) * w_h ; rms(e) * w_e])                       [2D] -> [D]
+    ĥ    = x + W_down(silu(W_gate x') * W_up x'),  x' = rms(x) * w_x      [D] -> [D]
+    q    = softmax(head(norm(ĥ)) / temp) …                          the target's norm and head
+    draft y_{T+1} from q, then feed (ĥ, y_{T+1}) back for y_{T+2}, … up to K.
+
+Only the head's own weights are stored (safetensors, with metadata naming the model, its shape,
+the training command, the data and the seed); the embedding, final norm and head are the
+target's, so a head is a few MB.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specpipe.coupling import gumbel_draw
+from specpipe.sampling import SamplingParams, target_probs
+
+FORMAT = "specpipe-draft-head-1"
+
+
+class DraftHeadError(ValueError):
+    """A head file that cannot be used: missing, malformed, or for another model."""
+
+
+@dataclass(frozen=True)
+class TargetParts:
+    """What the head borrows from the target, all frozen: token embedding, final norm, LM head."""
+
+    embed: Callable[[torch.Tensor], torch.Tensor]  # ids [N] -> [N, D]
+    norm: Callable[[torch.Tensor], torch.Tensor]  # [N, D] -> [N, D]
+    head: Callable[[torch.Tensor], torch.Tensor]  # [N, D] -> logits [N, V]
+    head_weight: torch.Tensor | None = None  # [V, D] plain, for a head on part of the vocabulary
+
+    @classmethod
+    def from_stage(cls, stage) -> TargetParts:
+        """The parts of a `StageModel` that is stage 0 and the tail at once (the whole model),
+        or a tail whose head is tied to the embedding and still held plain."""
+        if not stage.last:
+            raise DraftHeadError("a draft head needs the tail: its final norm and head")
+        if stage.embed is not None:
+            embed = stage.embed
+        elif stage.cfg.tie_word_embeddings and stage.head.weight is not None:
+            weight = stage.head.weight  # [V, D], tied: the embedding table itself
+            embed = lambda ids: F.embedding(ids, weight)  # noqa: E731
+        else:
+            raise DraftHeadError("this tail holds no token embedding for the draft head")
+        # Drafts need no row stability: the head's product on its one row, unpadded.
+        head, head_weight = stage.head, stage.head.weight
+        if head_weight is None and stage.cfg.tie_word_embeddings and stage.embed is not None:
+            head_weight = stage.embed.weight
+        if head_weight is not None:
+            head = lambda x: F.linear(x, head_weight)  # noqa: E731
+        return cls(embed=embed, norm=stage.norm, head=head, head_weight=head_weight)
+
+
+def _rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class DraftHead(nn.Module):
+    """The trainable part: [D] feature + [D] token embedding -> [D] predicted next feature."""
+
+    def __init__(self, dim: int, hidden: int, vocab: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.dim, self.hidden = dim, hidden
+        # The tokens it drafts (the target's most likely ones): reading a few rows of the
+        # target's head instead of all V is most of a draft step's cost. None: all of them.
+        self.vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long)
+        self._rows: tuple[int, torch.Tensor] | None = None  # (id of the weight, its rows)
+        self.w_h = nn.Parameter(torch.ones(dim))  # the scales of the two normed inputs
+        self.w_e = nn.Parameter(torch.ones(dim))
+        self.fc = nn.Linear(2 * dim, dim, bias=False)
+        self.w_x = nn.Parameter(torch.ones(dim))
+        self.w_gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.w_down = nn.Linear(hidden, dim, bias=False)
+        nn.init.zeros_(self.w_down.weight)  # the block starts as the identity around fc
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """h [N, D] (pre-norm feature at T-1), e [N, D] (embedding of x_T) -> ĥ_T [N, D]."""
+        x = self.fc(torch.cat([_rms(h) * self.w_h, _rms(e) * self.w_e], dim=-1))  # [N, D]
+        gate, up = self.w_gate_up(_rms(x) * self.w_x).chunk(2, dim=-1)  # [N, I] each
+        return x + self.w_down(F.silu(gate) * up)  # [N, D]
+
+    def step(self, parts: TargetParts, h: torch.Tensor, tokens: torch.Tensor):
+        """One draft step for N rows: (ĥ [N, D], logits [N, V']) from h [N, D] and ids [N];
+        column c of the logits is token `self.vocab[c]` (all V tokens when vocab is None)."""
+        h_next = self(h.float(), parts.embed(tokens).float())
+        normed = parts.norm(h_next.to(_dtype_of(parts)))  # [N, D]
+        if self.vocab is None:
+            return h_next, parts.head(normed).float()
+        return h_next, F.linear(normed, self._head_rows(parts)).float()  # [N, V']
+
+    def _head_rows(self, parts: TargetParts) -> torch.Tensor:
+        """The rows of the target's head for this head's vocabulary [V', D], taken once."""
+        if parts.head_weight is None:
+            raise DraftHeadError("this tail holds no plain head weight to draft part of it")
+        if self._rows is None or self._rows[0] != id(parts.head_weight):
+            rows = parts.head_weight.detach()[self.vocab].contiguous()
+            self._rows = (id(parts.head_weight), rows)
+        return self._rows[1]
+
+    def token_ids(self) -> np.ndarray | None:
+        """The token of each logits column, or None when the columns are the whole vocabulary."""
+        return None if self.vocab is None else self.vocab.numpy()
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        parts: TargetParts,
+        h_last: torch.Tensor,
+        token: int,
+        token_pos: int,
+        k: int,
+        params: SamplingParams,
+    ) -> list[int]:
+        """K drafts for the positions after `token` (at absolute position `token_pos`).
+
+        h_last [D] is the target's pre-norm feature at token_pos - 1. Draft j (at token_pos + j)
+        is the Gumbel-max draw of the head's distribution with the noise the target draws that
+        position with (`specpipe.coupling`), or its argmax when greedy: so it agrees with the
+        target's own draw as often as the two distributions allow.
+        """
+        drafts: list[int] = []
+        h = h_last.reshape(1, -1)
+        for j in range(1, k + 1):
+            h, logits = self.step(parts, h, torch.tensor([token]))
+            token = coupled_draft(logits[0].numpy(), params, token_pos + j, self.token_ids())
+            drafts.append(token)
+        return drafts
+
+    # -- files ------------------------------------------------------------------------------
+
+    def save(self, path: str | Path, meta: dict[str, object]) -> None:
+        """Write the head's weights (float16) and `meta` (JSON-able) to a safetensors file."""
+        from safetensors.torch import save_file
+
+        header = {"format": FORMAT, "dim": str(self.dim), "hidden": str(self.hidden),
+                  "meta": json.dumps(meta, sort_keys=True)}  # fmt: skip
+        tensors = {name: t.detach().to(torch.float16).contiguous()
+                   for name, t in self.state_dict().items()}  # fmt: skip
+        if self.vocab is not None:
+            tensors["vocab"] = self.vocab.to(torch.int32).contiguous()
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata=header)
+
+    @classmethod
+    def load(cls, path: str | Path) -> tuple[DraftHead, dict[str, object]]:
+        """The head in float32 and its metadata; DraftHeadError with a one-line reason."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file, safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                header = f.metadata() or {}
+            tensors = load_file(str(path))
+        except (OSError, SafetensorError) as exc:
+            raise DraftHeadError(f"{path}: cannot read a draft head ({exc})") from None
+        if header.get("format") != FORMAT:
+            raise DraftHeadError(f"{path}: not a draft head file (format {header.get('format')!r})")
+        try:
+            vocab = tensors.pop("vocab", None)
+            head = cls(int(header["dim"]), int(header["hidden"]), vocab)
+            head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+            meta = json.loads(header["meta"])
+        except (KeyError, ValueError, RuntimeError) as exc:
+            raise DraftHeadError(f"{path}: malformed draft head ({str(exc)[:200]})") from None
+        return head.eval(), meta
+
+
+def _dtype_of(parts: TargetParts) -> torch.dtype:
+    weight = getattr(parts.norm, "weight", None)
+    return weight.dtype if weight is not None else torch.float32
+
+
+def check_fits(meta: dict[str, object], model: str, dim: int, vocab: int) -> None:
+    """DraftHeadError unless a head trained for (model, dim, vocab) is what `meta` records."""
+    got = (meta.get("model"), meta.get("dim"), meta.get("vocab"))
+    if got != (model, dim, vocab):
+        raise DraftHeadError(
+            f"the head was trained for model {got[0]!r} (dim {got[1]}, vocab {got[2]}), "
+            f"not {model!r} (dim {dim}, vocab {vocab})"
+        )
+
+
+def coupled_draft(
+    logits: np.ndarray, params: SamplingParams, position: int, ids: np.ndarray | None = None
+) -> int:
+    """The drafter's token at `position` from its logits [V'] (column c is token ids[c], or c):
+    argmax when greedy, else the Gumbel-max draw of its distribution under the target's
+    sampling parameters and the target's noise for those tokens."""
+    if params.temp <= 0:
+        best = int(np.argmax(logits))
+        return best if ids is None else int(ids[best])
+    q = target_probs(logits, params.temp, params.top_p, params.top_k)
+    return gumbel_draw(q, params.seed, position, ids)
+
+
+def frequent_tokens(top_ids: torch.Tensor, top_probs: torch.Tensor, vocab: int, n: int):
+    """The n tokens with the most target probability over some positions ([M, k] each), as a
+    sorted id tensor; None when n covers the vocabulary."""
+    if n >= vocab:
+        return None
+    mass = torch.zeros(vocab).index_add_(0, top_ids.reshape(-1), top_probs.reshape(-1).float())
+    return torch.sort(mass.topk(n).indices).values
