@@ -42,17 +42,17 @@ def labelled_gauge(
     name: str, help_text: str, label: str, values: Mapping[str, float]
 ) -> GaugeMetricFamily:
     """A gauge with one sample per value of `label`, in the order of `values`."""
-    family = GaugeMetricFamily(name, help_text, labels=[label])
-    for label_value, value in values.items():
-        family.add_metric([label_value], value)
-    return family
+    return _samples(GaugeMetricFamily(name, help_text, labels=[label]), values)
 
 
 def labelled_counter(
     name: str, help_text: str, label: str, values: Mapping[str, float]
 ) -> CounterMetricFamily:
     """A counter with one sample per value of `label`; `name` ends in `_total` (see `counter`)."""
-    family = CounterMetricFamily(name, help_text, labels=[label])
+    return _samples(CounterMetricFamily(name, help_text, labels=[label]), values)
+
+
+def _samples(family, values: Mapping[str, float]):
     for label_value, value in values.items():
         family.add_metric([label_value], value)
     return family

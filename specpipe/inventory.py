@@ -183,15 +183,20 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def system_memory_bytes() -> int:
-    """Total memory from /proc/meminfo, 0 when unknown."""
+def meminfo_bytes(field: str) -> int:
+    """A field of /proc/meminfo (`MemTotal`, `MemAvailable`) in bytes, 0 when unknown."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+def system_memory_bytes() -> int:
+    """Total memory, 0 when unknown."""
+    return meminfo_bytes("MemTotal")
 
 
 def hardware() -> dict[str, str | int]:

@@ -20,9 +20,10 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import redis
+
+from specpipe.inventory import meminfo_bytes
 
 MEMORY_SHARE = 0.5  # of the memory available at start that a stage's caches may take
 
@@ -43,14 +44,8 @@ def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, element_size:
 
 
 def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo, 0 when unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+    """Memory available to new work (MemAvailable), 0 when unknown."""
+    return meminfo_bytes("MemAvailable")
 
 
 def default_budget_tokens(per_token: int, available: int, share: float = MEMORY_SHARE) -> int:

@@ -35,6 +35,7 @@ import redis
 
 from specpipe import inventory
 from specpipe.redis_server import RedisServer, TlsFiles, answers, find_binary
+from specpipe.supervisor import process_alive
 
 LAB_FILE = "lab.json"
 LAB_STORE = "lab.sqlite3"  # the lab's own store, made afresh by each `up`
@@ -364,7 +365,7 @@ class Lab:
                 raise LabError(f"{what} did not come up in {timeout_s:g} s "
                                f"(logs in {self.home / 'logs'})")  # fmt: skip
             dead = [name for name, pid in self.state.get("processes", {}).items()
-                    if not _alive(pid)]  # fmt: skip
+                    if not process_alive(pid)]  # fmt: skip
             if dead:
                 raise LabError(f"{', '.join(sorted(dead))} exited (logs in {self.home / 'logs'})")
             time.sleep(0.2)
@@ -384,7 +385,7 @@ class Lab:
                            if ns.startswith(prefix)}  # fmt: skip
             links |= {name for name in _links() if name.startswith(f"{PREFIX}{lab_id}")}
         existing = set(_ip("netns", "list", check=False).split())
-        pids = {pid for pid in state.get("processes", {}).values() if _alive(pid)}
+        pids = {pid for pid in state.get("processes", {}).values() if process_alive(pid)}
         for namespace in namespaces & existing:
             pids |= {int(p) for p in _ip("netns", "pids", namespace, check=False).split()}
         _stop(pids, timeout_s)
@@ -433,21 +434,6 @@ def _links() -> list[str]:
     return names
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (our child that exited, not yet reaped) is not alive.
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _stop(pids: set[int], timeout_s: float) -> None:
     """SIGTERM each, then SIGKILL what is left after `timeout_s`."""
     for pid in pids:
@@ -456,11 +442,11 @@ def _stop(pids: set[int], timeout_s: float) -> None:
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+    while time.monotonic() < deadline and any(process_alive(pid) for pid in pids):
         _reap(pids)
         time.sleep(0.1)
     for pid in pids:
-        if _alive(pid):
+        if process_alive(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -220,3 +220,20 @@ def terminate_all(processes: Iterable[subprocess.Popen], timeout_s: float = 20.0
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def process_alive(pid: object) -> bool:
+    """Whether `pid` names a running process (a zombie, exited but not yet reaped, is not)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: it exists
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # no /proc: kill(0) is all there is to go on
+        return True

@@ -23,18 +23,6 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _alive(pid: object) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @click.command(name="up")
 @click.option("--stages", type=click.IntRange(min=1), default=4, show_default=True,
               help="Stage workers, each serving an even share of the layers.")  # fmt: skip
@@ -65,12 +53,12 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
     from specpipe.model.resolve import even_split, open_checkpoint
     from specpipe.redact import redact_url
     from specpipe.redis_server import RedisServer, RedisUnavailable, check_redis
-    from specpipe.supervisor import ProcessSpec, Supervisor
+    from specpipe.supervisor import ProcessSpec, Supervisor, process_alive
 
     home = settings.instance_dir()
     state_file = home / settings.SWARM_FILE
     previous = settings.swarm_file()
-    if _alive(previous.get("pid")) and previous.get("pid") != os.getpid():
+    if process_alive(previous.get("pid")) and previous.get("pid") != os.getpid():
         raise click.ClickException(
             f"a swarm already runs from {home} (pid {previous['pid']}, {previous.get('web_url')})"
         )
