@@ -6,6 +6,7 @@ answers 404, like one that does not exist, so ids say nothing about other users.
 
 from __future__ import annotations
 
+import redis
 from flask import (
     Blueprint,
     abort,
@@ -23,7 +24,9 @@ from app.auth import current_user
 from app.db import get_session
 from app.forms import bad_utf8_fields
 from app.history import MAX_PAGE, SORTS, job_page
+from app.nodes import quick_redis
 from models.jobs import JOB_STATUSES, Job
+from specpipe.kvbudget import waiting_for_room
 from specpipe.settings import JOB_DEFAULTS
 from workers.submission import (
     FIELDS,
@@ -139,7 +142,9 @@ def history():
 def detail(job_id: int):
     """One job: live progress, text, parameters, seed, ring, and actions."""
     job = _get_job(job_id)
-    return render_template("jobs/detail.html", job=job, queue=queue_place(get_session(), job))
+    return render_template(
+        "jobs/detail.html", job=job, queue=queue_place(get_session(), job), room=room_wait(job)
+    )
 
 
 @bp.get("/jobs/<id:job_id>/progress")
@@ -149,8 +154,28 @@ def progress(job_id: int):
 
 
 def job_state(job: Job) -> dict:
-    """The job as the API returns it, with a queued job's place in line (`queue`)."""
-    return {**job.to_dict(), "queue": queue_place(get_session(), job)}
+    """The job as the API returns it, with a queued job's place in line (`queue`) and why it
+    waits for its stages' room (`waiting_for_room`)."""
+    return {
+        **job.to_dict(),
+        "queue": queue_place(get_session(), job),
+        "waiting_for_room": room_wait(job),
+    }
+
+
+def room_wait(job: Job) -> dict | None:
+    """Why `job` waits for its stages' room, from the swarm's Redis (`waiting_for_room`);
+    None when it does not wait, or when Redis does not answer."""
+    try:
+        client = quick_redis(current_app.config["REDIS_URL"])
+    except ValueError:  # an unusable REDIS_URL: the app runs on, without the reason
+        return None
+    try:
+        return waiting_for_room(client, current_app.config["SWARM"], job)
+    except redis.RedisError:
+        return None
+    finally:
+        client.close()
 
 
 @bp.post("/jobs/<id:job_id>/cancel")

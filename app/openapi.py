@@ -10,6 +10,7 @@ from __future__ import annotations
 from app.history import MAX_PAGE, SORTS
 from models.jobs import JOB_STATUSES
 from specpipe import __version__
+from specpipe.kvbudget import WAITING_FIELDS
 from specpipe.settings import JobLimits
 from workers.submission import MAX_TEMP, MAX_TOP_K
 
@@ -107,6 +108,19 @@ _JOB = {
             "description": "One job's reads only: a queued job's place in line (1 = next), "
             "null once it runs.",
             "properties": {"position": {"type": "integer"}, "queued": {"type": "integer"}},
+        },
+        "waiting_for_room": {
+            "type": ["object", "null"],
+            "description": "One job's reads only: while the job waits for KV-cache room on its "
+            "route, the stage that is full (`host`), the tokens reserved there (`used`) of its "
+            "`budget`, and the tokens the job `need`s; null otherwise.",
+            "required": list(WAITING_FIELDS),
+            "properties": {
+                "host": {"type": "string"},
+                "used": {"type": "integer"},
+                "budget": {"type": "integer"},
+                "need": {"type": "integer"},
+            },
         },
     },
 }

@@ -12,7 +12,8 @@ job larger than the smallest budget on its route can never run and fails at once
 is a field of the hash `specpipe:{swarm}:kv:{host}` naming its holder, a key that lives as long
 as the job runs (the job's lock): the job's end deletes it, and when a coordinator dies its lock
 lapses and the next reservation on that stage drops the orphan, so no room leaks. While a job
-waits, the hash `specpipe:{swarm}:kv-waiting` says which stage is full (`Reservations.waiting`).
+waits, the hash `specpipe:{swarm}:kv-waiting` says which stage is full (`Reservations.waiting`;
+one job's reason: `waiting_for_room`, which the job page and the API show).
 """
 
 from __future__ import annotations
@@ -20,17 +21,26 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import redis
 
 from specpipe.inventory import meminfo_bytes
 
 MEMORY_SHARE = 0.5  # of the memory available at start that a stage's caches may take
+# Why a job waits for room: the stage that is full, its reserved tokens and budget, and the
+# tokens the job needs.
+WAITING_FIELDS = ("host", "used", "budget", "need")
 
 
 def waiting_key(swarm: str) -> str:
     """The hash of the jobs waiting for room: job name -> JSON of why, and who waits."""
     return f"specpipe:{swarm}:kv-waiting"
+
+
+def room_name(job_id: int) -> str:
+    """The name job `job_id` reserves its room and waits for it under."""
+    return f"job-{job_id}"
 
 
 def reservations_key(swarm: str, host: str) -> str:
@@ -164,14 +174,26 @@ class Reservations:
         coordinator died) is not listed."""
         out = {}
         for name, raw in self.client.hgetall(waiting_key(self.swarm)).items():
-            try:
-                reason = json.loads(raw)
-                holder = reason.pop("holder")
-            except (ValueError, KeyError, TypeError):
-                continue
-            if self.client.exists(holder):
+            reason = self._live_reason(raw)
+            if reason is not None:
                 out[name.decode()] = reason
         return out
+
+    def waiting_for(self, name: str) -> dict | None:
+        """Why job `name` waits for room now, as `waiting` lists it; None when it does not
+        wait, or its holder is gone."""
+        raw = self.client.hget(waiting_key(self.swarm), name)
+        return None if raw is None else self._live_reason(raw)
+
+    def _live_reason(self, raw: bytes) -> dict | None:
+        """A waiting record's reason; None when unreadable or its holder is gone."""
+        try:
+            record = json.loads(raw)
+            holder = str(record["holder"])
+            reason = {field: record[field] for field in WAITING_FIELDS}
+        except (ValueError, KeyError, TypeError):
+            return None
+        return reason if self.client.exists(holder) else None
 
     def used(self, host: str) -> int:
         """The tokens reserved on `host` now, live holders only."""
@@ -181,6 +203,26 @@ class Reservations:
             if self.client.exists(holder):
                 total += int(tokens)
         return total
+
+
+class JobLike(Protocol):
+    """What `waiting_for_room` needs of a job."""
+
+    id: int
+
+    @property
+    def finished(self) -> bool: ...
+
+
+def waiting_for_room(client: redis.Redis, swarm: str, job: JobLike) -> dict | None:
+    """Why `job` waits for its stages' room, `{"host", "used", "budget", "need"}`: the stage
+    that is full, the tokens reserved there and its budget, and what the job needs. None when
+    it does not wait; a finished job is not looked up. A job resumed after its coordinator died
+    waits running, so the reason is not only a queued job's. Raises redis.RedisError when
+    Redis does not answer."""
+    if job.finished:
+        return None
+    return Reservations(client, swarm).waiting_for(room_name(job.id))
 
 
 def check_fits(route: Sequence, need: int) -> None:

@@ -59,6 +59,17 @@
         setText("job-queue-size", String(job.queue.queued));
       }
     }
+    var room = document.getElementById("job-room");
+    if (room) {
+      var wait = job.waiting_for_room;
+      room.hidden = !wait;
+      if (wait) {
+        setText("job-room-host", wait.host);
+        setText("job-room-used", String(wait.used));
+        setText("job-room-budget", String(wait.budget));
+        setText("job-room-need", String(wait.need));
+      }
+    }
     var error = document.getElementById("job-error");
     if (error) { error.hidden = !job.error; setText("job-error-text", job.error || ""); }
     var cancel = document.getElementById("cancel-form");

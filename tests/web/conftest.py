@@ -4,7 +4,8 @@ queue.
 Each test publishes to its own coordinator queue name on the real Redis, and counts its rate
 limits there under its own key prefix, so tests can read exactly what was enqueued and parallel
 workers never see each other's messages or limits. `client` is logged in as the built-in admin
-(who sees every job); `anon` is nobody; `log_in` goes through the real login form.
+(who sees every job); `anon` is nobody; `log_in` goes through the real login form. `rooms`
+are the KV-cache reservations of the test's own swarm.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from app import create_app
 from models.db import make_session_factory
 from models.tokens import create_token
 from models.users import User, builtin_admin
+from specpipe.kvbudget import Reservations
 from specpipe.settings import redis_url
 from workers.names import GENERATE_TASK
 
@@ -83,6 +85,30 @@ def make_app(db_url, queue):
 def app(make_app):
     """The app on a fresh store, CSRF on, publishing to the test's queue."""
     return make_app()
+
+
+@pytest.fixture
+def rooms(app):
+    """The KV-cache reservations of the app's swarm (unique to the test) in the real Redis;
+    every key of that swarm goes afterwards."""
+    client = redis.Redis.from_url(app.config["REDIS_URL"])
+    yield Reservations(client, app.config["SWARM"])
+    keys = list(client.scan_iter(f"specpipe:{app.config['SWARM']}:*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@pytest.fixture
+def holders(rooms):
+    """Make live holder keys in the app's swarm, standing in for jobs' locks."""
+
+    def make(name: str) -> str:
+        key = f"specpipe:{rooms.swarm}:test-holder:{name}"
+        rooms.client.set(key, "held")
+        return key
+
+    return make
 
 
 def as_user(client, user: User):

@@ -20,6 +20,7 @@ from werkzeug.serving import make_server
 from models.db import make_session_factory, utcnow
 from models.jobs import Job
 from models.runs import start_run
+from specpipe.kvbudget import Full, room_name
 from tests.dbfixtures import backend_name
 from tests.factories import gen_node, gen_proof_run, gen_ring, gen_user
 
@@ -171,6 +172,41 @@ def test_submit_watch_history_proofs_nodes(server, page, session, queue):
     page.wait_for_url("**/login")
     page.goto(server + f"/jobs/{job_id}")
     assert page.url == f"{server}/login?next=/jobs/{job_id}"
+
+
+def test_a_job_waiting_for_room_says_so_until_it_runs(server, page, session, queue, rooms, holders):
+    job_id = submit_job(page, server, "a long story")
+    lock = holders("lock")
+    rooms.mark_waiting(room_name(job_id), lock, Full("stage-b.example", 900, 1000), 160)
+    # The page follows the wait without a reload, as it does the queue.
+    page.wait_for_function("() => !document.getElementById('job-room').hidden")
+    assert page.text_content("#job-room") == (
+        "Waiting for room: stage stage-b.example holds 900 of 1000 tokens of KV cache; "
+        "this job needs 160."
+    )
+    assert page.is_visible("#job-queue")
+    shot(page, "11-job-waiting-for-room")
+    rooms.client.delete(lock)  # its coordinator died: the lock lapsed
+    page.wait_for_function("() => document.getElementById('job-room').hidden")
+
+    lock = holders("next-lock")  # another coordinator took the job, and waits too
+    rooms.mark_waiting(room_name(job_id), lock, Full("stage-a.example", 700, 800), 160)
+    page.wait_for_function(
+        "() => document.getElementById('job-room-host').textContent === 'stage-a.example'"
+    )
+    assert page.is_visible("#job-room") and page.text_content("#job-room-used") == "700"
+
+    # Its room is free: the coordinator clears the wait and runs the job.
+    rooms.clear_waiting(room_name(job_id))
+    job = session.get(Job, job_id)
+    job.status, job.started_at = "running", utcnow()
+    session.commit()
+    page.wait_for_function(
+        "() => document.querySelector('#job-status .badge').textContent === 'running'"
+    )
+    assert page.is_hidden("#job-room") and page.is_hidden("#job-queue")
+    page.reload()
+    assert page.is_hidden("#job-room")
 
 
 def test_form_errors_shown(server, page, session, queue):
