@@ -205,7 +205,7 @@ def test_drafter_commands(tmp_path, tiny):
 
 
 def test_the_shipped_head_fits_the_default_model():
-    from specpipe.cli.drafter import shipped_head
+    from specpipe.drafthead import shipped_head
     from specpipe.model.resolve import model_label
 
     label = model_label("default")
