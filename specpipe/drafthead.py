@@ -59,13 +59,16 @@ class TargetParts:
     head_weight: torch.Tensor | None = None  # [V, D] plain, for a head on part of the vocabulary
 
     @classmethod
-    def from_stage(cls, stage) -> TargetParts:
+    def from_stage(cls, stage, embed_weight: torch.Tensor | None = None) -> TargetParts:
         """The parts of a `StageModel` that is stage 0 and the tail at once (the whole model),
-        or a tail whose head is tied to the embedding and still held plain."""
+        a tail given the embedding table `embed_weight` [V, D], or a tail whose head is tied to
+        the embedding and still held plain."""
         if not stage.last:
             raise DraftHeadError("a draft head needs the tail: its final norm and head")
         if stage.embed is not None:
             embed = stage.embed
+        elif embed_weight is not None:
+            embed = lambda ids: F.embedding(ids, embed_weight)  # noqa: E731
         elif stage.cfg.tie_word_embeddings and stage.head.weight is not None:
             weight = stage.head.weight  # [V, D], tied: the embedding table itself
             embed = lambda ids: F.embedding(ids, weight)  # noqa: E731
@@ -250,11 +253,14 @@ class TailHead:
             head._head_rows(parts)  # taken now, while the stage's head is still plain
 
     @classmethod
-    def for_stage(cls, stage, path: str | Path | None, label: str) -> TailHead:
+    def for_stage(
+        cls, stage, path: str | Path | None, label: str, embed_weight: torch.Tensor | None = None
+    ) -> TailHead:
         """The head at `path` (or the model's shipped one) on `stage`, a tail whose weights are
-        not packed yet; the stage keeps its features from now on."""
+        not packed yet (`embed_weight`: the embedding table, unless the head is tied to it);
+        the stage keeps its features from now on."""
         head, _ = open_head(path, label, stage.cfg.dim, stage.cfg.vocab_size)
-        tail = cls(head, TargetParts.from_stage(stage))
+        tail = cls(head, TargetParts.from_stage(stage, embed_weight))
         stage.keep_features = True
         return tail
 

@@ -163,10 +163,10 @@ def serve_stage(
     start, end = layers
     try:
         # A tail's draft head reads the head's plain weights: they are packed after it.
-        stage = load_stage(open_checkpoint(model_name), start, end, dtype=dtype, device=device,
-                           pack=False)  # fmt: skip
+        checkpoint = open_checkpoint(model_name)
+        stage = load_stage(checkpoint, start, end, dtype=dtype, device=device, pack=False)
         label = model_label(model_name)
-        head = tail_head(stage, draft_head, label)
+        head = tail_head(stage, checkpoint, draft_head, label)
         stage.pack()
     except (ModelError, DraftHeadError) as exc:
         raise ModelInputError(str(exc)) from None
@@ -200,16 +200,20 @@ def serve_stage(
     )
 
 
-def tail_head(stage, draft_head: str | None, label: str):
+def tail_head(stage, checkpoint, draft_head: str | None, label: str):
     """The tail's draft head: the file `draft_head` names, "none" for none, or by default the
     one the package ships for the model if it has one; None on any other stage."""
     from specpipe.drafthead import TailHead, shipped_head
+    from specpipe.model.stage import load_embedding
 
     if not stage.last or draft_head == "none":
         return None
     if draft_head is None and not shipped_head(label).exists():
         return None
-    return TailHead.for_stage(stage, draft_head, label)
+    embed_weight = None
+    if stage.embed is None and not stage.cfg.tie_word_embeddings:
+        embed_weight = load_embedding(checkpoint, stage.dtype).to(stage.device)
+    return TailHead.for_stage(stage, draft_head, label, embed_weight)
 
 
 @worker.command(name="coordinator")

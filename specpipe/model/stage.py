@@ -185,6 +185,14 @@ class StageModel(nn.Module):
         return {name: cache.length for name, cache in self.sessions.items()}
 
 
+def load_embedding(source, dtype: torch.dtype | str = torch.float32) -> torch.Tensor:
+    """The token embedding table [V, D] alone, for a stage that is not the first (a tail's draft
+    head embeds the token it samples)."""
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    srcs, convert = source.name_map(0, 0, True, False, False)["embed.weight"]
+    return convert(*(source.read(s) for s in srcs)).to(dtype)
+
+
 def check_range(cfg: ModelConfig, start: int, end: int, source: str) -> None:
     """Raise ModelError unless 0 <= start < end <= n_layers."""
     if not 0 <= start < end <= cfg.n_layers:
