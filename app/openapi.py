@@ -11,6 +11,7 @@ from app.history import MAX_PAGE, SORTS
 from models.jobs import JOB_STATUSES
 from specpipe import __version__
 from specpipe.kvbudget import WAITING_FIELDS
+from specpipe.sampling import SAMPLERS
 from specpipe.settings import JobLimits
 from workers.submission import MAX_TEMP, MAX_TOP_K
 
@@ -59,6 +60,7 @@ def _job_request(limits: JobLimits) -> dict:
             "top_k": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_K},
             "seed": {"type": "integer", "minimum": 0, "maximum": 2**64 - 1, "nullable": True},
             "draft_k": {"type": "integer", "minimum": 0, "maximum": limits.max_draft_k},
+            "sampler": {"type": "string", "enum": list(SAMPLERS)},
             "stop": {
                 "nullable": True,
                 "oneOf": [
@@ -88,6 +90,7 @@ _JOB = {
         "seed": {"type": "integer", "minimum": 0},
         "draft_k": {"type": "integer"},
         "stop": {"type": "array", "items": {"type": "string"}},
+        "sampler": {"type": "string", "enum": list(SAMPLERS)},
         "seed_was_random": {"type": "boolean"},
         "cancel_requested": {"type": "boolean"},
         "output_text": {"type": "string"},

@@ -26,7 +26,14 @@ import numbers
 
 import numpy as np
 
-from specpipe.sampling import Sampler, _target_probs, check_seed, philox4x64
+from specpipe.sampling import (
+    Sampler,
+    SamplingParams,
+    _target_probs,
+    check_sampler,
+    check_seed,
+    philox4x64,
+)
 
 GUMBEL_STREAM = 1  # counter word 2 of the Gumbel blocks; the inverse-CDF uniforms use 0
 
@@ -97,3 +104,10 @@ class GumbelSampler(Sampler):
         _check_position(start_pos)
         return gumbel_draws(_target_probs(z, self.temp, self.top_p, self.top_k), self.seed,
                             start_pos)  # fmt: skip
+
+
+def sampler_for(params: SamplingParams) -> Sampler:
+    """The sampler `params.sampler` names, for `params`; ValueError when any is out of range."""
+    check_sampler(params.sampler)
+    cls = GumbelSampler if params.sampler == "gumbel" else Sampler
+    return cls.from_params(params)

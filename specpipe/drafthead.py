@@ -37,6 +37,12 @@ from specpipe.coupling import gumbel_draw
 from specpipe.sampling import SamplingParams, target_probs
 
 FORMAT = "specpipe-draft-head-1"
+SHIPPED = Path(__file__).resolve().parent / "drafters"  # the heads the package ships
+
+
+def shipped_head(label: str) -> Path:
+    """Where the package keeps the trained head of the model called `label`."""
+    return SHIPPED / f"{label}.safetensors"
 
 
 class DraftHeadError(ValueError):
@@ -53,13 +59,16 @@ class TargetParts:
     head_weight: torch.Tensor | None = None  # [V, D] plain, for a head on part of the vocabulary
 
     @classmethod
-    def from_stage(cls, stage) -> TargetParts:
+    def from_stage(cls, stage, embed_weight: torch.Tensor | None = None) -> TargetParts:
         """The parts of a `StageModel` that is stage 0 and the tail at once (the whole model),
-        or a tail whose head is tied to the embedding and still held plain."""
+        a tail given the embedding table `embed_weight` [V, D], or a tail whose head is tied to
+        the embedding and still held plain."""
         if not stage.last:
             raise DraftHeadError("a draft head needs the tail: its final norm and head")
         if stage.embed is not None:
             embed = stage.embed
+        elif embed_weight is not None:
+            embed = lambda ids: F.embedding(ids, embed_weight)  # noqa: E731
         elif stage.cfg.tie_word_embeddings and stage.head.weight is not None:
             weight = stage.head.weight  # [V, D], tied: the embedding table itself
             embed = lambda ids: F.embedding(ids, weight)  # noqa: E731
@@ -223,3 +232,53 @@ def frequent_tokens(top_ids: torch.Tensor, top_probs: torch.Tensor, vocab: int, 
         return None
     mass = torch.zeros(vocab).index_add_(0, top_ids.reshape(-1), top_probs.reshape(-1).float())
     return torch.sort(mass.topk(n).indices).values
+
+
+def open_head(path: str | Path | None, label: str, dim: int, vocab: int):
+    """The head at `path` (or shipped for the model `label`) and its metadata, checked against
+    the model; DraftHeadError with a one-line reason when it cannot be used."""
+    head, meta = DraftHead.load(path or shipped_head(label))
+    check_fits(meta, label, dim, vocab)
+    return head, meta
+
+
+class TailHead:
+    """A draft head at the tail: right after a verify it drafts the next round's tokens from
+    the feature of the row that sampled the last committed token, so they travel back with the
+    result and drafting costs no hop of its own."""
+
+    def __init__(self, head: DraftHead, parts: TargetParts) -> None:
+        self.head, self.parts = head, parts
+        if head.vocab is not None:
+            head._head_rows(parts)  # taken now, while the stage's head is still plain
+
+    @classmethod
+    def for_stage(
+        cls, stage, path: str | Path | None, label: str, embed_weight: torch.Tensor | None = None
+    ) -> TailHead:
+        """The head at `path` (or the model's shipped one) on `stage`, a tail whose weights are
+        not packed yet (`embed_weight`: the embedding table, unless the head is tied to it);
+        the stage keeps its features from now on."""
+        head, _ = open_head(path, label, stage.cfg.dim, stage.cfg.vocab_size)
+        tail = cls(head, TargetParts.from_stage(stage, embed_weight))
+        stage.keep_features = True
+        return tail
+
+    def drafts_after(
+        self,
+        features: torch.Tensor,
+        result: list[int],
+        first_sampled: int,
+        k: int,
+        params: SamplingParams,
+    ) -> list[int]:
+        """K drafts to follow a verified round: features [K'+1, D] are the round's kept rows
+        before the final norm, `result` its doctored vector (-1 after the committed tokens),
+        `first_sampled` the position of its first token."""
+        n = next((i for i, t in enumerate(result) if t < 0), len(result))
+        if k <= 0 or n == 0:
+            return []
+        # The last committed token was drawn from row n-1, whose feature sits one position
+        # before that token's.
+        return self.head.draft(self.parts, features[n - 1], int(result[n - 1]),
+                               first_sampled + n - 1, k, params)  # fmt: skip

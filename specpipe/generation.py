@@ -25,6 +25,10 @@ from specpipe.draftlength import DraftLength
 from specpipe.ring import GapError, Ring
 from specpipe.sampling import SamplingParams, TokenLogprob, committed_tokens
 
+# Where a round's drafts come from: the n-gram drafter, the tail's draft head, or the n-gram
+# where it has a match and the head elsewhere.
+DRAFT_SOURCES = ("ngram", "head", "both")
+
 
 @dataclass
 class GenerationStats:
@@ -35,6 +39,7 @@ class GenerationStats:
     accepted: int = 0  # of those, how many were committed
     generated: int = 0  # new tokens committed
     replays: int = 0  # prefix replays after a gap
+    head_rounds: int = 0  # rounds whose drafts the tail's draft head proposed
     seconds: float = 0.0
 
     @property
@@ -66,6 +71,7 @@ class Generation:
         adaptive: bool = False,
         eos_ids: Iterable[int] = (),
         drafter: NgramDrafter | None = None,
+        drafts_from: str = "both",
         resume: Sequence[int] = (),
         should_stop: Callable[[list[int]], bool] | None = None,
     ):
@@ -73,6 +79,8 @@ class Generation:
             raise ValueError("the prompt has no tokens")
         if max_new_tokens < 0 or draft_k < 0:
             raise ValueError("max_new_tokens and draft_k must be >= 0")
+        if drafts_from not in DRAFT_SOURCES:
+            raise ValueError(f"drafts_from must be one of {', '.join(DRAFT_SOURCES)}")
         self.ring, self.session, self.params = ring, session, params
         self.max_new_tokens, self.draft_k = max_new_tokens, draft_k
         self.eos_ids = set(eos_ids)
@@ -80,6 +88,13 @@ class Generation:
         self.n_prompt = len(prompt_ids)
         self.drafter = drafter or NgramDrafter()
         self.drafter.extend(self.tokens)
+        self.use_ngram = drafts_from in ("ngram", "both")
+        # The tail's draft head drafts in the target's own noise (Gumbel-max), so at a sampling
+        # temperature its drafts only agree with the target's draws under that sampler.
+        self.use_head = drafts_from in ("head", "both") and (
+            params.temp <= 0 or params.sampler == "gumbel"
+        )
+        self.head_drafts: list[int] = []  # what the head proposed with the last result
         # With `adaptive`, draft_k is the most a round sends; each round's K is chosen.
         self.draft_length = DraftLength(draft_k) if adaptive and draft_k else None
         # Sees the generated ids after each round (stop strings); the whole round stays committed.
@@ -103,14 +118,15 @@ class Generation:
         try:
             while not self.finished and len(self.generated) < self.max_new_tokens:
                 budget = self.max_new_tokens - len(self.generated)
-                proposal = self.drafter.propose(min(self.draft_k, budget - 1))
+                proposal, from_head = self._propose(min(self.draft_k, budget - 1))
                 drafts = proposal
                 if self.draft_length is not None:
                     drafts = proposal[: self.draft_length.choose(len(proposal))]
                 send, replays = self.tokens[cached:] + drafts, self.stats.replays
                 round_started = time.perf_counter()
-                result = self._round(send, cached, drafts)
+                result = self._round(send, cached, drafts, self._head_k())
                 committed = committed_tokens(drafts, result)
+                self.head_drafts = list(getattr(result, "drafts", []))
                 if self.draft_length is not None:
                     seconds = time.perf_counter() - round_started
                     steady = len(send) == len(drafts) + 1 and self.stats.replays == replays
@@ -126,6 +142,7 @@ class Generation:
                 if self.should_stop is not None and self.should_stop(self.generated):
                     self.finished = True
                 self.stats.rounds += 1
+                self.stats.head_rounds += bool(drafts) and from_head
                 self.stats.drafted += len(drafts)
                 self.stats.accepted += _leading_matches(committed, drafts)
                 self.stats.generated += len(committed)
@@ -134,14 +151,37 @@ class Generation:
         finally:
             self.stats.seconds = time.perf_counter() - started
 
-    def _round(self, send: list[int], start_pos: int, drafts: list[int]) -> list[int]:
+    def _propose(self, k: int) -> tuple[list[int], bool]:
+        """Up to k drafts for this round, and whether the head proposed them: the n-gram's where
+        it has a match (it copies whole passages), else what the head sent with the last
+        result."""
+        if k <= 0:
+            return [], False
+        if self.use_ngram:
+            proposal = self.drafter.propose(k)
+            if proposal:
+                return proposal, False
+        if self.use_head and self.head_drafts:
+            return self.head_drafts[:k], True
+        return [], False
+
+    def _head_k(self) -> int:
+        """How many drafts to ask of the tail's head for the next round: as many as the draft
+        length would send, and at least one, so that its acceptance is still measured."""
+        if not self.use_head or self.draft_k == 0:
+            return 0
+        if self.draft_length is None:
+            return self.draft_k
+        return max(1, self.draft_length.choose(self.draft_k))
+
+    def _round(self, send: list[int], start_pos: int, drafts: list[int], head_k: int) -> list[int]:
         try:
-            return self.ring.round(self.session, send, start_pos, len(drafts))
+            return self.ring.round(self.session, send, start_pos, len(drafts), head_k)
         except GapError:
             # A stage restarted: rebuild every cache from the committed prefix, once.
             self.stats.replays += 1
             self.ring.reset(self.session, self.params)
-            return self.ring.round(self.session, self.tokens + drafts, 0, len(drafts))
+            return self.ring.round(self.session, self.tokens + drafts, 0, len(drafts), head_k)
 
     def run(self) -> list[int]:
         """Generate to the end; return the new tokens."""

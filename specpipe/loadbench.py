@@ -48,6 +48,7 @@ class JobTiming:
     first_token_s: float  # from its start to the end of its prefill round
     done_s: float  # from its start to its last round
     rounds: int = 0
+    head_rounds: int = 0  # rounds whose drafts the tail's draft head proposed
 
 
 def job_requests(n: int, seed: int) -> list[tuple[str, int]]:
@@ -56,18 +57,20 @@ def job_requests(n: int, seed: int) -> list[tuple[str, int]]:
 
 
 def run_job(ring, prompt_ids: Sequence[int], params: SamplingParams, draft_k: int,
-            max_new_tokens: int, adaptive: bool = False) -> JobTiming:  # fmt: skip
+            max_new_tokens: int, adaptive: bool = False,
+            drafts_from: str = "both") -> JobTiming:  # fmt: skip
     """One job to its end on `ring`, timed; `adaptive` chooses each round's K up to draft_k."""
     generation = Generation(ring, f"load-{uuid.uuid4().hex[:10]}", prompt_ids, params,
                             max_new_tokens=max_new_tokens, draft_k=draft_k,
-                            adaptive=adaptive)  # fmt: skip
+                            adaptive=adaptive, drafts_from=drafts_from)  # fmt: skip
     started = time.perf_counter()
     first = None
     for _ in generation.rounds():
         first = first if first is not None else time.perf_counter() - started
     done = time.perf_counter() - started
     ring.drop(generation.session)
-    return JobTiming(generation.generated, first or done, done, generation.stats.rounds)
+    stats = generation.stats
+    return JobTiming(generation.generated, first or done, done, stats.rounds, stats.head_rounds)
 
 
 def solo_tokens(model: str, requests: Sequence[tuple[str, int]], temp: float, top_p: float,
@@ -192,11 +195,82 @@ def _describe(row: dict) -> str:
 
 
 # The adaptive-K comparison: (name, draft_k, adaptive) of each way a job is run.
-def k_methods(fixed: Sequence[int], max_k: int) -> list[tuple[str, int, bool]]:
+@dataclass(frozen=True)
+class Method:
+    """One way of running a job in a side-by-side comparison."""
+
+    name: str
+    draft_k: int  # 0: plain decoding
+    adaptive: bool = False  # choose each round's K up to draft_k
+    drafts_from: str = "both"  # see `specpipe.generation.DRAFT_SOURCES`
+
+
+def k_methods(fixed: Sequence[int], max_k: int) -> list[Method]:
     """Plain decoding, each fixed K, and the adaptive rule up to `max_k`."""
-    methods = [("plain", 0, False)]
-    methods += [(f"K={k}", k, False) for k in sorted(set(fixed)) if k > 0]
-    return methods + [(f"adaptive<={max_k}", max_k, True)]
+    methods = [Method("plain", 0)]
+    methods += [Method(f"K={k}", k) for k in sorted(set(fixed)) if k > 0]
+    return methods + [Method(f"adaptive<={max_k}", max_k, True)]
+
+
+def source_methods(max_k: int) -> list[Method]:
+    """Plain decoding, and adaptive K up to `max_k` with drafts from each source."""
+    return [Method("plain", 0)] + [
+        Method(source, max_k, True, source) for source in ("ngram", "head", "both")
+    ]
+
+
+def side_by_side(
+    model: str,
+    n_stages: int,
+    delay: float,
+    prompts: dict[str, list[int]],
+    methods: Sequence[Method],
+    params_for: Callable[[int], SamplingParams],
+    tokens: int,
+    repeats: int,
+    log: Log,
+    draft_head: str | None = None,
+) -> tuple[dict[str, dict[str, dict[str, float]]], bool]:
+    """Every method on every prompt, one job at a time on real stage processes at one link
+    delay. The methods of a (prompt, repeat) run back to back with the same sampling parameters
+    (`params_for(repeat)`), in an order that rotates, so a machine's drift touches them alike.
+    Per prompt kind and method: tok/s (all its tokens over all its time), tokens per round and
+    the share of rounds the draft head proposed; and whether every method gave plain's tokens."""
+    totals = {(kind, m.name): [0, 0.0, 0, 0] for kind in prompts for m in methods}
+    exact = True
+    with LocalSwarm(model, n_stages, link_delay_ms=delay, draft_head=draft_head) as swarm:
+        ring = swarm.ring()
+        try:
+            for r in range(repeats):
+                params = params_for(r)
+                for kind, prompt_ids in prompts.items():
+                    order = list(methods[r % len(methods) :]) + list(methods[: r % len(methods)])
+                    outputs = {}
+                    for method in order:
+                        ring.reset("side-by-side", params)
+                        timing = run_job(ring, prompt_ids, params, method.draft_k, tokens,
+                                         method.adaptive, method.drafts_from)  # fmt: skip
+                        outputs[method.name] = timing.tokens
+                        total = totals[(kind, method.name)]
+                        total[0] += len(timing.tokens)
+                        total[1] += timing.done_s
+                        total[2] += timing.rounds
+                        total[3] += timing.head_rounds
+                    same = all(t == outputs[methods[0].name] for t in outputs.values())
+                    exact = exact and same
+                    log(f"delay {delay:g} ms, {kind}, seed {params.seed}: identical to "
+                        f"{methods[0].name} {same}")  # fmt: skip
+        finally:
+            ring.close()
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for kind in prompts:
+        out[kind] = {}
+        for m in methods:
+            n, seconds, rounds, head_rounds = totals[(kind, m.name)]
+            out[kind][m.name] = {"tok_s": n / seconds if seconds else 0.0,
+                                 "tokens_per_round": n / max(rounds, 1),
+                                 "head_round_share": head_rounds / max(rounds, 1)}  # fmt: skip
+    return out, exact
 
 
 def adaptive_k(
@@ -212,11 +286,9 @@ def adaptive_k(
     repeats: int,
     log: Log,
 ) -> dict:
-    """Adaptive K against plain and fixed K on grounded and novel prompts, one job at a time on
-    real stage processes at each link delay. The methods of a (prompt, seed) run back to back,
-    in an order that rotates, so a machine's drift touches them alike. Per (delay, kind,
-    method): tok/s as all its jobs' tokens over all their time, and the ratios to plain and to
-    the best fixed K; every method's tokens must equal plain's (the same seed)."""
+    """Adaptive K against plain and fixed K on grounded and novel prompts at each link delay
+    (`side_by_side`): tok/s, the ratios to plain and to the best fixed K, tokens per round;
+    every method's tokens must equal plain's (the same seed)."""
     from specpipe.ringbench import GROUNDED_PROMPT, NOVEL_PROMPT
 
     target = open_target(model)
@@ -225,44 +297,80 @@ def adaptive_k(
                "novel": target.prompt_ids(NOVEL_PROMPT)}  # fmt: skip
     rows, exact = [], True
     for delay in delays:
-        totals = {(kind, name): [0, 0.0, 0] for kind in prompts for name, _, _ in methods}
-        with LocalSwarm(model, n_stages, link_delay_ms=delay) as swarm:
-            ring = swarm.ring()
-            try:
-                for r in range(repeats):
-                    for kind, prompt_ids in prompts.items():
-                        params = SamplingParams(temp=temp, top_p=top_p, seed=seed + r)
-                        order = methods[r % len(methods) :] + methods[: r % len(methods)]
-                        outputs = {}
-                        for name, k, adaptive in order:
-                            ring.reset("adaptive-k", params)
-                            timing = run_job(ring, prompt_ids, params, k, tokens, adaptive)
-                            outputs[name] = timing.tokens
-                            totals[(kind, name)][0] += len(timing.tokens)
-                            totals[(kind, name)][1] += timing.done_s
-                            totals[(kind, name)][2] += timing.rounds
-                        same = all(t == outputs["plain"] for t in outputs.values())
-                        exact = exact and same
-                        log(f"delay {delay:g} ms, {kind}, seed {seed + r}: "
-                            f"identical to plain {same}")  # fmt: skip
-            finally:
-                ring.close()
-        for kind in prompts:
-            rates = {name: totals[(kind, name)][0] / totals[(kind, name)][1]
-                     for name, _, _ in methods}  # fmt: skip
-            per_round = {name: totals[(kind, name)][0] / max(totals[(kind, name)][2], 1)
-                         for name, _, _ in methods}  # fmt: skip
+        measured, same = side_by_side(
+            model, n_stages, delay, prompts, methods,
+            lambda r: SamplingParams(temp=temp, top_p=top_p, seed=seed + r), tokens, repeats, log,
+        )  # fmt: skip
+        exact = exact and same
+        for kind, by_method in measured.items():
+            rates = {name: v["tok_s"] for name, v in by_method.items()}
             plain = rates["plain"]
             best_fixed = max(v for name, v in rates.items() if name.startswith("K="))
-            adaptive = rates[methods[-1][0]]
+            adaptive = rates[methods[-1].name]
             row = {"hop_delay_ms": delay, "kind": kind, "tok_s": rates,
-                   "tokens_per_round": per_round,
+                   "tokens_per_round": {n: v["tokens_per_round"] for n, v in by_method.items()},
                    "vs_plain": {name: v / plain for name, v in rates.items()},
                    "adaptive_vs_best_fixed": adaptive / best_fixed}  # fmt: skip
             rows.append(row)
             log(_describe_k(row))
     return {"model": target.name, "stages": n_stages, "tokens": tokens, "temp": temp,
             "repeats": repeats, "identical_to_plain": exact, "runs": rows}  # fmt: skip
+
+
+# The draft head's sampling modes: greedy, and a temperature under the Gumbel sampler, whose
+# noise the head drafts with.
+HEAD_MODES = {"greedy": (0.0, 1.0), "temp 0.7 top_p 0.95": (0.7, 0.95)}
+
+
+def draft_sources(
+    model: str,
+    n_stages: int,
+    delays: Sequence[float],
+    max_k: int,
+    tokens: int,
+    seed: int,
+    repeats: int,
+    log: Log,
+    draft_head: str | None = None,
+) -> dict:
+    """The tail's draft head (`draft_head`, or the model's shipped one) against the n-gram
+    drafter and both together, each with adaptive K, against plain decoding: greedy and at
+    temp 0.7 / top_p 0.95 (Gumbel sampler), on a grounded and a novel prompt, at each link
+    delay (`side_by_side`)."""
+    from specpipe.ringbench import GROUNDED_PROMPT, NOVEL_PROMPT
+
+    target = open_target(model)
+    methods = source_methods(max_k)
+    prompts = {"grounded": target.prompt_ids(GROUNDED_PROMPT),
+               "novel": target.prompt_ids(NOVEL_PROMPT)}  # fmt: skip
+    rows, exact = [], True
+    for delay in delays:
+        for mode, (temp, top_p) in HEAD_MODES.items():
+            measured, same = side_by_side(
+                model, n_stages, delay, prompts, methods,
+                lambda r, t=temp, p=top_p: SamplingParams(temp=t, top_p=p, seed=seed + r,
+                                                          sampler="gumbel"),
+                tokens, repeats, log, draft_head,
+            )  # fmt: skip
+            exact = exact and same
+            for kind, by_method in measured.items():
+                plain = by_method["plain"]["tok_s"]
+                vs_plain = {n: v["tok_s"] / plain for n, v in by_method.items()}
+                row = {"hop_delay_ms": delay, "mode": mode, "kind": kind, "methods": by_method,
+                       "vs_plain": vs_plain}  # fmt: skip
+                rows.append(row)
+                log(_describe_sources(row))
+    return {"model": target.name, "stages": n_stages, "tokens": tokens, "max_k": max_k,
+            "repeats": repeats, "identical_to_plain": exact, "runs": rows}  # fmt: skip
+
+
+def _describe_sources(row: dict) -> str:
+    parts = [
+        f"{name} {v['tok_s']:.2f} tok/s ({row['vs_plain'][name]:.2f}x, "
+        f"{v['tokens_per_round']:.2f} tok/round, head {100 * v['head_round_share']:.0f}%)"
+        for name, v in row["methods"].items()
+    ]
+    return f"delay {row['hop_delay_ms']:g} ms, {row['mode']}, {row['kind']}: " + "; ".join(parts)
 
 
 def _describe_k(row: dict) -> str:

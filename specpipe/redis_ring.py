@@ -27,10 +27,11 @@ from dataclasses import replace
 import redis
 
 from specpipe import inventory, streams, wire
+from specpipe.coupling import sampler_for
 from specpipe.inventory import NodeInfo
 from specpipe.redact import redact_text, redact_url
 from specpipe.ring import GapError, RoundResult
-from specpipe.sampling import Sampler, SamplingParams, TokenLogprob
+from specpipe.sampling import SAMPLERS, SamplingParams, TokenLogprob
 from specpipe.settings import Settings
 
 # What a round's wait grows by for each token it carries: a long prefill, or the replay of a
@@ -125,7 +126,7 @@ class RedisRing:
 
     def reset(self, session: str, params: SamplingParams) -> None:
         """Clear every stage's cache for the session and give the tail its sampling parameters."""
-        Sampler.from_params(params)  # ValueError if invalid
+        sampler_for(params)  # ValueError if invalid
 
         def reset() -> None:
             try:
@@ -144,15 +145,19 @@ class RedisRing:
         """New sampling parameters for the tail; every stage keeps its cache."""
         if session not in self._params:
             raise RingError(f"session {session!r} was not reset on this ring")
-        Sampler.from_params(params)  # ValueError if invalid
+        sampler_for(params)  # ValueError if invalid
         self._params[session] = params
         # Only the tail samples. Its stream is FIFO and this lands there before the next round.
         self._until_reachable(
             lambda: self._control(session, "reseed", params, hops=self.route[-1:])
         )
 
-    def round(self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int) -> list[int]:
-        """Send one round, wait for the tail's result vector; GapError or RingError otherwise."""
+    def round(
+        self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int, head_k: int = 0
+    ) -> list[int]:
+        """Send one round, wait for the tail's result vector; GapError or RingError otherwise.
+        With `head_k`, the tail's draft head (if it has one) proposes that many drafts for the
+        next round, which come back on the result (`RoundResult.drafts`)."""
         if session not in self._params:
             raise RingError(f"session {session!r} was not reset on this ring")
         if not tokens or not 0 <= n_draft < len(tokens):
@@ -165,6 +170,7 @@ class RedisRing:
             tokens=tuple(int(t) for t in tokens),
             route=self.route,
             reply=self.reply_url,
+            head_k=min(int(head_k), wire.MAX_HEAD_DRAFTS),
         )
         first = self.route[0]
         stream = streams.stage_key(self.swarm, first.host)
@@ -209,7 +215,7 @@ class RedisRing:
                     raise RingError(f"result of {len(reply.tokens)} ids for {n_draft} drafts")
                 logprobs = [TokenLogprob(token, lp, top) for token, (lp, top)
                             in zip(reply.tokens, reply.logprobs, strict=False)]  # fmt: skip
-                return RoundResult(reply.tokens, logprobs)
+                return RoundResult(reply.tokens, logprobs, reply.drafts[:head_k])
             if reply.kind == "gap":
                 self._until_reachable(
                     lambda: self._control(session, "reset", self._params[session])
@@ -255,6 +261,8 @@ class RedisRing:
             }
             if params.logprobs is not None:
                 fields["logprobs"] = int(params.logprobs)
+            if params.sampler != "icdf":  # the wire names a sampler by its number
+                fields["sampler"] = SAMPLERS.index(params.sampler)
         message = wire.Message(
             kind=kind,
             session=session,

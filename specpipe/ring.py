@@ -17,11 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from specpipe.coupling import sampler_for
 from specpipe.sampling import Sampler, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from specpipe.drafthead import TailHead
 
 
 class GapError(RuntimeError):
@@ -30,11 +34,15 @@ class GapError(RuntimeError):
 
 class RoundResult(list):
     """A round's doctored result vector (a list of ids, equal to the plain list) carrying the
-    committed tokens' log-probabilities when the session asked for them."""
+    committed tokens' log-probabilities when the session asked for them, and the tail's draft
+    head's proposal for the next round when it was asked for one."""
 
-    def __init__(self, ids, logprobs: Sequence[TokenLogprob] = ()) -> None:
+    def __init__(
+        self, ids, logprobs: Sequence[TokenLogprob] = (), drafts: Sequence[int] = ()
+    ) -> None:
         super().__init__(ids)
         self.logprobs = list(logprobs)
+        self.drafts = [int(t) for t in drafts]
 
 
 @dataclass(frozen=True)
@@ -79,8 +87,11 @@ class Ring(Protocol):
         draw many times from one context)."""
         ...
 
-    def round(self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int) -> list[int]:
-        """Run one round; return the doctored result vector (n_draft + 1 ids, -1 padded)."""
+    def round(
+        self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int, head_k: int = 0
+    ) -> list[int]:
+        """Run one round; return the doctored result vector (n_draft + 1 ids, -1 padded), with
+        up to `head_k` drafts for the next round from the tail's draft head, if it has one."""
         ...
 
     def drop(self, session: str) -> None:
@@ -91,11 +102,13 @@ class Ring(Protocol):
 class LocalRing:
     """Every stage in this process, called in order: the one-process ring."""
 
-    def __init__(self, stages: Sequence[Stage]):
+    def __init__(self, stages: Sequence[Stage], head: TailHead | None = None):
         if not stages or not stages[0].first or not stages[-1].last:
             raise ValueError("a ring needs stages from the embeddings (first) to the head (last)")
         self.stages = list(stages)
+        self.head = head  # the tail's draft head (see `TailHead.for_stage`), if any
         self.samplers: dict[str, Sampler] = {}
+        self.params: dict[str, SamplingParams] = {}
 
     def reset(self, session: str, params: SamplingParams) -> None:
         for stage in self.stages:
@@ -103,9 +116,12 @@ class LocalRing:
         self.reseed(session, params)
 
     def reseed(self, session: str, params: SamplingParams) -> None:
-        self.samplers[session] = Sampler.from_params(params)
+        self.samplers[session] = sampler_for(params)
+        self.params[session] = params
 
-    def round(self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int) -> list[int]:
+    def round(
+        self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int, head_k: int = 0
+    ) -> list[int]:
         sampler = self.samplers.get(session)
         if sampler is None:
             raise KeyError(f"session {session!r} was never reset")
@@ -115,10 +131,17 @@ class LocalRing:
         hidden = self.stages[-1].forward(session, hidden, start_pos, last_rows=n_draft + 1)
         drafts = list(tokens)[len(tokens) - n_draft :]
         logits = hidden[-(n_draft + 1) :]
-        result = sampler.accept(logits, drafts, start_pos + len(tokens) - n_draft)
-        return RoundResult(result, sampler.result_logprobs(logits, result))
+        first_sampled = start_pos + len(tokens) - n_draft
+        result = sampler.accept(logits, drafts, first_sampled)
+        proposal = []
+        if self.head is not None and head_k > 0:
+            features = self.stages[-1].features[session]
+            proposal = self.head.drafts_after(features, result, first_sampled, head_k,
+                                              self.params[session])  # fmt: skip
+        return RoundResult(result, sampler.result_logprobs(logits, result), proposal)
 
     def drop(self, session: str) -> None:
         for stage in self.stages:
             stage.drop(session)
         self.samplers.pop(session, None)
+        self.params.pop(session, None)

@@ -68,8 +68,9 @@ class LocalSwarm:
     """N `specpipe worker stage` processes of one model on a private Redis (context manager)."""
 
     def __init__(self, model: str, n_stages: int, link_delay_ms: float = 0.0,
-                 threads: int = 1) -> None:  # fmt: skip
+                 threads: int = 1, draft_head: str | None = None) -> None:  # fmt: skip
         self.model, self.n_stages = model, n_stages
+        self.draft_head = draft_head  # the tail's (`worker stage --draft-head`); None: default
         self.link_delay_ms, self.threads = link_delay_ms, threads
         self.swarm = f"bench{uuid.uuid4().hex[:8]}"
         self.key = secrets.token_hex(32)
@@ -89,6 +90,8 @@ class LocalSwarm:
                         "--layers", f"{a}:{b}", "--model", self.model, "--redis", self.data_url,
                         "--threads", str(self.threads), "--heartbeat-s", "1",
                         "--link-delay-ms", str(self.link_delay_ms)]  # fmt: skip
+                if self.draft_head is not None:
+                    argv += ["--draft-head", self.draft_head]
                 self.procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL))
             self._wait_online()
         except BaseException:

@@ -384,6 +384,21 @@ class SamplingParams:
     # None: no log-probabilities (a round costs nothing more); 0 … 5: the committed tokens'
     # log-probabilities with that many alternatives each.
     logprobs: int | None = None
+    # How a token is drawn from its distribution (`SAMPLERS`): both follow the target exactly,
+    # but they draw different tokens for one seed, so a run records which one it used.
+    sampler: str = "icdf"
+
+
+# "icdf": the inverse CDF at one uniform per position (`Sampler`). "gumbel": the Gumbel-max
+# draw with noise per token (`specpipe.coupling.GumbelSampler`), which a drafter can share.
+# A sampler's number is how the wire names it.
+SAMPLERS = ("icdf", "gumbel")
+
+
+def check_sampler(name: str) -> None:
+    """ValueError unless `name` is one of `SAMPLERS`."""
+    if name not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {name!r}")
 
 
 class Sampler:

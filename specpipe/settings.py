@@ -299,6 +299,7 @@ JOB_DEFAULTS = {
     "seed": None,  # drawn at random, then recorded
     "draft_k": 4,
     "stop": [],
+    "sampler": "icdf",  # see `specpipe.sampling.SAMPLERS`
 }
 
 

@@ -36,14 +36,19 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import redis
 import torch
 
 from specpipe import inventory, kvbudget, streams, wire
+from specpipe.coupling import sampler_for
 from specpipe.ring import GapError, Request, Stage
-from specpipe.sampling import Sampler
+from specpipe.sampling import SAMPLERS, Sampler, SamplingParams
 from specpipe.settings import TEST_LOSSY_TAIL_VAR, kv_budget_tokens, test_lossy_tail
+
+if TYPE_CHECKING:
+    from specpipe.drafthead import TailHead
 
 log = logging.getLogger("specpipe.stage")
 
@@ -83,10 +88,15 @@ class StageWorker:
     """Serves one stage from its Redis stream until stopped."""
 
     def __init__(
-        self, stage: Stage, config: WorkerConfig, node: inventory.NodeInfo | None = None
+        self,
+        stage: Stage,
+        config: WorkerConfig,
+        node: inventory.NodeInfo | None = None,
+        head: TailHead | None = None,
     ) -> None:
         self.stage = stage
         self.config = config
+        self.head = head  # the tail's draft head (`TailHead.for_stage`), if it has one
         # The record says what this process does, whatever the caller built it with.
         self.kv_budget_tokens = kv_budget(stage)
         self.node = None
@@ -113,7 +123,8 @@ class StageWorker:
         # Running means over processed rounds: the forward, and everything else in handling a
         # round here (checking, decoding, encoding, sending on): what this hop adds.
         self.timings = {"forward_ms": 0.0, "hop_ms": 0.0, "batch_size": 0.0}
-        self._samplers: OrderedDict[str, Sampler] = OrderedDict()  # the tail's, per session
+        # The tail's, per session: its sampler and the parameters it was made from
+        self._samplers: OrderedDict[str, tuple[Sampler, SamplingParams]] = OrderedDict()
         self._last_seq: OrderedDict[str, int] = OrderedDict()  # kept after a session ends
         self._last_used: dict[str, float] = {}  # session -> monotonic time of its last message
         self._next_heartbeat = 0.0
@@ -427,13 +438,15 @@ class StageWorker:
         p = message.params
         try:
             logprobs = int(p["logprobs"]) if "logprobs" in p else None
-            sampler = _sampler_class()(temp=float(p["temp"]), top_p=float(p["top_p"]),
-                                       top_k=int(p["top_k"]), seed=int(p["seed"]),
-                                       logprobs=logprobs)  # fmt: skip
-        except (KeyError, ValueError, TypeError, OverflowError) as exc:
+            params = SamplingParams(temp=float(p["temp"]), top_p=float(p["top_p"]),
+                                    top_k=int(p["top_k"]), seed=int(p["seed"]),
+                                    logprobs=logprobs,
+                                    sampler=SAMPLERS[int(p.get("sampler", 0))])  # fmt: skip
+            sampler = _sampler_for(params)
+        except (KeyError, IndexError, ValueError, TypeError, OverflowError) as exc:
             self._drop(f"reset with bad sampling parameters: {exc}")
             return
-        self._remember(self._samplers, message.session, sampler)
+        self._remember(self._samplers, message.session, (sampler, params))
 
     def _round(self, message: wire.Message) -> float | None:
         """Run one round and pass it on; the forward's seconds, or None if it did not run."""
@@ -533,7 +546,7 @@ class StageWorker:
             self._send(nxt.redis_url, stream, data, message, f"pass the round to {nxt.host}")
 
     def _sample(self, message: wire.Message, logits: torch.Tensor) -> None:
-        sampler = self._samplers.get(message.session)
+        sampler, params = self._samplers.get(message.session, (None, None))
         if sampler is None:
             # The tail restarted and lost the reset; the coordinator re-sends it on a gap.
             self._count("gaps")
@@ -550,7 +563,13 @@ class StageWorker:
             self._count("errors")
             self._reply(message, "error", reason=f"{self.config.host}: {exc}")
             return
-        self._reply(message, "result", tokens=tuple(int(t) for t in result), logprobs=logprobs)
+        proposal = ()
+        if self.head is not None and message.head_k:
+            features = self.stage.features[message.session]
+            proposal = tuple(self.head.drafts_after(features, result, first_sampled,
+                                                    message.head_k, params))  # fmt: skip
+        self._reply(message, "result", tokens=tuple(int(t) for t in result), logprobs=logprobs,
+                    drafts=proposal)  # fmt: skip
 
     def _reply(self, message: wire.Message, kind: str, **fields) -> None:
         stream = streams.reply_key(self.config.swarm, message.session)
@@ -640,13 +659,14 @@ def kv_budget(stage: Stage) -> int:
     return kvbudget.default_budget_tokens(per_token, available)
 
 
-def _sampler_class() -> type[Sampler]:
-    """The tail's sampler: the lossless one, unless a test switched on the lossy one."""
+def _sampler_for(params: SamplingParams) -> Sampler:
+    """The tail's sampler for `params`: the one they name, unless a test switched on the lossy
+    one."""
     if test_lossy_tail():
         from specpipe.lossy import LossySampler
 
-        return LossySampler
-    return Sampler
+        return LossySampler.from_params(params)
+    return sampler_for(params)
 
 
 def release_load_memory() -> None:
@@ -661,13 +681,18 @@ def release_load_memory() -> None:
         pass
 
 
-def run(stage: Stage, config: WorkerConfig, node: inventory.NodeInfo | None = None) -> None:
+def run(
+    stage: Stage,
+    config: WorkerConfig,
+    node: inventory.NodeInfo | None = None,
+    head: TailHead | None = None,
+) -> None:
     """Serve until SIGINT or SIGTERM, then leave the inventory cleanly."""
     release_load_memory()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    worker = StageWorker(stage, config, node)
+    worker = StageWorker(stage, config, node, head)
     if test_lossy_tail():
         log.warning(
             "%s: %s=1 is set: test-only lossy sampling, the output is NOT lossless "

@@ -43,6 +43,7 @@ MAX_DIM = 2**31  # of each tensor dimension
 TOKEN_LIMIT = 2**31  # token ids (and the result vector's -1) fit in 32 bits
 POSITION_LIMIT = 2**40
 MAX_ALTERNATIVES = 5  # top log-probabilities per committed token on a result
+MAX_HEAD_DRAFTS = 64  # drafts a round may ask of the tail's draft head for the next round
 
 # Kinds of message, by direction: what a stage's input stream carries (a round travelling
 # through the stages and the per-session controls) and what a coordinator's reply stream does
@@ -116,6 +117,10 @@ class Message:
     # result, when asked: per committed token, its log-probability and the most likely
     # alternatives as (id, log-probability)
     logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
+    # round: how many drafts the tail's draft head proposes for the next round (0: none);
+    # result: those drafts
+    head_k: int = 0
+    drafts: tuple[int, ...] = ()
 
     @property
     def direction(self) -> str:
@@ -208,6 +213,10 @@ def encode(message: Message, swarm: str, keys: Keyring | bytes | str) -> bytes:
         header["logprobs"] = [
             [float(lp), [[int(i), float(a)] for i, a in top]] for lp, top in message.logprobs
         ]
+    if message.head_k:  # like log-probabilities, only where asked
+        header["head_k"] = message.head_k
+    if message.drafts:
+        header["drafts"] = list(message.drafts)
     payload = b""
     if message.tensor is not None:
         tensor = message.tensor.detach()
@@ -320,6 +329,13 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
         raise WireError("seq is out of range")
     if route and hop >= len(route):
         raise WireError("hop is beyond the route")
+    head_k = _field(header, "head_k", int, 0)
+    drafts = _field(header, "drafts", list, [])
+    if not 0 <= head_k <= MAX_HEAD_DRAFTS or len(drafts) > MAX_HEAD_DRAFTS:
+        raise WireError(f"a round asks for at most {MAX_HEAD_DRAFTS} head drafts")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < TOKEN_LIMIT
+               for t in drafts):  # fmt: skip
+        raise WireError("draft ids must be 32-bit non-negative integers")
     return Message(
         kind=kind,
         session=_field(header, "session", str, ""),
@@ -337,6 +353,8 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
         params=params,
         reason=_field(header, "reason", str, ""),
         logprobs=_logprobs(_field(header, "logprobs", list, []), len(tokens)),
+        head_k=head_k,
+        drafts=tuple(drafts),
     )
 
 

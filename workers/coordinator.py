@@ -136,7 +136,7 @@ def run_job(
             session.commit()
         job.prompt_tokens = len(prompt_ids)
         params = SamplingParams(temp=job.temp, top_p=job.top_p, top_k=job.top_k, seed=job.seed,
-                                logprobs=job.logprobs)  # fmt: skip
+                                logprobs=job.logprobs, sampler=job.sampler)  # fmt: skip
         stored_logprobs = list(job.output_logprobs or [])[: len(job.output_ids or [])]
         resume = list(job.output_ids or [])
         accepted = list(job.accepted_drafts or [])
@@ -244,7 +244,9 @@ def _pending(session: Session, job_id: int) -> tuple[Job | None, str | None]:
 def _start_run(session: Session, job: Job, ring: Ring):
     """A generation run for `job`, its node snapshot cut down to the ring the job runs on."""
     hosts = [hop.host for hop in getattr(ring, "route", ())]
-    method = f"speculative, n-gram drafter, adaptive K<={job.draft_k}" if job.draft_k else "plain"
+    method = (f"speculative, n-gram drafter and the tail's draft head, adaptive K<={job.draft_k}"
+              if job.draft_k else "plain")  # fmt: skip
+    method += f", {job.sampler} sampler"
     run = start_run(
         session, "generation", model=job.model, method=method,
         topology=" -> ".join(hosts) if hosts else None,
@@ -339,9 +341,11 @@ class CheckedRing:
     def reseed(self, session: str, params: SamplingParams) -> None:
         self.ring.reseed(session, params)
 
-    def round(self, session: str, tokens, start_pos: int, n_draft: int) -> list[int]:
+    def round(
+        self, session: str, tokens, start_pos: int, n_draft: int, head_k: int = 0
+    ) -> list[int]:
         try:
-            return self.ring.round(session, tokens, start_pos, n_draft)
+            return self.ring.round(session, tokens, start_pos, n_draft, head_k)
         except HopLostError as exc:
             self._fail_over(session, self._lost() or [], str(exc))
             raise GapError(f"re-routed around a lost stage: {exc}") from None

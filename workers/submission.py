@@ -39,6 +39,7 @@ from sqlalchemy.orm import Session
 from models.db import UINT64_MAX, utcnow
 from models.jobs import ACTIVE_STATUSES, Job
 from models.users import User, builtin_admin
+from specpipe.sampling import SAMPLERS, check_sampler
 from specpipe.settings import JOB_DEFAULTS, JobLimits
 from specpipe.stopping import check_stop_strings
 from specpipe.target import Target, context_error, open_target
@@ -46,7 +47,9 @@ from workers.names import COORDINATOR_QUEUE, GENERATE_TASK
 
 log = logging.getLogger(__name__)
 
-FIELDS = ("prompt", "max_new_tokens", "temp", "top_p", "top_k", "seed", "draft_k", "stop")
+FIELDS = (
+    "prompt", "max_new_tokens", "temp", "top_p", "top_k", "seed", "draft_k", "stop", "sampler"
+)  # fmt: skip
 MAX_TEMP = 100.0
 MAX_TOP_K = 2**31 - 1
 _INTEGER_TEXT = re.compile(r"[+-]?\d{1,30}")
@@ -148,6 +151,7 @@ class Submitter:
             seed_was_random=seed is None,
             draft_k=params["draft_k"],
             stop=list(params.get("stop") or []),
+            sampler=params.get("sampler") or JOB_DEFAULTS["sampler"],
             raw_prompt=bool(params.get("raw_prompt", False)),
             messages=params.get("messages"),
             logprobs=params.get("logprobs"),
@@ -242,6 +246,7 @@ def parse_job_request(raw: Mapping[str, object], limits: JobLimits, from_text: b
             _integer(v, from_text), 0, max_k, f"must be between 0 (no speculation) and {max_k}"
         ),
         "stop": lambda v: _stop_strings(v, from_text),
+        "sampler": lambda v: _sampler(v, from_text),
     }
     for name, check in checks.items():
         if name not in raw:
@@ -257,6 +262,15 @@ def parse_job_request(raw: Mapping[str, object], limits: JobLimits, from_text: b
     if errors:
         raise JobRequestError(errors)
     return clean
+
+
+def _sampler(value: object, from_text: bool) -> str:
+    if from_text and value == "":  # the form's default
+        return JOB_DEFAULTS["sampler"]
+    if not isinstance(value, str):
+        raise ValueError(f"must be one of {', '.join(SAMPLERS)}")
+    check_sampler(value)
+    return value
 
 
 def check_prompt(value: object, max_chars: int) -> str:

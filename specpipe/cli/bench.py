@@ -473,20 +473,43 @@ def bench_wan(model, delays, tokens, temps, seed, draft_k, home, json_path):
 @click.option("--head", "head_path", type=click.Path(dir_okay=False, path_type=Path),
               help="The head file (default: the one shipped for the model).")  # fmt: skip
 @click.option("--k", "draft_k", type=click.IntRange(1, 16), default=5, show_default=True,
-              help="Drafts per round.")  # fmt: skip
+              help="Drafts per round (the tail's cost); the largest K on the ring.")  # fmt: skip
 @click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True,
               help="Timings per figure (the median is shown).")  # fmt: skip
-@sampling_options(0.7, 0.95, greedy=False)
+@sampling_options(0.7, 0.95, greedy=False, what="the tail's cost")
+@click.option(
+    "--ring/--no-ring",
+    default=True,
+    show_default=True,
+    help="Also run jobs on real stage processes: head, n-gram and both vs plain.",
+)
+@click.option("--stages", type=click.IntRange(1, 16), default=4, show_default=True,
+              help="Stage processes of the ring.")  # fmt: skip
+@click.option("--hop-delay-ms", "delays", type=click.FloatRange(0, 10_000), multiple=True,
+              default=(0.0, 25.0), show_default=True,
+              help="Simulated one-way latency per hop; repeat for several.")  # fmt: skip
+@click.option("--tokens", type=click.IntRange(4, 4096), default=48, show_default=True,
+              help="New tokens per job on the ring.")  # fmt: skip
+@click.option("--seeds", type=click.IntRange(1, 50), default=2, show_default=True,
+              help="Seeds per prompt on the ring; each runs every method.")  # fmt: skip
+@json_option
+@_model_errors
 def bench_draft_head(model: str, head_path: Path | None, draft_k: int, repeats: int,
-                     temp: float, top_p: float, top_k: int) -> None:  # fmt: skip
-    """What a round's tail costs with the draft head: the verify with today's inverse-CDF
-    sampler and with the Gumbel one, the head's K drafts, and the Gumbel noise of one position.
-    Agreement and tokens per round: `specpipe drafter eval`.
+                     temp: float, top_p: float, top_k: int, ring: bool, stages: int,
+                     delays: tuple[float, ...], tokens: int, seeds: int,
+                     json_path: Path | None) -> None:  # fmt: skip
+    """What a round's tail costs with the draft head (the verify with the inverse-CDF sampler
+    and with the Gumbel one, the head's K drafts, the Gumbel noise of one position); then, with
+    --ring, jobs on real stage processes whose tail holds the head: tok/s,
+    tokens per round and spec/plain for the head, the n-gram drafter and both, greedy and at
+    temp 0.7 / top_p 0.95, grounded and novel prompts, each hop delay. Agreement per draft
+    position against its ceiling: `specpipe drafter eval`.
 
     Example:
 
-        specpipe bench draft-head --k 5
+        specpipe bench draft-head --hop-delay-ms 0 --hop-delay-ms 25
     """
+    from specpipe import loadbench
     from specpipe.cli.drafter import load_head, open_whole_model
     from specpipe.draftertrain import EVAL_PROMPTS, tail_costs
     from specpipe.sampling import SamplingParams
@@ -504,3 +527,12 @@ def bench_draft_head(model: str, head_path: Path | None, draft_k: int, repeats: 
         f"noise {costs['noise_whole_vocab_ms']:.2f} ms over the vocabulary ({costs['vocab']:.0f}) "
         f"vs {costs['noise_support_ms']:.3f} ms over the support ({costs['support_size']:.0f})"
     )
+    result: dict[str, object] = {"tail_costs": costs}
+    if ring:
+        result["ring"] = loadbench.draft_sources(
+            model, stages, delays, draft_k, tokens, 1, seeds, click.echo,
+            None if head_path is None else str(head_path),
+        )  # fmt: skip
+    write_json(json_path, result)
+    if ring and not result["ring"]["identical_to_plain"]:
+        raise click.ClickException("a drafter's tokens differ from plain decoding's")

@@ -10,13 +10,6 @@ import click
 
 from specpipe.cli.options import json_option, write_json
 
-SHIPPED = Path(__file__).resolve().parent.parent / "drafters"  # the heads the package ships
-
-
-def shipped_head(label: str) -> Path:
-    """Where the package keeps the trained head of the model called `label`."""
-    return SHIPPED / f"{label}.safetensors"
-
 
 def open_whole_model(model: str, threads: int):
     """(label, config, tokenizer, end-of-sequence ids, the whole model as one stage)."""
@@ -44,15 +37,12 @@ def open_whole_model(model: str, threads: int):
 def load_head(head_path: Path | None, label: str, cfg):
     """The head at `head_path` (or shipped for `label`) and its metadata, checked against the
     model; a one-line ClickException when it cannot be used."""
-    from specpipe.drafthead import DraftHead, DraftHeadError, check_fits
+    from specpipe.drafthead import DraftHeadError, open_head
 
-    head_path = head_path or shipped_head(label)
     try:
-        head, meta = DraftHead.load(head_path)
-        check_fits(meta, label, cfg.dim, cfg.vocab_size)
+        return open_head(head_path, label, cfg.dim, cfg.vocab_size)
     except DraftHeadError as exc:
         raise click.ClickException(str(exc)) from None
-    return head, meta
 
 
 def _log(line: str) -> None:
@@ -154,6 +144,7 @@ def evaluate(head_path: Path | None, model: str, draft_k: int, tokens: int, seed
         specpipe drafter eval --head SmolLM2-135M-Instruct.safetensors
     """
     from specpipe import draftertrain as dt
+    from specpipe.drafthead import shipped_head
     from specpipe.sampling import SamplingParams
 
     label, cfg, tokenizer, eos, stage = open_whole_model(model, threads)

@@ -65,6 +65,12 @@ def layer_range(_ctx, _param, value: str) -> tuple[int, int]:
     default=0.0,
     help="Simulate a slow link: wait this long before each send onward (benchmarks).",
 )
+@click.option(
+    "--draft-head",
+    default=None,
+    metavar="PATH|none",
+    help="The tail's draft head [default: the one shipped for the model, if any].",
+)
 def worker_stage(
     host: str,
     layers: tuple[int, int],
@@ -79,6 +85,7 @@ def worker_stage(
     heartbeat_s: float,
     session_idle_s: float,
     link_delay_ms: float,
+    draft_head: str | None,
 ) -> None:
     """Serve one layer range of the model from this host's Redis stream.
 
@@ -105,6 +112,7 @@ def worker_stage(
         heartbeat_s=heartbeat_s,
         session_idle_s=session_idle_s,
         link_delay_ms=link_delay_ms,
+        draft_head=draft_head,
     )
 
 
@@ -124,6 +132,7 @@ def serve_stage(
     session_idle_s: float = 600.0,
     link_delay_ms: float = 0.0,
     config: Settings | None = None,
+    draft_head: str | None = None,
 ) -> None:
     """Load layers `layers` of `model_name`, register as `host` and serve until SIGINT or
     SIGTERM (what `worker stage` and `join` run). One-line ClickExceptions for what is wrong."""
@@ -132,6 +141,7 @@ def serve_stage(
     import torch
 
     from specpipe import inventory, settings
+    from specpipe.drafthead import DraftHeadError
     from specpipe.model.errors import ModelError
     from specpipe.model.resolve import model_label, open_checkpoint
     from specpipe.model.stage import load_stage
@@ -152,9 +162,13 @@ def serve_stage(
         torch.set_num_threads(threads)
     start, end = layers
     try:
-        stage = load_stage(open_checkpoint(model_name), start, end, dtype=dtype, device=device)
+        # A tail's draft head reads the head's plain weights: they are packed after it.
+        checkpoint = open_checkpoint(model_name)
+        stage = load_stage(checkpoint, start, end, dtype=dtype, device=device, pack=False)
         label = model_label(model_name)
-    except ModelError as exc:
+        head = tail_head(stage, checkpoint, draft_head, label)
+        stage.pack()
+    except (ModelError, DraftHeadError) as exc:
         raise ModelInputError(str(exc)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     node = inventory.NodeInfo(
@@ -182,7 +196,24 @@ def serve_stage(
             link_delay_s=link_delay_ms / 1000,
         ),
         node,
+        head,
     )
+
+
+def tail_head(stage, checkpoint, draft_head: str | None, label: str):
+    """The tail's draft head: the file `draft_head` names, "none" for none, or by default the
+    one the package ships for the model if it has one; None on any other stage."""
+    from specpipe.drafthead import TailHead, shipped_head
+    from specpipe.model.stage import load_embedding
+
+    if not stage.last or draft_head == "none":
+        return None
+    if draft_head is None and not shipped_head(label).exists():
+        return None
+    embed_weight = None
+    if stage.embed is None and not stage.cfg.tie_word_embeddings:
+        embed_weight = load_embedding(checkpoint, stage.dtype).to(stage.device)
+    return TailHead.for_stage(stage, draft_head, label, embed_weight)
 
 
 @worker.command(name="coordinator")

@@ -44,6 +44,10 @@ class StageModel(nn.Module):
         self.head = Linear(cfg.dim, cfg.vocab_size, bias=False) if self.last else None
         self.rotary = Rotary(cfg)
         self.sessions: dict[str, SessionCache] = {}
+        # A tail with a draft head keeps each session's last kept rows before the final norm
+        # (the features the head drafts from), until its next round replaces them.
+        self.keep_features = False
+        self.features: dict[str, torch.Tensor] = {}
         # A step of fewer rows than the products need runs padded from the first layer to the
         # last, rather than padding and slicing around each product (mixtures of experts route
         # every row, so they pad per product instead).
@@ -134,6 +138,9 @@ class StageModel(nn.Module):
             for i, h in zip(rows, kept, strict=True):
                 outs[i] = h  # [T, D]
             return outs
+        if self.keep_features:
+            for i, h in zip(rows, kept, strict=True):
+                self.features[requests[i].session] = h  # [rows kept, D]
         # The head on every session's kept rows at once: the largest product of the tail.
         logits = self.head(self.norm(kept[0] if len(kept) == 1 else torch.cat(kept))).float()
         start = 0
@@ -171,10 +178,19 @@ class StageModel(nn.Module):
     def drop(self, session: str) -> None:
         """Forget a session's cache."""
         self.sessions.pop(session, None)
+        self.features.pop(session, None)
 
     def held_tokens(self) -> dict[str, int]:
         """The positions each session's cache holds now."""
         return {name: cache.length for name, cache in self.sessions.items()}
+
+
+def load_embedding(source, dtype: torch.dtype | str = torch.float32) -> torch.Tensor:
+    """The token embedding table [V, D] alone, for a stage that is not the first (a tail's draft
+    head embeds the token it samples)."""
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    srcs, convert = source.name_map(0, 0, True, False, False)["embed.weight"]
+    return convert(*(source.read(s) for s in srcs)).to(dtype)
 
 
 def check_range(cfg: ModelConfig, start: int, end: int, source: str) -> None:

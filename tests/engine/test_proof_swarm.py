@@ -12,8 +12,8 @@ SMALL = SwarmProofConfig(stops=5, draws=150, temp=1.0, top_p=1.0, generation_tok
 class LossyRing(LocalRing):
     """A tail that accepts every draft it verifies (and adds the target's first token): lossy."""
 
-    def round(self, session, tokens, start_pos, n_draft):
-        result = super().round(session, tokens, start_pos, n_draft)
+    def round(self, session, tokens, start_pos, n_draft, head_k=0):
+        result = super().round(session, tokens, start_pos, n_draft, head_k)
         if n_draft:
             return list(tokens[len(tokens) - n_draft :]) + [result[0]]
         return result

@@ -190,10 +190,24 @@ def test_drafter_commands(tmp_path, tiny):
         assert len(scores["head"]["per_position"]) == 3
         assert 0 <= scores["head_ceiling_draft_1"] <= 1
         assert 0 <= scores["head_inverse_cdf_draft_1"] <= 1
+    bench = tmp_path / "bench.json"
     result = CliRunner().invoke(cli, ["bench", "draft-head", "--model", str(tiny), "--head",
-                                      str(out), "--repeats", "2", "--k", "3"])  # fmt: skip
+                                      str(out), "--repeats", "2", "--k", "3", "--stages", "2",
+                                      "--hop-delay-ms", "0", "--tokens", "10", "--seeds", "1",
+                                      "--json", str(bench)])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "K=3" in result.output and "over the support" in result.output
+    # On real stage processes the tail's head drafts travel back with each result, and every
+    # drafter commits plain decoding's tokens.
+    ring = json.loads(bench.read_text())["ring"]
+    assert ring["identical_to_plain"] is True
+    assert {(r["mode"], r["kind"]) for r in ring["runs"]} == {
+        (m, k) for m in ("greedy", "temp 0.7 top_p 0.95") for k in ("grounded", "novel")
+    }
+    for row in ring["runs"]:
+        assert set(row["methods"]) == {"plain", "ngram", "head", "both"}
+        assert row["methods"]["head"]["head_round_share"] > 0
+        assert row["methods"]["ngram"]["head_round_share"] == 0
     # A head for another model is refused in one line, before anything runs.
     meta["model"] = "another"
     head, _ = DraftHead.load(out)
@@ -205,7 +219,7 @@ def test_drafter_commands(tmp_path, tiny):
 
 
 def test_the_shipped_head_fits_the_default_model():
-    from specpipe.cli.drafter import shipped_head
+    from specpipe.drafthead import shipped_head
     from specpipe.model.resolve import model_label
 
     label = model_label("default")

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import numpy as np
 
+from specpipe.coupling import GumbelSampler
 from specpipe.lossy import LossySampler
 from specpipe.proofs.stats import total_variation
-from specpipe.sampling import Sampler, committed_tokens
-from specpipe.stage_worker import _sampler_class
+from specpipe.sampling import Sampler, SamplingParams, committed_tokens
+from specpipe.stage_worker import _sampler_for
 
 
 def test_the_lossy_tail_is_off_unless_switched_on(monkeypatch):
+    icdf, gumbel = SamplingParams(temp=0.7), SamplingParams(temp=0.7, sampler="gumbel")
     monkeypatch.delenv("SPECPIPE_TEST_LOSSY_TAIL", raising=False)
-    assert _sampler_class() is Sampler
+    assert type(_sampler_for(icdf)) is Sampler
+    assert type(_sampler_for(gumbel)) is GumbelSampler
     monkeypatch.setenv("SPECPIPE_TEST_LOSSY_TAIL", "0")
-    assert _sampler_class() is Sampler
+    assert type(_sampler_for(icdf)) is Sampler
     monkeypatch.setenv("SPECPIPE_TEST_LOSSY_TAIL", "1")
-    assert _sampler_class() is LossySampler
+    assert type(_sampler_for(icdf)) is LossySampler
 
 
 def test_the_lossy_sampler_commits_a_biased_law_and_plain_sampling_is_untouched():

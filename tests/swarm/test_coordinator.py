@@ -75,13 +75,13 @@ class DyingRing:
     def reset(self, session, params):
         self.ring.reset(session, params)
 
-    def round(self, session, tokens, start_pos, n_draft):
+    def round(self, session, tokens, start_pos, n_draft, head_k=0):
         if self.on_round is not None:
             self.on_round()
         if self.left == 0:
             raise SystemExit("coordinator killed")
         self.left -= 1
-        return self.ring.round(session, tokens, start_pos, n_draft)
+        return self.ring.round(session, tokens, start_pos, n_draft, head_k)
 
     def drop(self, session):
         self.ring.drop(session)
@@ -268,11 +268,11 @@ class FailingRing:
     def reset(self, session, params):
         self.ring.reset(session, params)
 
-    def round(self, session, tokens, start_pos, n_draft):
+    def round(self, session, tokens, start_pos, n_draft, head_k=0):
         if self.left == 0:
             raise self.error
         self.left -= 1
-        return self.ring.round(session, tokens, start_pos, n_draft)
+        return self.ring.round(session, tokens, start_pos, n_draft, head_k)
 
     def drop(self, session):
         self.ring.drop(session)
@@ -458,13 +458,13 @@ class GappyRing:
     def reset(self, session, params):
         self.ring.reset(session, params)
 
-    def round(self, session, tokens, start_pos, n_draft):
+    def round(self, session, tokens, start_pos, n_draft, head_k=0):
         from specpipe.ring import GapError
 
         self.rounds += 1
         if self.rounds == self.gap_at:
             raise GapError("h1: lost the session's cache")
-        return self.ring.round(session, tokens, start_pos, n_draft)
+        return self.ring.round(session, tokens, start_pos, n_draft, head_k)
 
     def drop(self, session):
         self.ring.drop(session)
@@ -524,7 +524,7 @@ class LosingRing(GappyRing):
         super().__init__(route)
         self.lose_at, self.error, self.watchdog, self.dropped_on = lose_at, error, None, None
 
-    def round(self, session, tokens, start_pos, n_draft):
+    def round(self, session, tokens, start_pos, n_draft, head_k=0):
         from specpipe.redis_ring import HopLostError, RingError
 
         self.rounds += 1
@@ -532,7 +532,7 @@ class LosingRing(GappyRing):
             if self.error:
                 raise RingError("round failed: h0: cannot pass the round to h1")
             raise HopLostError(self.watchdog() or "the watchdog saw nothing")
-        return self.ring.round(session, tokens, start_pos, n_draft)
+        return self.ring.round(session, tokens, start_pos, n_draft, head_k)
 
     def drop(self, session, skip=()):
         self.dropped_on = [hop.host for hop in self.route if hop.host not in skip]

@@ -126,13 +126,13 @@ class RouteRing:
     def reset(self, session, params):
         self.ring.reset(session, params)
 
-    def round(self, session, tokens, start_pos, n_draft):
+    def round(self, session, tokens, start_pos, n_draft, head_k=0):
         self.rounds += 1
         if self.gate is not None:
             assert self.gate.wait(30)
         if self.fail is not None:
             raise self.fail
-        return self.ring.round(session, tokens, start_pos, n_draft)
+        return self.ring.round(session, tokens, start_pos, n_draft, head_k)
 
     def drop(self, session):
         self.ring.drop(session)
@@ -230,7 +230,7 @@ def test_no_room_is_left_reserved_however_a_job_ends(db_url, client, swarm, hold
     budget = PROMPT_TOKENS + 40
 
     class Ending(RouteRing):
-        def round(self, session, tokens, start_pos, n_draft):
+        def round(self, session, tokens, start_pos, n_draft, head_k=0):
             assert rooms.used("s1") == budget  # the room is held while the job runs
             if self.rounds == 2 and ending == "failed":
                 raise ValueError("a stage broke")
@@ -238,7 +238,7 @@ def test_no_room_is_left_reserved_however_a_job_ends(db_url, client, swarm, hold
                 with make_session_factory(db_url)() as other:
                     other.get(Job, job_id).request_cancel()
                     other.commit()
-            return super().round(session, tokens, start_pos, n_draft)
+            return super().round(session, tokens, start_pos, n_draft, head_k)
 
     thread, out = start_job(db_url, job_id, Ending(budget), client, swarm, holders("1"))
     thread.join(30)

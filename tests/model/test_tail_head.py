@@ -1,0 +1,58 @@
+"""The draft head at the tail, on the default model with its shipped head: its drafts come back
+with each result, the generation uses them, and the committed tokens stay plain sampling's."""
+
+from __future__ import annotations
+
+import pytest
+
+from specpipe.drafthead import TailHead
+from specpipe.generation import Generation
+from specpipe.model.resolve import load_tokenizer, model_label, open_checkpoint
+from specpipe.model.stage import load_stage
+from specpipe.ring import LocalRing
+from specpipe.sampling import SamplingParams
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+@pytest.fixture(scope="module")
+def ring_parts():
+    checkpoint = open_checkpoint("default")
+    n = checkpoint.config.n_layers
+    first = load_stage(checkpoint, 0, n // 2)
+    tail = load_stage(checkpoint, n // 2, n, pack=False)
+    head = TailHead.for_stage(tail, None, model_label("default"))
+    tail.pack()
+    prompt_ids = load_tokenizer(checkpoint).prompt_ids(PROMPT)
+    return [first, tail], head, prompt_ids
+
+
+def _generate(ring_parts, params, drafts_from: str, draft_k: int, head: bool = True):
+    stages, tail_head, prompt_ids = ring_parts
+    ring = LocalRing(stages, tail_head if head else None)
+    generation = Generation(ring, "s", prompt_ids, params, max_new_tokens=40, draft_k=draft_k,
+                            drafts_from=drafts_from)  # fmt: skip
+    return generation.run(), generation.stats
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temp=0.0), SamplingParams(temp=0.7, top_p=0.95, seed=11, sampler="gumbel")],
+    ids=["greedy", "gumbel-temp0.7"],
+)
+def test_head_drafts_are_accepted_and_change_no_token(ring_parts, params):
+    plain, _ = _generate(ring_parts, params, "ngram", 0)
+    spec, stats = _generate(ring_parts, params, "head", 4)
+    assert spec == plain
+    assert stats.head_rounds > 0 and stats.accepted > 0
+    assert stats.tokens_per_round > 1.0
+    # A ring without a head sends no drafts back: the same tokens, one per round.
+    alone, alone_stats = _generate(ring_parts, params, "head", 4, head=False)
+    assert alone == plain and alone_stats.drafted == 0
+
+
+def test_the_inverse_cdf_sampler_at_a_temperature_asks_nothing_of_the_head(ring_parts):
+    params = SamplingParams(temp=0.7, top_p=0.95, seed=11)  # icdf: the head's noise is not its
+    plain, _ = _generate(ring_parts, params, "ngram", 0)
+    spec, stats = _generate(ring_parts, params, "head", 4)
+    assert spec == plain and stats.head_rounds == 0 and stats.drafted == 0
