@@ -49,7 +49,7 @@ from models.runs import start_run
 from specpipe import inventory
 from specpipe.generation import Generation
 from specpipe.inventory import RouteError
-from specpipe.kvbudget import Reservations
+from specpipe.kvbudget import Reservations, room_name
 from specpipe.redact import one_line_reason, redact_url
 from specpipe.redis_ring import HopLostError, RedisRing, RingError
 from specpipe.ring import GapError, Ring
@@ -563,7 +563,7 @@ def room_keeper(
 
     def admit(job: Job, ring: Ring, need: int) -> Callable[[], None] | None:
         route = list(getattr(ring, "route", ()))
-        name, attempt = f"job-{job.id}", secrets.token_hex(4)
+        name, attempt = room_name(job.id), secrets.token_hex(4)
         waiting = False
         try:
             while True:
