@@ -18,6 +18,7 @@ import click
 
 from specpipe.cli.model import ModelInputError
 from specpipe.cli.options import sampling_options
+from specpipe.sampling import SAMPLERS
 from specpipe.settings import JOB_DEFAULTS
 from specpipe.stopping import (
     MAX_STOP_CHARS,
@@ -114,6 +115,13 @@ class TextStream:
     help="Seed [default: drawn at random and reported, so the run can be repeated].",
 )
 @click.option(
+    "--sampler",
+    type=click.Choice(SAMPLERS),
+    default=JOB_DEFAULTS["sampler"],
+    show_default=True,
+    help="How tokens are drawn: inverse CDF, or Gumbel-max (whose noise the draft head shares).",
+)
+@click.option(
     "--max-new-tokens",
     type=click.IntRange(min=1),
     default=JOB_DEFAULTS["max_new_tokens"],
@@ -162,6 +170,7 @@ def generate(
     top_p: float,
     top_k: int,
     seed: int | None,
+    sampler: str,
     max_new_tokens: int,
     stops: tuple[str, ...],
     raw: bool,
@@ -197,7 +206,7 @@ def generate(
         raise StopOptionError(f"--stop {e}") from None
     request = dict(prompt=prompt, max_new_tokens=max_new_tokens, temp=temp, top_p=top_p,
                    top_k=top_k, seed=seed, draft_k=0 if no_spec else draft_k,
-                   stop=stop_strings)  # fmt: skip
+                   stop=stop_strings, sampler=sampler)  # fmt: skip
     request = checked_request(request)
     stream = TextStream(stop_strings, quiet=as_json)
     if local:
@@ -249,7 +258,11 @@ def generate_locally(request: dict, model_name: str, options: dict, stream: Text
         "local",
         prompt_ids,
         SamplingParams(
-            temp=request["temp"], top_p=request["top_p"], top_k=request["top_k"], seed=seed
+            temp=request["temp"],
+            top_p=request["top_p"],
+            top_k=request["top_k"],
+            seed=seed,
+            sampler=request["sampler"],
         ),  # fmt: skip
         max_new_tokens=request["max_new_tokens"],
         draft_k=request["draft_k"],
