@@ -26,7 +26,7 @@ import numbers
 
 import numpy as np
 
-from specpipe.sampling import Sampler, _target_probs, check_seed, philox4x64
+from specpipe.sampling import MAX_SEED, Sampler, _target_probs, check_seed, philox4x64
 
 GUMBEL_STREAM = 1  # counter word 2 of the Gumbel blocks; the inverse-CDF uniforms use 0
 
@@ -36,25 +36,106 @@ def _check_position(position: int) -> None:
         raise ValueError(f"position must be a non-negative integer, got {position!r}")
 
 
+def _key_array(values, name: str) -> np.ndarray:
+    """`values` (integers in 0 … 2^64-1) as a flat uint64 array, or ValueError."""
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iu":
+        if values.dtype.kind == "i" and (values < 0).any():
+            raise ValueError(f"{name} must be non-negative integers below 2^64")
+        return values.astype(np.uint64).reshape(-1)
+    flat = np.asarray(values, dtype=object).reshape(-1)
+    for value in flat:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Integral)
+            or not 0 <= value <= MAX_SEED
+        ):
+            raise ValueError(f"{name} must be non-negative integers below 2^64, got {value!r}")
+    return np.array([int(value) for value in flat], dtype=np.uint64)
+
+
+def _noise_words(seeds, positions, blocks: np.ndarray) -> np.ndarray:
+    """The Philox words of noise blocks `blocks` [B] at N (seed, position) pairs: [4, N, B]."""
+    seeds, positions = _key_array(seeds, "seeds"), _key_array(positions, "positions")
+    if len(seeds) != len(positions):
+        raise ValueError(f"{len(seeds)} seeds for {len(positions)} positions")
+    shape = (len(seeds), len(blocks))
+    pos = np.broadcast_to(positions[:, None], shape)
+    counter_blocks = np.broadcast_to(blocks[None, :], shape)
+    stream = np.full(shape, GUMBEL_STREAM, dtype=np.uint64)
+    zero = np.zeros(shape, dtype=np.uint64)
+    key = np.broadcast_to(seeds[:, None], shape)
+    return np.stack(philox4x64((pos, counter_blocks, stream, zero), (key, zero)))
+
+
+def _as_uniform(word: np.ndarray) -> np.ndarray:
+    # 53 bits, centred in their interval so that u is never 0 (log 0) nor 1.
+    return ((word >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+
+
+def token_uniforms_batch(seeds, positions, ids) -> np.ndarray:
+    """`token_uniforms` for many (seed, position) pairs at once: float64 [N, len(ids)].
+
+    Row n holds the values `token_uniforms(seeds[n], positions[n], ids)` gives, for seeds and
+    positions of N entries each.
+    """
+    ids = np.asarray(ids, dtype=np.uint64).reshape(-1)
+    blocks, word_of = np.unique(ids >> np.uint64(2), return_inverse=True)
+    words = _noise_words(seeds, positions, blocks)  # [4, N, B]
+    pairs = np.arange(words.shape[1])[:, None]
+    return _as_uniform(words[(ids & np.uint64(3)).astype(np.intp)[None, :], pairs, word_of])
+
+
 def token_uniforms(seed: int, position: int, ids) -> np.ndarray:
     """u_i in (0, 1) for each token id in `ids` at (seed, absolute position): float64 [len]."""
     check_seed(seed)
     _check_position(position)
-    ids = np.asarray(ids, dtype=np.uint64).reshape(-1)
-    blocks, word_of = np.unique(ids >> np.uint64(2), return_inverse=True)
-    n = len(blocks)
-    pos = np.full(n, position, dtype=np.uint64)
-    stream = np.full(n, GUMBEL_STREAM, dtype=np.uint64)
-    zero = np.zeros(n, dtype=np.uint64)
-    words = np.stack(philox4x64((pos, blocks, stream, zero), (np.full(n, seed, np.uint64), zero)))
-    word = words[(ids & np.uint64(3)).astype(np.intp), word_of]  # [len]: word i % 4 of block
-    # 53 bits, centred in their interval so that u is never 0 (log 0) nor 1.
-    return ((word >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+    return token_uniforms_batch([seed], [position], ids)[0]
 
 
 def gumbel_noise(seed: int, position: int, ids) -> np.ndarray:
     """g_i = -log(-log u_i) for each token id in `ids` at (seed, position): float64 [len]."""
     return -np.log(-np.log(token_uniforms(seed, position, ids)))
+
+
+def gumbel_noise_bank(seeds, positions, vocab: int) -> np.ndarray:
+    """The noise of tokens 0 … vocab-1 at N (seed, position) pairs: float64 [vocab, N].
+
+    Column n is `gumbel_noise(seeds[n], positions[n], range(vocab))`; token-major, the layout
+    `gumbel_argmax` reads one token at a time.
+    """
+    if isinstance(vocab, bool) or not isinstance(vocab, numbers.Integral) or vocab < 1:
+        raise ValueError(f"vocab must be a positive integer, got {vocab!r}")
+    words = _noise_words(seeds, positions, np.arange((vocab + 3) // 4, dtype=np.uint64))
+    # Token i is word i % 4 of block i // 4: blocks then words, flattened, is id order.
+    by_token = words.transpose(2, 0, 1).reshape(-1, words.shape[1])[:vocab]
+    noise = _as_uniform(by_token)
+    np.log(noise, out=noise)
+    np.negative(noise, out=noise)
+    np.log(noise, out=noise)
+    return np.negative(noise, out=noise)
+
+
+def gumbel_argmax(probs: np.ndarray, noise: np.ndarray) -> np.ndarray:
+    """`gumbel_draw` of one distribution `probs` [V] under each column of `noise` [V, N]: the
+    same scores log p_i + g_i, the same lowest-id winner on ties; int64 [N]."""
+    probs = np.asarray(probs)
+    if probs.ndim != 1 or noise.ndim != 2 or noise.shape[0] != len(probs):
+        raise ValueError(f"probs [V] and noise [V, N] do not match: {probs.shape}, {noise.shape}")
+    support = np.flatnonzero(probs > 0)
+    if len(support) == 0:
+        raise ValueError("probs has no token with positive mass")
+    winner = np.full(noise.shape[1], support[0], dtype=np.int64)
+    if len(support) == 1:
+        return winner
+    log_p = np.log(probs[support])
+    best = log_p[0] + noise[support[0]]
+    # One token at a time over contiguous rows: a strict > keeps the lowest id on ties.
+    for token, log_p_token in zip(support[1:], log_p[1:], strict=True):
+        score = log_p_token + noise[token]
+        better = score > best
+        winner[better] = token
+        np.maximum(best, score, out=best)
+    return winner
 
 
 def gumbel_draw(probs: np.ndarray, seed: int, position: int, ids: np.ndarray | None = None) -> int:
