@@ -54,22 +54,24 @@ def _key_array(values, name: str) -> np.ndarray:
 
 
 def _noise_words(seeds, positions, blocks: np.ndarray) -> np.ndarray:
-    """The Philox words of noise blocks `blocks` [B] at N (seed, position) pairs: [4, N, B]."""
+    """The four Philox words of noise blocks `blocks` [B] at N (seed, position) pairs: [N, B]
+    each."""
     seeds, positions = _key_array(seeds, "seeds"), _key_array(positions, "positions")
     if len(seeds) != len(positions):
         raise ValueError(f"{len(seeds)} seeds for {len(positions)} positions")
-    shape = (len(seeds), len(blocks))
-    pos = np.broadcast_to(positions[:, None], shape)
-    counter_blocks = np.broadcast_to(blocks[None, :], shape)
-    stream = np.full(shape, GUMBEL_STREAM, dtype=np.uint64)
-    zero = np.zeros(shape, dtype=np.uint64)
-    key = np.broadcast_to(seeds[:, None], shape)
-    return np.stack(philox4x64((pos, counter_blocks, stream, zero), (key, zero)))
+    # Broadcast [N, 1] against [1, B] (constants as scalars): Philox's first round then works
+    # on the distinct words only.
+    counter = (positions[:, None], blocks[None, :], np.uint64(GUMBEL_STREAM), np.uint64(0))
+    words = philox4x64(counter, (seeds[:, None], np.uint64(0)))
+    return [np.broadcast_to(word, (len(seeds), len(blocks))) for word in words]
 
 
 def _as_uniform(word: np.ndarray) -> np.ndarray:
     # 53 bits, centred in their interval so that u is never 0 (log 0) nor 1.
-    return ((word >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+    u = (word >> np.uint64(11)).astype(np.float64)
+    u += 0.5
+    u *= 2.0**-53
+    return u
 
 
 def token_uniforms_batch(seeds, positions, ids) -> np.ndarray:
@@ -80,7 +82,7 @@ def token_uniforms_batch(seeds, positions, ids) -> np.ndarray:
     """
     ids = np.asarray(ids, dtype=np.uint64).reshape(-1)
     blocks, word_of = np.unique(ids >> np.uint64(2), return_inverse=True)
-    words = _noise_words(seeds, positions, blocks)  # [4, N, B]
+    words = np.stack(_noise_words(seeds, positions, blocks))  # [4, N, B]
     pairs = np.arange(words.shape[1])[:, None]
     return _as_uniform(words[(ids & np.uint64(3)).astype(np.intp)[None, :], pairs, word_of])
 
@@ -107,7 +109,10 @@ def gumbel_noise_bank(seeds, positions, vocab: int) -> np.ndarray:
         raise ValueError(f"vocab must be a positive integer, got {vocab!r}")
     words = _noise_words(seeds, positions, np.arange((vocab + 3) // 4, dtype=np.uint64))
     # Token i is word i % 4 of block i // 4: blocks then words, flattened, is id order.
-    by_token = words.transpose(2, 0, 1).reshape(-1, words.shape[1])[:vocab]
+    by_block = np.empty((words[0].shape[1], 4, words[0].shape[0]), dtype=np.uint64)
+    for w, word in enumerate(words):
+        by_block[:, w, :] = word.T
+    by_token = by_block.reshape(-1, by_block.shape[2])[:vocab]
     noise = _as_uniform(by_token)
     np.log(noise, out=noise)
     np.negative(noise, out=noise)

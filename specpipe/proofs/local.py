@@ -492,6 +492,7 @@ def run_gumbel_cases(
         for kind in cfg.drafters:
             q = drafter_probs(logits, params, kind, np.random.default_rng([cfg.seed, 6, index]))
             tv_q = total_variation(q, probs)
+            exact = gumbel_agreement(probs, q)
             for name, rule in rules.items():
                 committed, drafts = rule(trials, q)
                 counts = np.bincount(committed, minlength=cfg.vocab).astype(np.float64)
@@ -507,7 +508,7 @@ def run_gumbel_cases(
                         "p_value": chi_square_p_value(counts, probs),
                         "trials": len(committed),
                         "agreement": float(np.mean(committed == drafts)),
-                        "agreement_exact": gumbel_agreement(probs, q),
+                        "agreement_exact": exact,
                         "agreement_floor": (1 - tv_q) / (1 + tv_q),
                         "agreement_ceiling": 1 - tv_q,
                     }
@@ -596,7 +597,7 @@ def gumbel_multi_position_check(cfg: LocalProofConfig, bank: np.ndarray, alpha: 
         "tv": total_variation(counts, target),
         "p_value": p_value,
         "impossible_sequences": outside,
-        "pass": p_value > alpha and gap < 1e-12 and abs(target.sum() - 1) < 1e-12,
+        "pass": bool(p_value > alpha and gap < 1e-12 and abs(target.sum() - 1) < 1e-12),
     }
 
 
