@@ -222,7 +222,7 @@ def test_batched_noise_is_the_one_by_one_noise():
 def test_the_noise_bank_is_each_keys_noise_token_by_token(vocab):
     seeds, positions = random_keys(40)
     bank = coupling.gumbel_noise_bank(seeds, positions, vocab)
-    assert bank.shape == (vocab, 40)
+    assert bank.shape == (vocab, 40) and bank.flags.c_contiguous  # token-major
     for n, (seed, position) in enumerate(zip(seeds, positions, strict=True)):
         assert np.array_equal(bank[:, n], gumbel_noise(int(seed), int(position), np.arange(vocab)))
 
