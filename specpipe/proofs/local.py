@@ -11,6 +11,22 @@ It drives the very functions the tail runs (`target_probs`, `draw`, `verify_coup
 - three lossy mutants of the rule, which must fail the same gates (the test has power);
 - greedy (temp <= 0) bit-identical to argmax, exact ties included;
 - exact coupling: the verify path commits what plain sampling draws, trial for trial.
+
+And for the Gumbel-max form (`specpipe.coupling`), where a drafter draws from its own q under
+the target's noise keyed by (seed, position, token):
+
+- per case (config × drafter q: a perturbed neighbour of p, a hotter q without p's cut, q = p):
+  TV and chi-square of the committed tokens against p, and the agreement rate P(draft ==
+  commit) between the Gumbel-coupling floor (1-TV)/(1+TV) and the ceiling Σ min(p, q), at
+  Gumbel's exact rate, within the Monte-Carlo error;
+- the K = 2 joint law of coupled drafts from q against its enumeration, whose marginals are
+  sequential plain sampling's;
+- four lossy mutants (draft noise keyed one position on, the target's cut ignored, a draft
+  accepted whenever p gives it mass, noise keyed by rank), which must fail;
+- exact coupling: `GumbelSampler.accept` commits what `GumbelSampler.sample` draws.
+
+The result also gives the proof's time against a plain numpy grid of as many cases
+(`reference_grid_seconds`), the yardstick for keeping proof 1 fast.
 """
 
 from __future__ import annotations
