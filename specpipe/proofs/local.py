@@ -35,7 +35,7 @@ import functools
 import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -383,6 +383,7 @@ def coupling_check(cfg: LocalProofConfig) -> dict:
 # argmaxes. Shared noise makes the cases dependent, which Bonferroni does not mind.
 
 GUMBEL_K = 2  # drafts per trial in the multi-position check; the bank holds GUMBEL_K + 1 slots
+BANK_BYTES = 256 * 2**20  # the noise of one chunk of trials: bounds memory for a large vocab
 
 
 def drafter_probs(logits: np.ndarray, params: tuple, kind: str, rng: np.random.Generator):
@@ -487,31 +488,54 @@ GUMBEL_MUTANTS = {
 }
 
 
-def gumbel_bank(cfg: LocalProofConfig) -> np.ndarray:
-    """The noise of cfg.draws random (seed, position) trials at positions t … t+GUMBEL_K:
-    float64 [GUMBEL_K + 1, V, N]."""
+def gumbel_banks(cfg: LocalProofConfig) -> Iterator[np.ndarray]:
+    """The noise of cfg.draws random (seed, position) trials at positions t … t+GUMBEL_K, in
+    chunks of trials that fit BANK_BYTES: float64 [GUMBEL_K + 1, V, n] each."""
     rng = np.random.default_rng([cfg.seed, 5])
     seeds = rng.integers(0, 2**64, size=cfg.draws, dtype=np.uint64)
     starts = rng.integers(0, 2**40, size=cfg.draws)
-    return np.stack([gumbel_noise_bank(seeds, starts + j, cfg.vocab) for j in range(GUMBEL_K + 1)])
+    chunk = max(1, BANK_BYTES // ((GUMBEL_K + 1) * cfg.vocab * 8))
+    for lo in range(0, cfg.draws, chunk):
+        keys = seeds[lo : lo + chunk], starts[lo : lo + chunk]
+        yield np.stack(
+            [gumbel_noise_bank(keys[0], keys[1] + j, cfg.vocab) for j in range(GUMBEL_K + 1)]
+        )
 
 
-def run_gumbel_cases(
-    cfg: LocalProofConfig, bank: np.ndarray, rules: dict, progress: Progress
-) -> list[dict]:
+def run_gumbel(cfg: LocalProofConfig, rules: dict, progress: Progress):
     """Every (config, drafter) case under every Gumbel rule, each config's target the
-    point-mass cases' own, at the bank's first position; one row per case and rule."""
+    point-mass cases' own at the bank's first position: one row per case and rule; and the
+    multi-position check's verify results (`gumbel_multi_results`) under the same noise."""
+    targets = list(case_targets(cfg))
+    drafters = []  # each config's drafters' q, in cfg.drafters order
+    for index, (params, logits, _probs) in enumerate(targets):
+        key = [cfg.seed, 6, index]
+        drafters.append(
+            [
+                drafter_probs(logits, params, kind, np.random.default_rng(key))
+                for kind in cfg.drafters
+            ]
+        )
+    counts = np.zeros((len(targets), len(cfg.drafters), len(rules), cfg.vocab))
+    agreed = np.zeros(counts.shape[:3])
+    multi_targets = gumbel_multi_targets(cfg)
+    multi_results = []
+    for bank in gumbel_banks(cfg):
+        multi_results.append(gumbel_multi_results(*multi_targets, bank))
+        for c, (params, logits, probs) in enumerate(targets):
+            trials = GumbelTrials(probs, target_probs(logits, params[0]), bank)
+            for d, q in enumerate(drafters[c]):
+                for r, rule in enumerate(rules.values()):
+                    committed, drafts = rule(trials, q)
+                    counts[c, d, r] += np.bincount(committed, minlength=cfg.vocab)
+                    agreed[c, d, r] += np.count_nonzero(committed == drafts)
     rows = []
-    for index, (params, logits, probs) in enumerate(case_targets(cfg)):
-        temp, top_p, top_k = params
-        trials = GumbelTrials(probs, target_probs(logits, temp), bank)
-        for kind in cfg.drafters:
-            q = drafter_probs(logits, params, kind, np.random.default_rng([cfg.seed, 6, index]))
+    for c, ((temp, top_p, top_k), _logits, probs) in enumerate(targets):
+        for d, kind in enumerate(cfg.drafters):
+            q = drafters[c][d]
             tv_q = total_variation(q, probs)
             exact = gumbel_agreement(probs, q)
-            for name, rule in rules.items():
-                committed, drafts = rule(trials, q)
-                counts = np.bincount(committed, minlength=cfg.vocab).astype(np.float64)
+            for r, name in enumerate(rules):
                 rows.append(
                     {
                         "form": name,
@@ -520,17 +544,17 @@ def run_gumbel_cases(
                         "top_k": top_k,
                         "draft": kind,
                         "tv_drafter_vs_target": tv_q,
-                        "tv": total_variation(counts, probs),
-                        "p_value": chi_square_p_value(counts, probs),
-                        "trials": len(committed),
-                        "agreement": float(np.mean(committed == drafts)),
+                        "tv": total_variation(counts[c, d, r], probs),
+                        "p_value": chi_square_p_value(counts[c, d, r], probs),
+                        "trials": cfg.draws,
+                        "agreement": float(agreed[c, d, r] / cfg.draws),
                         "agreement_exact": exact,
                         "agreement_floor": (1 - tv_q) / (1 + tv_q),
                         "agreement_ceiling": 1 - tv_q,
                     }
                 )
                 progress(1)
-    return rows
+    return rows, np.concatenate(multi_results)
 
 
 def judge_agreement(rows: list[dict], alpha: float) -> None:
@@ -586,16 +610,27 @@ def plain_marginal_gap(law: dict[tuple, float], probs: np.ndarray) -> float:
     return gap
 
 
-def gumbel_multi_position_check(cfg: LocalProofConfig, bank: np.ndarray, alpha: float) -> dict:
-    """K = GUMBEL_K coupled drafts from non-point-mass drafters over K+1 different targets."""
+def gumbel_multi_targets(cfg: LocalProofConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The multi-position check's K+1 targets [K+1, V] and K drafters' q [K, V]."""
     rng = np.random.default_rng([cfg.seed, 7])
     logits = rng.normal(scale=1.5, size=(GUMBEL_K + 1, cfg.vocab))
-    probs = target_probs(logits, 0.9, 0.95, 0)
     noisy = logits[:GUMBEL_K] + rng.normal(scale=0.5, size=(GUMBEL_K, cfg.vocab))
-    drafter = target_probs(noisy, 0.9, 0.95, 0)
-    draws = np.stack([gumbel_argmax(probs[j], bank[j]) for j in range(GUMBEL_K + 1)], axis=1)
-    drafts = np.stack([gumbel_argmax(drafter[j], bank[j]) for j in range(GUMBEL_K)], axis=1)
-    results = verify_coupled(draws, drafts)
+    return target_probs(logits, 0.9, 0.95, 0), target_probs(noisy, 0.9, 0.95, 0)
+
+
+def gumbel_multi_results(probs: np.ndarray, drafter: np.ndarray, bank: np.ndarray):
+    """The doctored result vectors [n, K+1] of the trials in `bank`: each drafts y_j from
+    drafter[j] and the target draws x_j from probs[j], under the noise of position t + j."""
+    k = len(drafter)
+    draws = np.stack([gumbel_argmax(probs[j], bank[j]) for j in range(k + 1)], axis=1)
+    drafts = np.stack([gumbel_argmax(drafter[j], bank[j]) for j in range(k)], axis=1)
+    return verify_coupled(draws, drafts)
+
+
+def gumbel_multi_position_check(cfg: LocalProofConfig, results: np.ndarray, alpha: float):
+    """K = GUMBEL_K coupled drafts from non-point-mass drafters over K+1 different targets:
+    the committed sequences of `results` against the enumerated law."""
+    probs, drafter = gumbel_multi_targets(cfg)
     law = coupled_prefix_law(probs, drafter)
     keys = sorted(law)
     hist = sequence_histogram(results)
@@ -683,8 +718,7 @@ def run_local_proof(cfg: LocalProofConfig, progress: Progress = lambda _: None) 
     """Run proof 1; return the result document (`proof_1_local_math` and the details)."""
     started = time.perf_counter()
     point_cases = run_cases(cfg, FORMS, progress)
-    bank = gumbel_bank(cfg)
-    gumbel_rows = run_gumbel_cases(cfg, bank, GUMBEL_FORMS | GUMBEL_MUTANTS, progress)
+    gumbel_rows, gumbel_multi_results = run_gumbel(cfg, GUMBEL_FORMS | GUMBEL_MUTANTS, progress)
     gumbel_cases = [row for row in gumbel_rows if row["form"] in GUMBEL_FORMS]
     cases = point_cases + gumbel_cases
     corrected = judge(cases, cfg.gate_tv, cfg.alpha)
@@ -701,8 +735,7 @@ def run_local_proof(cfg: LocalProofConfig, progress: Progress = lambda _: None) 
         mutants.append(mutant_summary(name, rows))
     multi = multi_position_check(cfg, corrected)
     progress(1)
-    gumbel_multi = gumbel_multi_position_check(cfg, bank, corrected)
-    del bank
+    gumbel_multi = gumbel_multi_position_check(cfg, gumbel_multi_results, corrected)
     progress(1)
     greedy = greedy_check(cfg)
     progress(1)

@@ -100,10 +100,24 @@ def test_gumbel_sampler_verify_at_the_wrong_position_is_caught(monkeypatch):
 
 def test_noise_shared_across_positions_fails_the_joint_law():
     cfg = LocalProofConfig(**SMALL)
-    bank = proofs.gumbel_bank(cfg)
+    targets = proofs.gumbel_multi_targets(cfg)
+    bank = next(proofs.gumbel_banks(cfg))
+    right = proofs.gumbel_multi_results(*targets, bank)
     bank[1] = bank[0]  # position t+1 reuses position t's noise: the draws are correlated
-    assert not proofs.gumbel_multi_position_check(cfg, bank, 0.001)["pass"]
-    assert proofs.gumbel_multi_position_check(cfg, proofs.gumbel_bank(cfg), 0.001)["pass"]
+    wrong = proofs.gumbel_multi_results(*targets, bank)
+    assert proofs.gumbel_multi_position_check(cfg, right, 0.001)["pass"]
+    assert not proofs.gumbel_multi_position_check(cfg, wrong, 0.001)["pass"]
+
+
+def test_gumbel_trials_in_chunks_count_the_same(monkeypatch):
+    cfg = LocalProofConfig(**{**SMALL, "draws": 3_000, "temps": (0.8,), "top_ks": (10,)})
+    rules = proofs.GUMBEL_FORMS | proofs.GUMBEL_MUTANTS
+    whole = proofs.run_gumbel(cfg, rules, lambda _: None)
+    monkeypatch.setattr(proofs, "BANK_BYTES", 3 * cfg.vocab * 8 * 700)  # 700 trials a chunk
+    assert sum(1 for _ in proofs.gumbel_banks(cfg)) == 5
+    chunked = proofs.run_gumbel(cfg, rules, lambda _: None)
+    assert chunked[0] == whole[0]
+    assert np.array_equal(chunked[1], whole[1])
 
 
 def test_gumbel_agreement_is_the_exponential_race():
