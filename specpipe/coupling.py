@@ -15,6 +15,10 @@ plain sampling's whatever the drafter proposed, and x_t and y_t agree with proba
 1 - TV = Σ min(p_i, q_i)). A token's noise depends only on (seed, t, i), never on which other
 tokens the top-k / top-p cut left, so only the support needs noise.
 
+Many keys at once (the proofs): `token_uniforms_batch` and `gumbel_noise_bank` give the same
+values for N (seed, position) pairs in one Philox pass, and `gumbel_argmax` draws one
+distribution under every pair's noise.
+
 Noise stream: Philox-4x64-10 (the sampler's `philox4x64`) with key (seed, 0) and counter
 (t, i // 4, GUMBEL_STREAM, 0); token i takes word i % 4 of its block. The third counter word
 keeps these blocks apart from the inverse-CDF uniforms, whose counter is (t, 0, 0, 0).
@@ -53,7 +57,7 @@ def _key_array(values, name: str) -> np.ndarray:
     return np.array([int(value) for value in flat], dtype=np.uint64)
 
 
-def _noise_words(seeds, positions, blocks: np.ndarray) -> np.ndarray:
+def _noise_words(seeds, positions, blocks: np.ndarray) -> list[np.ndarray]:
     """The four Philox words of noise blocks `blocks` [B] at N (seed, position) pairs: [N, B]
     each."""
     seeds, positions = _key_array(seeds, "seeds"), _key_array(positions, "positions")
@@ -72,6 +76,14 @@ def _as_uniform(word: np.ndarray) -> np.ndarray:
     u += 0.5
     u *= 2.0**-53
     return u
+
+
+def _as_gumbel(u: np.ndarray) -> np.ndarray:
+    """-log(-log u), in place."""
+    np.log(u, out=u)
+    np.negative(u, out=u)
+    np.log(u, out=u)
+    return np.negative(u, out=u)
 
 
 def token_uniforms_batch(seeds, positions, ids) -> np.ndarray:
@@ -96,7 +108,7 @@ def token_uniforms(seed: int, position: int, ids) -> np.ndarray:
 
 def gumbel_noise(seed: int, position: int, ids) -> np.ndarray:
     """g_i = -log(-log u_i) for each token id in `ids` at (seed, position): float64 [len]."""
-    return -np.log(-np.log(token_uniforms(seed, position, ids)))
+    return _as_gumbel(token_uniforms(seed, position, ids))
 
 
 def gumbel_noise_bank(seeds, positions, vocab: int) -> np.ndarray:
@@ -113,11 +125,7 @@ def gumbel_noise_bank(seeds, positions, vocab: int) -> np.ndarray:
     for w, word in enumerate(words):
         by_block[:, w, :] = word.T
     by_token = by_block.reshape(-1, by_block.shape[2])[:vocab]
-    noise = _as_uniform(by_token)
-    np.log(noise, out=noise)
-    np.negative(noise, out=noise)
-    np.log(noise, out=noise)
-    return np.negative(noise, out=noise)
+    return _as_gumbel(_as_uniform(by_token))
 
 
 def gumbel_argmax(probs: np.ndarray, noise: np.ndarray) -> np.ndarray:
