@@ -15,6 +15,10 @@ plain sampling's whatever the drafter proposed, and x_t and y_t agree with proba
 1 - TV = Σ min(p_i, q_i)). A token's noise depends only on (seed, t, i), never on which other
 tokens the top-k / top-p cut left, so only the support needs noise.
 
+Many keys at once (the proofs): `token_uniforms_batch` and `gumbel_noise_bank` give the same
+values for N (seed, position) pairs in one Philox pass, and `gumbel_argmax` draws one
+distribution under every pair's noise.
+
 Noise stream: Philox-4x64-10 (the sampler's `philox4x64`) with key (seed, 0) and counter
 (t, i // 4, GUMBEL_STREAM, 0); token i takes word i % 4 of its block. The third counter word
 keeps these blocks apart from the inverse-CDF uniforms, whose counter is (t, 0, 0, 0).
@@ -27,6 +31,7 @@ import numbers
 import numpy as np
 
 from specpipe.sampling import (
+    MAX_SEED,
     Sampler,
     SamplingParams,
     _target_probs,
@@ -43,25 +48,115 @@ def _check_position(position: int) -> None:
         raise ValueError(f"position must be a non-negative integer, got {position!r}")
 
 
+def _key_array(values, name: str) -> np.ndarray:
+    """`values` (integers in 0 … 2^64-1) as a flat uint64 array, or ValueError."""
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iu":
+        if values.dtype.kind == "i" and (values < 0).any():
+            raise ValueError(f"{name} must be non-negative integers below 2^64")
+        return values.astype(np.uint64).reshape(-1)
+    flat = np.asarray(values, dtype=object).reshape(-1)
+    for value in flat:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Integral)
+            or not 0 <= value <= MAX_SEED
+        ):
+            raise ValueError(f"{name} must be non-negative integers below 2^64, got {value!r}")
+    return np.array([int(value) for value in flat], dtype=np.uint64)
+
+
+def _noise_words(seeds, positions, blocks: np.ndarray) -> list[np.ndarray]:
+    """The four Philox words of noise blocks `blocks` [B] at N (seed, position) pairs: [N, B]
+    each."""
+    seeds, positions = _key_array(seeds, "seeds"), _key_array(positions, "positions")
+    if len(seeds) != len(positions):
+        raise ValueError(f"{len(seeds)} seeds for {len(positions)} positions")
+    # Broadcast [N, 1] against [1, B] (constants as scalars): Philox's first round then works
+    # on the distinct words only.
+    counter = (positions[:, None], blocks[None, :], np.uint64(GUMBEL_STREAM), np.uint64(0))
+    words = philox4x64(counter, (seeds[:, None], np.uint64(0)))
+    return [np.broadcast_to(word, (len(seeds), len(blocks))) for word in words]
+
+
+def _as_uniform(word: np.ndarray) -> np.ndarray:
+    # 53 bits, centred in their interval so that u is never 0 (log 0) nor 1.
+    u = (word >> np.uint64(11)).astype(np.float64)
+    u += 0.5
+    u *= 2.0**-53
+    return u
+
+
+def _as_gumbel(u: np.ndarray) -> np.ndarray:
+    """-log(-log u), in place."""
+    np.log(u, out=u)
+    np.negative(u, out=u)
+    np.log(u, out=u)
+    return np.negative(u, out=u)
+
+
+def token_uniforms_batch(seeds, positions, ids) -> np.ndarray:
+    """`token_uniforms` for many (seed, position) pairs at once: float64 [N, len(ids)].
+
+    Row n holds the values `token_uniforms(seeds[n], positions[n], ids)` gives, for seeds and
+    positions of N entries each.
+    """
+    ids = np.asarray(ids, dtype=np.uint64).reshape(-1)
+    blocks, word_of = np.unique(ids >> np.uint64(2), return_inverse=True)
+    words = np.stack(_noise_words(seeds, positions, blocks))  # [4, N, B]
+    pairs = np.arange(words.shape[1])[:, None]
+    return _as_uniform(words[(ids & np.uint64(3)).astype(np.intp)[None, :], pairs, word_of])
+
+
 def token_uniforms(seed: int, position: int, ids) -> np.ndarray:
     """u_i in (0, 1) for each token id in `ids` at (seed, absolute position): float64 [len]."""
     check_seed(seed)
     _check_position(position)
-    ids = np.asarray(ids, dtype=np.uint64).reshape(-1)
-    blocks, word_of = np.unique(ids >> np.uint64(2), return_inverse=True)
-    n = len(blocks)
-    pos = np.full(n, position, dtype=np.uint64)
-    stream = np.full(n, GUMBEL_STREAM, dtype=np.uint64)
-    zero = np.zeros(n, dtype=np.uint64)
-    words = np.stack(philox4x64((pos, blocks, stream, zero), (np.full(n, seed, np.uint64), zero)))
-    word = words[(ids & np.uint64(3)).astype(np.intp), word_of]  # [len]: word i % 4 of block
-    # 53 bits, centred in their interval so that u is never 0 (log 0) nor 1.
-    return ((word >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+    return token_uniforms_batch([seed], [position], ids)[0]
 
 
 def gumbel_noise(seed: int, position: int, ids) -> np.ndarray:
     """g_i = -log(-log u_i) for each token id in `ids` at (seed, position): float64 [len]."""
-    return -np.log(-np.log(token_uniforms(seed, position, ids)))
+    return _as_gumbel(token_uniforms(seed, position, ids))
+
+
+def gumbel_noise_bank(seeds, positions, vocab: int) -> np.ndarray:
+    """The noise of tokens 0 … vocab-1 at N (seed, position) pairs: float64 [vocab, N].
+
+    Column n is `gumbel_noise(seeds[n], positions[n], range(vocab))`; token-major, the layout
+    `gumbel_argmax` reads one token at a time.
+    """
+    if isinstance(vocab, bool) or not isinstance(vocab, numbers.Integral) or vocab < 1:
+        raise ValueError(f"vocab must be a positive integer, got {vocab!r}")
+    words = _noise_words(seeds, positions, np.arange((vocab + 3) // 4, dtype=np.uint64))
+    # Token i is word i % 4 of block i // 4: blocks then words, flattened, is id order.
+    by_block = np.empty((words[0].shape[1], 4, words[0].shape[0]), dtype=np.uint64)
+    for w, word in enumerate(words):
+        by_block[:, w, :] = word.T
+    by_token = by_block.reshape(-1, by_block.shape[2])[:vocab]
+    return _as_gumbel(_as_uniform(by_token))
+
+
+def gumbel_argmax(probs: np.ndarray, noise: np.ndarray) -> np.ndarray:
+    """`gumbel_draw` of one distribution `probs` [V] under each column of `noise` [V, N]: the
+    same scores log p_i + g_i, the same lowest-id winner on ties; int64 [N]."""
+    probs = np.asarray(probs)
+    if probs.ndim != 1 or noise.ndim != 2 or noise.shape[0] != len(probs):
+        raise ValueError(f"probs [V] and noise [V, N] do not match: {probs.shape}, {noise.shape}")
+    support = np.flatnonzero(probs > 0)
+    if len(support) == 0:
+        raise ValueError("probs has no token with positive mass")
+    winner = np.full(noise.shape[1], support[0], dtype=np.int64)
+    if len(support) == 1:
+        return winner
+    log_p = np.log(probs[support])
+    best = log_p[0] + noise[support[0]]
+    # One token at a time over contiguous rows: a strict > keeps the lowest id on ties.
+    for token, log_p_token in zip(support[1:], log_p[1:], strict=True):
+        score = log_p_token + noise[token]
+        better = score > best
+        winner[better] = token
+        np.maximum(best, score, out=best)
+    return winner
 
 
 def gumbel_draw(probs: np.ndarray, seed: int, position: int, ids: np.ndarray | None = None) -> int:

@@ -93,9 +93,9 @@ def proof() -> None:
 def proof_local(draws, vocab, seed, temps, top_ps, top_ks, json_path) -> None:
     """Proof 1: the verify rule's committed tokens follow the target exactly.
 
-    Runs both verify forms over temperature × top-p × top-k × draft cases, checks three lossy
-    mutants are caught, greedy is argmax, and verify commits what plain sampling draws.
-    Exits 0 only when every gate passes.
+    Runs both verify forms over temperature × top-p × top-k × draft cases, and the Gumbel-max
+    form with drafts from a drafter's own q; checks the lossy mutants are caught, greedy is
+    argmax, and verify commits what plain sampling draws. Exits 0 only when every gate passes.
 
     Example:
 

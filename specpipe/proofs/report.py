@@ -33,6 +33,54 @@ class Mutant:
 
 
 @dataclass(frozen=True)
+class GumbelSummary:
+    """Proof 1's Gumbel-max form: drafts from a drafter's own q under the target's noise."""
+
+    cases: int  # configs × drafters
+    drafters: int
+    worst_tv: float
+    agreement_failed: int  # cases whose P(draft == commit) left [floor, ceiling] or Gumbel's rate
+    lowest_agreement: float
+    multi_k: int
+    multi_tv: float
+    multi_p_value: float
+    multi_marginal_diff: float  # the enumerated law's marginals against plain sampling
+    multi_passed: bool
+    coupling_trials: int
+    coupling_mismatches: int
+
+    @classmethod
+    def from_result(cls, doc: Document) -> GumbelSummary:
+        """The view of a `run_local_proof` document's Gumbel parts."""
+        gumbel, multi = doc["gumbel"], doc["gumbel"]["multi_position"]
+        rows = [case for case in doc["cases"] if case["form"] == "gumbel"]
+        return cls(
+            cases=gumbel["cases"],
+            drafters=len({row["draft"] for row in rows}),
+            worst_tv=gumbel["worst_tv"],
+            agreement_failed=gumbel["agreement_failed"],
+            lowest_agreement=min(row["agreement"] for row in rows),
+            multi_k=multi["k"],
+            multi_tv=multi["tv"],
+            multi_p_value=multi["p_value"],
+            multi_marginal_diff=multi["plain_marginal_max_abs_diff"],
+            multi_passed=bool(multi["pass"]),
+            coupling_trials=gumbel["exact_coupling"]["trials"],
+            coupling_mismatches=gumbel["exact_coupling"]["mismatches"],
+        )
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The proof's time against a plain numpy grid of the same number of cases."""
+
+    seconds: float
+    reference_cases: int
+    reference_seconds: float
+    ratio: float
+
+
+@dataclass(frozen=True)
 class LocalProofSummary:
     """Proof 1 as its report reads it."""
 
@@ -55,6 +103,8 @@ class LocalProofSummary:
     greedy_mismatches: int
     coupling_trials: int
     coupling_mismatches: int
+    gumbel: GumbelSummary | None = None  # None in documents from before the Gumbel form
+    timing: Timing | None = None
 
     @property
     def passed(self) -> bool:
@@ -62,7 +112,9 @@ class LocalProofSummary:
 
     @property
     def forms(self) -> int:
-        return self.cases // max(self.configs_tested, 1)
+        """The point-mass forms (coupled, residual) each config × draft case runs under."""
+        point_cases = self.cases - (self.gumbel.cases if self.gumbel else 0)
+        return point_cases // max(self.configs_tested, 1)
 
     @classmethod
     def from_result(cls, doc: Document) -> LocalProofSummary:
@@ -88,6 +140,17 @@ class LocalProofSummary:
             greedy_mismatches=doc["greedy"]["mismatches"],
             coupling_trials=doc["exact_coupling"]["trials"],
             coupling_mismatches=doc["exact_coupling"]["mismatches"],
+            gumbel=GumbelSummary.from_result(doc) if "gumbel" in doc else None,
+            timing=(
+                Timing(
+                    seconds=doc["timing"]["seconds"],
+                    reference_cases=doc["timing"]["reference_grid_cases"],
+                    reference_seconds=doc["timing"]["reference_grid_seconds"],
+                    ratio=doc["timing"]["ratio"],
+                )
+                if "timing" in doc
+                else None
+            ),
         )
 
 
@@ -109,6 +172,20 @@ def format_local_summary(summary: LocalProofSummary, elapsed: float) -> str:
             f"residual {s.multi_residual_tv:.4f}, {'ok' if s.multi_passed else 'FAILED'}",
         ),
     ]
+    g = s.gumbel
+    if g:
+        rows += [
+            (
+                "gumbel form",
+                f"{g.cases} cases ({g.drafters} drafters q), worst TV {g.worst_tv:.4f}, "
+                f"agreement out of bounds {g.agreement_failed} (lowest {g.lowest_agreement:.3f})",
+            ),
+            (
+                f"gumbel K={g.multi_k} joint law",
+                f"p {g.multi_p_value:.3g}, TV {g.multi_tv:.4f}, marginals vs plain "
+                f"{g.multi_marginal_diff:.1e}, {'ok' if g.multi_passed else 'FAILED'}",
+            ),
+        ]
     for m in s.mutants:
         verdict = "caught" if m.caught else "NOT CAUGHT"
         rows.append((f"mutant {m.name}", f"worst TV {m.worst_tv:.3f}, {verdict}"))
@@ -116,6 +193,22 @@ def format_local_summary(summary: LocalProofSummary, elapsed: float) -> str:
     rows.append(
         ("verify == plain", f"{s.coupling_trials:,} trials, {s.coupling_mismatches} mismatches")
     )
+    if g:
+        rows.append(
+            (
+                "gumbel verify == plain",
+                f"{g.coupling_trials:,} trials, {g.coupling_mismatches} mismatches",
+            )
+        )
+    if s.timing:
+        t = s.timing
+        rows.append(
+            (
+                "time",
+                f"{t.seconds:.1f} s, {t.ratio:.1f}× a plain numpy grid of {t.reference_cases} "
+                f"cases ({t.reference_seconds:.2f} s)",
+            )
+        )
     lines = ["proof 1: the local math", *_rows(rows)]
     lines.append(f"verdict: {s.verdict} ({elapsed:.1f} s)")
     return "\n".join(lines)

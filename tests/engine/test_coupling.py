@@ -186,3 +186,71 @@ def test_bad_keys_are_refused(seed, position):
 def test_a_distribution_without_mass_is_refused():
     with pytest.raises(ValueError, match="no token"):
         gumbel_draw(np.zeros(4), 0, 0)
+
+
+# token_uniforms' values before the batched form existed: the batched one must not move them.
+GOLDEN = [
+    (0, 0, [0, 1, 2], ["0x1.9bf6be67257dcp-4", "0x1.d9c6cb520c982p-1", "0x1.1b78c283cf152p-3"]),
+    (2**64 - 1, 2**40 + 3, [49151, 3], ["0x1.7516a3eeb27c8p-1", "0x1.e9d8fb4378a20p-7"]),
+    (12345, 99, [31, 8], ["0x1.11c8557248eb0p-1", "0x1.b5c9336274a2ep-3"]),
+]
+
+
+@pytest.mark.parametrize("seed, position, ids, values", GOLDEN)
+def test_the_noise_of_a_key_is_what_it_was(seed, position, ids, values):
+    assert [float(u).hex() for u in token_uniforms(seed, position, ids)] == values
+
+
+def random_keys(n: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(11)
+    return rng.integers(0, 2**64, n, dtype=np.uint64), rng.integers(0, 2**40, n)
+
+
+def test_batched_noise_is_the_one_by_one_noise():
+    seeds, positions = random_keys(60)
+    ids = np.array([49151, 7, 3, 4, 1000, 2, 6, 7])
+    batch = coupling.token_uniforms_batch(seeds, positions, ids)
+    one_by_one = [
+        token_uniforms(int(s), int(p), ids) for s, p in zip(seeds, positions, strict=True)
+    ]
+    assert np.array_equal(batch, np.stack(one_by_one))
+    assert np.array_equal(coupling.token_uniforms_batch([2**64 - 1], [5], ids)[0],
+                          token_uniforms(2**64 - 1, 5, ids))  # fmt: skip
+
+
+@pytest.mark.parametrize("vocab", [1, 12, 13, 31])
+def test_the_noise_bank_is_each_keys_noise_token_by_token(vocab):
+    seeds, positions = random_keys(40)
+    bank = coupling.gumbel_noise_bank(seeds, positions, vocab)
+    assert bank.shape == (vocab, 40) and bank.flags.c_contiguous  # token-major
+    for n, (seed, position) in enumerate(zip(seeds, positions, strict=True)):
+        assert np.array_equal(bank[:, n], gumbel_noise(int(seed), int(position), np.arange(vocab)))
+
+
+@pytest.mark.parametrize("temp, top_p, top_k", [*CONFIGS, (0.0, 1.0, 0)])
+def test_gumbel_argmax_is_gumbel_draw_under_each_key(temp, top_p, top_k):
+    seeds, positions = random_keys(300)
+    probs = target_probs(LOGITS, temp, top_p, top_k)
+    bank = coupling.gumbel_noise_bank(seeds, positions, len(LOGITS))
+    expected = [gumbel_draw(probs, int(s), int(p)) for s, p in zip(seeds, positions, strict=True)]
+    assert coupling.gumbel_argmax(probs, bank).tolist() == expected
+
+
+def test_gumbel_argmax_keeps_the_lowest_id_on_ties():
+    noise = np.zeros((4, 3))
+    assert coupling.gumbel_argmax(np.array([0.0, 0.5, 0.5, 0.0]), noise).tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "seeds, positions", [([-1], [0]), ([0], [-1]), ([2**64], [0]), ([0], [1.5]), ([0, 1], [0])]
+)
+def test_bad_batched_keys_are_refused(seeds, positions):
+    with pytest.raises(ValueError):
+        coupling.token_uniforms_batch(seeds, positions, [0, 1])
+
+
+def test_mismatched_bank_and_probs_are_refused():
+    with pytest.raises(ValueError, match="do not match"):
+        coupling.gumbel_argmax(np.array([0.5, 0.5]), np.zeros((3, 4)))
+    with pytest.raises(ValueError, match="vocab"):
+        coupling.gumbel_noise_bank([0], [0], 0)

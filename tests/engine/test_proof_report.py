@@ -83,6 +83,72 @@ def test_a_failing_local_proof_names_what_failed():
     assert lines[-1] == "verdict: FAIL (0.0 s)"
 
 
+def gumbel_doc() -> dict:
+    """A proof 1 document with the Gumbel form's cases, its checks and the timing."""
+    doc = local_doc()
+    gumbel_case = {"form": "gumbel", "temp": 0.8, "top_p": 1.0, "top_k": 0, "tv": 0.004}
+    doc["cases"] += [
+        {**gumbel_case, "draft": "neighbour", "agreement": 0.87, "pass": True},
+        {**gumbel_case, "draft": "equal", "agreement": 1.0, "pass": True},
+    ]
+    doc["mutants"].append(
+        {"name": "gumbel_cut_ignored", "worst_tv": 0.287, "cases_failed": 1, "caught": True}
+    )
+    doc["gumbel"] = {
+        "cases": 2,
+        "worst_tv": 0.004,
+        "agreement_failed": 0,
+        "multi_position": {
+            "k": 2,
+            "tv": 0.0424,
+            "p_value": 0.853,
+            "plain_marginal_max_abs_diff": 8.3e-17,
+            "pass": True,
+        },
+        "exact_coupling": {"trials": 500, "mismatches": 0, "drafts_accepted": 600},
+    }
+    doc["timing"] = {
+        "seconds": 7.9,
+        "reference_grid_cases": 6,
+        "reference_grid_seconds": 0.8,
+        "ratio": 9.875,
+    }
+    return doc
+
+
+def test_the_gumbel_form_and_the_timing_are_reported():
+    summary = LocalProofSummary.from_result(gumbel_doc())
+    assert summary.forms == 2 and summary.cases == 6
+    assert summary.gumbel.drafters == 2 and summary.gumbel.lowest_agreement == 0.87
+    lines = format_local_summary(summary, 8.2).splitlines()
+    assert lines[1] == "  cases                      2 × 2 forms, 20,000 draws each, vocab 32"
+    assert lines[6:8] == [
+        "  gumbel form                2 cases (2 drafters q), worst TV 0.0040, agreement out of "
+        "bounds 0 (lowest 0.870)",
+        "  gumbel K=2 joint law       p 0.853, TV 0.0424, marginals vs plain 8.3e-17, ok",
+    ]
+    assert "  mutant gumbel_cut_ignored  worst TV 0.287, caught" in lines
+    assert lines[-4:] == [
+        "  verify == plain            102,000 trials, 0 mismatches",
+        "  gumbel verify == plain     500 trials, 0 mismatches",
+        "  time                       7.9 s, 9.9× a plain numpy grid of 6 cases (0.80 s)",
+        "verdict: PASS (8.2 s)",
+    ]
+
+
+def test_a_failing_gumbel_check_is_named():
+    doc = gumbel_doc()
+    doc["gumbel"]["multi_position"]["pass"] = False
+    doc["gumbel"]["exact_coupling"]["mismatches"] = 3
+    doc["gumbel"]["agreement_failed"] = 1
+    lines = format_local_summary(LocalProofSummary.from_result(doc), 1.0).splitlines()
+    assert any("agreement out of bounds 1" in line for line in lines)
+    assert any(
+        line.startswith("  gumbel K=2 joint law") and line.endswith("FAILED") for line in lines
+    )
+    assert "  gumbel verify == plain     500 trials, 3 mismatches" in lines
+
+
 def swarm_doc() -> dict:
     """A proof 2 document of two stops; the second has a p-value under the per-stop alpha."""
 
