@@ -124,7 +124,7 @@ class Generation:
                     drafts = proposal[: self.draft_length.choose(len(proposal))]
                 send, replays = self.tokens[cached:] + drafts, self.stats.replays
                 round_started = time.perf_counter()
-                result = self._round(send, cached, drafts, self._head_k())
+                result = self._round(send, cached, drafts, self._head_k(proposal, from_head))
                 committed = committed_tokens(drafts, result)
                 self.head_drafts = list(getattr(result, "drafts", []))
                 if self.draft_length is not None:
@@ -165,10 +165,12 @@ class Generation:
             return self.head_drafts[:k], True
         return [], False
 
-    def _head_k(self) -> int:
-        """How many drafts to ask of the tail's head for the next round: as many as the draft
-        length would send, and at least one, so that its acceptance is still measured."""
-        if not self.use_head or self.draft_k == 0:
+    def _head_k(self, proposal: list[int], from_head: bool) -> int:
+        """How many drafts to ask of the tail's head for the next round, whose steps cost the
+        tail's time: none while the n-gram drafter has a match (in copied text it goes on
+        matching), else as many as the draft length would send, and at least one, so that the
+        head's acceptance is still measured."""
+        if not self.use_head or self.draft_k == 0 or (proposal and not from_head):
             return 0
         if self.draft_length is None:
             return self.draft_k

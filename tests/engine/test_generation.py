@@ -4,7 +4,7 @@ token, greedy and sampled; stops, gaps and resumes change nothing."""
 import pytest
 
 from specpipe.generation import Generation
-from specpipe.ring import GapError, LocalRing
+from specpipe.ring import GapError, LocalRing, RoundResult
 from specpipe.sampling import SamplingParams
 from tests.engine.toy_stages import VOCAB, toy_stages
 
@@ -120,3 +120,51 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError):
         LocalRing(list(reversed(toy_stages())))
     assert max(PROMPT) < VOCAB
+
+
+class HeadRing(LocalRing):
+    """A LocalRing whose tail 'head' proposes a fixed token, recording what each round asked."""
+
+    def __init__(self, stages, token: int):
+        super().__init__(stages)
+        self.token, self.calls = token, []  # (drafts sent, head_k asked)
+
+    def round(self, session, tokens, start_pos, n_draft, head_k=0):
+        self.calls.append((list(tokens)[len(tokens) - n_draft :], head_k))
+        result = super().round(session, tokens, start_pos, n_draft)
+        return RoundResult(result, result.logprobs, [self.token] * head_k)
+
+
+@pytest.mark.parametrize("source", ["head", "both"])
+def test_head_drafts_are_used_where_the_ngram_has_none_and_asked_for_only_then(source):
+    params = SamplingParams(temp=0.0)
+    plain, _ = generate(params, draft_k=0)
+    # A token the output never has: a proposal of it can only be the head's.
+    ring = HeadRing(toy_stages(), token=next(t for t in range(VOCAB) if t not in plain + PROMPT))
+    spec, stats = generate(params, draft_k=3, ring=ring, drafts_from=source)
+    assert spec == plain
+    for drafts, head_k in ring.calls:
+        from_head = bool(drafts) and drafts == [ring.token] * len(drafts)
+        from_ngram = bool(drafts) and not from_head
+        assert head_k == (0 if from_ngram else 3), (drafts, head_k)
+    if source == "head":  # the n-gram is never asked
+        assert stats.head_rounds > 0
+        assert all(not d or d == [ring.token] * len(d) for d, _ in ring.calls)
+    else:  # this prompt repeats itself: the n-gram proposes every round, the head is not asked
+        assert stats.head_rounds == 0 and any(d for d, _ in ring.calls)
+
+
+def test_a_sampled_run_under_the_inverse_cdf_asks_nothing_of_the_head():
+    params = SamplingParams(temp=0.8, seed=3)
+    plain, _ = generate(params, draft_k=0)
+    ring = HeadRing(toy_stages(), token=1)
+    spec, stats = generate(params, draft_k=3, ring=ring, drafts_from="head")
+    assert spec == plain and stats.head_rounds == 0
+    assert all(head_k == 0 for _, head_k in ring.calls)
+    gumbel = SamplingParams(temp=0.8, seed=3, sampler="gumbel")
+    ring = HeadRing(toy_stages(), token=1)
+    assert (
+        generate(gumbel, draft_k=3, ring=ring, drafts_from="head")[0]
+        == generate(gumbel, draft_k=0)[0]
+    )
+    assert any(head_k > 0 for _, head_k in ring.calls)
