@@ -88,15 +88,7 @@ def train(model: str, tokens: int, steps: int, batch: int, seed: int, out: Path 
     started = time.perf_counter()
     label, cfg, tokenizer, eos, stage = open_whole_model(model, threads)
     out = out or Path(f"{label}.safetensors")
-    max_new = 128
-    n_jobs = -(-tokens // max_new)
-    temps = (0.7, 0.8, 0.9, 1.0)
-    prompts = [tokenizer.prompt_ids(p) for p in dt.TRAIN_PROMPTS]
-    jobs = [dt.Continuation(prompts[i % len(prompts)], seed * 100_003 + i, temps[i % len(temps)])
-            for i in range(n_jobs)]  # fmt: skip
-    _log(f"{label}: generating {n_jobs} continuations of up to {max_new} tokens "
-         f"({len(dt.TRAIN_PROMPTS)} prompts, temperatures {temps}, top_p 0.95)")  # fmt: skip
-    data = dt.generate(stage, jobs, 0.95, max_new, eos_ids=eos, log=_log)
+    data, described = _generated_data(label, tokenizer, eos, stage, tokens, seed)
     generated_s = time.perf_counter() - started
     _log(f"{data.generated} tokens generated in {generated_s:.0f} s; training {steps} steps")
     parts = dt.training_parts(stage)
@@ -108,14 +100,85 @@ def train(model: str, tokens: int, steps: int, batch: int, seed: int, out: Path 
         "model": label, "dim": cfg.dim, "vocab": cfg.vocab_size, "hidden": head.hidden,
         "draft_vocab": 0 if head.vocab is None else len(head.vocab),
         "command": command, "seed": seed,
-        "data": (f"{data.generated} tokens the target generated from the {len(dt.TRAIN_PROMPTS)} "
-                 f"TRAIN_PROMPTS of specpipe/draftertrain.py, {n_jobs} continuations of up to "
-                 f"{max_new} tokens, temperatures {list(temps)}, top_p 0.95, Gumbel draws"),
+        "data": described,
         "loss_first": losses[0], "loss_last_25": sum(losses[-25:]) / len(losses[-25:]),
         "train_seconds": round(time.perf_counter() - started),
     }  # fmt: skip
     head.save(out, meta)
     _log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {meta['train_seconds']} s")
+
+
+def _generated_data(label: str, tokenizer, eos, stage, tokens: int, seed: int):
+    """What a head learns from: the target's continuations of the project's own prompts, about
+    `tokens` of them at temperatures 0.7 … 1.0, and a line saying so for the head's metadata."""
+    from specpipe import draftertrain as dt
+
+    max_new, temps = 128, (0.7, 0.8, 0.9, 1.0)
+    n_jobs = -(-tokens // max_new)
+    prompts = [tokenizer.prompt_ids(p) for p in dt.TRAIN_PROMPTS]
+    jobs = [dt.Continuation(prompts[i % len(prompts)], seed * 100_003 + i, temps[i % len(temps)])
+            for i in range(n_jobs)]  # fmt: skip
+    _log(f"{label}: generating {n_jobs} continuations of up to {max_new} tokens "
+         f"({len(dt.TRAIN_PROMPTS)} prompts, temperatures {temps}, top_p 0.95)")  # fmt: skip
+    data = dt.generate(stage, jobs, 0.95, max_new, eos_ids=eos, log=_log)
+    described = (f"{data.generated} tokens the target generated from the "
+                 f"{len(dt.TRAIN_PROMPTS)} TRAIN_PROMPTS of specpipe/draftertrain.py, {n_jobs} "
+                 f"continuations of up to {max_new} tokens, temperatures {list(temps)}, "
+                 "top_p 0.95, Gumbel draws")  # fmt: skip
+    return data, described
+
+
+@drafter.command(name="narrow")
+@click.option("--head", "head_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="The head to narrow (default: the one shipped for the model).")  # fmt: skip
+@click.option("--model", default="default", show_default=True, help="The target model.")
+@click.option("--draft-vocab", type=click.IntRange(min=1), default=8192, show_default=True,
+              help="Draft only this many tokens: the target's likeliest.")  # fmt: skip
+@click.option("--tokens", type=click.IntRange(min=64), default=2048, show_default=True,
+              help="Tokens the target generates to weigh its tokens by.")  # fmt: skip
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=1, show_default=True,
+              help="Seed of the generated text.")  # fmt: skip
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Where to write the narrowed head.")  # fmt: skip
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Torch threads.")  # fmt: skip
+def narrow(head_path: Path | None, model: str, draft_vocab: int, tokens: int, seed: int,
+           out: Path, threads: int) -> None:  # fmt: skip
+    """Make a trained head draft only the DRAFT_VOCAB tokens the target gives the most mass in
+    text it generates: the same weights, reading only those rows of the target's head, so a
+    draft step costs a fraction of a full one. Its drafts keep the target's noise for those
+    tokens (the coupling is unchanged); a token outside them is one it never agrees on.
+
+    Example:
+
+        specpipe drafter narrow --draft-vocab 8192 --out head.safetensors
+    """
+    import torch
+
+    from specpipe.drafthead import DraftHead, frequent_tokens, shipped_head
+
+    label, cfg, tokenizer, eos, stage = open_whole_model(model, threads)
+    head, meta = load_head(head_path, label, cfg)
+    if head.vocab is not None:
+        raise click.ClickException("this head already drafts part of the vocabulary")
+    data, described = _generated_data(label, tokenizer, eos, stage, tokens, seed)
+    vocab = frequent_tokens(data.top_ids, data.top_probs, cfg.vocab_size, draft_vocab)
+    narrowed = DraftHead(head.dim, head.hidden, vocab)
+    narrowed.load_state_dict(head.state_dict(), strict=True)
+    covered = 1.0
+    if vocab is not None:  # the share of the target's mass in that text the subset holds
+        inside = torch.isin(data.top_ids, vocab).to(torch.float32)
+        covered = float((data.top_probs * inside).sum() / data.top_probs.sum())
+    meta = {**meta, "draft_vocab": 0 if vocab is None else len(vocab),
+            "narrowed": {"command": f"specpipe drafter narrow --model {model} --draft-vocab "
+                                    f"{draft_vocab} --tokens {tokens} --seed {seed}",
+                         "from": str(head_path or shipped_head(label)), "data": described,
+                         "mass_covered": round(covered, 4)}}  # fmt: skip
+    narrowed.save(out, meta)
+    _log(
+        f"wrote {out}: {meta['draft_vocab']} tokens, {100 * covered:.1f}% of the target's "
+        "top-64 mass in the generated text"
+    )
 
 
 @drafter.command(name="eval")

@@ -208,6 +208,22 @@ def test_drafter_commands(tmp_path, tiny):
         assert set(row["methods"]) == {"plain", "ngram", "head", "both"}
         assert row["methods"]["head"]["head_round_share"] > 0
         assert row["methods"]["ngram"]["head_round_share"] == 0
+    # Narrowed to the 20 tokens the target gives the most mass: the same weights, its drafts
+    # among those tokens only, and a second narrowing refused.
+    narrow = tmp_path / "narrow.safetensors"
+    args = ["drafter", "narrow", "--model", str(tiny), "--head", str(out), "--draft-vocab", "20",
+            "--tokens", "64", "--threads", "1", "--out", str(narrow)]  # fmt: skip
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    narrowed, narrow_meta = DraftHead.load(narrow)
+    whole, _ = DraftHead.load(out)
+    assert len(narrowed.token_ids()) == 20 and narrow_meta["draft_vocab"] == 20
+    assert 0 < narrow_meta["narrowed"]["mass_covered"] < 1
+    assert narrow_meta["command"] == meta["command"]  # how the weights were trained
+    pairs = zip(narrowed.state_dict().values(), whole.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    refused = CliRunner().invoke(cli, [*args[:5], str(narrow), *args[6:]])
+    assert refused.exit_code != 0 and "already drafts part" in refused.output
     # A head for another model is refused in one line, before anything runs.
     meta["model"] = "another"
     head, _ = DraftHead.load(out)
