@@ -201,6 +201,8 @@ def run_nightly(
             "reasons": swarm_result["reasons"],
             "exact_check": swarm_result["exact_check"],
             "mutant_flagged": swarm_result["mutant"]["flagged"],
+            "sampler": swarm_result["sampler"],
+            "drafter": swarm_result["drafter"],
             **({"head": swarm_result["head"]} if "head" in swarm_result else {}),
         }
     for kind, reason in errors.items():

@@ -84,6 +84,7 @@ def run_generation_proof(
             "speedup": spec["tok_s"] / plain["tok_s"] if plain["tok_s"] else None,
             "tokens_per_round": spec["tokens_per_round"],
             "identical": spec["tokens"] == plain["tokens"],
+            "draft_head": draft_head,
             "sampler": params.sampler,
             "drafts_from": drafts_from,
             "head_rounds": spec["head_rounds"],
@@ -91,7 +92,5 @@ def run_generation_proof(
             "spec": spec,
             "plain": plain,
         }
-    identical = all(m["identical"] for m in out.values())
-    out["draft_head"] = draft_head
-    out["verdict"] = "PASS" if identical else "FAIL"
+    out["verdict"] = "PASS" if all(m["identical"] for m in out.values()) else "FAIL"
     return out

@@ -162,9 +162,9 @@ class SwarmProofSummary:
     exact_pairs: int
     reasons: tuple[str, ...]
     per_stop: tuple[SwarmStop, ...]
-    # Documents from before the draft head name neither: they drew with icdf and the n-gram.
-    sampler: str = "icdf"
-    drafter: str = "ngram"  # or "head": the tail's draft head
+    # None in documents from before the draft head, which name neither (icdf and the n-gram).
+    sampler: str | None = None
+    drafter: str | None = None  # "ngram", or "head": the tail's draft head
     head_rounds: int = 0  # speculative draws the head drafted for
     head_draws: int = 0  # speculative draws in all
     head_acceptance: float = 0.0  # of the head's drafts, the share accepted
@@ -210,8 +210,8 @@ class SwarmProofSummary:
                 )
                 for r in doc["per_stop"]
             ),
-            sampler=head.get("sampler", "icdf"),
-            drafter=head.get("drafter", "ngram"),
+            sampler=doc.get("sampler"),
+            drafter=doc.get("drafter"),
             head_rounds=drafted.get("rounds", 0),
             head_draws=drafted.get("draws", 0),
             head_acceptance=drafted.get("acceptance", 0.0),
@@ -232,10 +232,11 @@ def format_swarm_summary(summary: SwarmProofSummary, where: str, elapsed: float)
             f"{r.tv_spec_vs_plain:>13.4f}  {r.tv_plain_vs_plain:>14.4f}  "
             f"{r.p_value:>9.3g}  {r.exact_identical:>4}/{r.exact_pairs:<4}"
         )
-    drafts = "the tail's draft head" if s.drafter == "head" else "the n-gram drafter"
-    rows = [
-        ("temp / top_p / top_k", f"{s.temp:g} / {s.top_p:g} / {s.top_k}"),
-        ("drawn with", f"sampler {s.sampler}, drafts from {drafts}"),
+    rows = [("temp / top_p / top_k", f"{s.temp:g} / {s.top_p:g} / {s.top_k}")]
+    if s.sampler is not None:
+        drafts = "the tail's draft head" if s.drafter == "head" else "the n-gram drafter"
+        rows.append(("drawn with", f"sampler {s.sampler}, drafts from {drafts}"))
+    rows += [
         ("draws per mode per stop", str(s.draws_per_mode_per_stop)),
         (
             "stops",

@@ -21,8 +21,11 @@ re-sends the stop's last token asking for `head_k` drafts and commits x0 at the 
 sends [x0, d1 … dK] one position on and commits x1 (and more when d1 is accepted). The plain
 side sends [x0] alone in round B. The law compared is the joint law of (x0, x1), pairs as
 categories; the exact check compares every token a speculative round committed with plain
-draws of the same seed, one round per position. A tail without a head sends no drafts: the
-n-gram's proposal after x0 stands in (the argmax when it has none), and `head_rounds` says so.
+draws of the same seed, one round per position. The mutant is a ring whose caches keep the
+previous draw's token at the stop, so that x1 follows the wrong x0: unlike a lossy acceptance
+rule, which only acts on rejected drafts, its damage does not fade as the head gets better.
+A tail without a head sends no drafts: the n-gram's proposal after x0 stands in (the argmax
+when it has none), and `head_rounds` says so.
 """
 
 from __future__ import annotations
@@ -348,12 +351,12 @@ def run_swarm_proof(
             "mean_tv_noise_floor_plain_vs_plain": float(
                 np.mean([r["tv_plain_vs_plain"] for r in rows])
             ),
-            "sampler": cfg.sampler,
-            "drafter": cfg.drafter,
             "verdict": "FAIL" if reasons else "PASS",
         },
         "top_k": cfg.top_k,
         "draft_k": cfg.draft_k,
+        "sampler": cfg.sampler,
+        "drafter": cfg.drafter,
         # What each stop's law is over: the token at the stop, or with the head the pair of
         # tokens at the stop and after it.
         "law": "pair" if cfg.draft_head else "token",
