@@ -54,6 +54,10 @@ CLAIM = (
     "temperature/top-p/top-k distribution, and equal plain sampling's for the same seed."
 )
 RING_ERRORS = (inventory.RouteError, RingError, GapError, ValueError, redis.RedisError)
+# Proofs 2 and 3 run with the tail's draft head (and the gumbel sampler its drafts share noise
+# with). The coordinator cannot see whether the tail holds a head; one without a head sends no
+# drafts, and the run records that the head drafted for none.
+NIGHTLY_DRAFT_HEAD = True
 
 
 def lock_key(swarm: str, key: str) -> str:
@@ -120,11 +124,13 @@ def run_nightly(
     settings: Settings,
     seed: int,
     sizes: dict[str, int],
+    draft_head: bool = NIGHTLY_DRAFT_HEAD,
 ) -> Run:
     """Run the three proofs and store them as one nightly run; committed before it returns.
 
     `target` is the model (or why it could not be opened); the ring is routed over the online
-    stages of the swarm `settings` names.
+    stages of the swarm `settings` names. With `draft_head`, proofs 2 and 3 verify the tail's
+    draft head's drafts, sampling with gumbel.
     """
     local = run_local_proof(LocalProofConfig(draws=sizes["local_draws"], seed=seed))
     errors: dict[str, str] = {}
@@ -153,6 +159,7 @@ def run_nightly(
                     seed=seed,
                     generation_tokens=sizes["generation_tokens"],
                     pilot_draws=sizes["pilot_draws"],
+                    draft_head=draft_head,
                 ),
             )
         except RING_ERRORS as exc:
@@ -165,6 +172,7 @@ def run_nightly(
                     target.decode,
                     max_new_tokens=sizes["max_new_tokens"],
                     eos_ids=target.eos_ids,
+                    draft_head=draft_head,
                 )
             except RING_ERRORS as exc:
                 errors["generation"] = f"{type(exc).__name__}: {exc}"
@@ -183,13 +191,7 @@ def run_nightly(
         claim=CLAIM,
         model=default_model() if isinstance(target, str) else model,
         quant=None if isinstance(target, str) else target.quant,
-        method=(
-            f"nightly regression, seed {seed}: proof 1 local math ({sizes['local_draws']:,} "
-            f"draws per case); proof 2 on the swarm ({sizes['stops']} stops × "
-            f"{sizes['draws']} draws per mode, n-gram drafts K=4, coupled verify keyed by "
-            f"(seed, position), exact same-seed check); proof 3 generation greedy and seeds "
-            f"7, 99, speculative vs plain"
-        ),
+        method=_method(seed, sizes, draft_head, swarm_result, generation),
         topology=topology,
     )
     on_swarm = run.proof("on_swarm")
@@ -199,6 +201,9 @@ def run_nightly(
             "reasons": swarm_result["reasons"],
             "exact_check": swarm_result["exact_check"],
             "mutant_flagged": swarm_result["mutant"]["flagged"],
+            "sampler": swarm_result["sampler"],
+            "drafter": swarm_result["drafter"],
+            **({"head": swarm_result["head"]} if "head" in swarm_result else {}),
         }
     for kind, reason in errors.items():
         run.proofs.append(_error_proof(kind, reason))
@@ -206,6 +211,37 @@ def run_nightly(
     run.finished_at = utcnow()
     session.commit()
     return run
+
+
+def _method(
+    seed: int,
+    sizes: dict[str, int],
+    draft_head: bool,
+    swarm: dict | None,
+    generation: dict | None,
+) -> str:
+    """How the night ran, for the run record: sizes, sampler and where the drafts came from
+    (with the head: for how many speculative draws and rounds it drafted)."""
+    if draft_head:
+        drafts = "the tail's draft head's drafts K=4 (the n-gram's where it sent none)"
+        head = (swarm or {}).get("head")
+        if head is not None:
+            drafts += f", head drafted for {head['rounds']}/{head['draws']} draws"
+        sampler, law = "gumbel", "joint law of the stop's token and the next"
+    else:
+        drafts, sampler, law = "n-gram drafts K=4", "icdf", "law of the stop's token"
+    generation_drafts = "n-gram"
+    if draft_head:
+        head_rounds = sum(m["head_rounds"] for m in (generation or {}).values()
+                          if isinstance(m, dict))  # fmt: skip
+        generation_drafts = f"n-gram and draft head, {head_rounds} head rounds"
+    return (
+        f"nightly regression, seed {seed}: proof 1 local math ({sizes['local_draws']:,} "
+        f"draws per case); proof 2 on the swarm ({sizes['stops']} stops × "
+        f"{sizes['draws']} draws per mode, {drafts}, sampler {sampler}, {law}, coupled verify "
+        f"keyed by (seed, position), exact same-seed check); proof 3 generation greedy and "
+        f"seeds 7, 99 (sampler {sampler}, drafts {generation_drafts}), speculative vs plain"
+    )
 
 
 @shared_task(name=NIGHTLY_TASK, bind=True)

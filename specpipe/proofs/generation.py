@@ -1,5 +1,10 @@
 """Proof 3: the same prompt generated greedy and with two sampled seeds, each speculative and
-plain, side by side. Speculative and plain texts must be identical; the tok/s show the gain."""
+plain, side by side. Speculative and plain texts must be identical; the tok/s show the gain.
+
+With `draft_head` the speculative runs take drafts from the tail's draft head where the n-gram
+has none (`drafts_from="both"`), and the sampled modes draw with the "gumbel" sampler, whose
+noise the head shares; each mode records its sampler, where its drafts came from and how many
+rounds the head drafted for (0 when the tail has no head)."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ def _one(
     max_new_tokens: int,
     eos_ids: Sequence[int],
     decode: Callable[[list[int]], str],
+    drafts_from: str,
 ) -> dict:
     gen = Generation(
         ring,
@@ -28,6 +34,7 @@ def _one(
         max_new_tokens=max_new_tokens,
         draft_k=draft_k,
         eos_ids=eos_ids,
+        drafts_from=drafts_from,
     )
     try:
         tokens = gen.run()
@@ -39,6 +46,8 @@ def _one(
         "tok_s": gen.stats.tok_s,
         "rounds": gen.stats.rounds,
         "tokens_per_round": gen.stats.tokens_per_round,
+        "head_rounds": gen.stats.head_rounds,
+        "draft_acceptance": gen.stats.draft_acceptance,
     }
 
 
@@ -54,15 +63,20 @@ def run_generation_proof(
     draft_k: int = 4,
     max_new_tokens: int = 64,
     eos_ids: Sequence[int] = (),
+    draft_head: bool = False,
 ) -> dict:
     """`proof_3_generation`: one entry per mode, each with its speculative and plain run."""
+    sampler = "gumbel" if draft_head else "icdf"
+    drafts_from = "both" if draft_head else "ngram"
     modes = {"greedy_temp0": SamplingParams(temp=0.0)}
     for seed in seeds:
-        modes[f"sampled_temp{temp:g}_seed{seed}"] = SamplingParams(temp, top_p, top_k, seed)
+        modes[f"sampled_temp{temp:g}_seed{seed}"] = SamplingParams(
+            temp, top_p, top_k, seed, sampler=sampler
+        )
     out: dict = {}
     for name, params in modes.items():
-        spec = _one(ring, prompt, params, draft_k, max_new_tokens, eos_ids, decode)
-        plain = _one(ring, prompt, params, 0, max_new_tokens, eos_ids, decode)
+        spec = _one(ring, prompt, params, draft_k, max_new_tokens, eos_ids, decode, drafts_from)
+        plain = _one(ring, prompt, params, 0, max_new_tokens, eos_ids, decode, drafts_from)
         out[name] = {
             "text": spec["text"],
             "tok_s": spec["tok_s"],
@@ -70,6 +84,11 @@ def run_generation_proof(
             "speedup": spec["tok_s"] / plain["tok_s"] if plain["tok_s"] else None,
             "tokens_per_round": spec["tokens_per_round"],
             "identical": spec["tokens"] == plain["tokens"],
+            "draft_head": draft_head,
+            "sampler": params.sampler,
+            "drafts_from": drafts_from,
+            "head_rounds": spec["head_rounds"],
+            "draft_acceptance": spec["draft_acceptance"],
             "spec": spec,
             "plain": plain,
         }

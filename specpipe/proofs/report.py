@@ -255,6 +255,12 @@ class SwarmProofSummary:
     exact_pairs: int
     reasons: tuple[str, ...]
     per_stop: tuple[SwarmStop, ...]
+    # None in documents from before the draft head, which name neither (icdf and the n-gram).
+    sampler: str | None = None
+    drafter: str | None = None  # "ngram", or "head": the tail's draft head
+    head_rounds: int = 0  # speculative draws the head drafted for
+    head_draws: int = 0  # speculative draws in all
+    head_acceptance: float = 0.0  # of the head's drafts, the share accepted
 
     @property
     def passed(self) -> bool:
@@ -264,6 +270,7 @@ class SwarmProofSummary:
     def from_result(cls, doc: Document) -> SwarmProofSummary:
         """The view of a `run_swarm_proof` document."""
         head, alpha = doc["proof_2_on_swarm"], doc["alpha_per_stop"]
+        drafted = doc.get("head", {})
         return cls(
             verdict=head["verdict"],
             temp=head["temp"],
@@ -296,6 +303,11 @@ class SwarmProofSummary:
                 )
                 for r in doc["per_stop"]
             ),
+            sampler=doc.get("sampler"),
+            drafter=doc.get("drafter"),
+            head_rounds=drafted.get("rounds", 0),
+            head_draws=drafted.get("draws", 0),
+            head_acceptance=drafted.get("acceptance", 0.0),
         )
 
 
@@ -313,8 +325,11 @@ def format_swarm_summary(summary: SwarmProofSummary, where: str, elapsed: float)
             f"{r.tv_spec_vs_plain:>13.4f}  {r.tv_plain_vs_plain:>14.4f}  "
             f"{r.p_value:>9.3g}  {r.exact_identical:>4}/{r.exact_pairs:<4}"
         )
-    rows = [
-        ("temp / top_p / top_k", f"{s.temp:g} / {s.top_p:g} / {s.top_k}"),
+    rows = [("temp / top_p / top_k", f"{s.temp:g} / {s.top_p:g} / {s.top_k}")]
+    if s.sampler is not None:
+        drafts = "the tail's draft head" if s.drafter == "head" else "the n-gram drafter"
+        rows.append(("drawn with", f"sampler {s.sampler}, drafts from {drafts}"))
+    rows += [
         ("draws per mode per stop", str(s.draws_per_mode_per_stop)),
         (
             "stops",
@@ -329,6 +344,16 @@ def format_swarm_summary(summary: SwarmProofSummary, where: str, elapsed: float)
         ),
         ("same-seed draws", f"{s.exact_identical}/{s.exact_pairs} identical"),
     ]
+    if s.drafter == "head":
+        rows.append(
+            (
+                "head drafted",
+                f"{s.head_rounds}/{s.head_draws} draws, {s.head_acceptance:.1%} of its drafts "
+                "accepted"
+                if s.head_rounds
+                else f"0/{s.head_draws} draws: the tail sent no head drafts, the n-gram's stood in",
+            )
+        )
     lines += _rows(rows)
     lines += [f"  reason: {reason}" for reason in s.reasons]
     lines.append(f"verdict: {s.verdict} ({elapsed:.1f} s)")

@@ -13,6 +13,19 @@
    instead of the target's draw), built from the same live results, must be flagged.
 5. The exact check: the coupled sampler commits what plain sampling draws for the same seed,
    so the speculative draws are repeated as plain draws with the same seeds; all must match.
+
+With `draft_head` the speculative draws verify the tail's draft head's drafts, which differ seed
+by seed (drawn with the target's own Gumbel noise, so the sampler is "gumbel"). The head drafts
+for the positions after the token a round commits, so each draw takes two rounds: round A
+re-sends the stop's last token asking for `head_k` drafts and commits x0 at the stop; round B
+sends [x0, d1 … dK] one position on and commits x1 (and more when d1 is accepted). The plain
+side sends [x0] alone in round B. The law compared is the joint law of (x0, x1), pairs as
+categories; the exact check compares every token a speculative round committed with plain
+draws of the same seed, one round per position. The mutant is a ring whose caches keep the
+previous draw's token at the stop, so that x1 follows the wrong x0: unlike a lossy acceptance
+rule, which only acts on rejected drafts, its damage does not fade as the head gets better.
+A tail without a head sends no drafts: the n-gram's proposal after x0 stands in (the argmax
+when it has none), and `head_rounds` says so.
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -27,7 +41,7 @@ from specpipe.drafting import NgramDrafter
 from specpipe.generation import Generation
 from specpipe.proofs.stats import entropy_bits, total_variation, two_sample_p_value
 from specpipe.ring import Ring
-from specpipe.sampling import SamplingParams
+from specpipe.sampling import SamplingParams, check_sampler, committed_tokens
 
 Progress = Callable[[int], None]
 
@@ -47,9 +61,30 @@ class SwarmProofConfig:
     pilot_draws: int = 16
     candidates_per_stop: int = 4
     alpha: float = 0.001
+    # The speculative draws verify the tail's draft head's drafts (see the module's docstring).
+    draft_head: bool = False
+    # "gumbel" or "icdf"; None: "gumbel" with the draft head, whose drafts share its noise.
+    sampler: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampler is None:
+            self.sampler = "gumbel" if self.draft_head else "icdf"
+        check_sampler(self.sampler)
+        if self.draft_head and self.sampler != "gumbel":
+            raise ValueError(
+                "the draft head's drafts share the target's noise only under the gumbel "
+                f"sampler, not {self.sampler!r}"
+            )
+
+    @property
+    def drafter(self) -> str:
+        """Where the speculative draws' drafts come from: "head" or "ngram"."""
+        return "head" if self.draft_head else "ngram"
 
     def params(self, seed: int) -> SamplingParams:
-        return SamplingParams(temp=self.temp, top_p=self.top_p, top_k=self.top_k, seed=seed)
+        return SamplingParams(
+            temp=self.temp, top_p=self.top_p, top_k=self.top_k, seed=seed, sampler=self.sampler
+        )
 
     def work_units(self) -> int:
         """How many progress units a run reports at most: one per candidate stop and per stop."""
@@ -65,11 +100,38 @@ class StopDrawer:
         ring.reset(self.session, cfg.params(cfg.seed))
         ring.round(self.session, self.context, 0, 0)  # fills every cache up to the stop
 
-    def draw(self, seed: int, drafts: Sequence[int] = (), params: SamplingParams | None = None):
-        """The result vector of one round at the stop: position len(context)."""
+    def draw(
+        self,
+        seed: int,
+        drafts: Sequence[int] = (),
+        params: SamplingParams | None = None,
+        head_k: int = 0,
+    ):
+        """The result vector of one round at the stop: position len(context); with `head_k`,
+        the tail's draft head's drafts for the positions after it ride on the result."""
         self.ring.reseed(self.session, params or self.cfg.params(seed))
         tokens = [self.context[-1], *drafts]
-        return self.ring.round(self.session, tokens, len(self.context) - 1, len(drafts))
+        return self.ring.round(self.session, tokens, len(self.context) - 1, len(drafts), head_k)
+
+    def follow(
+        self,
+        tokens: Sequence[int],
+        drafts: Sequence[int] = (),
+        params: SamplingParams | None = None,
+    ):
+        """The result vector of a round that commits `tokens` from the stop on and verifies
+        `drafts` after them, under the last draw's parameters unless `params`. It re-sends from
+        the stop, which every cache holds since the last `draw`."""
+        if params is not None:
+            self.ring.reseed(self.session, params)
+        return self.ring.round(self.session, [*tokens, *drafts], len(self.context), len(drafts))
+
+    def plain_run(self, seed: int, n: int) -> list[int]:
+        """n tokens drawn plainly from the stop on under `seed`, one round each."""
+        tokens = [self.draw(seed)[0]]
+        while len(tokens) < n:
+            tokens.append(self.follow(tokens)[0])
+        return tokens
 
     def close(self) -> None:
         self.ring.drop(self.session)
@@ -115,19 +177,60 @@ def choose_stops(
     return scored[: cfg.stops]
 
 
+def _histograms(samples: dict[str, list]) -> tuple[list, dict[str, np.ndarray]]:
+    """The categories seen in any sample (tokens, or pairs of tokens), sorted, and each
+    sample's counts over them."""
+    categories = sorted({c for values in samples.values() for c in values})
+    index = {c: i for i, c in enumerate(categories)}
+    return categories, {
+        name: np.bincount([index[c] for c in values], minlength=len(categories)).astype(np.float64)
+        for name, values in samples.items()
+    }
+
+
+def _compare(samples: dict[str, list], label: Callable = int) -> dict:
+    """What the plain, floor, spec and mutant samples of one stop say about their laws."""
+    categories, hist = _histograms(samples)
+
+    def counts(name: str) -> dict:
+        return {label(c): int(n) for c, n in zip(categories, hist[name], strict=True) if n}
+
+    return {
+        "entropy_bits": entropy_bits(hist["plain"] + hist["floor"]),
+        "tv_spec_vs_plain": total_variation(hist["spec"], hist["plain"]),
+        "tv_plain_vs_plain": total_variation(hist["floor"], hist["plain"]),
+        "p_value": two_sample_p_value(hist["spec"], hist["plain"]),
+        "p_value_noise_floor": two_sample_p_value(hist["floor"], hist["plain"]),
+        "tv_mutant_vs_plain": total_variation(hist["mutant"], hist["plain"]),
+        "p_value_mutant": two_sample_p_value(hist["mutant"], hist["plain"]),
+        "spec_histogram": counts("spec"),
+        "plain_histogram": counts("plain"),
+        "floor_histogram": counts("floor"),
+    }
+
+
+def _stop_seeds(cfg: SwarmProofConfig, index: int) -> dict[str, list[int]]:
+    return {
+        name: _seeds(cfg.seed, 100 * index + k, cfg.draws)
+        for k, name in enumerate(("plain", "spec", "floor"))
+    }
+
+
+def _fixed_drafts(context: Sequence[int], k: int, argmax: Callable[[], int]) -> list[int]:
+    """The n-gram drafter's proposal after `context`, else the target's argmax there."""
+    drafter = NgramDrafter()
+    drafter.extend(context)
+    return drafter.propose(k) or [argmax()]  # a model-free drafter may find none
+
+
 def measure_stop(ring: Ring, index: int, stop: dict, cfg: SwarmProofConfig) -> dict:
     """All draws at one stop, and what they say."""
     context = stop["context"]
     drawer = StopDrawer(ring, context, cfg)
     try:
         greedy = drawer.draw(0, params=SamplingParams(temp=0.0))[0]
-        drafter = NgramDrafter()
-        drafter.extend(context)
-        drafts = drafter.propose(cfg.draft_k) or [greedy]  # a model-free drafter may find none
-        seeds = {
-            name: _seeds(cfg.seed, 100 * index + k, cfg.draws)
-            for k, name in enumerate(("plain", "spec", "floor"))
-        }
+        drafts = _fixed_drafts(context, cfg.draft_k, lambda: greedy)
+        seeds = _stop_seeds(cfg, index)
         plain = [drawer.draw(s)[0] for s in seeds["plain"]]
         floor = [drawer.draw(s)[0] for s in seeds["floor"]]
         spec_results = [drawer.draw(s, drafts) for s in seeds["spec"]]
@@ -137,28 +240,72 @@ def measure_stop(ring: Ring, index: int, stop: dict, cfg: SwarmProofConfig) -> d
     spec = [r[0] for r in spec_results]
     # The lossy mutant: on rejection of the first draft, commit the argmax.
     mutant = [greedy if r[0] != drafts[0] else r[0] for r in spec_results]
-    vocab = max(plain + floor + spec + mutant) + 1
-    hist = {
-        name: np.bincount(v, minlength=vocab).astype(np.float64)
-        for name, v in (("plain", plain), ("floor", floor), ("spec", spec), ("mutant", mutant))
-    }
     return {
         "stop": index,
         "position": len(context),
         "drafts": list(drafts),
-        "entropy_bits": entropy_bits(hist["plain"] + hist["floor"]),
         "pilot_entropy_bits": stop["pilot_entropy_bits"],
-        "tv_spec_vs_plain": total_variation(hist["spec"], hist["plain"]),
-        "tv_plain_vs_plain": total_variation(hist["floor"], hist["plain"]),
-        "p_value": two_sample_p_value(hist["spec"], hist["plain"]),
-        "p_value_noise_floor": two_sample_p_value(hist["floor"], hist["plain"]),
-        "tv_mutant_vs_plain": total_variation(hist["mutant"], hist["plain"]),
-        "p_value_mutant": two_sample_p_value(hist["mutant"], hist["plain"]),
+        **_compare({"plain": plain, "floor": floor, "spec": spec, "mutant": mutant}),
         "exact_pairs": len(spec),
         "exact_identical": int(sum(a == b for a, b in zip(spec, same_seed_plain, strict=True))),
-        "spec_histogram": {int(t): int(c) for t, c in enumerate(hist["spec"]) if c},
-        "plain_histogram": {int(t): int(c) for t, c in enumerate(hist["plain"]) if c},
-        "floor_histogram": {int(t): int(c) for t, c in enumerate(hist["floor"]) if c},
+    }
+
+
+def measure_head_stop(ring: Ring, index: int, stop: dict, cfg: SwarmProofConfig) -> dict:
+    """All draws at one stop with the tail's draft head (see the module's docstring): the joint
+    law of (x0, x1), the exact check over every committed token, the head's acceptance."""
+    context = stop["context"]
+    drawer = StopDrawer(ring, context, cfg)
+    argmax_after: dict[int, int] = {}
+
+    def argmax_after_token(x0: int) -> int:
+        """The target's argmax one position past the stop, once x0 is committed there."""
+        if x0 not in argmax_after:
+            argmax_after[x0] = drawer.follow([x0], params=SamplingParams(temp=0.0))[0]
+        return argmax_after[x0]
+
+    seeds = _stop_seeds(cfg, index)
+    spec, mutant, head_rounds, drafted, accepted, first_accepted = [], [], 0, 0, 0, 0
+    exact_identical = 0
+    try:
+        plain = [tuple(drawer.plain_run(s, 2)) for s in seeds["plain"]]
+        floor = [tuple(drawer.plain_run(s, 2)) for s in seeds["floor"]]
+        for s in seeds["spec"]:
+            first = drawer.draw(s, head_k=cfg.draft_k)
+            x0, drafts = first[0], list(getattr(first, "drafts", []))[: cfg.draft_k]
+            from_head = bool(drafts)
+            if not from_head:
+                drafts = _fixed_drafts([*context, x0], cfg.draft_k, partial(argmax_after_token, x0))
+            committed = committed_tokens(drafts, drawer.follow([x0], drafts, params=cfg.params(s)))
+            spec.append((x0, committed[0]))
+            if from_head:
+                head_rounds += 1
+                drafted += len(drafts)
+                accepted += len(committed) - 1
+                first_accepted += committed[0] == drafts[0]
+            exact_identical += drawer.plain_run(s, 1 + len(committed)) == [x0, *committed]
+            # The lossy mutant: a ring whose caches keep the previous draw's token at the stop
+            # (a truncation that fails), so x1 follows the wrong x0. It changes the pair's law
+            # however often the head is right, unlike an acceptance rule that a good head
+            # rarely gets to break.
+            stale = spec[-2][0] if len(spec) > 1 else x0
+            mutant.append((x0, drawer.follow([stale], params=cfg.params(s))[0]))
+    finally:
+        drawer.close()
+    return {
+        "stop": index,
+        "position": len(context),
+        "pilot_entropy_bits": stop["pilot_entropy_bits"],
+        **_compare(
+            {"plain": plain, "floor": floor, "spec": spec, "mutant": mutant},
+            label=lambda pair: f"{pair[0]} {pair[1]}",
+        ),
+        "exact_pairs": len(spec),
+        "exact_identical": int(exact_identical),
+        "head_rounds": head_rounds,
+        "head_drafted": drafted,
+        "head_accepted": accepted,
+        "head_first_accepted": int(first_accepted),
     }
 
 
@@ -174,9 +321,10 @@ def run_swarm_proof(
     stops = choose_stops(ring, prompts, cfg, progress)
     if not stops:
         raise ValueError("the generations were too short to hold a stop")
+    measure = measure_head_stop if cfg.draft_head else measure_stop
     rows = []
     for i, stop in enumerate(stops):
-        rows.append(measure_stop(ring, i, stop, cfg))
+        rows.append(measure(ring, i, stop, cfg))
         progress(1)
     alpha_per_stop = cfg.alpha / len(rows)
     failing = [r["stop"] for r in rows if r["p_value"] <= alpha_per_stop]
@@ -207,15 +355,36 @@ def run_swarm_proof(
         },
         "top_k": cfg.top_k,
         "draft_k": cfg.draft_k,
+        "sampler": cfg.sampler,
+        "drafter": cfg.drafter,
+        # What each stop's law is over: the token at the stop, or with the head the pair of
+        # tokens at the stop and after it.
+        "law": "pair" if cfg.draft_head else "token",
         "alpha_per_stop": alpha_per_stop,
         "min_p_value": min(r["p_value"] for r in rows),
         "reasons": reasons,
         "mutant": {
-            "name": "greedy_biased_acceptance",
+            "name": "stale_token_at_stop" if cfg.draft_head else "greedy_biased_acceptance",
             "stops_flagged": len(flagged),
             "mean_tv_vs_plain": float(np.mean([r["tv_mutant_vs_plain"] for r in rows])),
             "flagged": bool(flagged),
         },
         "exact_check": {"pairs": pairs, "identical": identical},
+        **({"head": _head_summary(rows)} if cfg.draft_head else {}),
         "per_stop": rows,
+    }
+
+
+def _head_summary(rows: list[dict]) -> dict:
+    """The draft head's part over every stop: how many speculative draws it drafted for (0: the
+    tail has no head, and the n-gram stood in) and how many of its drafts were accepted."""
+    total = {name: sum(r[f"head_{name}"] for r in rows)
+             for name in ("rounds", "drafted", "accepted", "first_accepted")}  # fmt: skip
+    return {
+        **total,
+        "draws": sum(r["exact_pairs"] for r in rows),
+        "acceptance": total["accepted"] / total["drafted"] if total["drafted"] else 0.0,
+        "first_draft_acceptance": (
+            total["first_accepted"] / total["rounds"] if total["rounds"] else 0.0
+        ),
     }

@@ -73,11 +73,16 @@ class Swarm:
         return proc
 
     def start_stages(
-        self, lossy_tail: bool = False, model: str | None = None, lossy_head: bool = False
+        self,
+        lossy_tail: bool = False,
+        model: str | None = None,
+        lossy_head: bool = False,
+        draft_head: str | None = None,
     ) -> None:
         """Both toy stages (or a real model's halves); the tail deliberately lossy when asked
         (the test-only switch). With `lossy_head` the head's worker has the switch on too:
-        flagged in the inventory, though only a tail's sampling is biased by it."""
+        flagged in the inventory, though only a tail's sampling is biased by it. `draft_head`:
+        a draft head file for a real model's tail."""
         stages = STAGES
         if model:
             from specpipe.model.resolve import open_checkpoint
@@ -86,12 +91,14 @@ class Swarm:
             stages = ((STAGES[0][0], f"0:{n // 2}", *STAGES[0][2:]),
                       (STAGES[1][0], f"{n // 2}:{n}", *STAGES[1][2:]))  # fmt: skip
         for i, (host, layers, geo, ip) in enumerate(stages):
-            on = lossy_tail if i == len(STAGES) - 1 else lossy_head and i == 0
+            tail = i == len(STAGES) - 1
+            on = lossy_tail if tail else lossy_head and i == 0
             lossy = {"SPECPIPE_TEST_LOSSY_TAIL": "1"} if on else {}
+            head = ["--draft-head", draft_head] if draft_head and tail else []
             self._spawn(
                 [sys.executable, "-m", "tests.regression.stage", "--host", host, "--layers",
                  layers, "--redis", self.redis_url, "--swarm", self.name, "--geo", geo,
-                 "--public-ip", ip, *(["--model", model] if model else [])],
+                 "--public-ip", ip, *(["--model", model] if model else []), *head],
                 **lossy,
             )  # fmt: skip
         hosts = {s[0] for s in stages}

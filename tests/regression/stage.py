@@ -2,7 +2,10 @@
 transformer's layers, or with `--model` a real checkpoint's.
 
     python -m tests.regression.stage --host h0 --layers 0:2 --redis URL --swarm NAME --geo WA \
-        --public-ip 198.51.100.7 [--model default]
+        --public-ip 198.51.100.7 [--model default [--draft-head PATH]]
+
+With `--draft-head` a tail of a real checkpoint holds that draft head, as `specpipe worker
+stage --draft-head PATH` loads it.
 """
 
 import argparse
@@ -20,6 +23,7 @@ def main() -> None:
     for flag in ("--host", "--layers", "--redis", "--swarm", "--geo", "--public-ip"):
         parser.add_argument(flag, required=True)
     parser.add_argument("--model")
+    parser.add_argument("--draft-head")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     start, end = (int(x) for x in args.layers.split(":"))
@@ -43,14 +47,21 @@ def main() -> None:
         geo=args.geo,
         **inventory.hardware(),
     )
+    head = None
     if args.model:
+        from specpipe.cli.worker import tail_head
         from specpipe.model.resolve import open_checkpoint
         from specpipe.model.stage import load_stage
 
-        stage = load_stage(open_checkpoint(args.model), start, end)
+        checkpoint = open_checkpoint(args.model)
+        # The head reads the tail's plain head weight: it is packed after the head is made.
+        stage = load_stage(checkpoint, start, end, pack=False)
+        if args.draft_head:
+            head = tail_head(stage, checkpoint, args.draft_head, model_label(args.model))
+        stage.pack()
     else:
         stage = ToyStage(CONFIG, start, end)
-    run(stage, config, node)
+    run(stage, config, node, head)
 
 
 if __name__ == "__main__":

@@ -183,6 +183,43 @@ def test_a_stage_flagged_lossy_fails_the_night_even_when_the_proofs_pass(live_sw
         ]
 
 
+def test_the_nightly_verifies_the_tails_draft_head_on_real_stage_processes(
+    live_swarm, monkeypatch, tmp_path
+):
+    import torch
+
+    from specpipe.drafthead import DraftHead
+    from specpipe.model.resolve import model_label, open_checkpoint
+    from specpipe.target import open_target
+    from tests.swarmprocs import write_tiny_model
+
+    tiny = str(write_tiny_model(tmp_path / "tiny"))
+    cfg = open_checkpoint(tiny).config
+    torch.manual_seed(0)  # an untrained head: its drafts are verified all the same
+    head_file = tmp_path / "head.safetensors"
+    meta = {"model": model_label(tiny), "dim": cfg.dim, "vocab": cfg.vocab_size}
+    DraftHead(cfg.dim, 32).save(head_file, meta)
+    live_swarm.start_stages(model=tiny, draft_head=str(head_file))
+    for name, value in SMALL_SIZES.items():
+        monkeypatch.setenv(name, value)
+    sizes = {**nightly_sizes(), "stops": 2, "draws": 80}
+    swarm = Settings.from_env().for_swarm(live_swarm.redis_url, live_swarm.name, live_swarm.key)
+    with make_session_factory(live_swarm.db_url)() as session:
+        run = run_nightly(session, open_target(tiny), swarm, sizes["seed"], sizes)
+        on_swarm = run.proof("on_swarm")
+        assert run.verdict == "pass", [(p.kind, p.verdict, p.summary) for p in run.proofs]
+        assert (on_swarm.summary["sampler"], on_swarm.summary["drafter"]) == ("gumbel", "head")
+        head = on_swarm.summary["head"]
+        assert head["rounds"] == head["draws"] == 2 * 80 and head["drafted"] == 4 * 2 * 80
+        assert on_swarm.summary["exact_check"] == {"pairs": 160, "identical": 160}
+        assert "sampler gumbel" in run.method and "head drafted for 160/160 draws" in run.method
+        generation = run.generation_summary
+        sampled = generation["sampled_temp0.7_seed7"]
+        assert sampled["draft_head"] and sampled["sampler"] == "gumbel"
+        assert sampled["drafts_from"] == "both"
+        assert generation["greedy_temp0"]["head_rounds"] > 0
+
+
 def test_two_schedulers_firing_at_once_store_one_run(live_swarm, monkeypatch):
     live_swarm.start_stages()
     live_swarm.start_workers(2)
