@@ -145,6 +145,7 @@ def ring_options(func):
 def open_ring(redis_option: str | None, local_model: str | None, model: str | None):
     """(ring, target, description) for the options; ClickException with one line otherwise."""
     from specpipe import inventory
+    from specpipe.cli.worker import tail_head
     from specpipe.inventory import RouteError
     from specpipe.redis_ring import RedisRing, RingError
     from specpipe.ring import LocalRing
@@ -161,7 +162,11 @@ def open_ring(redis_option: str | None, local_model: str | None, model: str | No
         if target.load_stages is None:
             raise click.ClickException(f"model {target.name!r} cannot be loaded in-process")
         try:
-            return LocalRing(target.load_stages(1)), target, f"local ({target.name})"
+            # The whole model as one stage, with the head shipped for it, as a tail holds it.
+            (stage,) = target.load_stages(1, pack=False)
+            head = tail_head(stage, None, None, target.name)
+            stage.pack()
+            return LocalRing([stage], head), target, f"local ({target.name})"
         except Exception as exc:  # a checkpoint that fails to load: one line
             raise click.ClickException(f"cannot load {target.name!r}: {exc}") from None
     settings = Settings.from_env()
@@ -233,6 +238,12 @@ def _closing_ring(ring, plain_errors: tuple[type[Exception], ...] = ()) -> Itera
     multiple=True,
     help="A prompt to generate stops from (repeatable) [default: built-in prompts].",
 )
+@click.option(
+    "--draft-head/--no-draft-head",
+    default=False,
+    show_default=True,
+    help="Drafts from the tail's draft head, drawn with the Gumbel sampler whose noise it shares.",
+)
 @json_option
 def proof_swarm(
     redis_option,
@@ -246,6 +257,7 @@ def proof_swarm(
     draft_k,
     seed,
     prompts,
+    draft_head,
     json_path,
 ) -> None:
     """Proof 2: speculative draws on the ring have the plain draws' law, stop by stop.
@@ -269,9 +281,8 @@ def proof_swarm(
     texts = [p for p in prompts if p.strip()] or list(DEFAULT_PROMPTS)
     if len(texts) != len(prompts) and prompts:
         raise click.BadParameter("a prompt may not be empty", param_hint="--prompt")
-    cfg = SwarmProofConfig(
-        stops=stops, draws=draws, temp=temp, top_p=top_p, top_k=top_k, draft_k=draft_k, seed=seed
-    )
+    cfg = SwarmProofConfig(stops=stops, draws=draws, temp=temp, top_p=top_p, top_k=top_k,
+                           draft_k=draft_k, seed=seed, draft_head=draft_head)  # fmt: skip
     ring, target, where = open_ring(redis_option, local_model, model)
     prompt_ids = [target.prompt_ids(t) for t in texts]
     started = time.perf_counter()
@@ -310,6 +321,12 @@ def proof_swarm(
     show_default=True,
     help="Tokens to generate per run.",
 )
+@click.option(
+    "--draft-head/--no-draft-head",
+    default=False,
+    show_default=True,
+    help="Drafts from the tail's draft head, drawn with the Gumbel sampler whose noise it shares.",
+)
 @json_option
 def proof_generation(
     redis_option,
@@ -322,6 +339,7 @@ def proof_generation(
     seeds,
     draft_k,
     max_new_tokens,
+    draft_head,
     json_path,
 ) -> None:
     """Proof 3: one prompt greedy and sampled, speculative and plain, side by side.
@@ -351,6 +369,7 @@ def proof_generation(
             draft_k=draft_k,
             max_new_tokens=max_new_tokens,
             eos_ids=target.eos_ids,
+            draft_head=draft_head,
         )
     summary = report.GenerationProofSummary.from_result(result)
     _finish(report.format_generation(summary, where), result, json_path, summary.passed)
