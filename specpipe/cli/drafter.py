@@ -172,7 +172,7 @@ def narrow(head_path: Path | None, model: str, draft_vocab: int, tokens: int, se
     meta = {**meta, "draft_vocab": 0 if vocab is None else len(vocab),
             "narrowed": {"command": f"specpipe drafter narrow --model {model} --draft-vocab "
                                     f"{draft_vocab} --tokens {tokens} --seed {seed}",
-                         "from": str(head_path or shipped_head(label)), "data": described,
+                         "from": (head_path or shipped_head(label)).name, "data": described,
                          "mass_covered": round(covered, 4)}}  # fmt: skip
     narrowed.save(out, meta)
     _log(
