@@ -167,6 +167,16 @@ def case_targets(cfg: LocalProofConfig):
         yield params, logits, target_probs(logits, *params)
 
 
+def case_row(form: str, config: tuple, draft: str, counts: np.ndarray, probs: np.ndarray,
+             **extra) -> dict:  # fmt: skip
+    """One case's row: its form, config and drafter, and how its committed tokens' `counts`
+    fit the target `probs` (TV and the chi-square p-value)."""
+    temp, top_p, top_k = config
+    fit = {"tv": total_variation(counts, probs), "p_value": chi_square_p_value(counts, probs)}
+    return {"form": form, "temp": temp, "top_p": top_p, "top_k": top_k, "draft": draft, **extra,
+            **fit}  # fmt: skip
+
+
 def run_cases(cfg: LocalProofConfig, rules: dict, progress: Progress) -> list[dict]:
     """Every (config, draft) case under every rule; one row per case and rule."""
     rows = []
@@ -177,19 +187,8 @@ def run_cases(cfg: LocalProofConfig, rules: dict, progress: Progress) -> list[di
                 rng = np.random.Generator(np.random.Philox(key=[cfg.seed, len(rows)]))
                 committed = rule(probs, draft, rng, cfg.draws)
                 counts = np.bincount(committed, minlength=cfg.vocab).astype(np.float64)
-                rows.append(
-                    {
-                        "form": name,
-                        "temp": temp,
-                        "top_p": top_p,
-                        "top_k": top_k,
-                        "draft": kind,
-                        "draft_id": draft,
-                        "p_draft": float(probs[draft]),
-                        "tv": total_variation(counts, probs),
-                        "p_value": chi_square_p_value(counts, probs),
-                    }
-                )
+                extra = {"draft_id": draft, "p_draft": float(probs[draft])}
+                rows.append(case_row(name, (temp, top_p, top_k), kind, counts, probs, **extra))
                 progress(1)
     return rows
 
@@ -537,21 +536,19 @@ def run_gumbel(cfg: LocalProofConfig, rules: dict, progress: Progress):
             exact = gumbel_agreement(probs, q)
             for r, name in enumerate(rules):
                 rows.append(
-                    {
-                        "form": name,
-                        "temp": temp,
-                        "top_p": top_p,
-                        "top_k": top_k,
-                        "draft": kind,
-                        "tv_drafter_vs_target": tv_q,
-                        "tv": total_variation(counts[c, d, r], probs),
-                        "p_value": chi_square_p_value(counts[c, d, r], probs),
-                        "trials": cfg.draws,
-                        "agreement": float(agreed[c, d, r] / cfg.draws),
-                        "agreement_exact": exact,
-                        "agreement_floor": (1 - tv_q) / (1 + tv_q),
-                        "agreement_ceiling": 1 - tv_q,
-                    }
+                    case_row(
+                        name,
+                        (temp, top_p, top_k),
+                        kind,
+                        counts[c, d, r],
+                        probs,
+                        tv_drafter_vs_target=tv_q,
+                        trials=cfg.draws,
+                        agreement=float(agreed[c, d, r] / cfg.draws),
+                        agreement_exact=exact,
+                        agreement_floor=(1 - tv_q) / (1 + tv_q),
+                        agreement_ceiling=1 - tv_q,
+                    )  # fmt: skip
                 )
                 progress(1)
     return rows, np.concatenate(multi_results)
