@@ -146,6 +146,7 @@ def open_ring(redis_option: str | None, local_model: str | None, model: str | No
     """(ring, target, description) for the options; ClickException with one line otherwise."""
     from specpipe import inventory
     from specpipe.cli.worker import tail_head
+    from specpipe.drafthead import shipped_head
     from specpipe.inventory import RouteError
     from specpipe.redis_ring import RedisRing, RingError
     from specpipe.ring import LocalRing
@@ -162,6 +163,8 @@ def open_ring(redis_option: str | None, local_model: str | None, model: str | No
         if target.load_stages is None:
             raise click.ClickException(f"model {target.name!r} cannot be loaded in-process")
         try:
+            if not shipped_head(target.name).exists():
+                return LocalRing(target.load_stages(1)), target, f"local ({target.name})"
             # The whole model as one stage, with the head shipped for it, as a tail holds it.
             (stage,) = target.load_stages(1, pack=False)
             head = tail_head(stage, None, None, target.name)
