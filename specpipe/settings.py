@@ -299,7 +299,9 @@ JOB_DEFAULTS = {
     "seed": None,  # drawn at random, then recorded
     "draft_k": 4,
     "stop": [],
-    "sampler": "icdf",  # see `specpipe.sampling.SAMPLERS`
+    # Gumbel-max: its noise is the draft head's, so the head's drafts pay at a temperature too
+    # (see `specpipe.sampling.SAMPLERS`); a job records it, and jobs from before drew by icdf.
+    "sampler": "gumbel",
 }
 
 

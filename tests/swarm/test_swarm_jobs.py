@@ -96,14 +96,14 @@ def latest_job(db_url) -> Job | None:
         dict(temp=0.0, max_new_tokens=60),
         dict(temp=0.9, seed=3),
         dict(temp=0.7, seed=5, top=1),
-        dict(temp=0.9, seed=3, gumbel=1),
+        dict(temp=0.9, seed=3, icdf=1),
     ],
-    ids=["greedy", "sampled", "sampled-top-k", "sampled-gumbel"],
+    ids=["greedy", "sampled", "sampled-top-k", "sampled-icdf"],
 )
 def test_a_swarm_job_equals_the_local_run_spec_and_plain(tiny, env, kw):
     extra = ["--top-k", "20", "--top-p", "0.9"] if kw.pop("top", None) else []
-    if kw.pop("gumbel", None):
-        extra = ["--sampler", "gumbel"]
+    if kw.pop("icdf", None):
+        extra = ["--sampler", "icdf"]
     want = local(tiny, **kw, draft_k=0)
     spec = generate(*options(tiny, **kw, draft_k=4), *extra)
     plain = generate(*options(tiny, **kw, draft_k=0), *extra)
@@ -119,10 +119,10 @@ def test_a_swarm_job_equals_the_local_run_spec_and_plain(tiny, env, kw):
     if kw["temp"] == 0:  # greedy on this checkpoint repeats itself: some drafts get accepted
         assert spec["rounds"] < len(spec["tokens"])
     job = latest_job(env)
-    assert job.sampler == ("gumbel" if extra == ["--sampler", "gumbel"] else "icdf")
-    if job.sampler == "gumbel":  # another draw of the same law: not the inverse CDF's tokens
-        icdf = generate("--local", "--stages", "2", *options(tiny, **kw, draft_k=0))
-        assert icdf["tokens"] != want["tokens"]
+    assert job.sampler == ("icdf" if extra == ["--sampler", "icdf"] else "gumbel")
+    if job.sampler == "icdf":  # another draw of the same law: not the Gumbel sampler's tokens
+        gumbel = generate("--local", "--stages", "2", *options(tiny, **kw, draft_k=0))
+        assert gumbel["tokens"] != want["tokens"]
     # Each job is a generation run with the ring it ran on.
     with make_session_factory(env)() as session:
         run = session.get(Run, job.run_id)
