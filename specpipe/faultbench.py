@@ -47,6 +47,7 @@ from pathlib import Path
 from sqlalchemy.engine import make_url
 
 from specpipe.benchstack import Stack, StackError
+from specpipe.settings import JOB_DEFAULTS
 
 Log = Callable[[str], None]
 FAULTS = ("kill-stage0", "kill-middle", "kill-tail", "kill-coordinator", "kill-redis",
@@ -70,12 +71,13 @@ class JobPlan:
     top_p: float = 0.95
     top_k: int = 0
     draft_k: int = 4
+    sampler: str = JOB_DEFAULTS["sampler"]
 
     def params(self) -> dict:
         """The request as `Submitter.submit` takes it."""
         return {"prompt": self.prompt, "max_new_tokens": self.max_new_tokens, "temp": self.temp,
                 "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-                "draft_k": self.draft_k, "stop": []}  # fmt: skip
+                "draft_k": self.draft_k, "stop": [], "sampler": self.sampler}  # fmt: skip
 
 
 @dataclass
@@ -126,7 +128,7 @@ class References:
 
         if plan not in self._done:
             params = SamplingParams(temp=plan.temp, top_p=plan.top_p, top_k=plan.top_k,
-                                    seed=plan.seed)  # fmt: skip
+                                    seed=plan.seed, sampler=plan.sampler)  # fmt: skip
             run = Generation(self.ring, f"ref-{plan.seed}", self.target.prompt_ids(plan.prompt),
                              params, max_new_tokens=plan.max_new_tokens, draft_k=plan.draft_k,
                              eos_ids=self.target.eos_ids)  # fmt: skip

@@ -60,7 +60,8 @@ def run_job(sessions, job_id, make_ring, codec, eos=(), keep_alive=None):
 
 
 def undisturbed(job: Job) -> list[int]:
-    params = SamplingParams(temp=job.temp, top_p=job.top_p, top_k=job.top_k, seed=job.seed)
+    params = SamplingParams(temp=job.temp, top_p=job.top_p, top_k=job.top_k, seed=job.seed,
+                            sampler=job.sampler)  # fmt: skip
     prompt = ToyCodec().prompt_ids(job.prompt)
     return Generation(local_ring(), "ref", prompt, params, max_new_tokens=job.max_new_tokens,
                       draft_k=job.draft_k, eos_ids={EOS}).run()  # fmt: skip
