@@ -193,6 +193,8 @@ class GumbelSampler(Sampler):
     seed, so a run must record which sampler produced it.
     """
 
+    name = "gumbel"
+
     def _draws(self, z: np.ndarray, start_pos: int) -> np.ndarray:
         if self.greedy:
             return np.argmax(z, axis=1)

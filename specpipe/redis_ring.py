@@ -31,7 +31,7 @@ from specpipe.coupling import sampler_for
 from specpipe.inventory import NodeInfo
 from specpipe.redact import redact_text, redact_url
 from specpipe.ring import GapError, RoundResult
-from specpipe.sampling import SAMPLERS, SamplingParams, TokenLogprob
+from specpipe.sampling import SamplingParams, TokenLogprob
 from specpipe.settings import Settings
 
 # What a round's wait grows by for each token it carries: a long prefill, or the replay of a
@@ -251,18 +251,7 @@ class RedisRing:
         params: SamplingParams | None,
         hops: Sequence[wire.Hop] | None = None,
     ) -> None:
-        fields = {}
-        if params is not None:
-            fields = {
-                "temp": float(params.temp),
-                "top_p": float(params.top_p),
-                "top_k": int(params.top_k),
-                "seed": int(params.seed),
-            }
-            if params.logprobs is not None:
-                fields["logprobs"] = int(params.logprobs)
-            if params.sampler != "icdf":  # the wire names a sampler by its number
-                fields["sampler"] = SAMPLERS.index(params.sampler)
+        fields = {} if params is None else params.to_fields()
         message = wire.Message(
             kind=kind,
             session=session,

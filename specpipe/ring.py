@@ -108,7 +108,6 @@ class LocalRing:
         self.stages = list(stages)
         self.head = head  # the tail's draft head (see `TailHead.for_stage`), if any
         self.samplers: dict[str, Sampler] = {}
-        self.params: dict[str, SamplingParams] = {}
 
     def reset(self, session: str, params: SamplingParams) -> None:
         for stage in self.stages:
@@ -117,7 +116,6 @@ class LocalRing:
 
     def reseed(self, session: str, params: SamplingParams) -> None:
         self.samplers[session] = sampler_for(params)
-        self.params[session] = params
 
     def round(
         self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int, head_k: int = 0
@@ -137,11 +135,10 @@ class LocalRing:
         if self.head is not None and head_k > 0:
             features = self.stages[-1].features[session]
             proposal = self.head.drafts_after(features, result, first_sampled, head_k,
-                                              self.params[session])  # fmt: skip
+                                              sampler.params)  # fmt: skip
         return RoundResult(result, sampler.result_logprobs(logits, result), proposal)
 
     def drop(self, session: str) -> None:
         for stage in self.stages:
             stage.drop(session)
         self.samplers.pop(session, None)
-        self.params.pop(session, None)

@@ -388,6 +388,30 @@ class SamplingParams:
     # but they draw different tokens for one seed, so a run records which one it used.
     sampler: str = "icdf"
 
+    def to_fields(self) -> dict[str, float | int]:
+        """The parameters as a reset or reseed message carries them (names to numbers; a
+        sampler by its number in `SAMPLERS`, left out for icdf, as before it was sent)."""
+        fields: dict[str, float | int] = {
+            "temp": float(self.temp),
+            "top_p": float(self.top_p),
+            "top_k": int(self.top_k),
+            "seed": int(self.seed),
+        }
+        if self.logprobs is not None:
+            fields["logprobs"] = int(self.logprobs)
+        if self.sampler != "icdf":
+            fields["sampler"] = SAMPLERS.index(self.sampler)
+        return fields
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> SamplingParams:
+        """The parameters `to_fields` wrote; KeyError, IndexError, ValueError or TypeError when
+        a field is missing or malformed (the values are checked by the sampler made of them)."""
+        logprobs = int(fields["logprobs"]) if "logprobs" in fields else None
+        return cls(temp=float(fields["temp"]), top_p=float(fields["top_p"]),
+                   top_k=int(fields["top_k"]), seed=int(fields["seed"]), logprobs=logprobs,
+                   sampler=SAMPLERS[int(fields.get("sampler", 0))])  # fmt: skip
+
 
 # "icdf": the inverse CDF at one uniform per position (`Sampler`). "gumbel": the Gumbel-max
 # draw with noise per token (`specpipe.coupling.GumbelSampler`), which a drafter can share.
@@ -432,6 +456,14 @@ class Sampler:
             int(seed),
         )
         self.logprobs = None if logprobs is None else int(logprobs)
+
+    name = "icdf"  # its name in `SAMPLERS`
+
+    @property
+    def params(self) -> SamplingParams:
+        """The parameters this sampler draws with."""
+        return SamplingParams(self.temp, self.top_p, self.top_k, self.seed, self.logprobs,
+                              self.name)  # fmt: skip
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> Sampler:

@@ -44,7 +44,7 @@ import torch
 from specpipe import inventory, kvbudget, streams, wire
 from specpipe.coupling import sampler_for
 from specpipe.ring import GapError, Request, Stage
-from specpipe.sampling import SAMPLERS, Sampler, SamplingParams
+from specpipe.sampling import Sampler, SamplingParams
 from specpipe.settings import TEST_LOSSY_TAIL_VAR, kv_budget_tokens, test_lossy_tail
 
 if TYPE_CHECKING:
@@ -123,8 +123,7 @@ class StageWorker:
         # Running means over processed rounds: the forward, and everything else in handling a
         # round here (checking, decoding, encoding, sending on): what this hop adds.
         self.timings = {"forward_ms": 0.0, "hop_ms": 0.0, "batch_size": 0.0}
-        # The tail's, per session: its sampler and the parameters it was made from
-        self._samplers: OrderedDict[str, tuple[Sampler, SamplingParams]] = OrderedDict()
+        self._samplers: OrderedDict[str, Sampler] = OrderedDict()  # the tail's, per session
         self._last_seq: OrderedDict[str, int] = OrderedDict()  # kept after a session ends
         self._last_used: dict[str, float] = {}  # session -> monotonic time of its last message
         self._next_heartbeat = 0.0
@@ -435,18 +434,12 @@ class StageWorker:
     def _set_params(self, message: wire.Message) -> None:
         if message.kind == "reset":  # a reseed keeps the caches (many draws from one context)
             self.stage.drop(message.session)
-        p = message.params
         try:
-            logprobs = int(p["logprobs"]) if "logprobs" in p else None
-            params = SamplingParams(temp=float(p["temp"]), top_p=float(p["top_p"]),
-                                    top_k=int(p["top_k"]), seed=int(p["seed"]),
-                                    logprobs=logprobs,
-                                    sampler=SAMPLERS[int(p.get("sampler", 0))])  # fmt: skip
-            sampler = _sampler_for(params)
+            sampler = _sampler_for(SamplingParams.from_fields(message.params))
         except (KeyError, IndexError, ValueError, TypeError, OverflowError) as exc:
             self._drop(f"reset with bad sampling parameters: {exc}")
             return
-        self._remember(self._samplers, message.session, (sampler, params))
+        self._remember(self._samplers, message.session, sampler)
 
     def _round(self, message: wire.Message) -> float | None:
         """Run one round and pass it on; the forward's seconds, or None if it did not run."""
@@ -546,7 +539,7 @@ class StageWorker:
             self._send(nxt.redis_url, stream, data, message, f"pass the round to {nxt.host}")
 
     def _sample(self, message: wire.Message, logits: torch.Tensor) -> None:
-        sampler, params = self._samplers.get(message.session, (None, None))
+        sampler = self._samplers.get(message.session)
         if sampler is None:
             # The tail restarted and lost the reset; the coordinator re-sends it on a gap.
             self._count("gaps")
@@ -567,7 +560,7 @@ class StageWorker:
         if self.head is not None and message.head_k:
             features = self.stage.features[message.session]
             proposal = tuple(self.head.drafts_after(features, result, first_sampled,
-                                                    message.head_k, params))  # fmt: skip
+                                                    message.head_k, sampler.params))  # fmt: skip
         self._reply(message, "result", tokens=tuple(int(t) for t in result), logprobs=logprobs,
                     drafts=proposal)  # fmt: skip
 

@@ -330,3 +330,18 @@ def test_committed_tokens_is_the_equality_loop():
         committed_tokens([5], [5, -1])
     with pytest.raises(ValueError):
         committed_tokens([5], [5])
+
+
+def test_sampling_params_round_trip_through_a_reset_message_and_a_sampler():
+    from specpipe.coupling import sampler_for
+    from specpipe.sampling import SamplingParams
+
+    for params in (SamplingParams(temp=0.7, top_p=0.9, top_k=5, seed=3),
+                   SamplingParams(temp=1.2, seed=2**63, logprobs=2, sampler="gumbel")):  # fmt: skip
+        fields = params.to_fields()
+        assert all(isinstance(v, int | float) for v in fields.values())
+        assert SamplingParams.from_fields(fields) == params
+        assert sampler_for(params).params == params
+    assert "sampler" not in SamplingParams().to_fields()  # icdf: as before it was sent
+    with pytest.raises(IndexError):
+        SamplingParams.from_fields({**SamplingParams().to_fields(), "sampler": 7})
