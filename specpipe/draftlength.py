@@ -19,13 +19,16 @@ acceptance) and dear on a fast, busy one, where K shrinks.
 
 Both sides are measured as the session runs:
 
-- `a`: every round's proposal of K_max drafts is scored against the tokens the round really
-  committed, whatever K was sent. With the coupled verify the committed tokens do not depend on
-  the drafts, so the proposal's leading matches are exactly the drafts that would have been
-  accepted; a proposal longer than what was committed is censored there (successes counted, no
-  failure), which keeps successes / (successes + failures) the estimate of `a` under that
-  model. Both counts (and the prior's pseudo-counts) decay by `ACCEPT_DECAY` with each scored
-  proposal, so the estimate follows the text; rounds without a proposal leave it as it is.
+- `a`, one for each source of drafts (the n-gram drafter, the tail's draft head: in copied text
+  the one is right nine times in ten while the other is right one time in three, and a shared
+  estimate would send the head's drafts as long as the n-gram's): every round's proposal of
+  K_max drafts is scored against the tokens the round really committed, whatever K was sent.
+  With the coupled verify the committed tokens do not depend on the drafts, so the proposal's
+  leading matches are exactly the drafts that would have been accepted; a proposal longer than
+  what was committed is censored there (successes counted, no failure), which keeps
+  successes / (successes + failures) the estimate of `a` under that model. Both counts (and
+  the prior's pseudo-counts) decay by `ACCEPT_DECAY` with each scored proposal, so the
+  estimate follows the text; rounds without a proposal leave it as it is.
 - c0 and cd: a least-squares line through (drafts sent, round seconds) of the recent rounds
   (decaying by `COST_DECAY`), whose slope is pulled toward a prior of `PRIOR_DRAFT_SHARE` of a
   round per draft (a ridge) while the K sent has not varied enough to tell. Rounds that carry
@@ -64,16 +67,20 @@ class DraftLength:
         if max_k < 0:
             raise ValueError("max_k must be >= 0")
         self.max_k = max_k
-        # The prior's pseudo-counts decay with the rest, so evidence soon outweighs them.
-        self.successes = PRIOR_ACCEPT * PRIOR_ACCEPT_WEIGHT
-        self.failures = (1.0 - PRIOR_ACCEPT) * PRIOR_ACCEPT_WEIGHT
+        self._counts: dict[str, list[float]] = {}  # source -> [successes, failures], decayed
         # Decayed sums of the cost line's points (x: drafts sent, y: seconds).
         self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
 
-    @property
-    def acceptance(self) -> float:
-        """The acceptance `a` as measured so far."""
-        return self.successes / (self.successes + self.failures)
+    def acceptance(self, source: str = "ngram") -> float:
+        """The acceptance `a` of the drafts from `source`, as measured so far."""
+        successes, failures = self._counts_of(source)
+        return successes / (successes + failures)
+
+    def _counts_of(self, source: str) -> list[float]:
+        # The prior's pseudo-counts decay with the rest, so evidence soon outweighs them.
+        return self._counts.setdefault(
+            source, [PRIOR_ACCEPT * PRIOR_ACCEPT_WEIGHT, (1.0 - PRIOR_ACCEPT) * PRIOR_ACCEPT_WEIGHT]
+        )
 
     def cost(self) -> tuple[float, float]:
         """(c0, cd): a round's seconds without drafts and each draft's extra, as measured; in
@@ -89,12 +96,12 @@ class DraftLength:
         base = max(mean_y - slope * mean_x, 1e-3 * mean_y, 1e-9)
         return base, slope
 
-    def choose(self, available: int) -> int:
-        """The K to send this round, when the drafter has `available` drafts to offer."""
+    def choose(self, available: int, source: str = "ngram") -> int:
+        """The K to send this round, when `source` has `available` drafts to offer."""
         limit = min(self.max_k, available)
         if limit <= 0:
             return 0
-        a = self.acceptance
+        a = self.acceptance(source)
         base, per_draft = self.cost()
         plain = 1.0 / base
         best_k, best = 0, plain * (1.0 + MARGIN)
@@ -111,21 +118,23 @@ class DraftLength:
         sent: int,
         seconds: float,
         steady: bool = True,
+        source: str = "ngram",
     ) -> None:
-        """After a round: the drafter's whole `proposal` at the round's first position, the
+        """After a round: the whole `proposal` of `source` at the round's first position, the
         tokens the round `committed`, how many drafts were `sent` and the round's `seconds`.
         `steady` is False for a round that carried more than one committed token (the prefill,
         a replay), whose time says nothing of a draft's cost."""
         if proposal and committed:
-            self.successes *= ACCEPT_DECAY
-            self.failures *= ACCEPT_DECAY
+            counts = self._counts_of(source)
+            counts[0] *= ACCEPT_DECAY
+            counts[1] *= ACCEPT_DECAY
             compared = min(len(proposal), len(committed))
             matched = 0
             while matched < compared and proposal[matched] == committed[matched]:
                 matched += 1
-            self.successes += matched
+            counts[0] += matched
             if matched < compared:
-                self.failures += 1
+                counts[1] += 1
         if steady and seconds > 0:
             self._w = COST_DECAY * self._w + 1.0
             self._sx = COST_DECAY * self._sx + sent

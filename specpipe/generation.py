@@ -119,9 +119,10 @@ class Generation:
             while not self.finished and len(self.generated) < self.max_new_tokens:
                 budget = self.max_new_tokens - len(self.generated)
                 proposal, from_head = self._propose(min(self.draft_k, budget - 1))
+                source = "head" if from_head else "ngram"
                 drafts = proposal
                 if self.draft_length is not None:
-                    drafts = proposal[: self.draft_length.choose(len(proposal))]
+                    drafts = proposal[: self.draft_length.choose(len(proposal), source)]
                 send, replays = self.tokens[cached:] + drafts, self.stats.replays
                 round_started = time.perf_counter()
                 result = self._round(send, cached, drafts, self._head_k(proposal, from_head))
@@ -130,7 +131,9 @@ class Generation:
                 if self.draft_length is not None:
                     seconds = time.perf_counter() - round_started
                     steady = len(send) == len(drafts) + 1 and self.stats.replays == replays
-                    self.draft_length.observe(proposal, committed, len(drafts), seconds, steady)
+                    self.draft_length.observe(
+                        proposal, committed, len(drafts), seconds, steady, source
+                    )
                 cached = len(self.tokens) + len(committed) - 1
                 for i, token in enumerate(committed):
                     if token in self.eos_ids:
@@ -174,7 +177,7 @@ class Generation:
             return 0
         if self.draft_length is None:
             return self.draft_k
-        return max(1, self.draft_length.choose(self.draft_k))
+        return max(1, self.draft_length.choose(self.draft_k, "head"))
 
     def _round(self, send: list[int], start_pos: int, drafts: list[int], head_k: int) -> list[int]:
         try:

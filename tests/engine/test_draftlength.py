@@ -33,14 +33,14 @@ def test_drafts_that_always_miss_bring_k_down_to_plain():
     rule = DraftLength(8)
     assert rule.choose(8) > 0  # the prior believes in drafts at first
     feed(rule, 30, hit=False, base_s=0.1, per_draft_s=0.003)
-    assert rule.acceptance < 0.1
+    assert rule.acceptance() < 0.1
     assert rule.choose(8) == 0
 
 
 def test_drafts_that_always_hit_take_the_largest_k():
     rule = DraftLength(6)
     feed(rule, 30, hit=True, base_s=0.1, per_draft_s=0.003)
-    assert rule.acceptance > 0.9
+    assert rule.acceptance() > 0.9
     assert rule.choose(8) == 6
     assert rule.choose(2) == 2  # never more than the drafter offers
 
@@ -49,14 +49,26 @@ def test_a_miss_is_seen_even_when_no_draft_was_sent():
     """With K = 0 the round commits the target's token, which is the proposal's first draft
     exactly when that draft would have been accepted (the coupled verify)."""
     rule = DraftLength(4)
-    before = rule.acceptance
+    before = rule.acceptance()
     for _ in range(10):
         rule.observe([5, 6, 7], [9], 0, 0.1)
-    assert rule.acceptance < before / 3
+    assert rule.acceptance() < before / 3
     hit = DraftLength(4)
     for _ in range(10):
         hit.observe([5, 6, 7], [5], 0, 0.1)
-    assert hit.acceptance > 0.9
+    assert hit.acceptance() > 0.9
+
+
+def test_each_source_of_drafts_has_its_own_acceptance():
+    """The n-gram's hits in copied text do not make the head's misses look good, and the
+    head's misses do not stop the n-gram's drafts; the round's cost is one line for both."""
+    rule = DraftLength(6)
+    for _ in range(30):
+        rule.observe(list(range(1, 7)), [1, 2, 3, 4, 5, 6, 7], 6, 0.1 + 6 * 0.003)
+        rule.observe([5, 6, 7, 8, 9, 10], [0], 1, 0.1 + 0.003, source="head")
+    assert rule.acceptance() > 0.9 and rule.acceptance("head") < 0.1
+    assert rule.choose(6) == 6 and rule.choose(6, "head") == 0
+    assert DraftLength(6).acceptance("head") == DraftLength(6).acceptance()  # the same prior
 
 
 def test_the_cost_line_is_measured_and_k_follows_the_ring():
