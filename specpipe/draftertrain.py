@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from specpipe.coupling import gumbel_draw
 from specpipe.drafthead import DraftHead, TargetParts, _rms, coupled_draft, frequent_tokens
 from specpipe.drafting import NgramDrafter
-from specpipe.loadbench import PROMPTS as LOAD_PROMPTS
 from specpipe.proofs.prompts import DEFAULT_GENERATION_PROMPT, DEFAULT_PROMPTS
 from specpipe.ring import Request
 from specpipe.sampling import SamplingParams, draw, target_probs, uniform
@@ -41,13 +40,15 @@ from specpipe.sampling import SamplingParams, draw, target_probs, uniform
 Log = Callable[[str], None]
 
 TEACHER_TOP = 64  # target probabilities kept per position
+CONTINUATION_TOKENS = 128  # the longest continuation of a training prompt
+TRAIN_TEMPS = (0.0, 0.7, 0.8, 0.9, 1.0)  # the continuations' temperatures in turn; 0: greedy
 HEAD_HIDDEN = 1024  # the head's MLP width
 
-# Prompts the training data continues: the project's own, and more of other kinds.
-TRAIN_PROMPTS = (
+# Prompts the training data continues: the project's own, more of other kinds, and the
+# requests of TASKS about SUBJECTS. The benches' prompts are not among them.
+WRITTEN_PROMPTS = (
     *DEFAULT_PROMPTS,
     DEFAULT_GENERATION_PROMPT,
-    *LOAD_PROMPTS,
     "Explain how a refrigerator keeps food cold.",
     "Write a recipe for a vegetable soup.",
     "What are the main causes of the seasons on Earth?",
@@ -87,6 +88,107 @@ TRAIN_PROMPTS = (
     "How do bees make honey?",
     "Write a motivational message for a student before an exam.",
 )
+TASKS = (
+    "Write a short story about {}.",
+    "Explain {} to a ten-year-old.",
+    "Write a poem about {}.",
+    "Give three surprising facts about {}.",
+    "Describe {} in vivid detail.",
+    "What are the advantages and disadvantages of {}?",
+    "Write a news report about {}.",
+    "Write a conversation between two friends about {}.",
+    "List five questions a curious student might ask about {}, and answer one.",
+    "Write a short essay on {}.",
+    "Tell the history of {} in a few paragraphs.",
+    "Write an advertisement for {}.",
+    "Give step-by-step advice for someone who wants to learn about {}.",
+    "Write a diary entry of a person who spends a day with {}.",
+    "Write a funny anecdote involving {}.",
+    "Explain why {} matters to ordinary people.",
+)
+SUBJECTS = (
+    "volcanoes",
+    "the honeybee",
+    "a small bakery",
+    "the printing press",
+    "electric cars",
+    "a mountain village",
+    "the violin",
+    "recycling",
+    "black holes",
+    "a rainy Monday",
+    "the postal service",
+    "ancient Rome",
+    "coral reefs",
+    "a chess tournament",
+    "solar panels",
+    "a city park",
+    "the human heart",
+    "penguins",
+    "a second-hand bookshop",
+    "the Silk Road",
+    "vaccines",
+    "a lost umbrella",
+    "the metro at rush hour",
+    "glaciers",
+    "a family dinner",
+    "origami",
+    "the first telephone",
+    "deserts",
+    "a school science fair",
+    "wind turbines",
+    "a friendly ghost",
+    "the Olympic Games",
+    "bread",
+    "a haunted castle",
+    "the water cycle",
+    "an old typewriter",
+    "space stations",
+    "a football match",
+    "mushrooms",
+    "the compass",
+    "a night train",
+    "honey",
+    "the immune system",
+    "a talking parrot",
+    "public libraries",
+    "earthquakes",
+    "a jazz band",
+    "the wheel",
+    "grasslands",
+    "a birthday surprise",
+    "artificial intelligence",
+    "a snowstorm",
+    "the Great Wall of China",
+    "octopuses",
+    "a farmers' market",
+    "the microscope",
+    "a harbour crane",
+    "pirates",
+    "sleep",
+    "a robot gardener",
+    "the Moon landing",
+    "chocolate",
+    "a mountain rescue team",
+    "rivers",
+    "a vintage bicycle",
+    "the stock market",
+    "dinosaurs",
+    "a summer festival",
+    "clocks",
+    "the Arctic",
+    "a street musician",
+    "bridges",
+    "a time traveller",
+    "kindness",
+    "a spaceship crew",
+    "maps",
+    "a small dog",
+    "the ocean floor",
+    "a village fair",
+)
+TRAIN_PROMPTS = (*WRITTEN_PROMPTS,
+                 *(task.format(subject) for subject in SUBJECTS for task in TASKS))  # fmt: skip
 
 # Held out: never continued for training.
 EVAL_PROMPTS = (

@@ -57,17 +57,17 @@ def drafter() -> None:
 
 @drafter.command(name="train")
 @click.option("--model", default="default", show_default=True, help="The target model.")
-@click.option("--tokens", type=click.IntRange(min=64), default=10240, show_default=True,
+@click.option("--tokens", type=click.IntRange(min=64), default=120_000, show_default=True,
               help="Tokens the target generates to train on.")  # fmt: skip
-@click.option("--steps", type=click.IntRange(min=1), default=700, show_default=True,
+@click.option("--steps", type=click.IntRange(min=1), default=4000, show_default=True,
               help="Training steps.")  # fmt: skip
-@click.option("--batch", type=click.IntRange(min=1), default=96, show_default=True,
+@click.option("--batch", type=click.IntRange(min=1), default=256, show_default=True,
               help="Positions per training step.")  # fmt: skip
 @click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
               help="Seed of the sampled data and of the head's initialisation.")  # fmt: skip
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="Where to write the head (default: MODEL.safetensors here).")  # fmt: skip
-@click.option("--draft-vocab", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--draft-vocab", type=click.IntRange(min=0), default=8192, show_default=True,
               help="Draft only this many tokens, the target's most likely (0: all).")  # fmt: skip
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
               help="Torch threads.")  # fmt: skip
@@ -81,7 +81,7 @@ def train(model: str, tokens: int, steps: int, batch: int, seed: int, out: Path 
 
     Example:
 
-        specpipe drafter train --model default --tokens 10240 --seed 0
+        specpipe drafter train --model default --seed 0
     """
     from specpipe import draftertrain as dt
 
@@ -111,20 +111,25 @@ def train(model: str, tokens: int, steps: int, batch: int, seed: int, out: Path 
 def _generated_data(label: str, tokenizer, eos, stage, tokens: int, seed: int):
     """What a head learns from: the target's continuations of the project's own prompts, about
     `tokens` of them at temperatures 0.7 … 1.0, and a line saying so for the head's metadata."""
+    import numpy as np
+
     from specpipe import draftertrain as dt
 
-    max_new, temps = 128, (0.7, 0.8, 0.9, 1.0)
+    max_new, temps = dt.CONTINUATION_TOKENS, dt.TRAIN_TEMPS
     n_jobs = -(-tokens // max_new)
-    prompts = [tokenizer.prompt_ids(p) for p in dt.TRAIN_PROMPTS]
+    # The prompts in an order of the seed's, so that a short run still sees many kinds.
+    order = np.random.default_rng(seed).permutation(len(dt.TRAIN_PROMPTS))
+    prompts = [tokenizer.prompt_ids(dt.TRAIN_PROMPTS[i]) for i in order]
     jobs = [dt.Continuation(prompts[i % len(prompts)], seed * 100_003 + i, temps[i % len(temps)])
             for i in range(n_jobs)]  # fmt: skip
     _log(f"{label}: generating {n_jobs} continuations of up to {max_new} tokens "
          f"({len(dt.TRAIN_PROMPTS)} prompts, temperatures {temps}, top_p 0.95)")  # fmt: skip
     data = dt.generate(stage, jobs, 0.95, max_new, eos_ids=eos, log=_log)
-    described = (f"{data.generated} tokens the target generated from the "
-                 f"{len(dt.TRAIN_PROMPTS)} TRAIN_PROMPTS of specpipe/draftertrain.py, {n_jobs} "
-                 f"continuations of up to {max_new} tokens, temperatures {list(temps)}, "
-                 "top_p 0.95, Gumbel draws")  # fmt: skip
+    described = (f"{data.generated} tokens the target generated from "
+                 f"{min(n_jobs, len(prompts))} of the {len(dt.TRAIN_PROMPTS)} TRAIN_PROMPTS of "
+                 f"specpipe/draftertrain.py in the seed's order, {n_jobs} continuations of up to "
+                 f"{max_new} tokens, temperatures {list(temps)} (0: greedy), top_p 0.95, "
+                 "Gumbel draws")  # fmt: skip
     return data, described
 
 

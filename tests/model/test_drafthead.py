@@ -280,3 +280,15 @@ def test_a_head_on_part_of_the_vocabulary(tmp_path, stage, data):
     # Σ min(p, q) bounds the Gumbel agreement from above (up to sampling noise).
     ceiling, agreed = scores["head_ceiling_draft_1"], scores["head"]["accepted_through"][0]
     assert 0 < ceiling <= 1 and agreed <= ceiling + 4 * np.sqrt(ceiling / scores["rounds"])
+
+
+def test_the_training_prompts_leave_out_every_prompt_the_head_is_measured_on():
+    from specpipe.loadbench import PROMPTS as LOAD_PROMPTS
+    from specpipe.ringbench import EXACT_PROMPTS, GROUNDED_PROMPT, NOVEL_PROMPT
+
+    measured = {*dt.EVAL_PROMPTS, *LOAD_PROMPTS, *EXACT_PROMPTS, GROUNDED_PROMPT, NOVEL_PROMPT}
+    assert len(set(dt.TRAIN_PROMPTS)) == len(dt.TRAIN_PROMPTS) > 1000
+    assert not measured & set(dt.TRAIN_PROMPTS)
+    # Nor any of their subjects: a held-out prompt is about something the head never read of.
+    lowered = " ".join(measured).lower()
+    assert [s for s in dt.SUBJECTS if s.lower() in lowered] == []
