@@ -27,6 +27,7 @@ from app.history import MAX_PAGE, SORTS, job_page
 from app.nodes import quick_redis
 from models.jobs import JOB_STATUSES, Job
 from specpipe.kvbudget import waiting_for_room
+from specpipe.sampling import SAMPLERS
 from specpipe.settings import JOB_DEFAULTS
 from workers.submission import (
     FIELDS,
@@ -72,6 +73,7 @@ def render_form(
         errors=errors,
         refusal=refusal,
         limits=submitter().limits,
+        samplers=SAMPLERS,
     ), status
 
 

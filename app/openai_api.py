@@ -292,9 +292,11 @@ def parse_request(chat: bool) -> Completion:
         "seed": body.get("seed"),
         "draft_k": body.get("draft_k"),
         "stop": body.get("stop"),
+        "sampler": body.get("sampler"),
     }
     defaults = {"temp": 1.0, "top_p": 1.0, "top_k": 0, "draft_k": JOB_DEFAULTS["draft_k"],
-                "max_new_tokens": JOB_DEFAULTS["max_new_tokens"]}  # fmt: skip
+                "max_new_tokens": JOB_DEFAULTS["max_new_tokens"],
+                "sampler": JOB_DEFAULTS["sampler"]}  # fmt: skip
     raw = {name: defaults[name] if value is None and name in defaults else value
            for name, value in raw.items()}  # fmt: skip
     extra: dict = {"raw_prompt": not chat, "messages": None}

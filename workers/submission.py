@@ -39,7 +39,7 @@ from sqlalchemy.orm import Session
 from models.db import UINT64_MAX, utcnow
 from models.jobs import ACTIVE_STATUSES, Job
 from models.users import User, builtin_admin
-from specpipe.sampling import SAMPLERS, check_sampler
+from specpipe.sampling import SAMPLERS
 from specpipe.settings import JOB_DEFAULTS, JobLimits
 from specpipe.stopping import check_stop_strings
 from specpipe.target import Target, context_error, open_target
@@ -267,9 +267,8 @@ def parse_job_request(raw: Mapping[str, object], limits: JobLimits, from_text: b
 def _sampler(value: object, from_text: bool) -> str:
     if from_text and value == "":  # the form's default
         return JOB_DEFAULTS["sampler"]
-    if not isinstance(value, str):
+    if not isinstance(value, str) or value not in SAMPLERS:
         raise ValueError(f"must be one of {', '.join(SAMPLERS)}")
-    check_sampler(value)
     return value
 
 

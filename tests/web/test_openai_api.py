@@ -137,6 +137,8 @@ def test_a_missing_or_bad_key_is_401_in_openai_shape(client, session, queue, hea
         ({"prompt": 7}, 400, "prompt"),
         ({"prompt": "   "}, 400, "prompt"),
         ({"draft_k": 1000}, 400, "draft_k"),
+        ({"sampler": "exact"}, 400, "sampler"),
+        ({"sampler": 1}, 400, "sampler"),
     ],
 )
 def test_bad_completion_fields_are_refused_and_change_nothing(
@@ -207,6 +209,7 @@ def test_a_completion_is_a_job_of_the_key_owner(app, db_url, session, api_token)
     assert job.owner.name == "alice" and job.raw_prompt and job.messages is None
     assert job.prompt == "Once upon a" and job.max_new_tokens == 4 and job.temp == 1.0
     assert job.seed_was_random and answer["specpipe"]["seed"] == job.seed  # drawn and reported
+    assert job.sampler == "gumbel"  # the default, as for other jobs
     (choice,) = answer["choices"]
     assert choice["text"] == "abcd" and choice["finish_reason"] == "length"
     assert choice["logprobs"] is None and job.logprobs is None
@@ -222,7 +225,8 @@ def test_chat_messages_are_kept_and_a_lone_user_message_is_a_plain_job(app, db_u
     client = app.test_client()
     chat = {**CHAT, "messages": [{"role": "system", "content": "Be brief."},
                                  {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-            "max_completion_tokens": 8, "stop": "\n", "top_k": 5, "draft_k": 2}  # fmt: skip
+            "max_completion_tokens": 8, "stop": "\n", "top_k": 5, "draft_k": 2,
+            "sampler": "icdf"}  # fmt: skip
     with FakeCoordinator(db_url, [([1], "x")]):
         answer = post(client, "/v1/chat/completions", api_token, chat).get_json()
         plain = post(client, "/v1/chat/completions", api_token, CHAT).get_json()
@@ -231,7 +235,8 @@ def test_chat_messages_are_kept_and_a_lone_user_message_is_a_plain_job(app, db_u
     assert job.messages == [{"role": "system", "content": "Be brief."},
                             {"role": "user", "content": "hi"}]  # fmt: skip
     assert job.prompt == "system: Be brief.\n\nuser: hi" and not job.raw_prompt
-    assert (job.max_new_tokens, job.stop, job.top_k, job.draft_k) == (8, ["\n"], 5, 2)
+    assert (job.max_new_tokens, job.stop, job.top_k, job.draft_k, job.sampler) == (
+        8, ["\n"], 5, 2, "icdf")  # fmt: skip
     message = answer["choices"][0]["message"]
     assert message["role"] == "assistant" and message["content"] == "x"
     assert answer["choices"][0]["finish_reason"] == "stop"  # ended before its budget

@@ -155,12 +155,12 @@ def test_cancel_from_page(client, session, queue):
 
 def test_rerun_with_same_seed(client, session, queue):
     job = gen_job(session, status="done", seed=2**64 - 2, prompt="again", temp=1.1, top_k=3,
-                  stop=["\n\nUser:", "END"])  # fmt: skip
+                  stop=["\n\nUser:", "END"], sampler="icdf")  # fmt: skip
     response = client.post(f"/jobs/{job.id}/rerun", data={"csrf_token": csrf_token(client)})
     assert response.status_code == 302
     new = session.scalars(select(Job).where(Job.id != job.id)).one()
     assert new.params() == job.params() and new.prompt == "again"
-    assert new.stop == ["\n\nUser:", "END"]
+    assert new.stop == ["\n\nUser:", "END"] and new.sampler == "icdf"  # not the default
     assert new.seed_was_random is False and new.status == "queued"
     assert queue.job_ids() == [new.id]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from sqlalchemy import func, select
 
@@ -43,9 +45,12 @@ def test_form_page_renders_fields(client):
         "draft_k",
         "speculate",
         "stop",
+        "sampler",
         "csrf_token",
     ):
         assert f'name="{name}"' in html
+    assert re.search(r'<option value="gumbel"\s*selected>', html)  # the default
+    assert re.search(r'<option value="icdf"\s*>', html)
 
 
 def test_submit_creates_enqueues_redirects(client, session, queue):
@@ -90,6 +95,14 @@ def test_speculation_off_stores_draft_k_zero(client, session, queue):
     assert session.scalars(select(Job)).one().draft_k == 0
 
 
+def test_the_chosen_sampler_is_the_jobs(client, session, queue):
+    post_form(client, sampler="icdf")
+    post_form(client)  # a form without the field: the default
+    jobs = session.scalars(select(Job).order_by(Job.id)).all()
+    assert [j.sampler for j in jobs] == ["icdf", "gumbel"]
+    assert queue.job_ids() == [j.id for j in jobs]
+
+
 def test_largest_seed_accepted(client, session, queue):
     post_form(client, seed=str(2**64 - 1))
     assert session.scalars(select(Job)).one().seed == 2**64 - 1
@@ -124,6 +137,8 @@ def test_largest_seed_accepted(client, session, queue):
         ({"stop": "a\nb\nc\nd\ne"}, "Stop strings must be at most 4 strings, not 5"),
         ({"stop": "ok\n" + "x" * 65}, "Stop strings must each be at most 64 characters"),
         ({"stop": "a\x00b"}, "Stop strings must not contain NUL characters"),
+        ({"sampler": "exact"}, "Sampler must be one of icdf, gumbel"),
+        ({"sampler": " gumbel"}, "Sampler must be one of icdf, gumbel"),
     ],
 )
 def test_bad_field_rerenders_with_error_and_stores_nothing(
@@ -145,10 +160,11 @@ def test_several_bad_fields_reported_together(client, session, queue):
 
 
 def test_rerender_keeps_what_was_typed(client, queue):
-    html = post_form(client, prompt="keep <me>", temp="nan", stop="<end>\nEND").get_data(
-        as_text=True
-    )
+    html = post_form(
+        client, prompt="keep <me>", temp="nan", stop="<end>\nEND", sampler="icdf"
+    ).get_data(as_text=True)
     assert "keep &lt;me&gt;</textarea>" in html
+    assert re.search(r'<option value="icdf"\s*selected>', html)
     assert "&lt;end&gt;\nEND</textarea>" in html
 
 
