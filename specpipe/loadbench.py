@@ -223,7 +223,7 @@ def side_by_side(
     model: str,
     n_stages: int,
     delay: float,
-    prompts: dict[str, list[int]],
+    prompts: dict[str, Sequence[list[int]]],
     methods: Sequence[Method],
     params_for: Callable[[int], SamplingParams],
     tokens: int,
@@ -231,8 +231,9 @@ def side_by_side(
     log: Log,
     draft_head: str | None = None,
 ) -> tuple[dict[str, dict[str, dict[str, float]]], bool]:
-    """Every method on every prompt, one job at a time on real stage processes at one link
-    delay. The methods of a (prompt, repeat) run back to back with the same sampling parameters
+    """Every method on every kind of prompt, one job at a time on real stage processes at one
+    link delay; a kind's prompts are taken in turn, one a repeat. The methods of a (prompt,
+    repeat) run back to back with the same sampling parameters
     (`params_for(repeat)`), in an order that rotates, so a machine's drift touches them alike.
     Per prompt kind and method: tok/s (all its tokens over all its time), tokens per round and
     the share of rounds the draft head proposed; and whether every method gave plain's tokens."""
@@ -243,7 +244,8 @@ def side_by_side(
         try:
             for r in range(repeats):
                 params = params_for(r)
-                for kind, prompt_ids in prompts.items():
+                for kind, kind_prompts in prompts.items():
+                    prompt_ids = kind_prompts[r % len(kind_prompts)]
                     order = list(methods[r % len(methods) :]) + list(methods[: r % len(methods)])
                     outputs = {}
                     for method in order:
@@ -293,8 +295,8 @@ def adaptive_k(
 
     target = open_target(model)
     methods = k_methods(fixed, max_k)
-    prompts = {"grounded": target.prompt_ids(GROUNDED_PROMPT),
-               "novel": target.prompt_ids(NOVEL_PROMPT)}  # fmt: skip
+    prompts = {"grounded": [target.prompt_ids(GROUNDED_PROMPT)],
+               "novel": [target.prompt_ids(NOVEL_PROMPT)]}  # fmt: skip
     rows, exact = [], True
     for delay in delays:
         measured, same = side_by_side(
@@ -337,12 +339,15 @@ def draft_sources(
     drafter and both together, each with adaptive K, against plain decoding: greedy and at
     temp 0.7 / top_p 0.95 (Gumbel sampler), on a grounded and a novel prompt, at each link
     delay (`side_by_side`)."""
+    from specpipe.draftertrain import EVAL_PROMPTS
     from specpipe.ringbench import GROUNDED_PROMPT, NOVEL_PROMPT
 
     target = open_target(model)
     methods = source_methods(max_k)
-    prompts = {"grounded": target.prompt_ids(GROUNDED_PROMPT),
-               "novel": target.prompt_ids(NOVEL_PROMPT)}  # fmt: skip
+    # Novel: prompts the head never read, nor anything about their subjects, one a repeat.
+    novel = (NOVEL_PROMPT, *EVAL_PROMPTS)
+    prompts = {"grounded": [target.prompt_ids(GROUNDED_PROMPT)],
+               "novel": [target.prompt_ids(p) for p in novel]}  # fmt: skip
     rows, exact = [], True
     for delay in delays:
         for mode, (temp, top_p) in HEAD_MODES.items():

@@ -490,8 +490,9 @@ def bench_wan(model, delays, tokens, temps, seed, draft_k, home, json_path):
               help="Simulated one-way latency per hop; repeat for several.")  # fmt: skip
 @click.option("--tokens", type=click.IntRange(4, 4096), default=48, show_default=True,
               help="New tokens per job on the ring.")  # fmt: skip
-@click.option("--seeds", type=click.IntRange(1, 50), default=2, show_default=True,
-              help="Seeds per prompt on the ring; each runs every method.")  # fmt: skip
+@click.option("--seeds", type=click.IntRange(1, 50), default=4, show_default=True,
+              help="Jobs per kind of prompt on the ring, each with a seed of its own and the "
+                   "next of the kind's prompts; each runs every method.")  # fmt: skip
 @json_option
 @_model_errors
 def bench_draft_head(model: str, head_path: Path | None, draft_k: int, repeats: int,
