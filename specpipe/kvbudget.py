@@ -11,9 +11,12 @@ two coordinators never both take the last room. A job that does not fit now wait
 job larger than the smallest budget on its route can never run and fails at once. A reservation
 is a field of the hash `specpipe:{swarm}:kv:{host}` naming its holder, a key that lives as long
 as the job runs (the job's lock): the job's end deletes it, and when a coordinator dies its lock
-lapses and the next reservation on that stage drops the orphan, so no room leaks. While a job
-waits, the hash `specpipe:{swarm}:kv-waiting` says which stage is full (`Reservations.waiting`;
-one job's reason: `waiting_for_room`, which the job page and the API show).
+lapses and the next reservation on that stage drops the orphan, so no room leaks. When a running
+job's route changes (a failover, a rebuild), its room follows (`Room.follow`): it is taken on the
+new hosts even over their budget, since the job cannot wait there, and given back on those that
+left. While a job waits, the hash `specpipe:{swarm}:kv-waiting` says which stage is full
+(`Reservations.waiting`; one job's reason: `waiting_for_room`, which the job page and the API
+show).
 """
 
 from __future__ import annotations
@@ -79,14 +82,18 @@ class Full:
     budget: int
 
 
-# KEYS: each stage's reservation hash. ARGV: need, field, holder, attempt, then each budget.
-# A reservation's value is "<tokens> <holder key> <attempt>"; one whose holder key is gone (its
-# job ended without releasing it, its coordinator died) is dropped as the room is counted. The
-# job's own field is replaced, not counted: a resumed job takes over its earlier attempt's room.
+# KEYS: each stage's reservation hash. ARGV: need, field, holder, attempt, force, then each
+# budget. A reservation's value is "<tokens> <holder key> <attempt>"; one whose holder key is gone
+# (its job ended without releasing it, its coordinator died) is dropped as the room is counted.
+# The job's own field is replaced, not counted: a resumed job takes over its earlier attempt's
+# room. Returns (index, used) of each stage the need overflows, flat: without force the first
+# one only, and nothing is reserved; with force ('1') every one, and the room is taken anyway.
 _RESERVE = """
 local need, field, holder, attempt = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4]
+local force = ARGV[5] == '1'
+local over = {}
 for i, key in ipairs(KEYS) do
-  local budget = tonumber(ARGV[4 + i])
+  local budget = tonumber(ARGV[5 + i])
   local used = 0
   local entries = redis.call('HGETALL', key)
   for j = 1, #entries, 2 do
@@ -101,13 +108,17 @@ for i, key in ipairs(KEYS) do
     end
   end
   if budget > 0 and used + need > budget then
-    return {i, used}
+    if not force then
+      return {i, used}
+    end
+    table.insert(over, i)
+    table.insert(over, used)
   end
 end
 for _, key in ipairs(KEYS) do
   redis.call('HSET', key, field, need .. ' ' .. holder .. ' ' .. attempt)
 end
-return {0, 0}
+return over
 """
 
 # KEYS: each stage's reservation hash. ARGV: field, attempt. Only this attempt's own room goes:
@@ -144,13 +155,27 @@ class Reservations:
         the stage that is full now (nothing is reserved). NeverFits when a hop's budget is
         smaller than `need`."""
         check_fits(route, need)
+        over = self._run_reserve(route, name, need, holder, attempt, force=False)
+        return over[0] if over else None
+
+    def take(self, route: Sequence, name: str, need: int, holder: str, attempt: str) -> list[Full]:
+        """Reserve `need` tokens on every hop of `route` for job `name` at once, as `reserve`
+        does, but even where that goes over a budget: for a job already running there, which
+        cannot wait for room. Returns the stages it overflowed, with what they held before."""
+        return self._run_reserve(route, name, need, holder, attempt, force=True)
+
+    def _run_reserve(
+        self, route: Sequence, name: str, need: int, holder: str, attempt: str, force: bool
+    ) -> list[Full]:
+        if not route:
+            return []
         keys = [reservations_key(self.swarm, hop.host) for hop in route]
         budgets = [int(getattr(hop, "kv_budget_tokens", 0) or 0) for hop in route]
-        index, used = self._reserve(keys=keys, args=[need, name, holder, attempt, *budgets])
-        if index == 0:
-            return None
-        hop = route[int(index) - 1]
-        return Full(hop.host, int(used), budgets[int(index) - 1])
+        flat = self._reserve(keys=keys, args=[need, name, holder, attempt, int(force), *budgets])
+        return [
+            Full(route[int(i) - 1].host, int(used), budgets[int(i) - 1])
+            for i, used in zip(flat[::2], flat[1::2], strict=True)
+        ]
 
     def release(self, route: Sequence, name: str, attempt: str) -> None:
         """Give back the room attempt `attempt` of job `name` reserved on `route`."""
@@ -203,6 +228,37 @@ class Reservations:
             if self.client.exists(holder):
                 total += int(tokens)
         return total
+
+
+@dataclass
+class Room:
+    """The room one attempt of a job holds on the hops of its route, which may change while
+    the job runs (a failover, a stage serving other layers)."""
+
+    reservations: Reservations
+    route: list
+    name: str
+    need: int
+    holder: str
+    attempt: str
+
+    def follow(self, route: Sequence) -> list[Full]:
+        """Move the room onto `route`: taken at once on the hosts new to it, even over their
+        budget (the job already runs there; the stages it overflowed are returned), and given
+        back on the hosts that left it. On a redis.RedisError the room counts as held on both
+        routes, so that `release` gives back all of it."""
+        hosts, held = {hop.host for hop in route}, {hop.host for hop in self.route}
+        joined = [hop for hop in route if hop.host not in held]
+        left = [hop for hop in self.route if hop.host not in hosts]
+        self.route = [*route, *left]
+        over = self.reservations.take(joined, self.name, self.need, self.holder, self.attempt)
+        self.reservations.release(left, self.name, self.attempt)
+        self.route = list(route)
+        return over
+
+    def release(self) -> None:
+        """Give back the room on the route the job holds now."""
+        self.reservations.release(self.route, self.name, self.attempt)
 
 
 class JobLike(Protocol):

@@ -34,6 +34,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
+from functools import partial
 from typing import Protocol
 
 import redis
@@ -49,7 +50,7 @@ from models.runs import start_run
 from specpipe import inventory
 from specpipe.generation import Generation
 from specpipe.inventory import RouteError
-from specpipe.kvbudget import Reservations, room_name
+from specpipe.kvbudget import Reservations, Room, room_name
 from specpipe.redact import one_line_reason, redact_url
 from specpipe.redis_ring import HopLostError, RedisRing, RingError
 from specpipe.ring import GapError, Ring
@@ -74,8 +75,9 @@ MAX_ATTEMPTS = 3
 FAILOVER_WAIT_S = 10.0  # the longest a failed round waits to learn which hop died
 
 
-# (job, its ring, the tokens of cache it needs) -> a callable giving the room back, once the job
-# may start; None when it must not start (cancelled while waiting, or its lock was lost).
+# (job, its ring, the tokens of cache it needs) -> a callable giving the room back (on the route
+# the ring has when it is called), once the job may start; None when it must not start (cancelled
+# while waiting, or its lock was lost).
 Admit = Callable[[Job, Ring, int], Callable[[], None] | None]
 
 
@@ -317,7 +319,10 @@ class CheckedRing:
     wrong hidden states: the route on the wire names hosts, not layers, so no stage would notice
     and the job would end with other tokens. So after a gap, when any hop of the route serves
     other layers now, the ring is built again from the inventory before the replay: the job
-    re-routes, or fails with a RouteError naming the layers no online stage serves."""
+    re-routes, or fails with a RouteError naming the layers no online stage serves.
+
+    `on_reroute`, when set, is called with the new route each time the ring is built again, before
+    the replay: the job's KV room follows the route (`room_keeper`)."""
 
     def __init__(
         self,
@@ -330,6 +335,7 @@ class CheckedRing:
         self.ring = self._watched(build())
         self.rebuilt = 0
         self.failovers = 0
+        self.on_reroute: Callable[[tuple], None] | None = None
 
     @property
     def route(self) -> tuple:
@@ -355,6 +361,7 @@ class CheckedRing:
                 _drop_quietly(old, session)
                 self.ring = self._watched(self.build())  # RouteError: the model is not covered
                 self.rebuilt += 1
+                self._rerouted()
                 hosts = " -> ".join(hop.host for hop in self.route)
                 log.warning("session %s: a stage serves other layers now; new ring %s",
                             session, hosts)  # fmt: skip
@@ -418,9 +425,14 @@ class CheckedRing:
             close()
         self.ring = self._watched(self.build(avoid=frozenset(lost)))
         self.failovers += 1
+        self._rerouted()
         hosts = " -> ".join(hop.host for hop in self.route)
         log.warning("session %s: %s lost (%s); failed over to %s", session, ", ".join(lost),
                     one_line_reason(why), hosts)  # fmt: skip
+
+    def _rerouted(self) -> None:
+        if self.on_reroute is not None:
+            self.on_reroute(self.route)
 
     def _route_changed(self) -> bool:
         try:
@@ -559,7 +571,8 @@ def room_keeper(
     """An `Admit` that reserves a job's cache on its route's stages, waiting while they are
     full (the job stays queued; a cancel request or a lost lock ends the wait). The reservation
     lives while the key `holder` (the job's lock) does. A job that no stage of its route could
-    ever hold raises NeverFits, which fails it with the reason."""
+    ever hold raises NeverFits, which fails it with the reason. When the ring is a CheckedRing,
+    the room follows its route (`Room.follow`, via `on_reroute`) while the job runs."""
 
     def admit(job: Job, ring: Ring, need: int) -> Callable[[], None] | None:
         route = list(getattr(ring, "route", ()))
@@ -570,7 +583,10 @@ def room_keeper(
                 try:
                     full = reservations.reserve(route, name, need, holder, attempt)
                     if full is None:
-                        return lambda: reservations.release(route, name, attempt)
+                        room = Room(reservations, route, name, need, holder, attempt)
+                        if hasattr(ring, "on_reroute"):
+                            ring.on_reroute = partial(_follow_quietly, job.id, room)
+                        return room.release
                     if not waiting:
                         log.info("job %s waits for room: stage %s holds %d of %d tokens, it "
                                  "needs %d", job.id, full.host, full.used, full.budget,
@@ -594,6 +610,20 @@ def room_keeper(
                     pass
 
     return admit
+
+
+def _follow_quietly(job_id: int, room: Room, route: tuple) -> None:
+    """Move a running job's room onto its new route, logging the stages that go over their
+    budget; a Redis error is logged and the job goes on."""
+    try:
+        over = room.follow(route)
+    except redis.RedisError as exc:  # the job's end gives back the room on both routes
+        log.warning("job %s: could not move its KV room onto its new route: %s", job_id, exc)
+        return
+    for full in over:
+        log.warning("job %s: stage %s is over its KV budget: it held %d of %d tokens and now "
+                    "holds the job's %d too", job_id, full.host, full.used, full.budget,
+                    room.need)  # fmt: skip
 
 
 @shared_task(name=RESUME_STALLED_TASK, bind=True, base=DbTask, ignore_result=True)

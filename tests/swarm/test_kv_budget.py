@@ -17,10 +17,20 @@ from specpipe.kvbudget import (
     Full,
     NeverFits,
     Reservations,
+    Room,
     bytes_per_token,
     default_budget_tokens,
+    room_name,
 )
-from tests.swarm.test_coordinator import EOS, ToyCodec, add_job, load, local_ring
+from tests.swarm.test_coordinator import (
+    EOS,
+    GappyRing,
+    LosingRing,
+    ToyCodec,
+    add_job,
+    load,
+    local_ring,
+)
 from tests.waiting import wait_until
 from workers import coordinator
 
@@ -306,6 +316,125 @@ def test_a_job_beyond_the_models_context_fails_at_once_in_the_coordinator(db_url
         f"the prompt is {PROMPT_TOKENS} tokens, and with max_new_tokens 40 the job needs "
         f"{PROMPT_TOKENS + 40} positions, beyond the model's context of {PROMPT_TOKENS + 39} tokens"
     )
+
+
+def test_a_running_jobs_room_is_taken_even_on_a_full_stage(client, swarm, holders):
+    rooms = Reservations(client, swarm)
+    spare = [hop("spare", 100)]
+    assert rooms.reserve(spare, "job-1", 80, holders("1"), "x") is None
+    # The job already runs there: its room is taken, and the stage is named as overflowed.
+    assert rooms.take(spare, "job-2", 50, holders("2"), "y") == [Full("spare", 80, 100)]
+    assert rooms.used("spare") == 130
+    rooms.release(spare, "job-1", "x")
+    # A later job waits for room there, as long as the running one holds it.
+    assert rooms.reserve(spare, "job-3", 60, holders("3"), "z") == Full("spare", 50, 100)
+    rooms.release(spare, "job-2", "y")
+    assert rooms.reserve(spare, "job-3", 60, holders("3"), "z") is None
+
+
+def test_a_room_follows_its_route_and_is_released_where_it_is(client, swarm, holders):
+    rooms = Reservations(client, swarm)
+    lock = holders("1")
+    assert rooms.reserve([hop("a", 100), hop("b", 100)], "job-1", 30, lock, "x") is None
+    room = Room(rooms, [hop("a", 100), hop("b", 100)], "job-1", 30, lock, "x")
+    assert room.follow([hop("a", 100), hop("c", 100)]) == []
+    assert [rooms.used(h) for h in "abc"] == [30, 0, 30]
+    room.release()
+    assert [rooms.used(h) for h in "abc"] == [0, 0, 0]
+
+
+def fields(client, swarm, *hosts) -> dict[str, set[str]]:
+    """The reservations' names on each of `hosts`."""
+    return {h: {f.decode() for f in client.hkeys(f"specpipe:{swarm}:kv:{h}")} for h in hosts}
+
+
+class Watched(LosingRing):
+    """The ring a job is moved onto: its first round records `look()`."""
+
+    def __init__(self, route, look) -> None:
+        super().__init__(route)
+        self.look, self.seen = look, None
+
+    def round(self, session, tokens, start_pos, n_draft, head_k=0):
+        if self.seen is None:
+            self.seen = self.look()
+        return super().round(session, tokens, start_pos, n_draft, head_k)
+
+
+NEED = PROMPT_TOKENS + 30  # the room of a job of add_job(max_new_tokens=30)
+
+
+def moved_job(db_url, client, swarm, holders, rooms, look, change="failover", spare_budget=500):
+    """Run a job through room_keeper on s0 -> s1 until its third round, when s1 is lost
+    (failover) or serves other layers (rebuild), and then on s0 -> s1b; returns the job's room
+    name, its status and what `look()` saw in the first round on s1b."""
+    job_id = add_job(db_url, temp=0.9, draft_k=3, max_new_tokens=30)
+    if change == "failover":
+        first = LosingRing([hop("s0", 500), hop("s1", 500)], lose_at=3)
+    else:
+        first = GappyRing([hop("s0", 500), hop("s1", 500)], gap_at=3)
+    moved = Watched([hop("s0", 500), hop("s1b", spare_budget)], look)
+    built = iter([first, moved])
+
+    def build(avoid=frozenset()):
+        return next(built)
+
+    ring = coordinator.CheckedRing(build, lambda: {"s0": (0, 1), "s1": (1, 2)}, lambda r: ["s1"])
+    with make_session_factory(db_url)() as session:
+        admit = coordinator.room_keeper(session, rooms, holders("1"), lambda: True)
+        status = coordinator.run_job(session, job_id, lambda _j: ring, ToyCodec(), {EOS},
+                                     admit=admit)  # fmt: skip
+    assert moved.rounds > 0
+    return room_name(job_id), status, moved.seen
+
+
+@pytest.mark.parametrize("change", ["failover", "rebuild"])
+def test_a_jobs_room_moves_with_its_route_and_its_end_releases_the_new_one(
+    db_url, client, swarm, holders, change
+):
+    rooms = Reservations(client, swarm)
+    name, status, seen = moved_job(db_url, client, swarm, holders, rooms,
+                                   lambda: fields(client, swarm, "s0", "s1", "s1b"),
+                                   change)  # fmt: skip
+    assert status == "done"
+    assert seen == {"s0": {name}, "s1": set(), "s1b": {name}}
+    assert fields(client, swarm, "s0", "s1", "s1b") == {"s0": set(), "s1": set(), "s1b": set()}
+
+
+def test_a_job_moved_onto_a_full_stage_takes_its_room_there_and_later_jobs_wait(
+    db_url, client, swarm, holders, caplog
+):
+    rooms = Reservations(client, swarm)
+    spare = hop("s1b", NEED + 10)
+    assert rooms.reserve([spare], "job-other", 20, holders("other"), "o") is None
+
+    def look():
+        return rooms.used("s1b"), rooms.reserve([spare], "job-later", 1, holders("later"), "l")
+
+    _, status, seen = moved_job(db_url, client, swarm, holders, rooms, look,
+                                spare_budget=NEED + 10)  # fmt: skip
+    assert status == "done"
+    # Over its budget while the job runs there; a job that would fit beside the other waits.
+    assert seen == (20 + NEED, Full("s1b", 20 + NEED, NEED + 10))
+    assert "stage s1b is over its KV budget: it held 20 of" in caplog.text
+    assert rooms.used("s1b") == 20  # the job's end gave its room there back
+
+
+def test_a_redis_error_while_the_room_moves_does_not_fail_the_job(
+    db_url, client, swarm, holders, caplog
+):
+    class Refusing(Reservations):
+        def take(self, *args, **kwargs):
+            raise redis.ConnectionError("Error 111 connecting to 127.0.0.1. Refused.")
+
+    rooms = Refusing(client, swarm)
+    name, status, seen = moved_job(db_url, client, swarm, holders, rooms,
+                                   lambda: fields(client, swarm, "s1")["s1"])  # fmt: skip
+    assert status == "done"
+    assert seen == {name}  # the move failed before s1's room was given back
+    assert "could not move its KV room onto its new route" in caplog.text
+    # The job's end gave back its room on both routes.
+    assert fields(client, swarm, "s0", "s1", "s1b") == {"s0": set(), "s1": set(), "s1b": set()}
 
 
 BUDGET = 100  # tokens of cache per stage in the swarm below: one job of 60 new tokens at a time
