@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specpipe import heap
 from specpipe.coupling import gumbel_draw
 from specpipe.drafthead import DraftHead, TargetParts, _rms, coupled_draft, frequent_tokens
 from specpipe.drafting import NgramDrafter
@@ -299,6 +300,8 @@ def generate(
                 s.tokens.append(_target_draw(logits[-1].numpy(), s.temp, top_p, s.seed, pos))
                 sampled += 1
                 still.append(s)
+            if len(still) < len(active):
+                heap.trim()  # the caches of the sessions that ended, else the heap keeps them
             active = still
             if log and sampled - reported >= 500:
                 reported = sampled

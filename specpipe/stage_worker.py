@@ -26,7 +26,6 @@ longest among those idle for `OVER_BUDGET_IDLE_S`. One process per stage: nothin
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import queue
@@ -41,7 +40,7 @@ from typing import TYPE_CHECKING
 import redis
 import torch
 
-from specpipe import inventory, kvbudget, streams, wire
+from specpipe import heap, inventory, kvbudget, streams, wire
 from specpipe.coupling import sampler_for
 from specpipe.ring import GapError, Request, Stage
 from specpipe.sampling import Sampler, SamplingParams
@@ -668,10 +667,7 @@ def release_load_memory() -> None:
     glibc keeps otherwise (tens of MB per stage)."""
     gc.collect()
     gc.freeze()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    heap.trim()
 
 
 def run(
