@@ -24,7 +24,7 @@ target's, so a head is a few MB.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,7 +125,8 @@ class DraftHead(nn.Module):
         if parts.head_weight is None:
             raise DraftHeadError("this tail holds no plain head weight to draft part of it")
         if self._rows is None or self._rows[0] != id(parts.head_weight):
-            rows = parts.head_weight.detach()[self.vocab].contiguous()
+            weight = parts.head_weight.detach()
+            rows = weight[self.vocab.to(weight.device)].contiguous()
             self._rows = (id(parts.head_weight), rows)
         return self._rows[1]
 
@@ -153,8 +154,8 @@ class DraftHead(nn.Module):
         drafts: list[int] = []
         h = h_last.reshape(1, -1)
         for j in range(1, k + 1):
-            h, logits = self.step(parts, h, torch.tensor([token]))
-            token = coupled_draft(logits[0].numpy(), params, token_pos + j, self.token_ids())
+            h, logits = self.step(parts, h, torch.tensor([token], device=h.device))
+            token = coupled_draft(logits[0].cpu().numpy(), params, token_pos + j, self.token_ids())
             drafts.append(token)
         return drafts
 
@@ -242,6 +243,45 @@ def open_head(path: str | Path | None, label: str, dim: int, vocab: int):
     return head, meta
 
 
+def load_with_head(
+    load: Callable[..., Sequence],
+    path: str | Path | None,
+    label: str,
+    checkpoint=None,
+) -> tuple[list, TailHead | None]:
+    """The stages `load(**options)` gives, and the draft head on their tail as a stage worker
+    holds it: the head at `path`, none for "none", else the one the package ships for the model
+    `label` if there is one; None too when no stage is the tail.
+
+    The head takes the tail's plain head weight, so with a head the stages load unpacked
+    (`pack=False`) and are packed after it is attached. A tail whose head is not tied to the
+    embedding borrows stage 0's embedding table when it was loaded too, else reads the table
+    from `checkpoint`."""
+    if path == "none" or (path is None and not shipped_head(label).exists()):
+        return list(load()), None
+    stages, head = list(load(pack=False)), None
+    tail = stages[-1]
+    if tail.last:
+        embed_weight = None
+        if tail.embed is None and not tail.cfg.tie_word_embeddings:
+            embed_weight = _embedding(stages[0], tail, checkpoint)
+        head = TailHead.for_stage(tail, path, label, embed_weight)
+    for stage in stages:
+        stage.pack()
+    return stages, head
+
+
+def _embedding(first, tail, checkpoint) -> torch.Tensor | None:
+    """The token embedding table for `tail`'s head: stage 0's, or read from `checkpoint`."""
+    if first.embed is not None:
+        return first.embed.weight
+    if checkpoint is None:
+        return None  # TargetParts.from_stage says what is missing
+    from specpipe.model.stage import load_embedding
+
+    return load_embedding(checkpoint, tail.dtype).to(tail.device)
+
+
 class TailHead:
     """A draft head at the tail: right after a verify it drafts the next round's tokens from
     the feature of the row that sampled the last committed token, so they travel back with the
@@ -260,7 +300,7 @@ class TailHead:
         not packed yet (`embed_weight`: the embedding table, unless the head is tied to it);
         the stage keeps its features from now on."""
         head, _ = open_head(path, label, stage.cfg.dim, stage.cfg.vocab_size)
-        tail = cls(head, TargetParts.from_stage(stage, embed_weight))
+        tail = cls(head.to(stage.device), TargetParts.from_stage(stage, embed_weight))
         stage.keep_features = True
         return tail
 

@@ -106,7 +106,7 @@ class LocalRing:
         if not stages or not stages[0].first or not stages[-1].last:
             raise ValueError("a ring needs stages from the embeddings (first) to the head (last)")
         self.stages = list(stages)
-        self.head = head  # the tail's draft head (see `TailHead.for_stage`), if any
+        self.head = head  # the tail's draft head (see `drafthead.load_with_head`), if any
         self.samplers: dict[str, Sampler] = {}
 
     def reset(self, session: str, params: SamplingParams) -> None:

@@ -95,7 +95,7 @@ class StageWorker:
     ) -> None:
         self.stage = stage
         self.config = config
-        self.head = head  # the tail's draft head (`TailHead.for_stage`), if it has one
+        self.head = head  # the tail's draft head (`drafthead.load_with_head`), if it has one
         # The record says what this process does, whatever the caller built it with.
         self.kv_budget_tokens = kv_budget(stage)
         self.node = None

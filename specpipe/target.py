@@ -4,7 +4,7 @@ The coordinator, the proofs, the nightly regression, `generate --local` and the 
 open their model with `open_target(name)`. It reads a checkpoint through `specpipe.model.resolve`
 (once per name and process: a coordinator runs many jobs on one model); other kinds of model (a
 deployment's own, or the test suite's toy transformer) register an opener by name with
-`register_target`.
+`register_target`. `Target.local_ring` runs the model in one process as the swarm runs it.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 
-from specpipe.ring import Stage
+from specpipe.drafthead import load_with_head
+from specpipe.ring import LocalRing, Stage
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,16 @@ class Target:
     context_length: int = 0  # positions the model attends over; 0 when unknown
     # (n_stages, **options) -> the model as n_stages stages in this process
     load_stages: Callable[..., Sequence[Stage]] | None = field(default=None, repr=False)
+
+    def local_ring(self, n_stages: int, draft_head: str | None = None, **options) -> LocalRing:
+        """The model as up to `n_stages` stages in this process (`options`: `load_stages`'s),
+        its tail holding the draft head as a stage worker's does (`load_with_head`: by default
+        the one the package ships for the model, if any): a one-process ring as the swarm runs
+        it. ValueError when the model cannot be loaded here."""
+        if self.load_stages is None:
+            raise ValueError(f"model {self.name!r} cannot be loaded in-process")
+        load = partial(self.load_stages, min(n_stages, self.n_layers), **options)
+        return LocalRing(*load_with_head(load, draft_head, self.name))
 
 
 _OPENERS: dict[str, Callable[[], Target]] = {}

@@ -105,7 +105,8 @@ class TextStream:
     type=click.IntRange(min=0),
     default=JOB_DEFAULTS["draft_k"],
     show_default=True,
-    help="Drafted tokens verified per round (0: plain, as --no-spec).",
+    help="The most drafted tokens a round verifies; each round's number is chosen "
+    "(0: plain, as --no-spec).",
 )
 @sampling_options(JOB_DEFAULTS["temp"], JOB_DEFAULTS["top_p"], greedy=True)
 @click.option(
@@ -158,6 +159,12 @@ class TextStream:
     help="Make each position's logits independent of how many positions share a forward "
     "(speculative == plain exactly); off is faster per plain step on CPU.",
 )
+@click.option(
+    "--draft-head",
+    default=None,
+    metavar="PATH|none",
+    help="With --local, the tail's draft head [default: the one shipped for the model, if any].",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def generate(
     prompt: str,
@@ -178,13 +185,16 @@ def generate(
     device: str,
     threads: int | None,
     row_stable: bool,
+    draft_head: str | None,
     as_json: bool,
 ) -> None:
     """Generate a reply to PROMPT, streaming it, then report tok/s and tokens per round.
 
     Without --local the job goes to the running swarm (the one `specpipe up` started, or
     REDIS_URL's) exactly as a job from the web app does, and its text streams as the
-    coordinator records it. The defaults are the web form's and the API's.
+    coordinator records it. With --local it runs as the swarm runs a job: the tail drafts with
+    the model's draft head and each round's draft length is chosen. The defaults are the web
+    form's and the API's.
 
     Examples:
 
@@ -211,11 +221,13 @@ def generate(
     stream = TextStream(stop_strings, quiet=as_json)
     if local:
         options = dict(stages=stages, raw=raw, dtype=dtype, device=device, threads=threads,
-                       row_stable=row_stable)  # fmt: skip
+                       row_stable=row_stable, draft_head=draft_head)  # fmt: skip
         outcome, where = generate_locally(request, model_name, options, stream), ""
     else:
         if raw:
             raise click.UsageError("--raw needs --local: swarm jobs always use the chat template")
+        if draft_head is not None:
+            raise click.UsageError("--draft-head needs --local: the swarm's tails hold their own")
         model = None if model_name == "default" else model_name
         job_id, outcome = generate_on_swarm(request, model, stream)
         where = f"job {job_id}: "
@@ -227,11 +239,10 @@ def generate(
 
 
 def generate_locally(request: dict, model_name: str, options: dict, stream: TextStream) -> Outcome:
-    """Run the generation with every stage in this process."""
+    """Run the generation with every stage in this process, as the coordinator runs a job."""
     import torch
 
     from specpipe.generation import Generation
-    from specpipe.ring import LocalRing
     from specpipe.sampling import SamplingParams
     from specpipe.stopping import GenerationText
     from specpipe.target import open_target
@@ -240,13 +251,12 @@ def generate_locally(request: dict, model_name: str, options: dict, stream: Text
         torch.set_num_threads(options["threads"])
     try:
         target = open_target(model_name)
-        ring = LocalRing(
-            target.load_stages(
-                min(options["stages"], target.n_layers),
-                dtype=options["dtype"],
-                device=options["device"],
-                row_stable=options["row_stable"],
-            )
+        ring = target.local_ring(
+            options["stages"],
+            options["draft_head"],
+            dtype=options["dtype"],
+            device=options["device"],
+            row_stable=options["row_stable"],
         )
         prompt_ids = target.prompt_ids(request["prompt"], raw=options["raw"])
     except ValueError as e:
@@ -265,7 +275,8 @@ def generate_locally(request: dict, model_name: str, options: dict, stream: Text
             sampler=request["sampler"],
         ),  # fmt: skip
         max_new_tokens=request["max_new_tokens"],
-        draft_k=request["draft_k"],
+        draft_k=request["draft_k"],  # the most a round sends: each round's K is chosen
+        adaptive=True,
         eos_ids=target.eos_ids,
         should_stop=output.should_stop,
     )

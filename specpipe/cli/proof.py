@@ -145,11 +145,8 @@ def ring_options(func):
 def open_ring(redis_option: str | None, local_model: str | None, model: str | None):
     """(ring, target, description) for the options; ClickException with one line otherwise."""
     from specpipe import inventory
-    from specpipe.cli.worker import tail_head
-    from specpipe.drafthead import shipped_head
     from specpipe.inventory import RouteError
     from specpipe.redis_ring import RedisRing, RingError
-    from specpipe.ring import LocalRing
     from specpipe.settings import Settings, default_model
     from specpipe.target import open_target
 
@@ -162,14 +159,8 @@ def open_ring(redis_option: str | None, local_model: str | None, model: str | No
     if local_model:
         if target.load_stages is None:
             raise click.ClickException(f"model {target.name!r} cannot be loaded in-process")
-        try:
-            if not shipped_head(target.name).exists():
-                return LocalRing(target.load_stages(1)), target, f"local ({target.name})"
-            # The whole model as one stage, with the head shipped for it, as a tail holds it.
-            (stage,) = target.load_stages(1, pack=False)
-            head = tail_head(stage, None, None, target.name)
-            stage.pack()
-            return LocalRing([stage], head), target, f"local ({target.name})"
+        try:  # the whole model as one stage, with the head shipped for it, as a tail holds it
+            return target.local_ring(1), target, f"local ({target.name})"
         except Exception as exc:  # a checkpoint that fails to load: one line
             raise click.ClickException(f"cannot load {target.name!r}: {exc}") from None
     settings = Settings.from_env()

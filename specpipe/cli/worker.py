@@ -141,7 +141,7 @@ def serve_stage(
     import torch
 
     from specpipe import inventory, settings
-    from specpipe.drafthead import DraftHeadError
+    from specpipe.drafthead import DraftHeadError, load_with_head
     from specpipe.model.errors import ModelError
     from specpipe.model.resolve import model_label, open_checkpoint
     from specpipe.model.stage import load_stage
@@ -162,12 +162,13 @@ def serve_stage(
         torch.set_num_threads(threads)
     start, end = layers
     try:
-        # A tail's draft head reads the head's plain weights: they are packed after it.
         checkpoint = open_checkpoint(model_name)
-        stage = load_stage(checkpoint, start, end, dtype=dtype, device=device, pack=False)
         label = model_label(model_name)
-        head = tail_head(stage, checkpoint, draft_head, label)
-        stage.pack()
+
+        def load(**options):
+            return [load_stage(checkpoint, start, end, dtype=dtype, device=device, **options)]
+
+        (stage,), head = load_with_head(load, draft_head, label, checkpoint)
     except (ModelError, DraftHeadError) as exc:
         raise ModelInputError(str(exc)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -198,22 +199,6 @@ def serve_stage(
         node,
         head,
     )
-
-
-def tail_head(stage, checkpoint, draft_head: str | None, label: str):
-    """The tail's draft head: the file `draft_head` names, "none" for none, or by default the
-    one the package ships for the model if it has one; None on any other stage."""
-    from specpipe.drafthead import TailHead, shipped_head
-    from specpipe.model.stage import load_embedding
-
-    if not stage.last or draft_head == "none":
-        return None
-    if draft_head is None and not shipped_head(label).exists():
-        return None
-    embed_weight = None
-    if stage.embed is None and not stage.cfg.tie_word_embeddings:
-        embed_weight = load_embedding(checkpoint, stage.dtype).to(stage.device)
-    return TailHead.for_stage(stage, draft_head, label, embed_weight)
 
 
 @worker.command(name="coordinator")

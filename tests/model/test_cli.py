@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 from click.testing import CliRunner
@@ -94,6 +95,87 @@ def test_generate_tiny_checkpoint_spec_equals_plain(checkpoints, tmp_path):
     assert spec["tokens_per_round"] == pytest.approx(len(spec["tokens"]) / spec["rounds"], 1e-2)
 
 
+@pytest.fixture(scope="module")
+def tiny_and_head(tmp_path_factory):
+    """The tiny test model (untied: a split tail needs stage 0's embedding table for a head) and
+    an untrained draft head for it: its drafts are verified all the same."""
+    import torch
+
+    from specpipe.drafthead import DraftHead
+    from specpipe.model.resolve import model_label, open_checkpoint
+    from tests.swarmprocs import write_tiny_model
+
+    home = tmp_path_factory.mktemp("tiny")
+    tiny = write_tiny_model(home / "tiny")
+    cfg = open_checkpoint(tiny).config
+    torch.manual_seed(0)
+    head = home / "head.safetensors"
+    DraftHead(cfg.dim, 32).save(head, {"model": model_label(tiny), "dim": cfg.dim,
+                                       "vocab": cfg.vocab_size})  # fmt: skip
+    return tiny, head
+
+
+@pytest.mark.parametrize("stages", ["1", "2"])
+@pytest.mark.parametrize("temp", ["0", "0.7"])
+def test_generate_local_runs_as_a_swarm_job_and_the_head_changes_no_token(
+    tiny_and_head, monkeypatch, tmp_path, stages, temp
+):
+    """The tail holds the draft head shipped for the model (or --draft-head's), each round's
+    draft length is chosen, and the tokens are those of plain decoding."""
+    import shutil
+
+    from specpipe import drafthead
+    from specpipe.draftlength import DraftLength
+
+    tiny, head = tiny_and_head
+    calls = Counter()
+
+    def count(cls, name: str) -> None:
+        method = getattr(cls, name)
+
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return method(*args, **kwargs)
+
+        monkeypatch.setattr(cls, name, counted)
+
+    count(drafthead.TailHead, "drafts_after")
+    count(DraftLength, "choose")
+    common = ["generate", "--local", "hello world", "--model", str(tiny), "--json", "--temp",
+              temp, "--seed", "3", "--max-new-tokens", "24", "--stages", stages]  # fmt: skip
+
+    def run(*extra: str) -> tuple[list[int], Counter]:
+        calls.clear()
+        return json.loads(invoke(*common, *extra).output)["tokens"], Counter(calls)
+
+    plain, _ = run("--no-spec")
+    assert len(plain) == 24
+    without, counts = run("--draft-k", "4", "--draft-head", "none")
+    assert without == plain and counts["drafts_after"] == 0 and counts["choose"] > 0
+    # A model the package ships no head for runs without one.
+    unshipped, counts = run("--draft-k", "4")
+    assert unshipped == plain and counts["drafts_after"] == 0
+    given, counts = run("--draft-k", "4", "--draft-head", str(head))
+    assert given == plain and counts["drafts_after"] > 0
+    shipped = tmp_path / "drafters"
+    shipped.mkdir()
+    shutil.copy(head, shipped / f"{tiny.name}.safetensors")
+    monkeypatch.setattr(drafthead, "SHIPPED", shipped)
+    by_default, counts = run("--draft-k", "4")
+    assert by_default == plain and counts["drafts_after"] > 0
+
+
+def test_generate_local_refuses_a_head_for_another_model(tiny_and_head, tmp_path):
+    import shutil
+
+    tiny, head = tiny_and_head
+    other = shutil.copytree(tiny, tmp_path / "other")
+    result = CliRunner().invoke(cli, ["generate", "--local", "hi", "--model", str(other),
+                                      "--draft-head", str(head)])  # fmt: skip
+    assert result.exit_code == 2 and "the head was trained for model 'tiny'" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
 def test_generate_without_local_needs_a_running_swarm(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECPIPE_HOME", str(tmp_path))
     monkeypatch.setenv("SPECPIPE_SWARM", "nobody-runs-this-swarm")
@@ -102,6 +184,8 @@ def test_generate_without_local_needs_a_running_swarm(monkeypatch, tmp_path):
     assert len(result.output.strip().splitlines()) == 1
     result = CliRunner().invoke(cli, ["generate", "hi", "--raw"])
     assert result.exit_code == 2 and "--raw needs --local" in result.output
+    result = CliRunner().invoke(cli, ["generate", "hi", "--draft-head", "none"])
+    assert result.exit_code == 2 and "--draft-head needs --local" in result.output
 
 
 def test_generate_default_streams_and_reports():

@@ -49,16 +49,18 @@ def main() -> None:
     )
     head = None
     if args.model:
-        from specpipe.cli.worker import tail_head
+        from specpipe.drafthead import load_with_head
         from specpipe.model.resolve import open_checkpoint
         from specpipe.model.stage import load_stage
 
         checkpoint = open_checkpoint(args.model)
-        # The head reads the tail's plain head weight: it is packed after the head is made.
-        stage = load_stage(checkpoint, start, end, pack=False)
-        if args.draft_head:
-            head = tail_head(stage, checkpoint, args.draft_head, model_label(args.model))
-        stage.pack()
+        label = model_label(args.model)
+        (stage,), head = load_with_head(
+            lambda **options: [load_stage(checkpoint, start, end, **options)],
+            args.draft_head or "none",
+            label,
+            checkpoint,
+        )
     else:
         stage = ToyStage(CONFIG, start, end)
     run(stage, config, node, head)
