@@ -1,9 +1,12 @@
 """The load benchmark: several jobs at once through one ring of real stage processes.
 
 For each link delay, a `LocalSwarm` (N `specpipe worker stage` processes on a private Redis)
-runs 1, 2, 4, … jobs at the same time, each a session of its own driven by its own thread and
+runs 1, 2, 4, … jobs at the same time (1: every job of the largest count, one after another),
+each a session of its own driven by its own thread and
 `RedisRing`, as the coordinator's threads drive them. Each job is a different open-ended prompt
-with a seed of its own, sampled at the given temperature with the n-gram drafter. Reported per
+with a seed of its own, sampled at the given temperature with the n-gram drafter and, as the
+coordinator runs a job, each round's draft length chosen up to draft_k (`adaptive`; off, every
+round sends what the drafter has, up to draft_k). Reported per
 count: aggregate tok/s (every job's new tokens over the wall time from the first start to the
 last end), p50 / p95 of time to first token (the prefill round) and of time to done, each
 stage's mean batch size (rounds per forward over the run, from the stages' own counters), and
@@ -97,6 +100,7 @@ def load(
     draft_k: int,
     seed: int,
     log: Log,
+    adaptive: bool = True,
 ) -> dict:
     """Every (delay, job count) run; see the module docstring."""
     target = open_target(model)
@@ -107,8 +111,11 @@ def load(
     for delay in delays:
         with LocalSwarm(model, n_stages, link_delay_ms=delay) as swarm:
             for n in counts:
-                row = _loaded_run(swarm, target, requests[:n], expected[:n], temp, top_p,
-                                  draft_k, tokens)  # fmt: skip
+                # One job alone is every job of the run, one after another: the same prompts
+                # as the loaded runs', and a mean over them rather than one prompt's luck.
+                jobs = len(requests) if n == 1 else n
+                row = _loaded_run(swarm, target, requests[:jobs], expected[:jobs], temp, top_p,
+                                  draft_k, tokens, adaptive, at_once=n > 1)  # fmt: skip
                 row["hop_delay_ms"] = delay
                 results.append(row)
                 log(_describe(row))
@@ -116,11 +123,11 @@ def load(
         alone = next(r for r in results if r["hop_delay_ms"] == row["hop_delay_ms"])
         row["aggregate_vs_one"] = row["aggregate_tok_s"] / alone["aggregate_tok_s"]
     return {"model": target.name, "stages": n_stages, "tokens": tokens, "temp": temp,
-            "draft_k": draft_k, "runs": results}  # fmt: skip
+            "draft_k": draft_k, "adaptive": adaptive, "runs": results}  # fmt: skip
 
 
 def _loaded_run(swarm: LocalSwarm, target, requests, expected, temp, top_p, draft_k,
-                tokens) -> dict:  # fmt: skip
+                tokens, adaptive, at_once: bool = True) -> dict:  # fmt: skip
     timings: list[JobTiming | BaseException | None] = [None] * len(requests)
     rings = [swarm.ring() for _ in requests]
 
@@ -129,7 +136,8 @@ def _loaded_run(swarm: LocalSwarm, target, requests, expected, temp, top_p, draf
         params = SamplingParams(temp=temp, top_p=top_p, seed=seed)
         try:
             rings[i].reset(f"load-{i}", params)
-            timings[i] = run_job(rings[i], target.prompt_ids(prompt), params, draft_k, tokens)
+            timings[i] = run_job(rings[i], target.prompt_ids(prompt), params, draft_k, tokens,
+                                 adaptive)  # fmt: skip
         except BaseException as exc:  # reported in the row, not raised from a thread
             timings[i] = exc
 
@@ -138,6 +146,8 @@ def _loaded_run(swarm: LocalSwarm, target, requests, expected, temp, top_p, draf
     started = time.perf_counter()
     for thread in threads:
         thread.start()
+        if not at_once:
+            thread.join()
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - started
@@ -147,7 +157,8 @@ def _loaded_run(swarm: LocalSwarm, target, requests, expected, temp, top_p, draf
     done = [t for t in timings if isinstance(t, JobTiming)]
     new_tokens = sum(len(t.tokens) for t in done)
     return {
-        "jobs": len(requests),
+        "jobs": len(requests) if at_once else 1,
+        "one_at_a_time": 0 if at_once else len(requests),
         "failed": failed,
         "aggregate_tok_s": new_tokens / wall,
         "wall_s": wall,
@@ -185,7 +196,9 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 def _describe(row: dict) -> str:
     return (
-        f"delay {row['hop_delay_ms']:g} ms, {row['jobs']} job(s): {row['aggregate_tok_s']:.2f} "
+        f"delay {row['hop_delay_ms']:g} ms, {row['jobs']} job(s)"
+        + (f" ({row['one_at_a_time']} one at a time)" if row["one_at_a_time"] else "")
+        + f": {row['aggregate_tok_s']:.2f} "
         f"tok/s in all; first token p50 {row['first_token_s']['p50']:.2f} s, p95 "
         f"{row['first_token_s']['p95']:.2f} s; done p50 {row['done_s']['p50']:.2f} s, p95 "
         f"{row['done_s']['p95']:.2f} s; batch per stage {row['stage_batch_size']}; "

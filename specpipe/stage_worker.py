@@ -7,7 +7,10 @@ doctored result vector with the session's parameters and sends it to the coordin
 stream. A stage that has lost a session's cache answers `gap`. Per-session `reset` (the tail
 keeps temp, top_p, top_k and seed, and whether to send the committed tokens' log-probabilities
 with each result), `reseed` (new parameters, caches kept) and `drop` arrive as
-signed messages on the same stream, so they are ordered with the rounds.
+signed messages on the same stream, so they are ordered with the rounds. Rounds of several
+sessions read together run as one forward; before it, the stage waits briefly for the rounds of
+other sessions due with them (`specpipe.gathering`), and what a batch sends leaves in one write
+per destination, so the next stage reads it as one batch too.
 
 What is accepted: a message signed with a key of the swarm's keyring, addressed to this stage's
 stream, from the sender its place on the route names (the coordinator for the first hop and the
@@ -40,7 +43,7 @@ from typing import TYPE_CHECKING
 import redis
 import torch
 
-from specpipe import heap, inventory, kvbudget, streams, wire
+from specpipe import gathering, heap, inventory, kvbudget, streams, wire
 from specpipe.coupling import sampler_for
 from specpipe.ring import GapError, Request, Stage
 from specpipe.sampling import Sampler, SamplingParams
@@ -58,7 +61,19 @@ KEY_RELOAD_S = 1.0  # an unknown key id reloads the keyring at most this often
 OVER_BUDGET_IDLE_S = 30.0  # over the KV budget, a session idle this long is forgotten
 # `processed` counts rounds, `forwards` the forwards they ran in (a batch of rounds is one), so
 # processed / forwards over an interval is its mean batch size.
+MAX_BATCH = 16  # rounds in one forward: what one read of the stream takes at most
 COUNTERS = ("processed", "forwards", "dropped", "replayed", "gaps", "errors")
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One message a stage sends: queued while its batch runs, sent with the batch's others."""
+
+    url: str  # the destination Redis
+    stream: str
+    data: bytes
+    message: wire.Message | None  # the round passed on; None for a reply to a coordinator
+    what: str  # for the log, when it cannot be sent
 
 
 @dataclass(frozen=True)
@@ -131,6 +146,8 @@ class StageWorker:
         # order: a next host gone silent holds up only what goes to it.
         self._outboxes: dict[str, queue.SimpleQueue] = {}
         self._outbox_lock = threading.Lock()  # a failed send's error reply comes from a sender
+        self._outgoing: list[Outgoing] = []  # what the batch being handled sends
+        self.arrivals = gathering.Arrivals()  # when each session's next round is due here
 
     def serve(self, stop: threading.Event | None = None) -> None:
         """Process messages until `stop` is set."""
@@ -192,10 +209,7 @@ class StageWorker:
         while not stop.is_set():
             try:
                 self.heartbeat()
-                entries = self.consumer.read(block_ms=self.config.block_ms)
-                self._count_dead_letters()
-                self.handle_many([data for _, data in entries])
-                self.consumer.ack(entry_id for entry_id, _ in entries)
+                self.serve_once()
                 wait_s = 0.0
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 # Our own Redis is away: keep the caches and wait for it to come back, then
@@ -204,12 +218,23 @@ class StageWorker:
                 log.warning("%s: Redis unavailable (%s); retrying in %.1f s", self.config.host,
                             exc, wait_s)  # fmt: skip
                 self.consumer.rewind()
+                self._outgoing.clear()  # the rounds they were for are read again
                 stop.wait(wait_s)
         try:
             self.consumer.flush()
             self.flush_counters()
         except redis.RedisError as exc:
             log.warning("%s: could not flush acks and counters: %s", self.config.host, exc)
+
+    def serve_once(self) -> None:
+        """Read what waits in the stream (waiting up to `block_ms`), gather the rounds due with
+        it, act on all of it and acknowledge it."""
+        entries = self.consumer.read(MAX_BATCH, block_ms=self.config.block_ms)
+        messages = self._admit_all([data for _, data in entries])
+        entries += self._gather(messages)
+        self._count_dead_letters()
+        self.process(messages)
+        self.consumer.ack(entry_id for entry_id, _ in entries)
 
     def heartbeat(self, force: bool = False) -> None:
         """Refresh this node's inventory record and counters, and forget idle sessions, when
@@ -274,6 +299,7 @@ class StageWorker:
 
     def _forget(self, session: str) -> None:
         self.stage.drop(session)
+        self.arrivals.forget(session)
         self._samplers.pop(session, None)
         self._last_used.pop(session, None)
 
@@ -297,23 +323,60 @@ class StageWorker:
             self.client.pipeline().delete(key).hset(key, mapping=self._stats()).execute()
 
     def handle_many(self, entries: list[bytes | None]) -> None:
-        """Process a read's entries in order. Rounds of different sessions that come one after
+        """Process a read's entries in order; never raises for an entry."""
+        self.process(self._admit_all(entries))
+
+    def _admit_all(self, entries: list[bytes | None]) -> list[wire.Message]:
+        admitted = (self._safely(self._admit, data) for data in entries)
+        return [message for message in admitted if message is not None]
+
+    def process(self, messages: list[wire.Message]) -> None:
+        """Act on admitted messages in order. Rounds of different sessions that come one after
         another run as one forward (`Stage.forward_many`, where the stage has it); a control
-        message, or a second round of a session, ends such a batch. Never raises for an entry."""
+        message, or a second round of a session, ends such a batch. What a batch sends goes
+        out when it ends, one write per destination."""
         batch: list[wire.Message] = []
-        for data in entries:
-            message = self._safely(self._admit, data)
-            if message is not None and message.kind == "round" and self._batching:
-                if any(m.session == message.session for m in batch):
-                    self._safely(self._run_batch, batch)
+        size = min(self.arrivals.group_size(time.monotonic()), MAX_BATCH)
+        for message in messages:
+            if message.kind == "round" and self._batching:
+                if len(batch) >= size or any(m.session == message.session for m in batch):
+                    self._run(batch)
                     batch = []
                 batch.append(message)
                 continue
-            self._safely(self._run_batch, batch)
+            self._run(batch)
             batch = []
-            if message is not None:
-                self._safely(self._dispatch, message)
-        self._safely(self._run_batch, batch)
+            self._run([message])
+        self._run(batch)
+
+    def _run(self, batch: list[wire.Message]) -> None:
+        if batch:
+            self._safely(self._run_batch, batch)
+            self._safely(self._flush_sends)
+
+    def _gather(self, messages: list[wire.Message]) -> list[tuple[bytes, bytes]]:
+        """Before a forward, wait briefly for the rounds of other sessions due here now (see
+        `specpipe.gathering`), appending them to `messages`; the entries read meanwhile."""
+        read: list[tuple[bytes, bytes]] = []
+        if not self._batching or not any(m.kind == "round" for m in messages):
+            return read
+        now = time.monotonic()
+        present = {m.session for m in messages}
+        size = min(self.arrivals.group_size(now), MAX_BATCH)
+        awaited, until = self.arrivals.due(present, now)
+        while awaited and now < until and len(present) < size:
+            time.sleep(gathering.POLL_S)
+            try:
+                entries = self.consumer.read(size - len(present), block_ms=0)
+            except (redis.ConnectionError, redis.TimeoutError):
+                break  # run what was read; the serve loop waits for Redis at its next read
+            read += entries
+            for message in self._admit_all([data for _, data in entries]):
+                messages.append(message)
+                awaited.discard(message.session)
+                present.add(message.session)
+            now = time.monotonic()
+        return read
 
     def _safely(self, step, *args):
         """`step(*args)`, with anything it raises counted and logged: an entry never stops the
@@ -337,9 +400,7 @@ class StageWorker:
 
     def handle(self, data: bytes | None) -> None:
         """Process one stream entry; never raises for a bad message."""
-        message = self._admit(data)
-        if message is not None:
-            self._dispatch(message)
+        self.handle_many([data])
 
     def _admit(self, data: bytes | None) -> wire.Message | None:
         """The entry's message if it is one to act on; else it is counted and dropped."""
@@ -348,6 +409,8 @@ class StageWorker:
             return None
         if message.kind in ("round", "reset", "reseed"):
             self._last_used[message.session] = time.monotonic()
+        if message.kind == "round":
+            self.arrivals.note(message.session, self._last_used[message.session])
         return message
 
     @property
@@ -564,6 +627,13 @@ class StageWorker:
                     drafts=proposal)  # fmt: skip
 
     def _reply(self, message: wire.Message, kind: str, **fields) -> None:
+        item = self._reply_for(message, kind, **fields)
+        if kind == "result":
+            self.next_hop = (wire.COORDINATOR, message.reply)
+        self._outgoing.append(item)
+
+    def _reply_for(self, message: wire.Message, kind: str, **fields) -> Outgoing:
+        """The reply to `message`'s coordinator, encoded, to be sent."""
         stream = streams.reply_key(self.config.swarm, message.session)
         reply = wire.Message(
             kind=kind,
@@ -575,50 +645,60 @@ class StageWorker:
             **fields,
         )
         data = wire.encode(reply, self.config.swarm, self.keys)
-        if kind == "result":
-            self.next_hop = (wire.COORDINATOR, message.reply)
-        self._send(message.reply, stream, data, None, f"reply to {message.session}")
+        return Outgoing(message.reply, stream, data, None, f"reply to {message.session}")
 
     def _send(self, url: str, stream: str, data: bytes, message: wire.Message | None,
               what: str) -> None:  # fmt: skip
-        """XADD `data` to `stream` on `url`: at once, or after the simulated link delay without
-        holding the stage up (a link's latency delays what crosses it, not the next forward).
-        `message` is the round passed on, None for a reply: a failed pass-on is an error reply
-        for it, a failed reply the coordinator's to time out on."""
+        """Queue an XADD of `data` to `stream` on `url`, sent by `_flush_sends` with the rest of
+        its batch. `message` is the round passed on, None for a reply: a failed pass-on is an
+        error reply for it, a failed reply the coordinator's to time out on."""
+        self._outgoing.append(Outgoing(url, stream, data, message, what))
 
-        def send() -> None:
-            try:
-                if message is None:  # a reply: the coordinator's stream, kept from outliving it
-                    streams.send_reply(self.connections.link(url), stream, data,
-                                       self.config.maxlen)  # fmt: skip
-                else:
-                    streams.send(self.connections.link(url), stream, data, self.config.maxlen)
-            except redis.RedisError as exc:
-                reason = f"{self.config.host}: cannot {what}: {exc}"
-                log.warning("%s", reason)
-                if message is not None:
-                    self._count("errors")
-                    self._reply(message, "error", reason=reason)
+    def _flush_sends(self) -> None:
+        """Send what the last batch queued: one write per destination Redis, at once or after
+        the simulated link delay without holding the stage up (a link's latency delays what
+        crosses it, not the next forward)."""
+        outgoing, self._outgoing = self._outgoing, []
+        self._route(outgoing)
 
-        if self.config.link_delay_s > 0:
+    def _route(self, outgoing: list[Outgoing]) -> None:
+        by_url: dict[str, list[Outgoing]] = {}
+        for item in outgoing:
+            by_url.setdefault(item.url, []).append(item)
+        for url, items in by_url.items():
+            if self.config.link_delay_s <= 0:
+                self._deliver(url, items)
+                continue
             with self._outbox_lock:
                 outbox = self._outboxes.get(url)
                 if outbox is None:
                     outbox = self._outboxes[url] = queue.SimpleQueue()
-                    threading.Thread(target=self._send_delayed, args=(outbox,),
+                    threading.Thread(target=self._send_delayed, args=(url, outbox),
                                      daemon=True).start()  # fmt: skip
-            outbox.put((time.monotonic() + self.config.link_delay_s, send))
-        else:
-            send()
+            outbox.put((time.monotonic() + self.config.link_delay_s, items))
 
-    def _send_delayed(self, outbox: queue.SimpleQueue) -> None:
-        """The link's far end: sends each message of `outbox` once its delay has passed, in
-        order."""
+    def _deliver(self, url: str, items: list[Outgoing]) -> None:
+        entries = [(item.stream, item.data, item.message is None) for item in items]
+        try:
+            streams.send_all(self.connections.link(url), entries, self.config.maxlen)
+        except redis.RedisError as exc:
+            replies = []
+            for item in items:
+                reason = f"{self.config.host}: cannot {item.what}: {exc}"
+                log.warning("%s", reason)
+                if item.message is not None:
+                    self._count("errors")
+                    replies.append(self._reply_for(item.message, "error", reason=reason))
+            self._route(replies)
+
+    def _send_delayed(self, url: str, outbox: queue.SimpleQueue) -> None:
+        """The link's far end: sends each batch of `outbox` once its delay has passed, in
+        order; one thread per destination, the only user of that destination's link."""
         while True:
-            due, send = outbox.get()
+            due, items = outbox.get()
             time.sleep(max(0.0, due - time.monotonic()))
             try:
-                send()
+                self._deliver(url, items)
             except Exception:  # a bad send must not end the link
                 log.exception("%s: a delayed send failed", self.config.host)
 

@@ -220,9 +220,22 @@ def send(target: redis.Redis | Link, key: str, data: bytes,
     return pipe.execute()[0]
 
 
-def send_reply(link: Link, key: str, data: bytes, maxlen: int = DEFAULT_MAXLEN) -> None:
-    """XADD to a reply stream and keep it from outliving an abandoned session."""
-    link.call(xadd_command(key, data, maxlen), ("EXPIRE", key, REPLY_TTL_S), resend=True)
+def send_all(link: Link, entries: Iterable[tuple[str, bytes, bool]],
+             maxlen: int = DEFAULT_MAXLEN) -> None:  # fmt: skip
+    """XADD each (stream, message, is_reply) in one write to one Redis: a reply stream is kept
+    from outliving an abandoned session; a stage stream's bell rings once, after all its
+    entries, so its reader wakes to the whole batch at once instead of to its first entry."""
+    commands, bells = [], {}
+    for key, data, is_reply in entries:
+        commands.append(xadd_command(key, data, maxlen))
+        if is_reply:
+            commands.append(("EXPIRE", key, REPLY_TTL_S))
+        else:
+            bells[bell_key(key)] = None
+    for bell in bells:
+        commands += [("LPUSH", bell, 1), ("LTRIM", bell, 0, 0)]
+    # Sent twice, a message is read twice: a stage drops a sequence number it has seen.
+    link.call(*commands, resend=True)
 
 
 # Runs in Redis, so an entry is checked before it reaches the stage. KEYS: the stream, its bell,

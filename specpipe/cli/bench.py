@@ -189,11 +189,16 @@ def bench_ring(
 @click.option("--temp", type=click.FloatRange(min=0), default=0.7, show_default=True)
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95,
               show_default=True)  # fmt: skip
-@click.option("--draft-k", type=click.IntRange(0, 64), default=4, show_default=True)
+@click.option("--draft-k", type=click.IntRange(0, 64), default=4, show_default=True,
+              help="The most drafts a round sends.")  # fmt: skip
+@click.option("--fixed-k", is_flag=True,
+              help="Every round sends what the drafter has, up to --draft-k, instead of the "
+              "draft length the coordinator would choose.")  # fmt: skip
 @click.option("--seed", type=click.IntRange(0, 2**63), default=1, show_default=True)
 @json_option
 @_model_errors
-def bench_load(model, stages, counts, delays, tokens, temp, top_p, draft_k, seed, json_path):
+def bench_load(model, stages, counts, delays, tokens, temp, top_p, draft_k, fixed_k, seed,
+               json_path):  # fmt: skip
     """Several jobs at once through one ring: aggregate tok/s, time to first token and to done,
     and every job's tokens against its solo run.
 
@@ -204,9 +209,12 @@ def bench_load(model, stages, counts, delays, tokens, temp, top_p, draft_k, seed
     from specpipe import loadbench
 
     counts = sorted(set(counts))
-    click.echo(f"bench load: {model}, {stages} stages, {tokens} tokens per job, temp {temp}")
+    click.echo(
+        f"bench load: {model}, {stages} stages, {tokens} tokens per job, temp {temp}, "
+        f"{'fixed' if fixed_k else 'adaptive'} K <= {draft_k}"
+    )
     result = loadbench.load(model, stages, counts, delays, tokens, temp, top_p, draft_k, seed,
-                            click.echo)  # fmt: skip
+                            click.echo, adaptive=not fixed_k)  # fmt: skip
     write_json(json_path, result)
     if not all(row["identical_to_solo"] for row in result["runs"]):
         raise click.ClickException("a loaded job's tokens differ from its solo run")

@@ -103,23 +103,28 @@ class StageModel(nn.Module):
         Every product runs on the rows of all of them at once and attention within each, so a
         session's numbers are the ones it gets alone (row stability)."""
         outs: list[torch.Tensor | Exception | None] = [None] * len(requests)
-        rows, caches, xs, segments = [], [], [], []
+        rows, caches, xs = [], [], []
         for i, req in enumerate(requests):
             try:
                 cache, x = self._prepare(req)
             except (GapError, ValueError) as exc:
                 outs[i] = exc
                 continue
-            T = x.shape[0]
-            if T < self.pad_rows:
-                x = F.pad(x, (0, 0, 0, self.pad_rows - T))  # [P, D]: rows from T on are padding
-            cos, sin = self.rotary(req.start_pos, x.shape[0], self.dtype)
             rows.append(i)
             caches.append(cache)
             xs.append(x)
-            segments.append((x.shape[0], T, cos, sin, req.start_pos))
         if not rows:
             return outs
+        # Only the products need `pad_rows`, and they run on every session's rows at once: the
+        # last session's rows are padded when all of them together are fewer.
+        deficit = self.pad_rows - sum(x.shape[0] for x in xs)
+        segments = []
+        for n, (i, x) in enumerate(zip(rows, xs, strict=True)):
+            T = x.shape[0]
+            if deficit > 0 and n == len(xs) - 1:
+                xs[n] = x = F.pad(x, (0, 0, 0, deficit))  # [P, D]: rows from T on are padding
+            cos, sin = self.rotary(requests[i].start_pos, x.shape[0], self.dtype)
+            segments.append((x.shape[0], T, cos, sin, requests[i].start_pos))
         x = xs[0] if len(xs) == 1 else torch.cat(xs)  # [sum of P, D]
         for layer_index, layer in enumerate(self.layers):
             parts = [

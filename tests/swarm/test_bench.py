@@ -103,10 +103,9 @@ def test_bench_load_runs_jobs_at_once_each_as_alone(tiny, tmp_path):
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
-    assert [(r["jobs"], r["failed"], r["identical_to_solo"]) for r in doc["runs"]] == [
-        (1, [], True),
-        (3, [], True),
-    ]
+    assert [
+        (r["jobs"], r["one_at_a_time"], r["failed"], r["identical_to_solo"]) for r in doc["runs"]
+    ] == [(1, 3, [], True), (3, 0, [], True)]  # one at a time: the three jobs, one after another
     three = doc["runs"][1]
     assert three["aggregate_tok_s"] > 0 and three["done_s"]["p95"] >= three["done_s"]["p50"] > 0
     assert doc["runs"][0]["aggregate_vs_one"] == 1.0

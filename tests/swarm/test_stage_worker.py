@@ -1,5 +1,6 @@
 """The stage worker's handling of single messages, in this process, against a real Redis."""
 
+import threading
 import time
 from dataclasses import replace
 
@@ -7,7 +8,7 @@ import pytest
 import redis
 import torch
 
-from specpipe import stage_worker, streams, wire
+from specpipe import gathering, stage_worker, streams, wire
 from specpipe.stage_worker import StageWorker, WorkerConfig
 from tests.swarm.toy_stage import ToyConfig, ToyStage
 
@@ -259,6 +260,7 @@ def test_rounds_of_several_sessions_in_one_read_run_as_one_forward(swarm, key, r
         return StageWorker(load_stage(source, 0, n_layers), config)
 
     together, alone = tail("t"), tail("u")
+    together.arrivals = gathering.Arrivals(groups=1)  # all three in one group
     sessions = {"s1": (1, 2, 3, 4, 5), "s2": (7, 8), "s3": (9, 10, 11, 12)}
     for worker in (together, alone):
         for session in sessions:
@@ -295,6 +297,7 @@ def test_a_session_dropped_in_the_middle_of_a_batch_leaves_the_others_exact(
         return StageWorker(load_stage(source, 0, source.config.n_layers), config)
 
     together, alone = tail("t"), tail("u")
+    together.arrivals = gathering.Arrivals(groups=1)
     prompts = {"s1": (1, 2, 3, 4, 5), "s2": (7, 8), "s3": (9, 10, 11, 12)}
     steps = {"s1": (6, 7, 8), "s2": (9,), "s3": (13, 14)}  # each with its drafts after the first
 
@@ -354,3 +357,107 @@ def test_over_its_kv_budget_a_stage_forgets_the_sessions_idle_longest(
     worker.handle(signed(worker, replace(message, session="more")))
     # 15 tokens, but every session was busy a moment ago: none is forgotten.
     assert worker.keep_within_budget(now) == []
+
+
+def tiny_worker(tmp_path, host, swarm, key, redis_url, start=0, end=None) -> StageWorker:
+    from specpipe.model.resolve import open_checkpoint
+    from specpipe.model.stage import load_stage
+    from tests.swarmprocs import write_tiny_model
+
+    source = open_checkpoint(str(write_tiny_model(tmp_path / "tiny")))
+    config = WorkerConfig(host=host, swarm=swarm, keys=key, redis_url=redis_url)
+    return StageWorker(load_stage(source, start, end or source.config.n_layers), config)
+
+
+def test_a_batch_passes_its_rounds_on_in_one_write(swarm, key, redis_url, tmp_path,
+                                                   monkeypatch):  # fmt: skip
+    """The next stage is woken once, for the whole batch: it finds every round of it waiting
+    and runs them as one forward, so sessions that met stay together around the ring."""
+    first = tiny_worker(tmp_path, "a", swarm, key, redis_url, 0, 1)
+    tail = tiny_worker(tmp_path, "b", swarm, key, redis_url, 1)
+    first.arrivals, tail.arrivals = gathering.Arrivals(groups=1), gathering.Arrivals(groups=1)
+    sessions = {"s1": (1, 2, 3), "s2": (4, 5), "s3": (6, 7, 8, 9)}
+    for session in sessions:
+        deliver(tail, wire.Message(kind="reset", session=session, params=RESET))
+    writes = []
+    call = streams.Link.call
+    monkeypatch.setattr(streams.Link, "call",
+                        lambda self, *commands, **kw: writes.append(commands) or call(
+                            self, *commands, **kw))  # fmt: skip
+    first.handle_many([
+        signed(first, replace(round_message(redis_url, ["a", "b"], tokens=t), session=s))
+        for s, t in sessions.items()
+    ])  # fmt: skip
+    assert len(writes) == 1  # the three rounds and one bell, in that order
+    assert [c[0] for c in writes[0]] == ["XADD", "XADD", "XADD", "LPUSH", "LTRIM"]
+    monkeypatch.undo()
+    tail.serve_once()
+    assert (tail.counters["processed"], tail.counters["forwards"]) == (3, 1)
+    for session in sessions:
+        assert [r.kind for r in replies(redis_url, swarm, key, session)] == ["result"]
+
+
+def test_a_stage_waits_for_a_round_due_now_and_runs_both_in_one_forward(swarm, key, redis_url,
+                                                                        tmp_path):  # fmt: skip
+    tail = tiny_worker(tmp_path, "t", swarm, key, redis_url)
+    for session in ("s1", "s2"):
+        deliver(tail, wire.Message(kind="reset", session=session, params=RESET))
+    route = ["t"]
+
+    def round_of(session, tokens, start_pos):
+        message = round_message(redis_url, route, tokens=tokens, start_pos=start_pos)
+        return signed(tail, replace(message, session=session))
+
+    tail.handle_many([round_of("s1", (1, 2, 3), 0), round_of("s2", (4, 5), 0)])
+    now = time.monotonic()
+    tail.arrivals = gathering.Arrivals()
+    # Four sessions came round every 0.1 s: the next ones are due now, in two groups of two.
+    for session in ("s1", "s2", "s3", "s4"):
+        tail.arrivals.note(session, now - 0.2)
+        tail.arrivals.note(session, now - 0.1)
+    client = redis.Redis.from_url(redis_url)
+    streams.send(client, tail.stream, round_of("s1", (7,), 3))
+    late = threading.Timer(0.01, streams.send, (client, tail.stream, round_of("s2", (8,), 2)))
+    before = dict(tail.counters)
+    late.start()
+    tail.serve_once()  # s1 and s2 run together; s3 and s4, due too, are the other group's
+    late.join()
+    assert tail.counters["processed"] - before["processed"] == 2
+    assert tail.counters["forwards"] - before["forwards"] == 1
+    for session in ("s1", "s2"):
+        assert [r.kind for r in replies(redis_url, swarm, key, session)] == ["result"] * 2
+    client.close()
+
+
+def test_a_session_alone_on_the_ring_is_not_held_back(swarm, key, redis_url, tmp_path,
+                                                      monkeypatch):  # fmt: skip
+    tail = tiny_worker(tmp_path, "t", swarm, key, redis_url)
+    deliver(tail, wire.Message(kind="reset", session="s1", params=RESET))
+    message = round_message(redis_url, ["t"], tokens=(1, 2, 3))
+    deliver(tail, replace(message, session="s1"))
+    now = time.monotonic()
+    tail.arrivals = gathering.Arrivals()
+    tail.arrivals.note("s1", now - 0.2)
+    tail.arrivals.note("s1", now - 0.1)
+    client = redis.Redis.from_url(redis_url)
+    streams.send(client, tail.stream, signed(tail, replace(message, session="s1", tokens=(4,),
+                                                           start_pos=3)))  # fmt: skip
+    reads = []
+    read = tail.consumer.read
+    monkeypatch.setattr(tail.consumer, "read", lambda *a, **kw: reads.append(kw) or read(*a, **kw))
+    tail.serve_once()
+    assert len(reads) == 1 and tail.counters["processed"] == 2  # no second read: no wait
+    client.close()
+
+
+def test_a_read_of_more_than_a_group_runs_as_two_forwards(swarm, key, redis_url, tmp_path):
+    """Four sessions that arrive together leave as two groups of two (`gathering.GROUPS`)."""
+    tail = tiny_worker(tmp_path, "t", swarm, key, redis_url)
+    sessions = {"s1": (1, 2, 3), "s2": (4, 5), "s3": (6,), "s4": (7, 8, 9)}
+    for session in sessions:
+        deliver(tail, wire.Message(kind="reset", session=session, params=RESET))
+    tail.handle_many([
+        signed(tail, replace(round_message(redis_url, ["t"], tokens=t), session=s))
+        for s, t in sessions.items()
+    ])  # fmt: skip
+    assert (tail.counters["processed"], tail.counters["forwards"]) == (4, 2)

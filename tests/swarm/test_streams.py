@@ -204,3 +204,26 @@ def test_a_send_wakes_a_reader_waiting_on_the_bell(swarm, redis_url):
     assert waited < 4, f"the reader slept {waited:.1f} s through the bell"
     assert client.llen(streams.bell_key(key)) <= 1
     client.close()
+
+
+def test_send_all_writes_every_entry_before_ringing_each_bell_once(redis_url, swarm):
+    client = redis.Redis.from_url(redis_url)
+    key, other = streams.stage_key(swarm, "a"), streams.stage_key(swarm, "b")
+    reply = streams.reply_key(swarm, "job")
+    writes = []
+    link = streams.Link(client)
+    call = link.call
+    link.call = lambda *commands, **kw: writes.append(commands) or call(*commands, **kw)
+    streams.send_all(link, [(key, b"a", False), (key, b"b", False), (other, b"c", False),
+                            (reply, b"d", True)])  # fmt: skip
+    assert len(writes) == 1
+    names = [(c[0], c[1]) for c in writes[0]]
+    assert names == [("XADD", key), ("XADD", key), ("XADD", other), ("XADD", reply),
+                     ("EXPIRE", reply), ("LPUSH", streams.bell_key(key)),
+                     ("LTRIM", streams.bell_key(key)), ("LPUSH", streams.bell_key(other)),
+                     ("LTRIM", streams.bell_key(other))]  # fmt: skip
+    assert client.xlen(key) == 2 and client.llen(streams.bell_key(key)) == 1
+    assert 0 < client.ttl(reply) <= streams.REPLY_TTL_S
+    assert client.llen(streams.bell_key(reply)) == 0  # nobody waits on a reply stream's bell
+    link.close()
+    client.close()
