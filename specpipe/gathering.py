@@ -8,7 +8,8 @@ forward: 8 jobs at once ran 1.2 to 1.7 rounds per forward.
 
 So a stage learns when each session's next round is due. A session's rounds come back to a
 stage once per trip around the ring, so each arrives about one period after the last one
-(`Arrivals.note` keeps the last arrival and a running mean of the interval). When a forward is
+(`Arrivals.note` keeps the last arrival and a running mean of the interval, started over after
+a prefill, whose slow trip would have the mean wrong for many rounds). When a forward is
 about to run, the sessions not in it whose next round is due within a short window
 (`WAIT_SHARE` of their period, at most `MAX_WAIT_S`) are waited for, polling the stream, until
 they arrive or the window closes. A session overdue by more than its window (finished, or held
@@ -42,13 +43,19 @@ class Arrivals:
 
     def __init__(self, groups: int = GROUPS) -> None:
         self.groups = groups
-        # session -> (monotonic time of its last round, mean interval or None before a second)
-        self._seen: OrderedDict[str, tuple[float, float | None]] = OrderedDict()
+        # session -> (monotonic time of its last round, mean interval or None before a second,
+        # whether that round was a steady step)
+        self._seen: OrderedDict[str, tuple[float, float | None, bool]] = OrderedDict()
 
-    def note(self, session: str, now: float) -> None:
-        """A round of `session` arrived at `now`."""
-        last, period = self._seen.pop(session, (None, None))
-        if last is not None:
+    def note(self, session: str, now: float, steady: bool = True) -> None:
+        """A round of `session` arrived at `now`. Only an interval between two `steady` rounds
+        (one committed token each) counts: a prefill or a replay carries many rows, its trip is
+        slow, and the interval it begins says nothing of the next ones; it starts the session's
+        period over."""
+        last, period, was_steady = self._seen.pop(session, (None, None, False))
+        if not steady:
+            period = None
+        elif last is not None and was_steady:
             interval = now - last
             if interval > MAX_PERIOD_S:
                 period = None
@@ -56,7 +63,7 @@ class Arrivals:
                 period = interval
             else:
                 period += PERIOD_WEIGHT * (interval - period)
-        self._seen[session] = (now, period)
+        self._seen[session] = (now, period, steady)
         while len(self._seen) > MAX_SESSIONS:
             self._seen.popitem(last=False)
 
@@ -67,7 +74,7 @@ class Arrivals:
     def group_size(self, now: float) -> int:
         """The most sessions one forward gathers: the sessions active here (a round within
         their last two periods) shared among `groups` groups."""
-        active = sum(1 for last, period in self._seen.values()
+        active = sum(1 for last, period, _ in self._seen.values()
                      if now - last <= (2 * period if period else MAX_PERIOD_S))  # fmt: skip
         return max(1, -(-active // self.groups))
 
@@ -75,7 +82,7 @@ class Arrivals:
         """The sessions other than `present` whose next round is due within their window of
         `now`, and until when to wait for them (`now` when there are none)."""
         awaited, wait = set(), MAX_WAIT_S
-        for session, (last, period) in self._seen.items():
+        for session, (last, period, _) in self._seen.items():
             if period is None or session in present:
                 continue
             window = min(WAIT_SHARE * period, MAX_WAIT_S)

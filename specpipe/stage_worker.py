@@ -231,9 +231,10 @@ class StageWorker:
         it, act on all of it and acknowledge it."""
         entries = self.consumer.read(MAX_BATCH, block_ms=self.config.block_ms)
         messages = self._admit_all([data for _, data in entries])
-        entries += self._gather(messages)
+        size = self._batch_size()
+        entries += self._gather(messages, size)
         self._count_dead_letters()
-        self.process(messages)
+        self.process(messages, size)
         self.consumer.ack(entry_id for entry_id, _ in entries)
 
     def heartbeat(self, force: bool = False) -> None:
@@ -330,13 +331,18 @@ class StageWorker:
         admitted = (self._safely(self._admit, data) for data in entries)
         return [message for message in admitted if message is not None]
 
-    def process(self, messages: list[wire.Message]) -> None:
+    def _batch_size(self) -> int:
+        """The most rounds one forward takes now (see `gathering.Arrivals.group_size`)."""
+        return min(self.arrivals.group_size(time.monotonic()), MAX_BATCH)
+
+    def process(self, messages: list[wire.Message], size: int | None = None) -> None:
         """Act on admitted messages in order. Rounds of different sessions that come one after
-        another run as one forward (`Stage.forward_many`, where the stage has it); a control
-        message, or a second round of a session, ends such a batch. What a batch sends goes
-        out when it ends, one write per destination."""
+        another run as one forward (`Stage.forward_many`, where the stage has it), at most
+        `size` of them (by default `_batch_size`); a control message, or a second round of a
+        session, ends such a batch. What a batch sends goes out when it ends, one write per
+        destination."""
         batch: list[wire.Message] = []
-        size = min(self.arrivals.group_size(time.monotonic()), MAX_BATCH)
+        size = size or self._batch_size()
         for message in messages:
             if message.kind == "round" and self._batching:
                 if len(batch) >= size or any(m.session == message.session for m in batch):
@@ -354,15 +360,15 @@ class StageWorker:
             self._safely(self._run_batch, batch)
             self._safely(self._flush_sends)
 
-    def _gather(self, messages: list[wire.Message]) -> list[tuple[bytes, bytes]]:
+    def _gather(self, messages: list[wire.Message], size: int) -> list[tuple[bytes, bytes]]:
         """Before a forward, wait briefly for the rounds of other sessions due here now (see
-        `specpipe.gathering`), appending them to `messages`; the entries read meanwhile."""
+        `specpipe.gathering`), until the forward has `size`, appending them to `messages`; the
+        entries read meanwhile."""
         read: list[tuple[bytes, bytes]] = []
         if not self._batching or not any(m.kind == "round" for m in messages):
             return read
         now = time.monotonic()
         present = {m.session for m in messages}
-        size = min(self.arrivals.group_size(now), MAX_BATCH)
         awaited, until = self.arrivals.due(present, now)
         while awaited and now < until and len(present) < size:
             time.sleep(gathering.POLL_S)
@@ -410,7 +416,8 @@ class StageWorker:
         if message.kind in ("round", "reset", "reseed"):
             self._last_used[message.session] = time.monotonic()
         if message.kind == "round":
-            self.arrivals.note(message.session, self._last_used[message.session])
+            steady = len(message.tokens) == message.n_draft + 1  # one committed token: a step
+            self.arrivals.note(message.session, self._last_used[message.session], steady)
         return message
 
     @property

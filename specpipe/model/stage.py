@@ -117,12 +117,12 @@ class StageModel(nn.Module):
             return outs
         # Only the products need `pad_rows`, and they run on every session's rows at once: the
         # last session's rows are padded when all of them together are fewer.
-        deficit = self.pad_rows - sum(x.shape[0] for x in xs)
+        tokens = [x.shape[0] for x in xs]
+        deficit = self.pad_rows - sum(tokens)
+        if deficit > 0:
+            xs[-1] = F.pad(xs[-1], (0, 0, 0, deficit))  # [P, D]: rows from T on are padding
         segments = []
-        for n, (i, x) in enumerate(zip(rows, xs, strict=True)):
-            T = x.shape[0]
-            if deficit > 0 and n == len(xs) - 1:
-                xs[n] = x = F.pad(x, (0, 0, 0, deficit))  # [P, D]: rows from T on are padding
+        for i, x, T in zip(rows, xs, tokens, strict=True):
             cos, sin = self.rotary(requests[i].start_pos, x.shape[0], self.dtype)
             segments.append((x.shape[0], T, cos, sin, requests[i].start_pos))
         x = xs[0] if len(xs) == 1 else torch.cat(xs)  # [sum of P, D]

@@ -50,6 +50,15 @@ def test_a_pause_restarts_the_period():
     assert arrivals.due({"a"}, 0.5 + MAX_PERIOD_S + 1)[0] == {"b"}
 
 
+def test_the_slow_trip_of_a_prefill_is_not_taken_for_the_period():
+    arrivals = Arrivals()
+    arrivals.note("b", 0.0, steady=False)  # its prefill: many rows, a slow trip
+    arrived(arrivals, "b", 0.6, 0.8)  # then steps, 0.2 s a trip
+    assert arrivals.due({"a"}, 1.0)[0] == {"b"}
+    arrivals.note("b", 1.0, steady=False)  # a replay starts the period over
+    assert arrivals.due({"a"}, 1.2)[0] == set()
+
+
 def test_the_period_follows_the_intervals():
     arrivals = Arrivals()
     arrived(arrivals, "b", 0.0, 0.1)
