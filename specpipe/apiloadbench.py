@@ -9,7 +9,9 @@ either accepted (201) or refused with 429 under the per-user limits (the submiss
 cap on active jobs); both are counted, and every accepted job must end (done or failed): none
 lost, none stuck, no 5xx anywhere. Time to done is from the job's creation to its end, as the
 store records them. The resident memory of every process of the stack is taken after a warm-up
-job and again once every job has ended.
+job and again once every job has ended. Every job that ended done must hold the tokens the same
+job gives alone, decoded plainly in this process (its prompt, sampling parameters and seed):
+many jobs at once through the stack's batched stages change no job's output.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specpipe.benchstack import Stack
+from specpipe.generation import Generation
+from specpipe.ring import LocalRing
+from specpipe.sampling import SamplingParams
+from specpipe.stopping import GenerationText
+from specpipe.target import open_target
 
 Log = Callable[[str], None]
 FINAL = ("done", "failed", "cancelled")
@@ -129,6 +136,34 @@ def wait_jobs(database_url: str, job_ids: list[int], deadline_s: float) -> dict[
             time.sleep(0.5)
 
 
+def solo_mismatches(model: str, database_url: str, job_ids: list[int]) -> list[int]:
+    """The jobs among `job_ids` that ended done with other tokens than the same job run alone
+    in this process: one stage, plain decoding, the job's prompt, sampling parameters, seed,
+    token budget and stop strings."""
+    from sqlalchemy import select
+
+    from models.db import make_session_factory
+    from models.jobs import Job
+
+    target = open_target(model)
+    ring = LocalRing(target.load_stages(1))
+    mismatched = []
+    with make_session_factory(database_url)() as session:
+        jobs = session.scalars(select(Job).where(Job.id.in_(job_ids), Job.status == "done"))
+        for job in jobs:
+            params = SamplingParams(temp=job.temp, top_p=job.top_p, top_k=job.top_k,
+                                    seed=job.seed, sampler=job.sampler)  # fmt: skip
+            ring.reset("solo", params)
+            output = GenerationText(target.decode, target.eos_ids, job.stop or [])
+            alone = Generation(ring, "solo", target.prompt_ids(job.prompt, raw=job.raw_prompt),
+                               params, max_new_tokens=job.max_new_tokens, draft_k=0,
+                               eos_ids=target.eos_ids, should_stop=output.should_stop)  # fmt: skip
+            if alone.run() != list(job.output_ids):
+                mismatched.append(job.id)
+            ring.drop("solo")
+    return sorted(mismatched)
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """The q-quantile (0..1) of `values`, by linear interpolation; None when empty."""
     if not values:
@@ -163,6 +198,8 @@ def run_load(model: str, workdir: Path, log: Log, *, stages: int = 3, users: int
         statuses = _read_back(stack.web_url, tokens_by_user, subs)
         time.sleep(2.0)  # let the last job's buffers go before measuring
         rss_after = stack.rss()
+        log("each done job against its solo run in this process")
+        mismatched = solo_mismatches(model, stack.database_url, accepted)
 
     http = Counter(s.status for s in subs) + Counter(statuses)
     durations = [(j["finished_at"] - j["created_at"]).total_seconds()
@@ -203,12 +240,14 @@ def run_load(model: str, workdir: Path, log: Log, *, stages: int = 3, users: int
         ),  # fmt: skip
         "lost": len(set(accepted) - set(final)),
         "stuck": sum(j["status"] not in FINAL for j in final.values()),
+        "not_as_solo": mismatched,
         "time_to_done_s_p50": percentile(durations, 0.50),
         "time_to_done_s_p95": percentile(durations, 0.95),
         "memory": memory,
         "submissions": [asdict(s) for s in subs],
     }
-    bad = result["lost"] + result["stuck"] + result["http_5xx"] + result["unanswered"]
+    bad = (result["lost"] + result["stuck"] + result["http_5xx"] + result["unanswered"]
+           + len(mismatched))  # fmt: skip
     result["verdict"] = "PASS" if not bad else "FAIL"
     return result
 
@@ -237,6 +276,7 @@ def report(result: dict) -> list[str]:
         f"{result['unanswered']} unanswered; HTTP 5xx: {result['http_5xx']}",
         f"jobs: {result['done']} done, {result['failed']} failed, {result['lost']} lost, "
         f"{result['stuck']} stuck; time to done {times}",
+        f"done jobs whose tokens differ from their solo run: {len(result['not_as_solo'])}",
         "memory (RSS, MiB)  before  after",
     ]
     for role, m in result["memory"].items():
