@@ -10,8 +10,8 @@ cap on active jobs); both are counted, and every accepted job must end (done or 
 lost, none stuck, no 5xx anywhere. Time to done is from the job's creation to its end, as the
 store records them. The resident memory of every process of the stack is taken after a warm-up
 job and again once every job has ended. Every job that ended done must hold the tokens the same
-job gives alone, decoded plainly in this process (its prompt, sampling parameters and seed):
-many jobs at once through the stack's batched stages change no job's output.
+job gives alone in this process (its prompt, sampling parameters and seed): many jobs at once
+through the stack's batched stages change no job's output.
 """
 
 from __future__ import annotations
@@ -31,11 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specpipe.benchstack import Stack
-from specpipe.generation import Generation
-from specpipe.ring import LocalRing
-from specpipe.sampling import SamplingParams
-from specpipe.stopping import GenerationText
-from specpipe.target import open_target
+from specpipe.faultbench import JobPlan, References
 
 Log = Callable[[str], None]
 FINAL = ("done", "failed", "cancelled")
@@ -138,29 +134,22 @@ def wait_jobs(database_url: str, job_ids: list[int], deadline_s: float) -> dict[
 
 def solo_mismatches(model: str, database_url: str, job_ids: list[int]) -> list[int]:
     """The jobs among `job_ids` that ended done with other tokens than the same job run alone
-    in this process: one stage, plain decoding, the job's prompt, sampling parameters, seed,
-    token budget and stop strings."""
+    in this process (`faultbench.References`: the whole model, the job's prompt, sampling
+    parameters, seed and token budget; the jobs this bench submits have no stop strings)."""
     from sqlalchemy import select
 
     from models.db import make_session_factory
     from models.jobs import Job
 
-    target = open_target(model)
-    ring = LocalRing(target.load_stages(1))
+    references = References(model)
     mismatched = []
     with make_session_factory(database_url)() as session:
         jobs = session.scalars(select(Job).where(Job.id.in_(job_ids), Job.status == "done"))
         for job in jobs:
-            params = SamplingParams(temp=job.temp, top_p=job.top_p, top_k=job.top_k,
-                                    seed=job.seed, sampler=job.sampler)  # fmt: skip
-            ring.reset("solo", params)
-            output = GenerationText(target.decode, target.eos_ids, job.stop or [])
-            alone = Generation(ring, "solo", target.prompt_ids(job.prompt, raw=job.raw_prompt),
-                               params, max_new_tokens=job.max_new_tokens, draft_k=0,
-                               eos_ids=target.eos_ids, should_stop=output.should_stop)  # fmt: skip
-            if alone.run() != list(job.output_ids):
+            plan = JobPlan(job.prompt, job.seed, job.max_new_tokens, job.temp, job.top_p,
+                           job.top_k, job.draft_k, job.sampler)  # fmt: skip
+            if references.get(plan).tokens != list(job.output_ids):
                 mismatched.append(job.id)
-            ring.drop("solo")
     return sorted(mismatched)
 
 

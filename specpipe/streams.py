@@ -147,10 +147,15 @@ def xadd_command(key: str, data: bytes, maxlen: int) -> tuple:
     return ("XADD", key, "MAXLEN", "~", maxlen, "*", FIELD, data)
 
 
+def bell_commands(key: str) -> tuple[tuple, ...]:
+    """The commands that wake the reader of a stage's stream (its bell holds one ring)."""
+    bell = bell_key(key)
+    return ("LPUSH", bell, 1), ("LTRIM", bell, 0, 0)
+
+
 def stage_send_commands(key: str, data: bytes, maxlen: int) -> tuple[tuple, ...]:
     """The commands that put one message on a stage's stream and wake its reader."""
-    bell = bell_key(key)
-    return xadd_command(key, data, maxlen), ("LPUSH", bell, 1), ("LTRIM", bell, 0, 0)
+    return xadd_command(key, data, maxlen), *bell_commands(key)
 
 
 def stream_entries(reply) -> list[tuple[bytes, bytes | None]]:
@@ -225,15 +230,15 @@ def send_all(link: Link, entries: Iterable[tuple[str, bytes, bool]],
     """XADD each (stream, message, is_reply) in one write to one Redis: a reply stream is kept
     from outliving an abandoned session; a stage stream's bell rings once, after all its
     entries, so its reader wakes to the whole batch at once instead of to its first entry."""
-    commands, bells = [], {}
+    commands, woken = [], {}
     for key, data, is_reply in entries:
         commands.append(xadd_command(key, data, maxlen))
         if is_reply:
             commands.append(("EXPIRE", key, REPLY_TTL_S))
         else:
-            bells[bell_key(key)] = None
-    for bell in bells:
-        commands += [("LPUSH", bell, 1), ("LTRIM", bell, 0, 0)]
+            woken[key] = None
+    for key in woken:
+        commands += bell_commands(key)
     # Sent twice, a message is read twice: a stage drops a sequence number it has seen.
     link.call(*commands, resend=True)
 
