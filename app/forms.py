@@ -9,7 +9,7 @@ from flask import Flask, g, request
 from flask_wtf.csrf import CSRFProtect
 
 from models.db import as_utc
-from specpipe.redact import redact_url
+from specpipe.swarm.redact import redact_url
 
 csrf = CSRFProtect()
 

@@ -26,9 +26,9 @@ from app.forms import bad_utf8_fields
 from app.history import MAX_PAGE, SORTS, job_page
 from app.nodes import quick_redis
 from models.jobs import JOB_STATUSES, Job
-from specpipe.kvbudget import waiting_for_room
-from specpipe.sampling import SAMPLERS
+from specpipe.core.sampling import SAMPLERS
 from specpipe.settings import JOB_DEFAULTS
+from specpipe.swarm.kvbudget import waiting_for_room
 from workers.submission import (
     FIELDS,
     JobRequestError,

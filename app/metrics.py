@@ -25,8 +25,8 @@ from models.db import as_utc, utcnow
 from models.jobs import JOB_STATUSES, Job
 from models.nodes import Node
 from models.runs import Run
-from specpipe import inventory, streams
 from specpipe.settings import swarm_keys
+from specpipe.swarm import inventory, streams
 
 RECENT_JOBS = 50  # tok/s and acceptance gauges average the latest finished jobs
 

@@ -12,9 +12,9 @@ from redis.retry import Retry
 from app.db import get_session
 from models.db import utcnow
 from models.nodes import Node, ring_nodes
-from specpipe import inventory, streams
-from specpipe.inventory import lossy_warning
 from specpipe.settings import swarm_keys
+from specpipe.swarm import inventory, streams
+from specpipe.swarm.inventory import lossy_warning
 
 bp = Blueprint("nodes", __name__, url_prefix="/nodes")
 

@@ -16,7 +16,7 @@ seconds (a read of one row by primary key), for at most `OPENAI_WAIT_S` seconds.
   text put together is exactly the whole text. A client that goes away cancels its job.
 - `logprobs`: the committed tokens' log-probabilities under the target distribution (after
   temperature, top-k and top-p; for temperature 0 the log-softmax of the raw logits), with up
-  to 5 alternatives, as the tail computed them (`specpipe.sampling.token_logprobs`).
+  to 5 alternatives, as the tail computed them (`specpipe.core.sampling.token_logprobs`).
 - Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for bad
   fields, 401 for a missing or bad key, 404 for another model, 429 (with `Retry-After`) under
   the rate and active-job limits.
@@ -43,10 +43,10 @@ from models.db import utcnow
 from models.jobs import Job
 from models.nodes import ring_nodes
 from specpipe import __version__
-from specpipe.sampling import MAX_TOP_LOGPROBS
+from specpipe.core.sampling import MAX_TOP_LOGPROBS
+from specpipe.core.stopping import GenerationText, hold_back_stop_prefix
+from specpipe.decoding.target import open_target
 from specpipe.settings import JOB_DEFAULTS
-from specpipe.stopping import GenerationText, hold_back_stop_prefix
-from specpipe.target import open_target
 from workers.submission import JobRequestError, QueueUnavailable, TooManyActiveJobs
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")

@@ -10,9 +10,9 @@ from __future__ import annotations
 from app.history import MAX_PAGE, SORTS
 from models.jobs import JOB_STATUSES
 from specpipe import __version__
-from specpipe.kvbudget import WAITING_FIELDS
-from specpipe.sampling import SAMPLERS
+from specpipe.core.sampling import SAMPLERS
 from specpipe.settings import JobLimits
+from specpipe.swarm.kvbudget import WAITING_FIELDS
 from workers.submission import MAX_TEMP, MAX_TOP_K
 
 _NO_NUL = "[^\\u0000]"

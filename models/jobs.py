@@ -69,7 +69,7 @@ class Job(Base):
     raw_prompt: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     messages: Mapped[list | None] = mapped_column()  # [{"role", "content"}, ...] of a chat
     logprobs: Mapped[int | None] = mapped_column(Integer)  # None: not asked for
-    # How tokens are drawn (`specpipe.sampling.SAMPLERS`): a re-run keeps it, since the two
+    # How tokens are drawn (`specpipe.core.sampling.SAMPLERS`): a re-run keeps it, since the two
     # draw different tokens for one seed. Jobs from before it was recorded drew by inverse CDF.
     sampler: Mapped[str] = mapped_column(String(16), default="icdf", server_default="icdf")
 

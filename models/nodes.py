@@ -14,8 +14,8 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Mapped, Session, mapped_column, relationship
 
 from models.db import Base, as_utc, iso_utc, utcnow
-from specpipe.inventory import heartbeat_status
-from specpipe.redact import redact_url
+from specpipe.swarm.inventory import heartbeat_status
+from specpipe.swarm.redact import redact_url
 
 NODE_FIELDS = (
     "role",

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from specpipe.stopping import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from specpipe.core.stopping import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 
 def instance_dir() -> Path:
@@ -300,7 +300,7 @@ JOB_DEFAULTS = {
     "draft_k": 4,
     "stop": [],
     # Gumbel-max: its noise is the draft head's, so the head's drafts pay at a temperature too
-    # (see `specpipe.sampling.SAMPLERS`); a job records it, and jobs from before drew by icdf.
+    # (see `specpipe.core.sampling.SAMPLERS`); a job records it, and jobs from before drew by icdf.
     "sampler": "gumbel",
 }
 

@@ -7,7 +7,7 @@ machine without a Redis service still runs every test.
 
 import os
 
-from specpipe.redis_server import RedisServer, answers
+from specpipe.ops.redis_server import RedisServer, answers
 
 pytest_plugins = ["tests.dbfixtures"]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import redis
 
-from specpipe import inventory
-from specpipe.supervisor import terminate_all
+from specpipe.ops.supervisor import terminate_all
+from specpipe.swarm import inventory
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]

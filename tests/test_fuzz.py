@@ -13,8 +13,8 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specpipe import inventory, wire
 from specpipe.settings import JobLimits
+from specpipe.swarm import inventory, wire
 from workers.submission import FIELDS, JobRequestError, parse_job_request
 
 SWARM, KEY = "fuzz", b"k" * 32

@@ -288,7 +288,7 @@ def test_timestamps_are_utc(db_session):
     ],
 )
 def test_redis_password_redacted(url, shown):
-    from specpipe.redact import redact_url
+    from specpipe.swarm.redact import redact_url
 
     assert redact_url(url) == shown
 

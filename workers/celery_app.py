@@ -43,7 +43,7 @@ def make_celery() -> Celery:
     app = Celery("specpipe", task_cls=DbTask)
     app.config_from_object("celery_config")
     app.conf.broker_url = redis_url()
-    app.conf.include = ["workers.coordinator", "workers.nodes", "workers.regression"]
+    app.conf.include = ["workers.coordinator", "workers.node_sync", "workers.regression"]
     return app
 
 

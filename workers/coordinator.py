@@ -19,7 +19,7 @@ count and tok/s that follow from them) keep every token committed up to and incl
 round, so a few ids past the stop may be stored.
 
 A job's `draft_k` is the most drafts a round sends: each round's K is chosen from the
-session's recent acceptance and round times (`specpipe/draftlength.py`), so speculation never
+session's recent acceptance and round times (`specpipe/drafting/length.py`), so speculation never
 costs a job more than plain decoding would. Its `accepted_drafts` lists the drafts accepted in
 each round (0 … draft_k); tokens committed per round are those plus the target's own token
 (`Job.tokens_per_round`).
@@ -47,21 +47,21 @@ from sqlalchemy.orm import Session
 from models import Job
 from models.db import utcnow
 from models.runs import start_run
-from specpipe import inventory
-from specpipe.generation import Generation
-from specpipe.inventory import RouteError
-from specpipe.kvbudget import Reservations, Room, room_name
-from specpipe.redact import one_line_reason, redact_url
-from specpipe.redis_ring import HopLostError, RedisRing, RingError
-from specpipe.ring import GapError, Ring
-from specpipe.sampling import SamplingParams, TokenLogprob
+from specpipe.core.ring import GapError, Ring
+from specpipe.core.sampling import SamplingParams, TokenLogprob
+from specpipe.core.stopping import GenerationText
+from specpipe.decoding.generation import Generation
+from specpipe.decoding.target import Target, context_error, open_target
 from specpipe.settings import Settings, default_model, stalled_after_s
-from specpipe.stopping import GenerationText
-from specpipe.target import Target, context_error, open_target
+from specpipe.swarm import inventory
+from specpipe.swarm.inventory import RouteError
+from specpipe.swarm.kvbudget import Reservations, Room, room_name
+from specpipe.swarm.redact import one_line_reason, redact_url
+from specpipe.swarm.redis_ring import HopLostError, RedisRing, RingError
 from workers.celery_app import DbTask
 from workers.locks import LockKeeper
 from workers.names import COORDINATOR_QUEUE, GENERATE_TASK, RESUME_STALLED_TASK
-from workers.nodes import sync_inventory
+from workers.node_sync import sync_inventory
 from workers.turns import fair_order
 
 log = logging.getLogger("specpipe.coordinator")

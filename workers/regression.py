@@ -32,18 +32,19 @@ from sqlalchemy.orm import Session
 from models.db import utcnow
 from models.proof_store import run_verdict, save_proof_run
 from models.runs import Proof, Run
-from specpipe import __version__, inventory
-from specpipe.proofs.generation import run_generation_proof
+from specpipe import __version__
+from specpipe.core.ring import GapError
+from specpipe.decoding.target import Target, open_target
+from specpipe.prompts import DEFAULT_GENERATION_PROMPT, DEFAULT_PROMPTS
 from specpipe.proofs.local import LocalProofConfig, run_local_proof
-from specpipe.proofs.prompts import DEFAULT_GENERATION_PROMPT, DEFAULT_PROMPTS
+from specpipe.proofs.outputs import run_generation_proof
 from specpipe.proofs.swarm import SwarmProofConfig, run_swarm_proof
-from specpipe.redis_ring import RedisRing, RingError
-from specpipe.ring import GapError
 from specpipe.settings import Settings, default_model, nightly_sizes
-from specpipe.target import Target, open_target
+from specpipe.swarm import inventory
+from specpipe.swarm.redis_ring import RedisRing, RingError
 from workers.locks import LockKeeper
 from workers.names import NIGHTLY_TASK
-from workers.nodes import sync_inventory
+from workers.node_sync import sync_inventory
 
 log = logging.getLogger("specpipe.regression")
 

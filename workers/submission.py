@@ -39,10 +39,10 @@ from sqlalchemy.orm import Session
 from models.db import UINT64_MAX, utcnow
 from models.jobs import ACTIVE_STATUSES, Job
 from models.users import User, builtin_admin
-from specpipe.sampling import SAMPLERS
+from specpipe.core.sampling import SAMPLERS
+from specpipe.core.stopping import check_stop_strings
+from specpipe.decoding.target import Target, context_error, open_target
 from specpipe.settings import JOB_DEFAULTS, JobLimits
-from specpipe.stopping import check_stop_strings
-from specpipe.target import Target, context_error, open_target
 from workers.names import COORDINATOR_QUEUE, GENERATE_TASK
 
 log = logging.getLogger(__name__)

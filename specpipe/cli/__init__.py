@@ -5,13 +5,13 @@ import click
 
 from specpipe import __version__
 from specpipe.cli.bench import bench
+from specpipe.cli.checkpoints import model
 from specpipe.cli.db import db
 from specpipe.cli.drafter import drafter
 from specpipe.cli.generate import generate
 from specpipe.cli.join import join
 from specpipe.cli.key import key
 from specpipe.cli.lab import lab
-from specpipe.cli.model import model
 from specpipe.cli.nodes import nodes
 from specpipe.cli.proof import proof
 from specpipe.cli.regression import regression

@@ -56,7 +56,7 @@ def bench_draft(context: int, draft_k: int, vocab: int, repeats: int) -> None:
     """
     import numpy as np
 
-    from specpipe.drafting import NgramDrafter
+    from specpipe.drafting.ngram import NgramDrafter
 
     rng = np.random.default_rng(0)
     phrases = rng.integers(0, vocab, size=(64, 12))
@@ -87,7 +87,7 @@ def _model_errors(func):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        from specpipe.redis_server import RedisUnavailable
+        from specpipe.ops.redis_server import RedisUnavailable
 
         try:
             return func(*args, **kwargs)
@@ -150,7 +150,7 @@ def bench_ring(
 
         specpipe bench ring --stages 4 --hop-delay-ms 0 --hop-delay-ms 25
     """
-    from specpipe import ringbench
+    from specpipe.bench import ring_hops as ringbench
 
     click.echo(f"bench ring: {model}, {stages} stages, {tokens} tokens, temp {temp}")
     result = {"overhead": ringbench.overhead(model, stages, tokens, threads, click.echo, repeats)}
@@ -206,7 +206,7 @@ def bench_load(model, stages, counts, delays, tokens, temp, top_p, draft_k, fixe
 
         specpipe bench load --jobs 1 --jobs 8 --hop-delay-ms 0 --hop-delay-ms 25
     """
-    from specpipe import loadbench
+    from specpipe.bench import load as loadbench
 
     counts = sorted(set(counts))
     click.echo(
@@ -252,7 +252,7 @@ def bench_adaptive_k(model, stages, delays, fixed, max_k, tokens, temp, top_p, s
 
         specpipe bench adaptive-k --hop-delay-ms 0 --hop-delay-ms 25 --k 2 --k 4 --k 8
     """
-    from specpipe import loadbench
+    from specpipe.bench import load as loadbench
 
     click.echo(f"bench adaptive-k: {model}, {stages} stages, {tokens} tokens per job, temp {temp}")
     result = loadbench.adaptive_k(model, stages, delays, fixed, max_k, tokens, temp, top_p,
@@ -286,7 +286,7 @@ def bench_exact(model, stages, pairs, tokens, temp, top_p, top_k, draft_k, threa
 
         specpipe bench exact --pairs 20 --tokens 64
     """
-    from specpipe import ringbench
+    from specpipe.bench import ring_hops as ringbench
 
     params = {"temp": temp, "top_p": top_p, "top_k": top_k}
     result = ringbench.exactness(model, stages, pairs, tokens, params, draft_k, threads, click.echo)
@@ -351,7 +351,7 @@ def bench_faults(model, stages, tokens, stage_kills, coordinator_kills, redis_ki
     import tempfile
     from pathlib import Path
 
-    from specpipe import faultbench
+    from specpipe.bench import faults as faultbench
 
     counts = {"kill-stage0": stage_kills, "kill-middle": stage_kills, "kill-tail": stage_kills,
               "kill-coordinator": coordinator_kills, "kill-redis": redis_kills,
@@ -403,7 +403,7 @@ def bench_load_api(model, stages, users, jobs, within_s, tokens, deadline_s, jso
     import tempfile
     from pathlib import Path
 
-    from specpipe import apiloadbench
+    from specpipe.bench import api_load as apiloadbench
 
     click.echo(f"bench load-api: {model}, {stages} stages, {jobs} jobs from {users} users")
     with tempfile.TemporaryDirectory(prefix="specpipe-load-") as workdir:
@@ -452,7 +452,7 @@ def bench_wan(model, delays, tokens, temps, seed, draft_k, home, json_path):
     """
     import tempfile
 
-    from specpipe import wanbench
+    from specpipe.bench import wan as wanbench
     from specpipe.cli.lab import bring_up, link_delays
 
     ms = link_delays(None, None, delays)
@@ -518,10 +518,10 @@ def bench_draft_head(model: str, head_path: Path | None, draft_k: int, repeats: 
 
         specpipe bench draft-head --hop-delay-ms 0 --hop-delay-ms 25
     """
-    from specpipe import loadbench
+    from specpipe.bench import load as loadbench
     from specpipe.cli.drafter import load_head, open_whole_model
-    from specpipe.draftertrain import EVAL_PROMPTS, tail_costs
-    from specpipe.sampling import SamplingParams
+    from specpipe.core.sampling import SamplingParams
+    from specpipe.drafting.train import EVAL_PROMPTS, tail_costs
 
     label, cfg, tokenizer, _, stage = open_whole_model(model, threads=1)
     head, _ = load_head(head_path, label, cfg)

@@ -37,7 +37,7 @@ def open_whole_model(model: str, threads: int):
 def load_head(head_path: Path | None, label: str, cfg):
     """The head at `head_path` (or shipped for `label`) and its metadata, checked against the
     model; a one-line ClickException when it cannot be used."""
-    from specpipe.drafthead import DraftHeadError, open_head
+    from specpipe.drafting.head import DraftHeadError, open_head
 
     try:
         return open_head(head_path, label, cfg.dim, cfg.vocab_size)
@@ -83,7 +83,7 @@ def train(model: str, tokens: int, steps: int, batch: int, seed: int, out: Path 
 
         specpipe drafter train --model default --seed 0
     """
-    from specpipe import draftertrain as dt
+    from specpipe.drafting import train as dt
 
     started = time.perf_counter()
     label, cfg, tokenizer, eos, stage = open_whole_model(model, threads)
@@ -113,7 +113,7 @@ def _generated_data(label: str, tokenizer, eos, stage, tokens: int, seed: int):
     `tokens` of them at temperatures 0.7 … 1.0, and a line saying so for the head's metadata."""
     import numpy as np
 
-    from specpipe import draftertrain as dt
+    from specpipe.drafting import train as dt
 
     max_new, temps = dt.CONTINUATION_TOKENS, dt.TRAIN_TEMPS
     n_jobs = -(-tokens // max_new)
@@ -127,7 +127,7 @@ def _generated_data(label: str, tokenizer, eos, stage, tokens: int, seed: int):
     data = dt.generate(stage, jobs, 0.95, max_new, eos_ids=eos, log=_log)
     described = (f"{data.generated} tokens the target generated from "
                  f"{min(n_jobs, len(prompts))} of the {len(dt.TRAIN_PROMPTS)} TRAIN_PROMPTS of "
-                 f"specpipe/draftertrain.py in the seed's order, {n_jobs} continuations of up to "
+                 f"specpipe/drafting/train.py in the seed's order, {n_jobs} continuations of up to "
                  f"{max_new} tokens, temperatures {list(temps)} (0: greedy), top_p 0.95, "
                  "Gumbel draws")  # fmt: skip
     return data, described
@@ -160,7 +160,7 @@ def narrow(head_path: Path | None, model: str, draft_vocab: int, tokens: int, se
     """
     import torch
 
-    from specpipe.drafthead import DraftHead, frequent_tokens, shipped_head
+    from specpipe.drafting.head import DraftHead, frequent_tokens, shipped_head
 
     label, cfg, tokenizer, eos, stage = open_whole_model(model, threads)
     head, meta = load_head(head_path, label, cfg)
@@ -211,9 +211,9 @@ def evaluate(head_path: Path | None, model: str, draft_k: int, tokens: int, seed
 
         specpipe drafter eval --head SmolLM2-135M-Instruct.safetensors
     """
-    from specpipe import draftertrain as dt
-    from specpipe.drafthead import shipped_head
-    from specpipe.sampling import SamplingParams
+    from specpipe.core.sampling import SamplingParams
+    from specpipe.drafting import train as dt
+    from specpipe.drafting.head import shipped_head
 
     label, cfg, tokenizer, eos, stage = open_whole_model(model, threads)
     head, meta = load_head(head_path, label, cfg)

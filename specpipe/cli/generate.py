@@ -16,16 +16,16 @@ from dataclasses import asdict, dataclass
 
 import click
 
-from specpipe.cli.model import ModelInputError
+from specpipe.cli.checkpoints import ModelInputError
 from specpipe.cli.options import sampling_options
-from specpipe.sampling import SAMPLERS
-from specpipe.settings import JOB_DEFAULTS
-from specpipe.stopping import (
+from specpipe.core.sampling import SAMPLERS
+from specpipe.core.stopping import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     check_stop_strings,
     hold_back_stop_prefix,
 )
+from specpipe.settings import JOB_DEFAULTS
 
 SEED_MAX = 2**64 - 1
 
@@ -204,7 +204,7 @@ def generate(
 
         specpipe generate --local "List three colours:" --stop "4."
     """
-    from specpipe.sampling import check_params
+    from specpipe.core.sampling import check_params
 
     try:
         check_params(temp, top_p, top_k)
@@ -242,10 +242,10 @@ def generate_locally(request: dict, model_name: str, options: dict, stream: Text
     """Run the generation with every stage in this process, as the coordinator runs a job."""
     import torch
 
-    from specpipe.generation import Generation
-    from specpipe.sampling import SamplingParams
-    from specpipe.stopping import GenerationText
-    from specpipe.target import open_target
+    from specpipe.core.sampling import SamplingParams
+    from specpipe.core.stopping import GenerationText
+    from specpipe.decoding.generation import Generation
+    from specpipe.decoding.target import open_target
 
     if options["threads"]:
         torch.set_num_threads(options["threads"])
@@ -293,8 +293,9 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
 
     from models.db import make_session_factory
     from models.jobs import Job
-    from specpipe import inventory, settings
-    from specpipe.redact import redact_url
+    from specpipe import settings
+    from specpipe.swarm import inventory
+    from specpipe.swarm.redact import redact_url
     from workers.submission import QueueUnavailable, Submitter
 
     config = settings.Settings.from_env()

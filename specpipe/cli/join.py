@@ -7,7 +7,7 @@ from urllib.parse import urlparse
 
 import click
 
-from specpipe.cli.model import ModelInputError
+from specpipe.cli.checkpoints import ModelInputError
 from specpipe.cli.worker import check_reachable, layer_range, serve_stage
 
 
@@ -91,11 +91,12 @@ def join(
     """
     import redis
 
-    from specpipe import inventory, settings, streams
+    from specpipe import settings
     from specpipe.model.errors import ModelError
     from specpipe.model.resolve import model_label, open_checkpoint
-    from specpipe.redact import redact_url
-    from specpipe.redis_server import RedisServer, RedisUnavailable
+    from specpipe.ops.redis_server import RedisServer, RedisUnavailable
+    from specpipe.swarm import inventory, streams
+    from specpipe.swarm.redact import redact_url
 
     model_name = model_name or settings.default_model()
     config = settings.Settings.from_env()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from specpipe.cli.model import ModelInputError
+from specpipe.cli.checkpoints import ModelInputError
 
 
 @click.group(name="lab")
@@ -65,7 +65,7 @@ def lab_up(hosts: int, idle: int, model_name: str | None, delays: list[float], p
         specpipe lab up --hosts 4 --link-delay-ms 11,8,3.4,19
     """
     from specpipe import settings
-    from specpipe.redact import redact_url
+    from specpipe.swarm.redact import redact_url
 
     model_name = model_name or settings.default_model()
     the_lab, layers = bring_up(_home(home), hosts, idle, model_name, delays, port)
@@ -84,10 +84,10 @@ def bring_up(home: Path, hosts: int, idle: int, model_name: str, delays: list[fl
     """Bring up a lab in `home` serving `model_name` on `hosts` hosts, its store migrated;
     (the Lab, the layer ranges). One-line ClickExceptions, with nothing left up, on failure."""
     from models import migrate as migrations
-    from specpipe.lab import Lab, LabError, check_can_run
     from specpipe.model.errors import ModelError
     from specpipe.model.resolve import even_split, open_checkpoint
-    from specpipe.redis_server import RedisUnavailable
+    from specpipe.ops.lab import Lab, LabError, check_can_run
+    from specpipe.ops.redis_server import RedisUnavailable
 
     try:
         check_can_run()
@@ -122,8 +122,8 @@ def lab_down(home: Path | None) -> None:
 
         specpipe lab down
     """
-    from specpipe.lab import Lab, LabError, check_can_run
-    from specpipe.redis_server import RedisUnavailable
+    from specpipe.ops.lab import Lab, LabError, check_can_run
+    from specpipe.ops.redis_server import RedisUnavailable
 
     try:
         check_can_run()
@@ -147,7 +147,7 @@ def lab_exec(host: str, command: tuple[str, ...], home: Path | None) -> None:
     """
     import subprocess
 
-    from specpipe.lab import Lab
+    from specpipe.ops.lab import Lab
 
     the_lab = Lab(_home(home))
     found = [h for h in the_lab.hosts() if h.name == host]

@@ -47,8 +47,9 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     """
     import redis
 
-    from specpipe import inventory, settings
-    from specpipe.redact import redact_url
+    from specpipe import settings
+    from specpipe.swarm import inventory
+    from specpipe.swarm.redact import redact_url
 
     redis_url = (
         redis_url or settings.configured_redis_url() or settings.swarm_file().get("redis_url")
@@ -92,7 +93,7 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
 
 def _latency(found: list, stats: dict):
     """The latency of the ring routing builds now (None before its stages measured it)."""
-    from specpipe import inventory
+    from specpipe.swarm import inventory
 
     ring = inventory.measured_ring(found)
     return inventory.ring_latency(ring, stats) if ring else None
@@ -100,8 +101,8 @@ def _latency(found: list, stats: dict):
 
 def _records(found: list, swarm: str) -> list[dict]:
     """The nodes in ring order as JSON-ready dicts, each with its status and stage stats."""
-    from specpipe import inventory, streams
-    from specpipe.redact import redact_url
+    from specpipe.swarm import inventory, streams
+    from specpipe.swarm.redact import redact_url
 
     now = time.time()
     nodes = inventory.with_roles(found)

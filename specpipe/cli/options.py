@@ -59,7 +59,7 @@ def write_json(json_path: Path | None, result: dict) -> None:
 def store_error(action: str, exc: BaseException) -> click.ClickException:
     """One readable line for a store that failed under a command: what could not be done, the
     database's own first line (passwords hidden), and a hint when the schema is missing."""
-    from specpipe.redact import one_line_reason
+    from specpipe.swarm.redact import one_line_reason
 
     reason = one_line_reason(exc)
     if "no such table" in reason or "UndefinedTable" in reason or "does not exist" in reason:

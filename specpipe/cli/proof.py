@@ -144,11 +144,11 @@ def ring_options(func):
 
 def open_ring(redis_option: str | None, local_model: str | None, model: str | None):
     """(ring, target, description) for the options; ClickException with one line otherwise."""
-    from specpipe import inventory
-    from specpipe.inventory import RouteError
-    from specpipe.redis_ring import RedisRing, RingError
+    from specpipe.decoding.target import open_target
     from specpipe.settings import Settings, default_model
-    from specpipe.target import open_target
+    from specpipe.swarm import inventory
+    from specpipe.swarm.inventory import RouteError
+    from specpipe.swarm.redis_ring import RedisRing, RingError
 
     if local_model and (redis_option or model):
         raise click.UsageError("--local runs without the swarm: drop --redis and --model")
@@ -182,8 +182,8 @@ def _closing_ring(ring, plain_errors: tuple[type[Exception], ...] = ()) -> Itera
     """Close `ring` on the way out; a failing ring, or one of `plain_errors`, is one line."""
     import redis
 
-    from specpipe.redis_ring import RingError
-    from specpipe.ring import GapError
+    from specpipe.core.ring import GapError
+    from specpipe.swarm.redis_ring import RingError
 
     try:
         yield
@@ -269,7 +269,7 @@ def proof_swarm(
     """
     from tqdm import tqdm
 
-    from specpipe.proofs.prompts import DEFAULT_PROMPTS
+    from specpipe.prompts import DEFAULT_PROMPTS
     from specpipe.proofs.swarm import SwarmProofConfig, run_swarm_proof
 
     texts = [p for p in prompts if p.strip()] or list(DEFAULT_PROMPTS)
@@ -345,8 +345,8 @@ def proof_generation(
 
         specpipe proof generation --seed 7 --seed 99
     """
-    from specpipe.proofs.generation import run_generation_proof
-    from specpipe.proofs.prompts import DEFAULT_GENERATION_PROMPT
+    from specpipe.prompts import DEFAULT_GENERATION_PROMPT
+    from specpipe.proofs.outputs import run_generation_proof
 
     if prompt is not None and not prompt.strip():
         raise click.BadParameter("the prompt is empty", param_hint="--prompt")

@@ -35,8 +35,8 @@ def regression_run(timeout: float) -> None:
     """
     import redis
 
-    from specpipe.redact import redact_url
     from specpipe.settings import Settings
+    from specpipe.swarm.redact import redact_url
     from workers.celery_app import celery
     from workers.names import NIGHTLY_QUEUE, NIGHTLY_TASK
     from workers.regression import result_key

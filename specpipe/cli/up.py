@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from specpipe.cli.model import ModelInputError
+from specpipe.cli.checkpoints import ModelInputError
 from specpipe.cli.options import store_error
 
 
@@ -51,9 +51,9 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
     from specpipe import settings
     from specpipe.model.errors import ModelError
     from specpipe.model.resolve import even_split, open_checkpoint
-    from specpipe.redact import redact_url
-    from specpipe.redis_server import RedisServer, RedisUnavailable, check_redis
-    from specpipe.supervisor import ProcessSpec, Supervisor, process_alive
+    from specpipe.ops.redis_server import RedisServer, RedisUnavailable, check_redis
+    from specpipe.ops.supervisor import ProcessSpec, Supervisor, process_alive
+    from specpipe.swarm.redact import redact_url
 
     home = settings.instance_dir()
     state_file = home / settings.SWARM_FILE

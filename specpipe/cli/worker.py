@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 
 import click
 
-from specpipe.cli.model import ModelInputError
+from specpipe.cli.checkpoints import ModelInputError
 
 if TYPE_CHECKING:
     from specpipe.settings import Settings
-    from specpipe.wire import Keyring
+    from specpipe.swarm.wire import Keyring
 
 
 # The swarm's workers need nothing of each other over the broker: no gossip (its restart after
@@ -140,12 +140,13 @@ def serve_stage(
 
     import torch
 
-    from specpipe import inventory, settings
-    from specpipe.drafthead import DraftHeadError, load_with_head
+    from specpipe import settings
+    from specpipe.drafting.head import DraftHeadError, load_with_head
     from specpipe.model.errors import ModelError
     from specpipe.model.resolve import model_label, open_checkpoint
     from specpipe.model.stage import load_stage
-    from specpipe.stage_worker import WorkerConfig, run
+    from specpipe.swarm import inventory
+    from specpipe.swarm.stage_worker import WorkerConfig, run
 
     config = config or settings.Settings.from_env()
     if not config.swarm_key:
@@ -278,7 +279,7 @@ def check_reachable(url: str, what: str) -> None:
     """A one-line ClickException unless the Redis at `url` answers a ping."""
     import redis
 
-    from specpipe.redact import redact_url
+    from specpipe.swarm.redact import redact_url
 
     client = redis.Redis.from_url(url, socket_connect_timeout=3)
     try:
@@ -291,6 +292,6 @@ def check_reachable(url: str, what: str) -> None:
 
 def _keyring(config: Settings) -> Keyring:
     """The keyring of `config`'s swarm keys: the signing one and those still accepted."""
-    from specpipe.wire import Keyring
+    from specpipe.swarm.wire import Keyring
 
     return Keyring(config.accepted_swarm_keys)

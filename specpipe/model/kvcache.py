@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from specpipe.ring import GapError
+from specpipe.core.ring import GapError
 
 SLIDING_SLACK = 64  # positions kept beyond a sliding window: the deepest rollback it survives
 # Forgetting happens in whole blocks, so the first key held sits at a multiple of this whatever the

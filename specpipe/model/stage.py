@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specpipe.core.ring import GapError, Request
 from specpipe.model.attention import Segment
 from specpipe.model.config import ModelConfig
 from specpipe.model.errors import ModelError
@@ -21,7 +22,6 @@ from specpipe.model.kvcache import LayerCache, SessionCache
 from specpipe.model.layers import Block, RMSNorm
 from specpipe.model.linear import MIN_ROWS, Linear
 from specpipe.model.rope import Rotary
-from specpipe.ring import GapError, Request
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

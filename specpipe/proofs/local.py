@@ -12,7 +12,7 @@ It drives the very functions the tail runs (`target_probs`, `draw`, `verify_coup
 - greedy (temp <= 0) bit-identical to argmax, exact ties included;
 - exact coupling: the verify path commits what plain sampling draws, trial for trial.
 
-And for the Gumbel-max form (`specpipe.coupling`), where a drafter draws from its own q under
+And for the Gumbel-max form (`specpipe.core.coupling`), where a drafter draws from its own q under
 the target's noise keyed by (seed, position, token):
 
 - per case (config × drafter q: a perturbed neighbour of p, a hotter q without p's cut, q = p):
@@ -41,9 +41,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from scipy.special import ndtri
 
-from specpipe.coupling import GumbelSampler, gumbel_argmax, gumbel_draw, gumbel_noise_bank
-from specpipe.proofs.stats import chi_square_p_value, total_variation
-from specpipe.sampling import (
+from specpipe.core.coupling import GumbelSampler, gumbel_argmax, gumbel_draw, gumbel_noise_bank
+from specpipe.core.sampling import (
     Sampler,
     committed_tokens,
     draw,
@@ -53,6 +52,7 @@ from specpipe.sampling import (
     verify_coupled,
     verify_residual,
 )
+from specpipe.proofs.stats import chi_square_p_value, total_variation
 
 Progress = Callable[[int], None]  # called with the number of units of work just finished
 

@@ -37,11 +37,11 @@ from functools import partial
 
 import numpy as np
 
-from specpipe.drafting import NgramDrafter
-from specpipe.generation import Generation
+from specpipe.core.ring import Ring
+from specpipe.core.sampling import SamplingParams, check_sampler, committed_tokens
+from specpipe.decoding.generation import Generation
+from specpipe.drafting.ngram import NgramDrafter
 from specpipe.proofs.stats import entropy_bits, total_variation, two_sample_p_value
-from specpipe.ring import Ring
-from specpipe.sampling import SamplingParams, check_sampler, committed_tokens
 
 Progress = Callable[[int], None]
 

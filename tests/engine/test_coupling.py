@@ -4,10 +4,10 @@ as often as Gumbel coupling promises, and mis-keyed noise is caught."""
 import numpy as np
 import pytest
 
-from specpipe import coupling
-from specpipe.coupling import GumbelSampler, gumbel_draw, gumbel_noise, token_uniforms
+from specpipe.core import coupling
+from specpipe.core.coupling import GumbelSampler, gumbel_draw, gumbel_noise, token_uniforms
+from specpipe.core.sampling import Sampler, draw, target_probs, uniform
 from specpipe.proofs.stats import chi_square_p_value, total_variation
-from specpipe.sampling import Sampler, draw, target_probs, uniform
 
 DRAWS = 4000
 ALPHA = 1e-4  # per chi-square test: a correct draw fails one in ten thousand runs

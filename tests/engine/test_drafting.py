@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from specpipe.drafting import NgramDrafter
+from specpipe.drafting.ngram import NgramDrafter
 
 
 def brute_force_proposal(tokens, k, max_ngram, min_ngram):

@@ -5,10 +5,10 @@ import time
 
 import pytest
 
-from specpipe.draftlength import DraftLength, expected_tokens
-from specpipe.generation import Generation
-from specpipe.ring import LocalRing
-from specpipe.sampling import SamplingParams
+from specpipe.core.ring import LocalRing
+from specpipe.core.sampling import SamplingParams
+from specpipe.decoding.generation import Generation
+from specpipe.drafting.length import DraftLength, expected_tokens
 from tests.engine.toy_stages import toy_stages
 
 

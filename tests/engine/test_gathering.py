@@ -1,8 +1,8 @@
-"""Which sessions a stage waits for before a forward (`specpipe.gathering`)."""
+"""Which sessions a stage waits for before a forward (`specpipe.swarm.gathering`)."""
 
 import pytest
 
-from specpipe.gathering import MAX_PERIOD_S, MAX_WAIT_S, WAIT_SHARE, Arrivals
+from specpipe.swarm.gathering import MAX_PERIOD_S, MAX_WAIT_S, WAIT_SHARE, Arrivals
 
 
 def arrived(arrivals: Arrivals, session: str, *times: float) -> None:

@@ -3,9 +3,9 @@ token, greedy and sampled; stops, gaps and resumes change nothing."""
 
 import pytest
 
-from specpipe.generation import Generation
-from specpipe.ring import GapError, LocalRing, RoundResult
-from specpipe.sampling import SamplingParams
+from specpipe.core.ring import GapError, LocalRing, RoundResult
+from specpipe.core.sampling import SamplingParams
+from specpipe.decoding.generation import Generation
 from tests.engine.toy_stages import VOCAB, toy_stages
 
 PROMPT = [3, 7, 1, 9, 3, 7, 1, 9, 3, 7, 1, 9, 3, 7]

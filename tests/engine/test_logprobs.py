@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from specpipe.generation import Generation
-from specpipe.ring import LocalRing
-from specpipe.sampling import (
+from specpipe.core.ring import LocalRing
+from specpipe.core.sampling import (
     Sampler,
     SamplingParams,
     target_probs,
     token_logprobs,
 )
+from specpipe.decoding.generation import Generation
 from tests.engine.toy_stages import toy_stages
 
 PROMPT = [3, 7, 1, 9, 3, 7, 1, 9, 3, 7, 1, 9, 3, 7]

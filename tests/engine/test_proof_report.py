@@ -6,7 +6,8 @@ import copy
 
 import pytest
 
-from specpipe.proofs.generation import run_generation_proof
+from specpipe.core.ring import LocalRing
+from specpipe.proofs.outputs import run_generation_proof
 from specpipe.proofs.report import (
     GenerationProofSummary,
     LocalProofSummary,
@@ -15,7 +16,6 @@ from specpipe.proofs.report import (
     format_local_summary,
     format_swarm_summary,
 )
-from specpipe.ring import LocalRing
 from tests.engine.toy_stages import toy_stages
 
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from specpipe.drafthead import DraftHead, TailHead, TargetParts
-from specpipe.proofs.generation import run_generation_proof
+from specpipe.core.ring import LocalRing
+from specpipe.drafting.head import DraftHead, TailHead, TargetParts
+from specpipe.proofs.outputs import run_generation_proof
 from specpipe.proofs.report import SwarmProofSummary, format_swarm_summary
 from specpipe.proofs.swarm import SwarmProofConfig, run_swarm_proof
-from specpipe.ring import LocalRing
 from tests.engine.toy_stages import WIDTH, ToyStage, toy_stages
 
 PROMPTS = [[3, 7, 1, 9, 3, 7, 1, 9], [5, 6, 7, 8]]

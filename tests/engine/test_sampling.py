@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from specpipe.sampling import (
+from specpipe.core.sampling import (
     Sampler,
     committed_tokens,
     draw,
@@ -333,8 +333,8 @@ def test_committed_tokens_is_the_equality_loop():
 
 
 def test_sampling_params_round_trip_through_a_reset_message_and_a_sampler():
-    from specpipe.coupling import sampler_for
-    from specpipe.sampling import SamplingParams
+    from specpipe.core.coupling import sampler_for
+    from specpipe.core.sampling import SamplingParams
 
     for params in (SamplingParams(temp=0.7, top_p=0.9, top_k=5, seed=3),
                    SamplingParams(temp=1.2, seed=2**63, logprobs=2, sampler="gumbel")):  # fmt: skip

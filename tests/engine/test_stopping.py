@@ -3,15 +3,15 @@ ending at the round whose text first holds a stop string."""
 
 import pytest
 
-from specpipe.generation import Generation
-from specpipe.ring import LocalRing
-from specpipe.sampling import SamplingParams
-from specpipe.stopping import (
+from specpipe.core.ring import LocalRing
+from specpipe.core.sampling import SamplingParams
+from specpipe.core.stopping import (
     GenerationText,
     check_stop_strings,
     cut_at_stop,
     hold_back_stop_prefix,
 )
+from specpipe.decoding.generation import Generation
 from tests.engine.toy_stages import VOCAB, toy_stages
 
 PROMPT = [3, 7, 1, 9, 3, 7, 1, 9]

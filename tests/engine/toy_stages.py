@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from specpipe.ring import GapError
+from specpipe.core.ring import GapError
 
 VOCAB, WIDTH = 40, 16
 

@@ -14,7 +14,7 @@ import pytest
 
 from models.db import make_session_factory
 from models.runs import Run
-from specpipe.lab import PREFIX, Lab
+from specpipe.ops.lab import PREFIX, Lab
 from tests.lab.conftest import lab_unavailable, run
 from tests.lab.test_join import ARGS, PROMPT, lab_env, latest_job, nodes
 from tests.waiting import wait_until

@@ -17,7 +17,7 @@ import redis
 from models import Job
 from models.db import make_session_factory
 from models.runs import Run
-from specpipe import inventory
+from specpipe.swarm import inventory
 from tests.lab.conftest import run
 from tests.waiting import wait_until
 

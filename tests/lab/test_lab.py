@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from specpipe.lab import Lab
+from specpipe.ops.lab import Lab
 from tests.lab.conftest import lab_unavailable, run
 
 PROMPT = "hello world"

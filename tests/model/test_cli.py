@@ -101,7 +101,7 @@ def tiny_and_head(tmp_path_factory):
     an untrained draft head for it: its drafts are verified all the same."""
     import torch
 
-    from specpipe.drafthead import DraftHead
+    from specpipe.drafting.head import DraftHead
     from specpipe.model.resolve import model_label, open_checkpoint
     from tests.swarmprocs import write_tiny_model
 
@@ -124,8 +124,8 @@ def test_generate_local_runs_as_a_swarm_job_and_the_head_changes_no_token(
     draft length is chosen, and the tokens are those of plain decoding."""
     import shutil
 
-    from specpipe import drafthead
-    from specpipe.draftlength import DraftLength
+    from specpipe.drafting import head as drafthead
+    from specpipe.drafting.length import DraftLength
 
     tiny, head = tiny_and_head
     calls = Counter()

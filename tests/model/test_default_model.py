@@ -168,7 +168,7 @@ def test_benchmark_twin_holds_the_same_weights(prompt_ids):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parents[2] / "benchmarks" / "model_speed.py"
+    path = Path(__file__).parents[2] / "specpipe" / "bench" / "model_speed.py"
     spec = importlib.util.spec_from_file_location("model_speed", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -11,12 +11,12 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from specpipe import draftertrain as dt
 from specpipe.cli import cli
-from specpipe.coupling import GumbelSampler, gumbel_draw
-from specpipe.drafthead import DraftHead, DraftHeadError, TargetParts, check_fits
+from specpipe.core.coupling import GumbelSampler, gumbel_draw
+from specpipe.core.sampling import SamplingParams, target_probs
+from specpipe.drafting import train as dt
+from specpipe.drafting.head import DraftHead, DraftHeadError, TargetParts, check_fits
 from specpipe.model.resolve import load_stage, open_checkpoint
-from specpipe.sampling import SamplingParams, target_probs
 from tests.swarmprocs import write_tiny_model
 
 TOP_P = 0.9
@@ -235,7 +235,7 @@ def test_drafter_commands(tmp_path, tiny):
 
 
 def test_the_shipped_head_fits_the_default_model():
-    from specpipe.drafthead import shipped_head
+    from specpipe.drafting.head import shipped_head
     from specpipe.model.resolve import model_label
 
     label = model_label("default")
@@ -283,8 +283,8 @@ def test_a_head_on_part_of_the_vocabulary(tmp_path, stage, data):
 
 
 def test_the_training_prompts_leave_out_every_prompt_the_head_is_measured_on():
-    from specpipe.loadbench import PROMPTS as LOAD_PROMPTS
-    from specpipe.ringbench import EXACT_PROMPTS, GROUNDED_PROMPT, NOVEL_PROMPT
+    from specpipe.bench.load import PROMPTS as LOAD_PROMPTS
+    from specpipe.bench.ring_hops import EXACT_PROMPTS, GROUNDED_PROMPT, NOVEL_PROMPT
 
     measured = {*dt.EVAL_PROMPTS, *LOAD_PROMPTS, *EXACT_PROMPTS, GROUNDED_PROMPT, NOVEL_PROMPT}
     assert len(set(dt.TRAIN_PROMPTS)) == len(dt.TRAIN_PROMPTS) > 1000

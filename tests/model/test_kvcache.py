@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specpipe.core.ring import GapError
 from specpipe.model import kvcache
 from specpipe.model.kvcache import LayerCache, SessionCache
-from specpipe.ring import GapError
 
 
 def _kv(start: int, n: int) -> torch.Tensor:

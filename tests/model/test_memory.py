@@ -88,7 +88,7 @@ def test_a_stage_process_keeps_its_weights_not_the_parse_of_the_gguf_file():
 import gc, torch
 from specpipe.model.resolve import open_checkpoint
 from specpipe.model.stage import load_stage
-from specpipe.stage_worker import release_load_memory
+from specpipe.swarm.stage_worker import release_load_memory
 base = anon()
 stage = load_stage(open_checkpoint("default"), 8, 15)
 gc.collect()

@@ -69,7 +69,7 @@ def test_sessions_are_independent_and_droppable(checkpoints, reference):
 
 
 def test_gap_is_reported(checkpoints):
-    from specpipe.ring import GapError
+    from specpipe.core.ring import GapError
 
     (stage,) = load_split(lambda: SafetensorsCheckpoint(checkpoints["qwen2"]), [4])
     stage.forward("s", _ids()[:4], 0)
@@ -82,8 +82,8 @@ def test_gap_is_reported(checkpoints):
 
 def test_sliding_window_cache_forgets_old_positions(checkpoints, reference):
     """A long gpt-oss session keeps only window + slack positions in its sliding layers."""
+    from specpipe.core.ring import GapError
     from specpipe.model import kvcache
-    from specpipe.ring import GapError
 
     (stage,) = load_split(lambda: SafetensorsCheckpoint(checkpoints["gptoss"]), [4])
     slack, kvcache.SLIDING_SLACK = kvcache.SLIDING_SLACK, 2

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from specpipe.drafthead import TailHead
-from specpipe.generation import Generation
+from specpipe.core.ring import LocalRing
+from specpipe.core.sampling import SamplingParams
+from specpipe.decoding.generation import Generation
+from specpipe.drafting.head import TailHead
 from specpipe.model.resolve import load_tokenizer, model_label, open_checkpoint
 from specpipe.model.stage import load_stage
-from specpipe.ring import LocalRing
-from specpipe.sampling import SamplingParams
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

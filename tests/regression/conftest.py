@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from specpipe import inventory
-from specpipe.redis_server import RedisServer
+from specpipe.ops.redis_server import RedisServer
+from specpipe.swarm import inventory
 from tests.waiting import wait_until
 from workers.names import NIGHTLY_QUEUE
 from workers.regression import result_key

@@ -12,8 +12,8 @@ import argparse
 import logging
 import os
 
-from specpipe import inventory
-from specpipe.stage_worker import WorkerConfig, run
+from specpipe.swarm import inventory
+from specpipe.swarm.stage_worker import WorkerConfig, run
 from tests.regression.toy_target import CONFIG
 from tests.swarm.toy_stage import ToyStage
 
@@ -49,7 +49,7 @@ def main() -> None:
     )
     head = None
     if args.model:
-        from specpipe.drafthead import load_with_head
+        from specpipe.drafting.head import load_with_head
         from specpipe.model.resolve import open_checkpoint
         from specpipe.model.stage import load_stage
 

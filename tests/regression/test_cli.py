@@ -10,9 +10,9 @@ import redis
 from click.testing import CliRunner
 
 import tests.regression.toy_target  # noqa: F401  (the `toy` target)
-from specpipe import inventory
 from specpipe.cli import cli
 from specpipe.cli.proof import open_ring
+from specpipe.swarm import inventory
 
 NO_SWARM = {"SPECPIPE_SWARM_KEY": "k" * 32, "SPECPIPE_MODEL": "toy", "REDIS_URL": None}
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from specpipe.coupling import GumbelSampler
-from specpipe.lossy import LossySampler
+from specpipe.core.coupling import GumbelSampler
+from specpipe.core.sampling import Sampler, SamplingParams, committed_tokens
+from specpipe.proofs.lossy import LossySampler
 from specpipe.proofs.stats import total_variation
-from specpipe.sampling import Sampler, SamplingParams, committed_tokens
-from specpipe.stage_worker import _sampler_for
+from specpipe.swarm.stage_worker import _sampler_for
 
 
 def test_the_lossy_tail_is_off_unless_switched_on(monkeypatch):

@@ -6,7 +6,7 @@ start (`tests.regression.celery_toy`).
 
 from __future__ import annotations
 
-from specpipe.target import Target, register_target
+from specpipe.decoding.target import Target, register_target
 from tests.swarm.toy_stage import ToyConfig, ToyStage
 
 CONFIG = ToyConfig()

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from specpipe.redis_server import RedisServer
+from specpipe.ops.redis_server import RedisServer
+from specpipe.ops.supervisor import terminate_all
 from specpipe.settings import Settings
-from specpipe.supervisor import terminate_all
 from tests.swarmprocs import wait_heartbeats
 
 ROOT = Path(__file__).resolve().parents[2]

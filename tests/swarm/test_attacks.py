@@ -12,8 +12,8 @@ import msgpack
 import pytest
 import redis
 
-from specpipe import streams, wire
-from specpipe.redis_ring import RedisRing
+from specpipe.swarm import streams, wire
+from specpipe.swarm.redis_ring import RedisRing
 from tests.swarm.test_redis_ring import (
     PARAMS,
     caught_up,

@@ -8,7 +8,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from specpipe import ringbench
+from specpipe.bench import ring_hops as ringbench
 from specpipe.cli import cli
 from tests.swarmprocs import write_tiny_model
 
@@ -115,7 +115,7 @@ def test_bench_load_runs_jobs_at_once_each_as_alone(tiny, tmp_path):
 
 
 def test_load_runs_are_checked_against_solo_runs(tiny, monkeypatch):
-    from specpipe import loadbench
+    from specpipe.bench import load as loadbench
 
     real = loadbench.solo_tokens
 
@@ -146,7 +146,7 @@ def test_bench_adaptive_k_compares_the_methods_side_by_side(tiny, tmp_path):
 
 
 def test_bench_adaptive_k_fails_when_a_method_commits_other_tokens(tiny, monkeypatch):
-    from specpipe import loadbench
+    from specpipe.bench import load as loadbench
 
     real = loadbench.run_job
 

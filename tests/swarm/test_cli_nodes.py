@@ -6,10 +6,10 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from specpipe import inventory, streams
 from specpipe.cli import cli
-from specpipe.inventory import NodeInfo
-from specpipe.redis_server import free_port
+from specpipe.ops.redis_server import free_port
+from specpipe.swarm import inventory, streams
+from specpipe.swarm.inventory import NodeInfo
 
 
 @pytest.fixture(autouse=True)
@@ -151,7 +151,7 @@ def test_the_ring_latency_adds_every_stage_and_link_and_gives_the_ceiling():
 def test_nodes_show_each_hops_measured_link_once_the_ring_has_carried_rounds(
     stages, ring_settings, redis_url, swarm
 ):
-    from specpipe.redis_ring import RedisRing
+    from specpipe.swarm.redis_ring import RedisRing
     from tests.swarm.test_redis_ring import PARAMS, drive, two_heartbeats_later
 
     stages.start("h0", "0:2", redis_url, wait=False)

@@ -10,11 +10,11 @@ import pytest
 from models import Job
 from models.db import make_session_factory
 from models.users import builtin_admin
-from specpipe.generation import Generation
-from specpipe.inventory import NodeInfo
-from specpipe.redis_ring import RedisRing
-from specpipe.ring import LocalRing
-from specpipe.sampling import SamplingParams
+from specpipe.core.ring import LocalRing
+from specpipe.core.sampling import SamplingParams
+from specpipe.decoding.generation import Generation
+from specpipe.swarm.inventory import NodeInfo
+from specpipe.swarm.redis_ring import RedisRing
 from tests.swarm.toy_stage import ToyConfig, ToyStage
 from workers import coordinator, turns
 
@@ -295,7 +295,7 @@ def test_any_exception_ends_the_job_failed_with_one_line(db_url, error):
 
 
 def test_a_reason_never_shows_a_redis_password(db_url):
-    from specpipe.redis_ring import RingError
+    from specpipe.swarm.redis_ring import RingError
 
     job_id = add_job(db_url)
     sessions = make_session_factory(db_url)
@@ -460,7 +460,7 @@ class GappyRing:
         self.ring.reset(session, params)
 
     def round(self, session, tokens, start_pos, n_draft, head_k=0):
-        from specpipe.ring import GapError
+        from specpipe.core.ring import GapError
 
         self.rounds += 1
         if self.rounds == self.gap_at:
@@ -472,7 +472,7 @@ class GappyRing:
 
 
 def routed(*ranges):
-    from specpipe.inventory import NodeInfo
+    from specpipe.swarm.inventory import NodeInfo
 
     return [NodeInfo(f"h{i}", a, b, "redis://x") for i, (a, b) in enumerate(ranges)]
 
@@ -499,7 +499,7 @@ def test_after_a_gap_the_ring_is_built_again_only_when_a_stage_serves_other_laye
 
 
 def test_a_stage_back_with_layers_nobody_else_completes_fails_the_job_with_them(db_url):
-    from specpipe.inventory import RouteError
+    from specpipe.swarm.inventory import RouteError
 
     job_id = add_job(db_url, max_new_tokens=30)
     rings = iter([GappyRing(routed((0, 2), (2, 4)), gap_at=2)])
@@ -526,7 +526,7 @@ class LosingRing(GappyRing):
         self.lose_at, self.error, self.watchdog, self.dropped_on = lose_at, error, None, None
 
     def round(self, session, tokens, start_pos, n_draft, head_k=0):
-        from specpipe.redis_ring import HopLostError, RingError
+        from specpipe.swarm.redis_ring import HopLostError, RingError
 
         self.rounds += 1
         if self.rounds == self.lose_at:

@@ -15,10 +15,10 @@ from click.testing import CliRunner
 from models.db import make_session_factory
 from models.runs import Run
 from specpipe.cli import cli
-from specpipe.generation import Generation
-from specpipe.redis_ring import RedisRing
-from specpipe.redis_server import RedisServer
-from specpipe.sampling import SamplingParams
+from specpipe.core.sampling import SamplingParams
+from specpipe.decoding.generation import Generation
+from specpipe.ops.redis_server import RedisServer
+from specpipe.swarm.redis_ring import RedisRing
 from tests.swarm.test_redis_ring import PARAMS, PROMPT, ReferenceRing
 from tests.swarm.test_swarm_jobs import in_background, latest_job, options, watch
 from tests.swarmprocs import Swarm, write_tiny_model

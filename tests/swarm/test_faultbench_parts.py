@@ -3,9 +3,9 @@ the summary table and percentiles."""
 
 from __future__ import annotations
 
-from specpipe.apiloadbench import percentile
-from specpipe.benchstack import role_of
-from specpipe.faultbench import JobOutcome, Trial, resplit_variants, summarise, table
+from specpipe.bench.api_load import percentile
+from specpipe.bench.faults import JobOutcome, Trial, resplit_variants, summarise, table
+from specpipe.bench.stack import role_of
 
 
 def test_each_process_of_up_is_told_apart_by_its_command_line():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from specpipe import faultbench
+from specpipe.bench import faults as faultbench
 from tests import dbfixtures
 from tests.swarmprocs import write_tiny_model
 

@@ -6,8 +6,8 @@ import time
 import pytest
 import redis
 
-from specpipe import inventory
-from specpipe.inventory import NodeInfo, RouteError, route
+from specpipe.swarm import inventory
+from specpipe.swarm.inventory import NodeInfo, RouteError, route
 
 NOW = 1_000_000.0
 

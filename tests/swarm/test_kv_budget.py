@@ -12,8 +12,8 @@ import redis
 
 from models import Job
 from models.db import make_session_factory
-from specpipe.inventory import NodeInfo
-from specpipe.kvbudget import (
+from specpipe.swarm.inventory import NodeInfo
+from specpipe.swarm.kvbudget import (
     Full,
     NeverFits,
     Reservations,
@@ -301,7 +301,7 @@ def test_a_job_cancelled_while_it_waits_ends_cancelled_without_running(
 
 def test_a_job_beyond_the_models_context_fails_at_once_in_the_coordinator(db_url):
     """Where the submitting process could not open the model, the coordinator checks."""
-    from specpipe.target import Target
+    from specpipe.decoding.target import Target
 
     codec = ToyCodec()
     target = Target(name="toy", n_layers=4, prompt_ids=codec.prompt_ids, decode=codec.decode,
@@ -447,7 +447,7 @@ def budget_swarm(tmp_path_factory, database_url):
     import secrets
     import uuid
 
-    from specpipe.redis_server import RedisServer
+    from specpipe.ops.redis_server import RedisServer
     from tests.swarmprocs import Swarm, write_tiny_model
 
     tiny = write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
@@ -466,8 +466,8 @@ def budget_swarm(tmp_path_factory, database_url):
 
 
 def test_on_real_stages_a_job_waits_for_room_and_one_that_never_fits_fails(budget_swarm, db_url):
-    from specpipe import inventory
     from specpipe.settings import job_limits
+    from specpipe.swarm import inventory
     from workers.submission import Submitter
 
     swarm = budget_swarm

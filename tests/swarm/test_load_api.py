@@ -5,10 +5,10 @@ alone, nothing answers 5xx."""
 
 from __future__ import annotations
 
-from specpipe import apiloadbench
-from specpipe.generation import Generation
-from specpipe.sampling import SamplingParams
-from specpipe.target import open_target
+from specpipe.bench import api_load as apiloadbench
+from specpipe.core.sampling import SamplingParams
+from specpipe.decoding.generation import Generation
+from specpipe.decoding.target import open_target
 from tests.factories import gen_job
 from tests.swarmprocs import write_tiny_model
 

@@ -7,8 +7,8 @@ import time
 import redis
 
 from models.nodes import ring_nodes
-from specpipe import inventory
-from workers.nodes import sync_inventory
+from specpipe.swarm import inventory
+from workers.node_sync import sync_inventory
 
 
 def test_heartbeats_reach_the_nodes_table(redis_url, swarm, db_session, key):

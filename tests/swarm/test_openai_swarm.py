@@ -31,9 +31,9 @@ from models.jobs import Job
 from models.tokens import create_token
 from models.users import create_user
 from specpipe.cli import cli
-from specpipe.redis_server import RedisServer
-from specpipe.sampling import target_probs
-from specpipe.target import open_target
+from specpipe.core.sampling import target_probs
+from specpipe.decoding.target import open_target
+from specpipe.ops.redis_server import RedisServer
 from tests.factories import gen_job
 from tests.swarmprocs import Swarm, write_tiny_model
 

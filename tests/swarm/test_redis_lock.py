@@ -11,8 +11,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from specpipe import redis_server, settings, streams
-from specpipe.redis_server import USER, RedisServer
+from specpipe import settings
+from specpipe.ops import redis_server
+from specpipe.ops.redis_server import USER, RedisServer
+from specpipe.swarm import streams
 from tests.waiting import wait_until
 
 FORBIDDEN = [
@@ -108,7 +110,7 @@ def _bulk_header_refused(server: RedisServer, length: int) -> bool:
 
 def test_an_xadd_over_the_largest_wire_message_is_refused(locked):
     limit = redis_server.proto_max_bulk_len()
-    from specpipe.wire import MAX_MESSAGE_BYTES
+    from specpipe.swarm.wire import MAX_MESSAGE_BYTES
 
     assert MAX_MESSAGE_BYTES < limit <= MAX_MESSAGE_BYTES + 4 * 2**20
     assert not _bulk_header_refused(locked, limit)

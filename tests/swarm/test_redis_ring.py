@@ -10,12 +10,12 @@ import pytest
 import redis
 import torch
 
-from specpipe import inventory, streams, wire
-from specpipe.generation import Generation
-from specpipe.inventory import NodeInfo, RouteError
-from specpipe.redis_ring import RedisRing, RingError
-from specpipe.ring import GapError, LocalRing
-from specpipe.sampling import SamplingParams, committed_tokens
+from specpipe.core.ring import GapError, LocalRing
+from specpipe.core.sampling import SamplingParams, committed_tokens
+from specpipe.decoding.generation import Generation
+from specpipe.swarm import inventory, streams, wire
+from specpipe.swarm.inventory import NodeInfo, RouteError
+from specpipe.swarm.redis_ring import RedisRing, RingError
 from tests.swarm.toy_stage import ToyConfig, ToyStage
 from tests.waiting import wait_until
 
@@ -365,7 +365,7 @@ def test_a_ring_needs_every_layer_served(stages, ring_settings, redis_url):
 
 
 def test_an_unreachable_first_stage_is_a_clear_ring_error(swarm, key, redis_url):
-    from specpipe.redis_server import free_port
+    from specpipe.ops.redis_server import free_port
 
     gone = f"redis://127.0.0.1:{free_port()}/0"
     ring = RedisRing([wire.Hop("h", gone)], swarm, key, redis_url, timeout_s=0.1, retries=1)
@@ -390,7 +390,7 @@ def test_ring_refuses_bad_rounds_and_parameters(swarm, key, redis_url):
 
 
 def test_a_stage_rides_out_a_restart_of_its_redis(stages, swarm, key, redis_url):
-    from specpipe.redis_server import RedisServer, free_port
+    from specpipe.ops.redis_server import RedisServer, free_port
 
     port = free_port()
     server = RedisServer(port=port)
@@ -509,7 +509,7 @@ def test_a_stage_stopped_for_twenty_seconds_delays_the_job_without_changing_it(
 
 def test_a_reset_rides_out_a_redis_that_is_restarting(swarm, key):
     """A job that starts while its Redis restarts waits for it rather than failing."""
-    from specpipe.redis_server import RedisServer
+    from specpipe.ops.redis_server import RedisServer
 
     server = RedisServer()
     url = server.url  # nothing listens there yet: the Redis is "restarting"

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from specpipe import redis_server, streams
-from specpipe.redis_server import RedisServer, RedisUnavailable
+from specpipe.ops import redis_server
+from specpipe.ops.redis_server import RedisServer, RedisUnavailable
+from specpipe.swarm import streams
 from tests.waiting import wait_until
 
 

@@ -12,8 +12,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from specpipe.redis_ring import RedisRing
-from specpipe.redis_server import answers, find_binary, free_port
+from specpipe.ops.redis_server import answers, find_binary, free_port
+from specpipe.swarm.redis_ring import RedisRing
 from tests.swarm.test_redis_ring import PARAMS, drive, reference
 from tests.waiting import wait_until
 

@@ -8,8 +8,8 @@ from dataclasses import asdict
 import pytest
 import redis
 
-from specpipe import inventory
-from specpipe.inventory import NodeInfo, route
+from specpipe.swarm import inventory
+from specpipe.swarm.inventory import NodeInfo, route
 
 KEY = b"0f" * 32
 
@@ -102,8 +102,8 @@ def test_a_key_is_required_to_sign_and_to_read(swarm, redis_url):
 
 
 def test_the_ring_is_built_from_verified_records_only(swarm, redis_url, key):
-    from specpipe.redis_ring import RedisRing
     from specpipe.settings import Settings
+    from specpipe.swarm.redis_ring import RedisRing
 
     client = redis.Redis.from_url(redis_url)
     inventory.publish(client, swarm, good("a", 0, 2, redis_url), key)

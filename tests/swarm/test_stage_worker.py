@@ -8,8 +8,8 @@ import pytest
 import redis
 import torch
 
-from specpipe import gathering, stage_worker, streams, wire
-from specpipe.stage_worker import StageWorker, WorkerConfig
+from specpipe.swarm import gathering, stage_worker, streams, wire
+from specpipe.swarm.stage_worker import StageWorker, WorkerConfig
 from tests.swarm.toy_stage import ToyConfig, ToyStage
 
 RESET = {"temp": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}

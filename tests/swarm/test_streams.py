@@ -3,7 +3,7 @@
 import pytest
 import redis
 
-from specpipe import streams
+from specpipe.swarm import streams
 
 
 def entries(consumer, **kw):

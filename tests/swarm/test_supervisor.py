@@ -8,7 +8,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from specpipe.supervisor import ProcessSpec, Supervisor
+from specpipe.ops.supervisor import ProcessSpec, Supervisor
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,7 +100,7 @@ def test_a_child_that_ignores_sigterm_is_killed(tmp_path):
 
 def run_supervisor(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
     script = textwrap.dedent(f"""
-        from specpipe.supervisor import ProcessSpec, Supervisor
+        from specpipe.ops.supervisor import ProcessSpec, Supervisor
         specs = [ProcessSpec("a", {sleeper_with_grandchild(tmp_path / "a")!r}),
                  ProcessSpec("b", {sleeper_with_grandchild(tmp_path / "b")!r})]
         Supervisor(specs).run()
@@ -143,7 +143,7 @@ def test_terminate_all_kills_what_ignores_sigterm():
     import sys
     import time
 
-    from specpipe.supervisor import terminate_all
+    from specpipe.ops.supervisor import terminate_all
 
     polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     stubborn = subprocess.Popen(

@@ -21,7 +21,7 @@ from models import Job
 from models.db import make_session_factory
 from models.runs import Run
 from specpipe.cli import cli
-from specpipe.redis_server import RedisServer, free_port
+from specpipe.ops.redis_server import RedisServer, free_port
 from specpipe.settings import job_limits
 from tests.swarmprocs import Swarm, write_tiny_model
 from tests.waiting import wait_until

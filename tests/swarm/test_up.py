@@ -17,9 +17,9 @@ from click.testing import CliRunner
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from specpipe import inventory
 from specpipe.cli import cli
-from specpipe.redis_server import free_port
+from specpipe.ops.redis_server import free_port
+from specpipe.swarm import inventory
 from tests.swarmprocs import ROOT, SPECPIPE, write_tiny_model
 from tests.waiting import wait_until
 

@@ -9,7 +9,7 @@ import msgpack
 import pytest
 import torch
 
-from specpipe import wire
+from specpipe.swarm import wire
 
 KEY = b"k" * 32
 SWARM = "test"

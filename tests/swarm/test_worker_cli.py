@@ -9,10 +9,10 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from specpipe import inventory
 from specpipe.cli import cli
-from specpipe.redis_server import free_port
-from specpipe.supervisor import terminate_all
+from specpipe.ops.redis_server import free_port
+from specpipe.ops.supervisor import terminate_all
+from specpipe.swarm import inventory
 from tests.swarmprocs import ROOT, SPECPIPE, swarm_env, wait_heartbeats, write_tiny_model
 
 DEAD = f"redis://127.0.0.1:{free_port()}/0"

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from specpipe.ring import GapError
+from specpipe.core.ring import GapError
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ import argparse
 import logging
 import os
 
-from specpipe import inventory
-from specpipe.stage_worker import WorkerConfig, run
+from specpipe.swarm import inventory
+from specpipe.swarm.stage_worker import WorkerConfig, run
 from tests.swarm.toy_stage import ToyConfig, ToyStage
 
 

@@ -22,8 +22,8 @@ from app import create_app
 from models.db import make_session_factory
 from models.tokens import create_token
 from models.users import User, builtin_admin
-from specpipe.kvbudget import Reservations
 from specpipe.settings import redis_url
+from specpipe.swarm.kvbudget import Reservations
 from workers.names import GENERATE_TASK
 
 

@@ -196,7 +196,7 @@ def test_login_attempts_rate_limited(make_app, session, alice):
 def test_login_limits_are_shared_through_the_locked_down_redis_of_up(make_app, session, alice):
     """Two web processes on the Redis `specpipe up` runs (password, ACL) count attempts
     together: the limits' scripts run under the swarm user, not in a per-process fallback."""
-    from specpipe.redis_server import RedisServer
+    from specpipe.ops.redis_server import RedisServer
 
     with RedisServer(password="correct horse") as locked:
         shared = {"REDIS_URL": locked.url, "LOGIN_RATE": "2/minute",

@@ -20,7 +20,7 @@ from werkzeug.serving import make_server
 from models.db import make_session_factory, utcnow
 from models.jobs import Job
 from models.runs import start_run
-from specpipe.kvbudget import Full, room_name
+from specpipe.swarm.kvbudget import Full, room_name
 from tests.dbfixtures import backend_name
 from tests.factories import gen_node, gen_proof_run, gen_ring, gen_user
 

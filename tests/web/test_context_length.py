@@ -9,7 +9,7 @@ from sqlalchemy import func, select
 
 from models.jobs import Job
 from specpipe.cli import cli
-from specpipe.target import open_target
+from specpipe.decoding.target import open_target
 from tests.swarmprocs import write_tiny_model
 from tests.web.conftest import Api, as_user, csrf_token
 

@@ -6,7 +6,7 @@ import uuid
 
 import redis
 
-from specpipe import inventory, streams
+from specpipe.swarm import inventory, streams
 from tests.factories import gen_ring
 
 

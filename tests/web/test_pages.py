@@ -15,8 +15,8 @@ from app import create_app
 from models.db import as_utc
 from models.jobs import Job
 from models.runs import start_run
-from specpipe import inventory, streams
-from specpipe.redis_server import free_port
+from specpipe.ops.redis_server import free_port
+from specpipe.swarm import inventory, streams
 from tests.factories import gen_job, gen_node, gen_proof_run, gen_ring
 from tests.web.conftest import csrf_token
 

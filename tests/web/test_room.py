@@ -15,9 +15,9 @@ import pytest
 from models.db import make_session_factory
 from models.jobs import Job
 from models.tokens import create_token
-from specpipe.inventory import NodeInfo
-from specpipe.kvbudget import Full, room_name, waiting_key
-from specpipe.redis_server import free_port
+from specpipe.ops.redis_server import free_port
+from specpipe.swarm.inventory import NodeInfo
+from specpipe.swarm.kvbudget import Full, room_name, waiting_key
 from tests.factories import gen_job, gen_user
 from tests.waiting import wait_until
 from tests.web.conftest import Api, as_user

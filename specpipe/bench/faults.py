@@ -46,7 +46,7 @@ from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
-from specpipe.benchstack import Stack, StackError
+from specpipe.bench.stack import Stack, StackError
 from specpipe.settings import JOB_DEFAULTS
 
 Log = Callable[[str], None]
@@ -115,16 +115,16 @@ class References:
     """Reference runs in this process over the whole model, one per plan."""
 
     def __init__(self, model: str) -> None:
-        from specpipe.ring import LocalRing
-        from specpipe.target import open_target
+        from specpipe.core.ring import LocalRing
+        from specpipe.decoding.target import open_target
 
         self.target = open_target(model)
         self.ring = LocalRing(self.target.load_stages(1))
         self._done: dict[JobPlan, Reference] = {}
 
     def get(self, plan: JobPlan) -> Reference:
-        from specpipe.generation import Generation
-        from specpipe.sampling import SamplingParams
+        from specpipe.core.sampling import SamplingParams
+        from specpipe.decoding.generation import Generation
 
         if plan not in self._done:
             params = SamplingParams(temp=plan.temp, top_p=plan.top_p, top_k=plan.top_k,

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specpipe.coupling import sampler_for
-from specpipe.sampling import Sampler, SamplingParams, TokenLogprob
+from specpipe.core.coupling import sampler_for
+from specpipe.core.sampling import Sampler, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
-    from specpipe.drafthead import TailHead
+    from specpipe.drafting.head import TailHead
 
 
 class GapError(RuntimeError):

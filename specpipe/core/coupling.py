@@ -30,7 +30,7 @@ import numbers
 
 import numpy as np
 
-from specpipe.sampling import (
+from specpipe.core.sampling import (
     MAX_SEED,
     Sampler,
     SamplingParams,

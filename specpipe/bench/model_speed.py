@@ -1,6 +1,6 @@
 """Speed of the model shards on the default model, measured side by side with transformers.
 
-    .venv/bin/python benchmarks/model_speed.py --threads 1 --tokens 64 [--device cuda]
+    .venv/bin/python specpipe/bench/model_speed.py --threads 1 --tokens 64 [--device cuda]
 
 1. Greedy decode tok/s: our StageModel (one stage, plain loop) and transformers' `generate` on the
    same dequantised weights, same dtype and thread count, alternating runs.
@@ -18,12 +18,12 @@ import warnings
 
 import torch
 
-from specpipe.generation import Generation
+from specpipe.core.ring import LocalRing
+from specpipe.core.sampling import SamplingParams
+from specpipe.decoding.generation import Generation
 from specpipe.model.checkpoint import hf_name_map
 from specpipe.model.resolve import load_tokenizer, open_checkpoint
 from specpipe.model.stage import StageModel, load_stage
-from specpipe.ring import LocalRing
-from specpipe.sampling import SamplingParams
 
 STORY = "Write a short story about a robot who learns to paint."
 GROUNDED = (

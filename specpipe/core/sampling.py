@@ -414,7 +414,7 @@ class SamplingParams:
 
 
 # "icdf": the inverse CDF at one uniform per position (`Sampler`). "gumbel": the Gumbel-max
-# draw with noise per token (`specpipe.coupling.GumbelSampler`), which a drafter can share.
+# draw with noise per token (`specpipe.core.coupling.GumbelSampler`), which a drafter can share.
 # A sampler's number is how the wire names it.
 SAMPLERS = ("icdf", "gumbel")
 

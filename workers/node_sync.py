@@ -10,9 +10,9 @@ from celery import shared_task
 from sqlalchemy.orm import Session
 
 from models.nodes import NODE_FIELDS, upsert_node
-from specpipe import inventory
-from specpipe.redact import redact_url
 from specpipe.settings import Settings
+from specpipe.swarm import inventory
+from specpipe.swarm.redact import redact_url
 from workers.names import SYNC_NODES_TASK
 
 

@@ -30,8 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specpipe.benchstack import Stack
-from specpipe.faultbench import JobPlan, References
+from specpipe.bench.faults import JobPlan, References
+from specpipe.bench.stack import Stack
 
 Log = Callable[[str], None]
 FINAL = ("done", "failed", "cancelled")

@@ -33,8 +33,8 @@ from pathlib import Path
 import redis
 
 from specpipe import __version__
-from specpipe.redact import redact_url
 from specpipe.settings import TEST_LOSSY_TAIL_VAR
+from specpipe.swarm.redact import redact_url
 
 ONLINE_S = 30.0
 STALE_S = 120.0
@@ -95,7 +95,9 @@ class NodeInfo:
     next_hop_rtt_ms: float = 0.0
     link_delay_ms: float = 0.0
     test_lossy_tail: bool = False  # TEST ONLY lossy sampling is on: the output is NOT lossless
-    kv_budget_tokens: int = 0  # tokens of KV cache across sessions (specpipe/kvbudget.py); 0: none
+    kv_budget_tokens: int = (
+        0  # tokens of KV cache across sessions (specpipe/swarm/kvbudget.py); 0: none
+    )
 
     @property
     def layers(self) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specpipe.sampling import Sampler
+from specpipe.core.sampling import Sampler
 
 
 class LossySampler(Sampler):

@@ -22,11 +22,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from specpipe.generation import Generation
-from specpipe.ring import LocalRing
-from specpipe.ringbench import LocalSwarm
-from specpipe.sampling import SamplingParams
-from specpipe.target import open_target
+from specpipe.bench.ring_hops import LocalSwarm
+from specpipe.core.ring import LocalRing
+from specpipe.core.sampling import SamplingParams
+from specpipe.decoding.generation import Generation
+from specpipe.decoding.target import open_target
 
 PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -215,7 +215,7 @@ class Method:
     name: str
     draft_k: int  # 0: plain decoding
     adaptive: bool = False  # choose each round's K up to draft_k
-    drafts_from: str = "both"  # see `specpipe.generation.DRAFT_SOURCES`
+    drafts_from: str = "both"  # see `specpipe.decoding.generation.DRAFT_SOURCES`
 
 
 def k_methods(fixed: Sequence[int], max_k: int) -> list[Method]:
@@ -304,7 +304,7 @@ def adaptive_k(
     """Adaptive K against plain and fixed K on grounded and novel prompts at each link delay
     (`side_by_side`): tok/s, the ratios to plain and to the best fixed K, tokens per round;
     every method's tokens must equal plain's (the same seed)."""
-    from specpipe.ringbench import GROUNDED_PROMPT, NOVEL_PROMPT
+    from specpipe.bench.ring_hops import GROUNDED_PROMPT, NOVEL_PROMPT
 
     target = open_target(model)
     methods = k_methods(fixed, max_k)
@@ -352,8 +352,8 @@ def draft_sources(
     drafter and both together, each with adaptive K, against plain decoding: greedy and at
     temp 0.7 / top_p 0.95 (Gumbel sampler), on a grounded and a novel prompt, at each link
     delay (`side_by_side`)."""
-    from specpipe.draftertrain import EVAL_PROMPTS
-    from specpipe.ringbench import GROUNDED_PROMPT, NOVEL_PROMPT
+    from specpipe.bench.ring_hops import GROUNDED_PROMPT, NOVEL_PROMPT
+    from specpipe.drafting.train import EVAL_PROMPTS
 
     target = open_target(model)
     methods = source_methods(max_k)

@@ -30,13 +30,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specpipe import heap
-from specpipe.coupling import gumbel_draw
-from specpipe.drafthead import DraftHead, TargetParts, _rms, coupled_draft, frequent_tokens
-from specpipe.drafting import NgramDrafter
-from specpipe.proofs.prompts import DEFAULT_GENERATION_PROMPT, DEFAULT_PROMPTS
-from specpipe.ring import Request
-from specpipe.sampling import SamplingParams, draw, target_probs, uniform
+from specpipe.core.coupling import gumbel_draw
+from specpipe.core.ring import Request
+from specpipe.core.sampling import SamplingParams, draw, target_probs, uniform
+from specpipe.drafting.head import DraftHead, TargetParts, _rms, coupled_draft, frequent_tokens
+from specpipe.drafting.ngram import NgramDrafter
+from specpipe.model import heap
+from specpipe.prompts import DEFAULT_GENERATION_PROMPT, DEFAULT_PROMPTS
 
 Log = Callable[[str], None]
 
@@ -583,8 +583,8 @@ def tail_costs(stage, head: DraftHead, prompt: Sequence[int], k: int, params: Sa
     the verify with today's sampler and with the Gumbel one (every draft accepted: all K+1 rows
     drawn), the head's K drafts, and the Gumbel noise of one position over the whole vocabulary
     and over the support temp / top-p / top-k leave."""
-    from specpipe.coupling import GumbelSampler, gumbel_noise
-    from specpipe.sampling import Sampler
+    from specpipe.core.coupling import GumbelSampler, gumbel_noise
+    from specpipe.core.sampling import Sampler
 
     session = "tail-costs"
     captured: list[torch.Tensor] = []

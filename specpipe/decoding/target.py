@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
 
-from specpipe.drafthead import load_with_head
-from specpipe.ring import LocalRing, Stage
+from specpipe.core.ring import LocalRing, Stage
+from specpipe.drafting.head import load_with_head
 
 
 @dataclass(frozen=True)

@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpipe.coupling import gumbel_draw
-from specpipe.sampling import SamplingParams, target_probs
+from specpipe.core.coupling import gumbel_draw
+from specpipe.core.sampling import SamplingParams, target_probs
 
 FORMAT = "specpipe-draft-head-1"
-SHIPPED = Path(__file__).resolve().parent / "drafters"  # the heads the package ships
+SHIPPED = Path(__file__).resolve().parent / "heads"  # the heads the package ships
 
 
 def shipped_head(label: str) -> Path:
@@ -148,7 +148,7 @@ class DraftHead(nn.Module):
 
         h_last [D] is the target's pre-norm feature at token_pos - 1. Draft j (at token_pos + j)
         is the Gumbel-max draw of the head's distribution with the noise the target draws that
-        position with (`specpipe.coupling`), or its argmax when greedy: so it agrees with the
+        position with (`specpipe.core.coupling`), or its argmax when greedy: so it agrees with the
         target's own draw as often as the two distributions allow.
         """
         drafts: list[int] = []

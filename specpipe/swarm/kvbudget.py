@@ -28,7 +28,7 @@ from typing import Protocol
 
 import redis
 
-from specpipe.inventory import meminfo_bytes
+from specpipe.swarm.inventory import meminfo_bytes
 
 MEMORY_SHARE = 0.5  # of the memory available at start that a stage's caches may take
 # Why a job waits for room: the stage that is full, its reserved tokens and budget, and the

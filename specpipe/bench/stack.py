@@ -21,8 +21,9 @@ from pathlib import Path
 import psutil
 import redis
 
-from specpipe import inventory, settings
-from specpipe.redis_server import free_port
+from specpipe import settings
+from specpipe.ops.redis_server import free_port
+from specpipe.swarm import inventory
 
 # The variables a shell may carry that would point `up` at another swarm or store.
 CLEARED = ("REDIS_URL", "DATABASE_URL", "SPECPIPE_SWARM_KEY", "SECRET_KEY", "SPECPIPE_SWARM",

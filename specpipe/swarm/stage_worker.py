@@ -9,8 +9,8 @@ keeps temp, top_p, top_k and seed, and whether to send the committed tokens' log
 with each result), `reseed` (new parameters, caches kept) and `drop` arrive as
 signed messages on the same stream, so they are ordered with the rounds. Rounds of several
 sessions read together run as one forward; before it, the stage waits briefly for the rounds of
-other sessions due with them (`specpipe.gathering`), and what a batch sends leaves in one write
-per destination, so the next stage reads it as one batch too.
+other sessions due with them (`specpipe.swarm.gathering`), and what a batch sends leaves in one
+write per destination, so the next stage reads it as one batch too.
 
 What is accepted: a message signed with a key of the swarm's keyring, addressed to this stage's
 stream, from the sender its place on the route names (the coordinator for the first hop and the
@@ -43,14 +43,15 @@ from typing import TYPE_CHECKING
 import redis
 import torch
 
-from specpipe import gathering, heap, inventory, kvbudget, streams, wire
-from specpipe.coupling import sampler_for
-from specpipe.ring import GapError, Request, Stage
-from specpipe.sampling import Sampler, SamplingParams
+from specpipe.core.coupling import sampler_for
+from specpipe.core.ring import GapError, Request, Stage
+from specpipe.core.sampling import Sampler, SamplingParams
+from specpipe.model import heap
 from specpipe.settings import TEST_LOSSY_TAIL_VAR, kv_budget_tokens, test_lossy_tail
+from specpipe.swarm import gathering, inventory, kvbudget, streams, wire
 
 if TYPE_CHECKING:
-    from specpipe.drafthead import TailHead
+    from specpipe.drafting.head import TailHead
 
 log = logging.getLogger("specpipe.stage")
 
@@ -362,7 +363,7 @@ class StageWorker:
 
     def _gather(self, messages: list[wire.Message], size: int) -> list[tuple[bytes, bytes]]:
         """Before a forward, wait briefly for the rounds of other sessions due here now (see
-        `specpipe.gathering`), until the forward has `size`, appending them to `messages`; the
+        `specpipe.swarm.gathering`), until the forward has `size`, appending them to `messages`; the
         entries read meanwhile."""
         read: list[tuple[bytes, bytes]] = []
         if not self._batching or not any(m.kind == "round" for m in messages):
@@ -742,7 +743,7 @@ def _sampler_for(params: SamplingParams) -> Sampler:
     """The tail's sampler for `params`: the one they name, unless a test switched on the lossy
     one."""
     if test_lossy_tail():
-        from specpipe.lossy import LossySampler
+        from specpipe.proofs.lossy import LossySampler
 
         return LossySampler.from_params(params)
     return sampler_for(params)

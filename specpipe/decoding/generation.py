@@ -1,6 +1,6 @@
 """The generation loop: draft, one round through the ring, the equality accept loop, commit.
 
-With `adaptive`, each round sends the number of drafts `specpipe/draftlength.py` expects to be
+With `adaptive`, each round sends the number of drafts `specpipe/drafting/length.py` expects to be
 fastest (at most `draft_k`); the committed tokens are the same whatever it sends.
 
 The same loop runs over a `LocalRing` (one process) and a `RedisRing` (the swarm). Positions
@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from specpipe.drafting import NgramDrafter
-from specpipe.draftlength import DraftLength
-from specpipe.ring import GapError, Ring
-from specpipe.sampling import SamplingParams, TokenLogprob, committed_tokens
+from specpipe.core.ring import GapError, Ring
+from specpipe.core.sampling import SamplingParams, TokenLogprob, committed_tokens
+from specpipe.drafting.length import DraftLength
+from specpipe.drafting.ngram import NgramDrafter
 
 # Where a round's drafts come from: the n-gram drafter, the tail's draft head, or the n-gram
 # where it has a match and the head elsewhere.

@@ -29,7 +29,7 @@ from urllib.parse import quote
 
 import redis
 
-from specpipe.redact import redact_url
+from specpipe.swarm.redact import redact_url
 
 
 class RedisUnavailable(RuntimeError):
@@ -66,7 +66,7 @@ SWARM_COMMANDS = (
     # connections: redis-py's handshake and health checks, /healthz
     "ping", "hello", "auth", "select", "echo", "info", "time",
     "client|setname", "client|getname", "client|id",
-    # streams: the data plane (specpipe/streams.py) and what `specpipe nodes` reads of it
+    # streams: the data plane (specpipe/swarm/streams.py) and what `specpipe nodes` reads of it
     "xadd", "xreadgroup", "xread", "xack", "xdel", "xautoclaim", "xclaim", "xgroup|create",
     "xgroup|createconsumer", "xlen", "xrange", "xpending", "xinfo|stream", "xinfo|groups",
     "xtrim",
@@ -104,7 +104,7 @@ def acl_rules(password: str) -> list[str]:
 
 def proto_max_bulk_len() -> int:
     """The largest bulk string the server reads: the largest wire message plus headroom."""
-    from specpipe.wire import MAX_MESSAGE_BYTES
+    from specpipe.swarm.wire import MAX_MESSAGE_BYTES
 
     return MAX_MESSAGE_BYTES + BULK_HEADROOM_BYTES
 

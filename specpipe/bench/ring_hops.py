@@ -32,16 +32,16 @@ from dataclasses import dataclass
 
 import redis
 
-from specpipe import inventory, streams
-from specpipe.generation import Generation
+from specpipe.core.ring import LocalRing, Ring
+from specpipe.core.sampling import SamplingParams
+from specpipe.decoding.generation import Generation
+from specpipe.decoding.target import open_target
 from specpipe.model.resolve import even_split
-from specpipe.redis_ring import RedisRing
-from specpipe.redis_server import RedisServer
-from specpipe.ring import LocalRing, Ring
-from specpipe.sampling import SamplingParams
+from specpipe.ops.redis_server import RedisServer
+from specpipe.ops.supervisor import terminate_all
 from specpipe.settings import Settings
-from specpipe.supervisor import terminate_all
-from specpipe.target import open_target
+from specpipe.swarm import inventory, streams
+from specpipe.swarm.redis_ring import RedisRing
 
 GROUNDED_PROMPT = (
     "Repeat the following text exactly, word for word:\n\n"

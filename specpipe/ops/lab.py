@@ -33,9 +33,9 @@ from pathlib import Path
 
 import redis
 
-from specpipe import inventory
-from specpipe.redis_server import RedisServer, TlsFiles, answers, find_binary
-from specpipe.supervisor import process_alive
+from specpipe.ops.redis_server import RedisServer, TlsFiles, answers, find_binary
+from specpipe.ops.supervisor import process_alive
+from specpipe.swarm import inventory
 
 LAB_FILE = "lab.json"
 LAB_STORE = "lab.sqlite3"  # the lab's own store, made afresh by each `up`

@@ -26,13 +26,13 @@ from dataclasses import replace
 
 import redis
 
-from specpipe import inventory, streams, wire
-from specpipe.coupling import sampler_for
-from specpipe.inventory import NodeInfo
-from specpipe.redact import redact_text, redact_url
-from specpipe.ring import GapError, RoundResult
-from specpipe.sampling import SamplingParams, TokenLogprob
+from specpipe.core.coupling import sampler_for
+from specpipe.core.ring import GapError, RoundResult
+from specpipe.core.sampling import SamplingParams, TokenLogprob
 from specpipe.settings import Settings
+from specpipe.swarm import inventory, streams, wire
+from specpipe.swarm.inventory import NodeInfo
+from specpipe.swarm.redact import redact_text, redact_url
 
 # What a round's wait grows by for each token it carries: a long prefill, or the replay of a
 # whole generation after a gap, takes the stages longer than one decode step.

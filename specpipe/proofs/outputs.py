@@ -11,9 +11,9 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Sequence
 
-from specpipe.generation import Generation
-from specpipe.ring import Ring
-from specpipe.sampling import SamplingParams
+from specpipe.core.ring import Ring
+from specpipe.core.sampling import SamplingParams
+from specpipe.decoding.generation import Generation
 
 
 def _one(

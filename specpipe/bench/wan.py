@@ -1,6 +1,6 @@
 """`specpipe bench wan`: speculative against plain on the lab with a geography's link delays.
 
-The lab (`specpipe/lab.py`) puts each stage on a network stack of its own, and each stage
+The lab (`specpipe/ops/lab.py`) puts each stage on a network stack of its own, and each stage
 delays its outgoing link by its share of the geography (the reference run's WA → MN → NC → NJ
 and back: one way 11, 8, 3.4 and 19 ms). The ring is built from the lab's inventory, as a
 coordinator builds it; for each prompt (input-grounded, open-ended) and temperature it runs the
@@ -20,12 +20,12 @@ from collections.abc import Callable, Sequence
 
 import redis
 
-from specpipe import inventory, streams
-from specpipe.redis_ring import RedisRing
-from specpipe.ringbench import GROUNDED_PROMPT, NOVEL_PROMPT, Timed, timed_generation
-from specpipe.sampling import SamplingParams
+from specpipe.bench.ring_hops import GROUNDED_PROMPT, NOVEL_PROMPT, Timed, timed_generation
+from specpipe.core.sampling import SamplingParams
+from specpipe.decoding.target import open_target
 from specpipe.settings import Settings
-from specpipe.target import open_target
+from specpipe.swarm import inventory, streams
+from specpipe.swarm.redis_ring import RedisRing
 
 REFERENCE_DELAYS_MS = (11.0, 8.0, 3.4, 19.0)  # WA -> MN -> NC -> NJ -> WA, one way
 PROMPTS = {"grounded": GROUNDED_PROMPT, "novel": NOVEL_PROMPT}
