@@ -96,8 +96,9 @@ def load_metrics(session: Session) -> Iterator[Metric]:
         select(func.count(), func.coalesce(func.sum(Job.tok_s), 0.0)).where(Job.status == "running")
     ).one()
     yield gauge("specpipe_queue_depth", "Jobs queued, waiting for a session.", queued)
-    yield gauge("specpipe_active_sessions", "Jobs running now, each a session through the ring.",
-                running[0])  # fmt: skip
+    yield gauge(
+        "specpipe_active_sessions", "Jobs running now, each a session through the ring.", running[0]
+    )
     yield gauge(
         "specpipe_running_tokens_per_second",
         "Aggregate tok/s of the jobs running now (each job's own rate so far, summed).",
@@ -159,15 +160,21 @@ class StageCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
-        by_host = {name: {h: s[name] for h, s in stats.items() if name in s}
-                   for name in ("processed", "forwards")}  # fmt: skip
+        by_host = {
+            name: {h: s[name] for h, s in stats.items() if name in s}
+            for name in ("processed", "forwards")
+        }
         # A mean over no forward yet is no number at all, not 0.
         for name in ("batch_size", "forward_ms"):
             by_host[name] = {
                 h: s[name] for h, s in stats.items() if name in s and s.get("forwards")
             }
-        yield labelled_counter("specpipe_stage_rounds_total", "Rounds a stage has processed.",
-                               "host", by_host["processed"])  # fmt: skip
+        yield labelled_counter(
+            "specpipe_stage_rounds_total",
+            "Rounds a stage has processed.",
+            "host",
+            by_host["processed"],
+        )
         yield labelled_counter(
             "specpipe_stage_forwards_total",
             "Forwards a stage has run; rounds of several sessions batched are one.",
@@ -180,8 +187,12 @@ class StageCollector(Collector):
             "host",
             by_host["batch_size"],
         )
-        yield labelled_gauge("specpipe_stage_forward_ms", "Running mean of a stage's forward.",
-                             "host", by_host["forward_ms"])  # fmt: skip
+        yield labelled_gauge(
+            "specpipe_stage_forward_ms",
+            "Running mean of a stage's forward.",
+            "host",
+            by_host["forward_ms"],
+        )
 
     @staticmethod
     def _stats() -> dict[str, dict[str, float]]:
@@ -189,8 +200,9 @@ class StageCollector(Collector):
         if not keys:
             return {}
         swarm = current_app.config["SWARM"]
-        client = redis.Redis.from_url(current_app.config["REDIS_URL"], socket_connect_timeout=1,
-                                      socket_timeout=2)  # fmt: skip
+        client = redis.Redis.from_url(
+            current_app.config["REDIS_URL"], socket_connect_timeout=1, socket_timeout=2
+        )
         try:
             nodes = inventory.read(client, swarm, keys).nodes
         except (redis.RedisError, ValueError):

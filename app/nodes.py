@@ -59,8 +59,9 @@ def ring_arrows(points: list[dict], node_radius: float = 34) -> list[dict]:
 def quick_redis(url: str) -> redis.Redis:
     """A client for what a page reads from Redis: it gives up within a second, without
     retrying, so a Redis that does not answer slows a page down rather than hanging it."""
-    return redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1,
-                                retry=Retry(NoBackoff(), 0))  # fmt: skip
+    return redis.Redis.from_url(
+        url, socket_connect_timeout=0.5, socket_timeout=1, retry=Retry(NoBackoff(), 0)
+    )
 
 
 def live_inventory() -> tuple[int | None, inventory.RingLatency | None]:
@@ -80,8 +81,9 @@ def live_inventory() -> tuple[int | None, inventory.RingLatency | None]:
     ring = inventory.measured_ring(found.nodes)
     if ring is None:
         return found.ignored, None
-    stats = streams.read_stages_stats([(n.host, n.redis_url) for n in ring],
-                                      current_app.config["SWARM"], timeout_s=1.0)  # fmt: skip
+    stats = streams.read_stages_stats(
+        [(n.host, n.redis_url) for n in ring], current_app.config["SWARM"], timeout_s=1.0
+    )
     return found.ignored, inventory.ring_latency(ring, stats)
 
 

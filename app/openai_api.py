@@ -86,8 +86,7 @@ class OpenAIError(Exception):
 
     def body(self) -> dict:
         """The error object of OpenAI's shape."""
-        return {"message": self.message, "type": self.kind, "param": self.param,
-                "code": self.code}  # fmt: skip
+        return {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
 
     def response(self) -> Response:
         response = jsonify({"error": self.body()})
@@ -117,8 +116,11 @@ def require_key():
     """`Authorization: Bearer <token>`: the same tokens as /api/v1, acting as their owner."""
     user = user_from_token()
     if user is None:
-        raise OpenAIError(401, "a valid API key is required (Authorization: Bearer <token>)",
-                          code="invalid_api_key")  # fmt: skip
+        raise OpenAIError(
+            401,
+            "a valid API key is required (Authorization: Bearer <token>)",
+            code="invalid_api_key",
+        )
     g.user = user
 
 
@@ -141,11 +143,16 @@ def _model_entry() -> dict:
             "layer_end": n.layer_end,
             "status": n.status(now),
             "software_version": n.software_version,
-        }  # fmt: skip
+        }
         for n in ring_nodes(get_session())
     ]
-    return {"id": served_model(), "object": "model", "created": 0, "owned_by": "specpipe",
-            "ring": ring}  # fmt: skip
+    return {
+        "id": served_model(),
+        "object": "model",
+        "created": 0,
+        "owned_by": "specpipe",
+        "ring": ring,
+    }
 
 
 @bp.get("/models")
@@ -165,9 +172,12 @@ def _check_model(model: object) -> None:
     if not isinstance(model, str) or not model:
         raise OpenAIError(400, "model must be the name of a model", param="model")
     if model != served_model():
-        raise OpenAIError(404, f"the model {model!r} is not served here; "
-                          f"this swarm serves {served_model()!r}", param="model",
-                          code="model_not_found")  # fmt: skip
+        raise OpenAIError(
+            404,
+            f"the model {model!r} is not served here; this swarm serves {served_model()!r}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,8 +221,11 @@ def _content(message: dict, index: int) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):  # fmt: skip
+            if not (
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
                 raise OpenAIError(400, "only text content parts are supported", param=param)
             parts.append(part["text"])
         return "".join(parts)
@@ -226,8 +239,11 @@ def _messages(body: dict) -> list[dict]:
     clean = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
-            raise OpenAIError(400, f"each message needs a role: one of {', '.join(CHAT_ROLES)}",
-                              param=f"messages[{i}].role")  # fmt: skip
+            raise OpenAIError(
+                400,
+                f"each message needs a role: one of {', '.join(CHAT_ROLES)}",
+                param=f"messages[{i}].role",
+            )
         clean.append({"role": message["role"], "content": _content(message, i)})
     return clean
 
@@ -237,8 +253,9 @@ def _prompt(body: dict) -> str:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         return prompt[0]
     if isinstance(prompt, list):
-        raise OpenAIError(400, "prompt must be one string (a list of one string will do)",
-                          param="prompt")  # fmt: skip
+        raise OpenAIError(
+            400, "prompt must be one string (a list of one string will do)", param="prompt"
+        )
     if not isinstance(prompt, str):
         raise OpenAIError(400, "prompt must be text", param="prompt")
     return prompt
@@ -246,8 +263,11 @@ def _prompt(body: dict) -> str:
 
 def _max_tokens(body: dict) -> tuple[object, str]:
     """The token budget asked for and the field that asked (either name will do)."""
-    given = [(body[name], name) for name in ("max_tokens", "max_completion_tokens")
-             if body.get(name) is not None]  # fmt: skip
+    given = [
+        (body[name], name)
+        for name in ("max_tokens", "max_completion_tokens")
+        if body.get(name) is not None
+    ]
     if len(given) == 2 and (type(given[0][0]), given[0][0]) != (type(given[1][0]), given[1][0]):
         raise OpenAIError(400, "max_tokens and max_completion_tokens disagree", param="max_tokens")
     return given[0] if given else (None, "max_tokens")
@@ -294,11 +314,18 @@ def parse_request(chat: bool) -> Completion:
         "stop": body.get("stop"),
         "sampler": body.get("sampler"),
     }
-    defaults = {"temp": 1.0, "top_p": 1.0, "top_k": 0, "draft_k": JOB_DEFAULTS["draft_k"],
-                "max_new_tokens": JOB_DEFAULTS["max_new_tokens"],
-                "sampler": JOB_DEFAULTS["sampler"]}  # fmt: skip
-    raw = {name: defaults[name] if value is None and name in defaults else value
-           for name, value in raw.items()}  # fmt: skip
+    defaults = {
+        "temp": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "draft_k": JOB_DEFAULTS["draft_k"],
+        "max_new_tokens": JOB_DEFAULTS["max_new_tokens"],
+        "sampler": JOB_DEFAULTS["sampler"],
+    }
+    raw = {
+        name: defaults[name] if value is None and name in defaults else value
+        for name, value in raw.items()
+    }
     extra: dict = {"raw_prompt": not chat, "messages": None}
     if chat:
         messages = _messages(body)
@@ -317,19 +344,26 @@ def parse_request(chat: bool) -> Completion:
         names = {**OPENAI_NAMES, "max_new_tokens": max_tokens_name}
         param = names.get(name, "messages" if chat and name == "prompt" else name)
         raise OpenAIError(400, f"{param} {reason}", param=param) from None
-    return Completion(chat, {**params, **extra, "logprobs": logprobs}, stream, include_usage,
-                      logprobs)  # fmt: skip
+    return Completion(
+        chat, {**params, **extra, "logprobs": logprobs}, stream, include_usage, logprobs
+    )
 
 
 def _submit(completion: Completion) -> Job:
     try:
         return submitter().submit(get_session(), completion.params, current_user())
     except TooManyActiveJobs as exc:
-        raise OpenAIError(429, str(exc), code="rate_limit_exceeded", kind="requests",
-                          retry_after=exc.retry_after_s) from None  # fmt: skip
+        raise OpenAIError(
+            429,
+            str(exc),
+            code="rate_limit_exceeded",
+            kind="requests",
+            retry_after=exc.retry_after_s,
+        ) from None
     except QueueUnavailable as exc:
-        raise OpenAIError(503, f"job {exc.job.id} could not be queued: {exc}",
-                          kind="server_error") from None  # fmt: skip
+        raise OpenAIError(
+            503, f"job {exc.job.id} could not be queued: {exc}", kind="server_error"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,8 +408,9 @@ def _cancel(session: Session, job_id: int) -> None:
 def _failure(job: Job) -> OpenAIError:
     if job.status == "cancelled":
         return OpenAIError(409, f"job {job.id} was cancelled", code="cancelled")
-    return OpenAIError(500, f"job {job.id} failed: {job.error or 'no reason given'}",
-                       kind="server_error")  # fmt: skip
+    return OpenAIError(
+        500, f"job {job.id} failed: {job.error or 'no reason given'}", kind="server_error"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,29 +430,45 @@ def finish_reason(job: Job, target=None) -> str:
     ids = list(job.output_ids or [])
     if len(ids) < job.max_new_tokens:
         return "stop"
-    if target is not None and (ids[-1] in target.eos_ids or
-                               GenerationText(target.decode, target.eos_ids,
-                                              job.stop or []).cut(ids)[1]):  # fmt: skip
+    if target is not None and (
+        ids[-1] in target.eos_ids
+        or GenerationText(target.decode, target.eos_ids, job.stop or []).cut(ids)[1]
+    ):
         return "stop"
     return "length"
 
 
 def fingerprint(job: Job) -> str:
     """The model and the ring's software versions (as its stages reported them) in 12 digits."""
-    versions = sorted({s.software_version for s in (job.run.node_snapshots if job.run else [])
-                       if s.software_version} or {__version__})  # fmt: skip
+    versions = sorted(
+        {
+            s.software_version
+            for s in (job.run.node_snapshots if job.run else [])
+            if s.software_version
+        }
+        or {__version__}
+    )
     return "fp_" + hashlib.sha256(f"{job.model}|{'+'.join(versions)}".encode()).hexdigest()[:12]
 
 
 def _usage(job: Job) -> dict:
     prompt, completion = job.prompt_tokens or 0, len(job.output_ids or [])
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}  # fmt: skip
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def _extension(job: Job) -> dict:
-    return {"job_id": job.id, "seed": job.seed, "seed_was_random": job.seed_was_random,
-            "draft_k": job.draft_k, "rounds": job.rounds, "tok_s": job.tok_s}  # fmt: skip
+    return {
+        "job_id": job.id,
+        "seed": job.seed,
+        "seed_was_random": job.seed_was_random,
+        "draft_k": job.draft_k,
+        "rounds": job.rounds,
+        "tok_s": job.tok_s,
+    }
 
 
 def _token_text(target, token: int) -> str:
@@ -444,8 +495,12 @@ def _completion_logprobs(entries: list, ids: list[int], target, offset: int) -> 
         tokens.append(text)
         logprobs.append(logprob)
         tops.append({_token_text(target, i): lp for i, lp in top})
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
-            "text_offset": offsets}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "token_logprobs": logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 def _logprobs_of(completion: Completion, job: Job, start: int, end: int, target, offset: int):
@@ -465,8 +520,13 @@ def _head(completion: Completion, job: Job, chunk: bool) -> dict:
     else:
         kind, prefix = "text_completion", "cmpl"
     created = int(job.created_at.timestamp()) if job.created_at else int(time.time())
-    return {"id": f"{prefix}-{job.id}", "object": kind, "created": created, "model": job.model,
-            "system_fingerprint": fingerprint(job)}  # fmt: skip
+    return {
+        "id": f"{prefix}-{job.id}",
+        "object": kind,
+        "created": created,
+        "model": job.model,
+        "system_fingerprint": fingerprint(job),
+    }
 
 
 def whole_answer(completion: Completion, job: Job) -> dict:
@@ -479,12 +539,22 @@ def whole_answer(completion: Completion, job: Job) -> dict:
         choice["message"] = {"role": "assistant", "content": text, "refusal": None}
     else:
         choice["text"] = text
-    return {**_head(completion, job, False), "choices": [choice], "usage": _usage(job),
-            "specpipe": _extension(job)}  # fmt: skip
+    return {
+        **_head(completion, job, False),
+        "choices": [choice],
+        "usage": _usage(job),
+        "specpipe": _extension(job),
+    }
 
 
-def _chunk(completion: Completion, job: Job, text: str | None, logprobs, finish: str | None,
-           first: bool = False) -> dict:  # fmt: skip
+def _chunk(
+    completion: Completion,
+    job: Job,
+    text: str | None,
+    logprobs,
+    finish: str | None,
+    first: bool = False,
+) -> dict:
     choice: dict = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
     if completion.chat:
         delta: dict = {"role": "assistant", "content": ""} if first else {}
@@ -539,8 +609,9 @@ def stream_answer(app: Flask, completion: Completion, job_id: int) -> Iterator[s
             if job.finished:
                 yield _event(_chunk(completion, job, None, None, finish_reason(job, target)))
                 if completion.include_usage:
-                    yield _event({**_head(completion, job, True), "choices": [],
-                                  "usage": _usage(job)})  # fmt: skip
+                    yield _event(
+                        {**_head(completion, job, True), "choices": [], "usage": _usage(job)}
+                    )
                 yield _event("[DONE]")
                 done = True
                 return

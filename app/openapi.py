@@ -37,8 +37,12 @@ def _error(description: str) -> dict:
 
 def _job_request(limits: JobLimits) -> dict:
     # No NUL anywhere; a prompt also needs something besides white space.
-    stop_string = {"type": "string", "minLength": 1, "maxLength": limits.max_stop_chars,
-                   "pattern": f"^{_NO_NUL}+$"}  # fmt: skip
+    stop_string = {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": limits.max_stop_chars,
+        "pattern": f"^{_NO_NUL}+$",
+    }
     return {
         "type": "object",
         "required": ["prompt"],
@@ -49,12 +53,12 @@ def _job_request(limits: JobLimits) -> dict:
                 "minLength": 1,
                 "maxLength": limits.max_prompt_chars,
                 "pattern": f"^{_NO_NUL}*[^\\s\\u0000{_PY_SPACE}]{_NO_NUL}*$",
-            },  # fmt: skip
+            },
             "max_new_tokens": {
                 "type": "integer",
                 "minimum": 1,
                 "maximum": limits.max_new_tokens,
-            },  # fmt: skip
+            },
             "temp": {"type": "number", "minimum": 0, "maximum": MAX_TEMP},
             "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1},
             "top_k": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_K},
@@ -157,8 +161,12 @@ _ERROR = {
 
 
 def _id_parameter(name: str) -> dict:
-    return {"name": name, "in": "path", "required": True,
-            "schema": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}}  # fmt: skip
+    return {
+        "name": name,
+        "in": "path",
+        "required": True,
+        "schema": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
+    }
 
 
 def document(limits: JobLimits) -> dict:
@@ -168,10 +176,13 @@ def document(limits: JobLimits) -> dict:
         {"name": "status", "in": "query", "schema": {"type": "string", "enum": list(JOB_STATUSES)}},
         {"name": "q", "in": "query", "schema": {"type": "string"}},
         {"name": "sort", "in": "query", "schema": {"type": "string", "enum": list(SORTS)}},
-        {"name": "page", "in": "query",
-         "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}},
+        {
+            "name": "page",
+            "in": "query",
+            "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE},
+        },
         {"name": "per_page", "in": "query", "schema": {"type": "integer", "minimum": 1}},
-    ]  # fmt: skip
+    ]
     page = {
         "type": "object",
         "required": ["jobs", "page", "per_page", "pages", "total"],
@@ -256,7 +267,7 @@ def document(limits: JobLimits) -> dict:
                                 "properties": {"nodes": {"type": "array", "items": _ref("Node")}},
                             },
                             "The nodes.",
-                        ),  # fmt: skip
+                        ),
                         "401": unauthorised,
                     },
                 }

@@ -87,8 +87,21 @@ class Swarm:
 
     def start_stage(self, host: str, layers: str) -> None:
         """Start `specpipe worker stage` for `host` (not waiting for it)."""
-        argv = [*SPECPIPE, "worker", "stage", "--host", host, "--layers", layers,
-                "--model", str(self.model), "--threads", "1", "--heartbeat-s", "0.5"]  # fmt: skip
+        argv = [
+            *SPECPIPE,
+            "worker",
+            "stage",
+            "--host",
+            host,
+            "--layers",
+            layers,
+            "--model",
+            str(self.model),
+            "--threads",
+            "1",
+            "--heartbeat-s",
+            "0.5",
+        ]
         self._start(host, argv)
 
     def start_coordinator(
@@ -101,8 +114,9 @@ class Swarm:
     def _start(self, name: str, argv: list[str], log: Path | None = None) -> None:
         self.argv[name], self.logs[name] = argv, log
         out = open(log, "a") if log else None  # noqa: SIM115 (the child keeps it open)
-        self.procs[name] = subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=out,
-                                            stderr=subprocess.STDOUT if out else None)  # fmt: skip
+        self.procs[name] = subprocess.Popen(
+            argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None
+        )
         if out:
             out.close()
 

@@ -29,18 +29,35 @@ scalars = (
     | st.text(max_size=20)
 )
 values = st.recursive(
-    scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                        max_size=4),
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
-)  # fmt: skip
+)
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
-)  # fmt: skip
-HEADER_KEYS = ["swarm", "kind", "session", "round_id", "start_pos", "n_draft", "tokens", "hop",
-               "route", "reply", "reason", "params", "dtype", "shape"]  # fmt: skip
+)
+HEADER_KEYS = [
+    "swarm",
+    "kind",
+    "session",
+    "round_id",
+    "start_pos",
+    "n_draft",
+    "tokens",
+    "hop",
+    "route",
+    "reply",
+    "reason",
+    "params",
+    "dtype",
+    "shape",
+]
 
 
 def signed(header: dict, payload: bytes = b"") -> bytes:
@@ -78,8 +95,9 @@ def test_any_signed_header_decodes_or_is_refused_with_a_wire_error(header, paylo
 @FUZZ
 @given(st.integers(min_value=0, max_value=200), st.integers(min_value=0, max_value=7))
 def test_a_flipped_bit_in_a_real_message_is_refused(position, bit):
-    message = wire.Message(kind="round", session="s", round_id="r", start_pos=3, n_draft=1,
-                           tokens=(1, 2))  # fmt: skip
+    message = wire.Message(
+        kind="round", session="s", round_id="r", start_pos=3, n_draft=1, tokens=(1, 2)
+    )
     data = bytearray(wire.encode(message, SWARM, KEY))
     data[position % len(data)] ^= 1 << bit
     try:
@@ -90,10 +108,16 @@ def test_a_flipped_bit_in_a_real_message_is_refused(position, bit):
 
 
 node_fields = {
-    "host": json_values, "layer_start": json_values, "layer_end": json_values,
-    "redis_url": json_values, "model": json_values, "last_heartbeat": json_values,
-    "role": json_values, "geo": json_values, "memory_bytes": json_values,
-}  # fmt: skip
+    "host": json_values,
+    "layer_start": json_values,
+    "layer_end": json_values,
+    "redis_url": json_values,
+    "model": json_values,
+    "last_heartbeat": json_values,
+    "role": json_values,
+    "geo": json_values,
+    "memory_bytes": json_values,
+}
 
 
 @FUZZ

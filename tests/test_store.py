@@ -31,11 +31,25 @@ def old_job_row(**fields) -> dict:
     """A finished job's columns as every revision so far has them."""
     now = utcnow()
     return dict(
-        created_at=now, updated_at=now, prompt="old", model="tiny-test", max_new_tokens=8,
-        temp=0.0, top_p=1.0, top_k=0, seed="00000000000000000001", seed_was_random=False,
-        draft_k=0, status="done", cancel_requested=False, output_text="abc",
-        output_ids=[1, 2, 3], generated_tokens=3, rounds=3, **fields,
-    )  # fmt: skip
+        created_at=now,
+        updated_at=now,
+        prompt="old",
+        model="tiny-test",
+        max_new_tokens=8,
+        temp=0.0,
+        top_p=1.0,
+        top_k=0,
+        seed="00000000000000000001",
+        seed_was_random=False,
+        draft_k=0,
+        status="done",
+        cancel_requested=False,
+        output_text="abc",
+        output_ids=[1, 2, 3],
+        generated_tokens=3,
+        rounds=3,
+        **fields,
+    )
 
 
 def test_one_head():
@@ -80,9 +94,7 @@ def test_jobs_from_before_stop_strings_read_as_none(fresh_database_url):
     jobs = Table("jobs", MetaData(), autoload_with=engine)
     assert "stop" not in jobs.c
     with engine.begin() as conn:
-        conn.execute(
-            jobs.insert().values(**old_job_row(), accepted_per_round=[0, 0, 0])
-        )  # fmt: skip
+        conn.execute(jobs.insert().values(**old_job_row(), accepted_per_round=[0, 0, 0]))
     upgrade(url)
     with make_session_factory(url)() as session:
         job = session.scalars(select(Job)).one()
@@ -312,9 +324,15 @@ def test_accepted_drafts_is_renamed_both_ways(fresh_database_url):
 
 def test_node_fields_that_do_not_fit_are_cut_or_left_unknown(db_session):
     node = upsert_node(
-        db_session, "h" * 300, geo="G" * 500, public_ip="1.2.3.4\x00evil", memory_bytes=2**70,
-        layer_start="0", layer_end=2**40, gpu_name=12,
-    )  # fmt: skip
+        db_session,
+        "h" * 300,
+        geo="G" * 500,
+        public_ip="1.2.3.4\x00evil",
+        memory_bytes=2**70,
+        layer_start="0",
+        layer_end=2**40,
+        gpu_name=12,
+    )
     db_session.commit()
     stored = db_session.get(Node, node.id)
     assert stored.host == "h" * 255 and stored.geo == "G" * 200

@@ -137,8 +137,14 @@ def run_job(
             job.run = _start_run(session, job, ring)
             session.commit()
         job.prompt_tokens = len(prompt_ids)
-        params = SamplingParams(temp=job.temp, top_p=job.top_p, top_k=job.top_k, seed=job.seed,
-                                logprobs=job.logprobs, sampler=job.sampler)  # fmt: skip
+        params = SamplingParams(
+            temp=job.temp,
+            top_p=job.top_p,
+            top_k=job.top_k,
+            seed=job.seed,
+            logprobs=job.logprobs,
+            sampler=job.sampler,
+        )
         stored_logprobs = list(job.output_logprobs or [])[: len(job.output_ids or [])]
         resume = list(job.output_ids or [])
         accepted = list(job.accepted_drafts or [])
@@ -246,13 +252,19 @@ def _pending(session: Session, job_id: int) -> tuple[Job | None, str | None]:
 def _start_run(session: Session, job: Job, ring: Ring):
     """A generation run for `job`, its node snapshot cut down to the ring the job runs on."""
     hosts = [hop.host for hop in getattr(ring, "route", ())]
-    method = (f"speculative, n-gram drafter and the tail's draft head, adaptive K<={job.draft_k}"
-              if job.draft_k else "plain")  # fmt: skip
+    method = (
+        f"speculative, n-gram drafter and the tail's draft head, adaptive K<={job.draft_k}"
+        if job.draft_k
+        else "plain"
+    )
     method += f", {job.sampler} sampler"
     run = start_run(
-        session, "generation", model=job.model, method=method,
+        session,
+        "generation",
+        model=job.model,
+        method=method,
         topology=" -> ".join(hosts) if hosts else None,
-    )  # fmt: skip
+    )
     if hosts:
         kept = [s for s in run.node_snapshots if s.host in hosts]
         kept.sort(key=lambda s: hosts.index(s.host))
@@ -363,8 +375,9 @@ class CheckedRing:
                 self.rebuilt += 1
                 self._rerouted()
                 hosts = " -> ".join(hop.host for hop in self.route)
-                log.warning("session %s: a stage serves other layers now; new ring %s",
-                            session, hosts)  # fmt: skip
+                log.warning(
+                    "session %s: a stage serves other layers now; new ring %s", session, hosts
+                )
             raise
         except RingError as exc:
             lost = self._await_lost()
@@ -404,8 +417,7 @@ class CheckedRing:
 
     def _await_lost(self) -> list[str]:
         """The lost hosts of the route, waiting for as long as a dead hop takes to lapse."""
-        lapse_s = max((getattr(hop, "lapse_s", lambda: 0.0)() for hop in self.route),
-                      default=0.0)  # fmt: skip
+        lapse_s = max((getattr(hop, "lapse_s", lambda: 0.0)() for hop in self.route), default=0.0)
         give_up_at = time.monotonic() + min(lapse_s, FAILOVER_WAIT_S)
         while True:
             lost = self._lost()
@@ -427,8 +439,13 @@ class CheckedRing:
         self.failovers += 1
         self._rerouted()
         hosts = " -> ".join(hop.host for hop in self.route)
-        log.warning("session %s: %s lost (%s); failed over to %s", session, ", ".join(lost),
-                    one_line_reason(why), hosts)  # fmt: skip
+        log.warning(
+            "session %s: %s lost (%s); failed over to %s",
+            session,
+            ", ".join(lost),
+            one_line_reason(why),
+            hosts,
+        )
 
     def _rerouted(self) -> None:
         if self.on_reroute is not None:
@@ -472,8 +489,9 @@ def lost_with_spare(settings: Settings, model: str, n_layers: int) -> Callable[[
 
 
 def _inventory_now(settings: Settings, timeout_s: float = 5) -> list[inventory.NodeInfo]:
-    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=timeout_s,
-                                  socket_timeout=timeout_s)  # fmt: skip
+    client = redis.Redis.from_url(
+        settings.redis_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
+    )
     try:
         return inventory.load(client, settings.swarm, settings.accepted_swarm_keys)
     finally:
@@ -526,8 +544,7 @@ def _lock_first(client: redis.Redis, swarm: str, job_ids: list[int]):
     """(job id, its started LockKeeper) for the first of `job_ids` no coordinator holds."""
     for job_id in job_ids:
         # Not thread-local: the keeper's thread refreshes the token this thread took.
-        lock = client.lock(lock_key(swarm, job_id), timeout=stalled_after_s(),
-                           thread_local=False)  # fmt: skip
+        lock = client.lock(lock_key(swarm, job_id), timeout=stalled_after_s(), thread_local=False)
         keeper = LockKeeper(lock)
         if keeper.start():
             return job_id, keeper
@@ -553,8 +570,12 @@ def _run_locked(session: Session, job: Job, settings: Settings, keeper: LockKeep
         return CheckedRing(build_ring, lambda: served_layers(settings), lost)
 
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=5)
-    admit = room_keeper(session, Reservations(client, settings.swarm),
-                        lock_key(settings.swarm, job.id), keeper.owned)  # fmt: skip
+    admit = room_keeper(
+        session,
+        Reservations(client, settings.swarm),
+        lock_key(settings.swarm, job.id),
+        keeper.owned,
+    )
     try:
         return run_job(session, job.id, make_ring, target, target.eos_ids, keeper.owned, admit)
     finally:
@@ -588,9 +609,14 @@ def room_keeper(
                             ring.on_reroute = partial(_follow_quietly, job.id, room)
                         return room.release
                     if not waiting:
-                        log.info("job %s waits for room: stage %s holds %d of %d tokens, it "
-                                 "needs %d", job.id, full.host, full.used, full.budget,
-                                 need)  # fmt: skip
+                        log.info(
+                            "job %s waits for room: stage %s holds %d of %d tokens, it needs %d",
+                            job.id,
+                            full.host,
+                            full.used,
+                            full.budget,
+                            need,
+                        )
                         reservations.mark_waiting(name, holder, full, need)
                         waiting = True
                 except redis.RedisError as exc:
@@ -621,9 +647,15 @@ def _follow_quietly(job_id: int, room: Room, route: tuple) -> None:
         log.warning("job %s: could not move its KV room onto its new route: %s", job_id, exc)
         return
     for full in over:
-        log.warning("job %s: stage %s is over its KV budget: it held %d of %d tokens and now "
-                    "holds the job's %d too", job_id, full.host, full.used, full.budget,
-                    room.need)  # fmt: skip
+        log.warning(
+            "job %s: stage %s is over its KV budget: it held %d of %d tokens and now "
+            "holds the job's %d too",
+            job_id,
+            full.host,
+            full.used,
+            full.budget,
+            room.need,
+        )
 
 
 @shared_task(name=RESUME_STALLED_TASK, bind=True, base=DbTask, ignore_result=True)

@@ -233,8 +233,9 @@ def _method(
         drafts, sampler, law = "n-gram drafts K=4", "icdf", "law of the stop's token"
     generation_drafts = "n-gram"
     if draft_head:
-        head_rounds = sum(m["head_rounds"] for m in (generation or {}).values()
-                          if isinstance(m, dict))  # fmt: skip
+        head_rounds = sum(
+            m["head_rounds"] for m in (generation or {}).values() if isinstance(m, dict)
+        )
         generation_drafts = f"n-gram and draft head, {head_rounds} head rounds"
     return (
         f"nightly regression, seed {seed}: proof 1 local math ({sizes['local_draws']:,} "

@@ -48,8 +48,16 @@ from workers.names import COORDINATOR_QUEUE, GENERATE_TASK
 log = logging.getLogger(__name__)
 
 FIELDS = (
-    "prompt", "max_new_tokens", "temp", "top_p", "top_k", "seed", "draft_k", "stop", "sampler"
-)  # fmt: skip
+    "prompt",
+    "max_new_tokens",
+    "temp",
+    "top_p",
+    "top_k",
+    "seed",
+    "draft_k",
+    "stop",
+    "sampler",
+)
 MAX_TEMP = 100.0
 MAX_TOP_K = 2**31 - 1
 _INTEGER_TEXT = re.compile(r"[+-]?\d{1,30}")

@@ -69,13 +69,22 @@ def make_users(database_url: str, n_users: int, prefix: str = "load") -> dict[st
     return tokens
 
 
-def api(base_url: str, token: str, method: str, path: str, body: dict | None = None,
-        timeout_s: float = 30.0) -> tuple[int, dict]:  # fmt: skip
+def api(
+    base_url: str,
+    token: str,
+    method: str,
+    path: str,
+    body: dict | None = None,
+    timeout_s: float = 30.0,
+) -> tuple[int, dict]:
     """One API call: (HTTP status, JSON body); status 0 when the request got no answer."""
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(base_url.rstrip("/") + path, data=data, method=method,
-                                     headers={"Authorization": f"Bearer {token}",
-                                              "Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        base_url.rstrip("/") + path,
+        data=data,
+        method=method,
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return response.status, json.loads(response.read() or b"{}")
@@ -88,8 +97,9 @@ def api(base_url: str, token: str, method: str, path: str, body: dict | None = N
         return 0, {"error": str(exc)}
 
 
-def submit_all(base_url: str, tokens: dict[str, str], n_jobs: int, within_s: float,
-               tokens_per_job: int) -> list[Submission]:  # fmt: skip
+def submit_all(
+    base_url: str, tokens: dict[str, str], n_jobs: int, within_s: float, tokens_per_job: int
+) -> list[Submission]:
     """Submit `n_jobs` jobs spread evenly over `within_s` seconds, the users taking turns."""
     users = list(tokens)
     started = time.monotonic()
@@ -97,11 +107,20 @@ def submit_all(base_url: str, tokens: dict[str, str], n_jobs: int, within_s: flo
     def one(i: int) -> Submission:
         time.sleep(max(0.0, started + i * within_s / n_jobs - time.monotonic()))
         user = users[i % len(users)]
-        body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_new_tokens": tokens_per_job,
-                "seed": i, "temp": 0.8, "draft_k": 4}  # fmt: skip
+        body = {
+            "prompt": PROMPTS[i % len(PROMPTS)],
+            "max_new_tokens": tokens_per_job,
+            "seed": i,
+            "temp": 0.8,
+            "draft_k": 4,
+        }
         status, answer = api(base_url, tokens[user], "POST", "/api/v1/jobs", body)
-        return Submission(user, status, answer.get("id") if status == 201 else None,
-                          None if status == 201 else answer.get("error"))  # fmt: skip
+        return Submission(
+            user,
+            status,
+            answer.get("id") if status == 201 else None,
+            None if status == 201 else answer.get("error"),
+        )
 
     with ThreadPoolExecutor(max_workers=16) as pool:
         return list(pool.map(one, range(n_jobs)))
@@ -121,11 +140,14 @@ def wait_jobs(database_url: str, job_ids: list[int], deadline_s: float) -> dict[
             session.rollback()
             rows = session.scalars(select(Job).where(Job.id.in_(job_ids))).all()
             seen = {
-                job.id: {"status": job.status, "error": job.error,
-                         "created_at": as_utc(job.created_at),
-                         "finished_at": as_utc(job.finished_at)}
+                job.id: {
+                    "status": job.status,
+                    "error": job.error,
+                    "created_at": as_utc(job.created_at),
+                    "finished_at": as_utc(job.finished_at),
+                }
                 for job in rows
-            }  # fmt: skip
+            }
             ended = sum(j["status"] in FINAL for j in seen.values())
             if ended == len(job_ids) or time.monotonic() > deadline:
                 return seen
@@ -146,8 +168,16 @@ def solo_mismatches(model: str, database_url: str, job_ids: list[int]) -> list[i
     with make_session_factory(database_url)() as session:
         jobs = session.scalars(select(Job).where(Job.id.in_(job_ids), Job.status == "done"))
         for job in jobs:
-            plan = JobPlan(job.prompt, job.seed, job.max_new_tokens, job.temp, job.top_p,
-                           job.top_k, job.draft_k, job.sampler)  # fmt: skip
+            plan = JobPlan(
+                job.prompt,
+                job.seed,
+                job.max_new_tokens,
+                job.temp,
+                job.top_p,
+                job.top_k,
+                job.draft_k,
+                job.sampler,
+            )
             if references.get(plan).tokens != list(job.output_ids):
                 mismatched.append(job.id)
     return sorted(mismatched)
@@ -162,16 +192,31 @@ def percentile(values: list[float], q: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
-def run_load(model: str, workdir: Path, log: Log, *, stages: int = 3, users: int = 8,
-             jobs: int = 200, within_s: float = 60.0, tokens: int = 16,
-             deadline_s: float = 1800.0, env: dict[str, str] | None = None) -> dict:  # fmt: skip
+def run_load(
+    model: str,
+    workdir: Path,
+    log: Log,
+    *,
+    stages: int = 3,
+    users: int = 8,
+    jobs: int = 200,
+    within_s: float = 60.0,
+    tokens: int = 16,
+    deadline_s: float = 1800.0,
+    env: dict[str, str] | None = None,
+) -> dict:
     """Start the stack, load its API, wait for every job; the numbers as a dict."""
     with Stack(model, stages, workdir / "stack", env=env) as stack:
         log(f"stack up: {stages} stages of {model}, {stack.web_url}")
         tokens_by_user = make_users(stack.database_url, users)
         warm = make_users(stack.database_url, 1, prefix="warmup")
-        status, answer = api(stack.web_url, next(iter(warm.values())), "POST", "/api/v1/jobs",
-                             {"prompt": PROMPTS[0], "max_new_tokens": tokens})  # fmt: skip
+        status, answer = api(
+            stack.web_url,
+            next(iter(warm.values())),
+            "POST",
+            "/api/v1/jobs",
+            {"prompt": PROMPTS[0], "max_new_tokens": tokens},
+        )
         if status != 201:
             raise RuntimeError(f"the warm-up job was refused: {status} {answer}")
         wait_jobs(stack.database_url, [answer["id"]], deadline_s)
@@ -181,8 +226,10 @@ def run_load(model: str, workdir: Path, log: Log, *, stages: int = 3, users: int
         subs = submit_all(stack.web_url, tokens_by_user, jobs, within_s, tokens)
         submit_s = time.monotonic() - started
         accepted = [s.job_id for s in subs if s.status == 201]
-        log(f"{len(subs)} submissions in {submit_s:.1f} s: {len(accepted)} accepted, "
-            f"{sum(s.status == 429 for s in subs)} refused with 429")  # fmt: skip
+        log(
+            f"{len(subs)} submissions in {submit_s:.1f} s: {len(accepted)} accepted, "
+            f"{sum(s.status == 429 for s in subs)} refused with 429"
+        )
         final = wait_jobs(stack.database_url, accepted, deadline_s)
         statuses = _read_back(stack.web_url, tokens_by_user, subs)
         time.sleep(2.0)  # let the last job's buffers go before measuring
@@ -191,16 +238,20 @@ def run_load(model: str, workdir: Path, log: Log, *, stages: int = 3, users: int
         mismatched = solo_mismatches(model, stack.database_url, accepted)
 
     http = Counter(s.status for s in subs) + Counter(statuses)
-    durations = [(j["finished_at"] - j["created_at"]).total_seconds()
-                 for j in final.values() if j["status"] == "done" and j["finished_at"]]  # fmt: skip
+    durations = [
+        (j["finished_at"] - j["created_at"]).total_seconds()
+        for j in final.values()
+        if j["status"] == "done" and j["finished_at"]
+    ]
     outcome = Counter(j["status"] for j in final.values())
     memory = {
         role: {"before_mib": rss_before[role] / 2**20, "after_mib": rss_after.get(role, 0) / 2**20}
         for role in rss_before
     }
     # "try again in 42 s": one reason whatever the wait it names
-    refused = Counter(re.sub(r"in \d+ s\b", "in N s", s.error or "") for s in subs
-                      if s.status == 429)  # fmt: skip
+    refused = Counter(
+        re.sub(r"in \d+ s\b", "in N s", s.error or "") for s in subs if s.status == 429
+    )
     result = {
         "setup": {
             "model": model,
@@ -209,7 +260,7 @@ def run_load(model: str, workdir: Path, log: Log, *, stages: int = 3, users: int
             "jobs": jobs,
             "within_s": within_s,
             "tokens": tokens,
-        },  # fmt: skip
+        },
         "submitted": len(subs),
         "submit_s": submit_s,
         "accepted": len(accepted),
@@ -226,7 +277,7 @@ def run_load(model: str, workdir: Path, log: Log, *, stages: int = 3, users: int
                 for j in final.values()
                 if j["status"] in ("failed", "cancelled")
             }
-        ),  # fmt: skip
+        ),
         "lost": len(set(accepted) - set(final)),
         "stuck": sum(j["status"] not in FINAL for j in final.values()),
         "not_as_solo": mismatched,
@@ -235,8 +286,13 @@ def run_load(model: str, workdir: Path, log: Log, *, stages: int = 3, users: int
         "memory": memory,
         "submissions": [asdict(s) for s in subs],
     }
-    bad = (result["lost"] + result["stuck"] + result["http_5xx"] + result["unanswered"]
-           + len(mismatched))  # fmt: skip
+    bad = (
+        result["lost"]
+        + result["stuck"]
+        + result["http_5xx"]
+        + result["unanswered"]
+        + len(mismatched)
+    )
     result["verdict"] = "PASS" if not bad else "FAIL"
     return result
 

@@ -50,8 +50,16 @@ from specpipe.bench.stack import Stack, StackError
 from specpipe.settings import JOB_DEFAULTS
 
 Log = Callable[[str], None]
-FAULTS = ("kill-stage0", "kill-middle", "kill-tail", "kill-coordinator", "kill-redis",
-          "stop-stage", "db-down", "resplit")  # fmt: skip
+FAULTS = (
+    "kill-stage0",
+    "kill-middle",
+    "kill-tail",
+    "kill-coordinator",
+    "kill-redis",
+    "stop-stage",
+    "db-down",
+    "resplit",
+)
 FINAL = ("done", "failed", "cancelled")
 PROMPTS = (
     "Explain why the sky is blue to a ten-year-old.",
@@ -75,9 +83,17 @@ class JobPlan:
 
     def params(self) -> dict:
         """The request as `Submitter.submit` takes it."""
-        return {"prompt": self.prompt, "max_new_tokens": self.max_new_tokens, "temp": self.temp,
-                "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-                "draft_k": self.draft_k, "stop": [], "sampler": self.sampler}  # fmt: skip
+        return {
+            "prompt": self.prompt,
+            "max_new_tokens": self.max_new_tokens,
+            "temp": self.temp,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "draft_k": self.draft_k,
+            "stop": [],
+            "sampler": self.sampler,
+        }
 
 
 @dataclass
@@ -127,11 +143,22 @@ class References:
         from specpipe.decoding.generation import Generation
 
         if plan not in self._done:
-            params = SamplingParams(temp=plan.temp, top_p=plan.top_p, top_k=plan.top_k,
-                                    seed=plan.seed, sampler=plan.sampler)  # fmt: skip
-            run = Generation(self.ring, f"ref-{plan.seed}", self.target.prompt_ids(plan.prompt),
-                             params, max_new_tokens=plan.max_new_tokens, draft_k=plan.draft_k,
-                             eos_ids=self.target.eos_ids)  # fmt: skip
+            params = SamplingParams(
+                temp=plan.temp,
+                top_p=plan.top_p,
+                top_k=plan.top_k,
+                seed=plan.seed,
+                sampler=plan.sampler,
+            )
+            run = Generation(
+                self.ring,
+                f"ref-{plan.seed}",
+                self.target.prompt_ids(plan.prompt),
+                params,
+                max_new_tokens=plan.max_new_tokens,
+                draft_k=plan.draft_k,
+                eos_ids=self.target.eos_ids,
+            )
             tokens = run.run()
             self.ring.drop(run.session)
             self._done[plan] = Reference(tokens, run.stats.rounds)
@@ -141,8 +168,14 @@ class References:
 class Jobs:
     """Submits jobs to a running stack and reads them back from its store."""
 
-    def __init__(self, stack: Stack, references: References, store_url: str,
-                 max_new_tokens: int, rng: random.Random) -> None:  # fmt: skip
+    def __init__(
+        self,
+        stack: Stack,
+        references: References,
+        store_url: str,
+        max_new_tokens: int,
+        rng: random.Random,
+    ) -> None:
         from models.db import make_session_factory
         from specpipe.settings import JobLimits
         from workers.submission import Submitter
@@ -157,8 +190,7 @@ class Jobs:
     def plan(self, min_rounds: int = 4) -> JobPlan:
         """A plan whose clean run takes at least `min_rounds` rounds (a fault can land)."""
         for _ in range(50):
-            plan = JobPlan(self.rng.choice(PROMPTS), self.rng.randrange(2**32),
-                           self.max_new_tokens)  # fmt: skip
+            plan = JobPlan(self.rng.choice(PROMPTS), self.rng.randrange(2**32), self.max_new_tokens)
             if self.references.get(plan).rounds >= min_rounds:
                 return plan
         raise RuntimeError(f"no seed gives a job of {min_rounds} rounds: raise --tokens")
@@ -189,8 +221,9 @@ class Jobs:
             time.sleep(0.01)
         return None
 
-    def follow(self, job_ids: list[int], since: float, deadline_s: float,
-               progress: int) -> tuple[list[JobOutcome], float | None]:  # fmt: skip
+    def follow(
+        self, job_ids: list[int], since: float, deadline_s: float, progress: int
+    ) -> tuple[list[JobOutcome], float | None]:
         """Wait for every job to end (at most `deadline_s` after `since`); returns their
         outcomes and the seconds from `since` until the first job stored more than `progress`
         rounds or ended."""
@@ -215,9 +248,13 @@ class Jobs:
             time.sleep(0.05)
         for job_id in pending:
             job = self.read(job_id)
-            ended[job_id] = JobOutcome(job_id, "stuck", job.status if job else None,
-                                       f"not finished {deadline_s:g} s after the fault",
-                                       job.attempts if job else 0)  # fmt: skip
+            ended[job_id] = JobOutcome(
+                job_id,
+                "stuck",
+                job.status if job else None,
+                f"not finished {deadline_s:g} s after the fault",
+                job.attempts if job else 0,
+            )
         return [ended[j] for j in job_ids], recover_s
 
     def judge(self, job) -> JobOutcome:
@@ -227,10 +264,14 @@ class Jobs:
         want = self.references.get(self.plans[job.id]).tokens
         if list(job.output_ids) == want:
             return JobOutcome(job.id, "identical", "done", None, job.attempts)
-        return JobOutcome(job.id, "different", "done",
-                          f"{len(job.output_ids)} tokens, {len(want)} in the reference, first "
-                          f"difference at {_first_difference(job.output_ids, want)}",
-                          job.attempts)  # fmt: skip
+        return JobOutcome(
+            job.id,
+            "different",
+            "done",
+            f"{len(job.output_ids)} tokens, {len(want)} in the reference, first "
+            f"difference at {_first_difference(job.output_ids, want)}",
+            job.attempts,
+        )
 
     def close(self) -> None:
         self.session.close()
@@ -342,10 +383,19 @@ def resplit_variants(layers: dict[str, tuple[int, int]], n_layers: int) -> list[
 class Matrix:
     """Runs the faults on one stack and collects the trials."""
 
-    def __init__(self, stack: Stack, jobs: Jobs, rng: random.Random, log: Log, *,
-                 deadline_s: float, stop_s: float, db_down_s: float,
-                 db_fault: Callable[[float], None] | None = None,
-                 queued: int = 2) -> None:  # fmt: skip
+    def __init__(
+        self,
+        stack: Stack,
+        jobs: Jobs,
+        rng: random.Random,
+        log: Log,
+        *,
+        deadline_s: float,
+        stop_s: float,
+        db_down_s: float,
+        db_fault: Callable[[float], None] | None = None,
+        queued: int = 2,
+    ) -> None:
         self.stack, self.jobs, self.rng, self.log = stack, jobs, rng, log
         self.deadline_s, self.stop_s, self.db_down_s = deadline_s, stop_s, db_down_s
         self.db_fault, self.queued = db_fault, queued
@@ -358,11 +408,15 @@ class Matrix:
         for i in range(count):
             trial = self.trial(fault, i)
             self.trials.append(trial)
-            seen = ", ".join(f"{o.job_id}: {o.outcome}" + (f" ({o.reason})" if o.reason else "")
-                             for o in trial.jobs)  # fmt: skip
+            seen = ", ".join(
+                f"{o.job_id}: {o.outcome}" + (f" ({o.reason})" if o.reason else "")
+                for o in trial.jobs
+            )
             recover = f"{trial.recover_s:.1f} s" if trial.recover_s is not None else "-"
-            self.log(f"{fault} {i + 1}/{count} {trial.detail} at round {trial.round_at}: {seen}; "
-                     f"recovered in {recover}")  # fmt: skip
+            self.log(
+                f"{fault} {i + 1}/{count} {trial.detail} at round {trial.round_at}: {seen}; "
+                f"recovered in {recover}"
+            )
             self.stack.wait_ready()
 
     def trial(self, fault: str, index: int) -> Trial:
@@ -392,8 +446,13 @@ class Matrix:
     def injector(self, fault: str, index: int) -> tuple[Callable, str, Callable]:
         """(inject, what it does, clean-up) for `fault`."""
         stack, nothing = self.stack, lambda: None
-        kills = {"kill-stage0": "stage0", "kill-middle": self.middle, "kill-tail": self.tail,
-                 "kill-coordinator": "coordinator", "kill-redis": "redis"}  # fmt: skip
+        kills = {
+            "kill-stage0": "stage0",
+            "kill-middle": self.middle,
+            "kill-tail": self.tail,
+            "kill-coordinator": "coordinator",
+            "kill-redis": "redis",
+        }
         if fault in kills:
             role = kills[fault]
             return lambda: stack.signal(role, signal.SIGKILL), f"SIGKILL {role}", nothing
@@ -427,8 +486,11 @@ class Matrix:
             host = argv[argv.index("--host") + 1]
             argv[argv.index("--layers") + 1] = f"{layers[0]}:{layers[1]}"
             old.append(self.stack.signal(self.middle, signal.SIGSTOP))
-            started.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL))  # fmt: skip
+            started.append(
+                subprocess.Popen(
+                    argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+            )
             deadline = time.monotonic() + 300
             while self.stack.online_stages().get(host) != layers:
                 if started[0].poll() is not None or time.monotonic() > deadline:
@@ -461,47 +523,83 @@ def summarise(trials: list[Trial]) -> list[dict]:
     for fault in dict.fromkeys(t.fault for t in trials):
         these = [t for t in trials if t.fault == fault]
         outcomes = [o for t in these for o in t.jobs]
-        count = {kind: sum(o.outcome == kind for o in outcomes)
-                 for kind in ("identical", "different", "failed", "lost", "stuck")}  # fmt: skip
+        count = {
+            kind: sum(o.outcome == kind for o in outcomes)
+            for kind in ("identical", "different", "failed", "lost", "stuck")
+        }
         recover = [t.recover_s for t in these if t.recover_s is not None]
-        rows.append({
-            "fault": fault,
-            "injected": sum(t.injected for t in these),
-            "jobs": len(outcomes),
-            **count,
-            "failed_reasons": sorted({o.reason or o.status for o in outcomes
-                                      if o.outcome == "failed"}),
-            "recover_s_median": statistics.median(recover) if recover else None,
-            "recover_s_max": max(recover) if recover else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "fault": fault,
+                "injected": sum(t.injected for t in these),
+                "jobs": len(outcomes),
+                **count,
+                "failed_reasons": sorted(
+                    {o.reason or o.status for o in outcomes if o.outcome == "failed"}
+                ),
+                "recover_s_median": statistics.median(recover) if recover else None,
+                "recover_s_max": max(recover) if recover else None,
+            }
+        )
     return rows
 
 
 def table(rows: list[dict]) -> list[str]:
     """The summary as aligned text lines."""
-    head = ("FAULT", "INJECTED", "JOBS", "IDENTICAL", "DIFFERENT", "FAILED", "LOST", "STUCK",
-            "RECOVER s (median/max)")  # fmt: skip
+    head = (
+        "FAULT",
+        "INJECTED",
+        "JOBS",
+        "IDENTICAL",
+        "DIFFERENT",
+        "FAILED",
+        "LOST",
+        "STUCK",
+        "RECOVER s (median/max)",
+    )
     lines = [head]
     for r in rows:
         recover = "-"
         if r["recover_s_median"] is not None:
             recover = f"{r['recover_s_median']:.1f} / {r['recover_s_max']:.1f}"
-        lines.append((r["fault"], str(r["injected"]), str(r["jobs"]), str(r["identical"]),
-                      str(r["different"]), str(r["failed"]), str(r["lost"]), str(r["stuck"]),
-                      recover))  # fmt: skip
+        lines.append(
+            (
+                r["fault"],
+                str(r["injected"]),
+                str(r["jobs"]),
+                str(r["identical"]),
+                str(r["different"]),
+                str(r["failed"]),
+                str(r["lost"]),
+                str(r["stuck"]),
+                recover,
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    text = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
-            for line in lines]  # fmt: skip
+    text = [
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
+    ]
     for r in rows:
         for reason in r["failed_reasons"]:
             text.append(f"  {r['fault']} failed: {reason}")
     return text
 
 
-def run_matrix(model: str, counts: dict[str, int], workdir: Path, log: Log, *,
-               stages: int = 3, tokens: int = 48, postgres: str | None = None,
-               stop_s: float = 30.0, db_down_s: float = 10.0, deadline_s: float = 300.0,
-               seed: int = 0, env: dict[str, str] | None = None) -> dict:  # fmt: skip
+def run_matrix(
+    model: str,
+    counts: dict[str, int],
+    workdir: Path,
+    log: Log,
+    *,
+    stages: int = 3,
+    tokens: int = 48,
+    postgres: str | None = None,
+    stop_s: float = 30.0,
+    db_down_s: float = 10.0,
+    deadline_s: float = 300.0,
+    seed: int = 0,
+    env: dict[str, str] | None = None,
+) -> dict:
     """Every fault in `counts` (fault -> times), on a stack of `stages` stages of `model`.
 
     `db-down` runs on a stack of its own on PostgreSQL (`postgres`, a server URL: a database is
@@ -516,8 +614,15 @@ def run_matrix(model: str, counts: dict[str, int], workdir: Path, log: Log, *,
     references = References(model)
     on_sqlite = [f for f in FAULTS if counts.get(f) and not (f == "db-down" and postgres)]
     trials: list[Trial] = []
-    setup = {"model": model, "stages": stages, "tokens": tokens, "stop_s": stop_s,
-             "db_down_s": db_down_s, "deadline_s": deadline_s, "counts": counts}  # fmt: skip
+    setup = {
+        "model": model,
+        "stages": stages,
+        "tokens": tokens,
+        "stop_s": stop_s,
+        "db_down_s": db_down_s,
+        "deadline_s": deadline_s,
+        "counts": counts,
+    }
     if on_sqlite:
         with Stack(model, stages, workdir / "sqlite", env=env) as stack:
             log(f"stack up: {stages} stages of {model}, SQLite store, {stack.web_url}")
@@ -542,8 +647,20 @@ def run_matrix(model: str, counts: dict[str, int], workdir: Path, log: Log, *,
             if "db-down" in on_sqlite:
                 setup["db_fault"] = "SQLite: the write lock held by another connection"
     if postgres and counts.get("db-down"):
-        trials += _postgres_db_down(model, stages, tokens, postgres, counts["db-down"], workdir,
-                                    references, rng, log, deadline_s, db_down_s, env)  # fmt: skip
+        trials += _postgres_db_down(
+            model,
+            stages,
+            tokens,
+            postgres,
+            counts["db-down"],
+            workdir,
+            references,
+            rng,
+            log,
+            deadline_s,
+            db_down_s,
+            env,
+        )
         setup["db_fault"] = "PostgreSQL: a relay drops every connection and refuses new ones"
     rows = summarise(trials)
     bad = sum(r["different"] + r["lost"] + r["stuck"] for r in rows)
@@ -557,8 +674,20 @@ def run_matrix(model: str, counts: dict[str, int], workdir: Path, log: Log, *,
     }
 
 
-def _postgres_db_down(model, stages, tokens, postgres, count, workdir, references, rng, log,
-                      deadline_s, db_down_s, env) -> list[Trial]:  # fmt: skip
+def _postgres_db_down(
+    model,
+    stages,
+    tokens,
+    postgres,
+    count,
+    workdir,
+    references,
+    rng,
+    log,
+    deadline_s,
+    db_down_s,
+    env,
+) -> list[Trial]:
     from sqlalchemy import create_engine, text
 
     from models.db import get_engine, normalize_url
@@ -574,8 +703,9 @@ def _postgres_db_down(model, stages, tokens, postgres, count, workdir, reference
     direct_url = direct.render_as_string(hide_password=False)
     try:
         home = workdir / "postgres"
-        with Stack(model, stages, home, database_url=relayed.render_as_string(hide_password=False),
-                   env=env) as stack:  # fmt: skip
+        with Stack(
+            model, stages, home, database_url=relayed.render_as_string(hide_password=False), env=env
+        ) as stack:
             log(f"stack up: {stages} stages of {model}, PostgreSQL through a relay")
             jobs = Jobs(stack, references, direct_url, tokens, rng)
             matrix = Matrix(

@@ -59,13 +59,26 @@ def job_requests(n: int, seed: int) -> list[tuple[str, int]]:
     return [(PROMPTS[i % len(PROMPTS)], seed + i) for i in range(n)]
 
 
-def run_job(ring, prompt_ids: Sequence[int], params: SamplingParams, draft_k: int,
-            max_new_tokens: int, adaptive: bool = False,
-            drafts_from: str = "both") -> JobTiming:  # fmt: skip
+def run_job(
+    ring,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    draft_k: int,
+    max_new_tokens: int,
+    adaptive: bool = False,
+    drafts_from: str = "both",
+) -> JobTiming:
     """One job to its end on `ring`, timed; `adaptive` chooses each round's K up to draft_k."""
-    generation = Generation(ring, f"load-{uuid.uuid4().hex[:10]}", prompt_ids, params,
-                            max_new_tokens=max_new_tokens, draft_k=draft_k,
-                            adaptive=adaptive, drafts_from=drafts_from)  # fmt: skip
+    generation = Generation(
+        ring,
+        f"load-{uuid.uuid4().hex[:10]}",
+        prompt_ids,
+        params,
+        max_new_tokens=max_new_tokens,
+        draft_k=draft_k,
+        adaptive=adaptive,
+        drafts_from=drafts_from,
+    )
     started = time.perf_counter()
     first = None
     for _ in generation.rounds():
@@ -76,8 +89,14 @@ def run_job(ring, prompt_ids: Sequence[int], params: SamplingParams, draft_k: in
     return JobTiming(generation.generated, first or done, done, stats.rounds, stats.head_rounds)
 
 
-def solo_tokens(model: str, requests: Sequence[tuple[str, int]], temp: float, top_p: float,
-                draft_k: int, max_new_tokens: int) -> list[list[int]]:  # fmt: skip
+def solo_tokens(
+    model: str,
+    requests: Sequence[tuple[str, int]],
+    temp: float,
+    top_p: float,
+    draft_k: int,
+    max_new_tokens: int,
+) -> list[list[int]]:
     """Each job's tokens run alone in this process: what every loaded run must give."""
     target = open_target(model)
     ring = LocalRing(target.load_stages(1))
@@ -114,20 +133,47 @@ def load(
                 # One job alone is every job of the run, one after another: the same prompts
                 # as the loaded runs', and a mean over them rather than one prompt's luck.
                 jobs = len(requests) if n == 1 else n
-                row = _loaded_run(swarm, target, requests[:jobs], expected[:jobs], temp, top_p,
-                                  draft_k, tokens, adaptive, at_once=n > 1)  # fmt: skip
+                row = _loaded_run(
+                    swarm,
+                    target,
+                    requests[:jobs],
+                    expected[:jobs],
+                    temp,
+                    top_p,
+                    draft_k,
+                    tokens,
+                    adaptive,
+                    at_once=n > 1,
+                )
                 row["hop_delay_ms"] = delay
                 results.append(row)
                 log(_describe(row))
     for row in results:  # the ratio against one job alone at the same delay
         alone = next(r for r in results if r["hop_delay_ms"] == row["hop_delay_ms"])
         row["aggregate_vs_one"] = row["aggregate_tok_s"] / alone["aggregate_tok_s"]
-    return {"model": target.name, "stages": n_stages, "tokens": tokens, "temp": temp,
-            "draft_k": draft_k, "adaptive": adaptive, "runs": results}  # fmt: skip
+    return {
+        "model": target.name,
+        "stages": n_stages,
+        "tokens": tokens,
+        "temp": temp,
+        "draft_k": draft_k,
+        "adaptive": adaptive,
+        "runs": results,
+    }
 
 
-def _loaded_run(swarm: LocalSwarm, target, requests, expected, temp, top_p, draft_k,
-                tokens, adaptive, at_once: bool = True) -> dict:  # fmt: skip
+def _loaded_run(
+    swarm: LocalSwarm,
+    target,
+    requests,
+    expected,
+    temp,
+    top_p,
+    draft_k,
+    tokens,
+    adaptive,
+    at_once: bool = True,
+) -> dict:
     timings: list[JobTiming | BaseException | None] = [None] * len(requests)
     rings = [swarm.ring() for _ in requests]
 
@@ -136,8 +182,9 @@ def _loaded_run(swarm: LocalSwarm, target, requests, expected, temp, top_p, draf
         params = SamplingParams(temp=temp, top_p=top_p, seed=seed)
         try:
             rings[i].reset(f"load-{i}", params)
-            timings[i] = run_job(rings[i], target.prompt_ids(prompt), params, draft_k, tokens,
-                                 adaptive)  # fmt: skip
+            timings[i] = run_job(
+                rings[i], target.prompt_ids(prompt), params, draft_k, tokens, adaptive
+            )
         except BaseException as exc:  # reported in the row, not raised from a thread
             timings[i] = exc
 
@@ -263,8 +310,15 @@ def side_by_side(
                     outputs = {}
                     for method in order:
                         ring.reset("side-by-side", params)
-                        timing = run_job(ring, prompt_ids, params, method.draft_k, tokens,
-                                         method.adaptive, method.drafts_from)  # fmt: skip
+                        timing = run_job(
+                            ring,
+                            prompt_ids,
+                            params,
+                            method.draft_k,
+                            tokens,
+                            method.adaptive,
+                            method.drafts_from,
+                        )
                         outputs[method.name] = timing.tokens
                         total = totals[(kind, method.name)]
                         total[0] += len(timing.tokens)
@@ -273,8 +327,10 @@ def side_by_side(
                         total[3] += timing.head_rounds
                     same = all(t == outputs[methods[0].name] for t in outputs.values())
                     exact = exact and same
-                    log(f"delay {delay:g} ms, {kind}, seed {params.seed}: identical to "
-                        f"{methods[0].name} {same}")  # fmt: skip
+                    log(
+                        f"delay {delay:g} ms, {kind}, seed {params.seed}: identical to "
+                        f"{methods[0].name} {same}"
+                    )
         finally:
             ring.close()
     out: dict[str, dict[str, dict[str, float]]] = {}
@@ -282,9 +338,11 @@ def side_by_side(
         out[kind] = {}
         for m in methods:
             n, seconds, rounds, head_rounds = totals[(kind, m.name)]
-            out[kind][m.name] = {"tok_s": n / seconds if seconds else 0.0,
-                                 "tokens_per_round": n / max(rounds, 1),
-                                 "head_round_share": head_rounds / max(rounds, 1)}  # fmt: skip
+            out[kind][m.name] = {
+                "tok_s": n / seconds if seconds else 0.0,
+                "tokens_per_round": n / max(rounds, 1),
+                "head_round_share": head_rounds / max(rounds, 1),
+            }
     return out, exact
 
 
@@ -308,28 +366,48 @@ def adaptive_k(
 
     target = open_target(model)
     methods = k_methods(fixed, max_k)
-    prompts = {"grounded": [target.prompt_ids(GROUNDED_PROMPT)],
-               "novel": [target.prompt_ids(NOVEL_PROMPT)]}  # fmt: skip
+    prompts = {
+        "grounded": [target.prompt_ids(GROUNDED_PROMPT)],
+        "novel": [target.prompt_ids(NOVEL_PROMPT)],
+    }
     rows, exact = [], True
     for delay in delays:
         measured, same = side_by_side(
-            model, n_stages, delay, prompts, methods,
-            lambda r: SamplingParams(temp=temp, top_p=top_p, seed=seed + r), tokens, repeats, log,
-        )  # fmt: skip
+            model,
+            n_stages,
+            delay,
+            prompts,
+            methods,
+            lambda r: SamplingParams(temp=temp, top_p=top_p, seed=seed + r),
+            tokens,
+            repeats,
+            log,
+        )
         exact = exact and same
         for kind, by_method in measured.items():
             rates = {name: v["tok_s"] for name, v in by_method.items()}
             plain = rates["plain"]
             best_fixed = max(v for name, v in rates.items() if name.startswith("K="))
             adaptive = rates[methods[-1].name]
-            row = {"hop_delay_ms": delay, "kind": kind, "tok_s": rates,
-                   "tokens_per_round": {n: v["tokens_per_round"] for n, v in by_method.items()},
-                   "vs_plain": {name: v / plain for name, v in rates.items()},
-                   "adaptive_vs_best_fixed": adaptive / best_fixed}  # fmt: skip
+            row = {
+                "hop_delay_ms": delay,
+                "kind": kind,
+                "tok_s": rates,
+                "tokens_per_round": {n: v["tokens_per_round"] for n, v in by_method.items()},
+                "vs_plain": {name: v / plain for name, v in rates.items()},
+                "adaptive_vs_best_fixed": adaptive / best_fixed,
+            }
             rows.append(row)
             log(_describe_k(row))
-    return {"model": target.name, "stages": n_stages, "tokens": tokens, "temp": temp,
-            "repeats": repeats, "identical_to_plain": exact, "runs": rows}  # fmt: skip
+    return {
+        "model": target.name,
+        "stages": n_stages,
+        "tokens": tokens,
+        "temp": temp,
+        "repeats": repeats,
+        "identical_to_plain": exact,
+        "runs": rows,
+    }
 
 
 # The draft head's sampling modes: greedy, and a temperature under the Gumbel sampler, whose
@@ -359,27 +437,49 @@ def draft_sources(
     methods = source_methods(max_k)
     # Novel: prompts the head never read, nor anything about their subjects, one a repeat.
     novel = (NOVEL_PROMPT, *EVAL_PROMPTS)
-    prompts = {"grounded": [target.prompt_ids(GROUNDED_PROMPT)],
-               "novel": [target.prompt_ids(p) for p in novel]}  # fmt: skip
+    prompts = {
+        "grounded": [target.prompt_ids(GROUNDED_PROMPT)],
+        "novel": [target.prompt_ids(p) for p in novel],
+    }
     rows, exact = [], True
     for delay in delays:
         for mode, (temp, top_p) in HEAD_MODES.items():
             measured, same = side_by_side(
-                model, n_stages, delay, prompts, methods,
-                lambda r, t=temp, p=top_p: SamplingParams(temp=t, top_p=p, seed=seed + r,
-                                                          sampler="gumbel"),
-                tokens, repeats, log, draft_head,
-            )  # fmt: skip
+                model,
+                n_stages,
+                delay,
+                prompts,
+                methods,
+                lambda r, t=temp, p=top_p: SamplingParams(
+                    temp=t, top_p=p, seed=seed + r, sampler="gumbel"
+                ),
+                tokens,
+                repeats,
+                log,
+                draft_head,
+            )
             exact = exact and same
             for kind, by_method in measured.items():
                 plain = by_method["plain"]["tok_s"]
                 vs_plain = {n: v["tok_s"] / plain for n, v in by_method.items()}
-                row = {"hop_delay_ms": delay, "mode": mode, "kind": kind, "methods": by_method,
-                       "vs_plain": vs_plain}  # fmt: skip
+                row = {
+                    "hop_delay_ms": delay,
+                    "mode": mode,
+                    "kind": kind,
+                    "methods": by_method,
+                    "vs_plain": vs_plain,
+                }
                 rows.append(row)
                 log(_describe_sources(row))
-    return {"model": target.name, "stages": n_stages, "tokens": tokens, "max_k": max_k,
-            "repeats": repeats, "identical_to_plain": exact, "runs": rows}  # fmt: skip
+    return {
+        "model": target.name,
+        "stages": n_stages,
+        "tokens": tokens,
+        "max_k": max_k,
+        "repeats": repeats,
+        "identical_to_plain": exact,
+        "runs": rows,
+    }
 
 
 def _describe_sources(row: dict) -> str:

@@ -174,14 +174,17 @@ def main() -> None:
     tok = load_tokenizer(checkpoint)
     on = {"dtype": args.dtype, "device": args.device}
     stage = load_stage(checkpoint, 0, checkpoint.config.n_layers, **on)
-    fast = load_stage(open_checkpoint("default"), 0, checkpoint.config.n_layers, **on,
-                      row_stable=False)  # fmt: skip
+    fast = load_stage(
+        open_checkpoint("default"), 0, checkpoint.config.n_layers, **on, row_stable=False
+    )
     plain = load_stage(checkpoint, 0, checkpoint.config.n_layers, **on, pack=False)
     twin = transformers_twin(plain)  # packed weights have no plain copy to hand over
     del plain
     ids = tok.prompt_ids(STORY)
-    print(f"default model, {args.dtype} on {args.device}, {args.threads} thread(s), "
-          f"prompt {len(ids)} tokens")  # fmt: skip
+    print(
+        f"default model, {args.dtype} on {args.device}, {args.threads} thread(s), "
+        f"prompt {len(ids)} tokens"
+    )
     modes = {"row-stable": stage, "fast rows": fast}
 
     for model in modes.values():  # warm up

@@ -67,8 +67,14 @@ STATS_FLUSH_S = 2.5  # more than a bench stage's heartbeat (1 s) plus its read t
 class LocalSwarm:
     """N `specpipe worker stage` processes of one model on a private Redis (context manager)."""
 
-    def __init__(self, model: str, n_stages: int, link_delay_ms: float = 0.0,
-                 threads: int = 1, draft_head: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: str,
+        n_stages: int,
+        link_delay_ms: float = 0.0,
+        threads: int = 1,
+        draft_head: str | None = None,
+    ) -> None:
         self.model, self.n_stages = model, n_stages
         self.draft_head = draft_head  # the tail's (`worker stage --draft-head`); None: default
         self.link_delay_ms, self.threads = link_delay_ms, threads
@@ -82,14 +88,36 @@ class LocalSwarm:
         self.data_url = self.redis.socket_url or self.url  # the streams' Redis, as in `up`
         target = open_target(self.model)
         self.n_layers, self.model_label = target.n_layers, target.name
-        env = {**os.environ, "REDIS_URL": self.url, "SPECPIPE_SWARM": self.swarm,
-               "SPECPIPE_SWARM_KEY": self.key, "OMP_NUM_THREADS": str(self.threads)}  # fmt: skip
+        env = {
+            **os.environ,
+            "REDIS_URL": self.url,
+            "SPECPIPE_SWARM": self.swarm,
+            "SPECPIPE_SWARM_KEY": self.key,
+            "OMP_NUM_THREADS": str(self.threads),
+        }
         try:
             for i, (a, b) in enumerate(even_split(self.n_layers, self.n_stages)):
-                argv = [sys.executable, "-m", "specpipe", "worker", "stage", "--host", f"s{i}",
-                        "--layers", f"{a}:{b}", "--model", self.model, "--redis", self.data_url,
-                        "--threads", str(self.threads), "--heartbeat-s", "1",
-                        "--link-delay-ms", str(self.link_delay_ms)]  # fmt: skip
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "specpipe",
+                    "worker",
+                    "stage",
+                    "--host",
+                    f"s{i}",
+                    "--layers",
+                    f"{a}:{b}",
+                    "--model",
+                    self.model,
+                    "--redis",
+                    self.data_url,
+                    "--threads",
+                    str(self.threads),
+                    "--heartbeat-s",
+                    "1",
+                    "--link-delay-ms",
+                    str(self.link_delay_ms),
+                ]
                 if self.draft_head is not None:
                     argv += ["--draft-head", self.draft_head]
                 self.procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL))
@@ -148,8 +176,13 @@ class Timed:
     round_ms_each: list[float]  # every decode round, in order (the prefill is not one)
 
 
-def lockstep(rings: dict[str, Ring], prompt_ids: Sequence[int], params: SamplingParams,
-             draft_k: int, max_new_tokens: int) -> dict[str, Timed]:  # fmt: skip
+def lockstep(
+    rings: dict[str, Ring],
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    draft_k: int,
+    max_new_tokens: int,
+) -> dict[str, Timed]:
     """The same generation on every ring, one round of each in turn.
 
     Taking turns round by round puts the machine's slow drifts (other load, clock changes) on
@@ -195,8 +228,9 @@ def lockstep(rings: dict[str, Ring], prompt_ids: Sequence[int], params: Sampling
     return timed
 
 
-def timed_generation(ring: Ring, prompt_ids: Sequence[int], params: SamplingParams,
-                     draft_k: int, max_new_tokens: int) -> Timed:  # fmt: skip
+def timed_generation(
+    ring: Ring, prompt_ids: Sequence[int], params: SamplingParams, draft_k: int, max_new_tokens: int
+) -> Timed:
     """Generate once; time the rounds after the first (the prefill is not a decode round)."""
     return lockstep({"ring": ring}, prompt_ids, params, draft_k, max_new_tokens)["ring"]
 
@@ -210,8 +244,9 @@ def median_interval(values: Sequence[float], z: float = 1.96) -> tuple[float, fl
     return ordered[low], ordered[high]
 
 
-def overhead(model: str, n_stages: int, tokens: int, threads: int, log: Log,
-             repeats: int = 5) -> dict:  # fmt: skip
+def overhead(
+    model: str, n_stages: int, tokens: int, threads: int, log: Log, repeats: int = 5
+) -> dict:
     """Per-hop cost of the ring against the same model in one process (plain greedy).
 
     The whole model in one process, the same model split into stages in one process, and the
@@ -232,8 +267,9 @@ def overhead(model: str, n_stages: int, tokens: int, threads: int, log: Log,
     with LocalSwarm(model, n_stages, threads=threads) as swarm:
         ring = swarm.ring()
         for _ in range(repeats):
-            timed = lockstep({"whole": whole, "split": split, "ring": ring}, prompt, greedy, 0,
-                             tokens)  # fmt: skip
+            timed = lockstep(
+                {"whole": whole, "split": split, "ring": ring}, prompt, greedy, 0, tokens
+            )
             for name, t in timed.items():
                 runs[name].append(t)
             time.sleep(STATS_FLUSH_S)  # the stages publish their running means at heartbeats
@@ -251,10 +287,12 @@ def overhead(model: str, n_stages: int, tokens: int, threads: int, log: Log,
     split_per_hop = statistics.median(over_whole["split"]) / hops
     stage_forwards = statistics.median(forwards)
     slower_forwards_per_hop = (stage_forwards - median["split"]) / hops
-    log(f"one process: {median['whole']:.1f} ms per plain round; split into {n_stages} stages: "
+    log(
+        f"one process: {median['whole']:.1f} ms per plain round; split into {n_stages} stages: "
         f"{median['split']:.1f} ms; {n_stages} stage processes: {median['ring']:.1f} ms, of "
         f"which the stages' forwards {stage_forwards:.1f} ms ({len(each['ring'])} rounds of each, "
-        f"in lockstep, {repeats} runs)")  # fmt: skip
+        f"in lockstep, {repeats} runs)"
+    )
     tok_s = {name: statistics.median(t.tok_s for t in timed) for name, timed in runs.items()}
     all_runs = [t for timed in runs.values() for t in timed]
     return {
@@ -280,8 +318,16 @@ def overhead(model: str, n_stages: int, tokens: int, threads: int, log: Log,
     }
 
 
-def latency(model: str, n_stages: int, delays_ms: Sequence[float], tokens: int, params: dict,
-            draft_k: int, threads: int, log: Log) -> list[dict]:  # fmt: skip
+def latency(
+    model: str,
+    n_stages: int,
+    delays_ms: Sequence[float],
+    tokens: int,
+    params: dict,
+    draft_k: int,
+    threads: int,
+    log: Log,
+) -> list[dict]:
     """Speculative against plain through the ring, each link delayed by D ms."""
     target = open_target(model)
     prompts = {"grounded": GROUNDED_PROMPT, "novel": NOVEL_PROMPT}
@@ -304,7 +350,7 @@ def latency(model: str, n_stages: int, delays_ms: Sequence[float], tokens: int, 
                     "tokens_per_round": spec.tokens_per_round,
                     "latency_ceiling_tok_s": (
                         spec.tokens_per_round / ring_latency_s if ring_latency_s else None
-                    ),  # fmt: skip
+                    ),
                     "identical": spec.tokens == plain.tokens,
                 }
                 rows.append(row)
@@ -317,8 +363,16 @@ def latency(model: str, n_stages: int, delays_ms: Sequence[float], tokens: int, 
     return rows
 
 
-def exactness(model: str, n_stages: int, pairs: int, tokens: int, params: dict, draft_k: int,
-              threads: int, log: Log) -> dict:  # fmt: skip
+def exactness(
+    model: str,
+    n_stages: int,
+    pairs: int,
+    tokens: int,
+    params: dict,
+    draft_k: int,
+    threads: int,
+    log: Log,
+) -> dict:
     """Speculative == plain through the ring for `pairs` (prompt, seed) pairs; greedy through
     the ring == greedy in one process."""
     import torch

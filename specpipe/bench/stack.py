@@ -26,8 +26,14 @@ from specpipe.ops.redis_server import free_port
 from specpipe.swarm import inventory
 
 # The variables a shell may carry that would point `up` at another swarm or store.
-CLEARED = ("REDIS_URL", "DATABASE_URL", "SPECPIPE_SWARM_KEY", "SECRET_KEY", "SPECPIPE_SWARM",
-           "SPECPIPE_MODEL")  # fmt: skip
+CLEARED = (
+    "REDIS_URL",
+    "DATABASE_URL",
+    "SPECPIPE_SWARM_KEY",
+    "SECRET_KEY",
+    "SPECPIPE_SWARM",
+    "SPECPIPE_MODEL",
+)
 SPECPIPE = [sys.executable, "-m", "specpipe"]
 
 
@@ -44,8 +50,12 @@ def role_of(argv: list[str]) -> str | None:
     if "worker stage" in line and "--host" in argv:
         host = argv[argv.index("--host") + 1]
         return "stage" + host.rsplit("-stage", 1)[-1]
-    for role, words in (("coordinator", "worker coordinator"), ("nightly", "worker nightly"),
-                        ("beat", "worker beat"), ("web", "specpipe web")):  # fmt: skip
+    for role, words in (
+        ("coordinator", "worker coordinator"),
+        ("nightly", "worker nightly"),
+        ("beat", "worker beat"),
+        ("web", "specpipe web"),
+    ):
         if words in line:
             return role
     return None
@@ -54,13 +64,25 @@ def role_of(argv: list[str]) -> str | None:
 class Stack:
     """`specpipe up --stages N --model M` in `home` (context manager)."""
 
-    def __init__(self, model: str, stages: int, home: Path, *, database_url: str | None = None,
-                 env: dict[str, str] | None = None, threads: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: str,
+        stages: int,
+        home: Path,
+        *,
+        database_url: str | None = None,
+        env: dict[str, str] | None = None,
+        threads: int = 1,
+    ) -> None:
         self.model, self.stages, self.home = model, stages, Path(home)
         self.port = free_port()
         self.env = {k: v for k, v in os.environ.items() if k not in CLEARED}
-        self.env.update(SPECPIPE_HOME=str(self.home), OMP_NUM_THREADS=str(threads),
-                        PYTHONUNBUFFERED="1", **(env or {}))  # fmt: skip
+        self.env.update(
+            SPECPIPE_HOME=str(self.home),
+            OMP_NUM_THREADS=str(threads),
+            PYTHONUNBUFFERED="1",
+            **(env or {}),
+        )
         if database_url:
             self.env["DATABASE_URL"] = database_url
         self.log_path = self.home / "up.log"
@@ -70,14 +92,27 @@ class Stack:
 
     def __enter__(self) -> Stack:
         self.home.mkdir(parents=True, exist_ok=True)
-        argv = [*SPECPIPE, "up", "--stages", str(self.stages), "--model", self.model,
-                "--port", str(self.port), "--status-every", "0"]  # fmt: skip
+        argv = [
+            *SPECPIPE,
+            "up",
+            "--stages",
+            str(self.stages),
+            "--model",
+            self.model,
+            "--port",
+            str(self.port),
+            "--status-every",
+            "0",
+        ]
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         try:
             state_file = self.home / "swarm.json"
-            self._wait(lambda: state_file.is_file() and state_file.read_text().strip(), 120,
-                       "the swarm's state file")  # fmt: skip
+            self._wait(
+                lambda: state_file.is_file() and state_file.read_text().strip(),
+                120,
+                "the swarm's state file",
+            )
             self.state = json.loads(state_file.read_text())
             self.wait_ready()
             for role, process in self.processes().items():
@@ -195,8 +230,9 @@ class Stack:
         started = time.monotonic()
         while not condition():
             if self.proc.poll() is not None:
-                raise StackError(f"specpipe up exited with {self.proc.returncode}: "
-                                 f"{self.log_tail()}")  # fmt: skip
+                raise StackError(
+                    f"specpipe up exited with {self.proc.returncode}: {self.log_tail()}"
+                )
             if time.monotonic() - started > timeout_s:
                 raise StackError(f"timed out after {timeout_s:g} s waiting for {what}")
             time.sleep(0.2)

@@ -59,8 +59,16 @@ def ring_latency_now(settings: Settings) -> inventory.RingLatency | None:
     return inventory.ring_latency(ring, stats)
 
 
-def run(settings: Settings, model: str, *, tokens: int, temps: Sequence[float], seed: int,
-        draft_k: int, log: Callable[[str], None]) -> dict:  # fmt: skip
+def run(
+    settings: Settings,
+    model: str,
+    *,
+    tokens: int,
+    temps: Sequence[float],
+    seed: int,
+    draft_k: int,
+    log: Callable[[str], None],
+) -> dict:
     """Every (prompt, temperature), plain then speculative, on the lab's ring; the rows."""
     target = open_target(model)
     ring = RedisRing.from_inventory(settings, target.name, target.n_layers)
@@ -87,8 +95,12 @@ def run(settings: Settings, model: str, *, tokens: int, temps: Sequence[float], 
     return {"route": [hop.host for hop in ring.route], "rows": rows}
 
 
-def _row(name: str, temp: float, plain: tuple[Timed, inventory.RingLatency | None],
-         spec: tuple[Timed, inventory.RingLatency | None]) -> dict:  # fmt: skip
+def _row(
+    name: str,
+    temp: float,
+    plain: tuple[Timed, inventory.RingLatency | None],
+    spec: tuple[Timed, inventory.RingLatency | None],
+) -> dict:
     """One (prompt, temperature): each mode's tok/s against two ceilings: the ring's (its
     links and its stages' measured times) and the links' alone (compute for free)."""
     row = {"prompt": name, "temp": temp, "identical": spec[0].tokens == plain[0].tokens}
@@ -115,12 +127,16 @@ def _row(name: str, temp: float, plain: tuple[Timed, inventory.RingLatency | Non
 def _line(row: dict) -> str:
     def part(label: str, r: dict) -> str:
         share = f", {r['of_ceiling']:.0%} of {r['ceiling_tok_s']:.1f}" if r["of_ceiling"] else ""
-        return (f"{label} {r['tok_s']:.1f} tok/s ({r['tokens_per_round']:.2f}/round{share}, "
-                f"ring {r['ring_ms']} ms)")  # fmt: skip
+        return (
+            f"{label} {r['tok_s']:.1f} tok/s ({r['tokens_per_round']:.2f}/round{share}, "
+            f"ring {r['ring_ms']} ms)"
+        )
 
     plain, spec = part("plain", row["plain"]), part("spec", row["spec"])
-    return (f"{row['prompt']:8} temp {row['temp']:g}: {plain}, {spec}, {row['speedup']}x, "
-            f"identical {row['identical']}")  # fmt: skip
+    return (
+        f"{row['prompt']:8} temp {row['temp']:g}: {plain}, {spec}, {row['speedup']}x, "
+        f"identical {row['identical']}"
+    )
 
 
 def table(result: dict) -> list[str]:
@@ -133,8 +149,19 @@ def table(result: dict) -> list[str]:
     for row in result["rows"]:
         for mode in ("plain", "spec"):
             r = row[mode]
-            cells = [row["prompt"], f"{row['temp']:g}", mode, r["tok_s"], r["tokens_per_round"],
-                     r["ring_ms"], r["ceiling_tok_s"], r["of_ceiling"], r["link_ms"],
-                     r["link_ceiling_tok_s"], r["of_link_ceiling"], row["identical"]]  # fmt: skip
+            cells = [
+                row["prompt"],
+                f"{row['temp']:g}",
+                mode,
+                r["tok_s"],
+                r["tokens_per_round"],
+                r["ring_ms"],
+                r["ceiling_tok_s"],
+                r["of_ceiling"],
+                r["link_ms"],
+                r["link_ceiling_tok_s"],
+                r["of_link_ceiling"],
+                row["identical"],
+            ]
             lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
     return lines

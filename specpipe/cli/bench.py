@@ -178,27 +178,54 @@ def bench_ring(
 @click.option(
     "--stages", type=click.IntRange(1, 16), default=4, show_default=True, help="Stage processes."
 )
-@click.option("--jobs", "counts", type=click.IntRange(1, 64), multiple=True,
-              default=(1, 2, 4, 8), show_default=True,
-              help="Jobs at once; repeat for several.")  # fmt: skip
-@click.option("--hop-delay-ms", "delays", type=click.FloatRange(0, 10_000), multiple=True,
-              default=(0.0, 25.0), show_default=True,
-              help="Simulated one-way latency per hop; repeat for several.")  # fmt: skip
-@click.option("--tokens", type=click.IntRange(4, 4096), default=48, show_default=True,
-              help="New tokens per job.")  # fmt: skip
+@click.option(
+    "--jobs",
+    "counts",
+    type=click.IntRange(1, 64),
+    multiple=True,
+    default=(1, 2, 4, 8),
+    show_default=True,
+    help="Jobs at once; repeat for several.",
+)
+@click.option(
+    "--hop-delay-ms",
+    "delays",
+    type=click.FloatRange(0, 10_000),
+    multiple=True,
+    default=(0.0, 25.0),
+    show_default=True,
+    help="Simulated one-way latency per hop; repeat for several.",
+)
+@click.option(
+    "--tokens",
+    type=click.IntRange(4, 4096),
+    default=48,
+    show_default=True,
+    help="New tokens per job.",
+)
 @click.option("--temp", type=click.FloatRange(min=0), default=0.7, show_default=True)
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95,
-              show_default=True)  # fmt: skip
-@click.option("--draft-k", type=click.IntRange(0, 64), default=4, show_default=True,
-              help="The most drafts a round sends.")  # fmt: skip
-@click.option("--fixed-k", is_flag=True,
-              help="Every round sends what the drafter has, up to --draft-k, instead of the "
-              "draft length the coordinator would choose.")  # fmt: skip
+@click.option(
+    "--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95, show_default=True
+)
+@click.option(
+    "--draft-k",
+    type=click.IntRange(0, 64),
+    default=4,
+    show_default=True,
+    help="The most drafts a round sends.",
+)
+@click.option(
+    "--fixed-k",
+    is_flag=True,
+    help="Every round sends what the drafter has, up to --draft-k, instead of the "
+    "draft length the coordinator would choose.",
+)
 @click.option("--seed", type=click.IntRange(0, 2**63), default=1, show_default=True)
 @json_option
 @_model_errors
-def bench_load(model, stages, counts, delays, tokens, temp, top_p, draft_k, fixed_k, seed,
-               json_path):  # fmt: skip
+def bench_load(
+    model, stages, counts, delays, tokens, temp, top_p, draft_k, fixed_k, seed, json_path
+):
     """Several jobs at once through one ring: aggregate tok/s, time to first token and to done,
     and every job's tokens against its solo run.
 
@@ -213,8 +240,19 @@ def bench_load(model, stages, counts, delays, tokens, temp, top_p, draft_k, fixe
         f"bench load: {model}, {stages} stages, {tokens} tokens per job, temp {temp}, "
         f"{'fixed' if fixed_k else 'adaptive'} K <= {draft_k}"
     )
-    result = loadbench.load(model, stages, counts, delays, tokens, temp, top_p, draft_k, seed,
-                            click.echo, adaptive=not fixed_k)  # fmt: skip
+    result = loadbench.load(
+        model,
+        stages,
+        counts,
+        delays,
+        tokens,
+        temp,
+        top_p,
+        draft_k,
+        seed,
+        click.echo,
+        adaptive=not fixed_k,
+    )
     write_json(json_path, result)
     if not all(row["identical_to_solo"] for row in result["runs"]):
         raise click.ClickException("a loaded job's tokens differ from its solo run")
@@ -222,28 +260,58 @@ def bench_load(model, stages, counts, delays, tokens, temp, top_p, draft_k, fixe
 
 @bench.command(name="adaptive-k")
 @click.option("--model", default="default", show_default=True, help="Model to serve.")
-@click.option("--stages", type=click.IntRange(1, 16), default=4, show_default=True,
-              help="Stage processes.")  # fmt: skip
-@click.option("--hop-delay-ms", "delays", type=click.FloatRange(0, 10_000), multiple=True,
-              default=(0.0, 25.0), show_default=True,
-              help="Simulated one-way latency per hop; repeat for several.")  # fmt: skip
-@click.option("--k", "fixed", type=click.IntRange(1, 64), multiple=True, default=(2, 4, 8),
-              show_default=True,
-              help="Fixed draft lengths to compare; repeat for several.")  # fmt: skip
-@click.option("--max-k", type=click.IntRange(1, 64), default=8, show_default=True,
-              help="The adaptive rule's largest K (a job's draft_k).")  # fmt: skip
-@click.option("--tokens", type=click.IntRange(4, 4096), default=64, show_default=True,
-              help="New tokens per job.")  # fmt: skip
+@click.option(
+    "--stages", type=click.IntRange(1, 16), default=4, show_default=True, help="Stage processes."
+)
+@click.option(
+    "--hop-delay-ms",
+    "delays",
+    type=click.FloatRange(0, 10_000),
+    multiple=True,
+    default=(0.0, 25.0),
+    show_default=True,
+    help="Simulated one-way latency per hop; repeat for several.",
+)
+@click.option(
+    "--k",
+    "fixed",
+    type=click.IntRange(1, 64),
+    multiple=True,
+    default=(2, 4, 8),
+    show_default=True,
+    help="Fixed draft lengths to compare; repeat for several.",
+)
+@click.option(
+    "--max-k",
+    type=click.IntRange(1, 64),
+    default=8,
+    show_default=True,
+    help="The adaptive rule's largest K (a job's draft_k).",
+)
+@click.option(
+    "--tokens",
+    type=click.IntRange(4, 4096),
+    default=64,
+    show_default=True,
+    help="New tokens per job.",
+)
 @click.option("--temp", type=click.FloatRange(min=0), default=0.7, show_default=True)
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95,
-              show_default=True)  # fmt: skip
+@click.option(
+    "--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95, show_default=True
+)
 @click.option("--seed", type=click.IntRange(0, 2**63), default=1, show_default=True)
-@click.option("--repeats", type=click.IntRange(1, 50), default=2, show_default=True,
-              help="Seeds per prompt; each runs every method.")  # fmt: skip
+@click.option(
+    "--repeats",
+    type=click.IntRange(1, 50),
+    default=2,
+    show_default=True,
+    help="Seeds per prompt; each runs every method.",
+)
 @json_option
 @_model_errors
-def bench_adaptive_k(model, stages, delays, fixed, max_k, tokens, temp, top_p, seed, repeats,
-                     json_path):  # fmt: skip
+def bench_adaptive_k(
+    model, stages, delays, fixed, max_k, tokens, temp, top_p, seed, repeats, json_path
+):
     """Adaptive draft length against plain decoding and fixed K, on a grounded and a novel
     prompt, at each hop delay: tok/s and the ratios, measured side by side in one run, and
     every method's tokens against plain's.
@@ -255,8 +323,9 @@ def bench_adaptive_k(model, stages, delays, fixed, max_k, tokens, temp, top_p, s
     from specpipe.bench import load as loadbench
 
     click.echo(f"bench adaptive-k: {model}, {stages} stages, {tokens} tokens per job, temp {temp}")
-    result = loadbench.adaptive_k(model, stages, delays, fixed, max_k, tokens, temp, top_p,
-                                  seed, repeats, click.echo)  # fmt: skip
+    result = loadbench.adaptive_k(
+        model, stages, delays, fixed, max_k, tokens, temp, top_p, seed, repeats, click.echo
+    )
     write_json(json_path, result)
     if not result["identical_to_plain"]:
         raise click.ClickException("a method's tokens differ from plain decoding's")
@@ -303,21 +372,56 @@ def bench_exact(model, stages, pairs, tokens, temp, top_p, top_k, draft_k, threa
 
 @bench.command(name="faults")
 @click.option("--model", default="default", show_default=True, help="Model to serve.")
-@click.option("--stages", type=click.IntRange(3, 16), default=3, show_default=True,
-              help="Stage processes (stage 0, the middle ones, the tail).")  # fmt: skip
-@click.option("--tokens", type=click.IntRange(8, 4096), default=48, show_default=True,
-              help="New tokens per job.")  # fmt: skip
-@click.option("--stage-kills", type=click.IntRange(min=0), default=5, show_default=True,
-              help="SIGKILLs of stage 0, of a middle stage and of the tail, each.")  # fmt: skip
-@click.option("--coordinator-kills", type=click.IntRange(min=0), default=5, show_default=True,
-              help="SIGKILLs of the coordinator.")  # fmt: skip
-@click.option("--redis-kills", type=click.IntRange(min=0), default=3, show_default=True,
-              help="SIGKILLs of Redis, with a job running and two queued.")  # fmt: skip
-@click.option("--stops", type=click.IntRange(min=0), default=3, show_default=True,
-              help="SIGSTOPs of a middle stage, each for --stop-s.")  # fmt: skip
+@click.option(
+    "--stages",
+    type=click.IntRange(3, 16),
+    default=3,
+    show_default=True,
+    help="Stage processes (stage 0, the middle ones, the tail).",
+)
+@click.option(
+    "--tokens",
+    type=click.IntRange(8, 4096),
+    default=48,
+    show_default=True,
+    help="New tokens per job.",
+)
+@click.option(
+    "--stage-kills",
+    type=click.IntRange(min=0),
+    default=5,
+    show_default=True,
+    help="SIGKILLs of stage 0, of a middle stage and of the tail, each.",
+)
+@click.option(
+    "--coordinator-kills",
+    type=click.IntRange(min=0),
+    default=5,
+    show_default=True,
+    help="SIGKILLs of the coordinator.",
+)
+@click.option(
+    "--redis-kills",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="SIGKILLs of Redis, with a job running and two queued.",
+)
+@click.option(
+    "--stops",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="SIGSTOPs of a middle stage, each for --stop-s.",
+)
 @click.option("--stop-s", type=click.FloatRange(min=0), default=30.0, show_default=True)
-@click.option("--db-outages", type=click.IntRange(min=0), default=2, show_default=True,
-              help="Times the database goes away, each for --db-down-s.")  # fmt: skip
+@click.option(
+    "--db-outages",
+    type=click.IntRange(min=0),
+    default=2,
+    show_default=True,
+    help="Times the database goes away, each for --db-down-s.",
+)
 @click.option("--db-down-s", type=click.FloatRange(min=0), default=10.0, show_default=True)
 @click.option(
     "--postgres",
@@ -325,17 +429,46 @@ def bench_exact(model, stages, pairs, tokens, temp, top_p, top_k, draft_k, threa
     help="A PostgreSQL server for the database outages (a database is created there and "
     "dropped after); without it the SQLite store's write lock is held.",
 )
-@click.option("--resplits", type=click.IntRange(min=0), default=3, show_default=True,
-              help="Restarts of a middle stage with another layer range.")  # fmt: skip
-@click.option("--deadline-s", type=click.FloatRange(min=10), default=300.0, show_default=True,
-              help="A job not finished this long after its fault counts as stuck.")  # fmt: skip
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Seeds the jobs, the rounds hit and the job seeds.")  # fmt: skip
+@click.option(
+    "--resplits",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="Restarts of a middle stage with another layer range.",
+)
+@click.option(
+    "--deadline-s",
+    type=click.FloatRange(min=10),
+    default=300.0,
+    show_default=True,
+    help="A job not finished this long after its fault counts as stuck.",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Seeds the jobs, the rounds hit and the job seeds.",
+)
 @json_option
 @_model_errors
-def bench_faults(model, stages, tokens, stage_kills, coordinator_kills, redis_kills, stops,
-                 stop_s, db_outages, db_down_s, postgres, resplits, deadline_s, seed,
-                 json_path):  # fmt: skip
+def bench_faults(
+    model,
+    stages,
+    tokens,
+    stage_kills,
+    coordinator_kills,
+    redis_kills,
+    stops,
+    stop_s,
+    db_outages,
+    db_down_s,
+    postgres,
+    resplits,
+    deadline_s,
+    seed,
+    json_path,
+):
     """The fault matrix: faults injected into the running stack, and what became of each job.
 
     Runs the stack as `specpipe up` does (private Redis, supervisor) in a temporary folder,
@@ -353,17 +486,32 @@ def bench_faults(model, stages, tokens, stage_kills, coordinator_kills, redis_ki
 
     from specpipe.bench import faults as faultbench
 
-    counts = {"kill-stage0": stage_kills, "kill-middle": stage_kills, "kill-tail": stage_kills,
-              "kill-coordinator": coordinator_kills, "kill-redis": redis_kills,
-              "stop-stage": stops, "db-down": db_outages, "resplit": resplits}  # fmt: skip
+    counts = {
+        "kill-stage0": stage_kills,
+        "kill-middle": stage_kills,
+        "kill-tail": stage_kills,
+        "kill-coordinator": coordinator_kills,
+        "kill-redis": redis_kills,
+        "stop-stage": stops,
+        "db-down": db_outages,
+        "resplit": resplits,
+    }
     counts = {fault: n for fault, n in counts.items() if n}
     click.echo(f"bench faults: {model}, {stages} stages, {tokens} tokens per job")
     with tempfile.TemporaryDirectory(prefix="specpipe-faults-") as workdir:
         result = faultbench.run_matrix(
-            model, counts, Path(workdir), click.echo, stages=stages, tokens=tokens,
-            postgres=postgres, stop_s=stop_s, db_down_s=db_down_s, deadline_s=deadline_s,
+            model,
+            counts,
+            Path(workdir),
+            click.echo,
+            stages=stages,
+            tokens=tokens,
+            postgres=postgres,
+            stop_s=stop_s,
+            db_down_s=db_down_s,
+            deadline_s=deadline_s,
             seed=seed,
-        )  # fmt: skip
+        )
     for line in faultbench.table(result["rows"]):
         click.echo(line)
     click.echo(f"verdict {result['verdict']}")
@@ -375,16 +523,41 @@ def bench_faults(model, stages, tokens, stage_kills, coordinator_kills, redis_ki
 @bench.command(name="load-api")
 @click.option("--model", default="default", show_default=True, help="Model to serve.")
 @click.option("--stages", type=click.IntRange(1, 16), default=3, show_default=True)
-@click.option("--users", type=click.IntRange(1, 1000), default=8, show_default=True,
-              help="Users, each with an API token of their own.")  # fmt: skip
-@click.option("--jobs", type=click.IntRange(1, 100_000), default=200, show_default=True,
-              help="Jobs submitted, the users taking turns.")  # fmt: skip
-@click.option("--within-s", type=click.FloatRange(min=0), default=60.0, show_default=True,
-              help="The submissions are spread evenly over this many seconds.")  # fmt: skip
-@click.option("--tokens", type=click.IntRange(1, 4096), default=16, show_default=True,
-              help="New tokens per job.")  # fmt: skip
-@click.option("--deadline-s", type=click.FloatRange(min=10), default=1800.0, show_default=True,
-              help="A job not finished this long after submitting counts as stuck.")  # fmt: skip
+@click.option(
+    "--users",
+    type=click.IntRange(1, 1000),
+    default=8,
+    show_default=True,
+    help="Users, each with an API token of their own.",
+)
+@click.option(
+    "--jobs",
+    type=click.IntRange(1, 100_000),
+    default=200,
+    show_default=True,
+    help="Jobs submitted, the users taking turns.",
+)
+@click.option(
+    "--within-s",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    show_default=True,
+    help="The submissions are spread evenly over this many seconds.",
+)
+@click.option(
+    "--tokens",
+    type=click.IntRange(1, 4096),
+    default=16,
+    show_default=True,
+    help="New tokens per job.",
+)
+@click.option(
+    "--deadline-s",
+    type=click.FloatRange(min=10),
+    default=1800.0,
+    show_default=True,
+    help="A job not finished this long after submitting counts as stuck.",
+)
 @json_option
 @_model_errors
 def bench_load_api(model, stages, users, jobs, within_s, tokens, deadline_s, json_path):
@@ -408,9 +581,16 @@ def bench_load_api(model, stages, users, jobs, within_s, tokens, deadline_s, jso
     click.echo(f"bench load-api: {model}, {stages} stages, {jobs} jobs from {users} users")
     with tempfile.TemporaryDirectory(prefix="specpipe-load-") as workdir:
         result = apiloadbench.run_load(
-            model, Path(workdir), click.echo, stages=stages, users=users, jobs=jobs,
-            within_s=within_s, tokens=tokens, deadline_s=deadline_s,
-        )  # fmt: skip
+            model,
+            Path(workdir),
+            click.echo,
+            stages=stages,
+            users=users,
+            jobs=jobs,
+            within_s=within_s,
+            tokens=tokens,
+            deadline_s=deadline_s,
+        )
     for line in apiloadbench.report(result):
         click.echo(line)
     click.echo(f"verdict {result['verdict']}")
@@ -421,11 +601,21 @@ def bench_load_api(model, stages, users, jobs, within_s, tokens, deadline_s, jso
 
 @bench.command(name="wan")
 @click.option("--model", default="default", show_default=True, help="Model to serve.")
-@click.option("--link-delay-ms", "delays", default="11,8,3.4,19", show_default=True,
-              help="One-way delay of each host's outgoing link, in ring order: one host per "
-              "value (the reference run's WA -> MN -> NC -> NJ -> WA).")  # fmt: skip
-@click.option("--tokens", type=click.IntRange(4, 4096), default=64, show_default=True,
-              help="New tokens per generation.")  # fmt: skip
+@click.option(
+    "--link-delay-ms",
+    "delays",
+    default="11,8,3.4,19",
+    show_default=True,
+    help="One-way delay of each host's outgoing link, in ring order: one host per "
+    "value (the reference run's WA -> MN -> NC -> NJ -> WA).",
+)
+@click.option(
+    "--tokens",
+    type=click.IntRange(4, 4096),
+    default=64,
+    show_default=True,
+    help="New tokens per generation.",
+)
 @click.option(
     "--temp",
     "temps",
@@ -437,8 +627,12 @@ def bench_load_api(model, stages, users, jobs, within_s, tokens, deadline_s, jso
 )
 @click.option("--seed", type=click.IntRange(0, 2**63), default=7, show_default=True)
 @click.option("--draft-k", type=click.IntRange(1, 64), default=8, show_default=True)
-@click.option("--home", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="The lab's folder [default: a temporary one].")  # fmt: skip
+@click.option(
+    "--home",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The lab's folder [default: a temporary one].",
+)
 @json_option
 @_model_errors
 def bench_wan(model, delays, tokens, temps, seed, draft_k, home, json_path):
@@ -464,8 +658,15 @@ def bench_wan(model, delays, tokens, temps, seed, draft_k, home, json_path):
         try:
             key = (the_lab.home / "swarm_key").read_text().strip()
             settings = wanbench.lab_settings(the_lab.state, key)
-            result = wanbench.run(settings, model, tokens=tokens, temps=temps, seed=seed,
-                                  draft_k=draft_k, log=click.echo)  # fmt: skip
+            result = wanbench.run(
+                settings,
+                model,
+                tokens=tokens,
+                temps=temps,
+                seed=seed,
+                draft_k=draft_k,
+                log=click.echo,
+            )
         finally:
             the_lab.down()
     result.update(link_delays_ms=ms, model=model, tokens=tokens, draft_k=draft_k)
@@ -478,12 +679,27 @@ def bench_wan(model, delays, tokens, temps, seed, draft_k, home, json_path):
 
 @bench.command(name="draft-head")
 @click.option("--model", default="default", show_default=True, help="The target model.")
-@click.option("--head", "head_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="The head file (default: the one shipped for the model).")  # fmt: skip
-@click.option("--k", "draft_k", type=click.IntRange(1, 16), default=5, show_default=True,
-              help="Drafts per round (the tail's cost); the largest K on the ring.")  # fmt: skip
-@click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True,
-              help="Timings per figure (the median is shown).")  # fmt: skip
+@click.option(
+    "--head",
+    "head_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The head file (default: the one shipped for the model).",
+)
+@click.option(
+    "--k",
+    "draft_k",
+    type=click.IntRange(1, 16),
+    default=5,
+    show_default=True,
+    help="Drafts per round (the tail's cost); the largest K on the ring.",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Timings per figure (the median is shown).",
+)
 @sampling_options(0.7, 0.95, greedy=False, what="the tail's cost")
 @click.option(
     "--ring/--no-ring",
@@ -491,22 +707,54 @@ def bench_wan(model, delays, tokens, temps, seed, draft_k, home, json_path):
     show_default=True,
     help="Also run jobs on real stage processes: head, n-gram and both vs plain.",
 )
-@click.option("--stages", type=click.IntRange(1, 16), default=4, show_default=True,
-              help="Stage processes of the ring.")  # fmt: skip
-@click.option("--hop-delay-ms", "delays", type=click.FloatRange(0, 10_000), multiple=True,
-              default=(0.0, 25.0), show_default=True,
-              help="Simulated one-way latency per hop; repeat for several.")  # fmt: skip
-@click.option("--tokens", type=click.IntRange(4, 4096), default=48, show_default=True,
-              help="New tokens per job on the ring.")  # fmt: skip
-@click.option("--seeds", type=click.IntRange(1, 50), default=4, show_default=True,
-              help="Jobs per kind of prompt on the ring, each with a seed of its own and the "
-                   "next of the kind's prompts; each runs every method.")  # fmt: skip
+@click.option(
+    "--stages",
+    type=click.IntRange(1, 16),
+    default=4,
+    show_default=True,
+    help="Stage processes of the ring.",
+)
+@click.option(
+    "--hop-delay-ms",
+    "delays",
+    type=click.FloatRange(0, 10_000),
+    multiple=True,
+    default=(0.0, 25.0),
+    show_default=True,
+    help="Simulated one-way latency per hop; repeat for several.",
+)
+@click.option(
+    "--tokens",
+    type=click.IntRange(4, 4096),
+    default=48,
+    show_default=True,
+    help="New tokens per job on the ring.",
+)
+@click.option(
+    "--seeds",
+    type=click.IntRange(1, 50),
+    default=4,
+    show_default=True,
+    help="Jobs per kind of prompt on the ring, each with a seed of its own and the "
+    "next of the kind's prompts; each runs every method.",
+)
 @json_option
 @_model_errors
-def bench_draft_head(model: str, head_path: Path | None, draft_k: int, repeats: int,
-                     temp: float, top_p: float, top_k: int, ring: bool, stages: int,
-                     delays: tuple[float, ...], tokens: int, seeds: int,
-                     json_path: Path | None) -> None:  # fmt: skip
+def bench_draft_head(
+    model: str,
+    head_path: Path | None,
+    draft_k: int,
+    repeats: int,
+    temp: float,
+    top_p: float,
+    top_k: int,
+    ring: bool,
+    stages: int,
+    delays: tuple[float, ...],
+    tokens: int,
+    seeds: int,
+    json_path: Path | None,
+) -> None:
     """What a round's tail costs with the draft head (the verify with the inverse-CDF sampler
     and with the Gumbel one, the head's K drafts, the Gumbel noise of one position); then, with
     --ring, jobs on real stage processes whose tail holds the head: tok/s,
@@ -539,9 +787,16 @@ def bench_draft_head(model: str, head_path: Path | None, draft_k: int, repeats: 
     result: dict[str, object] = {"tail_costs": costs}
     if ring:
         result["ring"] = loadbench.draft_sources(
-            model, stages, delays, draft_k, tokens, 1, seeds, click.echo,
+            model,
+            stages,
+            delays,
+            draft_k,
+            tokens,
+            1,
+            seeds,
+            click.echo,
             None if head_path is None else str(head_path),
-        )  # fmt: skip
+        )
     write_json(json_path, result)
     if ring and not result["ring"]["identical_to_plain"]:
         raise click.ClickException("a drafter's tokens differ from plain decoding's")

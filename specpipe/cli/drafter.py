@@ -57,22 +57,55 @@ def drafter() -> None:
 
 @drafter.command(name="train")
 @click.option("--model", default="default", show_default=True, help="The target model.")
-@click.option("--tokens", type=click.IntRange(min=64), default=120_000, show_default=True,
-              help="Tokens the target generates to train on.")  # fmt: skip
-@click.option("--steps", type=click.IntRange(min=1), default=4000, show_default=True,
-              help="Training steps.")  # fmt: skip
-@click.option("--batch", type=click.IntRange(min=1), default=256, show_default=True,
-              help="Positions per training step.")  # fmt: skip
-@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
-              help="Seed of the sampled data and of the head's initialisation.")  # fmt: skip
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
-              help="Where to write the head (default: MODEL.safetensors here).")  # fmt: skip
-@click.option("--draft-vocab", type=click.IntRange(min=0), default=8192, show_default=True,
-              help="Draft only this many tokens, the target's most likely (0: all).")  # fmt: skip
-@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Torch threads.")  # fmt: skip
-def train(model: str, tokens: int, steps: int, batch: int, seed: int, out: Path | None,
-          draft_vocab: int, threads: int) -> None:  # fmt: skip
+@click.option(
+    "--tokens",
+    type=click.IntRange(min=64),
+    default=120_000,
+    show_default=True,
+    help="Tokens the target generates to train on.",
+)
+@click.option(
+    "--steps", type=click.IntRange(min=1), default=4000, show_default=True, help="Training steps."
+)
+@click.option(
+    "--batch",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Positions per training step.",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(0, 2**32 - 1),
+    default=0,
+    show_default=True,
+    help="Seed of the sampled data and of the head's initialisation.",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Where to write the head (default: MODEL.safetensors here).",
+)
+@click.option(
+    "--draft-vocab",
+    type=click.IntRange(min=0),
+    default=8192,
+    show_default=True,
+    help="Draft only this many tokens, the target's most likely (0: all).",
+)
+@click.option(
+    "--threads", type=click.IntRange(min=1), default=2, show_default=True, help="Torch threads."
+)
+def train(
+    model: str,
+    tokens: int,
+    steps: int,
+    batch: int,
+    seed: int,
+    out: Path | None,
+    draft_vocab: int,
+    threads: int,
+) -> None:
     """Train a draft head for MODEL by self-distillation on text the model generates itself.
 
     The target continues the project's own prompts (sampled at temperatures 0.7 … 1.0 with
@@ -92,18 +125,26 @@ def train(model: str, tokens: int, steps: int, batch: int, seed: int, out: Path 
     generated_s = time.perf_counter() - started
     _log(f"{data.generated} tokens generated in {generated_s:.0f} s; training {steps} steps")
     parts = dt.training_parts(stage)
-    head, losses = dt.train_head(parts, data, steps, batch=batch, seed=seed,
-                                 draft_vocab=draft_vocab, log=_log)  # fmt: skip
-    command = (f"specpipe drafter train --model {model} --tokens {tokens} --steps {steps} "
-               f"--batch {batch} --seed {seed} --draft-vocab {draft_vocab}")  # fmt: skip
+    head, losses = dt.train_head(
+        parts, data, steps, batch=batch, seed=seed, draft_vocab=draft_vocab, log=_log
+    )
+    command = (
+        f"specpipe drafter train --model {model} --tokens {tokens} --steps {steps} "
+        f"--batch {batch} --seed {seed} --draft-vocab {draft_vocab}"
+    )
     meta = {
-        "model": label, "dim": cfg.dim, "vocab": cfg.vocab_size, "hidden": head.hidden,
+        "model": label,
+        "dim": cfg.dim,
+        "vocab": cfg.vocab_size,
+        "hidden": head.hidden,
         "draft_vocab": 0 if head.vocab is None else len(head.vocab),
-        "command": command, "seed": seed,
+        "command": command,
+        "seed": seed,
         "data": described,
-        "loss_first": losses[0], "loss_last_25": sum(losses[-25:]) / len(losses[-25:]),
+        "loss_first": losses[0],
+        "loss_last_25": sum(losses[-25:]) / len(losses[-25:]),
         "train_seconds": round(time.perf_counter() - started),
-    }  # fmt: skip
+    }
     head.save(out, meta)
     _log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {meta['train_seconds']} s")
 
@@ -120,35 +161,72 @@ def _generated_data(label: str, tokenizer, eos, stage, tokens: int, seed: int):
     # The prompts in an order of the seed's, so that a short run still sees many kinds.
     order = np.random.default_rng(seed).permutation(len(dt.TRAIN_PROMPTS))
     prompts = [tokenizer.prompt_ids(dt.TRAIN_PROMPTS[i]) for i in order]
-    jobs = [dt.Continuation(prompts[i % len(prompts)], seed * 100_003 + i, temps[i % len(temps)])
-            for i in range(n_jobs)]  # fmt: skip
-    _log(f"{label}: generating {n_jobs} continuations of up to {max_new} tokens "
-         f"({len(dt.TRAIN_PROMPTS)} prompts, temperatures {temps}, top_p 0.95)")  # fmt: skip
+    jobs = [
+        dt.Continuation(prompts[i % len(prompts)], seed * 100_003 + i, temps[i % len(temps)])
+        for i in range(n_jobs)
+    ]
+    _log(
+        f"{label}: generating {n_jobs} continuations of up to {max_new} tokens "
+        f"({len(dt.TRAIN_PROMPTS)} prompts, temperatures {temps}, top_p 0.95)"
+    )
     data = dt.generate(stage, jobs, 0.95, max_new, eos_ids=eos, log=_log)
-    described = (f"{data.generated} tokens the target generated from "
-                 f"{min(n_jobs, len(prompts))} of the {len(dt.TRAIN_PROMPTS)} TRAIN_PROMPTS of "
-                 f"specpipe/drafting/train.py in the seed's order, {n_jobs} continuations of up to "
-                 f"{max_new} tokens, temperatures {list(temps)} (0: greedy), top_p 0.95, "
-                 "Gumbel draws")  # fmt: skip
+    described = (
+        f"{data.generated} tokens the target generated from "
+        f"{min(n_jobs, len(prompts))} of the {len(dt.TRAIN_PROMPTS)} TRAIN_PROMPTS of "
+        f"specpipe/drafting/train.py in the seed's order, {n_jobs} continuations of up to "
+        f"{max_new} tokens, temperatures {list(temps)} (0: greedy), top_p 0.95, "
+        "Gumbel draws"
+    )
     return data, described
 
 
 @drafter.command(name="narrow")
-@click.option("--head", "head_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="The head to narrow (default: the one shipped for the model).")  # fmt: skip
+@click.option(
+    "--head",
+    "head_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The head to narrow (default: the one shipped for the model).",
+)
 @click.option("--model", default="default", show_default=True, help="The target model.")
-@click.option("--draft-vocab", type=click.IntRange(min=1), default=8192, show_default=True,
-              help="Draft only this many tokens: the target's likeliest.")  # fmt: skip
-@click.option("--tokens", type=click.IntRange(min=64), default=2048, show_default=True,
-              help="Tokens the target generates to weigh its tokens by.")  # fmt: skip
-@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=1, show_default=True,
-              help="Seed of the generated text.")  # fmt: skip
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
-              help="Where to write the narrowed head.")  # fmt: skip
-@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Torch threads.")  # fmt: skip
-def narrow(head_path: Path | None, model: str, draft_vocab: int, tokens: int, seed: int,
-           out: Path, threads: int) -> None:  # fmt: skip
+@click.option(
+    "--draft-vocab",
+    type=click.IntRange(min=1),
+    default=8192,
+    show_default=True,
+    help="Draft only this many tokens: the target's likeliest.",
+)
+@click.option(
+    "--tokens",
+    type=click.IntRange(min=64),
+    default=2048,
+    show_default=True,
+    help="Tokens the target generates to weigh its tokens by.",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(0, 2**32 - 1),
+    default=1,
+    show_default=True,
+    help="Seed of the generated text.",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="Where to write the narrowed head.",
+)
+@click.option(
+    "--threads", type=click.IntRange(min=1), default=2, show_default=True, help="Torch threads."
+)
+def narrow(
+    head_path: Path | None,
+    model: str,
+    draft_vocab: int,
+    tokens: int,
+    seed: int,
+    out: Path,
+    threads: int,
+) -> None:
     """Make a trained head draft only the DRAFT_VOCAB tokens the target gives the most mass in
     text it generates: the same weights, reading only those rows of the target's head, so a
     draft step costs a fraction of a full one. Its drafts keep the target's noise for those
@@ -174,11 +252,17 @@ def narrow(head_path: Path | None, model: str, draft_vocab: int, tokens: int, se
     if vocab is not None:  # the share of the target's mass in that text the subset holds
         inside = torch.isin(data.top_ids, vocab).to(torch.float32)
         covered = float((data.top_probs * inside).sum() / data.top_probs.sum())
-    meta = {**meta, "draft_vocab": 0 if vocab is None else len(vocab),
-            "narrowed": {"command": f"specpipe drafter narrow --model {model} --draft-vocab "
-                                    f"{draft_vocab} --tokens {tokens} --seed {seed}",
-                         "from": (head_path or shipped_head(label)).name, "data": described,
-                         "mass_covered": round(covered, 4)}}  # fmt: skip
+    meta = {
+        **meta,
+        "draft_vocab": 0 if vocab is None else len(vocab),
+        "narrowed": {
+            "command": f"specpipe drafter narrow --model {model} --draft-vocab "
+            f"{draft_vocab} --tokens {tokens} --seed {seed}",
+            "from": (head_path or shipped_head(label)).name,
+            "data": described,
+            "mass_covered": round(covered, 4),
+        },
+    }
     narrowed.save(out, meta)
     _log(
         f"wrote {out}: {meta['draft_vocab']} tokens, {100 * covered:.1f}% of the target's "
@@ -187,20 +271,48 @@ def narrow(head_path: Path | None, model: str, draft_vocab: int, tokens: int, se
 
 
 @drafter.command(name="eval")
-@click.option("--head", "head_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="The head file (default: the one shipped for the model).")  # fmt: skip
+@click.option(
+    "--head",
+    "head_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The head file (default: the one shipped for the model).",
+)
 @click.option("--model", default="default", show_default=True, help="The target model.")
-@click.option("--k", "draft_k", type=click.IntRange(1, 16), default=5, show_default=True,
-              help="Draft positions measured.")  # fmt: skip
-@click.option("--tokens", type=click.IntRange(min=8), default=96, show_default=True,
-              help="Tokens generated per held-out prompt and mode.")  # fmt: skip
-@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=1000, show_default=True,
-              help="Seed of the first prompt's draws (the others follow).")  # fmt: skip
-@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Torch threads.")  # fmt: skip
+@click.option(
+    "--k",
+    "draft_k",
+    type=click.IntRange(1, 16),
+    default=5,
+    show_default=True,
+    help="Draft positions measured.",
+)
+@click.option(
+    "--tokens",
+    type=click.IntRange(min=8),
+    default=96,
+    show_default=True,
+    help="Tokens generated per held-out prompt and mode.",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(0, 2**32 - 1),
+    default=1000,
+    show_default=True,
+    help="Seed of the first prompt's draws (the others follow).",
+)
+@click.option(
+    "--threads", type=click.IntRange(min=1), default=2, show_default=True, help="Torch threads."
+)
 @json_option
-def evaluate(head_path: Path | None, model: str, draft_k: int, tokens: int, seed: int,
-             threads: int, json_path: Path | None) -> None:  # fmt: skip
+def evaluate(
+    head_path: Path | None,
+    model: str,
+    draft_k: int,
+    tokens: int,
+    seed: int,
+    threads: int,
+    json_path: Path | None,
+) -> None:
     """Agreement of a draft head with its target on held-out prompts, per draft position.
 
     For temp 0.7 / top_p 0.95 (Gumbel-coupled drafts) and greedy: how often drafts 1..j all
@@ -220,21 +332,30 @@ def evaluate(head_path: Path | None, model: str, draft_k: int, tokens: int, seed
     parts = dt.training_parts(stage)
     prompts = [tokenizer.prompt_ids(p) for p in dt.EVAL_PROMPTS]
     head_path = head_path or shipped_head(label)
-    result: dict[str, object] = {"model": label, "head": str(head_path), "k": draft_k,
-                                 "head_meta": meta, "modes": {}}  # fmt: skip
+    result: dict[str, object] = {
+        "model": label,
+        "head": str(head_path),
+        "k": draft_k,
+        "head_meta": meta,
+        "modes": {},
+    }
     for mode, temp, top_p in (("temp 0.7 top_p 0.95", 0.7, 0.95), ("greedy", 0.0, 1.0)):
         jobs = [dt.Continuation(ids, seed + i, temp) for i, ids in enumerate(prompts)]
         data = dt.generate(stage, jobs, top_p, tokens, eos_ids=eos)
         scores = dt.evaluate(head, parts, data, draft_k, SamplingParams(temp, top_p, 0, 0))
         result["modes"][mode] = scores
         _log(f"{mode}: {scores['rounds']} rounds on {len(prompts)} held-out prompts")
-        _log(f"  draft 1: head ceiling Σ min(p, q) {scores['head_ceiling_draft_1']:.3f}, "
-             f"Gumbel agreement {scores['head']['accepted_through'][0]:.3f}, inverse-CDF "
-             f"agreement {scores['head_inverse_cdf_draft_1']:.3f}; n-gram proposes at "
-             f"{scores['ngram_proposes']:.0%} of rounds")  # fmt: skip
+        _log(
+            f"  draft 1: head ceiling Σ min(p, q) {scores['head_ceiling_draft_1']:.3f}, "
+            f"Gumbel agreement {scores['head']['accepted_through'][0]:.3f}, inverse-CDF "
+            f"agreement {scores['head_inverse_cdf_draft_1']:.3f}; n-gram proposes at "
+            f"{scores['ngram_proposes']:.0%} of rounds"
+        )
         for name in ("head", "ngram", "both"):
             s = scores[name]
-            _log(f"  {name:5}  accept per position "
-                 f"{' '.join(f'{a:.3f}' for a in s['per_position'])}  tokens/round K=1..{draft_k} "
-                 f"{' '.join(f'{t:.2f}' for t in s['tokens_per_round'].values())}")  # fmt: skip
+            _log(
+                f"  {name:5}  accept per position "
+                f"{' '.join(f'{a:.3f}' for a in s['per_position'])}  tokens/round K=1..{draft_k} "
+                f"{' '.join(f'{t:.2f}' for t in s['tokens_per_round'].values())}"
+            )
     write_json(json_path, result)

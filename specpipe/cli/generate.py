@@ -90,8 +90,13 @@ class TextStream:
 @click.command(name="generate")
 @click.argument("prompt")
 @click.option("--local", is_flag=True, help="Run every stage in this process (no swarm).")
-@click.option("--model", "model_name", default="default", show_default=True,
-              help="Model (on the swarm, `default` is the model the swarm serves).")  # fmt: skip
+@click.option(
+    "--model",
+    "model_name",
+    default="default",
+    show_default=True,
+    help="Model (on the swarm, `default` is the model the swarm serves).",
+)
 @click.option(
     "--stages",
     type=click.IntRange(min=1),
@@ -214,14 +219,29 @@ def generate(
         stop_strings = check_stop_strings(stops)
     except ValueError as e:
         raise StopOptionError(f"--stop {e}") from None
-    request = dict(prompt=prompt, max_new_tokens=max_new_tokens, temp=temp, top_p=top_p,
-                   top_k=top_k, seed=seed, draft_k=0 if no_spec else draft_k,
-                   stop=stop_strings, sampler=sampler)  # fmt: skip
+    request = dict(
+        prompt=prompt,
+        max_new_tokens=max_new_tokens,
+        temp=temp,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        draft_k=0 if no_spec else draft_k,
+        stop=stop_strings,
+        sampler=sampler,
+    )
     request = checked_request(request)
     stream = TextStream(stop_strings, quiet=as_json)
     if local:
-        options = dict(stages=stages, raw=raw, dtype=dtype, device=device, threads=threads,
-                       row_stable=row_stable, draft_head=draft_head)  # fmt: skip
+        options = dict(
+            stages=stages,
+            raw=raw,
+            dtype=dtype,
+            device=device,
+            threads=threads,
+            row_stable=row_stable,
+            draft_head=draft_head,
+        )
         outcome, where = generate_locally(request, model_name, options, stream), ""
     else:
         if raw:
@@ -273,7 +293,7 @@ def generate_locally(request: dict, model_name: str, options: dict, stream: Text
             top_k=request["top_k"],
             seed=seed,
             sampler=request["sampler"],
-        ),  # fmt: skip
+        ),
         max_new_tokens=request["max_new_tokens"],
         draft_k=request["draft_k"],  # the most a round sends: each round's K is chosen
         adaptive=True,
@@ -283,8 +303,14 @@ def generate_locally(request: dict, model_name: str, options: dict, stream: Text
     for _ in run.rounds():
         stream.show(output.cut(run.generated)[0])
     stats = run.stats
-    return Outcome(run.generated, output.cut(run.generated)[0], stats.tok_s, stats.rounds,
-                   stats.tokens_per_round, seed)  # fmt: skip
+    return Outcome(
+        run.generated,
+        output.cut(run.generated)[0],
+        stats.tok_s,
+        stats.rounds,
+        stats.tokens_per_round,
+        seed,
+    )
 
 
 def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> tuple[int, Outcome]:
@@ -309,16 +335,20 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
         keys = config.accepted_swarm_keys
         nodes = inventory.load(client, swarm, keys) if keys else []
     except redis.RedisError as exc:
-        raise click.ClickException(f"no swarm running: cannot reach Redis at {redact_url(url)} "
-                                   f"({exc}); {hint}") from None  # fmt: skip
+        raise click.ClickException(
+            f"no swarm running: cannot reach Redis at {redact_url(url)} ({exc}); {hint}"
+        ) from None
     finally:
         client.close()
     if not config.swarm_key:
-        raise click.ClickException("no swarm running here: no swarm key; set SPECPIPE_SWARM_KEY, "
-                                   "or start one with `specpipe up`")  # fmt: skip
+        raise click.ClickException(
+            "no swarm running here: no swarm key; set SPECPIPE_SWARM_KEY, "
+            "or start one with `specpipe up`"
+        )
     if not any(n.status() == "online" for n in nodes):
-        raise click.ClickException(f"no swarm running: no stage is online in swarm {swarm!r} "
-                                   f"at {redact_url(url)}; {hint}")  # fmt: skip
+        raise click.ClickException(
+            f"no swarm running: no stage is online in swarm {swarm!r} at {redact_url(url)}; {hint}"
+        )
 
     sessions = make_session_factory(config.database_url)
     with sessions() as session:
@@ -348,8 +378,14 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
         raise click.ClickException(f"job {job_id}: cancelled") from None
     if job.status != "done":
         raise click.ClickException(f"job {job_id} {job.status}: {job.error or 'no reason given'}")
-    outcome = Outcome(list(job.output_ids or []), job.output_text, job.tok_s or 0.0, job.rounds,
-                      job.tokens_per_round or 0.0, job.seed)  # fmt: skip
+    outcome = Outcome(
+        list(job.output_ids or []),
+        job.output_text,
+        job.tok_s or 0.0,
+        job.rounds,
+        job.tokens_per_round or 0.0,
+        job.seed,
+    )
     return job_id, outcome
 
 

@@ -28,9 +28,13 @@ def address_towards(url: str) -> str:
 
 
 @click.command(name="join")
-@click.option("--registry", "registry_url", default=None,
-              help="The swarm's registry Redis; default: SPECPIPE_REGISTRY_URL (which keeps "
-              "its password off the command line).")  # fmt: skip
+@click.option(
+    "--registry",
+    "registry_url",
+    default=None,
+    help="The swarm's registry Redis; default: SPECPIPE_REGISTRY_URL (which keeps "
+    "its password off the command line).",
+)
 @click.option(
     "--layers",
     default="auto",
@@ -44,25 +48,54 @@ def address_towards(url: str) -> str:
     default=None,
     help="This stage's name in the inventory [default: the machine's hostname].",
 )
-@click.option("--model", "model_name", default=None,
-              help="The swarm's model, as a checkpoint this host has [default: "
-              "SPECPIPE_MODEL, else the embedded default].")  # fmt: skip
-@click.option("--redis", "redis_url", default=None,
-              help="This host's Redis; default: REDIS_URL, else one started here with a "
-              "password, on --address:--port.")  # fmt: skip
-@click.option("--address", default=None,
-              help="Where the other hosts reach this one [default: this host's address "
-              "towards the registry].")  # fmt: skip
-@click.option("--port", type=click.IntRange(1, 65535), default=6379, show_default=True,
-              help="Port of the Redis started here.")  # fmt: skip
+@click.option(
+    "--model",
+    "model_name",
+    default=None,
+    help="The swarm's model, as a checkpoint this host has [default: "
+    "SPECPIPE_MODEL, else the embedded default].",
+)
+@click.option(
+    "--redis",
+    "redis_url",
+    default=None,
+    help="This host's Redis; default: REDIS_URL, else one started here with a "
+    "password, on --address:--port.",
+)
+@click.option(
+    "--address",
+    default=None,
+    help="Where the other hosts reach this one [default: this host's address "
+    "towards the registry].",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=6379,
+    show_default=True,
+    help="Port of the Redis started here.",
+)
 @click.option("--geo", default="", help="Location label to record (e.g. WA).")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="CPU threads for torch (default: torch's choice).")  # fmt: skip
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
-              default="float32", show_default=True, help="Compute dtype.")  # fmt: skip
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="CPU threads for torch (default: torch's choice).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    default="float32",
+    show_default=True,
+    help="Compute dtype.",
+)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
-@click.option("--link-delay-ms", type=click.FloatRange(min=0), default=0.0,
-              help="Simulate a slow outgoing link (benchmarks).")  # fmt: skip
+@click.option(
+    "--link-delay-ms",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Simulate a slow outgoing link (benchmarks).",
+)
 def join(
     registry_url: str | None,
     layers: tuple[int, int] | None,
@@ -131,10 +164,12 @@ def join(
         load = {}
         for node in nodes:  # rounds each stage has processed, from its own Redis
             try:
-                stats = redis.Redis.from_url(node.redis_url, socket_connect_timeout=2,
-                                             socket_timeout=2)  # fmt: skip
-                load[node.host] = int(streams.read_stats(stats, config.swarm, node.host)
-                                      .get("processed", 0))  # fmt: skip
+                stats = redis.Redis.from_url(
+                    node.redis_url, socket_connect_timeout=2, socket_timeout=2
+                )
+                load[node.host] = int(
+                    streams.read_stats(stats, config.swarm, node.host).get("processed", 0)
+                )
                 stats.close()
             except (redis.RedisError, ValueError):
                 pass
@@ -148,20 +183,36 @@ def join(
     server = None
     redis_url = redis_url or settings.configured_redis_url()
     if redis_url is None:
-        server = RedisServer(port=port, host=address, password=settings.ensure_redis_password(),
-                             data_dir=settings.instance_dir() / "redis",
-                             maxmemory=settings.redis_maxmemory())  # fmt: skip
+        server = RedisServer(
+            port=port,
+            host=address,
+            password=settings.ensure_redis_password(),
+            data_dir=settings.instance_dir() / "redis",
+            maxmemory=settings.redis_maxmemory(),
+        )
         try:
             redis_url = server.start()
         except RedisUnavailable as exc:
             raise click.ClickException(str(exc)) from None
-    click.echo(f"joining swarm {config.swarm!r} as {host_name}: layers {start}:{end} ({why}), "
-               f"Redis {redact_url(redis_url)}")  # fmt: skip
+    click.echo(
+        f"joining swarm {config.swarm!r} as {host_name}: layers {start}:{end} ({why}), "
+        f"Redis {redact_url(redis_url)}"
+    )
     try:
-        serve_stage(host_name, (start, end), model_name, redis_url=redis_url,
-                    registry_url=registry_url, public_ip=address, geo=geo, dtype=dtype,
-                    device=device, threads=threads, link_delay_ms=link_delay_ms,
-                    config=config)  # fmt: skip
+        serve_stage(
+            host_name,
+            (start, end),
+            model_name,
+            redis_url=redis_url,
+            registry_url=registry_url,
+            public_ip=address,
+            geo=geo,
+            dtype=dtype,
+            device=device,
+            threads=threads,
+            link_delay_ms=link_delay_ms,
+            config=config,
+        )
     finally:
         if server is not None:
             server.stop()

@@ -11,8 +11,13 @@ def key() -> None:
 
 
 @key.command(name="rotate")
-@click.option("--grace-s", default=3600.0, show_default=True, type=click.FloatRange(min=0),
-              help="How long the old key stays accepted.")  # fmt: skip
+@click.option(
+    "--grace-s",
+    default=3600.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="How long the old key stays accepted.",
+)
 def key_rotate(grace_s: float) -> None:
     """Make a new swarm key in the instance folder; the old one stays accepted for a while.
 

@@ -33,26 +33,54 @@ def link_delays(_ctx, _param, value: str) -> list[float]:
     return delays
 
 
-HOME_OPTION = click.option("--home", type=click.Path(file_okay=False, path_type=Path),
-                           default=None,
-                           help="The lab's folder [default: <instance>/lab].")  # fmt: skip
+HOME_OPTION = click.option(
+    "--home",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The lab's folder [default: <instance>/lab].",
+)
 
 
 @lab.command(name="up")
-@click.option("--hosts", type=click.IntRange(1, 32), default=4, show_default=True,
-              help="Hosts serving the model, each an even share of its layers.")  # fmt: skip
-@click.option("--idle", type=click.IntRange(0, 16), default=0, show_default=True,
-              help="More hosts with nothing running (a place for `specpipe join`).")  # fmt: skip
-@click.option("--model", "model_name", default=None,
-              help="Model [default: SPECPIPE_MODEL, else the embedded default].")  # fmt: skip
-@click.option("--link-delay-ms", "delays", default="", callback=link_delays,
-              help="One-way delay of each serving host's outgoing link, in ring order: one "
-              "value for all or one per host (e.g. 11,8,3.4,19).")  # fmt: skip
-@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True,
-              help="Port of the web app on host 0's address.")  # fmt: skip
+@click.option(
+    "--hosts",
+    type=click.IntRange(1, 32),
+    default=4,
+    show_default=True,
+    help="Hosts serving the model, each an even share of its layers.",
+)
+@click.option(
+    "--idle",
+    type=click.IntRange(0, 16),
+    default=0,
+    show_default=True,
+    help="More hosts with nothing running (a place for `specpipe join`).",
+)
+@click.option(
+    "--model",
+    "model_name",
+    default=None,
+    help="Model [default: SPECPIPE_MODEL, else the embedded default].",
+)
+@click.option(
+    "--link-delay-ms",
+    "delays",
+    default="",
+    callback=link_delays,
+    help="One-way delay of each serving host's outgoing link, in ring order: one "
+    "value for all or one per host (e.g. 11,8,3.4,19).",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=8000,
+    show_default=True,
+    help="Port of the web app on host 0's address.",
+)
 @HOME_OPTION
-def lab_up(hosts: int, idle: int, model_name: str | None, delays: list[float], port: int,
-           home: Path | None) -> None:  # fmt: skip
+def lab_up(
+    hosts: int, idle: int, model_name: str | None, delays: list[float], port: int, home: Path | None
+) -> None:
     """Bring up the lab and leave it running: per host a network namespace on a bridge with
     its own address, its own Redis (a password each; host 1's TLS only) and its own stage;
     host 0 also runs the registry, the coordinator, beat, the store and the web app.
@@ -71,16 +99,18 @@ def lab_up(hosts: int, idle: int, model_name: str | None, delays: list[float], p
     the_lab, layers = bring_up(_home(home), hosts, idle, model_name, delays, port)
     state = the_lab.state
     for host in the_lab.hosts():
-        serves = (f"layers {layers[host.index][0]}:{layers[host.index][1]}"
-                  if host.index < len(layers) else "idle")  # fmt: skip
+        serves = (
+            f"layers {layers[host.index][0]}:{layers[host.index][1]}"
+            if host.index < len(layers)
+            else "idle"
+        )
         tls = ", TLS" if host.tls else ""
         redis_url = f"Redis {redact_url(host.redis_url)}{tls}" if host.redis_url else "no Redis"
         click.echo(f"  {host.name}  {host.address}  {serves}  {redis_url}")
     click.echo(f"web {state['web_url']}  (SPECPIPE_HOME={the_lab.home})")
 
 
-def bring_up(home: Path, hosts: int, idle: int, model_name: str, delays: list[float],
-             port: int):  # fmt: skip
+def bring_up(home: Path, hosts: int, idle: int, model_name: str, delays: list[float], port: int):
     """Bring up a lab in `home` serving `model_name` on `hosts` hosts, its store migrated;
     (the Lab, the layer ranges). One-line ClickExceptions, with nothing left up, on failure."""
     from models import migrate as migrations

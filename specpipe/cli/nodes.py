@@ -10,15 +10,23 @@ import click
 
 
 @click.command(name="nodes")
-@click.option("--redis", "redis_url",
-              help="The swarm's registry Redis [default: REDIS_URL, else the one `specpipe up` "
-                   "runs].")  # fmt: skip
-@click.option("--swarm", default=None,
-              help="The swarm's name [default: SPECPIPE_SWARM, else the running swarm's, else "
-                   "`default`].")  # fmt: skip
-@click.option("--json", "as_json", is_flag=True,
-              help="Print JSON: each node's record, role, status and stage counters, and the "
-                   "count of ignored records.")  # fmt: skip
+@click.option(
+    "--redis",
+    "redis_url",
+    help="The swarm's registry Redis [default: REDIS_URL, else the one `specpipe up` runs].",
+)
+@click.option(
+    "--swarm",
+    default=None,
+    help="The swarm's name [default: SPECPIPE_SWARM, else the running swarm's, else `default`].",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print JSON: each node's record, role, status and stage counters, and the "
+    "count of ignored records.",
+)
 def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     """List every stage host: role, layers, status by heartbeat, Redis, geo, GPU.
 
@@ -78,8 +86,12 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     latency = _latency(found.nodes, {r["host"]: r["stats"] for r in records})
     if as_json:
         ring = latency.as_dict() if latency else None
-        click.echo(json.dumps({"swarm": swarm, "nodes": records, "ring": ring,
-                               "ignored_records": found.ignored}, indent=2))  # fmt: skip
+        click.echo(
+            json.dumps(
+                {"swarm": swarm, "nodes": records, "ring": ring, "ignored_records": found.ignored},
+                indent=2,
+            )
+        )
         return
     lines = inventory.table(found.nodes) if found.nodes else [f"no nodes in swarm {swarm!r}"]
     for line in lines:
@@ -108,7 +120,11 @@ def _records(found: list, swarm: str) -> list[dict]:
     nodes = inventory.with_roles(found)
     stats = streams.read_stages_stats([(n.host, n.redis_url) for n in nodes], swarm)
     return [
-        {**asdict(node), "redis_url": redact_url(node.redis_url), "status": node.status(now),
-         "stats": stats[node.host]}
+        {
+            **asdict(node),
+            "redis_url": redact_url(node.redis_url),
+            "status": node.status(now),
+            "stats": stats[node.host],
+        }
         for node in nodes
-    ]  # fmt: skip
+    ]

@@ -19,13 +19,28 @@ def sampling_options(
     runs = f" of {what}" if what else ""
     temp_type = click.FloatRange(min=0) if greedy else click.FloatRange(0, 100, min_open=True)
     options = [
-        click.option("--temp", type=temp_type, default=temp, show_default=True,
-                     help=f"Temperature{runs} ({'0: greedy' if greedy else 'above 0'})."),
-        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=top_p,
-                     show_default=True, help=f"Top-p{runs}, in (0, 1] (1: off)."),
-        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
-                     help=f"Keep the k most likely tokens{runs} (0: off)."),
-    ]  # fmt: skip
+        click.option(
+            "--temp",
+            type=temp_type,
+            default=temp,
+            show_default=True,
+            help=f"Temperature{runs} ({'0: greedy' if greedy else 'above 0'}).",
+        ),
+        click.option(
+            "--top-p",
+            type=click.FloatRange(0, 1, min_open=True),
+            default=top_p,
+            show_default=True,
+            help=f"Top-p{runs}, in (0, 1] (1: off).",
+        ),
+        click.option(
+            "--top-k",
+            type=click.IntRange(min=0),
+            default=0,
+            show_default=True,
+            help=f"Keep the k most likely tokens{runs} (0: off).",
+        ),
+    ]
 
     def decorate(func: Callable) -> Callable:
         for option in reversed(options):

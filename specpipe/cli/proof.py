@@ -275,8 +275,16 @@ def proof_swarm(
     texts = [p for p in prompts if p.strip()] or list(DEFAULT_PROMPTS)
     if len(texts) != len(prompts) and prompts:
         raise click.BadParameter("a prompt may not be empty", param_hint="--prompt")
-    cfg = SwarmProofConfig(stops=stops, draws=draws, temp=temp, top_p=top_p, top_k=top_k,
-                           draft_k=draft_k, seed=seed, draft_head=draft_head)  # fmt: skip
+    cfg = SwarmProofConfig(
+        stops=stops,
+        draws=draws,
+        temp=temp,
+        top_p=top_p,
+        top_k=top_k,
+        draft_k=draft_k,
+        seed=seed,
+        draft_head=draft_head,
+    )
     ring, target, where = open_ring(redis_option, local_model, model)
     prompt_ids = [target.prompt_ids(t) for t in texts]
     started = time.perf_counter()

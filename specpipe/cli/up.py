@@ -24,15 +24,35 @@ def _port_free(port: int) -> bool:
 
 
 @click.command(name="up")
-@click.option("--stages", type=click.IntRange(min=1), default=4, show_default=True,
-              help="Stage workers, each serving an even share of the layers.")  # fmt: skip
+@click.option(
+    "--stages",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Stage workers, each serving an even share of the layers.",
+)
 @click.option("--model", "model_name", default="default", show_default=True, help="Model.")
-@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True,
-              help="Port of the web app (on 127.0.0.1).")  # fmt: skip
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
-              default="float32", show_default=True, help="Stages' compute dtype.")  # fmt: skip
-@click.option("--status-every", type=click.FloatRange(min=0), default=60.0, show_default=True,
-              help="Seconds between status lines (0: only at start and on changes).")  # fmt: skip
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=8000,
+    show_default=True,
+    help="Port of the web app (on 127.0.0.1).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    default="float32",
+    show_default=True,
+    help="Stages' compute dtype.",
+)
+@click.option(
+    "--status-every",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    show_default=True,
+    help="Seconds between status lines (0: only at start and on changes).",
+)
 def up(stages: int, model_name: str, port: int, dtype: str, status_every: float) -> None:
     """Run the swarm here: Redis, stage workers, coordinator, beat and the web app.
 
@@ -131,13 +151,14 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
             # Its Redis (and registry) from the environment: a URL with a password stays off
             # the command line, which every user of the machine can read.
             {**env, "REDIS_URL": data_url},
-        )  # fmt: skip
+        )
         for i, (a, b) in enumerate(split)
     ]
     quiet = ["--loglevel", "WARNING"]
     if private_redis is not None:
-        redis_spec = ProcessSpec("redis", private_redis.argv(), ready=private_redis.answers,
-                                 stop_last=True)  # fmt: skip
+        redis_spec = ProcessSpec(
+            "redis", private_redis.argv(), ready=private_redis.answers, stop_last=True
+        )
         specs.insert(0, redis_spec)
     specs += [
         ProcessSpec("coordinator", [*python, "worker", "coordinator", *quiet], env),
@@ -146,8 +167,15 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
         ProcessSpec("web", [*python, "web", "--port", str(port), "--no-migrate"], env),
     ]
     web_url = f"http://127.0.0.1:{port}/"
-    state = {"redis_url": redis_url, "web_url": web_url, "swarm": swarm, "pid": os.getpid(),
-             "model": model_name, "stages": stages, "database_url": database_url}  # fmt: skip
+    state = {
+        "redis_url": redis_url,
+        "web_url": web_url,
+        "swarm": swarm,
+        "pid": os.getpid(),
+        "model": model_name,
+        "stages": stages,
+        "database_url": database_url,
+    }
     # Owner-only: the Redis URL carries its password, the database URL may.
     fd = os.open(state_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:

@@ -38,27 +38,56 @@ def layer_range(_ctx, _param, value: str) -> tuple[int, int]:
 
 @worker.command(name="stage")
 @click.option("--host", required=True, help="This stage's name in the inventory (unique).")
-@click.option("--layers", required=True, callback=layer_range,
-              help="Layer range A:B (half-open) this stage serves.")  # fmt: skip
+@click.option(
+    "--layers",
+    required=True,
+    callback=layer_range,
+    help="Layer range A:B (half-open) this stage serves.",
+)
 @click.option("--model", "model_name", default="default", show_default=True, help="Model.")
-@click.option("--redis", "redis_url", default=None,
-              help="This host's Redis (its input stream); default: REDIS_URL.")  # fmt: skip
-@click.option("--registry", "registry_url", default=None,
-              help="The Redis holding the inventory; default: SPECPIPE_REGISTRY_URL, "
-              "else --redis.")  # fmt: skip
+@click.option(
+    "--redis",
+    "redis_url",
+    default=None,
+    help="This host's Redis (its input stream); default: REDIS_URL.",
+)
+@click.option(
+    "--registry",
+    "registry_url",
+    default=None,
+    help="The Redis holding the inventory; default: SPECPIPE_REGISTRY_URL, else --redis.",
+)
 @click.option("--public-ip", default="", help="Public IP to record in the inventory.")
 @click.option("--geo", default="", help="Location label to record (e.g. WA).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
-              default="float32", show_default=True, help="Compute dtype.")  # fmt: skip
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    default="float32",
+    show_default=True,
+    help="Compute dtype.",
+)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="CPU threads for torch (default: torch's choice).")  # fmt: skip
-@click.option("--heartbeat-s", type=click.FloatRange(min=0.1), default=0.5, show_default=True,
-              help="Seconds between inventory heartbeats; a coordinator with a spare for this "
-              "stage's layers re-routes after three missed beats.")  # fmt: skip
-@click.option("--session-idle-s", type=click.FloatRange(min=1), default=600.0,
-              show_default=True,
-              help="Free a session's caches after this long without a message.")  # fmt: skip
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="CPU threads for torch (default: torch's choice).",
+)
+@click.option(
+    "--heartbeat-s",
+    type=click.FloatRange(min=0.1),
+    default=0.5,
+    show_default=True,
+    help="Seconds between inventory heartbeats; a coordinator with a spare for this "
+    "stage's layers re-routes after three missed beats.",
+)
+@click.option(
+    "--session-idle-s",
+    type=click.FloatRange(min=1),
+    default=600.0,
+    show_default=True,
+    help="Free a session's caches after this long without a message.",
+)
 @click.option(
     "--link-delay-ms",
     type=click.FloatRange(min=0),
@@ -223,8 +252,19 @@ def worker_coordinator(queue: str | None, loglevel: str) -> None:
     celery = _celery_app()
     queue = queue or COORDINATOR_QUEUE
     # Threads: a job spends its time waiting on the ring, and the jobs share one tokenizer.
-    celery.worker_main(["worker", "--pool=threads", f"--concurrency={sessions}", "-Q", queue,
-                        "-n", f"{queue}@%h", *ALONE, f"--loglevel={loglevel}"])  # fmt: skip
+    celery.worker_main(
+        [
+            "worker",
+            "--pool=threads",
+            f"--concurrency={sessions}",
+            "-Q",
+            queue,
+            "-n",
+            f"{queue}@%h",
+            *ALONE,
+            f"--loglevel={loglevel}",
+        ]
+    )
 
 
 @worker.command(name="nightly")
@@ -243,8 +283,18 @@ def worker_nightly(loglevel: str) -> None:
     from workers.names import NIGHTLY_QUEUE
 
     celery = _celery_app()
-    celery.worker_main(["worker", "--pool=solo", "-Q", NIGHTLY_QUEUE, "-n", f"{NIGHTLY_QUEUE}@%h",
-                        *ALONE, f"--loglevel={loglevel}"])  # fmt: skip
+    celery.worker_main(
+        [
+            "worker",
+            "--pool=solo",
+            "-Q",
+            NIGHTLY_QUEUE,
+            "-n",
+            f"{NIGHTLY_QUEUE}@%h",
+            *ALONE,
+            f"--loglevel={loglevel}",
+        ]
+    )
 
 
 @worker.command(name="beat")

@@ -199,8 +199,9 @@ class GumbelSampler(Sampler):
         if self.greedy:
             return np.argmax(z, axis=1)
         _check_position(start_pos)
-        return gumbel_draws(_target_probs(z, self.temp, self.top_p, self.top_k), self.seed,
-                            start_pos)  # fmt: skip
+        return gumbel_draws(
+            _target_probs(z, self.temp, self.top_p, self.top_k), self.seed, start_pos
+        )
 
 
 def sampler_for(params: SamplingParams) -> Sampler:

@@ -134,8 +134,9 @@ class LocalRing:
         proposal = []
         if self.head is not None and head_k > 0:
             features = self.stages[-1].features[session]
-            proposal = self.head.drafts_after(features, result, first_sampled, head_k,
-                                              sampler.params)  # fmt: skip
+            proposal = self.head.drafts_after(
+                features, result, first_sampled, head_k, sampler.params
+            )
         return RoundResult(result, sampler.result_logprobs(logits, result), proposal)
 
     def drop(self, session: str) -> None:

@@ -408,9 +408,14 @@ class SamplingParams:
         """The parameters `to_fields` wrote; KeyError, IndexError, ValueError or TypeError when
         a field is missing or malformed (the values are checked by the sampler made of them)."""
         logprobs = int(fields["logprobs"]) if "logprobs" in fields else None
-        return cls(temp=float(fields["temp"]), top_p=float(fields["top_p"]),
-                   top_k=int(fields["top_k"]), seed=int(fields["seed"]), logprobs=logprobs,
-                   sampler=SAMPLERS[int(fields.get("sampler", 0))])  # fmt: skip
+        return cls(
+            temp=float(fields["temp"]),
+            top_p=float(fields["top_p"]),
+            top_k=int(fields["top_k"]),
+            seed=int(fields["seed"]),
+            logprobs=logprobs,
+            sampler=SAMPLERS[int(fields.get("sampler", 0))],
+        )
 
 
 # "icdf": the inverse CDF at one uniform per position (`Sampler`). "gumbel": the Gumbel-max
@@ -462,14 +467,20 @@ class Sampler:
     @property
     def params(self) -> SamplingParams:
         """The parameters this sampler draws with."""
-        return SamplingParams(self.temp, self.top_p, self.top_k, self.seed, self.logprobs,
-                              self.name)  # fmt: skip
+        return SamplingParams(
+            self.temp, self.top_p, self.top_k, self.seed, self.logprobs, self.name
+        )
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> Sampler:
         """A sampler for `params`; ValueError when they are out of range."""
-        return cls(temp=params.temp, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
-                   logprobs=params.logprobs)  # fmt: skip
+        return cls(
+            temp=params.temp,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            logprobs=params.logprobs,
+        )
 
     def result_logprobs(self, logits, result: Sequence[int]) -> list[TokenLogprob]:
         """The log-probabilities of a result vector's committed tokens (its ids before the

@@ -165,10 +165,15 @@ class DraftHead(nn.Module):
         """Write the head's weights (float16) and `meta` (JSON-able) to a safetensors file."""
         from safetensors.torch import save_file
 
-        header = {"format": FORMAT, "dim": str(self.dim), "hidden": str(self.hidden),
-                  "meta": json.dumps(meta, sort_keys=True)}  # fmt: skip
-        tensors = {name: t.detach().to(torch.float16).contiguous()
-                   for name, t in self.state_dict().items()}  # fmt: skip
+        header = {
+            "format": FORMAT,
+            "dim": str(self.dim),
+            "hidden": str(self.hidden),
+            "meta": json.dumps(meta, sort_keys=True),
+        }
+        tensors = {
+            name: t.detach().to(torch.float16).contiguous() for name, t in self.state_dict().items()
+        }
         if self.vocab is not None:
             tensors["vocab"] = self.vocab.to(torch.int32).contiguous()
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -320,5 +325,6 @@ class TailHead:
             return []
         # The last committed token was drawn from row n-1, whose feature sits one position
         # before that token's.
-        return self.head.draft(self.parts, features[n - 1], int(result[n - 1]),
-                               first_sampled + n - 1, k, params)  # fmt: skip
+        return self.head.draft(
+            self.parts, features[n - 1], int(result[n - 1]), first_sampled + n - 1, k, params
+        )

@@ -188,8 +188,10 @@ SUBJECTS = (
     "the ocean floor",
     "a village fair",
 )
-TRAIN_PROMPTS = (*WRITTEN_PROMPTS,
-                 *(task.format(subject) for subject in SUBJECTS for task in TASKS))  # fmt: skip
+TRAIN_PROMPTS = (
+    *WRITTEN_PROMPTS,
+    *(task.format(subject) for subject in SUBJECTS for task in TASKS),
+)
 
 # Held out: never continued for training.
 EVAL_PROMPTS = (
@@ -266,8 +268,10 @@ def generate(
     position's pre-norm feature and the target's top probabilities."""
     captured: list[torch.Tensor] = []
     hook = stage.norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
-    queue = [_Session(f"draft-data-{i}", list(job.prompt), job.seed, job.temp)
-             for i, job in enumerate(jobs)]  # fmt: skip
+    queue = [
+        _Session(f"draft-data-{i}", list(job.prompt), job.seed, job.temp)
+        for i, job in enumerate(jobs)
+    ]
     sessions, active, sampled = list(queue), [], 0
     queue.reverse()
     started, reported = time.perf_counter(), 0
@@ -276,10 +280,12 @@ def generate(
             while queue and len(active) < width:
                 active.append(queue.pop())
             # A new session sends its prompt and keeps only the last row; the others their token.
-            requests = [Request(s.name, torch.tensor(s.prompt), 0, 1) if not s.tokens
-                        else Request(s.name, torch.tensor(s.tokens[-1:]),
-                                     len(s.prompt) + len(s.tokens) - 2)
-                        for s in active]  # fmt: skip
+            requests = [
+                Request(s.name, torch.tensor(s.prompt), 0, 1)
+                if not s.tokens
+                else Request(s.name, torch.tensor(s.tokens[-1:]), len(s.prompt) + len(s.tokens) - 2)
+                for s in active
+            ]
             captured.clear()
             outs = stage.forward_many(requests)
             (features,) = captured  # [one row per session, D]: what entered the final norm
@@ -427,8 +433,10 @@ def train_head(
         losses.append(float(loss.detach()))
         if log and (step % 25 == 0 or step == steps - 1):
             spent = time.perf_counter() - started
-            log(f"  step {step + 1}/{steps}: loss {np.mean(losses[-25:]):.3f}, cross-entropy per "
-                f"draft step {', '.join(f'{c:.2f}' for c in ces)} ({spent:.0f} s)")  # fmt: skip
+            log(
+                f"  step {step + 1}/{steps}: loss {np.mean(losses[-25:]):.3f}, cross-entropy per "
+                f"draft step {', '.join(f'{c:.2f}' for c in ces)} ({spent:.0f} s)"
+            )
     return head.eval(), losses
 
 
@@ -481,8 +489,14 @@ def round_rows(data: Sequences, k: int) -> np.ndarray:
 
 
 @torch.inference_mode()
-def head_drafts(head: DraftHead, parts: TargetParts, data: Sequences, rows: np.ndarray, k: int,
-                params: SamplingParams) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+def head_drafts(
+    head: DraftHead,
+    parts: TargetParts,
+    data: Sequences,
+    rows: np.ndarray,
+    k: int,
+    params: SamplingParams,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Drafts [N, K] from each row j = T-1 (h_{T-1}, and x_T at row j+1) with its sequence's
     seed; the overlap Σ_i min(p_i, q_i) [N] of the head's first draft distribution q with the
     target's p at T+1 (computed from the target's own h_T); and [N] whether the inverse-CDF
@@ -542,8 +556,9 @@ def ngram_matches(data: Sequences, rows: np.ndarray, k: int) -> tuple[np.ndarray
     return hits, proposed
 
 
-def evaluate(head: DraftHead, parts: TargetParts, data: Sequences, k: int,
-             params: SamplingParams) -> dict[str, object]:  # fmt: skip
+def evaluate(
+    head: DraftHead, parts: TargetParts, data: Sequences, k: int, params: SamplingParams
+) -> dict[str, object]:
     """Agreement per draft position for the head, the n-gram drafter and both (the n-gram
     where it proposes, the head elsewhere), over every generated round start of `data`; and
     the head's mean overlap Σ min(p, q) at draft 1, the ceiling of any coupling."""
@@ -577,8 +592,9 @@ def _median_ms(run: Callable[[], object], repeats: int) -> float:
     return float(np.median(times) * 1e3)
 
 
-def tail_costs(stage, head: DraftHead, prompt: Sequence[int], k: int, params: SamplingParams,
-               repeats: int = 20) -> dict[str, float]:  # fmt: skip
+def tail_costs(
+    stage, head: DraftHead, prompt: Sequence[int], k: int, params: SamplingParams, repeats: int = 20
+) -> dict[str, float]:
     """Median milliseconds of the tail's sampling work for one round of K drafts on `prompt`:
     the verify with today's sampler and with the Gumbel one (every draft accepted: all K+1 rows
     drawn), the head's K drafts, and the Gumbel noise of one position over the whole vocabulary
@@ -603,8 +619,9 @@ def tail_costs(stage, head: DraftHead, prompt: Sequence[int], k: int, params: Sa
     own = [gumbel.sample(logits[j], start + j) for j in range(k)]
     token = gumbel.sample(logits[-1], len(prompt))  # x_T, sampled from the last row
     parts = TargetParts.from_stage(stage)
-    support = np.flatnonzero(target_probs(logits[0].numpy(), params.temp, params.top_p,
-                                          params.top_k))  # fmt: skip
+    support = np.flatnonzero(
+        target_probs(logits[0].numpy(), params.temp, params.top_p, params.top_k)
+    )
     vocab = np.arange(logits.shape[1])
     return {
         "verify_inverse_cdf_ms": _median_ms(

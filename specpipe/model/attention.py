@@ -66,8 +66,9 @@ class Attention(nn.Module):
         """x [P, D] for positions pos…: the first `tokens` rows (default: all) are the tokens;
         any rows after them are padding, attended but never cached (see `StageModel.forward`)."""
         P = x.shape[0]
-        return self.forward_many(x, [Segment(P, P if tokens is None else tokens, cos, sin,
-                                             cache, pos)])  # fmt: skip
+        return self.forward_many(
+            x, [Segment(P, P if tokens is None else tokens, cos, sin, cache, pos)]
+        )
 
     def forward_many(self, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
         """x [sum of P, D]: the rows of several sequences one after another, each attending over

@@ -65,8 +65,9 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         """x [P, D] -> [P, D]; rows from `tokens` on are padding (see `Attention.forward`)."""
         P = x.shape[0]
-        return self.forward_many(x, [Segment(P, P if tokens is None else tokens, cos, sin,
-                                             cache, pos)])  # fmt: skip
+        return self.forward_many(
+            x, [Segment(P, P if tokens is None else tokens, cos, sin, cache, pos)]
+        )
 
     def forward_many(self, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
         """The rows of several sequences one after another, [sum of P, D] -> [sum of P, D]:

@@ -105,18 +105,56 @@ def make_certificates(directory: Path, address: str) -> TlsFiles:
             raise LabError(f"openssl {args[0]} failed: {done.stderr.strip()[-200:]}")
 
     directory.mkdir(parents=True, exist_ok=True)
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "30", "-subj",
-            "/CN=specpipe lab CA", "-keyout", "ca.key", "-out", "ca.pem")  # fmt: skip
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={address}", "-keyout",
-            "server.key", "-out", "server.csr")  # fmt: skip
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "30",
+        "-subj",
+        "/CN=specpipe lab CA",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    )
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        f"/CN={address}",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+    )
     (directory / "san.ext").write_text(f"subjectAltName=IP:{address}\n")
-    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-            "-CAcreateserial", "-days", "30", "-extfile", "san.ext",
-            "-out", "server.pem")  # fmt: skip
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "30",
+        "-extfile",
+        "san.ext",
+        "-out",
+        "server.pem",
+    )
     for name in ("ca.key", "server.key"):
         (directory / name).chmod(0o600)
-    return TlsFiles(cert=directory / "server.pem", key=directory / "server.key",
-                    ca=directory / "ca.pem")  # fmt: skip
+    return TlsFiles(
+        cert=directory / "server.pem", key=directory / "server.key", ca=directory / "ca.pem"
+    )
 
 
 class Lab:
@@ -233,8 +271,14 @@ class Lab:
             self.down()
             raise
 
-    def serve(self, model: str, *, web_port: int = WEB_PORT, stage_args: Sequence[str] = (),
-              timeout_s: float = 180.0) -> dict:  # fmt: skip
+    def serve(
+        self,
+        model: str,
+        *,
+        web_port: int = WEB_PORT,
+        stage_args: Sequence[str] = (),
+        timeout_s: float = 180.0,
+    ) -> dict:
         """Start the stage workers and host 0's coordinator, beat and web app; wait for them.
         (The store must be migrated first.)"""
         hosts = self.hosts()
@@ -242,25 +286,48 @@ class Lab:
         python = [sys.executable, "-m", "specpipe"]
         plan = zip(hosts, self.state["layers"], self.state["link_delays_ms"], strict=False)
         for host, (start, end), delay in plan:
-            argv = [*python, "worker", "stage", "--host", host.name, "--layers", f"{start}:{end}",
-                    "--model", model, "--threads", "1", "--public-ip", host.address,
-                    "--link-delay-ms", f"{delay:g}", *stage_args]  # fmt: skip
+            argv = [
+                *python,
+                "worker",
+                "stage",
+                "--host",
+                host.name,
+                "--layers",
+                f"{start}:{end}",
+                "--model",
+                model,
+                "--threads",
+                "1",
+                "--public-ip",
+                host.address,
+                "--link-delay-ms",
+                f"{delay:g}",
+                *stage_args,
+            ]
             self.spawn(host, f"stage-{host.name}", argv)
         head = hosts[0]
         quiet = ["--loglevel", "WARNING"]
         self.spawn(head, "coordinator", [*python, "worker", "coordinator", *quiet])
         self.spawn(head, "beat", [*python, "worker", "beat", *quiet])
-        self.spawn(head, "web", [*python, "web", "--host", head.address, "--port",
-                                 str(web_port), "--no-migrate"])  # fmt: skip
+        self.spawn(
+            head,
+            "web",
+            [*python, "web", "--host", head.address, "--port", str(web_port), "--no-migrate"],
+        )
         web_url = f"http://{head.address}:{web_port}/"
         self.state["web_url"] = web_url
         self._save()
         serving = [h.name for h in hosts[: len(self.state["layers"])]]
         self.wait_stages(serving, timeout_s)
         self._wait(lambda: _http_ok(web_url + "healthz"), timeout_s, "the web app")
-        swarm_file = {"redis_url": registry, "web_url": web_url, "swarm": self.state["swarm"],
-                      "model": model, "stages": len(serving),
-                      "database_url": self.state["database_url"]}  # fmt: skip
+        swarm_file = {
+            "redis_url": registry,
+            "web_url": web_url,
+            "swarm": self.state["swarm"],
+            "model": model,
+            "stages": len(serving),
+            "database_url": self.state["database_url"],
+        }
         _private(self.home / "swarm.json", json.dumps(swarm_file, indent=2) + "\n")
         return self.state
 
@@ -276,8 +343,11 @@ class Lab:
     def add_namespace(self, index: int) -> str:
         """Host `index`'s namespace on the bridge, with its address; return its name."""
         lab_id, subnet = self.state["id"], self.state["subnet"]
-        namespace, veth, peer = f"{PREFIX}-{lab_id}-h{index}", f"{PREFIX}{lab_id}v{index}", \
-            f"{PREFIX}{lab_id}p{index}"  # fmt: skip
+        namespace, veth, peer = (
+            f"{PREFIX}-{lab_id}-h{index}",
+            f"{PREFIX}{lab_id}v{index}",
+            f"{PREFIX}{lab_id}p{index}",
+        )
         self._record("namespaces", namespace)
         _ip("netns", "add", namespace)
         self._record("links", veth)
@@ -306,8 +376,13 @@ class Lab:
         tls = None
         if index == TLS_HOST:
             tls = make_certificates(directory / "tls", address)
-        server = RedisServer(port=REDIS_PORT, data_dir=directory / "redis",
-                             password=secrets.token_hex(16), host=address, tls=tls)  # fmt: skip
+        server = RedisServer(
+            port=REDIS_PORT,
+            data_dir=directory / "redis",
+            password=secrets.token_hex(16),
+            host=address,
+            tls=tls,
+        )
         host = Host(index, namespace, address, server.url, tls is not None)
         self.state["hosts"].append(host.__dict__)
         if index == 0:
@@ -318,8 +393,13 @@ class Lab:
         return host
 
     def _add_idle(self, index: int) -> Host:
-        host = Host(index, f"{PREFIX}-{self.state['id']}-h{index}",
-                    f"{self.state['subnet']}.{index + 1}", "", False)  # fmt: skip
+        host = Host(
+            index,
+            f"{PREFIX}-{self.state['id']}-h{index}",
+            f"{self.state['subnet']}.{index + 1}",
+            "",
+            False,
+        )
         self.state["hosts"].append(host.__dict__)
         self._save()
         return host
@@ -343,8 +423,9 @@ class Lab:
 
     def wait_stages(self, hosts: Sequence[str], timeout_s: float) -> None:
         """Wait until each of `hosts` has a fresh record in the registry."""
-        client = redis.Redis.from_url(self.state["registry_url"], socket_connect_timeout=5,
-                                      socket_timeout=5)  # fmt: skip
+        client = redis.Redis.from_url(
+            self.state["registry_url"], socket_connect_timeout=5, socket_timeout=5
+        )
         key = (self.home / "swarm_key").read_text().strip()
         since = time.time() - 1
 
@@ -362,10 +443,14 @@ class Lab:
         deadline = time.monotonic() + timeout_s
         while not condition():
             if time.monotonic() > deadline:
-                raise LabError(f"{what} did not come up in {timeout_s:g} s "
-                               f"(logs in {self.home / 'logs'})")  # fmt: skip
-            dead = [name for name, pid in self.state.get("processes", {}).items()
-                    if not process_alive(pid)]  # fmt: skip
+                raise LabError(
+                    f"{what} did not come up in {timeout_s:g} s (logs in {self.home / 'logs'})"
+                )
+            dead = [
+                name
+                for name, pid in self.state.get("processes", {}).items()
+                if not process_alive(pid)
+            ]
             if dead:
                 raise LabError(f"{', '.join(sorted(dead))} exited (logs in {self.home / 'logs'})")
             time.sleep(0.2)
@@ -381,8 +466,9 @@ class Lab:
         links = set(state.get("links", []))
         if lab_id:  # anything made under the lab's names that the state did not get to record
             prefix = f"{PREFIX}-{lab_id}-"
-            namespaces |= {ns for ns in _ip("netns", "list", check=False).split()
-                           if ns.startswith(prefix)}  # fmt: skip
+            namespaces |= {
+                ns for ns in _ip("netns", "list", check=False).split() if ns.startswith(prefix)
+            }
             links |= {name for name in _links() if name.startswith(f"{PREFIX}{lab_id}")}
         existing = set(_ip("netns", "list", check=False).split())
         pids = {pid for pid in state.get("processes", {}).values() if process_alive(pid)}

@@ -167,14 +167,22 @@ def case_targets(cfg: LocalProofConfig):
         yield params, logits, target_probs(logits, *params)
 
 
-def case_row(form: str, config: tuple, draft: str, counts: np.ndarray, probs: np.ndarray,
-             **extra) -> dict:  # fmt: skip
+def case_row(
+    form: str, config: tuple, draft: str, counts: np.ndarray, probs: np.ndarray, **extra
+) -> dict:
     """One case's row: its form, config and drafter, and how its committed tokens' `counts`
     fit the target `probs` (TV and the chi-square p-value)."""
     temp, top_p, top_k = config
     fit = {"tv": total_variation(counts, probs), "p_value": chi_square_p_value(counts, probs)}
-    return {"form": form, "temp": temp, "top_p": top_p, "top_k": top_k, "draft": draft, **extra,
-            **fit}  # fmt: skip
+    return {
+        "form": form,
+        "temp": temp,
+        "top_p": top_p,
+        "top_k": top_k,
+        "draft": draft,
+        **extra,
+        **fit,
+    }
 
 
 def run_cases(cfg: LocalProofConfig, rules: dict, progress: Progress) -> list[dict]:
@@ -548,7 +556,7 @@ def run_gumbel(cfg: LocalProofConfig, rules: dict, progress: Progress):
                         agreement_exact=exact,
                         agreement_floor=(1 - tv_q) / (1 + tv_q),
                         agreement_ceiling=1 - tv_q,
-                    )  # fmt: skip
+                    )
                 )
                 progress(1)
     return rows, np.concatenate(multi_results)

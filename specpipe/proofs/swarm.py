@@ -378,8 +378,10 @@ def run_swarm_proof(
 def _head_summary(rows: list[dict]) -> dict:
     """The draft head's part over every stop: how many speculative draws it drafted for (0: the
     tail has no head, and the n-gram stood in) and how many of its drafts were accepted."""
-    total = {name: sum(r[f"head_{name}"] for r in rows)
-             for name in ("rounds", "drafted", "accepted", "first_accepted")}  # fmt: skip
+    total = {
+        name: sum(r[f"head_{name}"] for r in rows)
+        for name in ("rounds", "drafted", "accepted", "first_accepted")
+    }
     return {
         **total,
         "draws": sum(r["exact_pairs"] for r in rows),

@@ -74,8 +74,11 @@ class Arrivals:
     def group_size(self, now: float) -> int:
         """The most sessions one forward gathers: the sessions active here (a round within
         their last two periods) shared among `groups` groups."""
-        active = sum(1 for last, period, _ in self._seen.values()
-                     if now - last <= (2 * period if period else MAX_PERIOD_S))  # fmt: skip
+        active = sum(
+            1
+            for last, period, _ in self._seen.values()
+            if now - last <= (2 * period if period else MAX_PERIOD_S)
+        )
         return max(1, -(-active // self.groups))
 
     def due(self, present: set[str], now: float) -> tuple[set[str], float]:

@@ -137,8 +137,9 @@ class NodeInfo:
         return cls(**values)
 
 
-_FIELD_TYPES = {f.name: {"int": int, "float": float, "bool": bool}.get(f.type, str)
-                for f in fields(NodeInfo)}  # fmt: skip
+_FIELD_TYPES = {
+    f.name: {"int": int, "float": float, "bool": bool}.get(f.type, str) for f in fields(NodeInfo)
+}
 
 
 def _checked(name: str, value: object, kind: type) -> object:
@@ -245,8 +246,7 @@ def sign_record(record: str, swarm: str, key: bytes | str) -> str:
     return f"{_tag(record.encode(), swarm, _key_bytes(key))} {record}"
 
 
-def verify_record(host: str, value: bytes | str, swarm: str, keys: Keys,
-                  now: float) -> NodeInfo:  # fmt: skip
+def verify_record(host: str, value: bytes | str, swarm: str, keys: Keys, now: float) -> NodeInfo:
     """The node a stored value describes; ValueError when it is unsigned (by none of `keys`),
     forged, filed under another host, malformed, or dated more than MAX_SKEW_S after `now`."""
     raw = value if isinstance(value, bytes) else value.encode()
@@ -261,8 +261,9 @@ def verify_record(host: str, value: bytes | str, swarm: str, keys: Keys,
     return node
 
 
-def publish(client: redis.Redis, swarm: str, node: NodeInfo, key: bytes | str,
-            now: float | None = None) -> NodeInfo:  # fmt: skip
+def publish(
+    client: redis.Redis, swarm: str, node: NodeInfo, key: bytes | str, now: float | None = None
+) -> NodeInfo:
     """Record (or refresh) a node, signed with the swarm key, with the current time as its
     heartbeat."""
     node = replace(node, last_heartbeat=time.time() if now is None else now)
@@ -283,8 +284,7 @@ class Inventory:
     ignored: int  # unsigned, forged, malformed or future-dated records
 
 
-def read(client: redis.Redis, swarm: str, keys: Keys | None,
-         now: float | None = None) -> Inventory:  # fmt: skip
+def read(client: redis.Redis, swarm: str, keys: Keys | None, now: float | None = None) -> Inventory:
     """Every verified node, in ring order (by first layer), and the count of ignored records.
     `keys`: the swarm key, or every key a rotation still accepts."""
     accepted = _keys(keys)
@@ -298,8 +298,9 @@ def read(client: redis.Redis, swarm: str, keys: Keys | None,
     return Inventory(sorted(nodes, key=lambda n: (n.layer_start, n.layer_end, n.host)), ignored)
 
 
-def load(client: redis.Redis, swarm: str, keys: Keys | None,
-         now: float | None = None) -> list[NodeInfo]:  # fmt: skip
+def load(
+    client: redis.Redis, swarm: str, keys: Keys | None, now: float | None = None
+) -> list[NodeInfo]:
     """Every verified node, in ring order (by first layer); bad records are skipped."""
     return read(client, swarm, keys, now).nodes
 
@@ -432,8 +433,9 @@ def table(nodes: list[NodeInfo], now: float | None = None) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
-def lost_hops(hops: Sequence[NodeInfo], nodes: list[NodeInfo],
-              now: float | None = None) -> list[str]:  # fmt: skip
+def lost_hops(
+    hops: Sequence[NodeInfo], nodes: list[NodeInfo], now: float | None = None
+) -> list[str]:
     """The hosts of a route (`hops`, as routed) that the inventory `nodes` no longer vouches
     for: gone from it (a clean shutdown), lapsed (killed, cut off, stopped), or serving other
     layers than the route has them for."""
@@ -451,9 +453,13 @@ def lost_hops(hops: Sequence[NodeInfo], nodes: list[NodeInfo],
     return lost
 
 
-def choose_layers(nodes: list[NodeInfo], n_layers: int, model: str | None = None,
-                  load: dict[str, int] | None = None,
-                  now: float | None = None) -> tuple[int, int, str]:  # fmt: skip
+def choose_layers(
+    nodes: list[NodeInfo],
+    n_layers: int,
+    model: str | None = None,
+    load: dict[str, int] | None = None,
+    now: float | None = None,
+) -> tuple[int, int, str]:
     """The layer range a new host should serve, and why: the first range no online stage
     serves (from the first uncovered layer to where the next served range starts); when every
     layer is served, a spare for the busiest range of the route: the one with the fewest
@@ -560,9 +566,13 @@ def latency_lines(latency: RingLatency) -> list[str]:
     """The ring's latency as text: a line per hop, the ring's time and the ceiling."""
     lines = ["RING LATENCY (per round)"]
     for hop in latency.hops:
-        lines.append(f"  {hop.host} -> {hop.next_hop}: forward {hop.forward_ms:.1f} ms, "
-                     f"handling {hop.handling_ms:.1f} ms, link {hop.link_ms:.2f} ms")  # fmt: skip
+        lines.append(
+            f"  {hop.host} -> {hop.next_hop}: forward {hop.forward_ms:.1f} ms, "
+            f"handling {hop.handling_ms:.1f} ms, link {hop.link_ms:.2f} ms"
+        )
     ceiling = latency.ceiling_tok_s()
-    lines.append(f"  ring time {latency.ring_ms:.1f} ms; latency ceiling "
-                 f"{ceiling:.1f} tok/s per token per round")  # fmt: skip
+    lines.append(
+        f"  ring time {latency.ring_ms:.1f} ms; latency ceiling "
+        f"{ceiling:.1f} tok/s per token per round"
+    )
     return lines

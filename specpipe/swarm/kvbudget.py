@@ -185,8 +185,13 @@ class Reservations:
 
     def mark_waiting(self, name: str, holder: str, full: Full, need: int) -> None:
         """Say that job `name` waits for room on `full.host` (while `holder` exists)."""
-        reason = {"host": full.host, "used": full.used, "budget": full.budget, "need": need,
-                  "holder": holder}  # fmt: skip
+        reason = {
+            "host": full.host,
+            "used": full.used,
+            "budget": full.budget,
+            "need": need,
+            "holder": holder,
+        }
         self.client.hset(waiting_key(self.swarm), name, json.dumps(reason))
 
     def clear_waiting(self, name: str) -> None:

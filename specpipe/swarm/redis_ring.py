@@ -190,8 +190,9 @@ class RedisRing:
             round_id = uuid.uuid4().hex
             round_ids.add(round_id)
             sent = replace(message, round_id=round_id, seq=self._next_seq())
-            send = streams.stage_send_commands(stream, wire.encode(sent, self.swarm, self.keys),
-                                               self.maxlen)  # fmt: skip
+            send = streams.stage_send_commands(
+                stream, wire.encode(sent, self.swarm, self.keys), self.maxlen
+            )
             if self.link_delay_s > 0:
                 time.sleep(self.link_delay_s)
             try:
@@ -213,8 +214,10 @@ class RedisRing:
             if reply.kind == "result":
                 if len(reply.tokens) != n_draft + 1:
                     raise RingError(f"result of {len(reply.tokens)} ids for {n_draft} drafts")
-                logprobs = [TokenLogprob(token, lp, top) for token, (lp, top)
-                            in zip(reply.tokens, reply.logprobs, strict=False)]  # fmt: skip
+                logprobs = [
+                    TokenLogprob(token, lp, top)
+                    for token, (lp, top) in zip(reply.tokens, reply.logprobs, strict=False)
+                ]
                 return RoundResult(reply.tokens, logprobs, reply.drafts[:head_k])
             if reply.kind == "gap":
                 self._until_reachable(

@@ -116,10 +116,13 @@ class StageWorker:
         self.kv_budget_tokens = kv_budget(stage)
         self.node = None
         if node is not None:
-            self.node = replace(node, test_lossy_tail=test_lossy_tail(),
-                                kv_budget_tokens=self.kv_budget_tokens,
-                                heartbeat_s=config.heartbeat_s,
-                                link_delay_ms=config.link_delay_s * 1000)  # fmt: skip
+            self.node = replace(
+                node,
+                test_lossy_tail=test_lossy_tail(),
+                kv_budget_tokens=self.kv_budget_tokens,
+                heartbeat_s=config.heartbeat_s,
+                link_delay_ms=config.link_delay_s * 1000,
+            )
         # Where this stage's rounds went on to last (host, Redis URL): the link it measures.
         self.next_hop: tuple[str, str] | None = None
         self.keys = wire.keyring(config.keys)
@@ -168,8 +171,11 @@ class StageWorker:
         """Publish the node's record every `heartbeat_s` until `stop`, whatever the serving
         loop is doing: a coordinator with a spare takes a record that stops coming for a dead
         stage, so a long forward must not hold a beat up. Its own client: not the loop's."""
-        registry = redis.Redis.from_url(self.config.registry_url or self.config.redis_url,
-                                        socket_timeout=5, socket_connect_timeout=5)  # fmt: skip
+        registry = redis.Redis.from_url(
+            self.config.registry_url or self.config.redis_url,
+            socket_timeout=5,
+            socket_connect_timeout=5,
+        )
         probes = streams.Connections()
         try:
             while not stop.is_set():
@@ -216,8 +222,9 @@ class StageWorker:
                 # Our own Redis is away: keep the caches and wait for it to come back, then
                 # re-read what we had taken but not acknowledged.
                 wait_s = min(max(2 * wait_s, 0.1), 5.0)
-                log.warning("%s: Redis unavailable (%s); retrying in %.1f s", self.config.host,
-                            exc, wait_s)  # fmt: skip
+                log.warning(
+                    "%s: Redis unavailable (%s); retrying in %.1f s", self.config.host, exc, wait_s
+                )
                 self.consumer.rewind()
                 self._outgoing.clear()  # the rounds they were for are read again
                 stop.wait(wait_s)
@@ -295,8 +302,11 @@ class StageWorker:
             total -= held[session]
             forgotten.append(session)
         if forgotten:
-            log.info("%s: over the KV budget; dropped %d idle session(s)", self.config.host,
-                     len(forgotten))  # fmt: skip
+            log.info(
+                "%s: over the KV budget; dropped %d idle session(s)",
+                self.config.host,
+                len(forgotten),
+            )
         return forgotten
 
     def _forget(self, session: str) -> None:
@@ -447,8 +457,9 @@ class StageWorker:
 
     def _decode(self, data: bytes | None) -> wire.Message | None:
         def decode() -> wire.Message:
-            return wire.decode(data, self.config.swarm, self.keys, self.config.max_message_bytes,
-                               to=self.stream)  # fmt: skip
+            return wire.decode(
+                data, self.config.swarm, self.keys, self.config.max_message_bytes, to=self.stream
+            )
 
         try:
             return decode()
@@ -478,8 +489,12 @@ class StageWorker:
         last = self._last_seq.get(message.session, 0)
         if message.seq <= last or not wire.is_fresh(message.seq):
             self._count("replayed")
-            log.warning("%s: dropped a replayed or stale %r of session %s", self.config.host,
-                        message.kind, message.session)  # fmt: skip
+            log.warning(
+                "%s: dropped a replayed or stale %r of session %s",
+                self.config.host,
+                message.kind,
+                message.session,
+            )
             return False
         self._remember(self._last_seq, message.session, message.seq, MAX_SEQUENCES)
         return True
@@ -518,8 +533,9 @@ class StageWorker:
             return None
         try:
             forward_started = time.perf_counter()
-            out = self.stage.forward(message.session, inputs, message.start_pos,
-                                     last_rows=self._last_rows(message))  # fmt: skip
+            out = self.stage.forward(
+                message.session, inputs, message.start_pos, last_rows=self._last_rows(message)
+            )
             forward_s = time.perf_counter() - forward_started
         except Exception as exc:  # a bad round must not take the stage down
             self._failed(message, exc)
@@ -538,8 +554,11 @@ class StageWorker:
         try:
             outs = self.stage.forward_many(requests)
         except Exception:  # the batch as a whole: each round alone, with its own error
-            log.exception("%s: a batch of %d rounds failed; running them one by one",
-                          self.config.host, len(ready))  # fmt: skip
+            log.exception(
+                "%s: a batch of %d rounds failed; running them one by one",
+                self.config.host,
+                len(ready),
+            )
             for message, _ in ready:
                 self._round(message)
             return
@@ -629,10 +648,18 @@ class StageWorker:
         proposal = ()
         if self.head is not None and message.head_k:
             features = self.stage.features[message.session]
-            proposal = tuple(self.head.drafts_after(features, result, first_sampled,
-                                                    message.head_k, sampler.params))  # fmt: skip
-        self._reply(message, "result", tokens=tuple(int(t) for t in result), logprobs=logprobs,
-                    drafts=proposal)  # fmt: skip
+            proposal = tuple(
+                self.head.drafts_after(
+                    features, result, first_sampled, message.head_k, sampler.params
+                )
+            )
+        self._reply(
+            message,
+            "result",
+            tokens=tuple(int(t) for t in result),
+            logprobs=logprobs,
+            drafts=proposal,
+        )
 
     def _reply(self, message: wire.Message, kind: str, **fields) -> None:
         item = self._reply_for(message, kind, **fields)
@@ -655,8 +682,9 @@ class StageWorker:
         data = wire.encode(reply, self.config.swarm, self.keys)
         return Outgoing(message.reply, stream, data, None, f"reply to {message.session}")
 
-    def _send(self, url: str, stream: str, data: bytes, message: wire.Message | None,
-              what: str) -> None:  # fmt: skip
+    def _send(
+        self, url: str, stream: str, data: bytes, message: wire.Message | None, what: str
+    ) -> None:
         """Queue an XADD of `data` to `stream` on `url`, sent by `_flush_sends` with the rest of
         its batch. `message` is the round passed on, None for a reply: a failed pass-on is an
         error reply for it, a failed reply the coordinator's to time out on."""
@@ -681,8 +709,9 @@ class StageWorker:
                 outbox = self._outboxes.get(url)
                 if outbox is None:
                     outbox = self._outboxes[url] = queue.SimpleQueue()
-                    threading.Thread(target=self._send_delayed, args=(url, outbox),
-                                     daemon=True).start()  # fmt: skip
+                    threading.Thread(
+                        target=self._send_delayed, args=(url, outbox), daemon=True
+                    ).start()
             outbox.put((time.monotonic() + self.config.link_delay_s, items))
 
     def _deliver(self, url: str, items: list[Outgoing]) -> None:

@@ -212,8 +212,7 @@ class Connections:
         self._clients.clear()
 
 
-def send(target: redis.Redis | Link, key: str, data: bytes,
-         maxlen: int = DEFAULT_MAXLEN) -> bytes:  # fmt: skip
+def send(target: redis.Redis | Link, key: str, data: bytes, maxlen: int = DEFAULT_MAXLEN) -> bytes:
     """XADD one message to a stage's bounded stream and ring its bell; return its entry id."""
     commands = stage_send_commands(key, data, maxlen)
     if isinstance(target, Link):
@@ -225,8 +224,9 @@ def send(target: redis.Redis | Link, key: str, data: bytes,
     return pipe.execute()[0]
 
 
-def send_all(link: Link, entries: Iterable[tuple[str, bytes, bool]],
-             maxlen: int = DEFAULT_MAXLEN) -> None:  # fmt: skip
+def send_all(
+    link: Link, entries: Iterable[tuple[str, bytes, bool]], maxlen: int = DEFAULT_MAXLEN
+) -> None:
     """XADD each (stream, message, is_reply) in one write to one Redis: a reply stream is kept
     from outliving an abandoned session; a stage stream's bell rings once, after all its
     entries, so its reader wakes to the whole batch at once instead of to its first entry."""
@@ -383,8 +383,15 @@ class StreamConsumer:
         # bell and a second read for what rang it. Redis runs the second read as the bell rings,
         # so a waiting stage gets its entry in the round trip that waits for it. An entry
         # processed just before a crash stays pending and is read again.
-        args = (self.group, self.consumer, start, count, self.max_bytes, MAX_DELIVERIES,
-                READ_BUDGET_ENTRIES * self.max_bytes)  # fmt: skip
+        args = (
+            self.group,
+            self.consumer,
+            start,
+            count,
+            self.max_bytes,
+            MAX_DELIVERIES,
+            READ_BUDGET_ENTRIES * self.max_bytes,
+        )
         read = ("EVALSHA", READ_SCRIPT_SHA, 3, self.key, self.bell, self.dead, *args)
         commands = [(*read, *self._unacked)]
         if block_ms:
@@ -413,8 +420,17 @@ class StreamConsumer:
         self.flush()  # what we processed must not look idle and come back to us
         # XAUTOCLAIM walks the pending list from a cursor; entries another consumer left idle
         # longer than claim_idle_ms become ours, to be read (and checked) as our own backlog.
-        claim = ("XAUTOCLAIM", self.key, self.group, self.consumer, self.claim_idle_ms,
-                 self._claim_from, "COUNT", count, "JUSTID")  # fmt: skip
+        claim = (
+            "XAUTOCLAIM",
+            self.key,
+            self.group,
+            self.consumer,
+            self.claim_idle_ms,
+            self._claim_from,
+            "COUNT",
+            count,
+            "JUSTID",
+        )
         reply = self.link.call(claim)[0]
         self._claim_from = _text(reply[0])
         return bool(reply[1])

@@ -333,8 +333,9 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
     drafts = _field(header, "drafts", list, [])
     if not 0 <= head_k <= MAX_HEAD_DRAFTS or len(drafts) > MAX_HEAD_DRAFTS:
         raise WireError(f"a round asks for at most {MAX_HEAD_DRAFTS} head drafts")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < TOKEN_LIMIT
-               for t in drafts):  # fmt: skip
+    if not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < TOKEN_LIMIT for t in drafts
+    ):
         raise WireError("draft ids must be 32-bit non-negative integers")
     return Message(
         kind=kind,
@@ -367,14 +368,24 @@ def _logprobs(entries: list, n_tokens: int) -> tuple:
         raise WireError("more log-probabilities than tokens")
     out = []
     for entry in entries:
-        if not (isinstance(entry, list) and len(entry) == 2 and _is_number(entry[0])
-                and isinstance(entry[1], list) and len(entry[1]) <= MAX_ALTERNATIVES):  # fmt: skip
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 2
+            and _is_number(entry[0])
+            and isinstance(entry[1], list)
+            and len(entry[1]) <= MAX_ALTERNATIVES
+        ):
             raise WireError("log-probabilities must be [logprob, [[id, logprob], ...]]")
         top = []
         for pair in entry[1]:
-            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int)
-                    and not isinstance(pair[0], bool) and 0 <= pair[0] < TOKEN_LIMIT
-                    and _is_number(pair[1])):  # fmt: skip
+            if not (
+                isinstance(pair, list)
+                and len(pair) == 2
+                and isinstance(pair[0], int)
+                and not isinstance(pair[0], bool)
+                and 0 <= pair[0] < TOKEN_LIMIT
+                and _is_number(pair[1])
+            ):
                 raise WireError("an alternative must be [id, logprob]")
             top.append((pair[0], float(pair[1])))
         out.append((float(entry[0]), tuple(top)))

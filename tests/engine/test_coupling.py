@@ -214,8 +214,9 @@ def test_batched_noise_is_the_one_by_one_noise():
         token_uniforms(int(s), int(p), ids) for s, p in zip(seeds, positions, strict=True)
     ]
     assert np.array_equal(batch, np.stack(one_by_one))
-    assert np.array_equal(coupling.token_uniforms_batch([2**64 - 1], [5], ids)[0],
-                          token_uniforms(2**64 - 1, 5, ids))  # fmt: skip
+    assert np.array_equal(
+        coupling.token_uniforms_batch([2**64 - 1], [5], ids)[0], token_uniforms(2**64 - 1, 5, ids)
+    )
 
 
 @pytest.mark.parametrize("vocab", [1, 12, 13, 31])

@@ -19,8 +19,9 @@ def test_expected_tokens_is_the_geometric_sum():
     assert expected_tokens(1.0, 4) == 5.0
 
 
-def feed(rule: DraftLength, rounds: int, *, hit: bool, base_s: float, per_draft_s: float,
-         sent=None) -> None:  # fmt: skip
+def feed(
+    rule: DraftLength, rounds: int, *, hit: bool, base_s: float, per_draft_s: float, sent=None
+) -> None:
     """Rounds whose whole proposal [1..8] is committed (hit) or missed at its first token, each
     timed base_s + per_draft_s per draft sent."""
     for i in range(rounds):
@@ -110,8 +111,15 @@ def test_an_adaptive_generation_commits_the_tokens_of_plain_decoding(seed):
     params = SamplingParams(temp=0.9, seed=seed)
     out = {}
     for name, k, adaptive in (("plain", 0, False), ("fixed", 8, False), ("adaptive", 8, True)):
-        gen = Generation(SlowRing(toy_stages()), "s", prompt, params, max_new_tokens=40,
-                         draft_k=k, adaptive=adaptive)  # fmt: skip
+        gen = Generation(
+            SlowRing(toy_stages()),
+            "s",
+            prompt,
+            params,
+            max_new_tokens=40,
+            draft_k=k,
+            adaptive=adaptive,
+        )
         out[name] = (gen.run(), gen.stats)
     assert out["adaptive"][0] == out["plain"][0] == out["fixed"][0]
     # It sent fewer drafts than the fixed K whose drafts mostly miss here.

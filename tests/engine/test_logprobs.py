@@ -20,8 +20,9 @@ PROMPT = [3, 7, 1, 9, 3, 7, 1, 9, 3, 7, 1, 9, 3, 7]
 
 
 def run(params: SamplingParams, draft_k: int, max_new: int = 30) -> Generation:
-    gen = Generation(LocalRing(toy_stages()), "s", PROMPT, params, max_new_tokens=max_new,
-                     draft_k=draft_k)  # fmt: skip
+    gen = Generation(
+        LocalRing(toy_stages()), "s", PROMPT, params, max_new_tokens=max_new, draft_k=draft_k
+    )
     gen.run()
     return gen
 

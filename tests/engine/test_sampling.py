@@ -336,8 +336,10 @@ def test_sampling_params_round_trip_through_a_reset_message_and_a_sampler():
     from specpipe.core.coupling import sampler_for
     from specpipe.core.sampling import SamplingParams
 
-    for params in (SamplingParams(temp=0.7, top_p=0.9, top_k=5, seed=3),
-                   SamplingParams(temp=1.2, seed=2**63, logprobs=2, sampler="gumbel")):  # fmt: skip
+    for params in (
+        SamplingParams(temp=0.7, top_p=0.9, top_k=5, seed=3),
+        SamplingParams(temp=1.2, seed=2**63, logprobs=2, sampler="gumbel"),
+    ):
         fields = params.to_fields()
         assert all(isinstance(v, int | float) for v in fields.values())
         assert SamplingParams.from_fields(fields) == params

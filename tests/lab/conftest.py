@@ -43,8 +43,22 @@ def lab(tiny, tmp_path_factory):
     if reason:
         pytest.skip(reason)
     home = tmp_path_factory.mktemp("lab") / "lab"
-    result = run("lab", "up", "--hosts", "2", "--idle", "1", "--model", str(tiny),
-                 "--link-delay-ms", "2", "--port", "8000", "--home", str(home))  # fmt: skip
+    result = run(
+        "lab",
+        "up",
+        "--hosts",
+        "2",
+        "--idle",
+        "1",
+        "--model",
+        str(tiny),
+        "--link-delay-ms",
+        "2",
+        "--port",
+        "8000",
+        "--home",
+        str(home),
+    )
     the_lab = Lab(home)
     try:
         assert result.exit_code == 0, result.output

@@ -25,8 +25,22 @@ def test_a_cut_off_host_with_a_spare_is_routed_around(tiny, tmp_path):
     if reason:
         pytest.skip(reason)
     home = tmp_path / "lab"
-    up = run("lab", "up", "--hosts", "2", "--idle", "1", "--model", str(tiny),
-             "--link-delay-ms", "2", "--port", "8002", "--home", str(home))  # fmt: skip
+    up = run(
+        "lab",
+        "up",
+        "--hosts",
+        "2",
+        "--idle",
+        "1",
+        "--model",
+        str(tiny),
+        "--link-delay-ms",
+        "2",
+        "--port",
+        "8002",
+        "--home",
+        str(home),
+    )
     lab = Lab(home)
     lab.load()
     joined = None
@@ -34,14 +48,43 @@ def test_a_cut_off_host_with_a_spare_is_routed_around(tiny, tmp_path):
         assert up.exit_code == 0, up.output
         bare = lab.hosts()[2]
         joined = subprocess.Popen(
-            ["ip", "netns", "exec", bare.namespace, sys.executable, "-m", "specpipe", "join",
-             "--layers", "2:4", "--model", str(tiny), "--host", bare.name, "--threads", "1",
-             "--link-delay-ms", "2"],
-            env=lab.env(bare), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                "ip",
+                "netns",
+                "exec",
+                bare.namespace,
+                sys.executable,
+                "-m",
+                "specpipe",
+                "join",
+                "--layers",
+                "2:4",
+                "--model",
+                str(tiny),
+                "--host",
+                bare.name,
+                "--threads",
+                "1",
+                "--link-delay-ms",
+                "2",
+            ],
+            env=lab.env(bare),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
         wait_until(lambda: any(n.host == bare.name for n in nodes(lab)), 60, "the spare")
-        local = run("generate", PROMPT, "--model", str(tiny), "--json", "--local", "--stages",
-                    "2", *ARGS, env=lab_env(lab))  # fmt: skip
+        local = run(
+            "generate",
+            PROMPT,
+            "--model",
+            str(tiny),
+            "--json",
+            "--local",
+            "--stages",
+            "2",
+            *ARGS,
+            env=lab_env(lab),
+        )
         want = json.loads(local.output)["tokens"]
         out = {}
         thread = threading.Thread(
@@ -52,8 +95,11 @@ def test_a_cut_off_host_with_a_spare_is_routed_around(tiny, tmp_path):
             )
         )
         thread.start()
-        job = wait_until(lambda: (j := latest_job(lab)) and j.generated_tokens >= 10 and j.run_id
-                         and j, 60, "10 tokens of the job")  # fmt: skip
+        job = wait_until(
+            lambda: (j := latest_job(lab)) and j.generated_tokens >= 10 and j.run_id and j,
+            60,
+            "10 tokens of the job",
+        )
         with make_session_factory(lab.state["database_url"])() as session:
             tail = session.get(Run, job.run_id).topology.split(" -> ")[-1]
         assert tail in ("h1", "h2")

@@ -21,8 +21,11 @@ GUIDE = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
 def guide_commands() -> list[str]:
     """The indented command lines of the guide's section on one machine."""
     section = GUIDE.read_text().split("## Trying it on one machine", 1)[1].split("\n## ", 1)[0]
-    return [line.strip() for line in section.splitlines() if line.startswith("    specpipe")
-            or line.startswith("    SPECPIPE_")]  # fmt: skip
+    return [
+        line.strip()
+        for line in section.splitlines()
+        if line.startswith("    specpipe") or line.startswith("    SPECPIPE_")
+    ]
 
 
 def as_run_here(line: str) -> str:
@@ -38,26 +41,50 @@ def test_the_guide_on_one_machine_runs_as_written(tiny, tmp_path):
     commands = guide_commands()
     assert commands[0].startswith("specpipe lab up") and commands[-1] == "specpipe lab down"
     env = {**os.environ, "SPECPIPE_MODEL": str(tiny)}
-    for name in ("SPECPIPE_HOME", "REDIS_URL", "SPECPIPE_SWARM", "SPECPIPE_SWARM_KEY",
-                 "DATABASE_URL", "SPECPIPE_REGISTRY_URL"):  # fmt: skip
+    for name in (
+        "SPECPIPE_HOME",
+        "REDIS_URL",
+        "SPECPIPE_SWARM",
+        "SPECPIPE_SWARM_KEY",
+        "DATABASE_URL",
+        "SPECPIPE_REGISTRY_URL",
+    ):
         env.pop(name, None)
     outputs, background = [], []
     try:
         for line in commands:
             if line.endswith("&"):
-                background.append(subprocess.Popen(as_run_here(line[:-1]), shell=True, cwd=tmp_path,
-                                                   env=env, stdout=subprocess.DEVNULL,
-                                                   stderr=subprocess.STDOUT))  # fmt: skip
+                background.append(
+                    subprocess.Popen(
+                        as_run_here(line[:-1]),
+                        shell=True,
+                        cwd=tmp_path,
+                        env=env,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
                 continue
             if "nodes" in line and background:  # the spare needs a moment to load and register
                 wait_for_host(tmp_path, env, "h4")
-            done = subprocess.run(as_run_here(line), shell=True, cwd=tmp_path, env=env,
-                                  capture_output=True, text=True, timeout=300)  # fmt: skip
+            done = subprocess.run(
+                as_run_here(line),
+                shell=True,
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert done.returncode == 0, f"{line}: {done.stdout}{done.stderr}"
             outputs.append(done.stdout)
     finally:
-        subprocess.run([sys.executable, "-m", "specpipe", "lab", "down"], cwd=tmp_path, env=env,
-                       capture_output=True)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-m", "specpipe", "lab", "down"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+        )
         for process in background:
             process.wait(30)
     up, nodes_before, first, nodes_after, second, down = outputs
@@ -75,9 +102,13 @@ def test_the_guide_on_one_machine_runs_as_written(tiny, tmp_path):
 def wait_for_host(folder: Path, env: dict, host: str, timeout_s: float = 90) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        done = subprocess.run([sys.executable, "-m", "specpipe", "nodes"], cwd=folder,
-                              env={**env, "SPECPIPE_HOME": str(folder / "instance" / "lab")},
-                              capture_output=True, text=True)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "specpipe", "nodes"],
+            cwd=folder,
+            env={**env, "SPECPIPE_HOME": str(folder / "instance" / "lab")},
+            capture_output=True,
+            text=True,
+        )
         if any(line.startswith(f"{host} ") for line in done.stdout.splitlines()):
             return
         time.sleep(0.5)

@@ -26,8 +26,13 @@ ARGS = ["--temp", "0.8", "--seed", "11", "--max-new-tokens", "120", "--no-spec"]
 
 
 def lab_env(lab) -> dict[str, str]:
-    return {"SPECPIPE_HOME": str(lab.home), "REDIS_URL": "", "SPECPIPE_SWARM": "",
-            "SPECPIPE_SWARM_KEY": "", "DATABASE_URL": ""}  # fmt: skip
+    return {
+        "SPECPIPE_HOME": str(lab.home),
+        "REDIS_URL": "",
+        "SPECPIPE_SWARM": "",
+        "SPECPIPE_SWARM_KEY": "",
+        "DATABASE_URL": "",
+    }
 
 
 def nodes(lab) -> list[inventory.NodeInfo]:
@@ -61,14 +66,37 @@ def test_a_bare_host_joins_as_a_spare_and_takes_over_when_the_stage_dies(lab, ti
     bare = lab.hosts()[2]
     assert not bare.redis_url  # nothing runs there yet
     joined = subprocess.Popen(
-        ["ip", "netns", "exec", bare.namespace, sys.executable, "-m", "specpipe", "join",
-         "--layers", "auto", "--model", str(tiny), "--host", bare.name, "--threads", "1",
-         "--link-delay-ms", "2"],
-        env=lab.env(bare), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            "ip",
+            "netns",
+            "exec",
+            bare.namespace,
+            sys.executable,
+            "-m",
+            "specpipe",
+            "join",
+            "--layers",
+            "auto",
+            "--model",
+            str(tiny),
+            "--host",
+            bare.name,
+            "--threads",
+            "1",
+            "--link-delay-ms",
+            "2",
+        ],
+        env=lab.env(bare),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
-        wait_until(lambda: any(n.host == bare.name for n in nodes(lab)) or joined.poll(), 60,
-                   "the new host to register")  # fmt: skip
+        wait_until(
+            lambda: any(n.host == bare.name for n in nodes(lab)) or joined.poll(),
+            60,
+            "the new host to register",
+        )
         assert joined.poll() is None, joined.stdout.read()
         record = next(n for n in nodes(lab) if n.host == bare.name)
         # Every layer was served: it spares one of the two ranges, at its own address, with a
@@ -80,8 +108,18 @@ def test_a_bare_host_joins_as_a_spare_and_takes_over_when_the_stage_dies(lab, ti
             n.host for n in nodes(lab) if n.layers == record.layers and n.host != bare.name
         )
 
-        local = run("generate", PROMPT, "--model", str(tiny), "--json", "--local", "--stages",
-                    "2", *ARGS, env=lab_env(lab))  # fmt: skip
+        local = run(
+            "generate",
+            PROMPT,
+            "--model",
+            str(tiny),
+            "--json",
+            "--local",
+            "--stages",
+            "2",
+            *ARGS,
+            env=lab_env(lab),
+        )
         want = json.loads(local.output)["tokens"]
         out = {}
         thread = threading.Thread(
@@ -92,8 +130,11 @@ def test_a_bare_host_joins_as_a_spare_and_takes_over_when_the_stage_dies(lab, ti
             )
         )
         thread.start()
-        job = wait_until(lambda: (j := latest_job(lab)) and j.generated_tokens >= 10 and j.run_id
-                         and j, 60, "10 tokens of the job")  # fmt: skip
+        job = wait_until(
+            lambda: (j := latest_job(lab)) and j.generated_tokens >= 10 and j.run_id and j,
+            60,
+            "10 tokens of the job",
+        )
         with make_session_factory(lab.state["database_url"])() as session:
             route = session.get(Run, job.run_id).topology.split(" -> ")
         victim = bare.name if bare.name in route else partner

@@ -17,10 +17,23 @@ PROMPT = "hello world"
 
 
 def generate(lab: Lab, tiny, *args: str) -> dict:
-    result = run("generate", PROMPT, "--model", str(tiny), "--json", "--max-new-tokens", "40",
-                 *args, env={"SPECPIPE_HOME": str(lab.home), "REDIS_URL": "",
-                             "SPECPIPE_SWARM": "", "SPECPIPE_SWARM_KEY": "",
-                             "DATABASE_URL": ""})  # fmt: skip
+    result = run(
+        "generate",
+        PROMPT,
+        "--model",
+        str(tiny),
+        "--json",
+        "--max-new-tokens",
+        "40",
+        *args,
+        env={
+            "SPECPIPE_HOME": str(lab.home),
+            "REDIS_URL": "",
+            "SPECPIPE_SWARM": "",
+            "SPECPIPE_SWARM_KEY": "",
+            "DATABASE_URL": "",
+        },
+    )
     assert result.exit_code == 0, result.output
     return json.loads(result.output)
 
@@ -32,8 +45,9 @@ def test_every_host_has_its_own_namespace_address_and_redis(lab):
     assert [h.tls for h in hosts] == [False, True, False]
     assert hosts[1].redis_url.startswith("rediss://specpipe:")
     # Each Redis listens on its host's address only: not from another host's loopback.
-    here = subprocess.run(["ip", "netns", "exec", hosts[0].namespace, "ss", "-ltn"],
-                          capture_output=True, text=True).stdout  # fmt: skip
+    here = subprocess.run(
+        ["ip", "netns", "exec", hosts[0].namespace, "ss", "-ltn"], capture_output=True, text=True
+    ).stdout
     assert f"{hosts[0].address}:6379" in here and "127.0.0.1:6379" not in here
 
 
@@ -55,8 +69,9 @@ def test_lab_down_leaves_no_namespace_link_or_process(tiny, tmp_path):
     if reason:
         pytest.skip(reason)
     home = tmp_path / "lab"
-    up = run("lab", "up", "--hosts", "1", "--model", str(tiny), "--port", "8001",
-             "--home", str(home))  # fmt: skip
+    up = run(
+        "lab", "up", "--hosts", "1", "--model", str(tiny), "--port", "8001", "--home", str(home)
+    )
     lab = Lab(home)
     state = lab.load()
     try:

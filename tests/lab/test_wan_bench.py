@@ -16,14 +16,28 @@ def test_bench_wan_reports_tok_s_against_the_ceiling_and_identical_tokens(tiny, 
     if reason:
         pytest.skip(reason)
     out = tmp_path / "wan.json"
-    result = run("bench", "wan", "--model", str(tiny), "--link-delay-ms", "6,4", "--tokens", "16",
-                 "--draft-k", "4", "--temp", "0.7", "--home", str(tmp_path / "lab"),
-                 "--json", str(out))  # fmt: skip
+    result = run(
+        "bench",
+        "wan",
+        "--model",
+        str(tiny),
+        "--link-delay-ms",
+        "6,4",
+        "--tokens",
+        "16",
+        "--draft-k",
+        "4",
+        "--temp",
+        "0.7",
+        "--home",
+        str(tmp_path / "lab"),
+        "--json",
+        str(out),
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["route"] == ["h0", "h1"] and report["link_delays_ms"] == [6.0, 4.0]
-    assert [(r["prompt"], r["temp"]) for r in report["rows"]] == [("grounded", 0.7),
-                                                                  ("novel", 0.7)]  # fmt: skip
+    assert [(r["prompt"], r["temp"]) for r in report["rows"]] == [("grounded", 0.7), ("novel", 0.7)]
     for row in report["rows"]:
         assert row["identical"]
         for mode in ("plain", "spec"):
@@ -32,8 +46,10 @@ def test_bench_wan_reports_tok_s_against_the_ceiling_and_identical_tokens(tiny, 
             assert r["link_ms"] >= 10.0 and r["ring_ms"] > r["link_ms"]
             assert 0 < r["tok_s"] <= r["link_ceiling_tok_s"]
             assert r["link_ceiling_tok_s"] == pytest.approx(
-                r["tokens_per_round"] * 1000 / r["link_ms"], rel=0.02)  # fmt: skip
+                r["tokens_per_round"] * 1000 / r["link_ms"], rel=0.02
+            )
             assert r["ceiling_tok_s"] == pytest.approx(
-                r["tokens_per_round"] * 1000 / r["ring_ms"], rel=0.02)  # fmt: skip
+                r["tokens_per_round"] * 1000 / r["ring_ms"], rel=0.02
+            )
     assert "| grounded | 0.7 | spec |" in result.output
     assert not (tmp_path / "lab" / "lab.json").exists()  # taken down

@@ -64,11 +64,13 @@ def test_batched_rounds_equal_each_session_alone_bit_for_bit(checkpoints, family
 
 def test_a_round_that_cannot_run_leaves_the_others_running(checkpoints):
     (stage,) = load_split(lambda: SafetensorsCheckpoint(checkpoints["llama"]), [4])
-    outs = stage.forward_many([
-        Request("fresh", ids(4, 1), 0, 1),
-        Request("unknown", ids(1, 2), 9, 1),  # no cache here: a gap
-        Request("bad", torch.tensor([10_000]), 0, 1),  # outside the vocabulary
-    ])  # fmt: skip
+    outs = stage.forward_many(
+        [
+            Request("fresh", ids(4, 1), 0, 1),
+            Request("unknown", ids(1, 2), 9, 1),  # no cache here: a gap
+            Request("bad", torch.tensor([10_000]), 0, 1),  # outside the vocabulary
+        ]
+    )
     assert outs[0].shape == (1, stage.cfg.vocab_size)
     assert isinstance(outs[1], GapError) and isinstance(outs[2], ValueError)
     assert "unknown" not in stage.sessions and stage.sessions["fresh"].length == 4

@@ -110,8 +110,9 @@ def tiny_and_head(tmp_path_factory):
     cfg = open_checkpoint(tiny).config
     torch.manual_seed(0)
     head = home / "head.safetensors"
-    DraftHead(cfg.dim, 32).save(head, {"model": model_label(tiny), "dim": cfg.dim,
-                                       "vocab": cfg.vocab_size})  # fmt: skip
+    DraftHead(cfg.dim, 32).save(
+        head, {"model": model_label(tiny), "dim": cfg.dim, "vocab": cfg.vocab_size}
+    )
     return tiny, head
 
 
@@ -141,8 +142,22 @@ def test_generate_local_runs_as_a_swarm_job_and_the_head_changes_no_token(
 
     count(drafthead.TailHead, "drafts_after")
     count(DraftLength, "choose")
-    common = ["generate", "--local", "hello world", "--model", str(tiny), "--json", "--temp",
-              temp, "--seed", "3", "--max-new-tokens", "24", "--stages", stages]  # fmt: skip
+    common = [
+        "generate",
+        "--local",
+        "hello world",
+        "--model",
+        str(tiny),
+        "--json",
+        "--temp",
+        temp,
+        "--seed",
+        "3",
+        "--max-new-tokens",
+        "24",
+        "--stages",
+        stages,
+    ]
 
     def run(*extra: str) -> tuple[list[int], Counter]:
         calls.clear()
@@ -170,8 +185,9 @@ def test_generate_local_refuses_a_head_for_another_model(tiny_and_head, tmp_path
 
     tiny, head = tiny_and_head
     other = shutil.copytree(tiny, tmp_path / "other")
-    result = CliRunner().invoke(cli, ["generate", "--local", "hi", "--model", str(other),
-                                      "--draft-head", str(head)])  # fmt: skip
+    result = CliRunner().invoke(
+        cli, ["generate", "--local", "hi", "--model", str(other), "--draft-head", str(head)]
+    )
     assert result.exit_code == 2 and "the head was trained for model 'tiny'" in result.output
     assert len(result.output.strip().splitlines()) == 1
 
@@ -263,8 +279,9 @@ def test_generate_refuses_bad_stop_strings_in_one_line(stops, message, where):
     ],
 )
 @pytest.mark.parametrize("where", [["--local"], []], ids=["local", "swarm"])
-def test_generate_meets_the_web_apps_limits_before_anything_runs(monkeypatch, option, message,
-                                                                 where):  # fmt: skip
+def test_generate_meets_the_web_apps_limits_before_anything_runs(
+    monkeypatch, option, message, where
+):
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")  # nothing may be reached
     result = CliRunner().invoke(cli, ["generate", *where, "hi", *option])
     assert result.exit_code == 2, result.output

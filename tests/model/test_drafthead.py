@@ -111,8 +111,13 @@ def test_a_head_round_trips_through_its_file(tmp_path, stage, data):
     torch.manual_seed(1)
     head = DraftHead(stage.cfg.dim, 48)
     torch.nn.init.normal_(head.w_down.weight, std=0.3)
-    meta = {"model": "tiny", "dim": stage.cfg.dim, "vocab": stage.cfg.vocab_size, "seed": 5,
-            "command": "specpipe drafter train --model tiny"}  # fmt: skip
+    meta = {
+        "model": "tiny",
+        "dim": stage.cfg.dim,
+        "vocab": stage.cfg.vocab_size,
+        "seed": 5,
+        "command": "specpipe drafter train --model tiny",
+    }
     head.save(tmp_path / "h.safetensors", meta)
     loaded, got = DraftHead.load(tmp_path / "h.safetensors")
     assert got == meta
@@ -157,11 +162,16 @@ def test_scores_and_the_ngram_drafter_on_known_text():
     phrase = [10, 11, 12, 13, 14, 15]
     tokens = phrase * 3
     data = dt.Sequences(
-        tokens=np.array(tokens), features=torch.zeros(len(tokens), 2),
-        top_ids=torch.zeros(len(tokens), 1, dtype=torch.long), top_probs=torch.ones(len(tokens), 1),
-        left=np.arange(len(tokens))[::-1].copy(), positions=np.arange(len(tokens)) + 2,
-        seeds=np.zeros(len(tokens), dtype=np.int64), starts=[0], prompts=[[1, 2, 10]],
-    )  # fmt: skip
+        tokens=np.array(tokens),
+        features=torch.zeros(len(tokens), 2),
+        top_ids=torch.zeros(len(tokens), 1, dtype=torch.long),
+        top_probs=torch.ones(len(tokens), 1),
+        left=np.arange(len(tokens))[::-1].copy(),
+        positions=np.arange(len(tokens)) + 2,
+        seeds=np.zeros(len(tokens), dtype=np.int64),
+        starts=[0],
+        prompts=[[1, 2, 10]],
+    )
     rows = dt.round_rows(data, 3)
     assert rows.tolist() == list(range(len(tokens) - 1 - 3))
     hits, proposed = dt.ngram_matches(data, rows, 3)
@@ -172,16 +182,50 @@ def test_scores_and_the_ngram_drafter_on_known_text():
 
 def test_drafter_commands(tmp_path, tiny):
     out = tmp_path / "tiny-head.safetensors"
-    result = CliRunner().invoke(cli, ["drafter", "train", "--model", str(tiny), "--tokens", "64",
-                                      "--steps", "5", "--batch", "16", "--seed", "3",
-                                      "--threads", "1", "--out", str(out)])  # fmt: skip
+    result = CliRunner().invoke(
+        cli,
+        [
+            "drafter",
+            "train",
+            "--model",
+            str(tiny),
+            "--tokens",
+            "64",
+            "--steps",
+            "5",
+            "--batch",
+            "16",
+            "--seed",
+            "3",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     _, meta = DraftHead.load(out)
     assert meta["seed"] == 3 and meta["model"] == "tiny" and "--seed 3" in meta["command"]
     report = tmp_path / "eval.json"
-    result = CliRunner().invoke(cli, ["drafter", "eval", "--model", str(tiny), "--head", str(out),
-                                      "--tokens", "12", "--k", "3", "--threads", "1",
-                                      "--json", str(report)])  # fmt: skip
+    result = CliRunner().invoke(
+        cli,
+        [
+            "drafter",
+            "eval",
+            "--model",
+            str(tiny),
+            "--head",
+            str(out),
+            "--tokens",
+            "12",
+            "--k",
+            "3",
+            "--threads",
+            "1",
+            "--json",
+            str(report),
+        ],
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(report.read_text())
     for mode in ("temp 0.7 top_p 0.95", "greedy"):
@@ -191,10 +235,31 @@ def test_drafter_commands(tmp_path, tiny):
         assert 0 <= scores["head_ceiling_draft_1"] <= 1
         assert 0 <= scores["head_inverse_cdf_draft_1"] <= 1
     bench = tmp_path / "bench.json"
-    result = CliRunner().invoke(cli, ["bench", "draft-head", "--model", str(tiny), "--head",
-                                      str(out), "--repeats", "2", "--k", "3", "--stages", "2",
-                                      "--hop-delay-ms", "0", "--tokens", "10", "--seeds", "1",
-                                      "--json", str(bench)])  # fmt: skip
+    result = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "draft-head",
+            "--model",
+            str(tiny),
+            "--head",
+            str(out),
+            "--repeats",
+            "2",
+            "--k",
+            "3",
+            "--stages",
+            "2",
+            "--hop-delay-ms",
+            "0",
+            "--tokens",
+            "10",
+            "--seeds",
+            "1",
+            "--json",
+            str(bench),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "K=3" in result.output and "over the support" in result.output
     # On real stage processes the tail's head drafts travel back with each result, and every
@@ -211,8 +276,22 @@ def test_drafter_commands(tmp_path, tiny):
     # Narrowed to the 20 tokens the target gives the most mass: the same weights, its drafts
     # among those tokens only, and a second narrowing refused.
     narrow = tmp_path / "narrow.safetensors"
-    args = ["drafter", "narrow", "--model", str(tiny), "--head", str(out), "--draft-vocab", "20",
-            "--tokens", "64", "--threads", "1", "--out", str(narrow)]  # fmt: skip
+    args = [
+        "drafter",
+        "narrow",
+        "--model",
+        str(tiny),
+        "--head",
+        str(out),
+        "--draft-vocab",
+        "20",
+        "--tokens",
+        "64",
+        "--threads",
+        "1",
+        "--out",
+        str(narrow),
+    ]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     narrowed, narrow_meta = DraftHead.load(narrow)
@@ -228,8 +307,10 @@ def test_drafter_commands(tmp_path, tiny):
     meta["model"] = "another"
     head, _ = DraftHead.load(out)
     head.save(tmp_path / "wrong.safetensors", meta)
-    result = CliRunner().invoke(cli, ["drafter", "eval", "--model", str(tiny), "--head",
-                                      str(tmp_path / "wrong.safetensors")])  # fmt: skip
+    result = CliRunner().invoke(
+        cli,
+        ["drafter", "eval", "--model", str(tiny), "--head", str(tmp_path / "wrong.safetensors")],
+    )
     assert result.exit_code != 0
     assert "trained for model 'another'" in result.output and "Traceback" not in result.output
 
@@ -251,8 +332,9 @@ def test_the_shipped_head_fits_the_default_model():
 
 def test_a_head_on_part_of_the_vocabulary(tmp_path, stage, data):
     parts = dt.training_parts(stage)
-    head, losses = dt.train_head(parts, data, steps=30, batch=32, lr=3e-3, hidden=32,
-                                 draft_vocab=20)  # fmt: skip
+    head, losses = dt.train_head(
+        parts, data, steps=30, batch=32, lr=3e-3, hidden=32, draft_vocab=20
+    )
     ids = head.token_ids()
     assert len(ids) == 20 and np.all(np.diff(ids) > 0)
     # The 20 tokens with the most target mass over the data.

@@ -77,8 +77,9 @@ def anon():
 
 def _anonymous_mb(code: str) -> dict[str, float]:
     """Run `code` in a fresh interpreter; it prints a JSON map of labels to anonymous MB."""
-    out = subprocess.run([sys.executable, "-c", ANON + code], capture_output=True, text=True,
-                         check=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", ANON + code], capture_output=True, text=True, check=True, timeout=300
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

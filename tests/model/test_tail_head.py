@@ -30,8 +30,9 @@ def ring_parts():
 def _generate(ring_parts, params, drafts_from: str, draft_k: int, head: bool = True):
     stages, tail_head, prompt_ids = ring_parts
     ring = LocalRing(stages, tail_head if head else None)
-    generation = Generation(ring, "s", prompt_ids, params, max_new_tokens=40, draft_k=draft_k,
-                            drafts_from=drafts_from)  # fmt: skip
+    generation = Generation(
+        ring, "s", prompt_ids, params, max_new_tokens=40, draft_k=draft_k, drafts_from=drafts_from
+    )
     return generation.run(), generation.stats
 
 

@@ -88,19 +88,37 @@ class Swarm:
             from specpipe.model.resolve import open_checkpoint
 
             n = open_checkpoint(model).config.n_layers
-            stages = ((STAGES[0][0], f"0:{n // 2}", *STAGES[0][2:]),
-                      (STAGES[1][0], f"{n // 2}:{n}", *STAGES[1][2:]))  # fmt: skip
+            stages = (
+                (STAGES[0][0], f"0:{n // 2}", *STAGES[0][2:]),
+                (STAGES[1][0], f"{n // 2}:{n}", *STAGES[1][2:]),
+            )
         for i, (host, layers, geo, ip) in enumerate(stages):
             tail = i == len(STAGES) - 1
             on = lossy_tail if tail else lossy_head and i == 0
             lossy = {"SPECPIPE_TEST_LOSSY_TAIL": "1"} if on else {}
             head = ["--draft-head", draft_head] if draft_head and tail else []
             self._spawn(
-                [sys.executable, "-m", "tests.regression.stage", "--host", host, "--layers",
-                 layers, "--redis", self.redis_url, "--swarm", self.name, "--geo", geo,
-                 "--public-ip", ip, *(["--model", model] if model else []), *head],
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.regression.stage",
+                    "--host",
+                    host,
+                    "--layers",
+                    layers,
+                    "--redis",
+                    self.redis_url,
+                    "--swarm",
+                    self.name,
+                    "--geo",
+                    geo,
+                    "--public-ip",
+                    ip,
+                    *(["--model", model] if model else []),
+                    *head,
+                ],
                 **lossy,
-            )  # fmt: skip
+            )
         hosts = {s[0] for s in stages}
 
         def online() -> bool:
@@ -116,10 +134,24 @@ class Swarm:
         """n Celery worker processes on the nightly queue (one task at a time each)."""
         for i in range(n):
             self._spawn(
-                [sys.executable, "-m", "celery", "-A", "tests.regression.celery_toy", "worker",
-                 "-Q", NIGHTLY_QUEUE, "--pool=solo", "--loglevel=WARNING", "--without-gossip",
-                 "--without-mingle", "--without-heartbeat", "-n", f"{self.name}-{i}@%h"],
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "tests.regression.celery_toy",
+                    "worker",
+                    "-Q",
+                    NIGHTLY_QUEUE,
+                    "--pool=solo",
+                    "--loglevel=WARNING",
+                    "--without-gossip",
+                    "--without-mingle",
+                    "--without-heartbeat",
+                    "-n",
+                    f"{self.name}-{i}@%h",
+                ],
+            )
 
     def wait_result(self, key: str, timeout_s: float = 150) -> bytes:
         def result() -> bytes | None:

@@ -54,11 +54,16 @@ def test_no_swarm_reachable_is_one_clear_line(command):
 
 
 def test_an_empty_inventory_names_the_missing_layers(redis_url_for_cli):
-    result = invoke("proof", "swarm", env={**NO_SWARM, "SPECPIPE_SWARM": "nobody-here",
-                                           "REDIS_URL": redis_url_for_cli})  # fmt: skip
+    result = invoke(
+        "proof",
+        "swarm",
+        env={**NO_SWARM, "SPECPIPE_SWARM": "nobody-here", "REDIS_URL": redis_url_for_cli},
+    )
     assert result.exit_code == 1
-    assert result.output == "Error: no complete ring in swarm 'nobody-here': " \
-                            "no online stage serves layers 0:4\n"  # fmt: skip
+    assert (
+        result.output == "Error: no complete ring in swarm 'nobody-here': "
+        "no online stage serves layers 0:4\n"
+    )
 
 
 @pytest.mark.parametrize("lossy", [True, False])
@@ -72,8 +77,9 @@ def test_a_ring_with_a_test_lossy_tail_is_a_warning_line(
     monkeypatch.setenv("REDIS_URL", redis_url_for_cli)
     client = redis.Redis.from_url(redis_url_for_cli)
     for host, start, end in (("wa", 0, 2), ("nj", 2, 4)):
-        node = inventory.NodeInfo(host, start, end, redis_url_for_cli,
-                                  test_lossy_tail=lossy and host == "nj")  # fmt: skip
+        node = inventory.NodeInfo(
+            host, start, end, redis_url_for_cli, test_lossy_tail=lossy and host == "nj"
+        )
         inventory.publish(client, swarm, node, "k" * 32)
     try:
         ring, _target, where = open_ring(None, None, None)
@@ -100,8 +106,9 @@ def test_an_unknown_model_and_a_missing_key_are_one_line_each():
 
 def test_proof_swarm_runs_in_process_on_a_local_ring(tmp_path):
     out = tmp_path / "proof2.json"
-    result = invoke("proof", "swarm", "--local", "toy", "--stops", "2", "--draws", "100",
-                    "--json", str(out))  # fmt: skip
+    result = invoke(
+        "proof", "swarm", "--local", "toy", "--stops", "2", "--draws", "100", "--json", str(out)
+    )
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()  # the progress bar went to stderr
     assert lines[0] == "proof 2: speculative vs plain on the ring (local (toy))"
@@ -112,8 +119,9 @@ def test_proof_swarm_runs_in_process_on_a_local_ring(tmp_path):
 
 
 def test_proof_generation_shows_identical_texts_side_by_side():
-    result = invoke("proof", "generation", "--local", "toy", "--max-new-tokens", "12",
-                    "--seed", "5")  # fmt: skip
+    result = invoke(
+        "proof", "generation", "--local", "toy", "--max-new-tokens", "12", "--seed", "5"
+    )
     assert result.exit_code == 0, result.output
     assert "[greedy_temp0]" in result.output and "[sampled_temp0.7_seed5]" in result.output
     assert result.output.count("texts identical") == 2
@@ -121,15 +129,17 @@ def test_proof_generation_shows_identical_texts_side_by_side():
 
 
 def test_regression_run_without_redis_is_one_line():
-    result = invoke("regression", "run", "--timeout", "1",
-                    env={"REDIS_URL": "redis://127.0.0.1:1/0"})  # fmt: skip
+    result = invoke(
+        "regression", "run", "--timeout", "1", env={"REDIS_URL": "redis://127.0.0.1:1/0"}
+    )
     assert result.exit_code == 1
     assert result.output.startswith("Error: cannot reach Redis at redis://127.0.0.1:1/0")
 
 
 def test_proof_generation_on_the_default_model_uses_its_tokenizer():
-    result = invoke("proof", "generation", "--local", "default", "--max-new-tokens", "6",
-                    "--seed", "7")  # fmt: skip
+    result = invoke(
+        "proof", "generation", "--local", "default", "--max-new-tokens", "6", "--seed", "7"
+    )
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith(
         "proof 3: generation, speculative vs plain (local (SmolLM2-135M-Instruct))"

@@ -83,8 +83,12 @@ def test_regression_run_stores_a_run_with_every_record_field(live_swarm):
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "specpipe", "regression", "run", "--timeout", "150"],
-        cwd=ROOT, env=live_swarm.env(), capture_output=True, text=True, timeout=200,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=live_swarm.env(),
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()
     assert lines[-2] == "verdict: pass"
@@ -105,8 +109,10 @@ def test_regression_run_stores_a_run_with_every_record_field(live_swarm):
     generation = record["proof_3_generation"]
     assert generation["verdict"] == "PASS"
     assert {"greedy_temp0", "sampled_temp0.7_seed7", "sampled_temp0.7_seed99"} <= set(generation)
-    assert all(generation[m]["identical"] and generation[m]["tok_s"] > 0 for m in
-               ("greedy_temp0", "sampled_temp0.7_seed7"))  # fmt: skip
+    assert all(
+        generation[m]["identical"] and generation[m]["tok_s"] > 0
+        for m in ("greedy_temp0", "sampled_temp0.7_seed7")
+    )
     assert [n["role"] for n in record["nodes"]] == ["stage0", "tail"]
     assert [n["layer_range"] for n in record["nodes"]] == [[0, 2], [2, 4]]
     assert [(n["geo"], n["public_ip"]) for n in record["nodes"]] == [(s[2], s[3]) for s in STAGES]
@@ -172,8 +178,12 @@ def test_a_stage_flagged_lossy_fails_the_night_even_when_the_proofs_pass(live_sw
         run = run_nightly(session, toy_target(), swarm, sizes["seed"], sizes)
         assert run.verdict == "error"
         verdicts = [(p.kind, p.verdict) for p in run.proofs]
-        assert verdicts == [("local_math", "pass"), ("on_swarm", "pass"), ("generation", "pass"),
-                            ("on_swarm", "error")]  # fmt: skip
+        assert verdicts == [
+            ("local_math", "pass"),
+            ("on_swarm", "pass"),
+            ("generation", "pass"),
+            ("on_swarm", "error"),
+        ]
         reason = run.proofs[-1].summary["error"]
         assert reason.startswith("SPECPIPE_TEST_LOSSY_TAIL=1 is set on wa-1:")
         assert "nj-1" not in reason and "NOT lossless" in reason
@@ -251,10 +261,20 @@ def test_the_swarm_proof_command_on_the_live_ring(live_swarm):
     env = {k: v for k, v in live_swarm.env().items() if k.startswith(("SPECPIPE_", "REDIS_"))}
     result = CliRunner().invoke(
         cli,
-        ["proof", "swarm", "--stops", "2", "--draws", "100",
-         "--prompt", "the cat sat on the mat", "--prompt", "tell me a story"],
+        [
+            "proof",
+            "swarm",
+            "--stops",
+            "2",
+            "--draws",
+            "100",
+            "--prompt",
+            "the cat sat on the mat",
+            "--prompt",
+            "tell me a story",
+        ],
         env=env,
-    )  # fmt: skip
+    )
     assert result.exit_code == 0, result.output
     assert "TV spec/plain" in result.output and "wa-1 → nj-1" in result.output
     assert "same-seed draws          200/200 identical" in result.output

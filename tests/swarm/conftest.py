@@ -79,10 +79,21 @@ class Stages:
 
     def start(self, host: str, layers: str, redis_url: str, *extra: str, wait: bool = True):
         argv = [
-            sys.executable, "-m", "tests.swarm.toy_worker",
-            "--host", host, "--layers", layers, "--redis", redis_url,
-            "--registry", self.registry, "--swarm", self.swarm, *extra,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "tests.swarm.toy_worker",
+            "--host",
+            host,
+            "--layers",
+            layers,
+            "--redis",
+            redis_url,
+            "--registry",
+            self.registry,
+            "--swarm",
+            self.swarm,
+            *extra,
+        ]
         self.args[host] = argv
         env = {**os.environ, "SPECPIPE_SWARM_KEY": self.key.decode(), "OMP_NUM_THREADS": "1"}
         self.procs[host] = subprocess.Popen(argv, cwd=ROOT, env=env)

@@ -138,9 +138,18 @@ def test_poison_entries_are_acked_and_the_stage_keeps_serving(ring, stages, swar
 
     inf_seed = {"temp": 0.5, "top_p": 1.0, "top_k": 0, "seed": float("inf")}
     streams.send(client, stream, signed(wire.Message(kind="reset", session="x", params=inf_seed)))
-    header = {"swarm": swarm, "to": stream, "dir": "stage", "from": wire.COORDINATOR,
-              "kind": "round", "session": "y", "seq": wire.next_seq(0), "tokens": [1],
-              "dtype": "float32", "shape": [0, 2**63]}  # fmt: skip
+    header = {
+        "swarm": swarm,
+        "to": stream,
+        "dir": "stage",
+        "from": wire.COORDINATOR,
+        "kind": "round",
+        "session": "y",
+        "seq": wire.next_seq(0),
+        "tokens": [1],
+        "dtype": "float32",
+        "shape": [0, 2**63],
+    }
     head = msgpack.packb(header)
     body = wire.PREFIX.pack(wire.MAGIC, wire.key_id(key), len(head)) + head
     streams.send(client, stream, body + hmac.new(key, body, hashlib.sha256).digest())

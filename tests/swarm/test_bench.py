@@ -98,8 +98,24 @@ def test_the_median_interval_brackets_the_median_and_narrows_with_more_rounds():
 
 def test_bench_load_runs_jobs_at_once_each_as_alone(tiny, tmp_path):
     out = tmp_path / "load.json"
-    args = ["bench", "load", "--model", str(tiny), "--stages", "2", "--jobs", "1", "--jobs", "3",
-            "--hop-delay-ms", "0", "--tokens", "12", "--json", str(out)]  # fmt: skip
+    args = [
+        "bench",
+        "load",
+        "--model",
+        str(tiny),
+        "--stages",
+        "2",
+        "--jobs",
+        "1",
+        "--jobs",
+        "3",
+        "--hop-delay-ms",
+        "0",
+        "--tokens",
+        "12",
+        "--json",
+        str(out),
+    ]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
@@ -123,17 +139,46 @@ def test_load_runs_are_checked_against_solo_runs(tiny, monkeypatch):
         return [tokens[:-1] + [tokens[-1] + 1] for tokens in real(*args, **kwargs)]
 
     monkeypatch.setattr(loadbench, "solo_tokens", off_by_one)
-    args = ["bench", "load", "--model", str(tiny), "--stages", "2", "--jobs", "2",
-            "--hop-delay-ms", "0", "--tokens", "8"]  # fmt: skip
+    args = [
+        "bench",
+        "load",
+        "--model",
+        str(tiny),
+        "--stages",
+        "2",
+        "--jobs",
+        "2",
+        "--hop-delay-ms",
+        "0",
+        "--tokens",
+        "8",
+    ]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code != 0 and "differ from its solo run" in result.output
 
 
 def test_bench_adaptive_k_compares_the_methods_side_by_side(tiny, tmp_path):
     out = tmp_path / "adaptive.json"
-    args = ["bench", "adaptive-k", "--model", str(tiny), "--stages", "2", "--hop-delay-ms", "0",
-            "--k", "2", "--max-k", "4", "--tokens", "12", "--repeats", "1",
-            "--json", str(out)]  # fmt: skip
+    args = [
+        "bench",
+        "adaptive-k",
+        "--model",
+        str(tiny),
+        "--stages",
+        "2",
+        "--hop-delay-ms",
+        "0",
+        "--k",
+        "2",
+        "--max-k",
+        "4",
+        "--tokens",
+        "12",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+    ]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
@@ -157,7 +202,23 @@ def test_bench_adaptive_k_fails_when_a_method_commits_other_tokens(tiny, monkeyp
         return timing
 
     monkeypatch.setattr(loadbench, "run_job", wrong_when_adaptive)
-    args = ["bench", "adaptive-k", "--model", str(tiny), "--stages", "2", "--hop-delay-ms", "0",
-            "--k", "2", "--max-k", "4", "--tokens", "8", "--repeats", "1"]  # fmt: skip
+    args = [
+        "bench",
+        "adaptive-k",
+        "--model",
+        str(tiny),
+        "--stages",
+        "2",
+        "--hop-delay-ms",
+        "0",
+        "--k",
+        "2",
+        "--max-k",
+        "4",
+        "--tokens",
+        "8",
+        "--repeats",
+        "1",
+    ]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code != 0 and "differ from plain decoding's" in result.output

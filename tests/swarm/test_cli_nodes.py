@@ -73,8 +73,12 @@ def test_nodes_json_lists_records_status_and_stage_stats_in_ring_order(swarm, re
 def test_nodes_json_of_an_empty_swarm_is_an_empty_list(swarm, redis_url):
     result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, "--json"])
     assert result.exit_code == 0
-    assert json.loads(result.output) == {"swarm": swarm, "nodes": [], "ring": None,
-                                         "ignored_records": 0}  # fmt: skip
+    assert json.loads(result.output) == {
+        "swarm": swarm,
+        "nodes": [],
+        "ring": None,
+        "ignored_records": 0,
+    }
 
 
 def test_nodes_count_ignored_records_and_hide_passwords(swarm, redis_url, key):

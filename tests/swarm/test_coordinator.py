@@ -38,8 +38,16 @@ def local_ring(_job=None) -> LocalRing:
 
 
 def add_job(db_url, **fields) -> int:
-    values = dict(prompt="the cat sat on the mat", model="toy", max_new_tokens=24, temp=0.0,
-                  top_p=1.0, top_k=0, seed=5, draft_k=3)  # fmt: skip
+    values = dict(
+        prompt="the cat sat on the mat",
+        model="toy",
+        max_new_tokens=24,
+        temp=0.0,
+        top_p=1.0,
+        top_k=0,
+        seed=5,
+        draft_k=3,
+    )
     values.update(fields)
     with make_session_factory(db_url)() as session:
         job = Job(**values, user_id=builtin_admin(session).id)
@@ -60,11 +68,19 @@ def run_job(sessions, job_id, make_ring, codec, eos=(), keep_alive=None):
 
 
 def undisturbed(job: Job) -> list[int]:
-    params = SamplingParams(temp=job.temp, top_p=job.top_p, top_k=job.top_k, seed=job.seed,
-                            sampler=job.sampler)  # fmt: skip
+    params = SamplingParams(
+        temp=job.temp, top_p=job.top_p, top_k=job.top_k, seed=job.seed, sampler=job.sampler
+    )
     prompt = ToyCodec().prompt_ids(job.prompt)
-    return Generation(local_ring(), "ref", prompt, params, max_new_tokens=job.max_new_tokens,
-                      draft_k=job.draft_k, eos_ids={EOS}).run()  # fmt: skip
+    return Generation(
+        local_ring(),
+        "ref",
+        prompt,
+        params,
+        max_new_tokens=job.max_new_tokens,
+        draft_k=job.draft_k,
+        eos_ids={EOS},
+    ).run()
 
 
 class DyingRing:
@@ -157,8 +173,7 @@ def test_a_rerun_after_the_coordinator_died_resumes_to_the_same_output(db_url):
     job_id = add_job(db_url, temp=0.9, draft_k=3, max_new_tokens=30)
     sessions = make_session_factory(db_url)
     with pytest.raises(SystemExit):
-        run_job(sessions, job_id, lambda j: DyingRing(local_ring(), 4), ToyCodec(),
-                            {EOS})  # fmt: skip
+        run_job(sessions, job_id, lambda j: DyingRing(local_ring(), 4), ToyCodec(), {EOS})
     partial = load(db_url, job_id)
     assert partial.status == "running" and 0 < len(partial.output_ids) < 30
     calls = []
@@ -213,8 +228,9 @@ def test_finished_missing_and_cancelled_jobs_are_left_alone(db_url):
     assert load(db_url, queued).rounds == 0
 
 
-def test_a_job_over_real_stage_processes_equals_the_local_run(db_url, stages, ring_settings,
-                                                               redis_url):  # fmt: skip
+def test_a_job_over_real_stage_processes_equals_the_local_run(
+    db_url, stages, ring_settings, redis_url
+):
     stages.start("a", "0:2", redis_url, wait=False)
     stages.start("b", "2:4", redis_url, wait=False)
     stages.wait_ready(["a", "b"])
@@ -418,8 +434,9 @@ def test_a_delivery_runs_the_job_whose_turn_it_is(db_url, monkeypatch):
         session.commit()
         ids = (first.id, third.id, his.id)
     ran = []
-    monkeypatch.setattr(coordinator, "_run_locked",
-                        lambda session, job, settings, keeper: ran.append(job.id))  # fmt: skip
+    monkeypatch.setattr(
+        coordinator, "_run_locked", lambda session, job, settings, keeper: ran.append(job.id)
+    )
     monkeypatch.setenv("DATABASE_URL", db_url)
     coordinator.generate.apply(args=[ids[1]])
     assert ran == [ids[2]]

@@ -77,8 +77,9 @@ def test_without_a_spare_a_killed_stage_is_still_waited_for(stages, ring_setting
     stages.start("h0", "0:2", redis_url, wait=False)
     stages.start("t1", "2:4", redis_url, wait=False)
     stages.wait_ready(["h0", "t1"])
-    expected = Generation(ReferenceRing([(0, 2), (2, 4)]), "l", PROMPT * 2, PARAMS,
-                          max_new_tokens=30, draft_k=3).run()  # fmt: skip
+    expected = Generation(
+        ReferenceRing([(0, 2), (2, 4)]), "l", PROMPT * 2, PARAMS, max_new_tokens=30, draft_k=3
+    ).run()
     ring = checked_ring(ring_settings, "toy", 4)
     run = Generation(ring, "s", PROMPT * 2, PARAMS, max_new_tokens=30, draft_k=3)
     for i, _ in enumerate(run.rounds()):
@@ -101,8 +102,13 @@ def spared(tiny, database_url, tmp_path_factory):
     """Stage s0 (layers 0:2), two stages for 2:4 (a1, a2) and a coordinator, on a private Redis
     with a password."""
     with RedisServer(password=secrets.token_hex(16)) as server:
-        group = Swarm(server.url, f"t{uuid.uuid4().hex[:8]}", secrets.token_hex(16), tiny,
-                      DATABASE_URL=database_url)  # fmt: skip
+        group = Swarm(
+            server.url,
+            f"t{uuid.uuid4().hex[:8]}",
+            secrets.token_hex(16),
+            tiny,
+            DATABASE_URL=database_url,
+        )
         try:
             for host, layers in (("s0", "0:2"), ("a1", "2:4"), ("a2", "2:4")):
                 group.start_stage(host, layers)
@@ -116,12 +122,17 @@ def spared(tiny, database_url, tmp_path_factory):
 def test_a_job_whose_stage_is_killed_goes_on_through_the_spare_identically(
     tiny, spared, db_url, monkeypatch
 ):
-    for name, value in (("REDIS_URL", spared.redis_url), ("SPECPIPE_SWARM", spared.swarm),
-                        ("SPECPIPE_SWARM_KEY", spared.key), ("DATABASE_URL", db_url)):  # fmt: skip
+    for name, value in (
+        ("REDIS_URL", spared.redis_url),
+        ("SPECPIPE_SWARM", spared.swarm),
+        ("SPECPIPE_SWARM_KEY", spared.key),
+        ("DATABASE_URL", db_url),
+    ):
         monkeypatch.setenv(name, value)
     kw = dict(temp=0.8, seed=7, max_new_tokens=120)
-    result = CliRunner().invoke(cli, ["generate", "hello world", "--local", "--stages", "2",
-                                      *options(tiny, **kw)])  # fmt: skip
+    result = CliRunner().invoke(
+        cli, ["generate", "hello world", "--local", "--stages", "2", *options(tiny, **kw)]
+    )
     assert result.exit_code == 0, result.output
     want = json.loads(result.output)["tokens"]
 

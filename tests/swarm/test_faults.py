@@ -14,16 +14,38 @@ from specpipe.bench import faults as faultbench
 from tests import dbfixtures
 from tests.swarmprocs import write_tiny_model
 
-SURVIVED = ("kill-stage0", "kill-middle", "kill-tail", "kill-coordinator", "kill-redis",
-            "stop-stage", "db-down")  # fmt: skip
+SURVIVED = (
+    "kill-stage0",
+    "kill-middle",
+    "kill-tail",
+    "kill-coordinator",
+    "kill-redis",
+    "stop-stage",
+    "db-down",
+)
 SIZES = {
-    "small": {"counts": {**dict.fromkeys(SURVIVED, 1), "resplit": 2}, "stop_s": 5.0,
-              "db_down_s": 8.0, "postgres": None},
-    "full": {"counts": {"kill-stage0": 5, "kill-middle": 5, "kill-tail": 5,
-                        "kill-coordinator": 5, "kill-redis": 3, "stop-stage": 3, "db-down": 2,
-                        "resplit": 3},
-             "stop_s": 30.0, "db_down_s": 10.0, "postgres": dbfixtures.testing_url()},
-}  # fmt: skip
+    "small": {
+        "counts": {**dict.fromkeys(SURVIVED, 1), "resplit": 2},
+        "stop_s": 5.0,
+        "db_down_s": 8.0,
+        "postgres": None,
+    },
+    "full": {
+        "counts": {
+            "kill-stage0": 5,
+            "kill-middle": 5,
+            "kill-tail": 5,
+            "kill-coordinator": 5,
+            "kill-redis": 3,
+            "stop-stage": 3,
+            "db-down": 2,
+            "resplit": 3,
+        },
+        "stop_s": 30.0,
+        "db_down_s": 10.0,
+        "postgres": dbfixtures.testing_url(),
+    },
+}
 
 
 @pytest.fixture(scope="module", params=["small", pytest.param("full", marks=pytest.mark.faults)])
@@ -32,10 +54,18 @@ def matrix(request, tmp_path_factory) -> dict:
     size = SIZES[request.param]
     workdir = tmp_path_factory.mktemp(f"faults-{request.param}")
     tiny = write_tiny_model(workdir / "tiny")
-    return faultbench.run_matrix(str(tiny), size["counts"], workdir, print, tokens=64,
-                                 postgres=size["postgres"], stop_s=size["stop_s"],
-                                 db_down_s=size["db_down_s"], deadline_s=150,
-                                 seed=1)  # fmt: skip
+    return faultbench.run_matrix(
+        str(tiny),
+        size["counts"],
+        workdir,
+        print,
+        tokens=64,
+        postgres=size["postgres"],
+        stop_s=size["stop_s"],
+        db_down_s=size["db_down_s"],
+        deadline_s=150,
+        seed=1,
+    )
 
 
 def rows(result: dict) -> dict[str, dict]:
@@ -56,8 +86,13 @@ def test_every_fault_hit_a_running_job_and_none_was_lost_or_stuck(matrix):
 def test_killed_stopped_and_cut_off_processes_cost_no_job_and_no_token(matrix):
     for fault in SURVIVED:
         row = rows(matrix)[fault]
-        others = [job for trial in matrix["trials"] if trial["fault"] == fault
-                  for job in trial["jobs"] if job["outcome"] != "identical"]  # fmt: skip
+        others = [
+            job
+            for trial in matrix["trials"]
+            if trial["fault"] == fault
+            for job in trial["jobs"]
+            if job["outcome"] != "identical"
+        ]
         assert row["identical"] == row["jobs"] >= row["injected"], (row, others)
         assert row["recover_s_median"] is not None
 
@@ -68,5 +103,7 @@ def test_a_stage_restarted_with_other_layers_reroutes_or_fails_with_the_reason(m
     assert (row["different"], row["lost"], row["stuck"]) == (0, 0, 0), row
     # Widened to the last layer: the job goes on over the new route. Moved back: no route.
     assert row["identical"] >= 1, row
-    assert all(reason.startswith("RouteError: no online stage serves layers")
-               for reason in row["failed_reasons"]), row  # fmt: skip
+    assert all(
+        reason.startswith("RouteError: no online stage serves layers")
+        for reason in row["failed_reasons"]
+    ), row

@@ -13,8 +13,14 @@ NOW = 1_000_000.0
 
 
 def node(host, start, end, age=0.0, **kw):
-    return NodeInfo(host=host, layer_start=start, layer_end=end,
-                    redis_url=f"redis://{host}:6379/0", last_heartbeat=NOW - age, **kw)  # fmt: skip
+    return NodeInfo(
+        host=host,
+        layer_start=start,
+        layer_end=end,
+        redis_url=f"redis://{host}:6379/0",
+        last_heartbeat=NOW - age,
+        **kw,
+    )
 
 
 def hosts(chain):
@@ -84,8 +90,7 @@ def test_freshest_of_two_replicas_wins():
 
 def test_a_lapsed_replica_loses_to_a_healthy_one_even_a_less_fresh_one():
     # "fast" promised a beat every 0.5 s and missed three; "slow" beats every 10 s and is on time.
-    nodes = [node("fast", 2, 4, age=2, heartbeat_s=0.5), node("slow", 2, 4, age=5),
-             node("h", 0, 2)]  # fmt: skip
+    nodes = [node("fast", 2, 4, age=2, heartbeat_s=0.5), node("slow", 2, 4, age=5), node("h", 0, 2)]
     assert nodes[0].lapsed(NOW) and not nodes[1].lapsed(NOW)
     assert [n.host for n in route(nodes, 4, now=NOW)] == ["h", "slow"]
     # Lapsed is not offline: with no one else for its layers, it is still routed.
@@ -101,10 +106,12 @@ def test_a_route_avoids_the_hosts_it_is_told_to_or_names_what_is_left_uncovered(
 
 
 def test_lost_hops_are_the_lapsed_the_departed_and_the_resplit():
-    hops = route([node("a", 0, 1), node("b", 1, 2), node("c", 2, 3), node("d", 3, 4)], 4,
-                 now=NOW)  # fmt: skip
-    now = [node("a", 0, 1, age=1.4, heartbeat_s=0.5), node("b", 1, 2, age=1.6, heartbeat_s=0.5),
-           node("c", 2, 4)]  # fmt: skip
+    hops = route([node("a", 0, 1), node("b", 1, 2), node("c", 2, 3), node("d", 3, 4)], 4, now=NOW)
+    now = [
+        node("a", 0, 1, age=1.4, heartbeat_s=0.5),
+        node("b", 1, 2, age=1.6, heartbeat_s=0.5),
+        node("c", 2, 4),
+    ]
     assert inventory.lost_hops(hops, now, NOW) == ["b", "c", "d"]
     assert inventory.lost_hops(hops[:1], now, NOW) == []
 
@@ -124,7 +131,9 @@ def test_when_all_is_served_a_new_host_spares_the_busiest_range():
     assert inventory.choose_layers(nodes, 6, now=NOW)[:2] == (0, 2)  # a tie: the first
     # A model the nodes do not serve has everything uncovered.
     assert inventory.choose_layers([node("x", 0, 6, model="m")], 6, model="n", now=NOW)[:2] == (
-        0, 6)  # fmt: skip
+        0,
+        6,
+    )
 
 
 def test_the_promised_heartbeat_round_trips_and_older_records_beat_every_ten_seconds():
@@ -189,8 +198,11 @@ def test_the_test_lossy_tail_flag_round_trips_and_older_records_read_as_lossless
 
 
 def test_lossy_hosts_names_the_flagged_nodes_and_the_warning_the_variable():
-    nodes = [node("wa", 0, 2, test_lossy_tail=True), node("mn", 2, 3),
-             node("nj", 3, 4, test_lossy_tail=True)]  # fmt: skip
+    nodes = [
+        node("wa", 0, 2, test_lossy_tail=True),
+        node("mn", 2, 3),
+        node("nj", 3, 4, test_lossy_tail=True),
+    ]
     assert inventory.lossy_hosts(nodes) == ["wa", "nj"]
     assert inventory.lossy_hosts(nodes[1:2]) == []
     warning = inventory.lossy_warning(["wa", "nj"])
@@ -212,9 +224,18 @@ def test_table_marks_a_test_lossy_tail_in_a_warning_column():
 def test_table_lists_nodes_in_ring_order_with_status():
     nodes = [
         node("nj", 27, 36, age=200, role="tail", geo="NJ"),
-        node("wa", 0, 9, age=3, role="stage0", geo="WA", public_ip="203.0.113.5",
-             gpu_name="NVIDIA GeForce RTX 4090", memory_bytes=24 * 2**30),
-    ]  # fmt: skip
+        node(
+            "wa",
+            0,
+            9,
+            age=3,
+            role="stage0",
+            geo="WA",
+            public_ip="203.0.113.5",
+            gpu_name="NVIDIA GeForce RTX 4090",
+            memory_bytes=24 * 2**30,
+        ),
+    ]
     header, first, second = inventory.table(nodes, now=NOW)
     assert header.split()[:4] == ["HOST", "ROLE", "LAYERS", "STATUS"]
     assert first.split()[:5] == ["wa", "stage0", "0:9", "online", "3s"]

@@ -36,8 +36,9 @@ from workers import coordinator
 
 
 def hop(host: str, budget: int) -> NodeInfo:
-    return NodeInfo(host=host, layer_start=0, layer_end=1, redis_url="redis://x",
-                    kv_budget_tokens=budget)  # fmt: skip
+    return NodeInfo(
+        host=host, layer_start=0, layer_end=1, redis_url="redis://x", kv_budget_tokens=budget
+    )
 
 
 @pytest.fixture
@@ -158,11 +159,13 @@ def start_job(db_url, job_id, ring, client, swarm, lock, owned=lambda: True):
 
     def run():
         with make_session_factory(db_url)() as session:
-            admit = coordinator.room_keeper(session, Reservations(client, swarm), lock, owned,
-                                            poll_s=0.05)  # fmt: skip
+            admit = coordinator.room_keeper(
+                session, Reservations(client, swarm), lock, owned, poll_s=0.05
+            )
             try:
-                out["status"] = coordinator.run_job(session, job_id, lambda _j: ring, ToyCodec(),
-                                                    {EOS}, admit=admit)  # fmt: skip
+                out["status"] = coordinator.run_job(
+                    session, job_id, lambda _j: ring, ToyCodec(), {EOS}, admit=admit
+                )
             except BaseException as exc:  # a dying coordinator: SystemExit
                 out["raised"] = exc
 
@@ -227,8 +230,9 @@ def test_a_job_waits_out_a_redis_that_is_restarting_for_its_room(db_url, client,
     rooms = Restarting(client, swarm)
     with make_session_factory(db_url)() as session:
         admit = coordinator.room_keeper(session, rooms, holders("1"), lambda: True, poll_s=0.05)
-        status = coordinator.run_job(session, job_id, lambda _j: RouteRing(500), ToyCodec(),
-                                     {EOS}, admit=admit)  # fmt: skip
+        status = coordinator.run_job(
+            session, job_id, lambda _j: RouteRing(500), ToyCodec(), {EOS}, admit=admit
+        )
     assert status == "done" and rooms.refusals == 0
     assert rooms.used("s0") == 0
 
@@ -304,8 +308,13 @@ def test_a_job_beyond_the_models_context_fails_at_once_in_the_coordinator(db_url
     from specpipe.decoding.target import Target
 
     codec = ToyCodec()
-    target = Target(name="toy", n_layers=4, prompt_ids=codec.prompt_ids, decode=codec.decode,
-                    context_length=PROMPT_TOKENS + 39)  # fmt: skip
+    target = Target(
+        name="toy",
+        n_layers=4,
+        prompt_ids=codec.prompt_ids,
+        decode=codec.decode,
+        context_length=PROMPT_TOKENS + 39,
+    )
     job_id = add_job(db_url, max_new_tokens=40)
     ring = RouteRing(budget=0)
     with make_session_factory(db_url)() as session:
@@ -382,8 +391,9 @@ def moved_job(db_url, client, swarm, holders, rooms, look, change="failover", sp
     ring = coordinator.CheckedRing(build, lambda: {"s0": (0, 1), "s1": (1, 2)}, lambda r: ["s1"])
     with make_session_factory(db_url)() as session:
         admit = coordinator.room_keeper(session, rooms, holders("1"), lambda: True)
-        status = coordinator.run_job(session, job_id, lambda _j: ring, ToyCodec(), {EOS},
-                                     admit=admit)  # fmt: skip
+        status = coordinator.run_job(
+            session, job_id, lambda _j: ring, ToyCodec(), {EOS}, admit=admit
+        )
     assert moved.rounds > 0
     return room_name(job_id), status, moved.seen
 
@@ -393,9 +403,15 @@ def test_a_jobs_room_moves_with_its_route_and_its_end_releases_the_new_one(
     db_url, client, swarm, holders, change
 ):
     rooms = Reservations(client, swarm)
-    name, status, seen = moved_job(db_url, client, swarm, holders, rooms,
-                                   lambda: fields(client, swarm, "s0", "s1", "s1b"),
-                                   change)  # fmt: skip
+    name, status, seen = moved_job(
+        db_url,
+        client,
+        swarm,
+        holders,
+        rooms,
+        lambda: fields(client, swarm, "s0", "s1", "s1b"),
+        change,
+    )
     assert status == "done"
     assert seen == {"s0": {name}, "s1": set(), "s1b": {name}}
     assert fields(client, swarm, "s0", "s1", "s1b") == {"s0": set(), "s1": set(), "s1b": set()}
@@ -411,8 +427,7 @@ def test_a_job_moved_onto_a_full_stage_takes_its_room_there_and_later_jobs_wait(
     def look():
         return rooms.used("s1b"), rooms.reserve([spare], "job-later", 1, holders("later"), "l")
 
-    _, status, seen = moved_job(db_url, client, swarm, holders, rooms, look,
-                                spare_budget=NEED + 10)  # fmt: skip
+    _, status, seen = moved_job(db_url, client, swarm, holders, rooms, look, spare_budget=NEED + 10)
     assert status == "done"
     # Over its budget while the job runs there; a job that would fit beside the other waits.
     assert seen == (20 + NEED, Full("s1b", 20 + NEED, NEED + 10))
@@ -428,8 +443,9 @@ def test_a_redis_error_while_the_room_moves_does_not_fail_the_job(
             raise redis.ConnectionError("Error 111 connecting to 127.0.0.1. Refused.")
 
     rooms = Refusing(client, swarm)
-    name, status, seen = moved_job(db_url, client, swarm, holders, rooms,
-                                   lambda: fields(client, swarm, "s1")["s1"])  # fmt: skip
+    name, status, seen = moved_job(
+        db_url, client, swarm, holders, rooms, lambda: fields(client, swarm, "s1")["s1"]
+    )
     assert status == "done"
     assert seen == {name}  # the move failed before s1's room was given back
     assert "could not move its KV room onto its new route" in caplog.text
@@ -452,9 +468,15 @@ def budget_swarm(tmp_path_factory, database_url):
 
     tiny = write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
     with RedisServer(password=secrets.token_hex(16)) as server:
-        group = Swarm(server.url, f"t{uuid.uuid4().hex[:8]}", secrets.token_hex(16), tiny,
-                      DATABASE_URL=database_url, SPECPIPE_STALLED_S="2",
-                      SPECPIPE_KV_BUDGET_TOKENS=str(BUDGET))  # fmt: skip
+        group = Swarm(
+            server.url,
+            f"t{uuid.uuid4().hex[:8]}",
+            secrets.token_hex(16),
+            tiny,
+            DATABASE_URL=database_url,
+            SPECPIPE_STALLED_S="2",
+            SPECPIPE_KV_BUDGET_TOKENS=str(BUDGET),
+        )
         try:
             group.start_stage("s0", "0:2")
             group.start_stage("s1", "2:4")

@@ -17,9 +17,17 @@ USERS, JOBS, RATE = 4, 40, 8  # each user submits 10 within the minute; 8 are le
 
 def test_jobs_from_several_users_all_end_and_the_rate_refuses_the_rest(tmp_path):
     tiny = write_tiny_model(tmp_path / "tiny")
-    result = apiloadbench.run_load(str(tiny), tmp_path, print, users=USERS, jobs=JOBS,
-                                within_s=20, tokens=8, deadline_s=300,
-                                env={"SPECPIPE_SUBMIT_RATE": f"{RATE}/minute"})  # fmt: skip
+    result = apiloadbench.run_load(
+        str(tiny),
+        tmp_path,
+        print,
+        users=USERS,
+        jobs=JOBS,
+        within_s=20,
+        tokens=8,
+        deadline_s=300,
+        env={"SPECPIPE_SUBMIT_RATE": f"{RATE}/minute"},
+    )
     statuses = {s["status"] for s in result["submissions"]}
     assert statuses == {201, 429}, result["http_statuses"]
     assert result["rate_limited"] == USERS * (JOBS // USERS - RATE)
@@ -42,13 +50,37 @@ def test_a_done_job_is_held_to_its_solo_run(tmp_path, db_session, db_url):
     # The job's tokens as a speculative run on two stages gives them: the same as plain, alone.
     ring = target.local_ring(2)
     ring.reset("spec", params)
-    tokens = Generation(ring, "spec", target.prompt_ids("the cat"), params, max_new_tokens=12,
-                        draft_k=4, eos_ids=target.eos_ids).run()  # fmt: skip
-    kept = gen_job(db_session, prompt="the cat", model=tiny, temp=0.8, top_p=0.9, seed=7,
-                   max_new_tokens=12, status="done", output_ids=tokens)  # fmt: skip
-    other = gen_job(db_session, prompt="the cat", model=tiny, temp=0.8, top_p=0.9, seed=7,
-                    max_new_tokens=12, status="done",
-                    output_ids=tokens[:-1] + [(tokens[-1] + 1) % 90])  # fmt: skip
+    tokens = Generation(
+        ring,
+        "spec",
+        target.prompt_ids("the cat"),
+        params,
+        max_new_tokens=12,
+        draft_k=4,
+        eos_ids=target.eos_ids,
+    ).run()
+    kept = gen_job(
+        db_session,
+        prompt="the cat",
+        model=tiny,
+        temp=0.8,
+        top_p=0.9,
+        seed=7,
+        max_new_tokens=12,
+        status="done",
+        output_ids=tokens,
+    )
+    other = gen_job(
+        db_session,
+        prompt="the cat",
+        model=tiny,
+        temp=0.8,
+        top_p=0.9,
+        seed=7,
+        max_new_tokens=12,
+        status="done",
+        output_ids=tokens[:-1] + [(tokens[-1] + 1) % 90],
+    )
     queued = gen_job(db_session, model=tiny, status="queued", output_ids=[1, 2])
     ids = [kept.id, other.id, queued.id]
     assert apiloadbench.solo_mismatches(tiny, db_url, ids) == [other.id]

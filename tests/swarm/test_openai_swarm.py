@@ -49,17 +49,29 @@ def tiny(tmp_path_factory):
 def stack(tiny, database_url, tmp_path_factory):
     """The swarm, the web app on a free port, and an API token of a user of its store."""
     with RedisServer(password=secrets.token_hex(16)) as server:
-        swarm = Swarm(server.url, f"oa{uuid.uuid4().hex[:8]}", secrets.token_hex(16), tiny,
-                      DATABASE_URL=database_url)  # fmt: skip
+        swarm = Swarm(
+            server.url,
+            f"oa{uuid.uuid4().hex[:8]}",
+            secrets.token_hex(16),
+            tiny,
+            DATABASE_URL=database_url,
+        )
         httpd = None
         try:
             swarm.start_stage("s0", "0:2")
             swarm.start_stage("s1", "2:4")
             swarm.start_coordinator(log=tmp_path_factory.mktemp("logs") / "coordinator.log")
-            app = create_app({"TESTING": True, "DATABASE_URL": database_url,
-                              "REDIS_URL": server.url, "MODEL": str(tiny),
-                              "OPENAI_POLL_S": 0.02, "OPENAI_WAIT_S": 120.0,
-                              "RATELIMIT_KEY_PREFIX": f"oa-{uuid.uuid4().hex[:8]}"})  # fmt: skip
+            app = create_app(
+                {
+                    "TESTING": True,
+                    "DATABASE_URL": database_url,
+                    "REDIS_URL": server.url,
+                    "MODEL": str(tiny),
+                    "OPENAI_POLL_S": 0.02,
+                    "OPENAI_WAIT_S": 120.0,
+                    "RATELIMIT_KEY_PREFIX": f"oa-{uuid.uuid4().hex[:8]}",
+                }
+            )
             with make_session_factory(database_url)() as session:
                 user = create_user(session, f"oa-{uuid.uuid4().hex[:6]}", None)
                 token = create_token(session, f"oa-{uuid.uuid4().hex[:6]}", user=user)
@@ -68,8 +80,12 @@ def stack(tiny, database_url, tmp_path_factory):
             httpd = make_server("127.0.0.1", 0, app, threaded=True)
             threading.Thread(target=httpd.serve_forever, daemon=True).start()
             swarm.wait_stages(["s0", "s1"])
-            yield {"url": f"http://127.0.0.1:{httpd.server_port}", "token": token,
-                   "user_id": user_id, "db": database_url}  # fmt: skip
+            yield {
+                "url": f"http://127.0.0.1:{httpd.server_port}",
+                "token": token,
+                "user_id": user_id,
+                "db": database_url,
+            }
         finally:
             if httpd is not None:
                 httpd.shutdown()
@@ -78,15 +94,30 @@ def stack(tiny, database_url, tmp_path_factory):
 
 @pytest.fixture
 def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack["url"] + "/v1", api_key=stack["token"], max_retries=0,
-                         timeout=120)  # fmt: skip
+    return openai.OpenAI(
+        base_url=stack["url"] + "/v1", api_key=stack["token"], max_retries=0, timeout=120
+    )
 
 
 def local(tiny, *extra: str, max_new_tokens: int = 30) -> dict:
     """`specpipe generate --local` over two stages in this process, greedy."""
-    args = ["generate", PROMPT, "--local", "--stages", "2", "--model", str(tiny), "--json",
-            "--temp", "0", "--seed", "0", "--max-new-tokens", str(max_new_tokens),
-            *extra]  # fmt: skip
+    args = [
+        "generate",
+        PROMPT,
+        "--local",
+        "--stages",
+        "2",
+        "--model",
+        str(tiny),
+        "--json",
+        "--temp",
+        "0",
+        "--seed",
+        "0",
+        "--max-new-tokens",
+        str(max_new_tokens),
+        *extra,
+    ]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     return json.loads(result.output)
@@ -101,9 +132,11 @@ def stored(stack, job_id: int) -> Job:
 
 def test_greedy_chat_and_raw_completions_equal_specpipe_generate(tiny, stack, client):
     chat = client.chat.completions.create(
-        model=str(tiny), messages=[{"role": "user", "content": PROMPT}], temperature=0,
+        model=str(tiny),
+        messages=[{"role": "user", "content": PROMPT}],
+        temperature=0,
         max_tokens=30,
-    )  # fmt: skip
+    )
     want = local(tiny)
     assert chat.choices[0].message.content == want["text"] and want["tokens"]
     job = stored(stack, chat.model_extra["specpipe"]["job_id"])
@@ -120,21 +153,28 @@ def test_greedy_chat_and_raw_completions_equal_specpipe_generate(tiny, stack, cl
     assert stored(stack, raw.model_extra["specpipe"]["job_id"]).output_ids == want_raw["tokens"]
     assert raw.usage.prompt_tokens < chat.usage.prompt_tokens  # no chat template around it
     # Both are jobs of the key's owner, in their history.
-    ask = urllib.request.Request(stack["url"] + "/api/v1/jobs",
-                                 headers={"Authorization": f"Bearer {stack['token']}"})  # fmt: skip
+    ask = urllib.request.Request(
+        stack["url"] + "/api/v1/jobs", headers={"Authorization": f"Bearer {stack['token']}"}
+    )
     with urllib.request.urlopen(ask) as response:
         history = json.load(response)
     assert {j["id"] for j in history["jobs"]} >= {job.id, raw.model_extra["specpipe"]["job_id"]}
 
 
 def test_streamed_equals_whole_and_a_seeded_sample_repeats(tiny, stack, client):
-    request = dict(model=str(tiny), messages=[{"role": "system", "content": "be kind"},
-                                              {"role": "user", "content": PROMPT}],
-                   temperature=0.9, top_p=0.95, seed=5, max_tokens=40)  # fmt: skip
+    request = dict(
+        model=str(tiny),
+        messages=[{"role": "system", "content": "be kind"}, {"role": "user", "content": PROMPT}],
+        temperature=0.9,
+        top_p=0.95,
+        seed=5,
+        max_tokens=40,
+    )
     whole = client.chat.completions.create(**request)
     again = client.chat.completions.create(**request)
-    stream = client.chat.completions.create(**request, stream=True,
-                                            stream_options={"include_usage": True})  # fmt: skip
+    stream = client.chat.completions.create(
+        **request, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert whole.choices[0].message.content == again.choices[0].message.content == text != ""
@@ -145,12 +185,14 @@ def test_streamed_equals_whole_and_a_seeded_sample_repeats(tiny, stack, client):
     assert job.messages == request["messages"] and job.seed == 5
     # A seedless request reports its drawn seed, which replays it exactly.
     del request["seed"]
-    drawn = client.completions.create(model=str(tiny), prompt=PROMPT, temperature=1.0,
-                                      max_tokens=20)  # fmt: skip
+    drawn = client.completions.create(
+        model=str(tiny), prompt=PROMPT, temperature=1.0, max_tokens=20
+    )
     seed = drawn.model_extra["specpipe"]["seed"]
     assert drawn.model_extra["specpipe"]["seed_was_random"]
-    replay = client.completions.create(model=str(tiny), prompt=PROMPT, temperature=1.0,
-                                       max_tokens=20, seed=seed)  # fmt: skip
+    replay = client.completions.create(
+        model=str(tiny), prompt=PROMPT, temperature=1.0, max_tokens=20, seed=seed
+    )
     assert replay.choices[0].text == drawn.choices[0].text
 
 
@@ -166,7 +208,7 @@ def test_logprobs_are_the_target_distribution_with_drafts_or_without(tiny, stack
             seed=3,
             logprobs=3,
             extra_body={"top_k": top_k, "draft_k": k},
-        )  # fmt: skip
+        )
         for k in (0, 4)
     ]
     plain, spec = (stored(stack, a.model_extra["specpipe"]["job_id"]) for a in answers)
@@ -179,8 +221,9 @@ def test_logprobs_are_the_target_distribution_with_drafts_or_without(tiny, stack
     for stage in target.load_stages(2):
         hidden = stage.forward("check", hidden, 0)
     logits = hidden.double().numpy()
-    for j, (token, (logprob, top)) in enumerate(zip(plain.output_ids, plain.output_logprobs,
-                                                    strict=True)):  # fmt: skip
+    for j, (token, (logprob, top)) in enumerate(
+        zip(plain.output_ids, plain.output_logprobs, strict=True)
+    ):
         with np.errstate(divide="ignore"):
             want = np.log(target_probs(logits[len(ids) - 1 + j], temp, top_p, top_k))
         assert logprob == pytest.approx(want[token], abs=1e-4)
@@ -192,9 +235,14 @@ def test_logprobs_are_the_target_distribution_with_drafts_or_without(tiny, stack
     assert [len(alternatives) for alternatives in lp.top_logprobs] == [
         len(top) for _, top in plain.output_logprobs
     ]
-    chat = client.chat.completions.create(model=str(tiny), temperature=0, max_tokens=5,
-                                          messages=[{"role": "user", "content": PROMPT}],
-                                          logprobs=True, top_logprobs=2)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=str(tiny),
+        temperature=0,
+        max_tokens=5,
+        messages=[{"role": "user", "content": PROMPT}],
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and all(c.logprob <= 0 for c in content)
     # Greedy: the token committed is the most likely one.
@@ -219,8 +267,9 @@ def test_errors_arrive_as_typed_exceptions(tiny, stack, client):
         busy = create_user(session, f"busy-{uuid.uuid4().hex[:6]}", None)
         token = create_token(session, f"busy-{uuid.uuid4().hex[:6]}", user=busy)
         session.commit()
-        held = [gen_job(session, owner=busy, status="running", model=str(tiny)).id
-                for _ in range(50)]  # the default cap  # fmt: skip
+        held = [
+            gen_job(session, owner=busy, status="running", model=str(tiny)).id for _ in range(50)
+        ]  # the default cap
     limited = openai.OpenAI(base_url=stack["url"] + "/v1", api_key=token, max_retries=0)
     try:
         with pytest.raises(openai.RateLimitError) as caught:
@@ -236,9 +285,14 @@ def test_errors_arrive_as_typed_exceptions(tiny, stack, client):
 def test_a_client_that_leaves_a_stream_cancels_its_job(tiny, stack, client):
     # Greedy on this checkpoint repeats itself without an end: it would run to the budget (as
     # much as the checkpoint's context of 256 positions leaves).
-    stream = client.completions.create(model=str(tiny), prompt=PROMPT, temperature=0,
-                                       max_tokens=240, stream=True,
-                                       extra_body={"draft_k": 0})  # fmt: skip
+    stream = client.completions.create(
+        model=str(tiny),
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=240,
+        stream=True,
+        extra_body={"draft_k": 0},
+    )
     first = next(iter(stream))
     job_id = first.model_extra["specpipe"]["job_id"]
     stream.close()

@@ -132,8 +132,11 @@ def test_a_restart_keeps_port_password_and_data(tmp_path):
     try:
         client = redis.Redis.from_url(server.url)
         client.rpush("coordinator", "queued")
-        wait_until(lambda: any(b"queued" in p.read_bytes() for p in data.rglob("*.aof*")), 10,
-                   "the append-only file's fsync")  # fmt: skip
+        wait_until(
+            lambda: any(b"queued" in p.read_bytes() for p in data.rglob("*.aof*")),
+            10,
+            "the append-only file's fsync",
+        )
         client.close()
         server.process.kill()
         server.process.wait()

@@ -171,11 +171,19 @@ def test_bad_messages_are_dropped_and_counted_while_serving_goes_on(stages, swar
     client = redis.Redis.from_url(redis_url)
     stream = streams.stage_key(swarm, "h1")
     good = wire.Message(
-        kind="round", session="s", round_id="x", start_pos=len(committed) - 1,
-        tokens=(committed[-1],), tensor=torch.zeros(1, ToyConfig.dim),
-        route=tuple(wire.Hop(n.host, n.redis_url) for n in route), hop=1, reply=redis_url,
-        to=stream, sender="h0", seq=wire.next_seq(0),
-    )  # fmt: skip
+        kind="round",
+        session="s",
+        round_id="x",
+        start_pos=len(committed) - 1,
+        tokens=(committed[-1],),
+        tensor=torch.zeros(1, ToyConfig.dim),
+        route=tuple(wire.Hop(n.host, n.redis_url) for n in route),
+        hop=1,
+        reply=redis_url,
+        to=stream,
+        sender="h0",
+        seq=wire.next_seq(0),
+    )
     signed = wire.encode(good, swarm, key)
     bad = [
         b"not a message at all",  # malformed
@@ -215,11 +223,20 @@ def test_a_round_sent_three_times_runs_once(stages, swarm, key, redis_url):
     ring = RedisRing(route, swarm, key, redis_url)
     ring.reset("s", PARAMS)
     data = wire.encode(
-        wire.Message(kind="round", session="s", round_id="same", tokens=tuple(PROMPT),
-                     route=route, reply=redis_url, to=streams.stage_key(swarm, "h0"),
-                     sender=wire.COORDINATOR, seq=wire.next_seq(0)),
-        swarm, key,
-    )  # fmt: skip
+        wire.Message(
+            kind="round",
+            session="s",
+            round_id="same",
+            tokens=tuple(PROMPT),
+            route=route,
+            reply=redis_url,
+            to=streams.stage_key(swarm, "h0"),
+            sender=wire.COORDINATOR,
+            seq=wire.next_seq(0),
+        ),
+        swarm,
+        key,
+    )
     client = redis.Redis.from_url(redis_url)
     for _ in range(3):
         streams.send(client, streams.stage_key(swarm, "h0"), data)
@@ -284,8 +301,14 @@ def test_a_round_taken_by_a_stage_killed_mid_round_is_finished_by_its_restart(
     stages.start("h1", "1:3", redis_url, "--delay-ms", "2000", wait=False)  # the middle stage
     stages.start("h2", "3:4", redis_url, wait=False)
     stages.wait_ready(["h0", "h1", "h2"])
-    ring = RedisRing(nodes(("h0", redis_url), ("h1", redis_url), ("h2", redis_url)), swarm, key,
-                     redis_url, timeout_s=60, retries=0)  # fmt: skip
+    ring = RedisRing(
+        nodes(("h0", redis_url), ("h1", redis_url), ("h2", redis_url)),
+        swarm,
+        key,
+        redis_url,
+        timeout_s=60,
+        retries=0,
+    )
     ring.reset("s", PARAMS)
     client = redis.Redis.from_url(redis_url)
 
@@ -479,8 +502,14 @@ def test_a_rounds_wait_grows_with_the_tokens_it_carries(redis_url, swarm, key):
     ring = RedisRing(nodes(("a", redis_url)), swarm, key, redis_url, timeout_s=30)
     assert ring.round_wait_s(1) == pytest.approx(30 + 0.05)
     assert ring.round_wait_s(4096) == pytest.approx(30 + 4096 * 0.05)  # a long prefill or replay
-    delayed = RedisRing(nodes(("a", redis_url), ("b", redis_url)), swarm, key, redis_url,
-                        timeout_s=30, link_delay_s=0.025)  # fmt: skip
+    delayed = RedisRing(
+        nodes(("a", redis_url), ("b", redis_url)),
+        swarm,
+        key,
+        redis_url,
+        timeout_s=30,
+        link_delay_s=0.025,
+    )
     assert delayed.round_wait_s(1) == pytest.approx(30 + 0.05 + 3 * 0.025)
 
 
@@ -493,8 +522,9 @@ def test_a_stage_stopped_for_twenty_seconds_delays_the_job_without_changing_it(
     stages.wait_ready(["a", "b"])
     ring = RedisRing.from_inventory(ring_settings, "toy", 4)
     greedy = SamplingParams(temp=0.0)
-    expected = Generation(ReferenceRing([(0, 2), (2, 4)]), "ref", PROMPT, greedy,
-                          max_new_tokens=12, draft_k=2).run()  # fmt: skip
+    expected = Generation(
+        ReferenceRing([(0, 2), (2, 4)]), "ref", PROMPT, greedy, max_new_tokens=12, draft_k=2
+    ).run()
     run = Generation(ring, "s", PROMPT, greedy, max_new_tokens=12, draft_k=2)
     stalled = 0.0
     for i, _ in enumerate(run.rounds()):

@@ -56,9 +56,24 @@ def make_certificates(directory: Path) -> None:
         cwd=directory,
     )
     (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-            "-CAcreateserial", "-days", "2", "-extfile", "san.ext", "-out", "server.pem",
-            cwd=directory)  # fmt: skip
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+        "-out",
+        "server.pem",
+        cwd=directory,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +87,30 @@ def tls_redis(tmp_path_factory):
     config = directory / "redis.conf"
     config.write_text(f"requirepass {PASSWORD}\n")
     config.chmod(0o600)
-    argv = [find_binary(), str(config), "--port", "0", "--tls-port", str(port),
-            "--bind", "127.0.0.1", "--tls-cert-file", str(directory / "server.pem"),
-            "--tls-key-file", str(directory / "server.key"),
-            "--tls-ca-cert-file", str(directory / "ca.pem"), "--tls-auth-clients", "no",
-            "--save", "", "--appendonly", "no", "--dir", str(directory)]  # fmt: skip
+    argv = [
+        find_binary(),
+        str(config),
+        "--port",
+        "0",
+        "--tls-port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--tls-cert-file",
+        str(directory / "server.pem"),
+        "--tls-key-file",
+        str(directory / "server.key"),
+        "--tls-ca-cert-file",
+        str(directory / "ca.pem"),
+        "--tls-auth-clients",
+        "no",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(directory),
+    ]
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     ca = directory / "ca.pem"
     url = f"rediss://:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={ca}"
@@ -107,10 +141,12 @@ def test_only_a_client_with_the_ca_and_the_password_gets_in(tls_redis):
     # Without the swarm's CA the server's certificate does not verify.
     assert "certificate verify failed" in str(refused(f"rediss://:{PASSWORD}@127.0.0.1:{port}/0"))
     # With the CA but without the password, or a wrong one, Redis refuses.
-    assert isinstance(refused(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}"),
-                      redis.AuthenticationError)  # fmt: skip
-    assert isinstance(refused(f"rediss://:guess@127.0.0.1:{port}/0?ssl_ca_certs={ca}"),
-                      redis.AuthenticationError)  # fmt: skip
+    assert isinstance(
+        refused(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}"), redis.AuthenticationError
+    )
+    assert isinstance(
+        refused(f"rediss://:guess@127.0.0.1:{port}/0?ssl_ca_certs={ca}"), redis.AuthenticationError
+    )
     # Plain text is not spoken at all.
     assert isinstance(refused(f"redis://:{PASSWORD}@127.0.0.1:{port}/0"), redis.ConnectionError)
 

@@ -21,8 +21,10 @@ def good(host: str, start: int, end: int, redis_url: str) -> NodeInfo:
 def test_routing_skips_a_record_whose_layers_are_not_numbers():
     now = time.time()
     bad = NodeInfo("bad", "0", 2, "redis://x", last_heartbeat=now)  # a string where an int goes
-    ok = [NodeInfo("a", 0, 2, "redis://a", last_heartbeat=now),
-          NodeInfo("b", 2, 4, "redis://b", last_heartbeat=now)]  # fmt: skip
+    ok = [
+        NodeInfo("a", 0, 2, "redis://a", last_heartbeat=now),
+        NodeInfo("b", 2, 4, "redis://b", last_heartbeat=now),
+    ]
     assert [n.host for n in route([bad, *ok], 4, now=now)] == ["a", "b"]
     odd = NodeInfo("odd", 0, 4, "redis://o", last_heartbeat=float("nan"))
     assert [n.host for n in route([odd, *ok], 4, now=now)] == ["a", "b"]
@@ -67,8 +69,11 @@ def test_unsigned_forged_malformed_and_future_records_are_ignored_and_counted(sw
     # Malformed: junk, a bad tag, and a signed record with a string where an int goes.
     _raw(client, swarm, "j", "{not json")
     _raw(client, swarm, "j2", "zz " + "{}")
-    record = json.dumps(asdict(good("m", 0, 4, evil)) | {"layer_start": "0",
-                        "last_heartbeat": now}, sort_keys=True, separators=(",", ":"))  # fmt: skip
+    record = json.dumps(
+        asdict(good("m", 0, 4, evil)) | {"layer_start": "0", "last_heartbeat": now},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
     _raw(client, swarm, "m", inventory.sign_record(record, swarm, KEY))
     # Dated in the future: it would win every route as "the freshest" for as long as it likes.
     inventory.publish(client, swarm, good("f", 0, 4, evil), KEY, now=now + 3600)
@@ -111,8 +116,9 @@ def test_the_ring_is_built_from_verified_records_only(swarm, redis_url, key):
     evil = "redis://attacker.example:6379/0"
     inventory.publish(client, swarm, good("f", 0, 4, evil), key, now=time.time() + 3600)
     inventory.publish(client, swarm, good("k", 0, 4, evil), b"guessed")
-    record = json.dumps(asdict(good("m", 0, 4, evil)) | {"layer_start": "0",
-                        "last_heartbeat": time.time()})  # fmt: skip
+    record = json.dumps(
+        asdict(good("m", 0, 4, evil)) | {"layer_start": "0", "last_heartbeat": time.time()}
+    )
     client.hset(inventory.nodes_key(swarm), "m", inventory.sign_record(record, swarm, key))
     client.close()
     settings = Settings.from_env().for_swarm(redis_url, swarm, key)

@@ -50,19 +50,35 @@ def replies(redis_url, swarm, key, session="s"):
     return [wire.decode(f[streams.FIELD], swarm, key) for _, f in entries]
 
 
-def round_message(redis_url, hosts, hop=0, tokens=(1, 2, 3), n_draft=0, tensor=None, rid="r",
-                  start_pos=0):  # fmt: skip
+def round_message(
+    redis_url, hosts, hop=0, tokens=(1, 2, 3), n_draft=0, tensor=None, rid="r", start_pos=0
+):
     route = tuple(wire.Hop(h, redis_url) for h in hosts)
-    return wire.Message(kind="round", session="s", round_id=rid, tokens=tokens, n_draft=n_draft,
-                        tensor=tensor, route=route, hop=hop, reply=redis_url,
-                        start_pos=start_pos)  # fmt: skip
+    return wire.Message(
+        kind="round",
+        session="s",
+        round_id=rid,
+        tokens=tokens,
+        n_draft=n_draft,
+        tensor=tensor,
+        route=route,
+        hop=hop,
+        reply=redis_url,
+        start_pos=start_pos,
+    )
 
 
 def test_tail_with_a_draft_outside_the_vocabulary_replies_error(make, swarm, key, redis_url):
     tail = make("t", 2, 4)
     deliver(tail, wire.Message(kind="reset", session="s", params=RESET))
-    msg = round_message(redis_url, ["a", "t"], hop=1, tokens=(1, 999), n_draft=1,
-                        tensor=torch.zeros(2, ToyConfig.dim))  # fmt: skip
+    msg = round_message(
+        redis_url,
+        ["a", "t"],
+        hop=1,
+        tokens=(1, 999),
+        n_draft=1,
+        tensor=torch.zeros(2, ToyConfig.dim),
+    )
     deliver(tail, msg)
     (reply,) = replies(redis_url, swarm, key)
     assert reply.kind == "error" and "draft ids" in reply.reason and reply.round_id == "r"
@@ -72,7 +88,7 @@ def test_tail_with_a_draft_outside_the_vocabulary_replies_error(make, swarm, key
 def test_tail_answers_the_result_vector(make, swarm, key, redis_url):
     tail = make("t", 0, 4)
     deliver(tail, wire.Message(kind="reset", session="s", params=RESET))
-    deliver(tail, round_message(redis_url, ["t"], tokens=(1, 2, 3, 4), n_draft=2))  # fmt: skip
+    deliver(tail, round_message(redis_url, ["t"], tokens=(1, 2, 3, 4), n_draft=2))
     (reply,) = replies(redis_url, swarm, key)
     assert reply.kind == "result" and len(reply.tokens) == 3
     assert all(t == -1 or 0 <= t < ToyConfig.vocab for t in reply.tokens)
@@ -82,7 +98,7 @@ def test_misrouted_and_misplaced_messages_are_dropped(make, swarm, key, redis_ur
     worker = make("a", 0, 2)
     deliver(worker, round_message(redis_url, ["b", "a"]))  # not for a
     deliver(worker, wire.Message(kind="result", session="s"))
-    deliver(worker, wire.Message(kind="reset", session="s", params={"temp": 1}))  # fmt: skip
+    deliver(worker, wire.Message(kind="reset", session="s", params={"temp": 1}))
     deliver(worker, round_message(redis_url, ["a"], tokens=()))
     worker.handle(None)
     assert worker.counters["dropped"] == 5
@@ -124,8 +140,7 @@ def test_sessions_idle_past_the_limit_are_forgotten_and_answer_a_gap(
     """A dead coordinator's caches are freed; if its job comes back, it gets a gap."""
     clock = Clock()
     monkeypatch.setattr(stage_worker, "time", clock)
-    config = WorkerConfig(host="t", swarm=swarm, keys=key, redis_url=redis_url,
-                          session_idle_s=0.3)  # fmt: skip
+    config = WorkerConfig(host="t", swarm=swarm, keys=key, redis_url=redis_url, session_idle_s=0.3)
     stage = ToyStage(ToyConfig(), 0, 4)
     tail = StageWorker(stage, config)
 
@@ -232,12 +247,19 @@ def test_counters_survive_another_writer_replacing_their_hash(make, swarm, redis
 def test_a_rotated_key_is_picked_up_when_a_message_names_it(swarm, redis_url):
     old, new = b"o" * 32, b"n" * 32
     keys = {"ring": wire.Keyring([old])}
-    config = WorkerConfig(host="t", swarm=swarm, keys=old, redis_url=redis_url,
-                          reload_keys=lambda: keys["ring"])  # fmt: skip
+    config = WorkerConfig(
+        host="t", swarm=swarm, keys=old, redis_url=redis_url, reload_keys=lambda: keys["ring"]
+    )
     tail = StageWorker(ToyStage(ToyConfig(), 0, 4), config)
     keys["ring"] = wire.Keyring([new, old])  # `specpipe key rotate` on this host
-    message = wire.Message(kind="reset", session="s", params=RESET, to=tail.stream,
-                           sender=wire.COORDINATOR, seq=wire.next_seq(0))  # fmt: skip
+    message = wire.Message(
+        kind="reset",
+        session="s",
+        params=RESET,
+        to=tail.stream,
+        sender=wire.COORDINATOR,
+        seq=wire.next_seq(0),
+    )
     tail.handle(wire.encode(message, swarm, new))
     assert "s" in tail._samplers and tail.keys.current == new
     stranger = replace(message, seq=wire.next_seq(message.seq), session="x")
@@ -245,8 +267,7 @@ def test_a_rotated_key_is_picked_up_when_a_message_names_it(swarm, redis_url):
     assert "x" not in tail._samplers and tail.counters["dropped"] == 1
 
 
-def test_rounds_of_several_sessions_in_one_read_run_as_one_forward(swarm, key, redis_url,
-                                                                   tmp_path):  # fmt: skip
+def test_rounds_of_several_sessions_in_one_read_run_as_one_forward(swarm, key, redis_url, tmp_path):
     """A tail that finds three sessions' rounds waiting answers each as it does alone."""
     from specpipe.model.resolve import open_checkpoint
     from specpipe.model.stage import load_stage
@@ -302,8 +323,9 @@ def test_a_session_dropped_in_the_middle_of_a_batch_leaves_the_others_exact(
     steps = {"s1": (6, 7, 8), "s2": (9,), "s3": (13, 14)}  # each with its drafts after the first
 
     def round_of(worker, session, tokens, start_pos, n_draft):
-        message = round_message(redis_url, [worker.config.host], tokens=tokens, n_draft=n_draft,
-                                start_pos=start_pos)  # fmt: skip
+        message = round_message(
+            redis_url, [worker.config.host], tokens=tokens, n_draft=n_draft, start_pos=start_pos
+        )
         return signed(worker, replace(message, session=session))
 
     def drop(worker, session):
@@ -313,16 +335,19 @@ def test_a_session_dropped_in_the_middle_of_a_batch_leaves_the_others_exact(
         for session in prompts:
             deliver(worker, wire.Message(kind="reset", session=session, params=RESET))
     together.handle_many([round_of(together, s, p, 0, 0) for s, p in prompts.items()])
-    together.handle_many([
-        round_of(together, "s1", steps["s1"], 5, 2),
-        round_of(together, "s2", steps["s2"], 2, 0),
-        drop(together, "s2"),  # its job was cancelled
-        round_of(together, "s3", steps["s3"], 4, 1),
-    ])  # fmt: skip
+    together.handle_many(
+        [
+            round_of(together, "s1", steps["s1"], 5, 2),
+            round_of(together, "s2", steps["s2"], 2, 0),
+            drop(together, "s2"),  # its job was cancelled
+            round_of(together, "s3", steps["s3"], 4, 1),
+        ]
+    )
     for session in ("s1", "s3"):
         alone.handle(round_of(alone, session, prompts[session], 0, 0))
-        alone.handle(round_of(alone, session, steps[session], len(prompts[session]),
-                              len(steps[session]) - 1))  # fmt: skip
+        alone.handle(
+            round_of(alone, session, steps[session], len(prompts[session]), len(steps[session]) - 1)
+        )
         got = [r.tokens for r in replies(redis_url, swarm, key, session)]
         assert len(got) == 4 and got[:2] == got[2:], session  # together's two, then alone's
     assert "s2" not in together.stage.sessions
@@ -369,8 +394,7 @@ def tiny_worker(tmp_path, host, swarm, key, redis_url, start=0, end=None) -> Sta
     return StageWorker(load_stage(source, start, end or source.config.n_layers), config)
 
 
-def test_a_batch_passes_its_rounds_on_in_one_write(swarm, key, redis_url, tmp_path,
-                                                   monkeypatch):  # fmt: skip
+def test_a_batch_passes_its_rounds_on_in_one_write(swarm, key, redis_url, tmp_path, monkeypatch):
     """The next stage is woken once, for the whole batch: it finds every round of it waiting
     and runs them as one forward, so sessions that met stay together around the ring."""
     first = tiny_worker(tmp_path, "a", swarm, key, redis_url, 0, 1)
@@ -381,13 +405,17 @@ def test_a_batch_passes_its_rounds_on_in_one_write(swarm, key, redis_url, tmp_pa
         deliver(tail, wire.Message(kind="reset", session=session, params=RESET))
     writes = []
     call = streams.Link.call
-    monkeypatch.setattr(streams.Link, "call",
-                        lambda self, *commands, **kw: writes.append(commands) or call(
-                            self, *commands, **kw))  # fmt: skip
-    first.handle_many([
-        signed(first, replace(round_message(redis_url, ["a", "b"], tokens=t), session=s))
-        for s, t in sessions.items()
-    ])  # fmt: skip
+    monkeypatch.setattr(
+        streams.Link,
+        "call",
+        lambda self, *commands, **kw: writes.append(commands) or call(self, *commands, **kw),
+    )
+    first.handle_many(
+        [
+            signed(first, replace(round_message(redis_url, ["a", "b"], tokens=t), session=s))
+            for s, t in sessions.items()
+        ]
+    )
     assert len(writes) == 1  # the three rounds and one bell, in that order
     assert [c[0] for c in writes[0]] == ["XADD", "XADD", "XADD", "LPUSH", "LTRIM"]
     monkeypatch.undo()
@@ -397,8 +425,9 @@ def test_a_batch_passes_its_rounds_on_in_one_write(swarm, key, redis_url, tmp_pa
         assert [r.kind for r in replies(redis_url, swarm, key, session)] == ["result"]
 
 
-def test_a_stage_waits_for_a_round_due_now_and_runs_both_in_one_forward(swarm, key, redis_url,
-                                                                        tmp_path):  # fmt: skip
+def test_a_stage_waits_for_a_round_due_now_and_runs_both_in_one_forward(
+    swarm, key, redis_url, tmp_path
+):
     tail = tiny_worker(tmp_path, "t", swarm, key, redis_url)
     for session in ("s1", "s2"):
         deliver(tail, wire.Message(kind="reset", session=session, params=RESET))
@@ -429,8 +458,7 @@ def test_a_stage_waits_for_a_round_due_now_and_runs_both_in_one_forward(swarm, k
     client.close()
 
 
-def test_a_session_alone_on_the_ring_is_not_held_back(swarm, key, redis_url, tmp_path,
-                                                      monkeypatch):  # fmt: skip
+def test_a_session_alone_on_the_ring_is_not_held_back(swarm, key, redis_url, tmp_path, monkeypatch):
     tail = tiny_worker(tmp_path, "t", swarm, key, redis_url)
     deliver(tail, wire.Message(kind="reset", session="s1", params=RESET))
     message = round_message(redis_url, ["t"], tokens=(1, 2, 3))
@@ -440,8 +468,9 @@ def test_a_session_alone_on_the_ring_is_not_held_back(swarm, key, redis_url, tmp
     tail.arrivals.note("s1", now - 0.2)
     tail.arrivals.note("s1", now - 0.1)
     client = redis.Redis.from_url(redis_url)
-    streams.send(client, tail.stream, signed(tail, replace(message, session="s1", tokens=(4,),
-                                                           start_pos=3)))  # fmt: skip
+    streams.send(
+        client, tail.stream, signed(tail, replace(message, session="s1", tokens=(4,), start_pos=3))
+    )
     reads = []
     read = tail.consumer.read
     monkeypatch.setattr(tail.consumer, "read", lambda *a, **kw: reads.append(kw) or read(*a, **kw))
@@ -456,8 +485,10 @@ def test_a_read_of_more_than_a_group_runs_as_two_forwards(swarm, key, redis_url,
     sessions = {"s1": (1, 2, 3), "s2": (4, 5), "s3": (6,), "s4": (7, 8, 9)}
     for session in sessions:
         deliver(tail, wire.Message(kind="reset", session=session, params=RESET))
-    tail.handle_many([
-        signed(tail, replace(round_message(redis_url, ["t"], tokens=t), session=s))
-        for s, t in sessions.items()
-    ])  # fmt: skip
+    tail.handle_many(
+        [
+            signed(tail, replace(round_message(redis_url, ["t"], tokens=t), session=s))
+            for s, t in sessions.items()
+        ]
+    )
     assert (tail.counters["processed"], tail.counters["forwards"]) == (4, 2)

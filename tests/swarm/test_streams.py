@@ -142,8 +142,9 @@ def dead_letters(client, swarm):
 def test_an_oversized_entry_never_leaves_redis_and_is_dead_lettered(swarm, redis_url):
     client = redis.Redis.from_url(redis_url)
     key = streams.stage_key(swarm, "h")
-    consumer = streams.StreamConsumer(client, key, "h", max_bytes=1000,
-                                      dead=streams.dead_key(swarm, "h"))  # fmt: skip
+    consumer = streams.StreamConsumer(
+        client, key, "h", max_bytes=1000, dead=streams.dead_key(swarm, "h")
+    )
     streams.send(client, key, b"small")
     streams.send(client, key, b"x" * 5000)
     streams.send(client, key, b"after")
@@ -214,14 +215,22 @@ def test_send_all_writes_every_entry_before_ringing_each_bell_once(redis_url, sw
     link = streams.Link(client)
     call = link.call
     link.call = lambda *commands, **kw: writes.append(commands) or call(*commands, **kw)
-    streams.send_all(link, [(key, b"a", False), (key, b"b", False), (other, b"c", False),
-                            (reply, b"d", True)])  # fmt: skip
+    streams.send_all(
+        link, [(key, b"a", False), (key, b"b", False), (other, b"c", False), (reply, b"d", True)]
+    )
     assert len(writes) == 1
     names = [(c[0], c[1]) for c in writes[0]]
-    assert names == [("XADD", key), ("XADD", key), ("XADD", other), ("XADD", reply),
-                     ("EXPIRE", reply), ("LPUSH", streams.bell_key(key)),
-                     ("LTRIM", streams.bell_key(key)), ("LPUSH", streams.bell_key(other)),
-                     ("LTRIM", streams.bell_key(other))]  # fmt: skip
+    assert names == [
+        ("XADD", key),
+        ("XADD", key),
+        ("XADD", other),
+        ("XADD", reply),
+        ("EXPIRE", reply),
+        ("LPUSH", streams.bell_key(key)),
+        ("LTRIM", streams.bell_key(key)),
+        ("LPUSH", streams.bell_key(other)),
+        ("LTRIM", streams.bell_key(other)),
+    ]
     assert client.xlen(key) == 2 and client.llen(streams.bell_key(key)) == 1
     assert 0 < client.ttl(reply) <= streams.REPLY_TTL_S
     assert client.llen(streams.bell_key(reply)) == 0  # nobody waits on a reply stream's bell

@@ -192,7 +192,7 @@ def test_a_child_others_need_starts_first_and_stops_last(tmp_path):
         [
             ProcessSpec(
                 "service", stamping(service, delay_s=0.5), ready=service_ready, stop_last=True
-            ),  # fmt: skip
+            ),
             ProcessSpec("user", stamping(user)),
         ],
         out=lambda line: None,

@@ -47,8 +47,14 @@ def private_redis():
 @pytest.fixture(scope="module")
 def swarm(tiny, private_redis, database_url, tmp_path_factory):
     """Two stages (layers 0:2, 2:4) and a coordinator that counts a job stalled after 2 s."""
-    group = Swarm(private_redis, f"t{uuid.uuid4().hex[:8]}", secrets.token_hex(16), tiny,
-                  DATABASE_URL=database_url, SPECPIPE_STALLED_S="2")  # fmt: skip
+    group = Swarm(
+        private_redis,
+        f"t{uuid.uuid4().hex[:8]}",
+        secrets.token_hex(16),
+        tiny,
+        DATABASE_URL=database_url,
+        SPECPIPE_STALLED_S="2",
+    )
     try:
         group.start_stage("s0", "0:2")
         group.start_stage("s1", "2:4")
@@ -71,8 +77,20 @@ def env(monkeypatch, swarm, db_url):
 
 def options(tiny, temp=0.0, seed=0, max_new_tokens=40, draft_k=None, top_p=1.0) -> list[str]:
     spec = ["--no-spec"] if draft_k == 0 else ["--draft-k", str(draft_k or 4)]
-    return ["--model", str(tiny), "--json", "--temp", str(temp), "--top-p", str(top_p),
-            "--seed", str(seed), "--max-new-tokens", str(max_new_tokens), *spec]  # fmt: skip
+    return [
+        "--model",
+        str(tiny),
+        "--json",
+        "--temp",
+        str(temp),
+        "--top-p",
+        str(top_p),
+        "--seed",
+        str(seed),
+        "--max-new-tokens",
+        str(max_new_tokens),
+        *spec,
+    ]
 
 
 def generate(*args: str) -> dict:

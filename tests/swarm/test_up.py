@@ -23,8 +23,15 @@ from specpipe.swarm import inventory
 from tests.swarmprocs import ROOT, SPECPIPE, write_tiny_model
 from tests.waiting import wait_until
 
-CLEARED = ("REDIS_URL", "DATABASE_URL", "SPECPIPE_SWARM_KEY", "SECRET_KEY", "SPECPIPE_SWARM",
-           "SPECPIPE_MODEL", "SPECPIPE_REDIS_PASSWORD")  # fmt: skip
+CLEARED = (
+    "REDIS_URL",
+    "DATABASE_URL",
+    "SPECPIPE_SWARM_KEY",
+    "SECRET_KEY",
+    "SPECPIPE_SWARM",
+    "SPECPIPE_MODEL",
+    "SPECPIPE_REDIS_PASSWORD",
+)
 
 
 def healthy(url: str) -> bool:
@@ -73,10 +80,23 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
     port = free_port()
     log = open(tmp_path / "up.log", "w")
     proc = subprocess.Popen(
-        [*SPECPIPE, "up", "--stages", "2", "--model", str(tiny), "--port", str(port),
-         "--status-every", "0"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            *SPECPIPE,
+            "up",
+            "--stages",
+            "2",
+            "--model",
+            str(tiny),
+            "--port",
+            str(port),
+            "--status-every",
+            "0",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     up = psutil.Process(proc.pid)
     try:
         state_file = home / "swarm.json"
@@ -113,8 +133,12 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
                 anonymous.ping()
         # And the swarm's own user cannot reconfigure, list, empty or stop it.
         swarm_user = redis.Redis.from_url(state["redis_url"])
-        for command in (("CONFIG", "SET", "maxmemory", "0"), ("KEYS", "*"), ("FLUSHALL",),
-                        ("SHUTDOWN", "NOSAVE")):  # fmt: skip
+        for command in (
+            ("CONFIG", "SET", "maxmemory", "0"),
+            ("KEYS", "*"),
+            ("FLUSHALL",),
+            ("SHUTDOWN", "NOSAVE"),
+        ):
             with pytest.raises(redis.exceptions.NoPermissionError):
                 swarm_user.execute_command(*command)
         swarm_user.close()
@@ -124,8 +148,9 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
         assert all(n.redis_url.startswith("unix://") for n in nodes)  # streams on the socket
         # The password is on no command line, and `specpipe nodes` shows it as ***.
         assert not [p.pid for p in up.children(recursive=True) if password in " ".join(p.cmdline())]
-        shown = subprocess.run([*SPECPIPE, "nodes"], cwd=ROOT, env=env, capture_output=True,
-                               text=True, timeout=60)  # fmt: skip
+        shown = subprocess.run(
+            [*SPECPIPE, "nodes"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+        )
         assert shown.returncode == 0 and "unix://specpipe:***@" in shown.stdout, shown.stderr
         assert password not in shown.stdout + shown.stderr
 
@@ -133,11 +158,26 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
         for key in CLEARED:
             monkeypatch.delenv(key, raising=False)
         monkeypatch.setenv("SPECPIPE_HOME", str(home))
-        args = ["--model", str(tiny), "--max-new-tokens", "24", "--temp", "0.9", "--seed", "4",
-                "--json"]  # fmt: skip
+        args = [
+            "--model",
+            str(tiny),
+            "--max-new-tokens",
+            "24",
+            "--temp",
+            "0.9",
+            "--seed",
+            "4",
+            "--json",
+        ]
         want = json.loads(CliRunner().invoke(cli, ["generate", "hello", "--local", *args]).output)
-        first = subprocess.run([*SPECPIPE, "generate", "hello", *args], cwd=ROOT, env=env,
-                               capture_output=True, text=True, timeout=120)  # fmt: skip
+        first = subprocess.run(
+            [*SPECPIPE, "generate", "hello", *args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert first.returncode == 0, first.stderr
         assert json.loads(first.stdout)["tokens"] == want["tokens"] and want["tokens"]
 
@@ -152,8 +192,14 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
             f"stage {host} to restart",
             interval_s=0.2,
         )
-        again = subprocess.run([*SPECPIPE, "generate", "hello", *args], cwd=ROOT, env=env,
-                               capture_output=True, text=True, timeout=120)  # fmt: skip
+        again = subprocess.run(
+            [*SPECPIPE, "generate", "hello", *args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert again.returncode == 0, again.stderr
         assert json.loads(again.stdout)["tokens"] == want["tokens"]
 
@@ -162,8 +208,14 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
         redis_pid = redis_server_pid(up)
         os.kill(redis_pid, signal.SIGKILL)
         wait_until(lambda: redis_server_pid(up) not in (None, redis_pid), 30, "Redis to restart")
-        third = subprocess.run([*SPECPIPE, "generate", "hello", *args], cwd=ROOT, env=env,
-                               capture_output=True, text=True, timeout=180)  # fmt: skip
+        third = subprocess.run(
+            [*SPECPIPE, "generate", "hello", *args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert third.returncode == 0, third.stderr
         assert json.loads(third.stdout)["tokens"] == want["tokens"]
         assert (home / "redis").is_dir() and any((home / "redis").rglob("*.aof*"))

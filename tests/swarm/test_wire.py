@@ -259,8 +259,13 @@ def test_an_empty_tensor_of_an_impossible_shape_is_refused():
 
 
 def test_a_result_carries_log_probabilities_and_bad_ones_are_refused():
-    reply = wire.Message(kind="result", session="s", to="r", tokens=(4, 7),
-                         logprobs=((-0.5, ((4, -0.5), (2, -1.25))), (-2.0, ())))  # fmt: skip
+    reply = wire.Message(
+        kind="result",
+        session="s",
+        to="r",
+        tokens=(4, 7),
+        logprobs=((-0.5, ((4, -0.5), (2, -1.25))), (-2.0, ())),
+    )
     back = wire.decode(wire.encode(reply, "sw", b"k" * 32), "sw", b"k" * 32)
     assert back.logprobs == reply.logprobs
     plain = wire.decode(wire.encode(replace(reply, logprobs=()), "sw", b"k" * 32), "sw", b"k" * 32)

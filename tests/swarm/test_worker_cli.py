@@ -83,8 +83,21 @@ def test_a_stage_with_the_test_lossy_tail_warns_at_start_and_flags_its_record(
     tiny, swarm, redis_url, lossy
 ):
     env = swarm_env(redis_url, swarm, "k" * 32, SPECPIPE_TEST_LOSSY_TAIL="1" if lossy else "")
-    argv = [*SPECPIPE, "worker", "stage", "--host", "nj", "--layers", "0:4", "--model",
-            str(tiny), "--threads", "1", "--heartbeat-s", "0.5"]  # fmt: skip
+    argv = [
+        *SPECPIPE,
+        "worker",
+        "stage",
+        "--host",
+        "nj",
+        "--layers",
+        "0:4",
+        "--model",
+        str(tiny),
+        "--threads",
+        "1",
+        "--heartbeat-s",
+        "0.5",
+    ]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
         wait_heartbeats(redis_url, swarm, "k" * 32, {"nj": proc}, ["nj"], timeout_s=90)

@@ -238,8 +238,9 @@ def test_nodes(api, session):
 
 def test_nodes_say_which_runs_the_test_lossy_tail(api, session):
     gen_ring(session, 2)
-    gen_node(session, "host1.example", role="tail", layer_start=18, layer_end=36,
-             test_lossy_tail=True)  # fmt: skip
+    gen_node(
+        session, "host1.example", role="tail", layer_start=18, layer_end=36, test_lossy_tail=True
+    )
     nodes = api.get("/nodes").get_json()["nodes"]
     assert [(n["host"], n["test_lossy_tail"]) for n in nodes] == [
         ("host0.example", False),

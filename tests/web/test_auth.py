@@ -19,9 +19,19 @@ def alice(session) -> User:
 
 @pytest.mark.parametrize(
     "path",
-    ["/", "/history", "/jobs/1", "/jobs/1/progress", "/proofs/", "/proofs/1", "/nodes/",
-     "/runs/1/record.json", "/proofs/plots/1/tv.png", "/no/such/page"],
-)  # fmt: skip
+    [
+        "/",
+        "/history",
+        "/jobs/1",
+        "/jobs/1/progress",
+        "/proofs/",
+        "/proofs/1",
+        "/nodes/",
+        "/runs/1/record.json",
+        "/proofs/plots/1/tv.png",
+        "/no/such/page",
+    ],
+)
 def test_pages_need_a_login(anon, path):
     response = anon.get(path)
     if path.endswith("/progress"):  # polled by the job page's script
@@ -199,8 +209,11 @@ def test_login_limits_are_shared_through_the_locked_down_redis_of_up(make_app, s
     from specpipe.ops.redis_server import RedisServer
 
     with RedisServer(password="correct horse") as locked:
-        shared = {"REDIS_URL": locked.url, "LOGIN_RATE": "2/minute",
-                  "RATELIMIT_KEY_PREFIX": "test-locked-limits"}  # fmt: skip
+        shared = {
+            "REDIS_URL": locked.url,
+            "LOGIN_RATE": "2/minute",
+            "RATELIMIT_KEY_PREFIX": "test-locked-limits",
+        }
         first, second = make_app(**shared).test_client(), make_app(**shared).test_client()
         assert log_in(first, "alice", "wrong password").status_code == 400
         assert log_in(second, "alice", "wrong password").status_code == 400

@@ -262,8 +262,13 @@ def test_job_finished_by_a_real_worker(server, page, app, db_url, queue, tmp_pat
 
     tiny = write_tiny_model(tmp_path / "tiny")
     app.extensions["specpipe.submitter"].model = str(tiny)
-    swarm = Swarm(app.config["REDIS_URL"], f"web{uuid.uuid4().hex[:8]}", secrets.token_hex(16),
-                  tiny, DATABASE_URL=db_url)  # fmt: skip
+    swarm = Swarm(
+        app.config["REDIS_URL"],
+        f"web{uuid.uuid4().hex[:8]}",
+        secrets.token_hex(16),
+        tiny,
+        DATABASE_URL=db_url,
+    )
     try:
         swarm.start_stage("s0", "0:2")
         swarm.start_stage("s1", "2:4")

@@ -43,8 +43,16 @@ def test_the_form_refuses_a_job_beyond_the_context_and_keeps_what_was_typed(
     tiny_app, admin, session, queue, fits
 ):
     client = as_user(tiny_app.test_client(), admin)
-    form = {"prompt": PROMPT, "max_new_tokens": str(fits + 1), "temp": "0.7", "top_p": "0.9",
-            "top_k": "0", "seed": "1", "speculate": "on", "draft_k": "4"}  # fmt: skip
+    form = {
+        "prompt": PROMPT,
+        "max_new_tokens": str(fits + 1),
+        "temp": "0.7",
+        "top_p": "0.9",
+        "top_k": "0",
+        "seed": "1",
+        "speculate": "on",
+        "draft_k": "4",
+    }
     response = client.post("/", data={**form, "csrf_token": csrf_token(client)})
     assert response.status_code == 400
     html = response.get_data(as_text=True)

@@ -50,8 +50,15 @@ def test_pages_have_no_inline_script_or_style(client, session):
     job = gen_job(session, status="running", accepted_drafts=[1, 2], generated_tokens=3, rounds=2)
     run = gen_proof_run(session)
     gen_node(session, "h1")
-    for path in ("/", "/history", f"/jobs/{job.id}", "/proofs/", f"/proofs/{run.id}", "/nodes/",
-                 "/login"):  # fmt: skip
+    for path in (
+        "/",
+        "/history",
+        f"/jobs/{job.id}",
+        "/proofs/",
+        f"/proofs/{run.id}",
+        "/nodes/",
+        "/login",
+    ):
         html = client.get(path).get_data(as_text=True)
         assert not re.search(r"<script(?![^>]*\bsrc=)", html), path
         assert "<style" not in html and not re.search(r"\sstyle=", html), path

@@ -16,8 +16,16 @@ from tests.factories import gen_job, gen_proof_run, gen_user
 from tests.web.conftest import Api, as_user, csrf_token
 from workers.submission import Submitter, TooManyActiveJobs
 
-FORM = {"prompt": "hello", "max_new_tokens": "8", "temp": "0", "top_p": "1", "top_k": "0",
-        "seed": "", "draft_k": "2", "speculate": "on"}  # fmt: skip
+FORM = {
+    "prompt": "hello",
+    "max_new_tokens": "8",
+    "temp": "0",
+    "top_p": "1",
+    "top_k": "0",
+    "seed": "",
+    "draft_k": "2",
+    "speculate": "on",
+}
 
 
 def jobs_stored(session) -> int:

@@ -38,8 +38,9 @@ def test_nodes_page_shows_the_rings_latency_once_measured(app, client, session, 
     url = app.config["REDIS_URL"]
     registry = redis.Redis.from_url(url)
     try:
-        wa = inventory.NodeInfo("wa", 0, 2, url, next_hop="nj", next_hop_rtt_ms=1.0,
-                                link_delay_ms=11)  # fmt: skip
+        wa = inventory.NodeInfo(
+            "wa", 0, 2, url, next_hop="nj", next_hop_rtt_ms=1.0, link_delay_ms=11
+        )
         nj = inventory.NodeInfo("nj", 2, 4, url)  # has not carried a round yet
         for node in (wa, nj):
             inventory.publish(registry, swarm, node, "the swarm key")

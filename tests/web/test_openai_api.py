@@ -159,22 +159,27 @@ def test_bad_completion_fields_are_refused_and_change_nothing(
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "messages[0].content",
-        ),  # fmt: skip
+        ),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 9}, "top_logprobs"),
         ({"logprobs": 1}, "logprobs"),
     ],
 )
 def test_bad_chat_fields_are_refused(client, session, api_token, change, param):
-    assert_openai_error(post(client, "/v1/chat/completions", api_token, {**CHAT, **change}),
-                        400, param)  # fmt: skip
+    assert_openai_error(
+        post(client, "/v1/chat/completions", api_token, {**CHAT, **change}), 400, param
+    )
     assert job_count(session) == 0
 
 
 def test_a_body_that_is_not_an_object_is_400(client, api_token):
     for data in ("[1]", "nope", ""):
-        response = client.post("/v1/completions", data=data, content_type="application/json",
-                               headers={"Authorization": f"Bearer {api_token}"})  # fmt: skip
+        response = client.post(
+            "/v1/completions",
+            data=data,
+            content_type="application/json",
+            headers={"Authorization": f"Bearer {api_token}"},
+        )
         assert_openai_error(response, 400)
 
 
@@ -220,23 +225,39 @@ def test_a_completion_is_a_job_of_the_key_owner(app, db_url, session, api_token)
     assert [j["id"] for j in mine["jobs"]] == [job.id]
 
 
-def test_chat_messages_are_kept_and_a_lone_user_message_is_a_plain_job(app, db_url, session,
-                                                                        api_token):  # fmt: skip
+def test_chat_messages_are_kept_and_a_lone_user_message_is_a_plain_job(
+    app, db_url, session, api_token
+):
     client = app.test_client()
-    chat = {**CHAT, "messages": [{"role": "system", "content": "Be brief."},
-                                 {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-            "max_completion_tokens": 8, "stop": "\n", "top_k": 5, "draft_k": 2,
-            "sampler": "icdf"}  # fmt: skip
+    chat = {
+        **CHAT,
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ],
+        "max_completion_tokens": 8,
+        "stop": "\n",
+        "top_k": 5,
+        "draft_k": 2,
+        "sampler": "icdf",
+    }
     with FakeCoordinator(db_url, [([1], "x")]):
         answer = post(client, "/v1/chat/completions", api_token, chat).get_json()
         plain = post(client, "/v1/chat/completions", api_token, CHAT).get_json()
     job = session.get(Job, answer["specpipe"]["job_id"])
     assert answer["id"] == f"chatcmpl-{job.id}" and answer["object"] == "chat.completion"
-    assert job.messages == [{"role": "system", "content": "Be brief."},
-                            {"role": "user", "content": "hi"}]  # fmt: skip
+    assert job.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+    ]
     assert job.prompt == "system: Be brief.\n\nuser: hi" and not job.raw_prompt
     assert (job.max_new_tokens, job.stop, job.top_k, job.draft_k, job.sampler) == (
-        8, ["\n"], 5, 2, "icdf")  # fmt: skip
+        8,
+        ["\n"],
+        5,
+        2,
+        "icdf",
+    )
     message = answer["choices"][0]["message"]
     assert message["role"] == "assistant" and message["content"] == "x"
     assert answer["choices"][0]["finish_reason"] == "stop"  # ended before its budget
@@ -249,8 +270,9 @@ def test_logprobs_come_from_the_stored_rounds(app, db_url, session, api_token):
     client = app.test_client()
     with FakeCoordinator(db_url, [([5, 6], "ab")]):
         raw = post(client, "/v1/completions", api_token, {**RAW, "logprobs": 2}).get_json()
-        chat = post(client, "/v1/chat/completions", api_token,
-                    {**CHAT, "logprobs": True, "top_logprobs": 1}).get_json()  # fmt: skip
+        chat = post(
+            client, "/v1/chat/completions", api_token, {**CHAT, "logprobs": True, "top_logprobs": 1}
+        ).get_json()
     assert session.get(Job, raw["specpipe"]["job_id"]).logprobs == 2
     assert session.get(Job, chat["specpipe"]["job_id"]).logprobs == 1
     lp = raw["choices"][0]["logprobs"]
@@ -264,12 +286,19 @@ def test_logprobs_come_from_the_stored_rounds(app, db_url, session, api_token):
 def test_a_streamed_answer_is_the_whole_text_in_stable_pieces(app, db_url, session, api_token):
     client = app.test_client()
     # A stop-string start ("E" of "END") and a half UTF-8 character wait for the next round.
-    rounds = [([1], "Hi"), ([1, 2], "Hi E"), ([1, 2, 3], "Hi Eve \ufffd"),
-              ([1, 2, 3, 4], "Hi Eve é")]  # fmt: skip
+    rounds = [
+        ([1], "Hi"),
+        ([1, 2], "Hi E"),
+        ([1, 2, 3], "Hi Eve \ufffd"),
+        ([1, 2, 3, 4], "Hi Eve é"),
+    ]
     with FakeCoordinator(db_url, rounds):
-        stream = post(client, "/v1/completions", api_token,
-                      {**RAW, "stream": True, "stop": ["END"],
-                       "stream_options": {"include_usage": True}})  # fmt: skip
+        stream = post(
+            client,
+            "/v1/completions",
+            api_token,
+            {**RAW, "stream": True, "stop": ["END"], "stream_options": {"include_usage": True}},
+        )
         chunks = events(stream)
         whole = post(client, "/v1/completions", api_token, {**RAW, "stop": ["END"]}).get_json()
     assert stream.status_code == 200 and stream.mimetype == "text/event-stream"
@@ -285,8 +314,7 @@ def test_a_streamed_answer_is_the_whole_text_in_stable_pieces(app, db_url, sessi
 def test_a_streamed_chat_starts_with_the_role(app, db_url, api_token):
     client = app.test_client()
     with FakeCoordinator(db_url, [([1], "a"), ([1, 2], "ab")]):
-        chunks = events(post(client, "/v1/chat/completions", api_token,
-                             {**CHAT, "stream": True}))  # fmt: skip
+        chunks = events(post(client, "/v1/chat/completions", api_token, {**CHAT, "stream": True}))
     deltas = [c["choices"][0]["delta"] for c in chunks[:-1]]
     assert deltas[0]["role"] == "assistant"
     assert "".join(d.get("content", "") for d in deltas) == "ab"
@@ -297,8 +325,13 @@ def test_a_client_that_leaves_a_stream_cancels_its_job(app, db_url, session, api
     client = app.test_client()
     rounds = [([i for i in range(n)], "x" * n) for n in range(1, 40)]
     with FakeCoordinator(db_url, rounds, pause_s=0.1):
-        response = post(client, "/v1/completions", api_token, {**RAW, "max_tokens": 64,
-                        "stream": True}, buffered=False)  # fmt: skip
+        response = post(
+            client,
+            "/v1/completions",
+            api_token,
+            {**RAW, "max_tokens": 64, "stream": True},
+            buffered=False,
+        )
         stream = iter(response.response)
         first = next(stream)
         assert first.startswith(b"data: ")
@@ -369,8 +402,11 @@ WORDS = st.text(alphabet="abc xyz\u00e9\n", min_size=1, max_size=12).filter(str.
 VALID = {
     "model": st.just(MODEL),
     "prompt": WORDS,
-    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(CHAT_ROLES),
-                                                "content": WORDS}), min_size=1, max_size=3),
+    "messages": st.lists(
+        st.fixed_dictionaries({"role": st.sampled_from(CHAT_ROLES), "content": WORDS}),
+        min_size=1,
+        max_size=3,
+    ),
     "max_tokens": st.integers(1, 50),
     "max_completion_tokens": st.integers(1, 50),
     "temperature": st.floats(0, 2),
@@ -382,7 +418,7 @@ VALID = {
     "stream": st.booleans(),
     "draft_k": st.integers(0, 8),
     "user": WORDS,
-}  # fmt: skip
+}
 
 
 @st.composite
@@ -398,8 +434,9 @@ def bodies(draw):
     return body
 
 
-def test_any_body_is_answered_in_openai_shape_and_refusals_change_nothing(make_app, session,
-                                                                          api_token):  # fmt: skip
+def test_any_body_is_answered_in_openai_shape_and_refusals_change_nothing(
+    make_app, session, api_token
+):
     """Generated bodies, valid and not: a refusal is a 400 or 404 in OpenAI's shape that makes
     no job; an accepted request is a job (here never run, so its wait ends at once: 504, and
     the job is cancelled). Nothing answers 500."""
@@ -428,8 +465,11 @@ def test_a_rerun_feeds_the_prompt_the_same_way(app, db_url, session, api_token):
     from workers.submission import rerun_params
 
     client = app.test_client()
-    chat = {**CHAT, "messages": [{"role": "system", "content": "Be brief."},
-                                 {"role": "user", "content": "hi"}], "logprobs": True}  # fmt: skip
+    chat = {
+        **CHAT,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+        "logprobs": True,
+    }
     with FakeCoordinator(db_url, [([1], "x")]):
         answer = post(client, "/v1/chat/completions", api_token, chat).get_json()
         raw = post(client, "/v1/completions", api_token, RAW).get_json()
@@ -454,9 +494,11 @@ def test_under_waitress_chunks_arrive_as_rounds_are_stored_and_leaving_cancels(
     threading.Thread(target=server.run, daemon=True).start()
     rounds = [(list(range(n)), "x" * n) for n in range(1, 60)]
     body = json.dumps({**RAW, "max_tokens": 64, "stream": True}).encode()
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
-               f"Authorization: Bearer {api_token}\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\n\r\n").encode() + body  # fmt: skip
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+        f"Authorization: Bearer {api_token}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     try:
         with FakeCoordinator(db_url, rounds, pause_s=0.1):
             client = socket.create_connection(("127.0.0.1", server.effective_port), timeout=10)

@@ -40,9 +40,17 @@ def history_ids(html: str) -> list[int]:
 
 
 def submit(client, prompt: str) -> int:
-    data = {"csrf_token": csrf_token(client), "prompt": prompt, "max_new_tokens": "8",
-            "temp": "0", "top_p": "1", "top_k": "0", "seed": "1", "draft_k": "2",
-            "speculate": "on"}  # fmt: skip
+    data = {
+        "csrf_token": csrf_token(client),
+        "prompt": prompt,
+        "max_new_tokens": "8",
+        "temp": "0",
+        "top_p": "1",
+        "top_k": "0",
+        "seed": "1",
+        "draft_k": "2",
+        "speculate": "on",
+    }
     response = client.post("/", data=data)
     assert response.status_code == 302, response.get_data(as_text=True)
     return int(response.headers["Location"].rsplit("/", 1)[1])

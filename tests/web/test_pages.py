@@ -154,8 +154,16 @@ def test_cancel_from_page(client, session, queue):
 
 
 def test_rerun_with_same_seed(client, session, queue):
-    job = gen_job(session, status="done", seed=2**64 - 2, prompt="again", temp=1.1, top_k=3,
-                  stop=["\n\nUser:", "END"], sampler="icdf")  # fmt: skip
+    job = gen_job(
+        session,
+        status="done",
+        seed=2**64 - 2,
+        prompt="again",
+        temp=1.1,
+        top_k=3,
+        stop=["\n\nUser:", "END"],
+        sampler="icdf",
+    )
     response = client.post(f"/jobs/{job.id}/rerun", data={"csrf_token": csrf_token(client)})
     assert response.status_code == 302
     new = session.scalars(select(Job).where(Job.id != job.id)).one()
@@ -205,8 +213,9 @@ def test_nodes_page_flags_a_test_lossy_tail(client, session):
     gen_ring(session, 3)
     html = client.get("/nodes/").get_data(as_text=True)
     assert "TEST LOSSY TAIL" not in html and 'id="lossy-warning"' not in html
-    gen_node(session, "host2.example", role="tail", layer_start=24, layer_end=36,
-             test_lossy_tail=True)  # fmt: skip
+    gen_node(
+        session, "host2.example", role="tail", layer_start=24, layer_end=36, test_lossy_tail=True
+    )
     html = client.get("/nodes/").get_data(as_text=True)
     assert html.count('<span class="badge badge-lossy"') == 1
     row = next(r for r in html.split("<tr>") if "badge-lossy" in r)

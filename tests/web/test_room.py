@@ -41,8 +41,9 @@ def room_paragraph(html: str) -> tuple[bool, str]:
 
 def stage(host: str) -> NodeInfo:
     """A stage of a route with a budget of 1000 tokens."""
-    return NodeInfo(host=host, layer_start=0, layer_end=1, redis_url="redis://x",
-                    kv_budget_tokens=1000)  # fmt: skip
+    return NodeInfo(
+        host=host, layer_start=0, layer_end=1, redis_url="redis://x", kv_budget_tokens=1000
+    )
 
 
 def shown_wait(client, job_id: int) -> dict | None:
@@ -115,8 +116,9 @@ def test_the_coordinators_own_wait_shows_until_its_room_is_free(
 
     def wait_for_room() -> None:
         with make_session_factory(db_url)() as own:
-            admit = coordinator.room_keeper(own, rooms, holders("lock"), lambda: not stop.is_set(),
-                                            poll_s=0.05)  # fmt: skip
+            admit = coordinator.room_keeper(
+                own, rooms, holders("lock"), lambda: not stop.is_set(), poll_s=0.05
+            )
             out["release"] = admit(own.get(Job, job.id), SimpleNamespace(route=hops), NEED)
 
     thread = threading.Thread(target=wait_for_room)

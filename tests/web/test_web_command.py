@@ -59,8 +59,12 @@ def test_web_command_serves(fresh_database_url, tmp_path):
             page = r.read().decode()
             assert r.url.endswith("/login?next=/") and "Log in" in page
         token = re.search(r'name="csrf_token"[^>]*value="([^"]+)"', page).group(1)
-        form = {"csrf_token": token, "username": "admin", "next": "/",
-                "password": password_file.read_text().strip()}  # fmt: skip
+        form = {
+            "csrf_token": token,
+            "username": "admin",
+            "next": "/",
+            "password": password_file.read_text().strip(),
+        }
         body = urllib.parse.urlencode(form).encode()
         with browser.open(f"http://127.0.0.1:{port}/login", data=body, timeout=10) as r:
             assert r.url == f"http://127.0.0.1:{port}/" and b"New job" in r.read()
