@@ -131,7 +131,7 @@ class References:
     """Reference runs in this process over the whole model, one per plan."""
 
     def __init__(self, model: str) -> None:
-        from specpipe.core.ring import LocalRing
+        from specpipe.decoding.local_ring import LocalRing
         from specpipe.decoding.target import open_target
 
         self.target = open_target(model)

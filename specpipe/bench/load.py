@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specpipe.bench.ring_hops import LocalSwarm
-from specpipe.core.ring import LocalRing
 from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.generation import Generation
+from specpipe.decoding.local_ring import LocalRing
 from specpipe.decoding.target import open_target
 
 PROMPTS = (

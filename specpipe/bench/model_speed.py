@@ -18,9 +18,9 @@ import warnings
 
 import torch
 
-from specpipe.core.ring import LocalRing
 from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.generation import Generation
+from specpipe.decoding.local_ring import LocalRing
 from specpipe.model.checkpoint import hf_name_map
 from specpipe.model.resolve import load_tokenizer, open_checkpoint
 from specpipe.model.stage import StageModel, load_stage

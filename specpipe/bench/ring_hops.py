@@ -32,9 +32,10 @@ from dataclasses import dataclass
 
 import redis
 
-from specpipe.core.ring import LocalRing, Ring
+from specpipe.core.ring import Ring
 from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.generation import Generation
+from specpipe.decoding.local_ring import LocalRing
 from specpipe.decoding.target import open_target
 from specpipe.model.resolve import even_split
 from specpipe.ops.redis_server import RedisServer

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
 
-from specpipe.core.ring import LocalRing, Stage
+from specpipe.core.ring import Stage
+from specpipe.decoding.local_ring import LocalRing
 from specpipe.drafting.head import load_with_head
 
 

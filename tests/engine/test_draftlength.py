@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from specpipe.core.ring import LocalRing
 from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.generation import Generation
+from specpipe.decoding.local_ring import LocalRing
 from specpipe.drafting.length import DraftLength, expected_tokens
 from tests.engine.toy_stages import toy_stages
 

@@ -3,9 +3,10 @@ token, greedy and sampled; stops, gaps and resumes change nothing."""
 
 import pytest
 
-from specpipe.core.ring import GapError, LocalRing, RoundResult
+from specpipe.core.ring import GapError, RoundResult
 from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.generation import Generation
+from specpipe.decoding.local_ring import LocalRing
 from tests.engine.toy_stages import VOCAB, toy_stages
 
 PROMPT = [3, 7, 1, 9, 3, 7, 1, 9, 3, 7, 1, 9, 3, 7]

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from specpipe.core.ring import LocalRing
 from specpipe.core.sampling import (
     Sampler,
     SamplingParams,
@@ -14,6 +13,7 @@ from specpipe.core.sampling import (
     token_logprobs,
 )
 from specpipe.decoding.generation import Generation
+from specpipe.decoding.local_ring import LocalRing
 from tests.engine.toy_stages import toy_stages
 
 PROMPT = [3, 7, 1, 9, 3, 7, 1, 9, 3, 7, 1, 9, 3, 7]

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from specpipe.core.ring import LocalRing
+from specpipe.decoding.local_ring import LocalRing
 from specpipe.proofs.outputs import run_generation_proof
 from specpipe.proofs.report import (
     GenerationProofSummary,

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from specpipe.core.ring import LocalRing
+from specpipe.decoding.local_ring import LocalRing
 from specpipe.drafting.head import DraftHead, TailHead, TargetParts
 from specpipe.proofs.outputs import run_generation_proof
 from specpipe.proofs.report import SwarmProofSummary, format_swarm_summary

@@ -3,7 +3,6 @@ ending at the round whose text first holds a stop string."""
 
 import pytest
 
-from specpipe.core.ring import LocalRing
 from specpipe.core.sampling import SamplingParams
 from specpipe.core.stopping import (
     GenerationText,
@@ -12,6 +11,7 @@ from specpipe.core.stopping import (
     hold_back_stop_prefix,
 )
 from specpipe.decoding.generation import Generation
+from specpipe.decoding.local_ring import LocalRing
 from tests.engine.toy_stages import VOCAB, toy_stages
 
 PROMPT = [3, 7, 1, 9, 3, 7, 1, 9]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from specpipe.core.ring import LocalRing
 from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.generation import Generation
+from specpipe.decoding.local_ring import LocalRing
 from specpipe.drafting.head import TailHead
 from specpipe.model.resolve import load_tokenizer, model_label, open_checkpoint
 from specpipe.model.stage import load_stage

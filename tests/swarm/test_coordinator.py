@@ -10,9 +10,9 @@ import pytest
 from models import Job
 from models.db import make_session_factory
 from models.users import builtin_admin
-from specpipe.core.ring import LocalRing
 from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.generation import Generation
+from specpipe.decoding.local_ring import LocalRing
 from specpipe.swarm.inventory import NodeInfo
 from specpipe.swarm.redis_ring import RedisRing
 from tests.swarm.toy_stage import ToyConfig, ToyStage

@@ -10,9 +10,10 @@ import pytest
 import redis
 import torch
 
-from specpipe.core.ring import GapError, LocalRing
+from specpipe.core.ring import GapError
 from specpipe.core.sampling import SamplingParams, committed_tokens
 from specpipe.decoding.generation import Generation
+from specpipe.decoding.local_ring import LocalRing
 from specpipe.swarm import inventory, streams, wire
 from specpipe.swarm.inventory import NodeInfo, RouteError
 from specpipe.swarm.redis_ring import RedisRing, RingError

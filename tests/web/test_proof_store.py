@@ -8,7 +8,7 @@ import pytest
 
 from models.proof_store import run_verdict, save_proof_run
 from models.records import run_record
-from specpipe.core.ring import LocalRing
+from specpipe.decoding.local_ring import LocalRing
 from specpipe.proofs.local import LocalProofConfig, run_local_proof
 from specpipe.proofs.outputs import run_generation_proof
 from specpipe.proofs.swarm import SwarmProofConfig, run_swarm_proof
