@@ -10,6 +10,7 @@ import torch
 from specpipe.core.coupling import sampler_for
 from specpipe.core.ring import RoundResult, Stage
 from specpipe.core.sampling import Sampler, SamplingParams
+from specpipe.decoding.tail import finish_round
 from specpipe.drafting.head import TailHead
 
 
@@ -33,25 +34,18 @@ class LocalRing:
 
     def round(
         self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int, head_k: int = 0
-    ) -> list[int]:
+    ) -> RoundResult:
         sampler = self.samplers.get(session)
         if sampler is None:
             raise KeyError(f"session {session!r} was never reset")
         hidden = torch.tensor(list(tokens), dtype=torch.long)
         for stage in self.stages[:-1]:
             hidden = stage.forward(session, hidden, start_pos)
-        hidden = self.stages[-1].forward(session, hidden, start_pos, last_rows=n_draft + 1)
-        drafts = list(tokens)[len(tokens) - n_draft :]
-        logits = hidden[-(n_draft + 1) :]
-        first_sampled = start_pos + len(tokens) - n_draft
-        result = sampler.accept(logits, drafts, first_sampled)
-        proposal = []
-        if self.head is not None and head_k > 0:
-            features = self.stages[-1].features[session]
-            proposal = self.head.drafts_after(
-                features, result, first_sampled, head_k, sampler.params
-            )
-        return RoundResult(result, sampler.result_logprobs(logits, result), proposal)
+        tail = self.stages[-1]
+        logits = tail.forward(session, hidden, start_pos, last_rows=n_draft + 1)
+        return finish_round(
+            tail, session, logits, tokens, start_pos, n_draft, sampler, self.head, head_k
+        )
 
     def drop(self, session: str) -> None:
         for stage in self.stages:
