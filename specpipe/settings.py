@@ -75,6 +75,9 @@ REDIS_PASSWORD_FILE = "redis_password"
 DEFAULT_REDIS_MAXMEMORY = "2gb"
 SWARM_FILE = "swarm.json"
 ADMIN_PASSWORD_FILE = "admin_password"
+# Seconds between a stage's heartbeats (`worker stage --heartbeat-s`): a coordinator with a
+# spare for a stage's layers re-routes after three missed beats.
+DEFAULT_HEARTBEAT_S = 0.5
 
 
 def swarm_file() -> dict:

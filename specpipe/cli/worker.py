@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import click
 
 from specpipe.cli.checkpoints import ModelInputError
+from specpipe.settings import DEFAULT_HEARTBEAT_S
 
 if TYPE_CHECKING:
     from specpipe.settings import Settings
@@ -76,7 +77,7 @@ def layer_range(_ctx, _param, value: str) -> tuple[int, int]:
 @click.option(
     "--heartbeat-s",
     type=click.FloatRange(min=0.1),
-    default=0.5,
+    default=DEFAULT_HEARTBEAT_S,
     show_default=True,
     help="Seconds between inventory heartbeats; a coordinator with a spare for this "
     "stage's layers re-routes after three missed beats.",
@@ -157,7 +158,7 @@ def serve_stage(
     dtype: str = "float32",
     device: str = "cpu",
     threads: int | None = None,
-    heartbeat_s: float = 0.5,
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S,
     session_idle_s: float = 600.0,
     link_delay_ms: float = 0.0,
     config: Settings | None = None,

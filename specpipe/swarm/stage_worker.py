@@ -47,7 +47,12 @@ from specpipe.core.coupling import sampler_for
 from specpipe.core.ring import GapError, Request, Stage
 from specpipe.core.sampling import Sampler, SamplingParams
 from specpipe.model import heap
-from specpipe.settings import TEST_LOSSY_TAIL_VAR, kv_budget_tokens, test_lossy_tail
+from specpipe.settings import (
+    DEFAULT_HEARTBEAT_S,
+    TEST_LOSSY_TAIL_VAR,
+    kv_budget_tokens,
+    test_lossy_tail,
+)
 from specpipe.swarm import gathering, inventory, kvbudget, streams, wire
 
 if TYPE_CHECKING:
@@ -89,7 +94,7 @@ class WorkerConfig:
     consumer: str | None = None  # consumer name in the group; default: host
     maxlen: int = streams.DEFAULT_MAXLEN
     block_ms: int = 1000
-    heartbeat_s: float = 10.0
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
     claim_idle_ms: int = 30_000
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     link_delay_s: float = 0.0  # simulated latency of this host's outgoing link (benchmarks)
