@@ -12,6 +12,7 @@ from specpipe.settings import DEFAULT_HEARTBEAT_S
 
 if TYPE_CHECKING:
     from specpipe.settings import Settings
+    from specpipe.swarm.stage.tail import TailSampling
     from specpipe.swarm.wire import Keyring
 
 
@@ -226,6 +227,7 @@ def serve_stage(
             heartbeat_s=heartbeat_s,
             session_idle_s=session_idle_s,
             link_delay_s=link_delay_ms / 1000,
+            tail_sampling=tail_sampling(),
         ),
         node,
         head,
@@ -339,6 +341,19 @@ def check_reachable(url: str, what: str) -> None:
         raise click.ClickException(f"cannot reach {what} at {redact_url(url)}: {exc}") from None
     finally:
         client.close()
+
+
+def tail_sampling() -> TailSampling:
+    """How this process's tail samples: the lossless samplers, unless `SPECPIPE_TEST_LOSSY_TAIL=1`
+    installs the test-only lossy one (the stage then says so in its log and its record)."""
+    from specpipe import settings
+    from specpipe.swarm.stage.tail import TailSampling
+
+    if not settings.test_lossy_tail():
+        return TailSampling()
+    from specpipe.proofs.lossy import LossySampler
+
+    return TailSampling(LossySampler.from_params, lossy=True)
 
 
 def _keyring(config: Settings) -> Keyring:

@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 
+from specpipe.cli.worker import tail_sampling
 from specpipe.swarm import inventory
 from specpipe.swarm.stage_worker import WorkerConfig, run
 from tests.regression.toy_target import CONFIG
@@ -34,6 +35,7 @@ def main() -> None:
         redis_url=args.redis,
         block_ms=200,
         heartbeat_s=0.5,
+        tail_sampling=tail_sampling(),  # the lossy one with SPECPIPE_TEST_LOSSY_TAIL=1
     )
     from specpipe.model.resolve import model_label
 

@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import numpy as np
 
+from specpipe.cli.worker import tail_sampling
 from specpipe.core.coupling import GumbelSampler
 from specpipe.core.sampling import Sampler, SamplingParams, committed_tokens
 from specpipe.proofs.lossy import LossySampler
 from specpipe.proofs.stats import total_variation
-from specpipe.swarm.stage_worker import _sampler_for
 
 
 def test_the_lossy_tail_is_off_unless_switched_on(monkeypatch):
     icdf, gumbel = SamplingParams(temp=0.7), SamplingParams(temp=0.7, sampler="gumbel")
     monkeypatch.delenv("SPECPIPE_TEST_LOSSY_TAIL", raising=False)
-    assert type(_sampler_for(icdf)) is Sampler
-    assert type(_sampler_for(gumbel)) is GumbelSampler
+    assert type(tail_sampling().sampler_for(icdf)) is Sampler
+    assert type(tail_sampling().sampler_for(gumbel)) is GumbelSampler
+    assert not tail_sampling().lossy
     monkeypatch.setenv("SPECPIPE_TEST_LOSSY_TAIL", "0")
-    assert type(_sampler_for(icdf)) is Sampler
+    assert type(tail_sampling().sampler_for(icdf)) is Sampler
     monkeypatch.setenv("SPECPIPE_TEST_LOSSY_TAIL", "1")
-    assert type(_sampler_for(icdf)) is LossySampler
+    assert type(tail_sampling().sampler_for(icdf)) is LossySampler
+    assert tail_sampling().lossy  # what flags the node's record and its log
 
 
 def test_the_lossy_sampler_commits_a_biased_law_and_plain_sampling_is_untouched():

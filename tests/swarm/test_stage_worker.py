@@ -8,9 +8,13 @@ import pytest
 import redis
 import torch
 
-from specpipe.swarm import gathering, stage_worker, streams, wire
+from specpipe.swarm import gathering, streams, wire
+from specpipe.swarm.stage import activity
+from specpipe.swarm.stage.delayed_link import DelayedLink
+from specpipe.swarm.stage.sending import Sender
 from specpipe.swarm.stage_worker import StageWorker, WorkerConfig
 from tests.swarm.toy_stage import ToyConfig, ToyStage
+from tests.waiting import wait_until
 
 RESET = {"temp": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
 
@@ -122,7 +126,7 @@ def test_middle_stage_without_hidden_states_drops_the_round(make, swarm, key, re
 
 
 class Clock:
-    """The stage worker's `time`, with a monotonic clock the test moves by hand."""
+    """The sessions' activity's `time`, with a monotonic clock the test moves by hand."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -139,7 +143,7 @@ def test_sessions_idle_past_the_limit_are_forgotten_and_answer_a_gap(
 ):
     """A dead coordinator's caches are freed; if its job comes back, it gets a gap."""
     clock = Clock()
-    monkeypatch.setattr(stage_worker, "time", clock)
+    monkeypatch.setattr(activity, "time", clock)
     config = WorkerConfig(host="t", swarm=swarm, keys=key, redis_url=redis_url, session_idle_s=0.3)
     stage = ToyStage(ToyConfig(), 0, 4)
     tail = StageWorker(stage, config)
@@ -224,13 +228,13 @@ def test_stale_redirected_and_impersonated_messages_are_dropped(make, redis_url,
 def test_a_signed_reset_with_impossible_numbers_is_dropped(make, params):
     tail = make("t", 0, 4)
     deliver(tail, wire.Message(kind="reset", session="s", params=params))
-    assert tail.counters["dropped"] == 1 and "s" not in tail._samplers
+    assert tail.counters["dropped"] == 1 and "s" not in tail.samplers
 
 
 def test_whatever_handling_raises_is_counted_and_serving_goes_on(make, redis_url, monkeypatch):
     tail = make("t", 0, 4)
-    monkeypatch.setattr(tail, "_round", lambda message: 1 / 0)
-    tail.handle_many([signed(tail, round_message(redis_url, ["t"]))])
+    monkeypatch.setattr(tail.forward, "round", lambda message: 1 / 0)
+    tail.handle(signed(tail, round_message(redis_url, ["t"])))
     assert tail.counters["errors"] == 1
 
 
@@ -261,10 +265,10 @@ def test_a_rotated_key_is_picked_up_when_a_message_names_it(swarm, redis_url):
         seq=wire.next_seq(0),
     )
     tail.handle(wire.encode(message, swarm, new))
-    assert "s" in tail._samplers and tail.keys.current == new
+    assert "s" in tail.samplers and tail.keys.current == new
     stranger = replace(message, seq=wire.next_seq(message.seq), session="x")
     tail.handle(wire.encode(stranger, swarm, b"z" * 32))  # no reload makes this one known
-    assert "x" not in tail._samplers and tail.counters["dropped"] == 1
+    assert "x" not in tail.samplers and tail.counters["dropped"] == 1
 
 
 def test_rounds_of_several_sessions_in_one_read_run_as_one_forward(swarm, key, redis_url, tmp_path):
@@ -281,7 +285,7 @@ def test_rounds_of_several_sessions_in_one_read_run_as_one_forward(swarm, key, r
         return StageWorker(load_stage(source, 0, n_layers), config)
 
     together, alone = tail("t"), tail("u")
-    together.arrivals = gathering.Arrivals(groups=1)  # all three in one group
+    together.batcher.arrivals = gathering.Arrivals(groups=1)  # all three in one group
     sessions = {"s1": (1, 2, 3, 4, 5), "s2": (7, 8), "s3": (9, 10, 11, 12)}
     for worker in (together, alone):
         for session in sessions:
@@ -291,7 +295,7 @@ def test_rounds_of_several_sessions_in_one_read_run_as_one_forward(swarm, key, r
         message = round_message(redis_url, [worker.config.host], tokens=tokens, n_draft=1)
         return signed(worker, replace(message, session=session))
 
-    together.handle_many([prefill(together, s, t) for s, t in sessions.items()])
+    together.handle(*[prefill(together, s, t) for s, t in sessions.items()])
     for session, tokens in sessions.items():
         alone.handle(prefill(alone, session, tokens))
     for session in sessions:
@@ -318,7 +322,7 @@ def test_a_session_dropped_in_the_middle_of_a_batch_leaves_the_others_exact(
         return StageWorker(load_stage(source, 0, source.config.n_layers), config)
 
     together, alone = tail("t"), tail("u")
-    together.arrivals = gathering.Arrivals(groups=1)
+    together.batcher.arrivals = gathering.Arrivals(groups=1)
     prompts = {"s1": (1, 2, 3, 4, 5), "s2": (7, 8), "s3": (9, 10, 11, 12)}
     steps = {"s1": (6, 7, 8), "s2": (9,), "s3": (13, 14)}  # each with its drafts after the first
 
@@ -334,14 +338,12 @@ def test_a_session_dropped_in_the_middle_of_a_batch_leaves_the_others_exact(
     for worker in (together, alone):
         for session in prompts:
             deliver(worker, wire.Message(kind="reset", session=session, params=RESET))
-    together.handle_many([round_of(together, s, p, 0, 0) for s, p in prompts.items()])
-    together.handle_many(
-        [
-            round_of(together, "s1", steps["s1"], 5, 2),
-            round_of(together, "s2", steps["s2"], 2, 0),
-            drop(together, "s2"),  # its job was cancelled
-            round_of(together, "s3", steps["s3"], 4, 1),
-        ]
+    together.handle(*[round_of(together, s, p, 0, 0) for s, p in prompts.items()])
+    together.handle(
+        round_of(together, "s1", steps["s1"], 5, 2),
+        round_of(together, "s2", steps["s2"], 2, 0),
+        drop(together, "s2"),  # its job was cancelled
+        round_of(together, "s3", steps["s3"], 4, 1),
     )
     for session in ("s1", "s3"):
         alone.handle(round_of(alone, session, prompts[session], 0, 0))
@@ -373,10 +375,10 @@ def test_over_its_kv_budget_a_stage_forgets_the_sessions_idle_longest(
         worker.handle(signed(worker, replace(message, session=session)))
     assert worker.stage.held_tokens() == {"old": 5, "older": 5, "new": 5}
     now = time.monotonic()
-    worker._last_used.update(older=now - 100, old=now - 50, new=now - 1)
+    worker.activity.last_used.update(older=now - 100, old=now - 50, new=now - 1)
     assert worker.keep_within_budget(now) == ["older"]  # 10 tokens left: within the budget
     assert set(worker.stage.held_tokens()) == {"old", "new"}
-    worker._last_used.update(old=now - 1)
+    worker.activity.last_used.update(old=now - 1)
     deliver(worker, wire.Message(kind="reset", session="more", params=RESET))
     message = round_message(redis_url, ["t"], tokens=(1, 2, 3, 4, 5))
     worker.handle(signed(worker, replace(message, session="more")))
@@ -399,7 +401,8 @@ def test_a_batch_passes_its_rounds_on_in_one_write(swarm, key, redis_url, tmp_pa
     and runs them as one forward, so sessions that met stay together around the ring."""
     first = tiny_worker(tmp_path, "a", swarm, key, redis_url, 0, 1)
     tail = tiny_worker(tmp_path, "b", swarm, key, redis_url, 1)
-    first.arrivals, tail.arrivals = gathering.Arrivals(groups=1), gathering.Arrivals(groups=1)
+    first.batcher.arrivals = gathering.Arrivals(groups=1)
+    tail.batcher.arrivals = gathering.Arrivals(groups=1)
     sessions = {"s1": (1, 2, 3), "s2": (4, 5), "s3": (6, 7, 8, 9)}
     for session in sessions:
         deliver(tail, wire.Message(kind="reset", session=session, params=RESET))
@@ -410,8 +413,8 @@ def test_a_batch_passes_its_rounds_on_in_one_write(swarm, key, redis_url, tmp_pa
         "call",
         lambda self, *commands, **kw: writes.append(commands) or call(self, *commands, **kw),
     )
-    first.handle_many(
-        [
+    first.handle(
+        *[
             signed(first, replace(round_message(redis_url, ["a", "b"], tokens=t), session=s))
             for s, t in sessions.items()
         ]
@@ -437,13 +440,13 @@ def test_a_stage_waits_for_a_round_due_now_and_runs_both_in_one_forward(
         message = round_message(redis_url, route, tokens=tokens, start_pos=start_pos)
         return signed(tail, replace(message, session=session))
 
-    tail.handle_many([round_of("s1", (1, 2, 3), 0), round_of("s2", (4, 5), 0)])
+    tail.handle(round_of("s1", (1, 2, 3), 0), round_of("s2", (4, 5), 0))
     now = time.monotonic()
-    tail.arrivals = gathering.Arrivals()
+    tail.batcher.arrivals = gathering.Arrivals()
     # Four sessions came round every 0.1 s: the next ones are due now, in two groups of two.
     for session in ("s1", "s2", "s3", "s4"):
-        tail.arrivals.note(session, now - 0.2)
-        tail.arrivals.note(session, now - 0.1)
+        tail.batcher.arrivals.note(session, now - 0.2)
+        tail.batcher.arrivals.note(session, now - 0.1)
     client = redis.Redis.from_url(redis_url)
     streams.send(client, tail.stream, round_of("s1", (7,), 3))
     late = threading.Timer(0.01, streams.send, (client, tail.stream, round_of("s2", (8,), 2)))
@@ -464,9 +467,9 @@ def test_a_session_alone_on_the_ring_is_not_held_back(swarm, key, redis_url, tmp
     message = round_message(redis_url, ["t"], tokens=(1, 2, 3))
     deliver(tail, replace(message, session="s1"))
     now = time.monotonic()
-    tail.arrivals = gathering.Arrivals()
-    tail.arrivals.note("s1", now - 0.2)
-    tail.arrivals.note("s1", now - 0.1)
+    tail.batcher.arrivals = gathering.Arrivals()
+    tail.batcher.arrivals.note("s1", now - 0.2)
+    tail.batcher.arrivals.note("s1", now - 0.1)
     client = redis.Redis.from_url(redis_url)
     streams.send(
         client, tail.stream, signed(tail, replace(message, session="s1", tokens=(4,), start_pos=3))
@@ -485,10 +488,25 @@ def test_a_read_of_more_than_a_group_runs_as_two_forwards(swarm, key, redis_url,
     sessions = {"s1": (1, 2, 3), "s2": (4, 5), "s3": (6,), "s4": (7, 8, 9)}
     for session in sessions:
         deliver(tail, wire.Message(kind="reset", session=session, params=RESET))
-    tail.handle_many(
-        [
+    tail.handle(
+        *[
             signed(tail, replace(round_message(redis_url, ["t"], tokens=t), session=s))
             for s, t in sessions.items()
         ]
     )
     assert (tail.counters["processed"], tail.counters["forwards"]) == (4, 2)
+
+
+def test_a_slow_link_is_installed_only_when_a_delay_is_configured(make, swarm, key, redis_url):
+    assert type(make("a", 0, 2).outbox.link) is Sender  # no delay: written at once
+    config = WorkerConfig(host="a", swarm=swarm, keys=key, redis_url=redis_url, link_delay_s=0.2)
+    slow = StageWorker(ToyStage(ToyConfig(), 0, 2), config)
+    assert isinstance(slow.outbox.link, DelayedLink)
+    client = redis.Redis.from_url(redis_url)
+    onward = streams.stage_key(swarm, "b")
+    started = time.monotonic()
+    deliver(slow, round_message(redis_url, ["a", "b"]))
+    assert client.xlen(onward) == 0  # on its way: the stage is not held up
+    wait_until(lambda: client.xlen(onward) == 1, 5, "the delayed round")
+    assert time.monotonic() - started >= 0.2
+    client.close()

@@ -1,0 +1,111 @@
+"""A stage's heartbeat: every `heartbeat_s`, from a thread of its own, the node's signed
+inventory record (with the round trip to the hop its rounds go on to) and the stage's counters.
+
+Its own thread, whatever the serving loop is doing: a coordinator with a spare takes a record
+that stops coming for a dead stage, so a long forward must not hold a beat up. The record is
+published from here only."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+import redis
+
+from specpipe.swarm import inventory, streams
+from specpipe.swarm.stage.keys import StageKeys
+from specpipe.swarm.stage.stats import StageStats
+
+log = logging.getLogger("specpipe.stage")
+
+
+class Heartbeat:
+    """Publishes `node` (none: counters only) to the registry and flushes `stats`."""
+
+    def __init__(
+        self,
+        node: inventory.NodeInfo | None,
+        host: str,
+        swarm: str,
+        registry_url: str,
+        heartbeat_s: float,
+        keys: StageKeys,
+        stats: StageStats,
+        next_hop: Callable[[], tuple[str, str] | None],
+    ) -> None:
+        self.node = node
+        self.host = host
+        self.swarm = swarm
+        self.registry_url = registry_url
+        self.heartbeat_s = heartbeat_s
+        self.keys = keys
+        self.stats = stats
+        self.next_hop = next_hop  # (host, Redis URL) the stage's rounds went on to last
+
+    @contextlib.contextmanager
+    def beating(self) -> Iterator[None]:
+        """Beat from a thread while the block runs."""
+        stop = threading.Event()
+        beat = threading.Thread(target=self._beat, args=(stop,), daemon=True)
+        beat.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            beat.join()
+
+    def _beat(self, stop: threading.Event) -> None:
+        registry = None
+        if self.node is not None:  # its own client: not the serving loop's
+            registry = redis.Redis.from_url(
+                self.registry_url, socket_timeout=5, socket_connect_timeout=5
+            )
+        probes = streams.Connections()
+        try:
+            while not stop.is_set():
+                if registry is not None:
+                    self.measure_next_hop(probes)
+                    self.publish(registry)
+                self.flush_stats()
+                stop.wait(self.heartbeat_s)
+        finally:
+            if registry is not None:
+                registry.close()
+            probes.close()
+
+    def measure_next_hop(self, probes: streams.Connections) -> float | None:
+        """Time a PING to the Redis of the hop this stage's rounds go on to and put it in the
+        node's record; None (nothing recorded) before the first round or when it fails."""
+        next_hop = self.next_hop()
+        if next_hop is None or self.node is None:
+            return None
+        host, url = next_hop
+        try:
+            client = probes.get(url)
+            client.ping()  # the connection is made: the timing below is one round trip
+            started = time.perf_counter()
+            client.ping()
+            rtt_ms = (time.perf_counter() - started) * 1000
+        except redis.RedisError as exc:
+            log.warning("%s: cannot reach %s's Redis: %s", self.host, host, exc)
+            return None
+        self.node = replace(self.node, next_hop=host, next_hop_rtt_ms=round(rtt_ms, 3))
+        return rtt_ms
+
+    def publish(self, registry: redis.Redis) -> None:
+        """Publish this node's signed record now."""
+        try:
+            inventory.publish(registry, self.swarm, self.node, self.keys.ring.current)
+        except redis.RedisError as exc:
+            log.warning("%s: heartbeat failed: %s", self.host, exc)
+
+    def flush_stats(self) -> None:
+        """Write the counters now, where `specpipe nodes` and the tests read them."""
+        try:
+            self.stats.flush()
+        except redis.RedisError as exc:
+            log.warning("%s: heartbeat failed: %s", self.host, exc)

@@ -1,0 +1,43 @@
+"""The swarm keys a stage signs and verifies with, and their reload after a key rotation."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from specpipe.swarm import wire
+
+log = logging.getLogger("specpipe.stage")
+
+KEY_RELOAD_S = 1.0  # an unknown key id reloads the keyring at most this often
+
+
+class StageKeys:
+    """The keyring in use (`ring`), replaced by what `reload_keys` gives when asked to reload
+    (at a heartbeat, and when a message names a key this stage does not hold)."""
+
+    def __init__(
+        self,
+        keys: wire.Keyring | bytes | str,
+        host: str,
+        reload_keys: Callable[[], wire.Keyring] | None = None,
+    ) -> None:
+        self.ring = wire.keyring(keys)
+        self.host = host
+        self._reload_keys = reload_keys
+        self._next_reload = 0.0
+
+    def reload(self) -> None:
+        """Take the keyring `reload_keys` gives now (a rotation may have changed it)."""
+        if self._reload_keys is None:
+            return
+        self._next_reload = time.monotonic() + KEY_RELOAD_S
+        try:
+            self.ring = self._reload_keys()
+        except (OSError, ValueError) as exc:  # keep the keys we have
+            log.warning("%s: cannot reload the swarm keys: %s", self.host, exc)
+
+    def reload_due(self) -> bool:
+        """Whether an unknown key id may reload the keyring now (at most every KEY_RELOAD_S)."""
+        return time.monotonic() >= self._next_reload

@@ -1,0 +1,83 @@
+"""Where a round goes once the stage has run it: the tail samples its logits and replies to the
+coordinator, any other stage passes the hidden states to the next hop's stream; a round that
+failed is a gap (the stage lost the session's cache) or an error reply."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+
+from specpipe.core.ring import GapError, Stage
+from specpipe.swarm import streams, wire
+from specpipe.swarm.stage.keys import StageKeys
+from specpipe.swarm.stage.sending import Outbox, Outgoing, Replies
+from specpipe.swarm.stage.stats import StageStats
+from specpipe.swarm.stage.tail import TailSamplers
+
+log = logging.getLogger("specpipe.stage")
+
+
+class Onward:
+    """Queues in `outbox` what each round run here sends; remembers the link the rounds last
+    crossed (`next_hop`), which the heartbeat measures."""
+
+    def __init__(
+        self,
+        stage: Stage,
+        swarm: str,
+        host: str,
+        keys: StageKeys,
+        samplers: TailSamplers,
+        replies: Replies,
+        outbox: Outbox,
+        stats: StageStats,
+    ) -> None:
+        self.stage = stage
+        self.swarm, self.host = swarm, host
+        self.keys = keys
+        self.samplers = samplers
+        self.replies = replies
+        self.outbox = outbox
+        self.stats = stats
+        # Where this stage's rounds went on to last (host, Redis URL): the link it measures.
+        self.next_hop: tuple[str, str] | None = None
+
+    def pass_on(self, message: wire.Message, out: torch.Tensor) -> None:
+        """The tail samples and replies; any other stage sends the hidden states to the next."""
+        route, hop = message.route, message.hop
+        if self.stage.last:
+            kind, fields = self.samplers.sample(message, out, self.host)
+            self.reply(message, kind, **fields)
+        elif hop + 1 >= len(route):
+            self.reply(message, "error", reason=f"route ends at {self.host}, not a tail")
+        else:
+            nxt = route[hop + 1]
+            stream = streams.stage_key(self.swarm, nxt.host)
+            passed_on = replace(message, tensor=out, hop=hop + 1, to=stream, sender=self.host)
+            try:
+                data = wire.encode(passed_on, self.swarm, self.keys.ring)
+            except wire.WireError as exc:
+                self.failed(message, exc)
+                return
+            self.next_hop = (nxt.host, nxt.redis_url)
+            what = f"pass the round to {nxt.host}"
+            self.outbox.put(Outgoing(nxt.redis_url, stream, data, message, what))
+
+    def failed(self, message: wire.Message, exc: BaseException) -> None:
+        """The round could not run here: a gap reply for a lost cache, else an error reply."""
+        if isinstance(exc, GapError):
+            self.stats.count("gaps")
+            self.reply(message, "gap", reason=f"{self.host}: {exc}")
+            return
+        self.stats.count("errors")
+        log.error("%s: round %s failed: %s", self.host, message.round_id, exc)
+        self.reply(message, "error", reason=f"{self.host}: {exc}")
+
+    def reply(self, message: wire.Message, kind: str, **fields) -> None:
+        """Queue the `kind` reply to `message`'s coordinator."""
+        item = self.replies.to(message, kind, **fields)
+        if kind == "result":
+            self.next_hop = (wire.COORDINATOR, message.reply)
+        self.outbox.put(item)

@@ -1,0 +1,99 @@
+"""The tail's sampling: each session's sampler, set by its `reset` or `reseed`, and the round's
+verify-and-draft step (`specpipe.decoding.tail`) that turns the tail's logits into the reply.
+
+Which sampler a session's parameters get is the worker's config (`TailSampling`): the lossless
+one they name, unless the process that built the worker installed another, such as the test-only
+lossy one (whose `lossy` then marks the node's record and log)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from specpipe.core import coupling
+from specpipe.core.ring import Stage
+from specpipe.core.sampling import Sampler, SamplingParams
+from specpipe.decoding.tail import finish_round
+from specpipe.swarm import wire
+from specpipe.swarm.stage.activity import remember
+from specpipe.swarm.stage.stats import StageStats
+
+if TYPE_CHECKING:
+    from specpipe.drafting.head import TailHead
+
+MAX_SESSIONS = 4096  # sessions whose sampling parameters are kept
+
+
+@dataclass(frozen=True)
+class TailSampling:
+    """The sampler a session's parameters get on this stage; `lossy` says it is NOT lossless
+    (a test double), which the stage then says loudly."""
+
+    sampler_for: Callable[[SamplingParams], Sampler] = coupling.sampler_for
+    lossy: bool = False
+
+
+class TailSamplers:
+    """Each session's sampler (every stage keeps them; the tail draws with them)."""
+
+    def __init__(
+        self,
+        stage: Stage,
+        sampling: TailSampling,
+        stats: StageStats,
+        head: TailHead | None = None,
+    ) -> None:
+        self.stage = stage
+        self.sampling = sampling
+        self.stats = stats
+        self.head = head  # the tail's draft head (`drafthead.load_with_head`), if it has one
+        self._samplers: OrderedDict[str, Sampler] = OrderedDict()
+
+    def __contains__(self, session: str) -> bool:
+        return session in self._samplers
+
+    def set_params(self, message: wire.Message) -> None:
+        """Take a `reset`'s or `reseed`'s parameters for its session; a message with parameters
+        that make no sampler is dropped and counted."""
+        try:
+            sampler = self.sampling.sampler_for(SamplingParams.from_fields(message.params))
+        except (KeyError, IndexError, ValueError, TypeError, OverflowError) as exc:
+            self.stats.drop(f"reset with bad sampling parameters: {exc}")
+            return
+        remember(self._samplers, message.session, sampler, MAX_SESSIONS)
+
+    def forget(self, session: str) -> None:
+        self._samplers.pop(session, None)
+
+    def sample(self, message: wire.Message, logits: torch.Tensor, host: str) -> tuple[str, dict]:
+        """The reply to a round the tail ran, as (kind, fields): its result, or a gap when the
+        session's parameters were lost, or an error when its drafts cannot be verified."""
+        sampler = self._samplers.get(message.session)
+        if sampler is None:
+            # The tail restarted and lost the reset; the coordinator re-sends it on a gap.
+            self.stats.count("gaps")
+            return "gap", {"reason": f"{host}: no sampling parameters"}
+        try:
+            result = finish_round(
+                self.stage,
+                message.session,
+                logits,
+                message.tokens,
+                message.start_pos,
+                message.n_draft,
+                sampler,
+                self.head,
+                message.head_k,
+            )
+        except ValueError as exc:  # e.g. a draft id outside the vocabulary, NaN logits
+            self.stats.count("errors")
+            return "error", {"reason": f"{host}: {exc}"}
+        return "result", {
+            "tokens": tuple(int(t) for t in result),
+            "logprobs": tuple((lp.logprob, lp.top) for lp in result.logprobs),
+            "drafts": tuple(result.drafts),
+        }
