@@ -8,7 +8,7 @@ import pytest
 import redis
 import torch
 
-from specpipe.swarm import gathering, streams, wire
+from specpipe.swarm import gathering, inventory, streams, wire
 from specpipe.swarm.stage import activity
 from specpipe.swarm.stage.delayed_link import DelayedLink
 from specpipe.swarm.stage.sending import Sender
@@ -510,3 +510,40 @@ def test_a_slow_link_is_installed_only_when_a_delay_is_configured(make, swarm, k
     wait_until(lambda: client.xlen(onward) == 1, 5, "the delayed round")
     assert time.monotonic() - started >= 0.2
     client.close()
+
+
+def test_the_record_and_counters_are_written_by_the_heartbeat_thread_alone(
+    swarm, key, redis_url, monkeypatch
+):
+    """A long forward holds up the serving loop, never a beat: the loop publishes nothing."""
+    publishers = []
+    publish = inventory.publish
+
+    def recorded(*args, **kwargs):
+        publishers.append(threading.current_thread())
+        return publish(*args, **kwargs)
+
+    monkeypatch.setattr(inventory, "publish", recorded)
+    config = WorkerConfig(
+        host="a", swarm=swarm, keys=key, redis_url=redis_url, block_ms=50, heartbeat_s=0.1
+    )
+    node = inventory.NodeInfo("a", 0, 2, redis_url)
+    worker = StageWorker(ToyStage(ToyConfig(), 0, 2), config, node)
+    stop = threading.Event()
+    serving = threading.Thread(target=worker.serve, args=(stop,))
+    serving.start()
+    client = redis.Redis.from_url(redis_url)
+    try:
+        wait_until(lambda: len(publishers) >= 3, 10, "three heartbeats")
+        streams.send(client, worker.stream, signed(worker, round_message(redis_url, ["a", "b"])))
+        wait_until(lambda: client.xlen(streams.stage_key(swarm, "b")) == 1, 10, "the pass-on")
+        beats = len(publishers)  # the processed count is written at a beat only
+        wait_until(lambda: len(publishers) >= beats + 2, 10, "two more heartbeats")
+        assert streams.read_stats(client, swarm, "a")["processed"] == 1
+        (record,) = inventory.load(client, swarm, key)
+        assert record.host == "a" and record.heartbeat_s == 0.1
+    finally:
+        stop.set()
+        serving.join()
+        client.close()
+    assert len(set(publishers)) == 1 and serving not in publishers

@@ -50,7 +50,7 @@ class TailSamplers:
         self.stage = stage
         self.sampling = sampling
         self.stats = stats
-        self.head = head  # the tail's draft head (`drafthead.load_with_head`), if it has one
+        self.head = head  # the tail's draft head (`drafting.head.load_with_head`), if any
         self._samplers: OrderedDict[str, Sampler] = OrderedDict()
 
     def __contains__(self, session: str) -> bool:
