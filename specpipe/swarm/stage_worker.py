@@ -43,7 +43,6 @@ from specpipe.swarm.stage import budget
 from specpipe.swarm.stage.activity import Activity
 from specpipe.swarm.stage.admission import Admission
 from specpipe.swarm.stage.batching import MAX_BATCH, Batcher
-from specpipe.swarm.stage.budget import kv_budget
 from specpipe.swarm.stage.delayed_link import DelayedLink
 from specpipe.swarm.stage.forward import Forward
 from specpipe.swarm.stage.heartbeat import Heartbeat
@@ -124,7 +123,7 @@ class StageWorker:
         )
         self.forward = Forward(stage, host, self.stats, self.onward)
         # The record says what this process does, whatever the caller built it with.
-        self.kv_budget_tokens = kv_budget(stage)
+        self.kv_budget_tokens = budget.kv_budget(stage)
         if node is not None:
             node = replace(
                 node,
