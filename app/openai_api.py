@@ -1,28 +1,9 @@
 """The OpenAI-compatible API under /v1: chat and raw completions, and the model the swarm serves.
 
-Every request is an ordinary job of the bearer token's owner (the tokens of `/api/v1`), made by
-the one submission path (`workers.submission.Submitter`) and visible in that user's history;
-the response names it (`id` is `cmpl-<job id>` or `chatcmpl-<job id>`, and the `specpipe`
-extension field holds the job id and the seed that replays it). The request waits for the job
-by reading its row, which the coordinator updates after every round, every `OPENAI_POLL_S`
-seconds (a read of one row by primary key), for at most `OPENAI_WAIT_S` seconds.
-
-- `/v1/completions` feeds the prompt as it is; `/v1/chat/completions` feeds the messages through
-  the model's chat template (a lone user message is stored as a plain job: the same ids as
-  `specpipe generate` gives for that prompt).
-- `stream: true` answers Server-Sent Events in OpenAI's chunk format, ending with `[DONE]`. A
-  chunk carries the text that became stable since the last one: an ending that may still turn
-  into a stop string, or an incomplete UTF-8 sequence, waits for the next round, so the chunks'
-  text put together is exactly the whole text. A client that goes away cancels its job.
-- `logprobs`: the committed tokens' log-probabilities under the target distribution (after
-  temperature, top-k and top-p; for temperature 0 the log-softmax of the raw logits), with up
-  to 5 alternatives, as the tail computed them (`specpipe.core.sampling.token_logprobs`).
-- Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for bad
-  fields, 401 for a missing or bad key, 404 for another model, 429 (with `Retry-After`) under
-  the rate and active-job limits.
-
-Unknown fields are ignored, as OpenAI does; known ones of the wrong type or range are refused,
-and so are the features this server does not have (`n` above 1, `echo`, penalties, tools).
+Every request is an ordinary job of the bearer token's owner, made by the one submission path
+(`workers.submission.Submitter`); the request then waits for the job by reading its row, which
+the coordinator updates after every round. What it accepts and answers (fields, streaming,
+log-probabilities, errors): docs/api.md.
 """
 
 from __future__ import annotations
