@@ -7,6 +7,8 @@ machine without a Redis service still runs every test.
 
 import os
 
+import pytest
+
 from specpipe.ops.redis_server import RedisServer, answers
 
 pytest_plugins = ["tests.dbfixtures"]
@@ -28,3 +30,16 @@ def pytest_configure(config) -> None:
 def pytest_unconfigure(config) -> None:
     if _private_redis is not None:
         _private_redis.stop()
+
+
+# Tests that must not run beside each other on two xdist workers: the lab's network namespaces
+# and subnets are the machine's own.
+SERIAL_GROUPS = {"lab": "tests/lab/"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        path = item.path.as_posix()
+        for group, folder in SERIAL_GROUPS.items():
+            if f"/{folder}" in path:
+                item.add_marker(pytest.mark.xdist_group(group))
