@@ -7,8 +7,11 @@ STAMP  := $(VENV)/.installed
 .PHONY: install up test lint clean browser
 
 # The suite runs on SQLite, then its database tests again on this PostgreSQL database
-# (each test worker creates and drops its own database beside it).
+# (each test worker creates and drops its own database beside it). Both passes run on
+# PYTEST_WORKERS xdist workers; the lab's tests share one of them (tests/conftest.py).
 PG_TEST_URL ?= postgresql://postgres@127.0.0.1:5432/test
+PYTEST_WORKERS ?= 2
+PYTEST := $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
 
 install: $(STAMP)
 
@@ -28,10 +31,10 @@ up: install
 test: install browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -q
+	$(PYTEST)
 	@if [ -n "$$CI" ] || $(BIN)/python -c "import psycopg; psycopg.connect('$(PG_TEST_URL)', connect_timeout=3).close()" 2>/dev/null; then \
-	  echo "TESTING_DATABASE_URL=$(PG_TEST_URL) pytest -q -m db"; \
-	  TESTING_DATABASE_URL=$(PG_TEST_URL) $(BIN)/pytest -q -m db; \
+	  echo "TESTING_DATABASE_URL=$(PG_TEST_URL) pytest -m db"; \
+	  TESTING_DATABASE_URL=$(PG_TEST_URL) $(PYTEST) -m db; \
 	else \
 	  echo "PostgreSQL is not reachable at $(PG_TEST_URL) (set PG_TEST_URL): its pass is skipped"; \
 	fi

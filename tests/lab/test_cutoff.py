@@ -20,6 +20,7 @@ from tests.lab.test_join import ARGS, PROMPT, lab_env, latest_job, nodes
 from tests.waiting import wait_until
 
 
+@pytest.mark.slow
 def test_a_cut_off_host_with_a_spare_is_routed_around(tiny, tmp_path):
     reason = lab_unavailable()
     if reason:

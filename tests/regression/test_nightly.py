@@ -8,6 +8,7 @@ import sys
 import time
 from datetime import timedelta
 
+import pytest
 from click.testing import CliRunner
 from sqlalchemy import func, select
 
@@ -70,6 +71,7 @@ def test_the_beat_schedule_names_a_registered_task():
         assert celery.conf.task_routes[entry["task"]] == {"queue": lane}
 
 
+@pytest.mark.slow
 def test_regression_run_stores_a_run_with_every_record_field(live_swarm):
     live_swarm.start_stages()
     live_swarm.start_workers(1)
@@ -131,6 +133,7 @@ def test_regression_run_stores_a_run_with_every_record_field(live_swarm):
     assert "specpipe_nightly_failures_total 0.0" in metrics
 
 
+@pytest.mark.slow
 def test_a_lossy_tail_is_a_failed_run_flagged_on_the_web_and_in_metrics(live_swarm, monkeypatch):
     live_swarm.start_stages(lossy_tail=True)
     live_swarm.start_workers(1)
@@ -166,6 +169,7 @@ def test_a_lossy_tail_is_a_failed_run_flagged_on_the_web_and_in_metrics(live_swa
     assert "specpipe_nightly_failures_total 1.0" in metrics
 
 
+@pytest.mark.slow
 def test_a_stage_flagged_lossy_fails_the_night_even_when_the_proofs_pass(live_swarm, monkeypatch):
     # The switch on the head biases nothing (only a tail samples), so the proofs pass: the
     # inventory's flag alone must keep the night from passing.
@@ -193,6 +197,7 @@ def test_a_stage_flagged_lossy_fails_the_night_even_when_the_proofs_pass(live_sw
         ]
 
 
+@pytest.mark.slow
 def test_the_nightly_verifies_the_tails_draft_head_on_real_stage_processes(
     live_swarm, monkeypatch, tmp_path
 ):
@@ -230,6 +235,7 @@ def test_the_nightly_verifies_the_tails_draft_head_on_real_stage_processes(
         assert generation["greedy_temp0"]["head_rounds"] > 0
 
 
+@pytest.mark.slow
 def test_two_schedulers_firing_at_once_store_one_run(live_swarm, monkeypatch):
     live_swarm.start_stages()
     live_swarm.start_workers(2)

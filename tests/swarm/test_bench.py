@@ -43,6 +43,7 @@ def test_bench_exact_passes_on_real_stage_processes(tiny, tmp_path):
     assert doc["spec_vs_plain_mismatches"] == [] and doc["greedy_ring_vs_local_mismatches"] == []
 
 
+@pytest.mark.slow
 def test_bench_ring_reports_overhead_and_delays(tiny, tmp_path):
     out = tmp_path / "ring.json"
     args = [

@@ -48,7 +48,11 @@ SIZES = {
 }
 
 
-@pytest.fixture(scope="module", params=["small", pytest.param("full", marks=pytest.mark.faults)])
+# The small matrix runs in the suite; the full one (about 30 minutes) only under `-m faults`.
+FULL = pytest.param("full", marks=[pytest.mark.faults, pytest.mark.timeout(3600)])
+
+
+@pytest.fixture(scope="module", params=[pytest.param("small", marks=pytest.mark.slow), FULL])
 def matrix(request, tmp_path_factory) -> dict:
     """The matrix's result, run once per size."""
     size = SIZES[request.param]

@@ -487,6 +487,7 @@ def budget_swarm(tmp_path_factory, database_url):
             group.stop()
 
 
+@pytest.mark.slow
 def test_on_real_stages_a_job_waits_for_room_and_one_that_never_fits_fails(budget_swarm, db_url):
     from specpipe.settings import job_limits
     from specpipe.swarm import inventory

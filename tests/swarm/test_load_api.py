@@ -5,6 +5,8 @@ alone, nothing answers 5xx."""
 
 from __future__ import annotations
 
+import pytest
+
 from specpipe.bench import api_load as apiloadbench
 from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.generation import Generation
@@ -15,6 +17,7 @@ from tests.swarmprocs import write_tiny_model
 USERS, JOBS, RATE = 4, 40, 8  # each user submits 10 within the minute; 8 are let through
 
 
+@pytest.mark.slow
 def test_jobs_from_several_users_all_end_and_the_rate_refuses_the_rest(tmp_path):
     tiny = write_tiny_model(tmp_path / "tiny")
     result = apiloadbench.run_load(

@@ -442,6 +442,7 @@ def test_a_stage_rides_out_a_restart_of_its_redis(stages, swarm, key, redis_url)
         server.stop()
 
 
+@pytest.mark.slow
 def test_generation_over_the_swarm_survives_a_killed_stage_with_the_same_output(
     stages, ring_settings, redis_url
 ):
@@ -514,6 +515,7 @@ def test_a_rounds_wait_grows_with_the_tokens_it_carries(redis_url, swarm, key):
     assert delayed.round_wait_s(1) == pytest.approx(30 + 0.05 + 3 * 0.025)
 
 
+@pytest.mark.slow
 def test_a_stage_stopped_for_twenty_seconds_delays_the_job_without_changing_it(
     stages, ring_settings, redis_url
 ):

@@ -72,6 +72,7 @@ def redis_server_pid(up: psutil.Process) -> int | None:
     return None
 
 
+@pytest.mark.slow
 def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkeypatch):
     tiny = write_tiny_model(tmp_path / "tiny")
     home = tmp_path / "home"

@@ -3,6 +3,7 @@ generated requests, valid and not, must answer without a 5xx and as the document
 
 from __future__ import annotations
 
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
@@ -18,6 +19,7 @@ def test_the_document_is_served_without_a_token(client):
     assert request["max_new_tokens"]["maximum"] == 1024  # the app's own limit (see conftest)
 
 
+@pytest.mark.slow
 def test_every_operation_answers_as_documented(app, session, api_token):
     # Something to find: jobs, a node and a run, so reads of ids 1, 2 … answer 200 too.
     gen_job(session)
