@@ -125,7 +125,7 @@ class Ring(Protocol):
 
     def round(
         self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int, head_k: int = 0
-    ) -> list[int]:
+    ) -> RoundResult:
         """Run one round; return the doctored result vector (n_draft + 1 ids, -1 padded), with
         up to `head_k` drafts for the next round from the tail's draft head, if it has one."""
         ...

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import redis
 
-from specpipe.core.ring import GapError, Hop, Ring, WatchedRing
+from specpipe.core.ring import GapError, Hop, Ring, RoundResult, WatchedRing
 from specpipe.core.sampling import SamplingParams
 from specpipe.settings import Settings
 from specpipe.swarm import inventory
@@ -73,7 +73,7 @@ class CheckedRing:
 
     def round(
         self, session: str, tokens, start_pos: int, n_draft: int, head_k: int = 0
-    ) -> list[int]:
+    ) -> RoundResult:
         try:
             return self.ring.round(session, tokens, start_pos, n_draft, head_k)
         except HopLostError as exc:
