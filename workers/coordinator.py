@@ -8,17 +8,6 @@ around lost stages (`specpipe/swarm/failover.py`), and the job starts once its s
 for its cache (`workers/room.py`). A cancel request stops the job at its next round. The beat
 task `workers.coordinator.resume_stalled` re-enqueues running jobs whose coordinator died and
 queued jobs the broker lost (`workers/broker.py`).
-
-A job with stop strings ends after the round whose decoded text first contains one of them;
-its `output_text` is cut just before the earliest occurrence, while `output_ids` (and the token
-count and tok/s that follow from them) keep every token committed up to and including that
-round, so a few ids past the stop may be stored.
-
-A job's `draft_k` is the most drafts a round sends: each round's K is chosen from the
-session's recent acceptance and round times (`specpipe/drafting/length.py`), so speculation never
-costs a job more than plain decoding would. Its `accepted_drafts` lists the drafts accepted in
-each round (0 … draft_k); tokens committed per round are those plus the target's own token
-(`Job.tokens_per_round`).
 """
 
 from __future__ import annotations

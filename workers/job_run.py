@@ -6,6 +6,17 @@ what was committed; because every token is sampled from the uniform keyed by its
 output is the one an undisturbed run gives. Any failure ends the job with a one-line reason,
 except the store's own (unreachable, locked): the job then stays running, as after a crash, and
 is resumed once the store is back.
+
+A job with stop strings ends after the round whose decoded text first contains one of them;
+its `output_text` is cut just before the earliest occurrence, while `output_ids` (and the token
+count and tok/s that follow from them) keep every token committed up to and including that
+round, so a few ids past the stop may be stored.
+
+A job's `draft_k` is the most drafts a round sends: each round's K is chosen from the
+session's recent acceptance and round times (`specpipe/drafting/length.py`), so speculation never
+costs a job more than plain decoding would. Its `accepted_drafts` lists the drafts accepted in
+each round (0 … draft_k); tokens committed per round are those plus the target's own token
+(`Job.tokens_per_round`).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from specpipe.swarm.inventory import NodeInfo, RouteError
 from specpipe.swarm.redact import one_line_reason
 from specpipe.swarm.redis_ring import HopLostError, RingError
 
-log = logging.getLogger("specpipe.failover")
+log = logging.getLogger("specpipe.coordinator")  # it runs in the coordinator, logged as such
 
 FAILOVER_WAIT_S = 10.0  # the longest a failed round waits to learn which hop died
 
