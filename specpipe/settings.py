@@ -74,6 +74,7 @@ SWARM_KEY_FILE = "swarm_key"
 REDIS_PASSWORD_FILE = "redis_password"
 DEFAULT_REDIS_MAXMEMORY = "2gb"
 SWARM_FILE = "swarm.json"
+PROCESSES_FILE = "processes.json"  # `up`: the pid of each process it supervises, by name
 ADMIN_PASSWORD_FILE = "admin_password"
 # Seconds between a stage's heartbeats (`worker stage --heartbeat-s`): a coordinator with a
 # spare for a stage's layers re-routes after three missed beats.
@@ -176,7 +177,7 @@ def rotate_swarm_key(grace_s: float) -> str:
     lines = [secrets.token_hex(32)]
     for key in old:  # the keys still accepted, each kept for the grace period
         lines.append(f"{key} {int(now + grace_s)}")
-    _write_private(path, "\n".join(lines) + "\n")
+    write_private(path, "\n".join(lines) + "\n")
     return lines[0]
 
 
@@ -242,11 +243,11 @@ def _write_secret(name: str, key: str | None = None) -> str:
     import secrets
 
     key = key or secrets.token_hex(32)
-    _write_private(instance_dir() / name, key + "\n")
+    write_private(instance_dir() / name, key + "\n")
     return key
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     """Write `text` to `path` (replacing it whole), readable by its owner only."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".new")

@@ -483,7 +483,7 @@ class Matrix:
         def inject() -> None:
             process = self.stack.processes()[self.middle]
             argv, env = process.cmdline(), process.environ()
-            host = argv[argv.index("--host") + 1]
+            host = self.stack.stage_host(self.middle)
             argv[argv.index("--layers") + 1] = f"{layers[0]}:{layers[1]}"
             old.append(self.stack.signal(self.middle, signal.SIGSTOP))
             started.append(

@@ -2,9 +2,10 @@
 
 `Stack` starts `specpipe up` in an instance folder of its own (a private Redis, the stages, the
 coordinator, beat and the web app, supervised), waits until every stage is online and the web
-app answers, and tells its processes apart by their command lines, so a bench can signal one
-(the supervisor restarts what dies) and measure each one's memory. Leaving the context stops
-`up` and whatever it leaves behind.
+app answers, and knows its processes by the names `up` started them under (its supervisor
+records each one's pid in the instance folder, `settings.PROCESSES_FILE`, and `up` each stage's
+host and layers in `swarm.json`), so a bench can signal one (the supervisor restarts what dies)
+and measure each one's memory. Leaving the context stops `up` and whatever it leaves behind.
 """
 
 from __future__ import annotations
@@ -39,26 +40,6 @@ SPECPIPE = [sys.executable, "-m", "specpipe"]
 
 class StackError(RuntimeError):
     """The stack did not come up, or not back."""
-
-
-def role_of(argv: list[str]) -> str | None:
-    """The role a process of `specpipe up` plays, from its command line: redis, stage0…,
-    coordinator, beat or web; None for anything else."""
-    line = " ".join(argv)
-    if argv and "redis-server" in argv[0]:
-        return "redis"
-    if "worker stage" in line and "--host" in argv:
-        host = argv[argv.index("--host") + 1]
-        return "stage" + host.rsplit("-stage", 1)[-1]
-    for role, words in (
-        ("coordinator", "worker coordinator"),
-        ("nightly", "worker nightly"),
-        ("beat", "worker beat"),
-        ("web", "specpipe web"),
-    ):
-        if words in line:
-            return role
-    return None
 
 
 class Stack:
@@ -114,12 +95,11 @@ class Stack:
                 "the swarm's state file",
             )
             self.state = json.loads(state_file.read_text())
+            self.layers = {
+                role: (int(node["layers"][0]), int(node["layers"][1]))
+                for role, node in self.state["stage_nodes"].items()
+            }
             self.wait_ready()
-            for role, process in self.processes().items():
-                if role.startswith("stage"):
-                    argv = process.cmdline()
-                    a, b = argv[argv.index("--layers") + 1].split(":")
-                    self.layers[role] = (int(a), int(b))
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -146,16 +126,27 @@ class Stack:
         stages = [f"stage{i}" for i in range(self.stages)]
         return ["redis", *stages, "coordinator", "nightly", "beat", "web"]
 
+    def stage_host(self, role: str) -> str:
+        """The host name stage `role` (stage0…) serves under."""
+        return self.state["stage_nodes"][role]["host"]
+
     def processes(self) -> dict[str, psutil.Process]:
-        """The running process of each role (the supervisor's direct children)."""
+        """The running process of each role, as `up`'s supervisor last recorded them: its
+        direct children by the names it started them under."""
+        try:
+            pids = json.loads((self.home / settings.PROCESSES_FILE).read_text())
+        except (OSError, ValueError):  # not written yet
+            return {}
         found = {}
-        for child in psutil.Process(self.proc.pid).children():
+        for role, pid in pids.items():
             try:
-                role = role_of(child.cmdline())
+                process = psutil.Process(pid)
+                # A pid the supervisor has not reaped yet, or one since reused, is not the role's.
+                if process.ppid() != self.proc.pid or process.status() == psutil.STATUS_ZOMBIE:
+                    continue
             except psutil.Error:
                 continue
-            if role is not None:
-                found[role] = child
+            found[role] = process
         return found
 
     def pid(self, role: str) -> int:

@@ -6,11 +6,15 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from specpipe.cli.options import json_option, sampling_options, write_json
 from specpipe.proofs import report
+
+if TYPE_CHECKING:
+    from specpipe.core.ring import Ring
 
 
 def _number_list(kind: type, check, what: str):
@@ -178,7 +182,7 @@ def open_ring(redis_option: str | None, local_model: str | None, model: str | No
 
 
 @contextmanager
-def _closing_ring(ring, plain_errors: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+def _closing_ring(ring: Ring, plain_errors: tuple[type[Exception], ...] = ()) -> Iterator[None]:
     """Close `ring` on the way out; a failing ring, or one of `plain_errors`, is one line."""
     import redis
 
@@ -192,7 +196,7 @@ def _closing_ring(ring, plain_errors: tuple[type[Exception], ...] = ()) -> Itera
     except plain_errors as exc:
         raise click.ClickException(str(exc)) from None
     finally:
-        getattr(ring, "close", lambda: None)()
+        ring.close()
 
 
 @proof.command(name="swarm")

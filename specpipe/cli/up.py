@@ -130,17 +130,21 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
     python = [sys.executable, "-m", "specpipe"]
     threads = max(1, (os.cpu_count() or 1) // stages)
     host = socket.gethostname().split(".")[0] or "local"
+    stage_nodes = {
+        f"stage{i}": {"host": f"{host}-stage{i}", "layers": [a, b]}
+        for i, (a, b) in enumerate(split)
+    }
     specs = [
         ProcessSpec(
-            f"stage{i}",
+            name,
             [
                 *python,
                 "worker",
                 "stage",
                 "--host",
-                f"{host}-stage{i}",
+                node["host"],
                 "--layers",
-                f"{a}:{b}",
+                "{}:{}".format(*node["layers"]),
                 "--model",
                 model_name,
                 "--dtype",
@@ -152,7 +156,7 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
             # the command line, which every user of the machine can read.
             {**env, "REDIS_URL": data_url},
         )
-        for i, (a, b) in enumerate(split)
+        for name, node in stage_nodes.items()
     ]
     quiet = ["--loglevel", "WARNING"]
     if private_redis is not None:
@@ -174,18 +178,23 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
         "pid": os.getpid(),
         "model": model_name,
         "stages": stages,
+        "stage_nodes": stage_nodes,  # each stage process's host and layer range, by name
         "database_url": database_url,
     }
     # Owner-only: the Redis URL carries its password, the database URL may.
-    fd = os.open(state_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(json.dumps(state, indent=2) + "\n")
+    settings.write_private(state_file, json.dumps(state, indent=2) + "\n")
+    processes_file = home / settings.PROCESSES_FILE
     where = f"{'private ' if private_redis else ''}Redis {redact_url(redis_url)}"
     click.echo(f"specpipe up: {web_url}  ({stages} stages of {model_name}, {where})")
-    supervisor = Supervisor(specs, out=lambda line: click.echo(line))
+    supervisor = Supervisor(
+        specs,
+        out=lambda line: click.echo(line),
+        on_change=lambda pids: settings.write_private(processes_file, json.dumps(pids) + "\n"),
+    )
     try:
         supervisor.run(status_every_s=status_every)  # Redis starts first and stops last
     finally:
         if settings.swarm_file().get("pid") == os.getpid():
             state_file.unlink(missing_ok=True)
+            processes_file.unlink(missing_ok=True)
         click.echo("specpipe up: stopped")

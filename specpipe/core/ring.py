@@ -12,13 +12,20 @@ When the session asked for log-probabilities (`SamplingParams.logprobs`), the re
 `LocalRing` (`specpipe.decoding.local_ring`) runs the stages in this process; `RedisRing`
 (`specpipe.swarm.redis_ring`) sends each hop over Redis Streams. Both offer the same calls, so
 the generation loop cannot tell them apart.
+
+What a caller needs beyond a round is named here too, so nobody has to probe for it: every
+ring has a `route` (the hosts a round passes, none in one process) and a `close`; a ring across
+hosts whose late rounds can ask whether a hop is gone is a `WatchedRing`, and one that can build
+itself again on another route a `ReroutingRing`. A stage that runs several sessions' rounds as
+one forward is a `BatchedStage`; a tail that keeps the features its draft head reads is a
+`FeatureStage`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -71,6 +78,38 @@ class Stage(Protocol):
         """Forget a session's cache."""
         ...
 
+    def held_tokens(self) -> dict[str, int]:
+        """The positions each session's cache holds now (what a KV budget counts)."""
+        ...
+
+
+@runtime_checkable
+class BatchedStage(Stage, Protocol):
+    """A stage that runs rounds of different sessions as one forward."""
+
+    def forward_many(self, requests: Sequence[Request]) -> list[torch.Tensor | Exception]:
+        """Each request's `forward`, in one pass; a request that failed has its exception in
+        its place, the others their output."""
+        ...
+
+
+class FeatureStage(Stage, Protocol):
+    """A tail that keeps, per session, the rows its last round sampled from as they were
+    before the final norm: what the tail's draft head drafts from."""
+
+    keep_features: bool
+    features: dict[str, torch.Tensor]
+
+
+class Hop(Protocol):
+    """One stage on a route: its host and the Redis holding its input stream."""
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def redis_url(self) -> str: ...
+
 
 class Ring(Protocol):
     """A path through every stage, ending in the tail's sampler."""
@@ -86,7 +125,7 @@ class Ring(Protocol):
 
     def round(
         self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int, head_k: int = 0
-    ) -> list[int]:
+    ) -> RoundResult:
         """Run one round; return the doctored result vector (n_draft + 1 ids, -1 padded), with
         up to `head_k` drafts for the next round from the tail's draft head, if it has one."""
         ...
@@ -94,3 +133,31 @@ class Ring(Protocol):
     def drop(self, session: str) -> None:
         """End a session everywhere."""
         ...
+
+    def close(self) -> None:
+        """Let go of what the ring holds open (connections); its sessions are not dropped."""
+        ...
+
+    @property
+    def route(self) -> Sequence[Hop]:
+        """The stages a round passes, in ring order; empty when every stage is in this
+        process."""
+        ...
+
+
+class WatchedRing(Ring, Protocol):
+    """A ring across hosts whose late rounds ask `watchdog` whether a hop of the route is gone
+    (a reason back ends the round), and which can end a session on all but some hosts."""
+
+    watchdog: Callable[[], str | None] | None
+
+    def drop(self, session: str, skip: Collection[str] = ()) -> None:
+        """End a session on every stage but those of the hosts in `skip` (gone ones)."""
+        ...
+
+
+class ReroutingRing(Ring, Protocol):
+    """A ring that may build itself again on another route while a session runs; it calls
+    `on_reroute`, when set, with the new route before it replays there."""
+
+    on_reroute: Callable[[Sequence[Hop]], None] | None

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from specpipe.core.ring import GapError, Ring
+from specpipe.core.ring import GapError, Ring, RoundResult
 from specpipe.core.sampling import SamplingParams, TokenLogprob, committed_tokens
 from specpipe.drafting.length import DraftLength
 from specpipe.drafting.ngram import NgramDrafter
@@ -127,7 +127,7 @@ class Generation:
                 round_started = time.perf_counter()
                 result = self._round(send, cached, drafts, self._head_k(proposal, from_head))
                 committed = committed_tokens(drafts, result)
-                self.head_drafts = list(getattr(result, "drafts", []))
+                self.head_drafts = list(result.drafts)
                 if self.draft_length is not None:
                     seconds = time.perf_counter() - round_started
                     steady = len(send) == len(drafts) + 1 and self.stats.replays == replays
@@ -140,7 +140,7 @@ class Generation:
                         committed, self.finished = committed[: i + 1], True
                         break
                 self.tokens += committed
-                self.logprobs += getattr(result, "logprobs", [])[: len(committed)]
+                self.logprobs += result.logprobs[: len(committed)]
                 self.drafter.extend(committed)
                 if self.should_stop is not None and self.should_stop(self.generated):
                     self.finished = True
@@ -179,7 +179,9 @@ class Generation:
             return self.draft_k
         return max(1, self.draft_length.choose(self.draft_k, "head"))
 
-    def _round(self, send: list[int], start_pos: int, drafts: list[int], head_k: int) -> list[int]:
+    def _round(
+        self, send: list[int], start_pos: int, drafts: list[int], head_k: int
+    ) -> RoundResult:
         try:
             return self.ring.round(self.session, send, start_pos, len(drafts), head_k)
         except GapError:

@@ -17,6 +17,8 @@ from specpipe.drafting.head import TailHead
 class LocalRing:
     """Every stage in this process, called in order: the one-process ring."""
 
+    route: tuple = ()  # no hosts: a round never leaves this process
+
     def __init__(self, stages: Sequence[Stage], head: TailHead | None = None):
         if not stages or not stages[0].first or not stages[-1].last:
             raise ValueError("a ring needs stages from the embeddings (first) to the head (last)")
@@ -51,3 +53,6 @@ class LocalRing:
         for stage in self.stages:
             stage.drop(session)
         self.samplers.pop(session, None)
+
+    def close(self) -> None:
+        """Nothing to let go of: the stages belong to whoever made them."""

@@ -3,6 +3,8 @@
 It starts named child processes, each in its own process group, restarts one that dies (after a
 backoff that doubles while it keeps dying young), prints a one-line status per process, and on
 Ctrl-C or SIGTERM stops every group (SIGTERM, then SIGKILL) so that nothing is left behind.
+Whoever needs to know which process is which (a bench that signals one) is told each child's
+pid by name whenever one starts or stops (`on_change`).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class Supervisor:
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
         out: Callable[[str], None] = print,
+        on_change: Callable[[dict[str, int]], None] | None = None,
     ) -> None:
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -87,6 +90,7 @@ class Supervisor:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.out = out
+        self.on_change = on_change  # called with `pids()` after a child starts or stops
         self.stopping = threading.Event()
 
     def start(self, ready_timeout_s: float = 30.0) -> None:
@@ -115,6 +119,7 @@ class Supervisor:
                 child.last_exit = child.process.returncode
                 ran = now - child.started_at
                 child.process = None
+                self._changed()
                 if self.stopping.is_set():
                     continue
                 if ran >= HEALTHY_AFTER_S or child.backoff_s == 0:
@@ -130,6 +135,18 @@ class Supervisor:
             if due and not self.stopping.is_set():
                 child.restarts += 1
                 self._spawn(child)
+
+    def pids(self) -> dict[str, int]:
+        """The pid of each child running now, by name."""
+        return {
+            name: child.process.pid
+            for name, child in self.children.items()
+            if child.process is not None
+        }
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self.pids())
 
     def status_lines(self) -> list[str]:
         """One line per child."""
@@ -163,6 +180,8 @@ class Supervisor:
             child.process.wait()
             child.last_exit = child.process.returncode
             child.process = None
+        if running:
+            self._changed()
 
     def run(self, status_every_s: float = 0.0, tick_s: float = 0.2) -> None:
         """Supervise until SIGINT or SIGTERM (or `stopping` is set), then stop everything."""
@@ -198,6 +217,7 @@ class Supervisor:
         )
         child.started_at = time.monotonic()
         child.restart_at = None
+        self._changed()
 
     @staticmethod
     def _signal_group(process: subprocess.Popen, sig: int) -> None:

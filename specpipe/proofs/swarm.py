@@ -37,7 +37,7 @@ from functools import partial
 
 import numpy as np
 
-from specpipe.core.ring import Ring
+from specpipe.core.ring import Ring, RoundResult
 from specpipe.core.sampling import SamplingParams, check_sampler, committed_tokens
 from specpipe.decoding.generation import Generation
 from specpipe.drafting.ngram import NgramDrafter
@@ -106,7 +106,7 @@ class StopDrawer:
         drafts: Sequence[int] = (),
         params: SamplingParams | None = None,
         head_k: int = 0,
-    ):
+    ) -> RoundResult:
         """The result vector of one round at the stop: position len(context); with `head_k`,
         the tail's draft head's drafts for the positions after it ride on the result."""
         self.ring.reseed(self.session, params or self.cfg.params(seed))
@@ -118,7 +118,7 @@ class StopDrawer:
         tokens: Sequence[int],
         drafts: Sequence[int] = (),
         params: SamplingParams | None = None,
-    ):
+    ) -> RoundResult:
         """The result vector of a round that commits `tokens` from the stop on and verifies
         `drafts` after them, under the last draw's parameters unless `params`. It re-sends from
         the stop, which every cache holds since the last `draw`."""
@@ -272,7 +272,7 @@ def measure_head_stop(ring: Ring, index: int, stop: dict, cfg: SwarmProofConfig)
         floor = [tuple(drawer.plain_run(s, 2)) for s in seeds["floor"]]
         for s in seeds["spec"]:
             first = drawer.draw(s, head_k=cfg.draft_k)
-            x0, drafts = first[0], list(getattr(first, "drafts", []))[: cfg.draft_k]
+            x0, drafts = first[0], first.drafts[: cfg.draft_k]
             from_head = bool(drafts)
             if not from_head:
                 drafts = _fixed_drafts([*context, x0], cfg.draft_k, partial(argmax_after_token, x0))

@@ -154,7 +154,7 @@ class RedisRing:
 
     def round(
         self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int, head_k: int = 0
-    ) -> list[int]:
+    ) -> RoundResult:
         """Send one round, wait for the tail's result vector; GapError or RingError otherwise.
         With `head_k`, the tail's draft head (if it has one) proposes that many drafts for the
         next round, which come back on the result (`RoundResult.drafts`)."""

@@ -85,6 +85,9 @@ class RestartingStage:
     def drop(self, session):
         self.stage.drop(session)
 
+    def held_tokens(self):
+        return self.stage.held_tokens()
+
 
 def test_a_stage_restart_is_replayed_without_changing_the_output():
     params = SamplingParams(temp=0.8, seed=42)

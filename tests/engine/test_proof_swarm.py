@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from specpipe.core.ring import RoundResult
 from specpipe.decoding.local_ring import LocalRing
 from specpipe.drafting.head import DraftHead, TailHead, TargetParts
 from specpipe.proofs.outputs import run_generation_proof
@@ -24,7 +25,7 @@ class LossyRing(LocalRing):
     def round(self, session, tokens, start_pos, n_draft, head_k=0):
         result = super().round(session, tokens, start_pos, n_draft, head_k)
         if n_draft:
-            return list(tokens[len(tokens) - n_draft :]) + [result[0]]
+            return RoundResult(list(tokens[len(tokens) - n_draft :]) + [result[0]])
         return result
 
 

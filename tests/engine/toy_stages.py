@@ -43,6 +43,9 @@ class ToyStage:
     def drop(self, session: str) -> None:
         self.cache.pop(session, None)
 
+    def held_tokens(self) -> dict[str, int]:
+        return {session: len(states) for session, states in self.cache.items()}
+
 
 def toy_stages() -> list[ToyStage]:
     return [ToyStage(first=True, last=False), ToyStage(first=False, last=True)]

@@ -13,10 +13,13 @@ from models.users import builtin_admin
 from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.local_ring import LocalRing
+from specpipe.swarm import failover
+from specpipe.swarm.failover import CheckedRing
 from specpipe.swarm.inventory import NodeInfo
 from specpipe.swarm.redis_ring import RedisRing
 from tests.swarm.toy_stage import ToyConfig, ToyStage
-from workers import coordinator, turns
+from workers import coordinator, job_lock, job_run, turns
+from workers.broker import stranded_jobs
 
 BOUNDS = [(0, 2), (2, 4)]
 ALPHABET = string.ascii_letters + string.digits + " ."  # one character per toy token id
@@ -25,6 +28,8 @@ EOS = 63  # "."
 
 class ToyCodec:
     """Text to toy token ids and back, one character per id."""
+
+    chat_ids = None  # no chat template
 
     def prompt_ids(self, prompt: str) -> list[int]:
         return [ALPHABET.index(c) for c in prompt if c in ALPHABET]
@@ -64,7 +69,7 @@ def load(db_url, job_id) -> Job:
 def run_job(sessions, job_id, make_ring, codec, eos=(), keep_alive=None):
     """The coordinator's loop in a session of its own, as the Celery task gives it one."""
     with sessions() as session:
-        return coordinator.run_job(session, job_id, make_ring, codec, eos, keep_alive)
+        return job_run.run_job(session, job_id, make_ring, codec, eos, keep_alive)
 
 
 def undisturbed(job: Job) -> list[int]:
@@ -86,11 +91,16 @@ def undisturbed(job: Job) -> list[int]:
 class DyingRing:
     """A ring whose coordinator process dies (SystemExit) after `rounds` rounds."""
 
+    route = ()  # in this process
+
     def __init__(self, ring, rounds: int, on_round=None) -> None:
         self.ring, self.left, self.on_round = ring, rounds, on_round
 
     def reset(self, session, params):
         self.ring.reset(session, params)
+
+    def reseed(self, session, params):
+        self.ring.reseed(session, params)
 
     def round(self, session, tokens, start_pos, n_draft, head_k=0):
         if self.on_round is not None:
@@ -102,6 +112,9 @@ class DyingRing:
 
     def drop(self, session):
         self.ring.drop(session)
+
+    def close(self):
+        self.ring.close()
 
 
 @pytest.mark.parametrize(("temp", "draft_k"), [(0.0, 3), (0.9, 4), (0.7, 0)])
@@ -266,24 +279,29 @@ def test_stalled_jobs_are_running_ones_without_progress_or_a_live_lock(db_url, r
     add_job(db_url, status="queued", updated_at=old)
     add_job(db_url, status="done", updated_at=old)
     client = redis.Redis.from_url(redis_url)
-    client.set(coordinator.lock_key(swarm, locked), "token", ex=30)
+    client.set(job_lock.lock_key(swarm, locked), "token", ex=30)
     with make_session_factory(db_url)() as session:
-        assert coordinator.stalled_jobs(session, client, swarm, after_s=60) == [stalled]
-        assert coordinator.stalled_jobs(session, client, swarm, after_s=600) == []
-    client.delete(coordinator.lock_key(swarm, locked))
+        assert job_lock.stalled_jobs(session, client, swarm, after_s=60) == [stalled]
+        assert job_lock.stalled_jobs(session, client, swarm, after_s=600) == []
+    client.delete(job_lock.lock_key(swarm, locked))
     with make_session_factory(db_url)() as session:
-        assert coordinator.stalled_jobs(session, client, swarm, after_s=60) == [stalled, locked]
+        assert job_lock.stalled_jobs(session, client, swarm, after_s=60) == [stalled, locked]
     client.close()
 
 
 class FailingRing:
     """A ring whose rounds raise `error` after `rounds` good ones."""
 
+    route = ()  # in this process
+
     def __init__(self, error: BaseException, rounds: int = 2) -> None:
         self.ring, self.error, self.left = local_ring(), error, rounds
 
     def reset(self, session, params):
         self.ring.reset(session, params)
+
+    def reseed(self, session, params):
+        self.ring.reseed(session, params)
 
     def round(self, session, tokens, start_pos, n_draft, head_k=0):
         if self.left == 0:
@@ -293,6 +311,9 @@ class FailingRing:
 
     def drop(self, session):
         self.ring.drop(session)
+
+    def close(self):
+        self.ring.close()
 
 
 @pytest.mark.parametrize(
@@ -376,7 +397,7 @@ def test_a_queued_job_whose_message_the_broker_lost_is_found(db_url, second_redi
     client.hset("unacked", "tag-1", json.dumps([json.loads(message), "", queue]))
     try:
         with make_session_factory(db_url)() as session:
-            assert coordinator.stranded_jobs(session, client, queue) == [lost]
+            assert stranded_jobs(session, client, queue) == [lost]
     finally:
         client.delete(queue, "unacked", "elsewhere")
         client.close()
@@ -435,7 +456,7 @@ def test_a_delivery_runs_the_job_whose_turn_it_is(db_url, monkeypatch):
         ids = (first.id, third.id, his.id)
     ran = []
     monkeypatch.setattr(
-        coordinator, "_run_locked", lambda session, job, settings, keeper: ran.append(job.id)
+        job_run, "run_on_swarm", lambda session, job, settings, keeper: ran.append(job.id)
     )
     monkeypatch.setenv("DATABASE_URL", db_url)
     coordinator.generate.apply(args=[ids[1]])
@@ -457,7 +478,7 @@ def test_a_store_outage_leaves_the_job_running_to_be_resumed_identically(db_url)
             commit()
 
         session.commit = failing_once
-        outcome = coordinator.run_job(session, job_id, local_ring, ToyCodec(), {EOS})
+        outcome = job_run.run_job(session, job_id, local_ring, ToyCodec(), {EOS})
     assert outcome == "running"
     partial = load(db_url, job_id)
     assert (partial.status, partial.error, partial.finished_at) == ("running", None, None)
@@ -472,9 +493,13 @@ class GappyRing:
 
     def __init__(self, route, gap_at: int | None = None) -> None:
         self.route, self.ring, self.gap_at, self.rounds = route, local_ring(), gap_at, 0
+        self.watchdog = None
 
     def reset(self, session, params):
         self.ring.reset(session, params)
+
+    def reseed(self, session, params):
+        self.ring.reseed(session, params)
 
     def round(self, session, tokens, start_pos, n_draft, head_k=0):
         from specpipe.core.ring import GapError
@@ -484,8 +509,11 @@ class GappyRing:
             raise GapError("h1: lost the session's cache")
         return self.ring.round(session, tokens, start_pos, n_draft, head_k)
 
-    def drop(self, session):
+    def drop(self, session, skip=()):
         self.ring.drop(session)
+
+    def close(self):
+        self.ring.close()
 
 
 def routed(*ranges):
@@ -507,7 +535,7 @@ def test_after_a_gap_the_ring_is_built_again_only_when_a_stage_serves_other_laye
         return now
 
     def make(_job):
-        return coordinator.CheckedRing(lambda: next(built), layers_now)
+        return CheckedRing(lambda: next(built), layers_now)
 
     assert run_job(make_session_factory(db_url), job_id, make, ToyCodec(), {EOS}) == "done"
     job = load(db_url, job_id)
@@ -528,7 +556,7 @@ def test_a_stage_back_with_layers_nobody_else_completes_fails_the_job_with_them(
         return ring
 
     def make(_job):
-        return coordinator.CheckedRing(build, lambda: {"h0": (0, 2), "h1": (3, 4)})
+        return CheckedRing(build, lambda: {"h0": (0, 2), "h1": (3, 4)})
 
     assert run_job(make_session_factory(db_url), job_id, make, ToyCodec(), {EOS}) == "failed"
     assert load(db_url, job_id).error == "RouteError: no online stage serves layers 2:3"
@@ -540,7 +568,7 @@ class LosingRing(GappyRing):
 
     def __init__(self, route, lose_at: int | None = None, error: bool = False) -> None:
         super().__init__(route)
-        self.lose_at, self.error, self.watchdog, self.dropped_on = lose_at, error, None, None
+        self.lose_at, self.error, self.dropped_on = lose_at, error, None
 
     def round(self, session, tokens, start_pos, n_draft, head_k=0):
         from specpipe.swarm.redis_ring import HopLostError, RingError
@@ -569,7 +597,7 @@ def test_a_lost_hop_with_a_spare_fails_over_and_the_job_ends_undisturbed(db_url,
         return spare if avoid else first
 
     def make(_job):
-        return coordinator.CheckedRing(build, lambda: {}, lambda route: ["h1"])
+        return CheckedRing(build, lambda: {}, lambda route: ["h1"])
 
     assert run_job(make_session_factory(db_url), job_id, make, ToyCodec(), {EOS}) == "done"
     job = load(db_url, job_id)
@@ -580,7 +608,7 @@ def test_a_lost_hop_with_a_spare_fails_over_and_the_job_ends_undisturbed(db_url,
 
 
 def test_without_a_spare_a_ring_error_still_fails_the_job_with_it(db_url, monkeypatch):
-    monkeypatch.setattr(coordinator, "FAILOVER_WAIT_S", 0.5)
+    monkeypatch.setattr(failover, "FAILOVER_WAIT_S", 0.5)
     job_id = add_job(db_url, max_new_tokens=30)
     ring = LosingRing(routed((0, 2), (2, 4)), lose_at=2, error=True)
     checks = []
@@ -590,7 +618,7 @@ def test_without_a_spare_a_ring_error_still_fails_the_job_with_it(db_url, monkey
         return []
 
     def make(_job):
-        return coordinator.CheckedRing(lambda: ring, lambda: {}, no_spare)
+        return CheckedRing(lambda: ring, lambda: {}, no_spare)
 
     assert run_job(make_session_factory(db_url), job_id, make, ToyCodec(), {EOS}) == "failed"
     assert "cannot pass the round to h1" in load(db_url, job_id).error

@@ -18,11 +18,11 @@ from specpipe.cli import cli
 from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.generation import Generation
 from specpipe.ops.redis_server import RedisServer
+from specpipe.swarm.failover import CheckedRing, lost_with_spare, served_layers
 from specpipe.swarm.redis_ring import RedisRing
 from tests.swarm.test_redis_ring import PARAMS, PROMPT, ReferenceRing
 from tests.swarm.test_swarm_jobs import in_background, latest_job, options, watch
 from tests.swarmprocs import Swarm, write_tiny_model
-from workers import coordinator
 
 # A dead stage lapses after three missed beats (1.5 s at the tests' 0.5 s); the round that
 # found it late re-routes then, and the replay is one round. Far below the 3 x 30 s a round
@@ -30,16 +30,16 @@ from workers import coordinator
 FAILOVER_BOUND_S = 6.0
 
 
-def checked_ring(settings, model: str, n_layers: int) -> coordinator.CheckedRing:
+def checked_ring(settings, model: str, n_layers: int) -> CheckedRing:
     """The ring the coordinator builds for a job, over the test's swarm."""
 
     def build(avoid=frozenset()):
         return RedisRing.from_inventory(settings, model, n_layers, avoid=avoid, timeout_s=30)
 
-    return coordinator.CheckedRing(
+    return CheckedRing(
         build,
-        lambda: coordinator.served_layers(settings),
-        coordinator.lost_with_spare(settings, model, n_layers),
+        lambda: served_layers(settings),
+        lost_with_spare(settings, model, n_layers),
     )
 
 

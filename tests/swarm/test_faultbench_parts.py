@@ -1,22 +1,10 @@
-"""The fault and load benches' pure parts: roles from command lines, re-split layer ranges,
-the summary table and percentiles."""
+"""The fault and load benches' pure parts: re-split layer ranges, the summary table and
+percentiles."""
 
 from __future__ import annotations
 
 from specpipe.bench.api_load import percentile
 from specpipe.bench.faults import JobOutcome, Trial, resplit_variants, summarise, table
-from specpipe.bench.stack import role_of
-
-
-def test_each_process_of_up_is_told_apart_by_its_command_line():
-    py = ["/venv/bin/python", "-m", "specpipe"]
-    assert role_of(["/usr/bin/redis-server 127.0.0.1:6400"]) == "redis"
-    assert role_of([*py, "worker", "stage", "--host", "box-stage2", "--layers", "2:4"]) == "stage2"
-    assert role_of([*py, "worker", "coordinator", "--loglevel", "WARNING"]) == "coordinator"
-    assert role_of([*py, "worker", "nightly", "--loglevel", "WARNING"]) == "nightly"
-    assert role_of([*py, "worker", "beat"]) == "beat"
-    assert role_of([*py, "web", "--port", "8000", "--no-migrate"]) == "web"
-    assert role_of([*py, "up"]) is None
 
 
 def test_resplit_variants_differ_from_the_middle_stage_and_stay_in_the_model():

@@ -12,6 +12,7 @@ import redis
 
 from models import Job
 from models.db import make_session_factory
+from specpipe.swarm.failover import CheckedRing
 from specpipe.swarm.inventory import NodeInfo
 from specpipe.swarm.kvbudget import (
     Full,
@@ -32,7 +33,8 @@ from tests.swarm.test_coordinator import (
     local_ring,
 )
 from tests.waiting import wait_until
-from workers import coordinator
+from workers.job_run import run_job
+from workers.room import room_keeper
 
 
 def hop(host: str, budget: int) -> NodeInfo:
@@ -133,9 +135,13 @@ class RouteRing:
         self.ring, self.route = local_ring(), [hop("s0", budget), hop("s1", budget)]
         self.gate, self.fail = gate, fail
         self.rounds = 0
+        self.on_reroute = None  # its route never changes
 
     def reset(self, session, params):
         self.ring.reset(session, params)
+
+    def reseed(self, session, params):
+        self.ring.reseed(session, params)
 
     def round(self, session, tokens, start_pos, n_draft, head_k=0):
         self.rounds += 1
@@ -148,6 +154,9 @@ class RouteRing:
     def drop(self, session):
         self.ring.drop(session)
 
+    def close(self):
+        self.ring.close()
+
 
 PROMPT_TOKENS = len(ToyCodec().prompt_ids("the cat sat on the mat"))
 
@@ -159,11 +168,9 @@ def start_job(db_url, job_id, ring, client, swarm, lock, owned=lambda: True):
 
     def run():
         with make_session_factory(db_url)() as session:
-            admit = coordinator.room_keeper(
-                session, Reservations(client, swarm), lock, owned, poll_s=0.05
-            )
+            admit = room_keeper(session, Reservations(client, swarm), lock, owned, poll_s=0.05)
             try:
-                out["status"] = coordinator.run_job(
+                out["status"] = run_job(
                     session, job_id, lambda _j: ring, ToyCodec(), {EOS}, admit=admit
                 )
             except BaseException as exc:  # a dying coordinator: SystemExit
@@ -229,10 +236,8 @@ def test_a_job_waits_out_a_redis_that_is_restarting_for_its_room(db_url, client,
     job_id = add_job(db_url, max_new_tokens=20)
     rooms = Restarting(client, swarm)
     with make_session_factory(db_url)() as session:
-        admit = coordinator.room_keeper(session, rooms, holders("1"), lambda: True, poll_s=0.05)
-        status = coordinator.run_job(
-            session, job_id, lambda _j: RouteRing(500), ToyCodec(), {EOS}, admit=admit
-        )
+        admit = room_keeper(session, rooms, holders("1"), lambda: True, poll_s=0.05)
+        status = run_job(session, job_id, lambda _j: RouteRing(500), ToyCodec(), {EOS}, admit=admit)
     assert status == "done" and rooms.refusals == 0
     assert rooms.used("s0") == 0
 
@@ -318,7 +323,7 @@ def test_a_job_beyond_the_models_context_fails_at_once_in_the_coordinator(db_url
     job_id = add_job(db_url, max_new_tokens=40)
     ring = RouteRing(budget=0)
     with make_session_factory(db_url)() as session:
-        status = coordinator.run_job(session, job_id, lambda _j: ring, target, {EOS})
+        status = run_job(session, job_id, lambda _j: ring, target, {EOS})
     job = load(db_url, job_id)
     assert status == "failed" and ring.rounds == 0
     assert job.error == (
@@ -388,12 +393,10 @@ def moved_job(db_url, client, swarm, holders, rooms, look, change="failover", sp
     def build(avoid=frozenset()):
         return next(built)
 
-    ring = coordinator.CheckedRing(build, lambda: {"s0": (0, 1), "s1": (1, 2)}, lambda r: ["s1"])
+    ring = CheckedRing(build, lambda: {"s0": (0, 1), "s1": (1, 2)}, lambda r: ["s1"])
     with make_session_factory(db_url)() as session:
-        admit = coordinator.room_keeper(session, rooms, holders("1"), lambda: True)
-        status = coordinator.run_job(
-            session, job_id, lambda _j: ring, ToyCodec(), {EOS}, admit=admit
-        )
+        admit = room_keeper(session, rooms, holders("1"), lambda: True)
+        status = run_job(session, job_id, lambda _j: ring, ToyCodec(), {EOS}, admit=admit)
     assert moved.rounds > 0
     return room_name(job_id), status, moved.seen
 

@@ -204,3 +204,30 @@ def test_a_child_others_need_starts_first_and_stops_last(tmp_path):
     user_started, user_stopped = map(float, user.read_text().split())
     assert service_started < user_started  # the user was started once the service was ready
     assert user_stopped < service_stopped  # and told to stop before the service
+
+
+def test_it_says_which_pid_each_child_has_as_they_start_die_and_stop():
+    records: list[dict[str, int]] = []
+    sleep = [PY, "-c", "import time; time.sleep(300)"]
+    sup = Supervisor(
+        [ProcessSpec("a", sleep), ProcessSpec("b", sleep)],
+        backoff_initial_s=0.1,
+        out=lambda line: None,
+        on_change=records.append,
+    )
+    sup.start()
+    try:
+        first = sup.pids()
+        assert records[-1] == first and set(first) == {"a", "b"}
+        assert first["a"] == sup.children["a"].process.pid
+        os.kill(first["b"], signal.SIGKILL)
+        wait_until(
+            lambda: (sup.poll(), sup.pids().get("b", first["b"]) != first["b"])[1],
+            10,
+            "b to be started again",
+        )
+        assert {"a": first["a"]} in records  # b was off the record while it was down
+        assert records[-1] == {"a": first["a"], "b": sup.children["b"].process.pid}
+    finally:
+        sup.stop()
+    assert records[-1] == {} == sup.pids()

@@ -123,6 +123,15 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
             "both stages to come online",
             interval_s=0.2,
         )
+        # It says which process is which: each child's pid by the name it started it under,
+        # and each stage's host and layers.
+        recorded = json.loads((home / "processes.json").read_text())
+        roles = {"redis", "stage0", "stage1", "coordinator", "nightly", "beat", "web"}
+        assert set(recorded) == roles
+        assert set(recorded.values()) <= {child.pid for child in up.children()}
+        assert {recorded[f"stage{i}"] for i in range(2)} == set(stage_pids(up).values())
+        assert sorted(n["layers"] for n in state["stage_nodes"].values()) == [[0, 2], [2, 4]]
+        assert {n["host"] for n in state["stage_nodes"].values()} == set(stage_pids(up))
         # Its Redis refuses whoever has not the password.
         port_of_redis = redis.connection.parse_url(state["redis_url"])["port"]
         once = {"port": port_of_redis, "retry": Retry(NoBackoff(), 0)}
@@ -193,6 +202,13 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
             f"stage {host} to restart",
             interval_s=0.2,
         )
+        role = next(r for r, n in state["stage_nodes"].items() if n["host"] == host)
+        wait_until(
+            lambda: json.loads((home / "processes.json").read_text())[role] == stage_pids(up)[host],
+            10,
+            f"the restarted {role}'s pid on record",
+            interval_s=0.2,
+        )
         again = subprocess.run(
             [*SPECPIPE, "generate", "hello", *args],
             cwd=ROOT,
@@ -227,7 +243,7 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
         assert proc.wait(60) == 0
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert alive == [], [p.pid for p in alive]
-        assert not (home / "swarm.json").exists()
+        assert not (home / "swarm.json").exists() and not (home / "processes.json").exists()
         log.flush()
         output = (tmp_path / "up.log").read_text()
         assert password not in output and "Redis redis://specpipe:***@127.0.0.1:" in output

@@ -103,6 +103,9 @@ class ToyStage:
     def drop(self, session: str) -> None:
         self.caches.pop(session, None)
 
+    def held_tokens(self) -> dict[str, int]:
+        return {session: self.cache_len(session) for session in self.caches}
+
     def _positions(self, start: int, length: int) -> torch.Tensor:
         pos = torch.arange(start, start + length, dtype=torch.float32)[:, None]
         freq = torch.exp(-math.log(10000.0) * torch.arange(0, self.cfg.dim, 2) / self.cfg.dim)

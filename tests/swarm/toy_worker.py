@@ -69,6 +69,9 @@ class DelayedStage:
     def drop(self, session):
         self.stage.drop(session)
 
+    def held_tokens(self):
+        return self.stage.held_tokens()
+
 
 if __name__ == "__main__":
     main()

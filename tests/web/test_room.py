@@ -21,7 +21,7 @@ from specpipe.swarm.kvbudget import Full, room_name, waiting_key
 from tests.factories import gen_job, gen_user
 from tests.waiting import wait_until
 from tests.web.conftest import Api, as_user
-from workers import coordinator
+from workers.room import room_keeper
 
 FULL = Full("stage-b.example", 900, 1000)
 NEED = 160
@@ -116,10 +116,10 @@ def test_the_coordinators_own_wait_shows_until_its_room_is_free(
 
     def wait_for_room() -> None:
         with make_session_factory(db_url)() as own:
-            admit = coordinator.room_keeper(
-                own, rooms, holders("lock"), lambda: not stop.is_set(), poll_s=0.05
+            admit = room_keeper(own, rooms, holders("lock"), lambda: not stop.is_set(), poll_s=0.05)
+            out["release"] = admit(
+                own.get(Job, job.id), SimpleNamespace(route=hops, on_reroute=None), NEED
             )
-            out["release"] = admit(own.get(Job, job.id), SimpleNamespace(route=hops), NEED)
 
     thread = threading.Thread(target=wait_for_room)
     thread.start()

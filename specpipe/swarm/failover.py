@@ -1,0 +1,220 @@
+"""`CheckedRing`: a job's ring that re-routes around stages the inventory no longer vouches for.
+
+Store-free on purpose: it knows rings, routes and the inventory, never a job, so the job's run
+(`workers/job_run.py`) wraps its rings in it, and tests drive it with rings of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import redis
+
+from specpipe.core.ring import GapError, Hop, Ring, RoundResult, WatchedRing
+from specpipe.core.sampling import SamplingParams
+from specpipe.settings import Settings
+from specpipe.swarm import inventory
+from specpipe.swarm.inventory import NodeInfo, RouteError
+from specpipe.swarm.redact import one_line_reason
+from specpipe.swarm.redis_ring import HopLostError, RingError
+
+log = logging.getLogger("specpipe.coordinator")  # it runs in the coordinator, logged as such
+
+FAILOVER_WAIT_S = 10.0  # the longest a failed round waits to learn which hop died
+
+
+class CheckedRing:
+    """A job's ring, checked against the inventory when a hop goes quiet or answers `gap`.
+
+    Failover: two stages may serve the same layers. While a round waits, the ring's watchdog
+    asks `lost_hops` whether a hop of the route has lapsed (stopped heartbeating: killed, cut
+    off), left or serves other layers *and* the inventory holds a route around it; then the
+    ring is built again without those hosts and the job replays on the spare at once (a
+    `GapError` to the generation loop), without waiting for the dead host. A stage that could
+    not pass a round on (its next hop's Redis is gone with its host) fails the round at once;
+    the ring then waits up to the route's lapse time for the inventory to say which hop died.
+    Without a spare nothing changes: the round waits, and a restarted stage answers gap.
+
+    A stage that restarted has lost its caches and answers gap, and the job replays its tokens
+    from position 0. If the stage came back serving other layers than the ring's route has it
+    for (the model was split again), replaying on the same route would run those layers on the
+    wrong hidden states: the route on the wire names hosts, not layers, so no stage would notice
+    and the job would end with other tokens. So after a gap, when any hop of the route serves
+    other layers now, the ring is built again from the inventory before the replay: the job
+    re-routes, or fails with a RouteError naming the layers no online stage serves.
+
+    `on_reroute`, when set, is called with the new route each time the ring is built again, before
+    the replay: the job's KV room follows the route (`workers/room.py`)."""
+
+    def __init__(
+        self,
+        build: Callable[..., WatchedRing],
+        layers_now: Callable[[], dict[str, tuple[int, int]]],
+        lost_hops: Callable[[tuple], list[str]] | None = None,
+    ) -> None:
+        # `build()` makes the ring; `build(avoid=hosts)` one around those hosts (failover).
+        self.build, self.layers_now, self.lost_hops = build, layers_now, lost_hops
+        self.ring: WatchedRing | None = self._watched(build())
+        self.rebuilt = 0
+        self.failovers = 0
+        self.on_reroute: Callable[[Sequence[Hop]], None] | None = None
+
+    @property
+    def route(self) -> tuple:
+        return tuple(self.ring.route) if self.ring is not None else ()
+
+    def reset(self, session: str, params: SamplingParams) -> None:
+        self.ring.reset(session, params)
+
+    def reseed(self, session: str, params: SamplingParams) -> None:
+        self.ring.reseed(session, params)
+
+    def round(
+        self, session: str, tokens, start_pos: int, n_draft: int, head_k: int = 0
+    ) -> RoundResult:
+        try:
+            return self.ring.round(session, tokens, start_pos, n_draft, head_k)
+        except HopLostError as exc:
+            self._fail_over(session, self._lost() or [], str(exc))
+            raise GapError(f"re-routed around a lost stage: {exc}") from None
+        except GapError:
+            if self._route_changed():
+                old, self.ring = self.ring, None
+                drop_quietly(old, session)
+                self.ring = self._watched(self.build())  # RouteError: the model is not covered
+                self.rebuilt += 1
+                self._rerouted()
+                hosts = " -> ".join(hop.host for hop in self.route)
+                log.warning(
+                    "session %s: a stage serves other layers now; new ring %s", session, hosts
+                )
+            raise
+        except RingError as exc:
+            lost = self._await_lost()
+            if not lost:
+                raise
+            self._fail_over(session, lost, str(exc))
+            raise GapError(f"re-routed around a lost stage: {exc}") from None
+
+    def drop(self, session: str) -> None:
+        if self.ring is not None:
+            self.ring.drop(session)
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+
+    def _watched(self, ring: WatchedRing) -> WatchedRing:
+        """`ring`, whose late rounds ask whether a hop of its route is lost (when there is a
+        way to tell)."""
+        if self.lost_hops is not None:
+            ring.watchdog = self._lost_reason
+        return ring
+
+    def _lost(self) -> list[str]:
+        """The hosts of the route that are gone while a route around them exists."""
+        if self.lost_hops is None:
+            return []
+        try:
+            return self.lost_hops(self.route)
+        except (redis.RedisError, RouteError) as exc:  # cannot tell: keep waiting
+            log.warning("cannot check the route's stages: %s", exc)
+            return []
+
+    def _lost_reason(self) -> str | None:
+        lost = self._lost()
+        return f"{', '.join(lost)} stopped heartbeating" if lost else None
+
+    def _await_lost(self) -> list[str]:
+        """The lost hosts of the route, waiting for as long as a dead hop takes to lapse."""
+        lapse_s = max(
+            (hop.lapse_s() for hop in self.route if isinstance(hop, NodeInfo)), default=0.0
+        )
+        give_up_at = time.monotonic() + min(lapse_s, FAILOVER_WAIT_S)
+        while True:
+            lost = self._lost()
+            if lost or time.monotonic() >= give_up_at:
+                return lost
+            time.sleep(0.25)
+
+    def _fail_over(self, session: str, lost: list[str], why: str) -> None:
+        """Build the ring again around the `lost` hosts; the caller replays on it."""
+        old, self.ring = self.ring, None
+        try:
+            old.drop(session, skip=lost)  # the lost hosts' Redis may be gone with them
+        except Exception as exc:  # only costs the survivors some memory until they idle out
+            log.warning("could not drop %s on the old ring: %s", session, exc)
+        old.close()
+        self.ring = self._watched(self.build(avoid=frozenset(lost)))
+        self.failovers += 1
+        self._rerouted()
+        hosts = " -> ".join(hop.host for hop in self.route)
+        log.warning(
+            "session %s: %s lost (%s); failed over to %s",
+            session,
+            ", ".join(lost),
+            one_line_reason(why),
+            hosts,
+        )
+
+    def _rerouted(self) -> None:
+        if self.on_reroute is not None:
+            self.on_reroute(self.route)
+
+    def _route_changed(self) -> bool:
+        try:
+            layers = self.layers_now()
+        except redis.RedisError as exc:  # cannot tell: replay on the ring as it is
+            log.warning("cannot read the inventory after a gap: %s", exc)
+            return False
+        # A bare hop (no inventory record) says nothing of its layers.
+        return any(
+            layers.get(hop.host) != (hop.layer_start, hop.layer_end)
+            for hop in self.route
+            if isinstance(hop, NodeInfo)
+        )
+
+
+def drop_quietly(ring: Ring, session: str) -> None:
+    """End `session` on `ring` and close it; a failure to drop is logged, not raised."""
+    try:
+        ring.drop(session)
+    except Exception as exc:  # the job's outcome is stored; a stale cache only costs memory
+        log.warning("could not drop %s on the ring: %s", session, exc)
+    ring.close()
+
+
+def served_layers(settings: Settings) -> dict[str, tuple[int, int]]:
+    """Each stage host's layer range as the swarm's inventory has it now."""
+    return {n.host: (n.layer_start, n.layer_end) for n in _inventory_now(settings)}
+
+
+def lost_with_spare(settings: Settings, model: str, n_layers: int) -> Callable[[tuple], list[str]]:
+    """For a CheckedRing: the hosts of a route that the inventory no longer vouches for
+    (`inventory.lost_hops`), when the online stages still cover the model without them; none
+    while there is no spare (the job then waits for the stage to come back)."""
+
+    def lost(route: tuple) -> list[str]:
+        nodes, now = _inventory_now(settings, timeout_s=2), time.time()
+        gone = inventory.lost_hops(route, nodes, now)
+        if not gone:
+            return []
+        try:
+            inventory.route(nodes, n_layers, model=model, now=now, avoid=gone)
+        except RouteError:
+            return []
+        return gone
+
+    return lost
+
+
+def _inventory_now(settings: Settings, timeout_s: float = 5) -> list[NodeInfo]:
+    client = redis.Redis.from_url(
+        settings.redis_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
+    )
+    try:
+        return inventory.load(client, settings.swarm, settings.accepted_swarm_keys)
+    finally:
+        client.close()

@@ -1,0 +1,312 @@
+"""Running one job: its prompt through the tokenizer, rounds over its ring, every round's
+progress stored, and its end (done, cancelled, failed) recorded once.
+
+A job's tokens are committed to the store every round, so a re-run after a crash resumes from
+what was committed; because every token is sampled from the uniform keyed by its position, the
+output is the one an undisturbed run gives. Any failure ends the job with a one-line reason,
+except the store's own (unreachable, locked): the job then stays running, as after a crash, and
+is resumed once the store is back.
+
+A job with stop strings ends after the round whose decoded text first contains one of them;
+its `output_text` is cut just before the earliest occurrence, while `output_ids` (and the token
+count and tok/s that follow from them) keep every token committed up to and including that
+round, so a few ids past the stop may be stored.
+
+A job's `draft_k` is the most drafts a round sends: each round's K is chosen from the
+session's recent acceptance and round times (`specpipe/drafting/length.py`), so speculation never
+costs a job more than plain decoding would. Its `accepted_drafts` lists the drafts accepted in
+each round (0 … draft_k); tokens committed per round are those plus the target's own token
+(`Job.tokens_per_round`).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable, Iterable
+from typing import Protocol, TypeVar
+
+import redis
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
+
+from models import Job
+from models.db import utcnow
+from models.runs import Run, start_run
+from specpipe.core.ring import GapError, Ring
+from specpipe.core.sampling import SamplingParams, TokenLogprob
+from specpipe.core.stopping import GenerationText
+from specpipe.decoding.generation import Generation
+from specpipe.decoding.target import Target, context_error, open_target
+from specpipe.settings import Settings
+from specpipe.swarm.failover import CheckedRing, drop_quietly, lost_with_spare, served_layers
+from specpipe.swarm.inventory import RouteError
+from specpipe.swarm.kvbudget import Reservations
+from specpipe.swarm.redact import one_line_reason
+from specpipe.swarm.redis_ring import RedisRing, RingError
+from workers.job_lock import lock_key
+from workers.locks import LockKeeper
+from workers.node_sync import sync_inventory
+from workers.room import release_quietly, room_keeper
+
+log = logging.getLogger("specpipe.coordinator")
+
+# A job is started at most this often: a coordinator that dies on it every time (a crash it
+# triggers, a machine that keeps going away) does not make it run forever.
+MAX_ATTEMPTS = 3
+
+R = TypeVar("R", bound=Ring)
+
+
+class Codec(Protocol):
+    """Text to token ids and back: what a job's run needs of a tokenizer."""
+
+    # A chat's messages through the chat template; None for a model without one.
+    chat_ids: Callable[[list[dict]], list[int]] | None
+
+    def prompt_ids(self, prompt: str, raw: bool = False) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def run_job(
+    session: Session,
+    job_id: int,
+    make_ring: Callable[[Job], R],
+    codec: Codec,
+    eos_ids: Iterable[int] = (),
+    keep_alive: Callable[[], bool] | None = None,
+    admit: Callable[[Job, R, int], Callable[[], None] | None] | None = None,
+) -> str | None:
+    """Run (or resume) one job to its end and return its status; None when there is no job.
+
+    `keep_alive` is called every round (it refreshes the job's lock); when it returns False
+    another coordinator owns the job, and this one stops without touching it further.
+    `admit` (see `workers.room.Admit`) waits, the job still queued, until its stages have room
+    for its cache; the room goes back when the job ends, however it ends."""
+    eos = set(eos_ids)
+    job, outcome = pending(session, job_id)
+    if job is None:
+        return outcome
+    if job.cancel_requested:
+        return finish(session, job, "cancelled")
+    if job.attempts >= MAX_ATTEMPTS:
+        reason = f"gave up after {job.attempts} attempts: its coordinator stopped each time"
+        return finish(session, job, "failed", reason)
+
+    # A name of its own per attempt: rounds a dead coordinator left in flight may still reach
+    # the stages after this attempt's reset, and must not write into this attempt's caches.
+    ring_session = f"job-{job.id}-{secrets.token_hex(4)}"
+    ring = None
+    release: Callable[[], None] | None = None
+    try:
+        ring = make_ring(job)
+        prompt_ids = job_prompt_ids(codec, job)
+        reason = context_error_of(codec, len(prompt_ids), job.max_new_tokens)
+        if reason is not None:
+            return finish(session, job, "failed", reason)
+        if admit is not None:
+            release = admit(job, ring, len(prompt_ids) + job.max_new_tokens)
+            if release is None:  # cancelled while it waited, or another coordinator has it
+                session.refresh(job, ["cancel_requested", "status"])
+                return finish(session, job, "cancelled") if job.cancel_requested else job.status
+        job.status, job.error, job.attempts = "running", None, job.attempts + 1
+        job.started_at = job.started_at or utcnow()
+        session.commit()
+        if job.run is None:
+            job.run = _start_run(session, job, ring)
+            session.commit()
+        job.prompt_tokens = len(prompt_ids)
+        return _generate(session, job, ring, ring_session, prompt_ids, codec, eos, keep_alive)
+    except (RouteError, RingError, GapError, ValueError) as exc:
+        return finish(session, job, "failed", exc)
+    except OperationalError as exc:
+        # The store is unreachable or locked: what it holds is consistent up to the last round
+        # stored, and marking the job failed would be a write that may just as well succeed.
+        # It stays running; once its lock lapses, beat's `resume_stalled` resumes it.
+        log.warning("job %s: the store failed (%s); left for resume_stalled", job_id, exc)
+        _rollback_quietly(session)
+        return "running"
+    except Exception as exc:  # whatever else went wrong, the job ends rather than stays running
+        log.exception("job %s failed", job_id)
+        session.rollback()  # a failed flush or commit leaves the session unusable until then
+        return finish(session, session.get(Job, job_id), "failed", exc)
+    finally:
+        if ring is not None:
+            drop_quietly(ring, ring_session)
+        if release is not None:
+            release_quietly(release)
+
+
+def _generate(
+    session: Session,
+    job: Job,
+    ring: Ring,
+    ring_session: str,
+    prompt_ids: list[int],
+    codec: Codec,
+    eos: set[int],
+    keep_alive: Callable[[], bool] | None,
+) -> str | None:
+    """The job's rounds, each stored as it ends, until it is done, cancelled or taken over."""
+    params = SamplingParams(
+        temp=job.temp,
+        top_p=job.top_p,
+        top_k=job.top_k,
+        seed=job.seed,
+        logprobs=job.logprobs,
+        sampler=job.sampler,
+    )
+    stored_logprobs = list(job.output_logprobs or [])[: len(job.output_ids or [])]
+    resume = list(job.output_ids or [])
+    accepted = list(job.accepted_drafts or [])
+    # The time already spent, so tok/s after a resume still counts the whole job.
+    spent_s = len(resume) / job.tok_s if resume and job.tok_s else 0.0
+    output = GenerationText(codec.decode, eos, job.stop or [])
+
+    generation = Generation(
+        ring,
+        ring_session,
+        prompt_ids,
+        params,
+        max_new_tokens=job.max_new_tokens,
+        draft_k=job.draft_k,  # the most a round sends: each round's K is chosen
+        adaptive=True,
+        eos_ids=eos,
+        resume=resume,  # a re-run continues from what was stored
+        should_stop=output.should_stop,
+    )
+    status, counted = "done", 0
+    for _ in generation.rounds():
+        accepted.append(generation.stats.accepted - counted)
+        counted = generation.stats.accepted
+        ids = generation.generated
+        text, _ = output.cut(ids)
+        logprobs = None
+        if job.logprobs is not None:
+            logprobs = stored_logprobs + [logprob_entry(lp) for lp in generation.logprobs]
+        job.record_progress(ids, text, accepted, spent_s + generation.stats.seconds, logprobs)
+        session.commit()
+        session.refresh(job, ["cancel_requested"])  # the web app may have asked
+        if job.cancel_requested:
+            status = "cancelled"
+            break
+        if keep_alive is not None and not keep_alive():
+            log.warning("job %s: lost its lock to another coordinator; stopping", job.id)
+            return job.status
+    return finish(session, job, status)
+
+
+def run_on_swarm(session: Session, job: Job, settings: Settings, keeper: LockKeeper) -> str | None:
+    """Run `job`, whose lock `keeper` holds, over the swarm the inventory describes, once its
+    stages have room for it: a `CheckedRing` of `RedisRing`s, its KV room kept by `room_keeper`."""
+    try:
+        target = open_target(job.model)
+    except ValueError as exc:
+        return finish(session, job, "failed", str(exc))
+    except Exception as exc:  # a model that breaks its reader: still one line on the job
+        return finish(session, job, "failed", f"cannot open model {job.model!r}: {exc}")
+
+    def build_ring(avoid: frozenset[str] = frozenset()) -> RedisRing:
+        ring = RedisRing.from_inventory(settings, target.name, target.n_layers, avoid=avoid)
+        sync_inventory(session, list(ring.route))  # the run's snapshot is the ring as it is now
+        return ring
+
+    def make_ring(_job: Job) -> CheckedRing:
+        lost = lost_with_spare(settings, target.name, target.n_layers)
+        return CheckedRing(build_ring, lambda: served_layers(settings), lost)
+
+    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=5)
+    admit = room_keeper(
+        session,
+        Reservations(client, settings.swarm),
+        lock_key(settings.swarm, job.id),
+        keeper.owned,
+    )
+    try:
+        return run_job(session, job.id, make_ring, target, target.eos_ids, keeper.owned, admit)
+    finally:
+        client.close()
+
+
+def context_error_of(codec: Codec, prompt_tokens: int, max_new_tokens: int) -> str | None:
+    """Why the job cannot fit the model's context (when the codec is a Target that knows it)."""
+    if not isinstance(codec, Target):
+        return None
+    return context_error(codec, prompt_tokens, max_new_tokens)
+
+
+def job_prompt_ids(codec: Codec, job: Job) -> list[int]:
+    """The ids the job's prompt is fed as: its chat's messages through the chat template, its
+    prompt as it is (raw), or its prompt as one user message."""
+    if job.messages:
+        if codec.chat_ids is None:
+            raise ValueError(f"model {job.model!r} cannot take a chat's messages")
+        try:
+            return codec.chat_ids(job.messages)
+        except Exception as exc:  # a template that refuses the messages: one line on the job
+            raise ValueError(f"the chat template refused the messages: {exc}") from None
+    if job.raw_prompt:
+        return codec.prompt_ids(job.prompt, raw=True)
+    return codec.prompt_ids(job.prompt)
+
+
+def logprob_entry(logprob: TokenLogprob) -> list:
+    """A token's log-probabilities as a job stores them: `[logprob, [[id, logprob], ...]]`."""
+    return [logprob.logprob, [[i, a] for i, a in logprob.top]]
+
+
+def pending(session: Session, job_id: int) -> tuple[Job | None, str | None]:
+    """(job, None) while job `job_id` has work left; else (None, what the task returns): None
+    for a job that does not exist, the status of a finished one."""
+    job = session.get(Job, job_id)
+    if job is None:
+        log.warning("job %s does not exist", job_id)
+        return None, None
+    if job.finished:
+        return None, job.status
+    return job, None
+
+
+def finish(
+    session: Session, job: Job, status: str, error: str | BaseException | None = None
+) -> str:
+    """End the job with `status`; an error is stored as one redacted line."""
+    job.status, job.finished_at = status, utcnow()
+    job.error = None if error is None else one_line_reason(error)
+    if job.run is not None and job.run.kind == "generation":
+        job.run.finished_at = job.finished_at
+    session.commit()
+    return status
+
+
+def _start_run(session: Session, job: Job, ring: Ring) -> Run:
+    """A generation run for `job`, its node snapshot cut down to the ring the job runs on."""
+    hosts = [hop.host for hop in ring.route]
+    method = (
+        f"speculative, n-gram drafter and the tail's draft head, adaptive K<={job.draft_k}"
+        if job.draft_k
+        else "plain"
+    )
+    method += f", {job.sampler} sampler"
+    run = start_run(
+        session,
+        "generation",
+        model=job.model,
+        method=method,
+        topology=" -> ".join(hosts) if hosts else None,
+    )
+    if hosts:
+        kept = [s for s in run.node_snapshots if s.host in hosts]
+        kept.sort(key=lambda s: hosts.index(s.host))
+        for position, snapshot in enumerate(kept):
+            snapshot.position = position
+        run.node_snapshots = kept
+    return run
+
+
+def _rollback_quietly(session: Session) -> None:
+    try:
+        session.rollback()
+    except Exception as exc:  # a connection gone mid-transaction; the next use reconnects
+        log.warning("rollback failed: %s", exc)
