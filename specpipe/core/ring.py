@@ -84,6 +84,17 @@ class Stage(Protocol):
 
 
 @runtime_checkable
+class SizedStage(Stage, Protocol):
+    """A stage that knows what its caches cost: what its KV budget is derived from."""
+
+    device: torch.device | str  # where its weights and caches live
+
+    def kv_bytes_per_token(self) -> int:
+        """What one position of one session's cache takes across this stage's layers."""
+        ...
+
+
+@runtime_checkable
 class BatchedStage(Stage, Protocol):
     """A stage that runs rounds of different sessions as one forward."""
 

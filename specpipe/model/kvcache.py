@@ -19,6 +19,11 @@ SLIDING_SLACK = 64  # positions kept beyond a sliding window: the deepest rollba
 FORGET_BLOCK = 256
 
 
+def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, element_size: int) -> int:
+    """What one position of a session's cache takes across `n_layers` layers: keys and values."""
+    return 2 * n_layers * n_kv_heads * head_dim * element_size
+
+
 class LayerCache:
     def __init__(
         self,

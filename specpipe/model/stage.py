@@ -18,7 +18,7 @@ from specpipe.core.ring import GapError, Request
 from specpipe.model.attention import Segment
 from specpipe.model.config import ModelConfig
 from specpipe.model.errors import ModelError
-from specpipe.model.kvcache import LayerCache, SessionCache
+from specpipe.model.kvcache import LayerCache, SessionCache, bytes_per_token
 from specpipe.model.layers import Block, RMSNorm
 from specpipe.model.linear import MIN_ROWS, Linear
 from specpipe.model.rope import Rotary
@@ -188,6 +188,12 @@ class StageModel(nn.Module):
     def held_tokens(self) -> dict[str, int]:
         """The positions each session's cache holds now."""
         return {name: cache.length for name, cache in self.sessions.items()}
+
+    def kv_bytes_per_token(self) -> int:
+        """What one position of one session's cache takes across this stage's layers."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        layers = self.end - self.start
+        return bytes_per_token(layers, self.cfg.n_kv_heads, self.cfg.head_dim, element)
 
 
 def load_embedding(source, dtype: torch.dtype | str = torch.float32) -> torch.Tensor:

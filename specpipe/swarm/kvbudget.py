@@ -51,11 +51,6 @@ def reservations_key(swarm: str, host: str) -> str:
     return f"specpipe:{swarm}:kv:{host}"
 
 
-def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, element_size: int) -> int:
-    """What one position of a session's cache takes across `n_layers` layers: keys and values."""
-    return 2 * n_layers * n_kv_heads * head_dim * element_size
-
-
 def available_memory_bytes() -> int:
     """Memory available to new work (MemAvailable), 0 when unknown."""
     return meminfo_bytes("MemAvailable")

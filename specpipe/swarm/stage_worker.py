@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from specpipe.core.ring import Stage
+from specpipe.core.ring import BatchedStage, Stage
 from specpipe.model import heap
 from specpipe.settings import DEFAULT_HEARTBEAT_S, TEST_LOSSY_TAIL_VAR
 from specpipe.swarm import inventory, streams, wire
@@ -114,7 +114,7 @@ class StageWorker:
         self.admission = Admission(
             swarm, host, self.stage_keys, config.max_message_bytes, self.stats, self.activity
         )
-        self.batcher = Batcher(self.consumer, self._admit, hasattr(stage, "forward_many"))
+        self.batcher = Batcher(self.consumer, self._admit, isinstance(stage, BatchedStage))
         self.samplers = TailSamplers(stage, config.tail_sampling, self.stats, head)
         replies = Replies(swarm, host, self.stage_keys)
         self.outbox = Outbox(self._link(replies))
@@ -234,12 +234,11 @@ class StageWorker:
     def keep_within_budget(self, now: float | None = None) -> list[str]:
         """While the caches hold more tokens than the KV budget, forget the session idle
         longest, if idle for `budget.OVER_BUDGET_IDLE_S`; return their names."""
-        held_tokens = getattr(self.stage, "held_tokens", None)
-        if not self.kv_budget_tokens or held_tokens is None:
+        if not self.kv_budget_tokens:
             return []
         now = time.monotonic() if now is None else now
         forgotten = budget.over_budget(
-            held_tokens(), self.kv_budget_tokens, self.activity.last_used, now
+            self.stage.held_tokens(), self.kv_budget_tokens, self.activity.last_used, now
         )
         for session in forgotten:
             self._forget(session)

@@ -12,6 +12,7 @@ import redis
 
 from models import Job
 from models.db import make_session_factory
+from specpipe.model.kvcache import bytes_per_token
 from specpipe.swarm.failover import CheckedRing
 from specpipe.swarm.inventory import NodeInfo
 from specpipe.swarm.kvbudget import (
@@ -19,7 +20,6 @@ from specpipe.swarm.kvbudget import (
     NeverFits,
     Reservations,
     Room,
-    bytes_per_token,
     default_budget_tokens,
     room_name,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specpipe.core.ring import Stage
+from specpipe.core.ring import SizedStage, Stage
 from specpipe.settings import kv_budget_tokens
 from specpipe.swarm import kvbudget
 
@@ -19,13 +19,9 @@ def kv_budget(stage: Stage) -> int:
     configured = kv_budget_tokens()
     if configured is not None:
         return configured
-    try:  # a model's stage (StageModel); another kind of stage has no budget unless configured
-        cfg, layers = stage.cfg, stage.end - stage.start
-        element = torch.empty((), dtype=stage.dtype).element_size()
-        per_token = kvbudget.bytes_per_token(layers, cfg.n_kv_heads, cfg.head_dim, element)
-        device = torch.device(stage.device)
-    except AttributeError:
+    if not isinstance(stage, SizedStage):  # a stage that cannot say has none unless configured
         return 0
+    per_token, device = stage.kv_bytes_per_token(), torch.device(stage.device)
     if device.type == "cuda":
         available = torch.cuda.mem_get_info(device)[0]
     else:
