@@ -19,12 +19,12 @@ from flask import (
     url_for,
 )
 
-from app import submitter
 from app.auth import current_user
 from app.db import get_session
 from app.forms import bad_utf8_fields
 from app.history import MAX_PAGE, SORTS, job_page
 from app.nodes import quick_redis
+from app.submitting import submitter
 from models.jobs import JOB_STATUSES, Job
 from specpipe.core.sampling import SAMPLERS
 from specpipe.settings import JOB_DEFAULTS

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 from sqlalchemy.orm import Session
 
-from app import submitter
 from app.auth import current_user, user_from_token
 from app.db import get_session
+from app.submitting import submitter
 from models.db import utcnow
 from models.jobs import Job
 from models.nodes import ring_nodes

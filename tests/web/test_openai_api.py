@@ -461,7 +461,7 @@ def test_any_body_is_answered_in_openai_shape_and_refusals_change_nothing(
 
 
 def test_a_rerun_feeds_the_prompt_the_same_way(app, db_url, session, api_token):
-    from app import submitter
+    from app.submitting import submitter
     from workers.submission import rerun_params
 
     client = app.test_client()
