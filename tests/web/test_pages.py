@@ -143,6 +143,14 @@ def test_the_ring_panel_follows_the_job_in_the_json_the_page_polls(client, sessi
     )
 
 
+def test_new_job_page_names_where_drafts_come_from(client):
+    """Drafts come from the n-gram drafter and the tail's draft head
+    (`specpipe.decoding.generation`), and the page says both."""
+    lede = " ".join(client.get("/").get_data(as_text=True).split('class="lede">')[1].split())
+    assert "n-gram drafter" in lede and "the tail's learned draft head" in lede
+    assert "an n-gram drafter proposes tokens" not in lede
+
+
 def test_a_queued_job_shows_its_place_in_line(client, session, api_token):
     first, second = gen_job(session), gen_job(session)
     session.commit()
