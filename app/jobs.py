@@ -26,7 +26,7 @@ from app.history import MAX_PAGE, SORTS, job_page
 from app.nodes import quick_redis
 from app.submitting import submitter
 from models.jobs import JOB_STATUSES, Job
-from specpipe.core.sampling import SAMPLERS
+from specpipe.core.sampling import MAX_SEED_TEXT, SAMPLERS
 from specpipe.settings import JOB_DEFAULTS
 from specpipe.swarm.kvbudget import waiting_for_room
 from workers.submission import (
@@ -74,6 +74,7 @@ def render_form(
         refusal=refusal,
         limits=submitter().limits,
         samplers=SAMPLERS,
+        max_seed=MAX_SEED_TEXT,
     ), status
 
 

@@ -36,10 +36,10 @@ from celery import Celery
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from models.db import UINT64_MAX, utcnow
+from models.db import utcnow
 from models.jobs import ACTIVE_STATUSES, Job
 from models.users import User, builtin_admin
-from specpipe.core.sampling import SAMPLERS
+from specpipe.core.sampling import MAX_SEED, MAX_SEED_TEXT, SAMPLERS
 from specpipe.core.stopping import check_stop_strings
 from specpipe.decoding.target import Target, context_error, open_target
 from specpipe.settings import JOB_DEFAULTS, JobLimits
@@ -346,7 +346,9 @@ def _top_p(value: float) -> float:
 def _seed(value: object, from_text: bool) -> int | None:
     if value is None or (from_text and isinstance(value, str) and not value.strip()):
         return None
-    return _in_range(_integer(value, from_text), 0, UINT64_MAX, "must be between 0 and 2^64-1")
+    return _in_range(
+        _integer(value, from_text), 0, MAX_SEED, f"must be between 0 and {MAX_SEED_TEXT}"
+    )
 
 
 def _stop_strings(value: object, from_text: bool) -> list[str]:

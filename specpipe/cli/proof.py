@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from specpipe.cli.options import json_option, sampling_options, write_json
+from specpipe.cli.options import SEED, json_option, sampling_options, write_json
 from specpipe.proofs import report
 
 
@@ -149,7 +149,7 @@ def proof() -> None:
 )
 @click.option(
     "--seed",
-    type=click.IntRange(0, 2**63 - 1),
+    type=SEED,
     default=0,
     show_default=True,
     help="Seed for the synthetic targets and the draws.",
@@ -309,7 +309,7 @@ def _closing_ring(ring, plain_errors: tuple[type[Exception], ...] = ()) -> Itera
 )
 @click.option(
     "--seed",
-    type=click.IntRange(0, 2**63 - 1),
+    type=SEED,
     default=0,
     show_default=True,
     help="Base seed; every draw has its own seed derived from it.",
@@ -396,7 +396,7 @@ def proof_swarm(
 @click.option(
     "--seed",
     "seeds",
-    type=click.IntRange(0, 2**63 - 1),
+    type=SEED,
     multiple=True,
     help="Seeds of the sampled runs (repeatable) [default: 7 and 99].",
 )
