@@ -46,7 +46,6 @@ from specpipe import __version__
 from specpipe.core.sampling import MAX_TOP_LOGPROBS
 from specpipe.core.stopping import GenerationText, hold_back_stop_prefix
 from specpipe.decoding.target import open_target
-from specpipe.settings import JOB_DEFAULTS
 from workers.submission import JobRequestError, QueueUnavailable, TooManyActiveJobs
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
@@ -314,18 +313,8 @@ def parse_request(chat: bool) -> Completion:
         "stop": body.get("stop"),
         "sampler": body.get("sampler"),
     }
-    defaults = {
-        "temp": 1.0,
-        "top_p": 1.0,
-        "top_k": 0,
-        "draft_k": JOB_DEFAULTS["draft_k"],
-        "max_new_tokens": JOB_DEFAULTS["max_new_tokens"],
-        "sampler": JOB_DEFAULTS["sampler"],
-    }
-    raw = {
-        name: defaults[name] if value is None and name in defaults else value
-        for name, value in raw.items()
-    }
+    # A field left out (or null) takes the job default, as on the form and the JSON API.
+    raw = {name: value for name, value in raw.items() if value is not None}
     extra: dict = {"raw_prompt": not chat, "messages": None}
     if chat:
         messages = _messages(body)
