@@ -327,15 +327,13 @@ def parse_request(chat: bool) -> Completion:
         raw["prompt"] = _prompt(body)
     logprobs = _logprobs(body, chat)
     try:
-        params = submitter().check(raw)
+        params = submitter().check(raw, prompt_form=extra)
     except JobRequestError as exc:
         name, reason = next(iter(exc.errors.items()))
         names = {**OPENAI_NAMES, "max_new_tokens": max_tokens_name}
         param = names.get(name, "messages" if chat and name == "prompt" else name)
         raise OpenAIError(400, f"{param} {reason}", param=param) from None
-    return Completion(
-        chat, {**params, **extra, "logprobs": logprobs}, stream, include_usage, logprobs
-    )
+    return Completion(chat, {**params, "logprobs": logprobs}, stream, include_usage, logprobs)
 
 
 def _submit(completion: Completion) -> Job:

@@ -116,20 +116,30 @@ class Submitter:
         """A submitter whose Celery client publishes to the broker at `broker_url`."""
         return cls(make_client(broker_url), model, limits, queue)
 
-    def check(self, raw: Mapping[str, object], *, from_text: bool = False) -> dict:
+    def check(
+        self,
+        raw: Mapping[str, object],
+        *,
+        from_text: bool = False,
+        prompt_form: Mapping[str, object] | None = None,
+    ) -> dict:
         """Clean values for `raw`; raises JobRequestError listing every bad field.
 
-        `from_text` accepts form strings for the numbers, and stop strings one per line."""
-        return self.check_context(parse_job_request(raw, self.limits, from_text))
+        `from_text` accepts form strings for the numbers, and stop strings one per line.
+        `prompt_form` says how the prompt is fed (`raw_prompt`, `messages`; see `models.jobs`),
+        as the caller made it: kept in the values, and the prompt's tokens counted so."""
+        params = parse_job_request(raw, self.limits, from_text)
+        return self.check_context({**params, **(prompt_form or {})})
 
     def check_context(self, params: dict) -> dict:
-        """`params` when the prompt's tokens and `max_new_tokens` fit the model's context;
-        else JobRequestError on `max_new_tokens`."""
+        """`params` when the prompt's tokens (fed as `raw_prompt` says) and `max_new_tokens`
+        fit the model's context; else JobRequestError on `max_new_tokens`."""
         target = _target_here(self.model)
         if target is not None:
-            reason = context_error(
-                target, len(target.prompt_ids(params["prompt"])), params["max_new_tokens"]
+            prompt_ids = target.prompt_ids(
+                params["prompt"], raw=bool(params.get("raw_prompt", False))
             )
+            reason = context_error(target, len(prompt_ids), params["max_new_tokens"])
             if reason is not None:
                 raise JobRequestError({"max_new_tokens": reason})
         return params

@@ -236,12 +236,10 @@ def generate(
         )
         outcome, where = generate_locally(request, model_name, options, stream), ""
     else:
-        if raw:
-            raise click.UsageError("--raw needs --local: swarm jobs always use the chat template")
         if draft_head is not None:
             raise click.UsageError("--draft-head needs --local: the swarm's tails hold their own")
         model = None if model_name == "default" else model_name
-        job_id, outcome = generate_on_swarm(request, model, stream)
+        job_id, outcome = generate_on_swarm({**request, "raw_prompt": raw}, model, stream)
         where = f"job {job_id}: "
     if as_json:
         click.echo(outcome.to_json())
@@ -306,7 +304,8 @@ def generate_locally(request: dict, model_name: str, options: dict, stream: Text
 
 
 def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> tuple[int, Outcome]:
-    """Submit a job to the running swarm and stream its text as it is recorded."""
+    """Submit a job to the running swarm and stream its text as it is recorded; `request` may
+    say how the prompt is fed (`raw_prompt`)."""
     import redis
 
     from models.db import make_session_factory
