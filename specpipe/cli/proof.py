@@ -58,14 +58,14 @@ def store_option(func: Callable) -> Callable:
         "--store/--no-store",
         default=True,
         show_default=True,
-        help="Keep the run in the store (DATABASE_URL's, else the local swarm's), where the web "
-        "app's Proofs page and `specpipe runs` list it.",
+        help="Keep the run in the store the web app reads (DATABASE_URL, else this host's), "
+        "where its Proofs page and `specpipe runs` list it.",
     )(func)
 
 
 def _command_line() -> str:
-    """The running command with every option it was given, as it could be typed again: how
-    the stored run was made."""
+    """The running command with every option's value (defaults included), as it could be typed
+    again: how the stored run was made."""
     ctx = click.get_current_context()
     words = ["specpipe", "proof", ctx.command.name]
     for param in ctx.command.params:
