@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import secrets
 
-from flask import Flask, current_app
+from flask import Flask
 from werkzeug.routing import IntegerConverter
 
 from specpipe import settings
 from workers.names import COORDINATOR_QUEUE
-from workers.submission import Submitter
 
 
 class IdConverter(IntegerConverter):
@@ -82,19 +81,12 @@ def create_app(test_config: dict | None = None) -> Flask:
         proofs,
         runs,
         security,
+        submitting,
     )
     from app import limits as rate_limits
 
     db.init_app(app)
-    limits = settings.JobLimits(
-        app.config["MAX_PROMPT_CHARS"],
-        app.config["MAX_NEW_TOKENS"],
-        app.config["MAX_DRAFT_K"],
-        app.config["MAX_ACTIVE_JOBS"],
-    )
-    app.extensions["specpipe.submitter"] = Submitter.connect(
-        app.config["REDIS_URL"], app.config["MODEL"], limits, app.config["COORDINATOR_QUEUE"]
-    )
+    submitting.init_app(app)
     forms.init_app(app)
     auth.init_app(app)
     security.init_app(app)
@@ -111,8 +103,3 @@ def create_app(test_config: dict | None = None) -> Flask:
     app.jinja_env.globals["site_name"] = "specpipe"
     app.jinja_env.filters.update(forms.FILTERS)
     return app
-
-
-def submitter() -> Submitter:
-    """The app's job submitter: checks requests and hands jobs to the coordinator."""
-    return current_app.extensions["specpipe.submitter"]

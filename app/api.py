@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from flask import Blueprint, g, jsonify, request, url_for
 
-from app import openapi, submitter
 from app.auth import current_user, user_from_token
 from app.db import get_session
 from app.errors import json_error
 from app.history import job_page
 from app.jobs import job_state
+from app.openapi import document as api_document
+from app.submitting import submitter
 from models.db import utcnow
 from models.jobs import Job
 from models.nodes import ring_nodes
@@ -135,7 +136,7 @@ def list_nodes():
 @bp.get("/openapi.json")
 def openapi_document():
     """The OpenAPI document of this API."""
-    return jsonify(openapi.document(submitter().limits))
+    return jsonify(api_document(submitter().limits))
 
 
 @bp.get("/runs/<id:run_id>")

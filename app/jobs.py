@@ -19,14 +19,14 @@ from flask import (
     url_for,
 )
 
-from app import submitter
 from app.auth import current_user
 from app.db import get_session
 from app.forms import bad_utf8_fields
 from app.history import MAX_PAGE, SORTS, job_page
 from app.nodes import quick_redis
+from app.submitting import submitter
 from models.jobs import JOB_STATUSES, Job
-from specpipe.core.sampling import SAMPLERS
+from specpipe.core.sampling import MAX_SEED_TEXT, SAMPLERS
 from specpipe.settings import JOB_DEFAULTS
 from specpipe.swarm.kvbudget import waiting_for_room
 from workers.submission import (
@@ -74,6 +74,7 @@ def render_form(
         refusal=refusal,
         limits=submitter().limits,
         samplers=SAMPLERS,
+        max_seed=MAX_SEED_TEXT,
     ), status
 
 
@@ -145,14 +146,47 @@ def detail(job_id: int):
     """One job: live progress, text, parameters, seed, ring, and actions."""
     job = _get_job(job_id)
     return render_template(
-        "jobs/detail.html", job=job, queue=queue_place(get_session(), job), room=room_wait(job)
+        "jobs/detail.html",
+        job=job,
+        queue=queue_place(get_session(), job),
+        room=room_wait(job),
+        ring=ring_panel(job),
     )
 
 
 @bp.get("/jobs/<id:job_id>/progress")
 def progress(job_id: int):
-    """The job's state as JSON, polled by the job page."""
-    return jsonify(job_state(_get_job(job_id)))
+    """The job's state as JSON, polled by the job page, with its Ring panel (`ring`)."""
+    job = _get_job(job_id)
+    return jsonify({**job_state(job), "ring": ring_panel(job)})
+
+
+def ring_panel(job: Job) -> dict:
+    """What the job page's Ring panel shows, rendered by the page and by its polling alike:
+    the stages of the ring the job's run ran on, in ring order (`stages`), where to download
+    the run's record (`record_url`), and the line shown instead while there are none
+    (`empty`)."""
+    run = job.run
+    snapshots = run.node_snapshots if run is not None else []
+    if not snapshots:
+        empty = "Did not run on a ring." if job.finished else "Not assigned to a ring yet."
+        return {"stages": [], "record_url": None, "empty": empty}
+    stages = [
+        {"role": n.role or "?", "host": n.host, "layers": _layer_span(n), "geo": n.geo}
+        for n in snapshots
+    ]
+    return {
+        "stages": stages,
+        "record_url": url_for("runs.record", run_id=run.id),
+        "empty": None,
+    }
+
+
+def _layer_span(node) -> str:
+    """A stage's layers as a closed range, first–last ('?' where unknown)."""
+    first = "?" if node.layer_start is None else node.layer_start
+    last = "?" if node.layer_end is None else node.layer_end - 1
+    return f"{first}–{last}"
 
 
 def job_state(job: Job) -> dict:

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 from sqlalchemy.orm import Session
 
-from app import submitter
 from app.auth import current_user, user_from_token
 from app.db import get_session
+from app.submitting import submitter
 from models.db import utcnow
 from models.jobs import Job
 from models.nodes import ring_nodes
@@ -27,7 +27,6 @@ from specpipe import __version__
 from specpipe.core.sampling import MAX_TOP_LOGPROBS
 from specpipe.core.stopping import GenerationText, hold_back_stop_prefix
 from specpipe.decoding.target import open_target
-from specpipe.settings import JOB_DEFAULTS
 from workers.submission import JobRequestError, QueueUnavailable, TooManyActiveJobs
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
@@ -295,18 +294,8 @@ def parse_request(chat: bool) -> Completion:
         "stop": body.get("stop"),
         "sampler": body.get("sampler"),
     }
-    defaults = {
-        "temp": 1.0,
-        "top_p": 1.0,
-        "top_k": 0,
-        "draft_k": JOB_DEFAULTS["draft_k"],
-        "max_new_tokens": JOB_DEFAULTS["max_new_tokens"],
-        "sampler": JOB_DEFAULTS["sampler"],
-    }
-    raw = {
-        name: defaults[name] if value is None and name in defaults else value
-        for name, value in raw.items()
-    }
+    # A field left out (or null) takes the job default, as on the form and the JSON API.
+    raw = {name: value for name, value in raw.items() if value is not None}
     extra: dict = {"raw_prompt": not chat, "messages": None}
     if chat:
         messages = _messages(body)
@@ -319,15 +308,13 @@ def parse_request(chat: bool) -> Completion:
         raw["prompt"] = _prompt(body)
     logprobs = _logprobs(body, chat)
     try:
-        params = submitter().check(raw)
+        params = submitter().check(raw, prompt_form=extra)
     except JobRequestError as exc:
         name, reason = next(iter(exc.errors.items()))
         names = {**OPENAI_NAMES, "max_new_tokens": max_tokens_name}
         param = names.get(name, "messages" if chat and name == "prompt" else name)
         raise OpenAIError(400, f"{param} {reason}", param=param) from None
-    return Completion(
-        chat, {**params, **extra, "logprobs": logprobs}, stream, include_usage, logprobs
-    )
+    return Completion(chat, {**params, "logprobs": logprobs}, stream, include_usage, logprobs)
 
 
 def _submit(completion: Completion) -> Job:

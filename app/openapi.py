@@ -10,7 +10,7 @@ from __future__ import annotations
 from app.history import MAX_PAGE, SORTS
 from models.jobs import JOB_STATUSES
 from specpipe import __version__
-from specpipe.core.sampling import SAMPLERS
+from specpipe.core.sampling import MAX_SEED, SAMPLERS
 from specpipe.settings import JobLimits
 from specpipe.swarm.kvbudget import WAITING_FIELDS
 from workers.submission import MAX_TEMP, MAX_TOP_K
@@ -62,7 +62,7 @@ def _job_request(limits: JobLimits) -> dict:
             "temp": {"type": "number", "minimum": 0, "maximum": MAX_TEMP},
             "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1},
             "top_k": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_K},
-            "seed": {"type": "integer", "minimum": 0, "maximum": 2**64 - 1, "nullable": True},
+            "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED, "nullable": True},
             "draft_k": {"type": "integer", "minimum": 0, "maximum": limits.max_draft_k},
             "sampler": {"type": "string", "enum": list(SAMPLERS)},
             "stop": {
@@ -91,7 +91,7 @@ _JOB = {
         "temp": {"type": "number"},
         "top_p": {"type": "number"},
         "top_k": {"type": "integer"},
-        "seed": {"type": "integer", "minimum": 0},
+        "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED},
         "draft_k": {"type": "integer"},
         "stop": {"type": "array", "items": {"type": "string"}},
         "sampler": {"type": "string", "enum": list(SAMPLERS)},

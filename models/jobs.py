@@ -96,7 +96,7 @@ class Job(Base):
 
     @property
     def speculative(self) -> bool:
-        """Whether the drafter proposes tokens for this job."""
+        """Whether drafts are proposed and verified for this job."""
         return self.draft_k > 0
 
     @property

@@ -65,7 +65,16 @@ def _swarm_proof(result: dict, trigger: str) -> Proof:
         trigger=trigger,
         verdict=_verdict(view.passed),
         noise_floor=view.mean_tv_plain_vs_plain,
-        summary=dict(result["proof_2_on_swarm"]),
+        summary={
+            **result["proof_2_on_swarm"],
+            # Why it passed or failed, for the proof's page.
+            "reasons": result["reasons"],
+            "exact_check": result["exact_check"],
+            "mutant_flagged": result["mutant"]["flagged"],
+            "sampler": result["sampler"],
+            "drafter": result["drafter"],
+            **({"head": result["head"]} if "head" in result else {}),
+        },
     )
     for stop, row in zip(view.per_stop, result["per_stop"], strict=True):
         proof.cases.append(
@@ -105,14 +114,18 @@ def save_proof_run(
     local: dict | None = None,
     swarm: dict | None = None,
     generation: dict | None = None,
+    ring_snapshot: bool = True,
     **run_fields,
 ) -> Run:
-    """Store the given proof results as one run (with a ring snapshot); the caller commits.
+    """Store the given proof results as one run; the caller commits.
 
-    `run_fields` are Run columns: model, quant, shard_commit, claim, method, topology.
+    With `ring_snapshot` the run records the stored inventory as the ring it ran on; proofs run
+    in one process, on no ring, record none. `run_fields` are Run columns: model, quant,
+    shard_commit, claim, method, topology.
     """
     trigger = "nightly" if nightly else "manual"
-    run = start_run(session, kind="nightly" if nightly else "proof", **run_fields)
+    kind = "nightly" if nightly else "proof"
+    run = start_run(session, kind=kind, snapshot=ring_snapshot, **run_fields)
     if local is not None:
         run.proofs.append(_local_proof(local, trigger))
     if swarm is not None:

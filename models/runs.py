@@ -125,12 +125,14 @@ class ProofCase(Base):
     proof: Mapped[Proof] = relationship(back_populates="cases")
 
 
-def start_run(session: Session, kind: str = "generation", **fields) -> Run:
-    """A new run with a snapshot of the current ring; the caller commits."""
+def start_run(session: Session, kind: str = "generation", snapshot: bool = True, **fields) -> Run:
+    """A new run, with a snapshot of the current ring unless `snapshot` is False; the caller
+    commits."""
     from models.nodes import snapshot_nodes
 
     run = Run(kind=kind, **fields)
     session.add(run)
-    snapshot_nodes(session, run)
+    if snapshot:
+        snapshot_nodes(session, run)
     session.flush()
     return run

@@ -13,7 +13,7 @@ import re
 from datetime import datetime
 from functools import lru_cache
 
-from sqlalchemy import Boolean, DateTime, Integer, String, func, select, update
+from sqlalchemy import Boolean, DateTime, Integer, String, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Mapped, Session, mapped_column
 from werkzeug.security import check_password_hash, generate_password_hash
@@ -131,29 +131,6 @@ def authenticate(session: Session, name: str, password: str) -> User | None:
         check_password_hash(_dummy_hash(), password)
         return None
     return user if user.check_password(password) else None
-
-
-def delete_user(session: Session, name: str) -> int:
-    """Delete the user called `name` and its API tokens; its jobs go to the built-in admin.
-
-    Returns how many jobs changed hands. LookupError for an unknown user, ValueError for the
-    built-in admin. The caller commits."""
-    from models.jobs import Job
-    from models.tokens import ApiToken
-
-    user = find_user(session, name)
-    if user is None:
-        raise LookupError(f"no user named {name!r}")
-    if user.name == BUILTIN_ADMIN:
-        raise ValueError(f"{BUILTIN_ADMIN!r} is built in: it owns the jobs of deleted users")
-    admin = builtin_admin(session)
-    moved = session.scalar(select(func.count()).where(Job.user_id == user.id)) or 0
-    session.execute(update(Job).where(Job.user_id == user.id).values(user_id=admin.id))
-    for token in session.scalars(select(ApiToken).where(ApiToken.user_id == user.id)):
-        session.delete(token)
-    session.delete(user)
-    session.flush()
-    return moved
 
 
 def first_password(session: Session, password: str) -> bool:

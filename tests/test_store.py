@@ -16,7 +16,8 @@ from models.nodes import Node, upsert_node
 from models.records import PROOF_1_FIELDS, PROOF_2_FIELDS, run_record
 from models.runs import start_run
 from models.tokens import ApiToken, check_token, create_token, revoke_token
-from models.users import BUILTIN_ADMIN, User, authenticate, delete_user, first_password
+from models.user_deletion import delete_user
+from models.users import BUILTIN_ADMIN, User, authenticate, first_password
 from tests.factories import gen_job, gen_node, gen_proof_run, gen_ring, gen_user
 
 BEFORE_STOP_STRINGS = "dc866fa56549"  # the revision before jobs had stop strings

@@ -195,17 +195,6 @@ def run_nightly(
         method=_method(seed, sizes, draft_head, swarm_result, generation),
         topology=topology,
     )
-    on_swarm = run.proof("on_swarm")
-    if on_swarm is not None and swarm_result is not None:  # why it failed, for the web page
-        on_swarm.summary = {
-            **on_swarm.summary,
-            "reasons": swarm_result["reasons"],
-            "exact_check": swarm_result["exact_check"],
-            "mutant_flagged": swarm_result["mutant"]["flagged"],
-            "sampler": swarm_result["sampler"],
-            "drafter": swarm_result["drafter"],
-            **({"head": swarm_result["head"]} if "head" in swarm_result else {}),
-        }
     for kind, reason in errors.items():
         run.proofs.append(_error_proof(kind, reason))
     run.verdict = run_verdict([p.verdict for p in run.proofs])

@@ -36,10 +36,10 @@ from celery import Celery
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from models.db import UINT64_MAX, utcnow
+from models.db import utcnow
 from models.jobs import ACTIVE_STATUSES, Job
 from models.users import User, builtin_admin
-from specpipe.core.sampling import SAMPLERS
+from specpipe.core.sampling import MAX_SEED, MAX_SEED_TEXT, SAMPLERS
 from specpipe.core.stopping import check_stop_strings
 from specpipe.decoding.target import Target, context_error, open_target
 from specpipe.settings import JOB_DEFAULTS, JobLimits
@@ -116,20 +116,30 @@ class Submitter:
         """A submitter whose Celery client publishes to the broker at `broker_url`."""
         return cls(make_client(broker_url), model, limits, queue)
 
-    def check(self, raw: Mapping[str, object], *, from_text: bool = False) -> dict:
+    def check(
+        self,
+        raw: Mapping[str, object],
+        *,
+        from_text: bool = False,
+        prompt_form: Mapping[str, object] | None = None,
+    ) -> dict:
         """Clean values for `raw`; raises JobRequestError listing every bad field.
 
-        `from_text` accepts form strings for the numbers, and stop strings one per line."""
-        return self.check_context(parse_job_request(raw, self.limits, from_text))
+        `from_text` accepts form strings for the numbers, and stop strings one per line.
+        `prompt_form` says how the prompt is fed (`raw_prompt`, `messages`; see `models.jobs`),
+        as the caller made it: kept in the values, and the prompt's tokens counted so."""
+        params = parse_job_request(raw, self.limits, from_text)
+        return self.check_context({**params, **(prompt_form or {})})
 
     def check_context(self, params: dict) -> dict:
-        """`params` when the prompt's tokens and `max_new_tokens` fit the model's context;
-        else JobRequestError on `max_new_tokens`."""
+        """`params` when the prompt's tokens (fed as `raw_prompt` says) and `max_new_tokens`
+        fit the model's context; else JobRequestError on `max_new_tokens`."""
         target = _target_here(self.model)
         if target is not None:
-            reason = context_error(
-                target, len(target.prompt_ids(params["prompt"])), params["max_new_tokens"]
+            prompt_ids = target.prompt_ids(
+                params["prompt"], raw=bool(params.get("raw_prompt", False))
             )
+            reason = context_error(target, len(prompt_ids), params["max_new_tokens"])
             if reason is not None:
                 raise JobRequestError({"max_new_tokens": reason})
         return params
@@ -346,7 +356,9 @@ def _top_p(value: float) -> float:
 def _seed(value: object, from_text: bool) -> int | None:
     if value is None or (from_text and isinstance(value, str) and not value.strip()):
         return None
-    return _in_range(_integer(value, from_text), 0, UINT64_MAX, "must be between 0 and 2^64-1")
+    return _in_range(
+        _integer(value, from_text), 0, MAX_SEED, f"must be between 0 and {MAX_SEED_TEXT}"
+    )
 
 
 def _stop_strings(value: object, from_text: bool) -> list[str]:

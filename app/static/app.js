@@ -1,5 +1,6 @@
 // Live job progress: poll the job's JSON while it is queued or running, update the page in
-// place (textContent only, so output is never parsed as HTML), stop when it finishes.
+// place (textContent only, so output is never parsed as HTML), the Ring panel included, stop
+// when it finishes.
 // Sizes come from data attributes and are set here: the pages carry no inline style, which
 // the Content-Security-Policy forbids.
 (function () {
@@ -25,6 +26,36 @@
   }
   function when(iso) {
     return iso.replace("T", " ").replace(/\.\d+/, "").replace("Z", " UTC");
+  }
+  var ringDrawn = null; // the Ring panel's stages as last drawn, as JSON
+  function renderRing(ring) {
+    var list = document.getElementById("job-ring");
+    if (!ring || !list) return;
+    var stages = JSON.stringify(ring.stages);
+    if (stages !== ringDrawn) {
+      ringDrawn = stages;
+      list.textContent = "";
+      ring.stages.forEach(function (stage) {
+        var item = document.createElement("li");
+        var role = document.createElement("b");
+        role.textContent = stage.role;
+        var detail = document.createElement("span");
+        detail.className = "muted";
+        detail.textContent = "layers " + stage.layers + (stage.geo ? " · " + stage.geo : "");
+        item.appendChild(role);
+        item.appendChild(document.createTextNode(" " + stage.host + " "));
+        item.appendChild(detail);
+        list.appendChild(item);
+      });
+    }
+    list.hidden = ring.stages.length === 0;
+    var record = document.getElementById("job-ring-record");
+    if (record) {
+      record.hidden = !ring.record_url;
+      if (ring.record_url) record.setAttribute("href", ring.record_url);
+    }
+    var empty = document.getElementById("job-ring-empty");
+    if (empty) { empty.hidden = !ring.empty; setText("job-ring-empty", ring.empty || ""); }
   }
   function render(job) {
     root.dataset.status = job.status;
@@ -76,6 +107,7 @@
     if (cancel) cancel.hidden = finished.indexOf(job.status) >= 0;
     if (job.started_at) setText("job-started", when(job.started_at));
     if (job.finished_at) setText("job-finished", when(job.finished_at));
+    renderRing(job.ring);
   }
   function poll() {
     fetch(url, { headers: { Accept: "application/json" }, cache: "no-store" })

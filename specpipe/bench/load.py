@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specpipe.bench.ring_hops import LocalSwarm
-from specpipe.core.sampling import SamplingParams
+from specpipe.core.sampling import SamplingParams, offset_seed
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.local_ring import LocalRing
 from specpipe.decoding.target import open_target
@@ -56,7 +56,7 @@ class JobTiming:
 
 def job_requests(n: int, seed: int) -> list[tuple[str, int]]:
     """The n jobs of a run: (prompt, seed), a different prompt and seed each."""
-    return [(PROMPTS[i % len(PROMPTS)], seed + i) for i in range(n)]
+    return [(PROMPTS[i % len(PROMPTS)], offset_seed(seed, i)) for i in range(n)]
 
 
 def run_job(
@@ -378,7 +378,7 @@ def adaptive_k(
             delay,
             prompts,
             methods,
-            lambda r: SamplingParams(temp=temp, top_p=top_p, seed=seed + r),
+            lambda r: SamplingParams(temp=temp, top_p=top_p, seed=offset_seed(seed, r)),
             tokens,
             repeats,
             log,
@@ -451,7 +451,7 @@ def draft_sources(
                 prompts,
                 methods,
                 lambda r, t=temp, p=top_p: SamplingParams(
-                    temp=t, top_p=p, seed=seed + r, sampler="gumbel"
+                    temp=t, top_p=p, seed=offset_seed(seed, r), sampler="gumbel"
                 ),
                 tokens,
                 repeats,

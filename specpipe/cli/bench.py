@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from specpipe.cli.options import json_option, sampling_options, write_json
+from specpipe.cli.options import SEED, json_option, model_option, sampling_options, write_json
 
 
 @click.group(name="bench")
@@ -98,7 +98,7 @@ def _model_errors(func):
 
 
 @bench.command(name="ring")
-@click.option("--model", default="default", show_default=True, help="Model to serve.")
+@model_option("Model to serve.")
 @click.option(
     "--stages", type=click.IntRange(1, 16), default=4, show_default=True, help="Stage processes."
 )
@@ -119,7 +119,7 @@ def _model_errors(func):
     help="Simulated one-way latency per hop; repeat for several.",
 )
 @sampling_options(0.7, 0.95, greedy=True)
-@click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=7, show_default=True)
+@click.option("--seed", type=SEED, default=7, show_default=True)
 @click.option("--draft-k", type=click.IntRange(1, 64), default=8, show_default=True)
 @click.option(
     "--threads",
@@ -174,7 +174,7 @@ def bench_ring(
 
 
 @bench.command(name="load")
-@click.option("--model", default="default", show_default=True, help="Model to serve.")
+@model_option("Model to serve.")
 @click.option(
     "--stages", type=click.IntRange(1, 16), default=4, show_default=True, help="Stage processes."
 )
@@ -220,7 +220,7 @@ def bench_ring(
     help="Every round sends what the drafter has, up to --draft-k, instead of the "
     "draft length the coordinator would choose.",
 )
-@click.option("--seed", type=click.IntRange(0, 2**63), default=1, show_default=True)
+@click.option("--seed", type=SEED, default=1, show_default=True)
 @json_option
 @_model_errors
 def bench_load(
@@ -259,7 +259,7 @@ def bench_load(
 
 
 @bench.command(name="adaptive-k")
-@click.option("--model", default="default", show_default=True, help="Model to serve.")
+@model_option("Model to serve.")
 @click.option(
     "--stages", type=click.IntRange(1, 16), default=4, show_default=True, help="Stage processes."
 )
@@ -299,7 +299,7 @@ def bench_load(
 @click.option(
     "--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95, show_default=True
 )
-@click.option("--seed", type=click.IntRange(0, 2**63), default=1, show_default=True)
+@click.option("--seed", type=SEED, default=1, show_default=True)
 @click.option(
     "--repeats",
     type=click.IntRange(1, 50),
@@ -332,7 +332,7 @@ def bench_adaptive_k(
 
 
 @bench.command(name="exact")
-@click.option("--model", default="default", show_default=True, help="Model to serve.")
+@model_option("Model to serve.")
 @click.option("--stages", type=click.IntRange(1, 16), default=4, show_default=True)
 @click.option(
     "--pairs",
@@ -371,7 +371,7 @@ def bench_exact(model, stages, pairs, tokens, temp, top_p, top_k, draft_k, threa
 
 
 @bench.command(name="faults")
-@click.option("--model", default="default", show_default=True, help="Model to serve.")
+@model_option("Model to serve.")
 @click.option(
     "--stages",
     type=click.IntRange(3, 16),
@@ -445,7 +445,7 @@ def bench_exact(model, stages, pairs, tokens, temp, top_p, top_k, draft_k, threa
 )
 @click.option(
     "--seed",
-    type=click.IntRange(min=0),
+    type=SEED,
     default=0,
     show_default=True,
     help="Seeds the jobs, the rounds hit and the job seeds.",
@@ -521,7 +521,7 @@ def bench_faults(
 
 
 @bench.command(name="load-api")
-@click.option("--model", default="default", show_default=True, help="Model to serve.")
+@model_option("Model to serve.")
 @click.option("--stages", type=click.IntRange(1, 16), default=3, show_default=True)
 @click.option(
     "--users",
@@ -600,7 +600,7 @@ def bench_load_api(model, stages, users, jobs, within_s, tokens, deadline_s, jso
 
 
 @bench.command(name="wan")
-@click.option("--model", default="default", show_default=True, help="Model to serve.")
+@model_option("Model to serve.")
 @click.option(
     "--link-delay-ms",
     "delays",
@@ -625,7 +625,7 @@ def bench_load_api(model, stages, users, jobs, within_s, tokens, deadline_s, jso
     show_default=True,
     help="Temperatures; repeat for several.",
 )
-@click.option("--seed", type=click.IntRange(0, 2**63), default=7, show_default=True)
+@click.option("--seed", type=SEED, default=7, show_default=True)
 @click.option("--draft-k", type=click.IntRange(1, 64), default=8, show_default=True)
 @click.option(
     "--home",
@@ -678,7 +678,7 @@ def bench_wan(model, delays, tokens, temps, seed, draft_k, home, json_path):
 
 
 @bench.command(name="draft-head")
-@click.option("--model", default="default", show_default=True, help="The target model.")
+@model_option("The target model.")
 @click.option(
     "--head",
     "head_path",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from specpipe.cli.options import json_option, write_json
+from specpipe.cli.options import SEED, json_option, model_option, write_json
 
 
 def open_whole_model(model: str, threads: int):
@@ -56,7 +56,7 @@ def drafter() -> None:
 
 
 @drafter.command(name="train")
-@click.option("--model", default="default", show_default=True, help="The target model.")
+@model_option("The target model.")
 @click.option(
     "--tokens",
     type=click.IntRange(min=64),
@@ -76,7 +76,7 @@ def drafter() -> None:
 )
 @click.option(
     "--seed",
-    type=click.IntRange(0, 2**32 - 1),
+    type=SEED,
     default=0,
     show_default=True,
     help="Seed of the sampled data and of the head's initialisation.",
@@ -154,6 +154,7 @@ def _generated_data(label: str, tokenizer, eos, stage, tokens: int, seed: int):
     `tokens` of them at temperatures 0.7 … 1.0, and a line saying so for the head's metadata."""
     import numpy as np
 
+    from specpipe.core.sampling import offset_seed
     from specpipe.drafting import train as dt
 
     max_new, temps = dt.CONTINUATION_TOKENS, dt.TRAIN_TEMPS
@@ -162,7 +163,9 @@ def _generated_data(label: str, tokenizer, eos, stage, tokens: int, seed: int):
     order = np.random.default_rng(seed).permutation(len(dt.TRAIN_PROMPTS))
     prompts = [tokenizer.prompt_ids(dt.TRAIN_PROMPTS[i]) for i in order]
     jobs = [
-        dt.Continuation(prompts[i % len(prompts)], seed * 100_003 + i, temps[i % len(temps)])
+        dt.Continuation(
+            prompts[i % len(prompts)], offset_seed(seed * 100_003, i), temps[i % len(temps)]
+        )
         for i in range(n_jobs)
     ]
     _log(
@@ -187,7 +190,7 @@ def _generated_data(label: str, tokenizer, eos, stage, tokens: int, seed: int):
     type=click.Path(dir_okay=False, path_type=Path),
     help="The head to narrow (default: the one shipped for the model).",
 )
-@click.option("--model", default="default", show_default=True, help="The target model.")
+@model_option("The target model.")
 @click.option(
     "--draft-vocab",
     type=click.IntRange(min=1),
@@ -204,7 +207,7 @@ def _generated_data(label: str, tokenizer, eos, stage, tokens: int, seed: int):
 )
 @click.option(
     "--seed",
-    type=click.IntRange(0, 2**32 - 1),
+    type=SEED,
     default=1,
     show_default=True,
     help="Seed of the generated text.",
@@ -277,7 +280,7 @@ def narrow(
     type=click.Path(dir_okay=False, path_type=Path),
     help="The head file (default: the one shipped for the model).",
 )
-@click.option("--model", default="default", show_default=True, help="The target model.")
+@model_option("The target model.")
 @click.option(
     "--k",
     "draft_k",
@@ -295,7 +298,7 @@ def narrow(
 )
 @click.option(
     "--seed",
-    type=click.IntRange(0, 2**32 - 1),
+    type=SEED,
     default=1000,
     show_default=True,
     help="Seed of the first prompt's draws (the others follow).",
@@ -323,7 +326,7 @@ def evaluate(
 
         specpipe drafter eval --head SmolLM2-135M-Instruct.safetensors
     """
-    from specpipe.core.sampling import SamplingParams
+    from specpipe.core.sampling import SamplingParams, offset_seed
     from specpipe.drafting import train as dt
     from specpipe.drafting.head import shipped_head
 
@@ -340,7 +343,7 @@ def evaluate(
         "modes": {},
     }
     for mode, temp, top_p in (("temp 0.7 top_p 0.95", 0.7, 0.95), ("greedy", 0.0, 1.0)):
-        jobs = [dt.Continuation(ids, seed + i, temp) for i, ids in enumerate(prompts)]
+        jobs = [dt.Continuation(ids, offset_seed(seed, i), temp) for i, ids in enumerate(prompts)]
         data = dt.generate(stage, jobs, top_p, tokens, eos_ids=eos)
         scores = dt.evaluate(head, parts, data, draft_k, SamplingParams(temp, top_p, 0, 0))
         result["modes"][mode] = scores

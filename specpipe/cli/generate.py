@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import click
 
 from specpipe.cli.checkpoints import ModelInputError
-from specpipe.cli.options import sampling_options
+from specpipe.cli.options import SEED, model_option, sampling_options
 from specpipe.core.sampling import SAMPLERS
 from specpipe.core.stopping import (
     MAX_STOP_CHARS,
@@ -26,8 +26,6 @@ from specpipe.core.stopping import (
     hold_back_stop_prefix,
 )
 from specpipe.settings import JOB_DEFAULTS
-
-SEED_MAX = 2**64 - 1
 
 
 class StopOptionError(click.ClickException):
@@ -90,13 +88,7 @@ class TextStream:
 @click.command(name="generate")
 @click.argument("prompt")
 @click.option("--local", is_flag=True, help="Run every stage in this process (no swarm).")
-@click.option(
-    "--model",
-    "model_name",
-    default="default",
-    show_default=True,
-    help="Model (on the swarm, `default` is the model the swarm serves).",
-)
+@model_option("Model (on the swarm, `default` is the model the swarm serves).", dest="model_name")
 @click.option(
     "--stages",
     type=click.IntRange(min=1),
@@ -116,7 +108,7 @@ class TextStream:
 @sampling_options(JOB_DEFAULTS["temp"], JOB_DEFAULTS["top_p"], greedy=True)
 @click.option(
     "--seed",
-    type=click.IntRange(0, SEED_MAX),
+    type=SEED,
     default=None,
     help="Seed [default: drawn at random and reported, so the run can be repeated].",
 )
@@ -244,12 +236,10 @@ def generate(
         )
         outcome, where = generate_locally(request, model_name, options, stream), ""
     else:
-        if raw:
-            raise click.UsageError("--raw needs --local: swarm jobs always use the chat template")
         if draft_head is not None:
             raise click.UsageError("--draft-head needs --local: the swarm's tails hold their own")
         model = None if model_name == "default" else model_name
-        job_id, outcome = generate_on_swarm(request, model, stream)
+        job_id, outcome = generate_on_swarm({**request, "raw_prompt": raw}, model, stream)
         where = f"job {job_id}: "
     if as_json:
         click.echo(outcome.to_json())
@@ -314,7 +304,8 @@ def generate_locally(request: dict, model_name: str, options: dict, stream: Text
 
 
 def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> tuple[int, Outcome]:
-    """Submit a job to the running swarm and stream its text as it is recorded."""
+    """Submit a job to the running swarm and stream its text as it is recorded; `request` may
+    say how the prompt is fed (`raw_prompt`)."""
     import redis
 
     from models.db import make_session_factory

@@ -1,4 +1,5 @@
-"""Option sets shared by several commands, bundled as decorators, and a JSON writer."""
+"""Option sets shared by several commands, bundled as decorators, the seed's type, and a JSON
+writer."""
 
 from __future__ import annotations
 
@@ -7,6 +8,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 import click
+
+from specpipe.core.sampling import MAX_SEED
+
+# Every --seed takes what the sampler, the web form, the APIs and the store take.
+SEED = click.IntRange(0, MAX_SEED)
+
+
+def model_option(
+    help_text: str = "Model.", *, dest: str = "model"
+) -> Callable[[Callable], Callable]:
+    """--model: a checkpoint's name or path, `default` (the default model) unless given; its
+    value goes to the parameter `dest`."""
+    return click.option("--model", dest, default="default", show_default=True, help=help_text)
 
 
 def sampling_options(

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import shlex
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
-from specpipe.cli.options import json_option, sampling_options, write_json
+from specpipe.cli.options import SEED, json_option, sampling_options, write_json
 from specpipe.proofs import report
 
 if TYPE_CHECKING:
@@ -37,12 +38,97 @@ def _number_list(kind: type, check, what: str):
     return parse
 
 
-def _finish(text: str, result: dict, json_path: Path | None, passed: bool) -> None:
-    """Print the report, write the result document, and exit 1 unless the proof passed."""
+def _finish(
+    text: str,
+    result: dict,
+    json_path: Path | None,
+    passed: bool,
+    stored: dict | None = None,
+) -> None:
+    """Print the report, write the result document, keep the run in the store (`stored`: what
+    `store_proof_run` keeps; None: nothing), and exit 1 unless the proof passed."""
     click.echo(text)
     write_json(json_path, result)
+    if stored is not None:
+        name = store_proof_run(**stored)
+        click.echo(f"stored as run {name} (the web app's Proofs page lists it)")
     if not passed:
         raise SystemExit(1)
+
+
+def store_option(func: Callable) -> Callable:
+    """--store/--no-store: whether the run is kept in the store, as the nightly's are."""
+    return click.option(
+        "--store/--no-store",
+        default=True,
+        show_default=True,
+        help="Keep the run in the store the web app reads (DATABASE_URL, else this host's), "
+        "where its Proofs page and `specpipe runs` list it.",
+    )(func)
+
+
+def _command_line() -> str:
+    """The running command with every option's value (defaults included), as it could be typed
+    again: how the stored run was made."""
+    ctx = click.get_current_context()
+    words = ["specpipe", "proof", ctx.command.name]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if not isinstance(param, click.Option) or param.name in ("json_path", "store"):
+            continue
+        if param.is_flag:
+            if value != param.default:
+                words.append(param.opts[0] if value else param.secondary_opts[0])
+        elif param.multiple:
+            for item in value or ():
+                words += [param.opts[0], shlex.quote(str(item))]
+        elif value is not None:
+            text = ",".join(f"{v:g}" for v in value) if isinstance(value, tuple) else str(value)
+            words += [param.opts[0], shlex.quote(text)]
+    return " ".join(words)
+
+
+def store_proof_run(
+    *,
+    local: dict | None = None,
+    swarm: dict | None = None,
+    generation: dict | None = None,
+    target=None,
+    ring=None,
+    where: str | None = None,
+) -> str:
+    """Keep the results as one manual proof run and return its name; one line if the store
+    cannot take it. A run on the swarm (`ring` routed over its stages) records that ring as the
+    nightly does; a run in this process records none."""
+    from models.proof_store import save_proof_run
+    from specpipe.cli.options import store_error, store_session
+    from workers.node_sync import sync_inventory
+    from workers.regression import CLAIM, project_commit
+
+    route = getattr(ring, "route", None)
+    session = store_session()
+    try:
+        if route is not None:
+            sync_inventory(session, list(route))
+        run = save_proof_run(
+            session,
+            local=local,
+            swarm=swarm,
+            generation=generation,
+            ring_snapshot=route is not None,
+            shard_commit=project_commit(),
+            claim=CLAIM,
+            model=None if target is None else target.name,
+            quant=None if target is None else target.quant,
+            method=_command_line(),
+            topology=where,
+        )
+        session.commit()
+        return run.name
+    except Exception as exc:  # a store that is missing, unmigrated or unreachable: one line
+        raise store_error("store the proof run (--no-store runs without it)", exc) from None
+    finally:
+        session.close()
 
 
 @click.group(name="proof")
@@ -67,7 +153,7 @@ def proof() -> None:
 )
 @click.option(
     "--seed",
-    type=click.IntRange(0, 2**63 - 1),
+    type=SEED,
     default=0,
     show_default=True,
     help="Seed for the synthetic targets and the draws.",
@@ -94,7 +180,8 @@ def proof() -> None:
     help="Top-k values to test (0 = off).",
 )
 @json_option
-def proof_local(draws, vocab, seed, temps, top_ps, top_ks, json_path) -> None:
+@store_option
+def proof_local(draws, vocab, seed, temps, top_ps, top_ks, json_path, store) -> None:
     """Proof 1: the verify rule's committed tokens follow the target exactly.
 
     Runs both verify forms over temperature × top-p × top-k × draft cases, and the Gumbel-max
@@ -117,7 +204,8 @@ def proof_local(draws, vocab, seed, temps, top_ps, top_ks, json_path) -> None:
         result = run_local_proof(cfg, progress=bar.update)
     summary = report.LocalProofSummary.from_result(result)
     text = report.format_local_summary(summary, time.perf_counter() - started)
-    _finish(text, result, json_path, summary.passed)
+    keep = {"local": result} if store else None
+    _finish(text, result, json_path, summary.passed, keep)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +313,7 @@ def _closing_ring(ring: Ring, plain_errors: tuple[type[Exception], ...] = ()) ->
 )
 @click.option(
     "--seed",
-    type=click.IntRange(0, 2**63 - 1),
+    type=SEED,
     default=0,
     show_default=True,
     help="Base seed; every draw has its own seed derived from it.",
@@ -243,6 +331,7 @@ def _closing_ring(ring: Ring, plain_errors: tuple[type[Exception], ...] = ()) ->
     help="Drafts from the tail's draft head, drawn with the Gumbel sampler whose noise it shares.",
 )
 @json_option
+@store_option
 def proof_swarm(
     redis_option,
     local_model,
@@ -257,6 +346,7 @@ def proof_swarm(
     prompts,
     draft_head,
     json_path,
+    store,
 ) -> None:
     """Proof 2: speculative draws on the ring have the plain draws' law, stop by stop.
 
@@ -299,7 +389,8 @@ def proof_swarm(
         result = run_swarm_proof(ring, prompt_ids, cfg, progress=bar.update)
     summary = report.SwarmProofSummary.from_result(result)
     text = report.format_swarm_summary(summary, where, time.perf_counter() - started)
-    _finish(text, result, json_path, summary.passed)
+    keep = dict(swarm=result, target=target, ring=ring, where=where) if store else None
+    _finish(text, result, json_path, summary.passed, keep)
 
 
 @proof.command(name="generation")
@@ -309,7 +400,7 @@ def proof_swarm(
 @click.option(
     "--seed",
     "seeds",
-    type=click.IntRange(0, 2**63 - 1),
+    type=SEED,
     multiple=True,
     help="Seeds of the sampled runs (repeatable) [default: 7 and 99].",
 )
@@ -334,6 +425,7 @@ def proof_swarm(
     help="Drafts from the tail's draft head, drawn with the Gumbel sampler whose noise it shares.",
 )
 @json_option
+@store_option
 def proof_generation(
     redis_option,
     local_model,
@@ -347,6 +439,7 @@ def proof_generation(
     max_new_tokens,
     draft_head,
     json_path,
+    store,
 ) -> None:
     """Proof 3: one prompt greedy and sampled, speculative and plain, side by side.
 
@@ -378,4 +471,5 @@ def proof_generation(
             draft_head=draft_head,
         )
     summary = report.GenerationProofSummary.from_result(result)
-    _finish(report.format_generation(summary, where), result, json_path, summary.passed)
+    keep = dict(generation=result, target=target, ring=ring, where=where) if store else None
+    _finish(report.format_generation(summary, where), result, json_path, summary.passed, keep)

@@ -10,7 +10,7 @@ import sys
 import click
 
 from specpipe.cli.checkpoints import ModelInputError
-from specpipe.cli.options import store_error
+from specpipe.cli.options import model_option, store_error
 
 
 def _port_free(port: int) -> bool:
@@ -31,7 +31,7 @@ def _port_free(port: int) -> bool:
     show_default=True,
     help="Stage workers, each serving an even share of the layers.",
 )
-@click.option("--model", "model_name", default="default", show_default=True, help="Model.")
+@model_option(dest="model_name")
 @click.option(
     "--port",
     type=click.IntRange(1, 65535),

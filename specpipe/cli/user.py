@@ -116,7 +116,7 @@ def user_passwd(name: str) -> None:
 @click.argument("name")
 def user_delete(name: str) -> None:
     """Delete NAME and its API tokens; its jobs go to the built-in admin."""
-    from models.users import delete_user
+    from models.user_deletion import delete_user
 
     with store_session() as session:
         try:

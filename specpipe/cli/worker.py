@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import click
 
 from specpipe.cli.checkpoints import ModelInputError
+from specpipe.cli.options import model_option
 from specpipe.settings import DEFAULT_HEARTBEAT_S
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ def layer_range(_ctx, _param, value: str) -> tuple[int, int]:
     callback=layer_range,
     help="Layer range A:B (half-open) this stage serves.",
 )
-@click.option("--model", "model_name", default="default", show_default=True, help="Model.")
+@model_option(dest="model_name")
 @click.option(
     "--redis",
     "redis_url",

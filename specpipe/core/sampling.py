@@ -29,7 +29,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# A seed keys the Philox stream, so any 64-bit unsigned integer will do: what every command, the
+# web form, the APIs and the store accept.
 MAX_SEED = 2**64 - 1
+MAX_SEED_TEXT = "2^64-1"  # how messages and pages write MAX_SEED
 
 # ---------------------------------------------------------------------------------------------
 # Validation
@@ -71,13 +74,20 @@ def check_params(temp: float, top_p: float, top_k: int) -> None:
 
 
 def check_seed(seed: int) -> None:
-    """Raise ValueError unless seed is an integer in 0 … 2^64-1."""
+    """Raise ValueError unless seed is an integer in 0 … MAX_SEED."""
     if (
         isinstance(seed, bool)
         or not isinstance(seed, numbers.Integral)
         or not 0 <= seed <= MAX_SEED
     ):
-        raise ValueError(f"seed must be an integer in 0 … 2^64-1, got {seed!r}")
+        raise ValueError(f"seed must be an integer in 0 … {MAX_SEED_TEXT}, got {seed!r}")
+
+
+def offset_seed(seed: int, offset: int) -> int:
+    """The seed `offset` steps after `seed`, wrapping past MAX_SEED to 0: the seeds a run
+    derives from its own (one per draw, job or prompt) are valid whatever seed it was given,
+    and are `seed + offset` wherever that is a seed."""
+    return (seed + offset) & MAX_SEED
 
 
 # ---------------------------------------------------------------------------------------------

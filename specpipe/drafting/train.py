@@ -220,7 +220,7 @@ class Sequences:
     top_probs: torch.Tensor  # [M, TEACHER_TOP] float32
     left: np.ndarray  # [M] int64
     positions: np.ndarray  # [M] int64: the absolute position of each row
-    seeds: np.ndarray  # [M] int64: the seed its sequence was sampled with
+    seeds: np.ndarray  # [M] uint64: the seed its sequence was sampled with (any 64-bit seed)
     starts: list[int] = field(default_factory=list)  # the first row of each sequence
     prompts: list[list[int]] = field(default_factory=list)  # each sequence's prompt
 
@@ -341,7 +341,7 @@ def _flatten(sessions: Sequence[_Session]) -> Sequences:
         top_probs=torch.cat([t for s in sessions for t in s.top_probs]),
         left=np.array(left, dtype=np.int64),
         positions=np.array(positions, dtype=np.int64),
-        seeds=np.array(seeds, dtype=np.int64),
+        seeds=np.array(seeds, dtype=np.uint64),
         starts=starts,
         prompts=[s.prompt for s in sessions],
     )

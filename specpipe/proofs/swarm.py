@@ -38,7 +38,7 @@ from functools import partial
 import numpy as np
 
 from specpipe.core.ring import Ring, RoundResult
-from specpipe.core.sampling import SamplingParams, check_sampler, committed_tokens
+from specpipe.core.sampling import SamplingParams, check_sampler, committed_tokens, offset_seed
 from specpipe.decoding.generation import Generation
 from specpipe.drafting.ngram import NgramDrafter
 from specpipe.proofs.stats import entropy_bits, total_variation, two_sample_p_value
@@ -152,7 +152,7 @@ def choose_stops(
             ring,
             f"proof-gen-{uuid.uuid4().hex[:12]}",
             prompt,
-            cfg.params(cfg.seed + i),
+            cfg.params(offset_seed(cfg.seed, i)),
             max_new_tokens=cfg.generation_tokens,
             draft_k=cfg.draft_k,
         )

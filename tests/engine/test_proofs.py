@@ -196,6 +196,7 @@ def test_cli_writes_the_reference_fields(tmp_path):
         "0,10",
         "--json",
         str(out),
+        "--no-store",
     ]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
@@ -220,7 +221,19 @@ def test_cli_exits_1_when_the_proof_fails(monkeypatch):
     monkeypatch.setitem(proofs.FORMS, "residual", proofs.mutant_always_accept)
     result = CliRunner().invoke(
         cli,
-        ["proof", "local", "--draws", "5000", "--temps", "1.0", "--top-ps", "1.0", "--top-ks", "0"],
+        [
+            "proof",
+            "local",
+            "--draws",
+            "5000",
+            "--temps",
+            "1.0",
+            "--top-ps",
+            "1.0",
+            "--top-ks",
+            "0",
+            "--no-store",
+        ],
     )
     assert result.exit_code == 1
     assert "verdict: FAIL" in result.output

@@ -107,7 +107,17 @@ def test_an_unknown_model_and_a_missing_key_are_one_line_each():
 def test_proof_swarm_runs_in_process_on_a_local_ring(tmp_path):
     out = tmp_path / "proof2.json"
     result = invoke(
-        "proof", "swarm", "--local", "toy", "--stops", "2", "--draws", "100", "--json", str(out)
+        "proof",
+        "swarm",
+        "--local",
+        "toy",
+        "--stops",
+        "2",
+        "--draws",
+        "100",
+        "--json",
+        str(out),
+        "--no-store",
     )
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()  # the progress bar went to stderr
@@ -120,7 +130,15 @@ def test_proof_swarm_runs_in_process_on_a_local_ring(tmp_path):
 
 def test_proof_generation_shows_identical_texts_side_by_side():
     result = invoke(
-        "proof", "generation", "--local", "toy", "--max-new-tokens", "12", "--seed", "5"
+        "proof",
+        "generation",
+        "--local",
+        "toy",
+        "--max-new-tokens",
+        "12",
+        "--seed",
+        "5",
+        "--no-store",
     )
     assert result.exit_code == 0, result.output
     assert "[greedy_temp0]" in result.output and "[sampled_temp0.7_seed5]" in result.output
@@ -138,7 +156,15 @@ def test_regression_run_without_redis_is_one_line():
 
 def test_proof_generation_on_the_default_model_uses_its_tokenizer():
     result = invoke(
-        "proof", "generation", "--local", "default", "--max-new-tokens", "6", "--seed", "7"
+        "proof",
+        "generation",
+        "--local",
+        "default",
+        "--max-new-tokens",
+        "6",
+        "--seed",
+        "7",
+        "--no-store",
     )
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith(

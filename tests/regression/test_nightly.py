@@ -265,6 +265,7 @@ def test_two_schedulers_firing_at_once_store_one_run(live_swarm, monkeypatch):
 def test_the_swarm_proof_command_on_the_live_ring(live_swarm):
     live_swarm.start_stages()
     env = {k: v for k, v in live_swarm.env().items() if k.startswith(("SPECPIPE_", "REDIS_"))}
+    env["DATABASE_URL"] = live_swarm.db_url
     result = CliRunner().invoke(
         cli,
         [
@@ -284,7 +285,14 @@ def test_the_swarm_proof_command_on_the_live_ring(live_swarm):
     assert result.exit_code == 0, result.output
     assert "TV spec/plain" in result.output and "wa-1 → nj-1" in result.output
     assert "same-seed draws          200/200 identical" in result.output
-    assert result.output.strip().splitlines()[-1].startswith("verdict: PASS")
+    assert result.output.strip().splitlines()[-2].startswith("verdict: PASS")
+    # Kept in the store as the nightly's are: the ring it ran on, and why it passed.
+    name = result.output.strip().splitlines()[-1].split()[3]
+    with make_session_factory(live_swarm.db_url)() as session:
+        run = session.scalar(select(Run).where(Run.name == name))
+        assert (run.kind, run.verdict, run.topology) == ("proof", "pass", "wa-1 → nj-1")
+        assert [n.host for n in run.node_snapshots] == ["wa-1", "nj-1"]
+        assert run.proof("on_swarm").summary["reasons"] == []
 
 
 def test_the_generation_proof_on_a_live_ring_of_the_default_model(live_swarm):
@@ -292,7 +300,17 @@ def test_the_generation_proof_on_a_live_ring_of_the_default_model(live_swarm):
     env = {k: v for k, v in live_swarm.env().items() if k.startswith(("SPECPIPE_", "REDIS_"))}
     result = CliRunner().invoke(
         cli,
-        ["proof", "generation", "--model", "default", "--max-new-tokens", "5", "--seed", "7"],
+        [
+            "proof",
+            "generation",
+            "--model",
+            "default",
+            "--max-new-tokens",
+            "5",
+            "--seed",
+            "7",
+            "--no-store",
+        ],
         env=env,
     )
     assert result.exit_code == 0, result.output

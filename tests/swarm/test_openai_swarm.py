@@ -23,6 +23,7 @@ import openai
 import pytest
 import torch
 from click.testing import CliRunner
+from sqlalchemy import select
 from werkzeug.serving import make_server
 
 from app import create_app
@@ -85,6 +86,10 @@ def stack(tiny, database_url, tmp_path_factory):
                 "token": token,
                 "user_id": user_id,
                 "db": database_url,
+                "env": {  # what `specpipe generate` needs to submit to this swarm
+                    **{k: v for k, v in swarm.env.items() if k.startswith(("SPECPIPE_", "REDIS_"))},
+                    "DATABASE_URL": database_url,
+                },
             }
         finally:
             if httpd is not None:
@@ -101,12 +106,14 @@ def client(stack) -> openai.OpenAI:
 
 def local(tiny, *extra: str, max_new_tokens: int = 30) -> dict:
     """`specpipe generate --local` over two stages in this process, greedy."""
+    return generate(tiny, "--local", "--stages", "2", *extra, max_new_tokens=max_new_tokens)
+
+
+def generate(tiny, *extra: str, max_new_tokens: int = 30, env: dict | None = None) -> dict:
+    """`specpipe generate`, greedy, as JSON: on the swarm `env` names, unless `--local`."""
     args = [
         "generate",
         PROMPT,
-        "--local",
-        "--stages",
-        "2",
         "--model",
         str(tiny),
         "--json",
@@ -118,9 +125,9 @@ def local(tiny, *extra: str, max_new_tokens: int = 30) -> dict:
         str(max_new_tokens),
         *extra,
     ]
-    result = CliRunner().invoke(cli, args)
+    result = CliRunner().invoke(cli, args, env=env)
     assert result.exit_code == 0, result.output
-    return json.loads(result.output)
+    return json.loads(result.stdout)
 
 
 def stored(stack, job_id: int) -> Job:
@@ -152,6 +159,12 @@ def test_greedy_chat_and_raw_completions_equal_specpipe_generate(tiny, stack, cl
     assert raw.choices[0].text == want_raw["text"]
     assert stored(stack, raw.model_extra["specpipe"]["job_id"]).output_ids == want_raw["tokens"]
     assert raw.usage.prompt_tokens < chat.usage.prompt_tokens  # no chat template around it
+    # `specpipe generate --raw` runs on the swarm as /v1/completions does: the same job.
+    on_swarm = generate(tiny, "--raw", env=stack["env"])
+    assert (on_swarm["text"], on_swarm["tokens"]) == (want_raw["text"], want_raw["tokens"])
+    with make_session_factory(stack["db"])() as session:
+        newest = session.scalars(select(Job).order_by(Job.id.desc())).first()
+        assert newest.raw_prompt and newest.output_ids == want_raw["tokens"]
     # Both are jobs of the key's owner, in their history.
     ask = urllib.request.Request(
         stack["url"] + "/api/v1/jobs", headers={"Authorization": f"Bearer {stack['token']}"}

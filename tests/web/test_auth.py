@@ -177,7 +177,7 @@ def test_password_change_ends_sessions(anon, session, alice):
 
 
 def test_deleted_user_is_logged_out(anon, session, alice):
-    from models.users import delete_user
+    from models.user_deletion import delete_user
 
     as_user(anon, alice)
     assert anon.get("/history").status_code == 200

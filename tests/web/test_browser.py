@@ -134,6 +134,10 @@ def test_submit_watch_history_proofs_nodes(server, page, session, queue):
     heights = page.locator("#rounds-strip span").evaluate_all("s => s.map(e => e.style.height)")
     assert all(h.endswith("%") for h in heights), heights
     assert page.text_content("#stat-per-round") == "3.33"  # 10 tokens in 3 rounds
+    # The Ring panel follows too: the run's ring, where the page said it had none.
+    page.wait_for_function("() => document.querySelectorAll('#job-ring li').length === 4")
+    assert page.is_hidden("#job-ring-empty") and page.is_visible("#job-ring-record")
+    assert page.text_content("#job-ring li:last-child") == "tail host3.example layers 27–35 · NJ"
     shot(page, "02-job-running")
     job.status, job.finished_at = "done", utcnow()
     job.record_progress(
@@ -283,6 +287,8 @@ def test_job_finished_by_a_real_worker(server, page, app, db_url, queue, tmp_pat
         shot(page, "10-job-finished-by-worker")
         assert page.text_content("#job-status .badge") == "done", page.text_content("#job-error")
         assert page.text_content("#job-output").strip()
+        assert page.locator("#job-ring li").count() == 2  # followed without a reload
+        assert page.is_hidden("#job-ring-empty")
         page.reload()
         assert page.locator(".ring-list li").count() == 2  # the run's snapshot of the ring
     finally:

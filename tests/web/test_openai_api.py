@@ -21,6 +21,7 @@ from models.db import make_session_factory, utcnow
 from models.jobs import Job
 from models.tokens import create_token
 from models.users import create_user
+from specpipe.settings import JOB_DEFAULTS
 
 MODEL = "tiny-test"  # the test app's model (tests/web/conftest.py)
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "temperature": 0}
@@ -212,9 +213,12 @@ def test_a_completion_is_a_job_of_the_key_owner(app, db_url, session, api_token)
     job = session.get(Job, answer["specpipe"]["job_id"])
     assert answer["id"] == f"cmpl-{job.id}" and answer["object"] == "text_completion"
     assert job.owner.name == "alice" and job.raw_prompt and job.messages is None
-    assert job.prompt == "Once upon a" and job.max_new_tokens == 4 and job.temp == 1.0
+    assert job.prompt == "Once upon a" and job.max_new_tokens == 4
     assert job.seed_was_random and answer["specpipe"]["seed"] == job.seed  # drawn and reported
-    assert job.sampler == "gumbel"  # the default, as for other jobs
+    # What the request leaves out takes the job defaults, as on the form and the JSON API.
+    assert (job.temp, job.top_p, job.top_k, job.draft_k, job.sampler) == tuple(
+        JOB_DEFAULTS[name] for name in ("temp", "top_p", "top_k", "draft_k", "sampler")
+    )
     (choice,) = answer["choices"]
     assert choice["text"] == "abcd" and choice["finish_reason"] == "length"
     assert choice["logprobs"] is None and job.logprobs is None
@@ -461,7 +465,7 @@ def test_any_body_is_answered_in_openai_shape_and_refusals_change_nothing(
 
 
 def test_a_rerun_feeds_the_prompt_the_same_way(app, db_url, session, api_token):
-    from app import submitter
+    from app.submitting import submitter
     from workers.submission import rerun_params
 
     client = app.test_client()

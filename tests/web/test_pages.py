@@ -107,6 +107,50 @@ def test_job_page_and_progress(client, session):
     assert client.get("/jobs/424242/progress").status_code == 404
 
 
+def test_the_ring_panel_follows_the_job_in_the_json_the_page_polls(client, session):
+    """The job page redraws its Ring panel from the JSON it polls: a job opened while queued
+    shows its ring once it has run, without a reload."""
+    job = gen_job(session)
+    session.commit()
+    html = client.get(f"/jobs/{job.id}").get_data(as_text=True)
+    assert 'id="job-ring" hidden' in html and "Not assigned to a ring yet." in html
+    assert client.get(f"/jobs/{job.id}/progress").get_json()["ring"] == {
+        "stages": [],
+        "record_url": None,
+        "empty": "Not assigned to a ring yet.",
+    }
+
+    gen_ring(session, 2)
+    job.run = start_run(session, model="tiny-test")
+    job.status = "done"
+    session.commit()
+    ring = client.get(f"/jobs/{job.id}/progress").get_json()["ring"]
+    assert ring == {
+        "stages": [
+            {"role": "stage0", "host": "host0.example", "layers": "0–17", "geo": "WA"},
+            {"role": "tail", "host": "host1.example", "layers": "18–35", "geo": "MN"},
+        ],
+        "record_url": f"/runs/{job.run_id}/record.json",
+        "empty": None,
+    }
+    html = client.get(f"/jobs/{job.id}").get_data(as_text=True)
+    assert "Not assigned to a ring yet." not in html and 'id="job-ring-empty" hidden' in html
+
+    never_ran = gen_job(session, status="cancelled")
+    session.commit()
+    assert client.get(f"/jobs/{never_ran.id}/progress").get_json()["ring"]["empty"] == (
+        "Did not run on a ring."
+    )
+
+
+def test_new_job_page_names_where_drafts_come_from(client):
+    """Drafts come from the n-gram drafter and the tail's draft head
+    (`specpipe.decoding.generation`), and the page says both."""
+    lede = " ".join(client.get("/").get_data(as_text=True).split('class="lede">')[1].split())
+    assert "n-gram drafter" in lede and "the tail's learned draft head" in lede
+    assert "an n-gram drafter proposes tokens" not in lede
+
+
 def test_a_queued_job_shows_its_place_in_line(client, session, api_token):
     first, second = gen_job(session), gen_job(session)
     session.commit()

@@ -51,6 +51,7 @@ def test_form_page_renders_fields(client):
         assert f'name="{name}"' in html
     assert re.search(r'<option value="gumbel"\s*selected>', html)  # the default
     assert re.search(r'<option value="icdf"\s*>', html)
+    assert "blank = random; 0 – 2^64-1" in html  # the seeds the sampler takes
 
 
 def test_submit_creates_enqueues_redirects(client, session, queue):
