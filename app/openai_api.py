@@ -35,6 +35,10 @@ CHAT_ROLES = ("system", "user", "assistant")
 KEEP_ALIVE_S = 1.0  # a stream sends a comment this often while it waits: a gone client shows
 # Our job fields by the OpenAI names that set them.
 OPENAI_NAMES = {"max_new_tokens": "max_tokens", "temp": "temperature"}
+# The defaults OpenAI's API documents for its own fields (temperature 1, top_p 1): a client that
+# leaves them out samples here as it would anywhere else. Every other field a request leaves out
+# takes the job defaults (`JOB_DEFAULTS`), as on the form and the JSON API.
+OPENAI_DEFAULTS = {"temp": 1.0, "top_p": 1.0}
 # Known fields this server cannot honour, with the value that asks for nothing.
 UNSUPPORTED = {
     "echo": False,
@@ -294,8 +298,7 @@ def parse_request(chat: bool) -> Completion:
         "stop": body.get("stop"),
         "sampler": body.get("sampler"),
     }
-    # A field left out (or null) takes the job default, as on the form and the JSON API.
-    raw = {name: value for name, value in raw.items() if value is not None}
+    raw = {**OPENAI_DEFAULTS, **{name: value for name, value in raw.items() if value is not None}}
     extra: dict = {"raw_prompt": not chat, "messages": None}
     if chat:
         messages = _messages(body)
