@@ -105,17 +105,17 @@ def store_proof_run(
     from workers.node_sync import sync_inventory
     from workers.regression import CLAIM, project_commit
 
-    route = getattr(ring, "route", None)
+    route = [] if ring is None else list(ring.route)  # empty in one process
     session = store_session()
     try:
-        if route is not None:
-            sync_inventory(session, list(route))
+        if route:
+            sync_inventory(session, route)
         run = save_proof_run(
             session,
             local=local,
             swarm=swarm,
             generation=generation,
-            ring_snapshot=route is not None,
+            ring_snapshot=bool(route),
             shard_commit=project_commit(),
             claim=CLAIM,
             model=None if target is None else target.name,

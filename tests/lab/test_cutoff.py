@@ -118,7 +118,7 @@ def test_a_cut_off_host_with_a_spare_is_routed_around(tiny, tmp_path):
         thread.join(120)
         result = out["result"]
         assert result.exit_code == 0, result.output
-        assert json.loads(result.output)["tokens"] == want
+        assert json.loads(result.stdout)["tokens"] == want
         assert stall_s < 6.0, stall_s
     finally:
         lab.down()

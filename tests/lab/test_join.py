@@ -155,7 +155,7 @@ def test_a_bare_host_joins_as_a_spare_and_takes_over_when_the_stage_dies(lab, ti
         thread.join(120)
         result = out["result"]
         assert result.exit_code == 0, result.output
-        assert json.loads(result.output)["tokens"] == want
+        assert json.loads(result.stdout)["tokens"] == want
         assert stall_s < 6.0, stall_s
         print(f"failover across namespaces ({victim} killed): {stall_s:.2f} s to the next round")
     finally:

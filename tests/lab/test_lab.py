@@ -35,7 +35,7 @@ def generate(lab: Lab, tiny, *args: str) -> dict:
         },
     )
     assert result.exit_code == 0, result.output
-    return json.loads(result.output)
+    return json.loads(result.stdout)
 
 
 def test_every_host_has_its_own_namespace_address_and_redis(lab):

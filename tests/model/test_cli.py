@@ -22,7 +22,7 @@ def test_model_info_default_json():
 
     result = invoke("model", "info", "default", "--json", "--stages", "4")
     assert result.exit_code == 0, result.output
-    info = json.loads(result.output)
+    info = json.loads(result.stdout)
     reader = GGUFReader(default_model_path())
     assert info["architecture"] == "llama" and info["layers"] == 30
     assert info["parameters"] == sum(int(t.n_elements) for t in reader.tensors)
@@ -40,7 +40,7 @@ def test_model_info_checkpoint_counts_parameters_like_transformers(checkpoints):
 
     for name in ("llama", "qwen2", "gptoss", "gptoss-mxfp4"):
         result = invoke("model", "info", str(checkpoints[name]), "--json", "--stages", "3")
-        info = json.loads(result.output)
+        info = json.loads(result.stdout)
         model = transformers.AutoModelForCausalLM.from_pretrained(reference(checkpoints[name]))
         assert info["parameters"] == model.num_parameters(), name
         assert [s["layers"] for s in info["stages"]] == [[0, 2], [2, 3], [3, 4]]

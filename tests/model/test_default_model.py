@@ -154,7 +154,7 @@ def test_generate_local_greedy_matches_transformers(hf_model, prompt_ids, mode):
         *mode,
     ]
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
-    got = json.loads(result.output)
+    got = json.loads(result.stdout)
     with torch.no_grad():
         out = hf_model.generate(
             torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, eos_token_id=2

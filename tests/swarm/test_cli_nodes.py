@@ -57,7 +57,7 @@ def test_nodes_json_lists_records_status_and_stage_stats_in_ring_order(swarm, re
     client.close()
     result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, "--json"])
     assert result.exit_code == 0, result.output
-    out = json.loads(result.output)
+    out = json.loads(result.stdout)
     assert out["swarm"] == swarm and out["ignored_records"] == 0
     records = out["nodes"]
     assert [(r["host"], r["role"], r["status"]) for r in records] == [
@@ -73,7 +73,7 @@ def test_nodes_json_lists_records_status_and_stage_stats_in_ring_order(swarm, re
 def test_nodes_json_of_an_empty_swarm_is_an_empty_list(swarm, redis_url):
     result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, "--json"])
     assert result.exit_code == 0
-    assert json.loads(result.output) == {
+    assert json.loads(result.stdout) == {
         "swarm": swarm,
         "nodes": [],
         "ring": None,
@@ -95,7 +95,7 @@ def test_nodes_count_ignored_records_and_hide_passwords(swarm, redis_url, key):
     assert wa.split()[0] == "wa" and "unix://specpipe:***@/run/specpipe/redis.sock" in wa
     assert note == "2 inventory records ignored: unsigned, forged, malformed or dated in the future"
     result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, "--json"])
-    out = json.loads(result.output)
+    out = json.loads(result.stdout)
     assert [n["host"] for n in out["nodes"]] == ["wa"] and out["ignored_records"] == 2
     assert secret not in result.output and "specpipe:***@" in out["nodes"][0]["redis_url"]
 
@@ -170,7 +170,7 @@ def test_nodes_show_each_hops_measured_link_once_the_ring_has_carried_rounds(
     for host in ("h0", "h1"):
         two_heartbeats_later(redis_url, swarm, ring_settings.swarm_key.encode(), host)
     result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, "--json"])
-    latency = json.loads(result.output)["ring"]
+    latency = json.loads(result.stdout)["ring"]
     hops = [(h["host"], h["next_hop"]) for h in latency["hops"]]
     assert hops == [("h0", "h1"), ("h1", "coordinator")]
     assert all(0 < h["link_ms"] < 50 and h["forward_ms"] > 0 for h in latency["hops"])

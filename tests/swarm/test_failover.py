@@ -134,7 +134,7 @@ def test_a_job_whose_stage_is_killed_goes_on_through_the_spare_identically(
         cli, ["generate", "hello world", "--local", "--stages", "2", *options(tiny, **kw)]
     )
     assert result.exit_code == 0, result.output
-    want = json.loads(result.output)["tokens"]
+    want = json.loads(result.stdout)["tokens"]
 
     thread, out = in_background(*options(tiny, **kw))
     job = watch(db_url, lambda j: j.generated_tokens >= 10 and j.run_id is not None, "10 tokens")
@@ -149,7 +149,7 @@ def test_a_job_whose_stage_is_killed_goes_on_through_the_spare_identically(
     thread.join(120)
     result = out["result"]
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["tokens"] == want
+    assert json.loads(result.stdout)["tokens"] == want
     assert latest_job(db_url).status == "done"
     assert stall_s < FAILOVER_BOUND_S, stall_s
     print(f"failover: {stall_s:.2f} s from the kill to the next stored round")
