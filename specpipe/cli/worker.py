@@ -13,7 +13,7 @@ from specpipe.settings import DEFAULT_HEARTBEAT_S
 
 if TYPE_CHECKING:
     from specpipe.settings import Settings
-    from specpipe.swarm.stage.tail import TailSampling
+    from specpipe.swarm.stage.samplers import TailSampling
     from specpipe.swarm.wire import Keyring
 
 
@@ -348,7 +348,7 @@ def tail_sampling() -> TailSampling:
     """How this process's tail samples: the lossless samplers, unless `SPECPIPE_TEST_LOSSY_TAIL=1`
     installs the test-only lossy one (the stage then says so in its log and its record)."""
     from specpipe import settings
-    from specpipe.swarm.stage.tail import TailSampling
+    from specpipe.swarm.stage.samplers import TailSampling
 
     if not settings.test_lossy_tail():
         return TailSampling()
