@@ -7,7 +7,14 @@ from pathlib import Path
 
 import click
 
-from specpipe.cli.options import SEED, json_option, model_option, sampling_options, write_json
+from specpipe.cli.options import (
+    SEED,
+    hop_delays_option,
+    json_option,
+    model_option,
+    sampling_options,
+    write_json,
+)
 
 
 @click.group(name="bench")
@@ -109,15 +116,7 @@ def _model_errors(func):
     show_default=True,
     help="New tokens per generation.",
 )
-@click.option(
-    "--hop-delay-ms",
-    "delays",
-    type=click.FloatRange(0, 10_000),
-    multiple=True,
-    default=(0.0, 10.0, 25.0),
-    show_default=True,
-    help="Simulated one-way latency per hop; repeat for several.",
-)
+@hop_delays_option((0.0, 10.0, 25.0))
 @sampling_options(0.7, 0.95, greedy=True)
 @click.option("--seed", type=SEED, default=7, show_default=True)
 @click.option("--draft-k", type=click.IntRange(1, 64), default=8, show_default=True)
@@ -187,15 +186,7 @@ def bench_ring(
     show_default=True,
     help="Jobs at once; repeat for several.",
 )
-@click.option(
-    "--hop-delay-ms",
-    "delays",
-    type=click.FloatRange(0, 10_000),
-    multiple=True,
-    default=(0.0, 25.0),
-    show_default=True,
-    help="Simulated one-way latency per hop; repeat for several.",
-)
+@hop_delays_option((0.0, 25.0))
 @click.option(
     "--tokens",
     type=click.IntRange(4, 4096),
@@ -263,15 +254,7 @@ def bench_load(
 @click.option(
     "--stages", type=click.IntRange(1, 16), default=4, show_default=True, help="Stage processes."
 )
-@click.option(
-    "--hop-delay-ms",
-    "delays",
-    type=click.FloatRange(0, 10_000),
-    multiple=True,
-    default=(0.0, 25.0),
-    show_default=True,
-    help="Simulated one-way latency per hop; repeat for several.",
-)
+@hop_delays_option((0.0, 25.0))
 @click.option(
     "--k",
     "fixed",
@@ -714,15 +697,7 @@ def bench_wan(model, delays, tokens, temps, seed, draft_k, home, json_path):
     show_default=True,
     help="Stage processes of the ring.",
 )
-@click.option(
-    "--hop-delay-ms",
-    "delays",
-    type=click.FloatRange(0, 10_000),
-    multiple=True,
-    default=(0.0, 25.0),
-    show_default=True,
-    help="Simulated one-way latency per hop; repeat for several.",
-)
+@hop_delays_option((0.0, 25.0))
 @click.option(
     "--tokens",
     type=click.IntRange(4, 4096),

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import click
 
 from specpipe.cli.checkpoints import ModelInputError
-from specpipe.cli.options import SEED, model_option, sampling_options
+from specpipe.cli.options import SEED, compute_options, model_option, sampling_options
 from specpipe.core.sampling import SAMPLERS
 from specpipe.core.stopping import (
     MAX_STOP_CHARS,
@@ -135,20 +135,7 @@ class TextStream:
     f"{MAX_STOP_STRINGS}, each 1-{MAX_STOP_CHARS} characters).",
 )
 @click.option("--raw", is_flag=True, help="Do not apply the model's chat template.")
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "bfloat16", "float16"]),
-    default="float32",
-    show_default=True,
-    help="Compute dtype.",
-)
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    default=None,
-    help="CPU threads for torch (default: torch's choice).",
-)
+@compute_options
 @click.option(
     "--row-stable/--no-row-stable",
     default=True,

@@ -8,6 +8,7 @@ from urllib.parse import urlparse
 import click
 
 from specpipe.cli.checkpoints import ModelInputError
+from specpipe.cli.options import compute_options
 from specpipe.cli.worker import check_reachable, layer_range, serve_stage
 
 
@@ -76,20 +77,7 @@ def address_towards(url: str) -> str:
     help="Port of the Redis started here.",
 )
 @click.option("--geo", default="", help="Location label to record (e.g. WA).")
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    default=None,
-    help="CPU threads for torch (default: torch's choice).",
-)
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "bfloat16", "float16"]),
-    default="float32",
-    show_default=True,
-    help="Compute dtype.",
-)
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
+@compute_options
 @click.option(
     "--link-delay-ms",
     type=click.FloatRange(min=0),

@@ -23,6 +23,42 @@ def model_option(
     return click.option("--model", dest, default="default", show_default=True, help=help_text)
 
 
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def dtype_option(help_text: str = "Compute dtype.") -> Callable[[Callable], Callable]:
+    """--dtype: the dtype a stage computes in."""
+    return click.option(
+        "--dtype", type=click.Choice(DTYPES), default="float32", show_default=True, help=help_text
+    )
+
+
+def compute_options(func: Callable) -> Callable:
+    """--dtype, --device and --threads: where and how a process runs its stages."""
+    func = click.option(
+        "--threads",
+        type=click.IntRange(min=1),
+        default=None,
+        help="CPU threads for torch (default: torch's choice).",
+    )(func)
+    func = click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")(func)
+    return dtype_option()(func)
+
+
+def hop_delays_option(default: tuple[float, ...]) -> Callable[[Callable], Callable]:
+    """--hop-delay-ms (repeatable), into `delays`: the simulated one-way latencies per hop a
+    benchmark runs at, each in turn."""
+    return click.option(
+        "--hop-delay-ms",
+        "delays",
+        type=click.FloatRange(0, 10_000),
+        multiple=True,
+        default=default,
+        show_default=True,
+        help="Simulated one-way latency per hop; repeat for several.",
+    )
+
+
 def sampling_options(
     temp: float, top_p: float, *, greedy: bool, what: str = ""
 ) -> Callable[[Callable], Callable]:

@@ -10,7 +10,7 @@ import sys
 import click
 
 from specpipe.cli.checkpoints import ModelInputError
-from specpipe.cli.options import model_option, store_error
+from specpipe.cli.options import dtype_option, model_option, store_error
 
 
 def _port_free(port: int) -> bool:
@@ -39,13 +39,7 @@ def _port_free(port: int) -> bool:
     show_default=True,
     help="Port of the web app (on 127.0.0.1).",
 )
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "bfloat16", "float16"]),
-    default="float32",
-    show_default=True,
-    help="Stages' compute dtype.",
-)
+@dtype_option("Stages' compute dtype.")
 @click.option(
     "--status-every",
     type=click.FloatRange(min=0),

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 import click
 
 from specpipe.cli.checkpoints import ModelInputError
-from specpipe.cli.options import model_option
+from specpipe.cli.options import compute_options, model_option
 from specpipe.settings import DEFAULT_HEARTBEAT_S
 
 if TYPE_CHECKING:
     from specpipe.settings import Settings
-    from specpipe.swarm.stage.tail import TailSampling
+    from specpipe.swarm.stage.samplers import TailSampling
     from specpipe.swarm.wire import Keyring
 
 
@@ -62,20 +62,7 @@ def layer_range(_ctx, _param, value: str) -> tuple[int, int]:
 )
 @click.option("--public-ip", default="", help="Public IP to record in the inventory.")
 @click.option("--geo", default="", help="Location label to record (e.g. WA).")
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "bfloat16", "float16"]),
-    default="float32",
-    show_default=True,
-    help="Compute dtype.",
-)
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    default=None,
-    help="CPU threads for torch (default: torch's choice).",
-)
+@compute_options
 @click.option(
     "--heartbeat-s",
     type=click.FloatRange(min=0.1),
@@ -348,7 +335,7 @@ def tail_sampling() -> TailSampling:
     """How this process's tail samples: the lossless samplers, unless `SPECPIPE_TEST_LOSSY_TAIL=1`
     installs the test-only lossy one (the stage then says so in its log and its record)."""
     from specpipe import settings
-    from specpipe.swarm.stage.tail import TailSampling
+    from specpipe.swarm.stage.samplers import TailSampling
 
     if not settings.test_lossy_tail():
         return TailSampling()

@@ -4,7 +4,7 @@ Generic over the `Stage` protocol: it reads `specpipe:{swarm}:stage:{host}` on i
 a member of the stage consumer group, verifies each message (`stage.admission`), runs
 `stage.forward`, and sends the hidden states to the next hop's stream on that hop's Redis, or,
 on the tail, samples the doctored result vector with the session's parameters and sends it to
-the coordinator's reply stream (`stage.onward`, `stage.tail`). A stage that has lost a session's
+the coordinator's reply stream (`stage.onward`, `stage.samplers`). A stage that has lost a session's
 cache answers `gap`. Per-session `reset` (the tail keeps temp, top_p, top_k and seed, and
 whether to send the committed tokens' log-probabilities with each result), `reseed` (new
 parameters, caches kept) and `drop` arrive as signed messages on the same stream, so they are
@@ -43,14 +43,14 @@ from specpipe.swarm.stage import budget
 from specpipe.swarm.stage.activity import Activity
 from specpipe.swarm.stage.admission import Admission
 from specpipe.swarm.stage.batching import MAX_BATCH, Batcher
+from specpipe.swarm.stage.counters import StageStats
 from specpipe.swarm.stage.delayed_link import DelayedLink
 from specpipe.swarm.stage.forward import Forward
 from specpipe.swarm.stage.heartbeat import Heartbeat
 from specpipe.swarm.stage.keys import StageKeys
 from specpipe.swarm.stage.onward import Onward
+from specpipe.swarm.stage.samplers import TailSamplers, TailSampling
 from specpipe.swarm.stage.sending import Link, Outbox, Replies, Sender
-from specpipe.swarm.stage.stats import StageStats
-from specpipe.swarm.stage.tail import TailSamplers, TailSampling
 
 if TYPE_CHECKING:
     from specpipe.drafting.head import TailHead

@@ -15,8 +15,8 @@ from collections import OrderedDict
 
 from specpipe.swarm import streams, wire
 from specpipe.swarm.stage.activity import Activity, remember
+from specpipe.swarm.stage.counters import StageStats
 from specpipe.swarm.stage.keys import StageKeys
-from specpipe.swarm.stage.stats import StageStats
 
 log = logging.getLogger("specpipe.stage")
 

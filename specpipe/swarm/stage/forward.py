@@ -10,8 +10,8 @@ import torch
 
 from specpipe.core.ring import Request, Stage
 from specpipe.swarm import wire
+from specpipe.swarm.stage.counters import StageStats
 from specpipe.swarm.stage.onward import Onward
-from specpipe.swarm.stage.stats import StageStats
 
 log = logging.getLogger("specpipe.stage")
 

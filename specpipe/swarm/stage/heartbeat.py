@@ -17,8 +17,8 @@ from dataclasses import replace
 import redis
 
 from specpipe.swarm import inventory, streams
+from specpipe.swarm.stage.counters import StageStats
 from specpipe.swarm.stage.keys import StageKeys
-from specpipe.swarm.stage.stats import StageStats
 
 log = logging.getLogger("specpipe.stage")
 

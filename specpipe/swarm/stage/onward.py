@@ -11,10 +11,10 @@ import torch
 
 from specpipe.core.ring import GapError, Stage
 from specpipe.swarm import streams, wire
+from specpipe.swarm.stage.counters import StageStats
 from specpipe.swarm.stage.keys import StageKeys
+from specpipe.swarm.stage.samplers import TailSamplers
 from specpipe.swarm.stage.sending import Outbox, Outgoing, Replies
-from specpipe.swarm.stage.stats import StageStats
-from specpipe.swarm.stage.tail import TailSamplers
 
 log = logging.getLogger("specpipe.stage")
 

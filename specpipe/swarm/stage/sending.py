@@ -11,8 +11,8 @@ from typing import Protocol
 import redis
 
 from specpipe.swarm import streams, wire
+from specpipe.swarm.stage.counters import StageStats
 from specpipe.swarm.stage.keys import StageKeys
-from specpipe.swarm.stage.stats import StageStats
 
 log = logging.getLogger("specpipe.stage")
 

@@ -20,7 +20,7 @@ from specpipe.core.sampling import Sampler, SamplingParams
 from specpipe.decoding.tail import finish_round
 from specpipe.swarm import wire
 from specpipe.swarm.stage.activity import remember
-from specpipe.swarm.stage.stats import StageStats
+from specpipe.swarm.stage.counters import StageStats
 
 if TYPE_CHECKING:
     from specpipe.drafting.head import TailHead
