@@ -305,8 +305,9 @@ def _write_secret(name: str, key: str | None = None) -> str:
 
 
 def write_private(path: Path, text: str) -> None:
-    """Write `text` to `path` (replacing it whole), readable by its owner only."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write `text` to `path` (replacing it whole), readable by its owner only (its folder too,
+    when it is new)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".new")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # a file left there before keeps no looser mode
