@@ -294,6 +294,13 @@ def redis_maxmemory() -> str:
     return value
 
 
+def accept_backported_redis() -> bool:
+    """`SPECPIPE_ACCEPT_BACKPORTED_REDIS=1` (as `specpipe join --accept-backported-redis`): the
+    operator vouches that this host's redis-server, older than the releases that fixed the Lua
+    bugs, has the fixes backported by its distribution, and lets it serve other hosts."""
+    return os.environ.get("SPECPIPE_ACCEPT_BACKPORTED_REDIS") == "1"
+
+
 def _write_secret(name: str, key: str | None = None) -> str:
     """`key` (else a new random one) written to the instance folder, readable by its owner
     only."""
