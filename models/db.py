@@ -6,6 +6,7 @@ PostgreSQL. URLs written as `postgresql://` use psycopg 3, the driver this proje
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -125,13 +126,26 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor.close()
 
 
+def create_private_file(path: Path) -> None:
+    """Make `path` an empty file readable by its owner only, unless it exists (its folder too,
+    owner-only, when it is new). SQLite takes an empty file for a new database and gives its
+    journal and WAL files the database's mode, so the store's prompts, outputs and password
+    hashes are never readable by other local users."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # a fresh instance folder
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        pass
+
+
 def make_engine(url: str) -> Engine:
-    """A new engine for `url`, with foreign keys and WAL on for SQLite."""
+    """A new engine for `url`, with foreign keys and WAL on for SQLite (a new database file
+    mode 0600)."""
     url = normalize_url(url)
     if url.startswith("sqlite"):
         database = make_url(url).database
         if database and database != ":memory:":
-            Path(database).parent.mkdir(parents=True, exist_ok=True)  # a fresh instance folder
+            create_private_file(Path(database))
         engine = create_engine(url, connect_args={"check_same_thread": False})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine

@@ -8,6 +8,7 @@ views (`specpipe.proofs.report`).
 
 from __future__ import annotations
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from models.db import utcnow
@@ -145,3 +146,12 @@ def save_proof_run(
     run.finished_at = utcnow()
     session.flush()
     return run
+
+
+def night_outcome(session: Session, night: str) -> dict | None:
+    """The stored nightly run that answers `night` (key, run_id, name, verdict), None while
+    there is none. This, not anything in Redis, is a night's verdict."""
+    run = session.scalars(select(Run).where(Run.night == night, Run.kind == "nightly")).first()
+    if run is None:
+        return None
+    return {"key": night, "run_id": run.id, "name": run.name, "verdict": run.verdict}

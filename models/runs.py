@@ -59,6 +59,9 @@ class Run(Base):
     method: Mapped[str | None] = mapped_column(Text)
     topology: Mapped[str | None] = mapped_column(Text)
     verdict: Mapped[str | None] = mapped_column(String(16))
+    # The night a nightly run answers (`night-YYYY-MM-DD`, `manual-…`): its verdict is read
+    # from here, so nothing that reaches only the broker can fake or silence it.
+    night: Mapped[str | None] = mapped_column(String(64), unique=True)
     # proof_3_generation of the run record: {"greedy_temp0": {...}, "sampled_...": {...}}
     generation_summary: Mapped[dict | None] = mapped_column()
 

@@ -123,16 +123,66 @@ def swarm_key() -> str | None:
 
 def swarm_keys(now: float | None = None) -> tuple[str, ...]:
     """The swarm keys accepted now, the signing one first: `SPECPIPE_SWARM_KEY` (one key, or
-    `NEW,OLD` while a new key spreads), else the key file `SPECPIPE_SWARM_KEY_FILE` names, else
-    the instance folder's key file, else ().
+    `NEW,OLD@UNTIL` while a new key spreads), else the key file `SPECPIPE_SWARM_KEY_FILE` names,
+    else the instance folder's key file, else ().
 
     The file's first line is the signing key; each further line, `KEY UNTIL`, is an old key
-    accepted until the Unix time UNTIL (`specpipe key rotate` writes them)."""
+    accepted until the Unix time UNTIL (`specpipe key rotate` writes them). ValueError when
+    `SPECPIPE_SWARM_KEY` cannot be read (the message never holds a key)."""
+    now = time.time() if now is None else now
     value = os.environ.get("SPECPIPE_SWARM_KEY")
     if value:
-        return tuple(k.strip() for k in value.split(",") if k.strip())
+        return tuple(key for key, until in _env_keys(value) if until is None or until > now)
+    return key_file_keys(swarm_key_path(), now)
+
+
+def swarm_key_path() -> Path:
+    """The key file processes read when `SPECPIPE_SWARM_KEY` is unset: the one
+    `SPECPIPE_SWARM_KEY_FILE` names, else the instance folder's."""
     path = os.environ.get("SPECPIPE_SWARM_KEY_FILE")
-    return key_file_keys(Path(path) if path else instance_dir() / SWARM_KEY_FILE, now)
+    return Path(path) if path else instance_dir() / SWARM_KEY_FILE
+
+
+def _env_keys(value: str) -> list[tuple[str, float | None]]:
+    """`SPECPIPE_SWARM_KEY` as (key, deadline) pairs: `NEW` signs and has none; each old key
+    after a comma may end at `@UNTIL`, a Unix time or an ISO 8601 date (UTC unless it says)."""
+    pairs: list[tuple[str, float | None]] = []
+    for position, item in enumerate(k.strip() for k in value.split(",") if k.strip()):
+        key, marked, until = item.rpartition("@")
+        if not marked:
+            pairs.append((item, None))
+            continue
+        if position == 0:
+            raise ValueError(
+                "SPECPIPE_SWARM_KEY: the first key signs and takes no @expiry; write NEW,OLD@UNTIL"
+            )
+        deadline = parse_deadline(until)
+        if not key.strip() or deadline is None:
+            raise ValueError(
+                f"SPECPIPE_SWARM_KEY: old key {position} ends at {until.strip()!r}, which is "
+                "neither a Unix time nor an ISO date (NEW,OLD@1767225600 or "
+                "NEW,OLD@2026-01-01T00:00Z)"
+            )
+        pairs.append((key.strip(), deadline))
+    return pairs
+
+
+_UNIX_TIME = re.compile(r"[0-9]+(?:\.[0-9]+)?")
+
+
+def parse_deadline(text: str) -> float | None:
+    """`text` as a Unix time: digits are one already, else an ISO 8601 date or time (UTC unless
+    it names its zone); None when it is neither."""
+    from datetime import UTC, datetime
+
+    text = text.strip()
+    if _UNIX_TIME.fullmatch(text):
+        return float(text)
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
 
 
 def key_file_keys(path: Path, now: float | None = None) -> tuple[str, ...]:
@@ -140,19 +190,22 @@ def key_file_keys(path: Path, now: float | None = None) -> tuple[str, ...]:
     () when there is no such file."""
     if not path.is_file():
         return ()
-    return _key_file_keys(path.read_text(), time.time() if now is None else now)
+    now = time.time() if now is None else now
+    return tuple(key for key, until in _key_file(path.read_text()) if until is None or until > now)
 
 
-def _key_file_keys(text: str, now: float) -> tuple[str, ...]:
+def _key_file(text: str) -> list[tuple[str, float | None]]:
+    """A key file's (key, deadline) pairs: the signing key first, with none; old keys whose
+    line has no readable deadline are left out (never accepted)."""
     lines = [line.split() for line in text.splitlines() if line.strip()]
     if not lines:
-        return ()
-    keys = [lines[0][0]]
+        return []
+    pairs: list[tuple[str, float | None]] = [(lines[0][0], None)]
     for fields in lines[1:]:
         until = fields[1] if len(fields) > 1 else ""
-        if until.replace(".", "", 1).isdigit() and float(until) > now:
-            keys.append(fields[0])
-    return tuple(keys)
+        if _UNIX_TIME.fullmatch(until):
+            pairs.append((fields[0], float(until)))
+    return pairs
 
 
 def ensure_swarm_key() -> str:
@@ -160,23 +213,27 @@ def ensure_swarm_key() -> str:
     return swarm_key() or _write_secret(SWARM_KEY_FILE)
 
 
-def rotate_swarm_key(grace_s: float) -> str:
-    """Make a new signing key in the instance folder's key file; the keys signing until now stay
-    accepted for `grace_s` seconds. Returns the new key. Refused (ValueError) when the key comes
-    from `SPECPIPE_SWARM_KEY`: that is the environment's to change."""
+def rotate_swarm_key(grace_s: float, *, revoke: bool = False) -> str:
+    """Make a new signing key in the key file processes read (`swarm_key_path`). The key that
+    signed until now stays accepted for `grace_s` seconds; an older one keeps its deadline when
+    that is sooner, so a rotation never gives a key longer. With `revoke` no old key stays
+    accepted. Returns the new key. Refused (ValueError) when the key comes from
+    `SPECPIPE_SWARM_KEY`: that is the environment's to change."""
     import secrets
 
     if os.environ.get("SPECPIPE_SWARM_KEY"):
         raise ValueError(
             "the swarm key comes from SPECPIPE_SWARM_KEY: set the new key there, "
-            "as SPECPIPE_SWARM_KEY=NEW,OLD until every host has NEW"
+            "as SPECPIPE_SWARM_KEY=NEW,OLD@UNTIL until every host has NEW"
         )
     now = time.time()
-    path = instance_dir() / SWARM_KEY_FILE
-    old = _key_file_keys(path.read_text(), now) if path.is_file() else ()
+    path = swarm_key_path()
     lines = [secrets.token_hex(32)]
-    for key in old:  # the keys still accepted, each kept for the grace period
-        lines.append(f"{key} {int(now + grace_s)}")
+    if not revoke:
+        deadline = int(now + grace_s)
+        for key, until in _key_file(path.read_text()) if path.is_file() else []:
+            if until is None or until > now:
+                lines.append(f"{key} {deadline if until is None else min(int(until), deadline)}")
     write_private(path, "\n".join(lines) + "\n")
     return lines[0]
 
@@ -237,6 +294,13 @@ def redis_maxmemory() -> str:
     return value
 
 
+def accept_backported_redis() -> bool:
+    """`SPECPIPE_ACCEPT_BACKPORTED_REDIS=1` (as `specpipe join --accept-backported-redis`): the
+    operator vouches that this host's redis-server, older than the releases that fixed the Lua
+    bugs, has the fixes backported by its distribution, and lets it serve other hosts."""
+    return os.environ.get("SPECPIPE_ACCEPT_BACKPORTED_REDIS") == "1"
+
+
 def _write_secret(name: str, key: str | None = None) -> str:
     """`key` (else a new random one) written to the instance folder, readable by its owner
     only."""
@@ -248,8 +312,9 @@ def _write_secret(name: str, key: str | None = None) -> str:
 
 
 def write_private(path: Path, text: str) -> None:
-    """Write `text` to `path` (replacing it whole), readable by its owner only."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write `text` to `path` (replacing it whole), readable by its owner only (its folder too,
+    when it is new)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".new")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # a file left there before keeps no looser mode

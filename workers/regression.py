@@ -10,14 +10,15 @@ swarm fails the nightly rather than skipping it.
 
 Two schedulers firing at once run it once: a run takes a Redis lock on its key (the UTC date for
 beat's runs, a fresh key for `specpipe regression run`) and refreshes it while it works, and
-leaves its outcome in Redis under the key when it is done (where `specpipe regression run` waits
-for it); a key with an outcome is not run again. A worker killed mid-run lets its lock lapse
-within `LOCK_TTL_S`, so the broker's redelivery of the task runs the night after all.
+stores its run under the key (`Run.night`) before it lets go. The verdict lives only in the
+store: a worker holding the lock runs the key unless the store has its run, and `specpipe
+regression run` waits for that run, so nothing written into the broker fakes a pass or marks a
+night done. A worker killed mid-run lets its lock lapse within `LOCK_TTL_S`, so the broker's
+redelivery of the task runs the night after all.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -30,7 +31,7 @@ from celery import shared_task
 from sqlalchemy.orm import Session
 
 from models.db import utcnow
-from models.proof_store import run_verdict, save_proof_run
+from models.proof_store import night_outcome, run_verdict, save_proof_run
 from models.runs import Proof, Run
 from specpipe import __version__
 from specpipe.core.ring import GapError
@@ -49,7 +50,7 @@ from workers.node_sync import sync_inventory
 log = logging.getLogger("specpipe.regression")
 
 LOCK_TTL_S = 120  # refreshed every 40 s while the run lives
-RESULT_TTL_S = 7 * 24 * 3600
+ATTEMPTS_TTL_S = 7 * 24 * 3600
 CLAIM = (
     "Speculative sampling on the swarm is lossless: committed tokens follow the target's "
     "temperature/top-p/top-k distribution, and equal plain sampling's for the same seed."
@@ -66,30 +67,34 @@ def lock_key(swarm: str, key: str) -> str:
 
 
 def claim_night(
-    client: redis.Redis, swarm: str, key: str, holder: str, ttl_s: float = LOCK_TTL_S
+    client: redis.Redis,
+    session: Session,
+    swarm: str,
+    key: str,
+    holder: str,
+    ttl_s: float = LOCK_TTL_S,
 ) -> LockKeeper | None:
-    """The held lock when this worker is to run `key`; None when it is done or running elsewhere.
+    """The held lock when this worker is to run `key`; None when the store holds the night's
+    run already or another worker holds the lock.
 
-    Every attempt is listed under `attempts_key`, marked "ran" or "skipped"."""
-    keeper = None
-    if not client.exists(result_key(swarm, key)):
-        lock = client.lock(lock_key(swarm, key), timeout=ttl_s, thread_local=False)
-        keeper = LockKeeper(lock)
-        if not keeper.start():
-            keeper = None
+    The store is read under the lock: a run stores itself before it lets go, so a night done is
+    never run again, and nothing in Redis marks one done. Every attempt is listed under
+    `attempts_key`, marked "ran" or "skipped"."""
+    keeper = LockKeeper(client.lock(lock_key(swarm, key), timeout=ttl_s, thread_local=False))
+    if not keeper.start():
+        keeper = None
+    elif night_outcome(session, key) is not None:
+        keeper.stop()
+        keeper = None
+    session.rollback()  # end the read: the run is stored in a transaction of its own
     client.rpush(attempts_key(swarm, key), f"{holder} {'ran' if keeper else 'skipped'}")
-    client.expire(attempts_key(swarm, key), RESULT_TTL_S)
+    client.expire(attempts_key(swarm, key), ATTEMPTS_TTL_S)
     return keeper
 
 
 def attempts_key(swarm: str, key: str) -> str:
     """Every worker that tried to run the key, lock won or not (for the logs and the tests)."""
     return f"specpipe:{swarm}:nightly:attempts:{key}"
-
-
-def result_key(swarm: str, key: str) -> str:
-    """Where a run's outcome (JSON: run_id, name, verdict) is left for whoever waits on it."""
-    return f"specpipe:{swarm}:nightly:result:{key}"
 
 
 def project_commit() -> str:
@@ -126,8 +131,10 @@ def run_nightly(
     seed: int,
     sizes: dict[str, int],
     draft_head: bool = NIGHTLY_DRAFT_HEAD,
+    night: str | None = None,
 ) -> Run:
-    """Run the three proofs and store them as one nightly run; committed before it returns.
+    """Run the three proofs and store them as one nightly run, the answer to `night` (its
+    key); committed before it returns.
 
     `target` is the model (or why it could not be opened); the ring is routed over the online
     stages of the swarm `settings` names. With `draft_head`, proofs 2 and 3 verify the tail's
@@ -194,6 +201,7 @@ def run_nightly(
         quant=None if isinstance(target, str) else target.quant,
         method=_method(seed, sizes, draft_head, swarm_result, generation),
         topology=topology,
+        night=night,
     )
     for kind, reason in errors.items():
         run.proofs.append(_error_proof(kind, reason))
@@ -245,7 +253,7 @@ def nightly(self, key: str | None = None) -> dict:
     holder = f"{socket.gethostname()}:{os.getpid()}"
     keeper = None
     try:
-        keeper = claim_night(client, settings.swarm, key, holder)
+        keeper = claim_night(client, self.session, settings.swarm, key, holder)
         if keeper is None:
             log.info("nightly %s is already running or done elsewhere", key)
             return {"key": key, "skipped": True}
@@ -254,14 +262,14 @@ def nightly(self, key: str | None = None) -> dict:
         except ValueError as exc:
             target = str(exc)
         sizes = nightly_sizes()
+        seed = sizes["seed"] or nightly_seed(today)
         run = run_nightly(
-            self.session, target, settings, sizes["seed"] or nightly_seed(today), sizes
+            self.session, target, settings, seed, sizes, night=key
         )  # on an exception the lock is released below, so a retry runs the night
         outcome = {"key": key, "run_id": run.id, "name": run.name, "verdict": run.verdict}
-        client.set(result_key(settings.swarm, key), json.dumps(outcome), ex=RESULT_TTL_S)
         log.info("nightly %s: run %s %s", key, run.name, run.verdict)
         return outcome
     finally:
         if keeper is not None:
-            keeper.stop()  # after the outcome is stored: a later claim sees the night done
+            keeper.stop()  # after the run is stored: a later claim sees the night done
         client.close()

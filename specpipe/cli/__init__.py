@@ -27,6 +27,14 @@ from specpipe.cli.worker import worker
 @click.version_option(__version__, prog_name="specpipe")
 def cli() -> None:
     """specpipe: serve one model across a ring of hosts with lossless speculative sampling."""
+    from specpipe import settings
+
+    try:  # a SPECPIPE_SWARM_KEY that cannot be read is one line, before any command uses it
+        settings.swarm_keys()
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError:  # an unreadable key file: the commands that need a key say so
+        pass
 
 
 for command in (generate, model, proof, regression, bench, nodes, runs, db, user, token, key, web):

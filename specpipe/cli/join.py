@@ -76,6 +76,13 @@ def address_towards(url: str) -> str:
     show_default=True,
     help="Port of the Redis started here.",
 )
+@click.option(
+    "--accept-backported-redis",
+    is_flag=True,
+    help="Let the Redis started here serve other hosts although its release predates the fixes "
+    "for its Lua code-execution bugs, because its distribution backported them (a warning at "
+    "every start; also SPECPIPE_ACCEPT_BACKPORTED_REDIS=1).",
+)
 @click.option("--geo", default="", help="Location label to record (e.g. WA).")
 @compute_options
 @click.option(
@@ -92,6 +99,7 @@ def join(
     redis_url: str | None,
     address: str | None,
     port: int,
+    accept_backported_redis: bool,
     geo: str,
     threads: int | None,
     dtype: str,
@@ -177,6 +185,7 @@ def join(
             password=settings.ensure_redis_password(),
             data_dir=settings.instance_dir() / "redis",
             maxmemory=settings.redis_maxmemory(),
+            accept_backported=accept_backported_redis or settings.accept_backported_redis(),
         )
         try:
             redis_url = server.start()

@@ -16,25 +16,38 @@ def key() -> None:
     default=3600.0,
     show_default=True,
     type=click.FloatRange(min=0),
-    help="How long the old key stays accepted.",
+    help="How long the key signing until now stays accepted (an older key's deadline is "
+    "never moved later).",
 )
-def key_rotate(grace_s: float) -> None:
-    """Make a new swarm key in the instance folder; the old one stays accepted for a while.
+@click.option(
+    "--revoke",
+    is_flag=True,
+    help="Accept no old key from now on (after a leak): hosts without the new key drop out.",
+)
+@click.pass_context
+def key_rotate(ctx: click.Context, grace_s: float, revoke: bool) -> None:
+    """Make a new swarm key in the key file; the old one stays accepted for a while.
 
-    Every process of a `specpipe up` swarm signs with the new key within a heartbeat. On hosts
-    of their own, copy the key file (or set SPECPIPE_SWARM_KEY=NEW,OLD) on each host before
-    the grace period ends.
+    Every process of a `specpipe up` swarm signs with the new key within a heartbeat, and
+    stops accepting an old key when its deadline passes (at once with --revoke). On hosts of
+    their own, copy the key file (or set SPECPIPE_SWARM_KEY=NEW,OLD@UNTIL) on each host
+    before the grace period ends.
     """
     from specpipe import settings
 
-    if not settings.swarm_keys():
-        raise click.ClickException(
-            f"no swarm key in {settings.instance_dir()}: `specpipe up` makes one, "
-            "or set SPECPIPE_SWARM_KEY"
-        )
+    if revoke and ctx.get_parameter_source("grace_s") is not click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("--revoke keeps no old key: leave out --grace-s")
     try:
-        settings.rotate_swarm_key(grace_s)
+        if not settings.swarm_keys():
+            raise click.ClickException(
+                f"no swarm key in {settings.swarm_key_path()}: `specpipe up` makes one, "
+                "or set SPECPIPE_SWARM_KEY"
+            )
+        settings.rotate_swarm_key(grace_s, revoke=revoke)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    path = settings.instance_dir() / settings.SWARM_KEY_FILE
-    click.echo(f"new swarm key in {path}; the old one is accepted for {grace_s:g} s more")
+    path = settings.swarm_key_path()
+    if revoke:
+        click.echo(f"new swarm key in {path}; no old key is accepted")
+    else:
+        click.echo(f"new swarm key in {path}; old keys are accepted for {grace_s:g} s more at most")

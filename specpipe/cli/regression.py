@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
 import click
+
+from specpipe.cli.options import store_error
 
 
 @click.group(name="regression")
@@ -27,7 +28,8 @@ def regression_run(timeout: float) -> None:
 
     Enqueues `workers.regression.nightly` on the `nightly` queue (its worker, `specpipe worker
     nightly`, must be running; `specpipe up` runs one), waits for the run to be stored and
-    prints its verdict; the last line is the run id. Exits 0 on pass, 1 otherwise.
+    prints its verdict, read from the store (DATABASE_URL); the last line is the run id.
+    Exits 0 on pass, 1 otherwise.
 
     Example:
 
@@ -35,11 +37,12 @@ def regression_run(timeout: float) -> None:
     """
     import redis
 
+    from models.db import session_scope
+    from models.proof_store import night_outcome
     from specpipe.settings import Settings
     from specpipe.swarm.redact import redact_url
     from workers.celery_app import celery
     from workers.names import NIGHTLY_QUEUE, NIGHTLY_TASK
-    from workers.regression import result_key
 
     settings = Settings.from_env()
     url = settings.redis_url
@@ -48,23 +51,26 @@ def regression_run(timeout: float) -> None:
     try:
         client.ping()
         celery.send_task(NIGHTLY_TASK, kwargs={"key": key}, queue=NIGHTLY_QUEUE)
-        click.echo(f"enqueued {NIGHTLY_TASK} ({key}); waiting up to {timeout:g} s", err=True)
-        deadline = time.monotonic() + timeout
-        outcome = None
-        while outcome is None and time.monotonic() < deadline:
-            outcome = client.get(result_key(settings.swarm, key))
-            if outcome is None:
-                time.sleep(0.5)
     except redis.RedisError as exc:
         raise click.ClickException(f"cannot reach Redis at {redact_url(url)}: {exc}") from None
     finally:
         client.close()
+    click.echo(f"enqueued {NIGHTLY_TASK} ({key}); waiting up to {timeout:g} s", err=True)
+    deadline = time.monotonic() + timeout
+    outcome = None
+    try:
+        while outcome is None and time.monotonic() < deadline:
+            with session_scope(settings.database_url) as session:
+                outcome = night_outcome(session, key)
+            if outcome is None:
+                time.sleep(0.5)
+    except Exception as exc:  # driver errors become one line
+        raise store_error("read the run from the store", exc) from exc
     if outcome is None:
         raise click.ClickException(
-            f"no verdict within {timeout:g} s (is a coordinator worker running?)"
+            f"no verdict within {timeout:g} s (is a nightly worker running?)"
         )
-    result = json.loads(outcome)
-    click.echo(f"verdict: {result['verdict']}")
-    click.echo(result["name"])
-    if result["verdict"] != "pass":
+    click.echo(f"verdict: {outcome['verdict']}")
+    click.echo(outcome["name"])
+    if outcome["verdict"] != "pass":
         raise SystemExit(1)

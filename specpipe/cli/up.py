@@ -84,7 +84,7 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
     if not _port_free(port):
         raise click.ClickException(f"port {port} is in use: pass --port")
 
-    home.mkdir(parents=True, exist_ok=True)
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)  # it holds the secrets
     settings.ensure_swarm_key()  # the children read it here, so `specpipe key rotate` reaches them
     secret_key = settings.ensure_secret_key()
     database_url = settings.database_url()

@@ -10,13 +10,23 @@ needs a password and may run only `SWARM_COMMANDS`, the commands the swarm's pro
 stops, saves, replicates, lists or empties the server. Requests over `proto-max-bulk-len` (a
 little above the largest wire message) are refused, and past `maxmemory` writes are refused,
 never evicted. The server itself is stopped with SIGTERM, not SHUTDOWN.
+
+A server that listens on an address other hosts reach must not be a build with known
+remote-code-execution bugs: `start` refuses one older than `LUA_FIXED_IN` says for its branch
+(the Lua interpreter's CVE-2025-49844, -46817, -46818, -46819), unless its distribution
+backported the fixes and the operator says so (`accept_backported`). A loopback server runs
+whatever build there is: only this host's processes reach it. The credentials handed to other
+hosts (`acl_rules`' `remote_password`) may not run Lua at all (`SCRIPT_COMMANDS`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import ipaddress
+import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -31,9 +41,88 @@ import redis
 
 from specpipe.swarm.redact import redact_url
 
+log = logging.getLogger("specpipe.redis")
+
 
 class RedisUnavailable(RuntimeError):
     """No Redis could be found or started."""
+
+
+class UnsafeRedis(RedisUnavailable):
+    """A redis-server build with known remote-code-execution bugs, asked to serve other hosts."""
+
+
+# The first release of each branch with the fixes for the Lua bugs that let an authenticated
+# client run code on the server (CVE-2025-49844, a use-after-free in the parser, CVSS 9.9; and
+# CVE-2025-46817, -46818, -46819), all released in October 2025. Branches after the newest here
+# came out with them; older branches (7.0, 6.0 and before) are past their end of life and got
+# none.
+LUA_FIXED_IN = {
+    (6, 2): (6, 2, 20),
+    (7, 2): (7, 2, 11),
+    (7, 4): (7, 4, 6),
+    (8, 0): (8, 0, 4),
+    (8, 2): (8, 2, 2),
+}
+LUA_CVES = "CVE-2025-49844, CVE-2025-46817, CVE-2025-46818, CVE-2025-46819"
+
+
+def binary_version(binary: str) -> tuple[int, int, int]:
+    """The version of the `redis-server` at `binary` (`redis-server --version`)."""
+    try:
+        out = subprocess.run(
+            [binary, "--version"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RedisUnavailable(f"cannot run {binary} --version: {exc}") from None
+    found = re.search(r"v=(\d+)\.(\d+)\.(\d+)", out)
+    if not found:
+        raise RedisUnavailable(f"cannot read the version of {binary}: {out.strip()[:200]!r}")
+    major, minor, patch = (int(part) for part in found.groups())
+    return major, minor, patch
+
+
+def lua_fixed(version: tuple[int, int, int]) -> bool:
+    """Whether a Redis release of `version` has the fixes for the Lua bugs (`LUA_FIXED_IN`)."""
+    branch = version[:2]
+    if branch in LUA_FIXED_IN:
+        return version >= LUA_FIXED_IN[branch]
+    return branch > max(LUA_FIXED_IN)
+
+
+def check_exposable(binary: str, accept_backported: bool = False) -> None:
+    """Refuse (UnsafeRedis) to let the `redis-server` at `binary` serve other hosts when its
+    release predates the Lua fixes; with `accept_backported` (the operator vouches that the
+    distribution backported them) log a warning instead."""
+    version = binary_version(binary)
+    if lua_fixed(version):
+        return
+    shown = ".".join(map(str, version))
+    if accept_backported:
+        log.warning(
+            "redis-server %s (%s) predates the fixes for %s; serving other hosts only because "
+            "its distribution is said to have backported them (--accept-backported-redis)",
+            shown,
+            binary,
+            LUA_CVES,
+        )
+        return
+    fixed = ", ".join(".".join(map(str, v)) for v in LUA_FIXED_IN.values())
+    raise UnsafeRedis(
+        f"redis-server {shown} ({binary}) has known remote-code-execution bugs ({LUA_CVES}) "
+        f"and must not serve other hosts: install {fixed} or later on its branch, or a newer "
+        "branch; if your distribution backported the fixes, pass --accept-backported-redis"
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (or `localhost`): only this host reaches it."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to an address others reach
 
 
 def find_binary() -> str:
@@ -154,28 +243,38 @@ SWARM_COMMANDS = (
     "unsubscribe",
     "psubscribe",
     "punsubscribe",
-    # transactions and scripts: kombu's pipelines and sweeps, redis-py's Lock, checked reads
+    # transactions: kombu's pipelines and sweeps
     "multi",
     "exec",
     "discard",
     "watch",
     "unwatch",
-    "eval",
-    "evalsha",
-    "script|load",
-    "script|exists",
 )
+# Lua, for the processes of the host the server runs on only: a stage's checked read of its
+# own stream (`streams.READ_SCRIPT`), the coordinator's KV reservations, redis-py's Lock (job
+# and nightly locks), the web app's rate limits. Nothing another host does runs a script.
+SCRIPT_COMMANDS = ("eval", "evalsha", "script|load", "script|exists")
+REMOTE_USER = "specpipe-remote"  # the user whose password other hosts hold: no Lua
 
 
-def acl_rules(password: str) -> list[str]:
+def acl_rules(password: str, remote_password: str | None = None) -> list[str]:
     """The `user` lines of a locked-down server: the default user off, `specpipe` with the
-    password (stored as its SHA-256) on every key and channel, allowed SWARM_COMMANDS only."""
-    digest = hashlib.sha256(password.encode()).hexdigest()
-    allowed = " ".join(f"+{command}" for command in SWARM_COMMANDS)
-    return [
+    password (stored as its SHA-256) on every key and channel, allowed SWARM_COMMANDS and
+    SCRIPT_COMMANDS only; with `remote_password`, also `specpipe-remote`, for the credentials
+    other hosts hold, allowed SWARM_COMMANDS and no Lua."""
+    rules = [
         "user default off resetpass -@all",
-        f"user {USER} on #{digest} ~* &* -@all {allowed}",
+        _user(USER, password, SWARM_COMMANDS + SCRIPT_COMMANDS),
     ]
+    if remote_password is not None:
+        rules.append(_user(REMOTE_USER, remote_password, SWARM_COMMANDS))
+    return rules
+
+
+def _user(name: str, password: str, commands: tuple[str, ...]) -> str:
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    allowed = " ".join(f"+{command}" for command in commands)
+    return f"user {name} on #{digest} ~* &* -@all {allowed}"
 
 
 def proto_max_bulk_len() -> int:
@@ -233,8 +332,12 @@ class RedisServer:
     the CA that signed them (`rediss://…?ssl_ca_certs=`).
 
     With `password` the server is locked down (see the module's docstring) and both URLs carry
-    the user and password. Its ACL goes into a config file, mode 0600 in the owner-only
+    the user and password; with `remote_password` too, `remote_url` carries the user for other
+    hosts, who may not run Lua. Its ACL goes into a config file, mode 0600 in the owner-only
     directory, holding only the password's SHA-256: neither appears on a command line.
+
+    On an address other than loopback, `start` refuses a build with the Lua bugs unless
+    `accept_backported` (see the module's docstring).
     """
 
     def __init__(
@@ -246,17 +349,21 @@ class RedisServer:
         maxmemory: str | None = None,
         host: str = "127.0.0.1",
         tls: TlsFiles | None = None,
+        accept_backported: bool = False,
+        remote_password: str | None = None,
     ) -> None:
         self.binary = binary or find_binary()
+        self.accept_backported = accept_backported
         self.port = port or free_port()
         self.password = password
         self.maxmemory = maxmemory
         self.host, self.tls = host, tls
         auth = f"{USER}:{quote(password, safe='')}@" if password else ""
-        if tls is None:
-            self.url = f"redis://{auth}{host}:{self.port}/0"
-        else:
-            self.url = f"rediss://{auth}{host}:{self.port}/0?ssl_ca_certs={quote(str(tls.ca))}"
+        self.url = self._tcp_url(auth)
+        # The URL for other hosts: the user without Lua, when the server has one.
+        self.remote_url = self.url
+        if password and remote_password:
+            self.remote_url = self._tcp_url(f"{REMOTE_USER}:{quote(remote_password, safe='')}@")
         self.process: subprocess.Popen | None = None
         self.data_dir = data_dir
         self._dir: tempfile.TemporaryDirectory | None = None
@@ -277,7 +384,14 @@ class RedisServer:
             self.config_path = directory / "acl.conf"
             fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as handle:
-                handle.write("\n".join(acl_rules(password)) + "\n")
+                handle.write("\n".join(acl_rules(password, remote_password)) + "\n")
+
+    def _tcp_url(self, auth: str) -> str:
+        """This server's URL on its TCP port with the userinfo `auth` ("" for none)."""
+        where = f"{self.host}:{self.port}/0"
+        if self.tls is None:
+            return f"redis://{auth}{where}"
+        return f"rediss://{auth}{where}?ssl_ca_certs={quote(str(self.tls.ca))}"
 
     def argv(self) -> list[str]:
         """The command line that runs this server in the foreground."""
@@ -317,7 +431,10 @@ class RedisServer:
         return answers(self.url)
 
     def start(self, timeout_s: float = 10.0) -> str:
-        """Start the server and wait until it answers PING; return its URL."""
+        """Start the server and wait until it answers PING; return its URL. UnsafeRedis when
+        it would serve other hosts from a build with known remote-code-execution bugs."""
+        if not is_loopback(self.host):
+            check_exposable(self.binary, self.accept_backported)
         # Its own session: a Ctrl-C meant for the supervisor must not stop Redis before the
         # workers that still use it.
         self.process = subprocess.Popen(

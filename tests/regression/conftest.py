@@ -20,7 +20,6 @@ from specpipe.ops.redis_server import RedisServer
 from specpipe.swarm import inventory
 from tests.waiting import wait_until
 from workers.names import NIGHTLY_QUEUE
-from workers.regression import result_key
 
 ROOT = Path(__file__).resolve().parents[2]
 # Small proofs: seconds, not the reference run's minutes.
@@ -153,9 +152,14 @@ class Swarm:
                 ],
             )
 
-    def wait_result(self, key: str, timeout_s: float = 150) -> bytes:
-        def result() -> bytes | None:
-            value = self.client.get(result_key(self.name, key))
+    def wait_result(self, key: str, timeout_s: float = 150) -> dict:
+        """The stored run of the night `key` (key, run_id, name, verdict), once there is one."""
+        from models.db import session_scope
+        from models.proof_store import night_outcome
+
+        def result() -> dict | None:
+            with session_scope(self.db_url) as session:
+                value = night_outcome(session, key)
             if value is None and any(p.poll() is not None for p in self.procs):
                 raise RuntimeError("a stage or worker process exited")
             return value

@@ -1,14 +1,18 @@
-"""Who runs a night: one worker at a time, never twice once done; a dead worker's lock lapses."""
+"""Who runs a night: one worker at a time, never twice once its run is stored; a dead worker's
+lock lapses; nothing written into Redis marks a night done."""
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import pytest
 import redis
 
+from models.proof_store import night_outcome
+from models.runs import Run
 from tests.waiting import wait_until
-from workers.regression import attempts_key, claim_night, lock_key, result_key
+from workers.regression import attempts_key, claim_night, lock_key
 
 
 @pytest.fixture
@@ -16,6 +20,24 @@ def client(private_redis):
     client = redis.Redis.from_url(private_redis)
     yield client
     client.close()
+
+
+@pytest.fixture
+def claim(client, db_session):
+    """claim_night on the private Redis and the test's store."""
+
+    def claim(swarm: str, key: str, holder: str):
+        return claim_night(client, db_session, swarm, key, holder, ttl_s=1)
+
+    return claim
+
+
+def store_night(session, key: str, verdict: str = "pass") -> Run:
+    """What a finished nightly run leaves: its run, stored under the night's key."""
+    run = Run(kind="nightly", night=key, verdict=verdict)
+    session.add(run)
+    session.commit()
+    return run
 
 
 def outcomes(client, swarm: str, key: str) -> list[str]:
@@ -36,37 +58,56 @@ def wait_refreshes(client: redis.Redis, name: str, times: int) -> None:
     wait_until(refreshed, 10, f"{times} refreshes of {name}", detail=lambda: seen)
 
 
-def test_a_night_runs_once_while_held_and_never_again_once_done(client):
+def test_a_night_runs_once_while_held_and_never_again_once_done(client, claim, db_session):
     swarm, key = f"s{uuid.uuid4().hex[:6]}", "night-2026-11-30"
-    first = claim_night(client, swarm, key, "w1", ttl_s=1)
+    first = claim(swarm, key, "w1")
     assert first is not None
     # The keeper refreshes the lock again and again, so it outlives its first lifetime, still
     # w1's: each refresh moves its expiry on by a lifetime.
     wait_refreshes(client, lock_key(swarm, key), 2)
     assert client.get(lock_key(swarm, key)) == first.lock.local.token
-    assert claim_night(client, swarm, key, "w2", ttl_s=1) is None
-    client.set(result_key(swarm, key), "{}")  # what a finished run leaves
+    assert claim(swarm, key, "w2") is None
+    store_night(db_session, key)
     first.stop()
     assert not client.exists(lock_key(swarm, key))
-    assert claim_night(client, swarm, key, "w3", ttl_s=1) is None
+    assert claim(swarm, key, "w3") is None
     assert outcomes(client, swarm, key) == ["ran", "skipped", "skipped"]
 
 
-def test_a_dead_workers_lock_lapses_and_the_redelivered_night_runs(client):
+def test_a_dead_workers_lock_lapses_and_the_redelivered_night_runs(client, claim):
     swarm, key = f"s{uuid.uuid4().hex[:6]}", "night-2026-11-30"
     dead = client.lock(lock_key(swarm, key), timeout=1, thread_local=False)
     assert dead.acquire(blocking=False)  # taken, then its process was killed: no refreshes
-    assert claim_night(client, swarm, key, "w1", ttl_s=1) is None
+    assert claim(swarm, key, "w1") is None
     wait_until(lambda: not client.exists(lock_key(swarm, key)), 10, "the dead lock to lapse")
-    again = claim_night(client, swarm, key, "w1", ttl_s=1)
+    again = claim(swarm, key, "w1")
     assert again is not None
     again.stop()
     assert outcomes(client, swarm, key) == ["skipped", "ran"]
 
 
-def test_a_run_that_failed_leaves_the_night_open_for_a_retry(client):
+def test_a_run_that_failed_leaves_the_night_open_for_a_retry(claim):
     swarm, key = f"s{uuid.uuid4().hex[:6]}", "night-2026-11-30"
-    claim_night(client, swarm, key, "w1", ttl_s=1).stop()  # raised before storing an outcome
-    retry = claim_night(client, swarm, key, "w1", ttl_s=1)
+    claim(swarm, key, "w1").stop()  # raised before storing its run
+    retry = claim(swarm, key, "w1")
     assert retry is not None
     retry.stop()
+
+
+def test_an_outcome_written_into_redis_does_not_mark_a_night_done(client, claim, db_session):
+    """Anyone with the broker's password can write keys; on main, a `nightly:result` key made
+    the worker skip the night."""
+    swarm, key = f"s{uuid.uuid4().hex[:6]}", "night-2026-12-01"
+    fake = json.dumps({"key": key, "run_id": 1, "name": "run-faked", "verdict": "pass"})
+    client.set(f"specpipe:{swarm}:nightly:result:{key}", fake)
+    keeper = claim(swarm, key, "w1")
+    assert keeper is not None  # the night runs
+    keeper.stop()
+    assert night_outcome(db_session, key) is None  # and nothing counts as its verdict yet
+    run = store_night(db_session, key, verdict="fail")
+    assert night_outcome(db_session, key) == {
+        "key": key,
+        "run_id": run.id,
+        "name": run.name,
+        "verdict": "fail",
+    }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -133,12 +134,52 @@ def test_regression_run_stores_a_run_with_every_record_field(live_swarm):
     assert "specpipe_nightly_failures_total 0.0" in metrics
 
 
+def test_a_verdict_faked_in_the_broker_is_not_reported_and_the_night_runs(live_swarm):
+    """Someone with the broker's password watches the nightly queue and writes a passing
+    outcome for the night `specpipe regression run` waits on, before any worker takes it. On
+    main the command printed "verdict: pass" and the worker skipped the night; here the night
+    runs, on a ring whose lossy tail fails it, and the command reports the stored verdict."""
+    live_swarm.start_stages(lossy_tail=True)
+    command = subprocess.Popen(
+        [sys.executable, "-m", "specpipe", "regression", "run", "--timeout", "150"],
+        cwd=ROOT,
+        env=live_swarm.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def queued_key() -> str | None:
+        for message in live_swarm.client.lrange(NIGHTLY_QUEUE, 0, -1):
+            if found := re.search(rb"manual-[0-9a-f]{12}", message):
+                return found.group().decode()
+        return None
+
+    try:
+        key = wait_until(queued_key, 30, "the nightly task in the broker", interval_s=0.05)
+        fake = {"key": key, "run_id": 1, "name": "run-faked", "verdict": "pass"}
+        live_swarm.client.set(f"specpipe:{live_swarm.name}:nightly:result:{key}", json.dumps(fake))
+        live_swarm.start_workers(1)
+        out, err = command.communicate(timeout=200)
+    finally:
+        if command.poll() is None:
+            command.kill()
+            command.wait()
+    assert command.returncode == 1, out + err
+    [run] = nightly_runs(live_swarm.db_url)
+    assert out.strip().splitlines()[-2:] == ["verdict: fail", run.name]
+    assert run.night == key and run.verdict == "fail"
+    assert [
+        a.split()[-1] for a in live_swarm.client.lrange(attempts_key(live_swarm.name, key), 0, -1)
+    ] == [b"ran"]
+
+
 @pytest.mark.slow
 def test_a_lossy_tail_is_a_failed_run_flagged_on_the_web_and_in_metrics(live_swarm, monkeypatch):
     live_swarm.start_stages(lossy_tail=True)
     live_swarm.start_workers(1)
     enqueue(live_swarm, monkeypatch, key="lossy")
-    outcome = json.loads(live_swarm.wait_result("lossy"))
+    outcome = live_swarm.wait_result("lossy")
     assert outcome["verdict"] == "fail"
 
     [run] = nightly_runs(live_swarm.db_url)
@@ -253,7 +294,7 @@ def test_two_schedulers_firing_at_once_store_one_run(live_swarm, monkeypatch):
         return None
 
     key, attempts = wait_until(both_attempts, 150, "both workers' attempts", interval_s=0.2)
-    outcome = json.loads(live_swarm.wait_result(key.decode().rsplit(":", 1)[1]))
+    outcome = live_swarm.wait_result(key.decode().rsplit(":", 1)[1])
     assert sorted(a.split()[-1] for a in attempts) == [b"ran", b"skipped"]
     assert len({a.split()[0] for a in attempts}) == 2  # two different worker processes
     runs = nightly_runs(live_swarm.db_url)

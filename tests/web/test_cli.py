@@ -92,3 +92,35 @@ def test_db_upgrade_creates_a_fresh_instance_folder(monkeypatch, tmp_path):
     result = CliRunner().invoke(db, ["upgrade"])
     assert result.exit_code == 0, result.output
     assert (home / "specpipe.sqlite3").is_file()
+
+
+def test_a_fresh_store_is_readable_by_its_owner_only(tmp_path):
+    """`specpipe db upgrade` in a fresh instance folder, then a process writing to the store:
+    the folder is 0700, the database and its WAL files (while the writer holds them) 0600,
+    whatever the umask allows (on main: 0644 in a 0755 folder)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    home = tmp_path / "instance"
+    env = {**os.environ, "SPECPIPE_HOME": str(home)}
+    env.pop("DATABASE_URL", None)
+    upgrade = [sys.executable, "-m", "specpipe", "db", "upgrade"]
+    subprocess.run(upgrade, env=env, check=True, capture_output=True, timeout=120)
+    write = """
+import json, os
+from models.db import session_scope
+from models.users import User
+from specpipe.settings import database_url, instance_dir
+with session_scope(database_url()) as session:
+    session.add(User(name="someone"))
+print(json.dumps({p.name: p.stat().st_mode & 0o777 for p in instance_dir().iterdir()}))
+"""
+    shown = subprocess.run(
+        [sys.executable, "-c", write], env=env, check=True, capture_output=True, text=True
+    )
+    modes = json.loads(shown.stdout)
+    assert {"specpipe.sqlite3", "specpipe.sqlite3-wal"} <= set(modes), modes
+    assert set(modes.values()) == {0o600}, modes
+    assert home.stat().st_mode & 0o777 == 0o700

