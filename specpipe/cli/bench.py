@@ -848,5 +848,14 @@ def bench_web(streams: int, waits: int, logins: int, users: int, json_path: Path
     except (RuntimeError, OSError) as exc:  # RedisUnavailable is a RuntimeError
         raise click.ClickException(str(exc)) from None
     write_json(json_path, result.to_json())
+    opened, asked = result.streams_open + result.waits_open, streams + waits
+    if opened < asked:
+        raise click.ClickException(
+            f"only {opened} of {asked} completions stayed open (SPECPIPE_OPEN_COMPLETIONS and "
+            "SPECPIPE_OPEN_COMPLETIONS_PER_USER bound them)"
+        )
     if not result.passed:
-        raise click.ClickException("the login page was not answered within the target")
+        raise click.ClickException(
+            f"GET /login took up to {result.login_max_ms:.0f} ms "
+            f"({result.login_failures} unanswered): over the {web_load.TARGET_MS:.0f} ms target"
+        )
