@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
@@ -599,7 +599,15 @@ def stream_answer(app: Flask, completion: Completion, job_id: int) -> Iterator[s
         session.close()
 
 
-def _open(user_id: int):
+def _closing(events: Iterator[str], close: Callable[[], None]) -> Iterator[str]:
+    """`events`, then `close` once they end, however they end."""
+    try:
+        yield from events
+    finally:
+        close()
+
+
+def _open(user_id: int) -> Callable[[], None]:
     """A place among the open completions (`app.waits`), or a 429 in OpenAI's shape."""
     try:
         return open_completions().open(user_id)
@@ -618,10 +626,11 @@ def _answer(chat: bool):
     if completion.stream:
         job_id = job.id
         app = current_app._get_current_object()
-        response = Response(stream_answer(app, completion, job_id), mimetype="text/event-stream")
+        events = _closing(stream_answer(app, completion, job_id), close)
+        response = Response(events, mimetype="text/event-stream")
         response.headers["Cache-Control"] = "no-cache"
         response.headers["X-Accel-Buffering"] = "no"
-        response.call_on_close(close)  # when the server is done with the stream, however it ends
+        response.call_on_close(close)  # also for a stream the server closes before it starts
         return response
     try:
         return _whole(completion, job.id)
