@@ -43,6 +43,12 @@ def web(host: str, port: int, threads: int, migrate: bool) -> None:
     from specpipe import settings
 
     settings.ensure_secret_key()
+    from app import create_app
+
+    try:
+        app = create_app()
+    except ValueError as exc:  # a malformed setting, told before anything else is done
+        raise click.ClickException(str(exc)) from None
     if migrate:
         from models import migrate as migrations
 
@@ -51,12 +57,6 @@ def web(host: str, port: int, threads: int, migrate: bool) -> None:
         except Exception as exc:  # an unreachable or broken database is one line
             raise store_error("migrate the database", exc) from exc
     first_login()
-    from app import create_app
-
-    try:
-        app = create_app()
-    except ValueError as exc:  # a malformed setting
-        raise click.ClickException(str(exc)) from None
     # A thread for each completion the app may hold open, so those never take the threads
     # the pages need; connections to match, since each holds one.
     all_threads = threads + app.config["OPEN_COMPLETIONS"]
