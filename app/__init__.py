@@ -2,8 +2,9 @@
 OpenAI-compatible API.
 
 `create_app` is the factory: configuration from the environment through `specpipe.settings`,
-overridden by `test_config`; one database session per request; logins (`app.auth`), rate
-limits (`app.limits`) and security headers (`app.security`); blueprints by area.
+overridden by `test_config`; one database session per request; trusted proxies
+(`app.proxy`), logins (`app.auth`), rate limits (`app.limits`), the bound on open completions
+(`app.waits`) and security headers (`app.security`); blueprints by area.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def default_config() -> dict:
         "MAX_ACTIVE_JOBS": limits.max_active_jobs,
         "SUBMIT_RATE": settings.submit_rate(),
         "LOGIN_RATE": settings.login_rate(),
+        "LOGIN_ACCOUNT_RATE": settings.login_account_rate(),
+        "TRUSTED_PROXIES": settings.trusted_proxies(),
+        "OPEN_COMPLETIONS": settings.open_completions(),
+        "OPEN_COMPLETIONS_PER_USER": settings.open_completions_per_user(),
         "MAX_CONTENT_LENGTH": 1 << 20,
         "HISTORY_PAGE_SIZE": 25,
         "OPENAI_POLL_S": 0.1,  # how often a /v1 request reads its job's row
@@ -79,14 +84,18 @@ def create_app(test_config: dict | None = None) -> Flask:
         ops,
         plots,
         proofs,
+        proxy,
         runs,
         security,
         submitting,
+        waits,
     )
     from app import limits as rate_limits
 
+    proxy.init_app(app)
     db.init_app(app)
     submitting.init_app(app)
+    waits.init_app(app)
     forms.init_app(app)
     auth.init_app(app)
     security.init_app(app)

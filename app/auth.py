@@ -1,11 +1,11 @@
 """Logins: the login form, logout, and who is asking.
 
-Every page needs a logged-in user except `/login`, `/healthz`, `/metrics` (a token or a loopback
-client, see `app.ops`) and the static files; the JSON API has its bearer tokens instead
-(`app.api`). A user is remembered in Flask's signed session cookie by id and a fingerprint of
-the password hash, so changing a password or deleting the user ends its sessions. The
-OpenAI-compatible API under /v1 takes the same bearer tokens (`app.openai_api`). `g.user` is
-the user a request acts as: the session's on pages, the token's owner in the API.
+Every page needs a logged-in user except `/login`, `/healthz`, `/metrics` (a token, or a loopback
+client while no proxy is configured: `app.ops`) and the static files; the JSON API has its
+bearer tokens instead (`app.api`). A user is remembered in Flask's signed session cookie by id
+and a fingerprint of the password hash, so changing a password or deleting the user ends its
+sessions. The OpenAI-compatible API under /v1 takes the same bearer tokens (`app.openai_api`).
+`g.user` is the user a request acts as: the session's on pages, the token's owner in the API.
 """
 
 from __future__ import annotations

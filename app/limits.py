@@ -1,10 +1,12 @@
 """Rate limits (Flask-Limiter), counted in the swarm's Redis so every web process shares them.
 
-Two limits: job submissions per user (`SUBMIT_RATE`: the form, a re-run, the API and the
-OpenAI-compatible completions draw on one allowance) and login attempts per client address
-(`LOGIN_RATE`). A request over a limit is answered 429 with `Retry-After` (`app.errors`). The
-cap on a user's queued and running jobs is not a rate: the submission path checks it
-(`workers.submission`).
+Job submissions per user (`SUBMIT_RATE`: the form, a re-run, the API and the OpenAI-compatible
+completions draw on one allowance), and failed logins twice over: per client address
+(`LOGIN_RATE`), so one address cannot lock everyone out, and per account name posted
+(`LOGIN_ACCOUNT_RATE`), so one account cannot be guessed at from many addresses. Behind a
+trusted proxy the client address is the forwarded one (`app.proxy`). A request over a limit is
+answered 429 with `Retry-After` (`app.errors`). The cap on a user's queued and running jobs is
+not a rate: the submission path checks it (`workers.submission`).
 
 Each app has its own `Limiter` (as it has its own metrics registry), which wraps the limited
 views once the blueprints are registered, so several apps in one process never share state.
@@ -12,9 +14,10 @@ views once the blueprints are registered, so several apps in one process never s
 
 from __future__ import annotations
 
+import hashlib
 import time
 
-from flask import Flask, current_app, g
+from flask import Flask, Response, current_app, g, request
 from flask_limiter import Limiter
 from flask_limiter.util import get_remote_address
 
@@ -39,6 +42,18 @@ def _user_key() -> str:
     return f"user-{g.user.id}"
 
 
+def _account_key() -> str:
+    # Hashed: the posted name is anything a client sends, of any length.
+    name = request.form.get("username", "")
+    return "account-" + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def failed_login(response: Response) -> bool:
+    """Whether a login POST failed (a wrong name or password, or a bad form): only those count,
+    so neither a successful login nor a refused one uses up an allowance."""
+    return response.status_code == 400
+
+
 def init_app(app: Flask) -> None:
     """Limit the submission and login views; call after the blueprints are registered.
 
@@ -58,13 +73,21 @@ def init_app(app: Flask) -> None:
     )
     for endpoint in SUBMISSION_ENDPOINTS:
         app.view_functions[endpoint] = submissions(app.view_functions[endpoint])
-    logins = limiter.shared_limit(
+    by_address = limiter.shared_limit(
         lambda: app.config["LOGIN_RATE"],
         scope="login",
         key_func=get_remote_address,
         methods=["POST"],
+        deduct_when=failed_login,
     )
-    app.view_functions[LOGIN_ENDPOINT] = logins(app.view_functions[LOGIN_ENDPOINT])
+    by_account = limiter.shared_limit(
+        lambda: app.config["LOGIN_ACCOUNT_RATE"],
+        scope="login-account",
+        key_func=_account_key,
+        methods=["POST"],
+        deduct_when=failed_login,
+    )
+    app.view_functions[LOGIN_ENDPOINT] = by_account(by_address(app.view_functions[LOGIN_ENDPOINT]))
     app.extensions["specpipe.limiter"] = limiter
 
 

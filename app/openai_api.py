@@ -11,15 +11,17 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 from sqlalchemy.orm import Session
+from werkzeug.exceptions import ClientDisconnected
 
 from app.auth import current_user, user_from_token
 from app.db import get_session
 from app.submitting import submitter
+from app.waits import TooManyOpen, open_completions
 from models.db import utcnow
 from models.jobs import Job
 from models.nodes import ring_nodes
@@ -320,17 +322,17 @@ def parse_request(chat: bool) -> Completion:
     return Completion(chat, {**params, "logprobs": logprobs}, stream, include_usage, logprobs)
 
 
+def _too_many(message: str, retry_after_s: int) -> OpenAIError:
+    return OpenAIError(
+        429, message, code="rate_limit_exceeded", kind="requests", retry_after=retry_after_s
+    )
+
+
 def _submit(completion: Completion) -> Job:
     try:
         return submitter().submit(get_session(), completion.params, current_user())
     except TooManyActiveJobs as exc:
-        raise OpenAIError(
-            429,
-            str(exc),
-            code="rate_limit_exceeded",
-            kind="requests",
-            retry_after=exc.retry_after_s,
-        ) from None
+        raise _too_many(str(exc), exc.retry_after_s) from None
     except QueueUnavailable as exc:
         raise OpenAIError(
             503, f"job {exc.job.id} could not be queued: {exc}", kind="server_error"
@@ -365,6 +367,9 @@ def job_updates(
             return
         if time.monotonic() >= deadline:
             raise TimeoutError(f"job {job_id} did not finish within {wait_s:g} s")
+        # Hand the connection back to the pool while asleep: many waiting requests must not
+        # hold all of its few connections, nor keep the pages waiting for one.
+        session.rollback()
         time.sleep(poll_s)
 
 
@@ -594,20 +599,60 @@ def stream_answer(app: Flask, completion: Completion, job_id: int) -> Iterator[s
         session.close()
 
 
+def _closing(events: Iterator[str], close: Callable[[], None]) -> Iterator[str]:
+    """`events`, then `close` once they end, however they end."""
+    try:
+        yield from events
+    finally:
+        close()
+
+
+def _open(user_id: int) -> Callable[[], None]:
+    """A place among the open completions (`app.waits`), or a 429 in OpenAI's shape."""
+    try:
+        return open_completions().open(user_id)
+    except TooManyOpen as exc:
+        raise _too_many(str(exc), exc.retry_after_s) from None
+
+
 def _answer(chat: bool):
     completion = parse_request(chat)
-    job = _submit(completion)
+    close = _open(current_user().id)
+    try:
+        job = _submit(completion)
+    except BaseException:
+        close()
+        raise
     if completion.stream:
         job_id = job.id
         app = current_app._get_current_object()
-        response = Response(stream_answer(app, completion, job_id), mimetype="text/event-stream")
+        events = _closing(stream_answer(app, completion, job_id), close)
+        response = Response(events, mimetype="text/event-stream")
         response.headers["Cache-Control"] = "no-cache"
         response.headers["X-Accel-Buffering"] = "no"
+        response.call_on_close(close)  # also for a stream the server closes before it starts
         return response
-    session, config, job_id = get_session(), current_app.config, job.id
-    poll_s, wait_s = config["OPENAI_POLL_S"], config["OPENAI_WAIT_S"]
     try:
-        *_, job = job_updates(session, job_id, poll_s, wait_s)  # to the end: the finished job
+        return _whole(completion, job.id)
+    finally:
+        close()
+
+
+def _whole(completion: Completion, job_id: int) -> Response:
+    """Wait for the job, then answer with all of it; a client gone meanwhile cancels it."""
+    session, config = get_session(), current_app.config
+    poll_s, wait_s = config["OPENAI_POLL_S"], config["OPENAI_WAIT_S"]
+    # waitress says when the client hung up (with `channel_request_lookahead`, as `specpipe
+    # web` serves); elsewhere the wait runs its course.
+    gone = request.environ.get("waitress.client_disconnected", lambda: False)
+    job = None
+    try:
+        for update in job_updates(session, job_id, poll_s, wait_s, idle_s=KEEP_ALIVE_S):
+            if update is not None:
+                job = update
+            elif gone():
+                _cancel(session, job_id)
+                raise ClientDisconnected()
     except TimeoutError as exc:
         _cancel(session, job_id)
         raise OpenAIError(504, str(exc), kind="timeout") from None

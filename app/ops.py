@@ -1,5 +1,6 @@
 """Operations endpoints: `/healthz` (database and Redis reachable, open to all) and `/metrics`
-(Prometheus, see `app.metrics`; for a client on this host or one with an API token)."""
+(Prometheus, see `app.metrics`; for a client with an API token, or one on this host when no
+proxy is configured: behind one, every client would look local)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from sqlalchemy import text
 from app.auth import user_from_token
 from app.db import get_session
 from app.metrics import exposition
+from app.proxy import behind_proxy
 
 bp = Blueprint("ops", __name__)
 
@@ -50,9 +52,11 @@ def is_loopback(address: str | None) -> bool:
 @bp.get("/metrics")
 def metrics():
     """Prometheus text exposition: jobs by status, tokens, tok/s, acceptance, nodes, nightly."""
-    if not is_loopback(request.remote_addr) and user_from_token() is None:
+    local = not behind_proxy() and is_loopback(request.remote_addr)
+    if not local and user_from_token() is None:
+        where = "" if behind_proxy() else " or a client on this host"
         return Response(
-            "metrics need an API token (Authorization: Bearer ...) or a client on this host\n",
+            f"metrics need an API token (Authorization: Bearer ...){where}\n",
             status=401,
             content_type="text/plain; charset=utf-8",
             headers={"WWW-Authenticate": 'Bearer realm="specpipe"'},

@@ -355,8 +355,32 @@ def submit_rate() -> str:
 
 
 def login_rate() -> str:
-    """`SPECPIPE_LOGIN_RATE` (10/minute): login attempts from one address."""
+    """`SPECPIPE_LOGIN_RATE` (10/minute): failed logins from one client address."""
     return _env_rate("SPECPIPE_LOGIN_RATE", "10/minute")
+
+
+def login_account_rate() -> str:
+    """`SPECPIPE_LOGIN_ACCOUNT_RATE` (20/hour): failed logins for one account name, from any
+    address, so that no account can be guessed at from many addresses."""
+    return _env_rate("SPECPIPE_LOGIN_ACCOUNT_RATE", "20/hour")
+
+
+def trusted_proxies() -> int:
+    """`SPECPIPE_TRUSTED_PROXIES` (0): how many reverse proxies stand in front of the web app.
+    With N > 0 the client's address, scheme and host are read from the last N hops of the
+    `X-Forwarded-*` headers (werkzeug's ProxyFix); with 0 those headers are ignored."""
+    return _env_int("SPECPIPE_TRUSTED_PROXIES", 0, minimum=0)
+
+
+def open_completions() -> int:
+    """`SPECPIPE_OPEN_COMPLETIONS` (100): /v1 completions, streamed or waiting, one web process
+    holds open at once; `specpipe web` runs one thread for each on top of its `--threads`."""
+    return _env_int("SPECPIPE_OPEN_COMPLETIONS", 100)
+
+
+def open_completions_per_user() -> int:
+    """`SPECPIPE_OPEN_COMPLETIONS_PER_USER` (8): of those, how many one user may hold."""
+    return _env_int("SPECPIPE_OPEN_COMPLETIONS_PER_USER", 8)
 
 
 # What a job request that leaves a field out gets, from the web form, the API or the CLI.

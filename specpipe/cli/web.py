@@ -6,11 +6,21 @@ import click
 
 from specpipe.cli.options import store_error
 
+# Idle keep-alive connections and those waiting for a thread, beyond one per thread.
+CONNECTIONS_BESIDE_THREADS = 100
+
 
 @click.command(name="web")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--threads", default=8, show_default=True, type=click.IntRange(1, 64))
+@click.option(
+    "--threads",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="Threads for pages and API calls; each open /v1 completion the app allows "
+    "(SPECPIPE_OPEN_COMPLETIONS) has one more of its own.",
+)
 @click.option(
     "--migrate/--no-migrate",
     default=True,
@@ -33,6 +43,12 @@ def web(host: str, port: int, threads: int, migrate: bool) -> None:
     from specpipe import settings
 
     settings.ensure_secret_key()
+    from app import create_app
+
+    try:
+        app = create_app()
+    except ValueError as exc:  # a malformed setting, told before anything else is done
+        raise click.ClickException(str(exc)) from None
     if migrate:
         from models import migrate as migrations
 
@@ -41,10 +57,19 @@ def web(host: str, port: int, threads: int, migrate: bool) -> None:
         except Exception as exc:  # an unreachable or broken database is one line
             raise store_error("migrate the database", exc) from exc
     first_login()
-    from app import create_app
-
+    # A thread for each completion the app may hold open, so those never take the threads
+    # the pages need; connections to match, since each holds one.
+    all_threads = threads + app.config["OPEN_COMPLETIONS"]
     click.echo(f"specpipe web on http://{host}:{port}/")
-    waitress.serve(create_app(), host=host, port=port, threads=threads, ident="specpipe")
+    waitress.serve(
+        app,
+        host=host,
+        port=port,
+        threads=all_threads,
+        connection_limit=all_threads + CONNECTIONS_BESIDE_THREADS,
+        channel_request_lookahead=1,  # so a wait learns when its client hung up
+        ident="specpipe",
+    )
 
 
 def first_login() -> None:

@@ -72,3 +72,16 @@ def test_web_command_serves(fresh_database_url, tmp_path):
         process.terminate()
         process.wait(timeout=10)
     assert f"with the password in {tmp_path / 'admin_password'}" in process.stdout.read()
+
+
+def test_a_malformed_setting_is_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from specpipe.cli import cli
+
+    env = {"SPECPIPE_HOME": str(tmp_path), "SPECPIPE_TRUSTED_PROXIES": "one"}
+    result = CliRunner().invoke(cli, ["web", "--no-migrate"], env=env)
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "Error: SPECPIPE_TRUSTED_PROXIES must be an integer >= 0, got 'one'"
+    ]
