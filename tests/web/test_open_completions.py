@@ -86,6 +86,9 @@ def test_a_whole_answer_gives_its_place_back(make_app, db_url, tokens):
     again.close()
 
 
+SUITE_LOGIN_BOUND_MS = 5000.0
+
+
 def test_the_login_page_answers_while_completions_hold_the_old_thread_count():
     """12 completions open on the real server, where 8 threads used to hang every page."""
     from specpipe.bench import web_load
@@ -93,5 +96,8 @@ def test_the_login_page_answers_while_completions_hold_the_old_thread_count():
     result = web_load.run(streams=8, waits=4, logins=3, users=2, log=lambda _line: None)
     measured = result.to_json()
     assert (result.streams_open, result.waits_open) == (8, 4), measured
-    assert result.login_failures == 0 and result.login_max_ms < web_load.TARGET_MS, measured
+    # The benchmark holds the 1 s target on a quiet machine; here, beside the rest of the suite,
+    # the bound only has to tell a page that answers from the old server's, which answered none
+    # within 10 s.
+    assert result.login_failures == 0 and result.login_max_ms < SUITE_LOGIN_BOUND_MS, measured
     assert result.cancelled_after_hangup_s is not None, measured  # hanging up cancelled all
