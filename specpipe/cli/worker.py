@@ -229,6 +229,7 @@ def serve_stage(
             session_idle_s=session_idle_s,
             link_delay_s=link_delay_ms / 1000,
             tail_sampling=tail_sampling(),
+            redis_password=config.redis_password,
         ),
         node,
         head,
