@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote
 
 from specpipe import settings
 from specpipe.swarm.redact import without_credentials
@@ -48,8 +48,8 @@ class Dialer:
         for url in self.own:
             if without_credentials(url) == bare:
                 return url
-        if not self.password:
+        if not self.password or "//" not in bare:
             return address
-        parts = urlsplit(bare)
         auth = f"{quote(self.username, safe='')}:{quote(self.password, safe='')}@"
-        return urlunsplit(parts._replace(netloc=auth + parts.netloc))
+        start = bare.index("//") + 2
+        return bare[:start] + auth + bare[start:]

@@ -38,10 +38,11 @@ def one_line_reason(reason: str | BaseException) -> str:
 
 def without_credentials(url: str) -> str:
     """`url` without its user and password: the address a record or a message may carry."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
+    netloc = urlsplit(url).netloc
+    if "@" not in netloc:
         return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+    start = url.index("//") + 2  # by hand: urlunsplit would write unix:///path as unix:/path
+    return url[:start] + netloc.rsplit("@", 1)[1] + url[start + len(netloc) :]
 
 
 def has_credentials(url: str) -> bool:
