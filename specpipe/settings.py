@@ -40,6 +40,8 @@ class Settings:
     swarm: str  # the swarm's name, part of every stream key
     swarm_key: str | None  # HMAC key signing the data plane
     old_swarm_keys: tuple[str, ...] = ()  # still accepted while a new key spreads
+    # The swarm's data-plane Redis password, for the hosts' addresses (`redis_password`).
+    redis_password: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -51,6 +53,7 @@ class Settings:
             swarm=swarm_name(),
             swarm_key=keys[0] if keys else None,
             old_swarm_keys=keys[1:],
+            redis_password=redis_password(),
         )
 
     @property
@@ -276,12 +279,21 @@ def ensure_secret_key() -> str:
     return secret_key() or _write_secret(SECRET_KEY_FILE)
 
 
+def redis_password() -> str | None:
+    """The swarm's data-plane Redis password, which every host's Redis accepts for its user
+    `specpipe` and a process adds to the addresses of other hosts it dials:
+    `SPECPIPE_REDIS_PASSWORD`, else the file `SPECPIPE_REDIS_PASSWORD_FILE` names, else the one
+    kept in the instance folder, else None."""
+    path = os.environ.get("SPECPIPE_REDIS_PASSWORD_FILE")
+    if path and not os.environ.get("SPECPIPE_REDIS_PASSWORD"):
+        return Path(path).read_text().strip() or None
+    return _secret("SPECPIPE_REDIS_PASSWORD", REDIS_PASSWORD_FILE)
+
+
 def ensure_redis_password() -> str:
-    """The password of the Redis `specpipe up` runs: `SPECPIPE_REDIS_PASSWORD`, else the one
-    kept in the instance folder, else a new one written there (mode 0600)."""
-    return _secret("SPECPIPE_REDIS_PASSWORD", REDIS_PASSWORD_FILE) or _write_secret(
-        REDIS_PASSWORD_FILE
-    )
+    """The password of the Redis `specpipe up` or `specpipe join` runs: `redis_password`, else
+    a new one written into the instance folder (mode 0600)."""
+    return redis_password() or _write_secret(REDIS_PASSWORD_FILE)
 
 
 def redis_maxmemory() -> str:

@@ -25,6 +25,7 @@ from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.target import open_target
 from specpipe.settings import Settings
 from specpipe.swarm import inventory, streams
+from specpipe.swarm.dialing import Dialer
 from specpipe.swarm.redis_ring import RedisRing
 
 REFERENCE_DELAYS_MS = (11.0, 8.0, 3.4, 19.0)  # WA -> MN -> NC -> NJ -> WA, one way
@@ -47,15 +48,9 @@ def ring_latency_now(settings: Settings) -> inventory.RingLatency | None:
     ring = inventory.measured_ring(nodes)
     if ring is None:
         return None
-    stats = {}
-    for node in ring:
-        stage_redis = redis.Redis.from_url(node.redis_url, socket_connect_timeout=5)
-        try:
-            stats[node.host] = streams.read_stats(stage_redis, settings.swarm, node.host)
-        except (redis.RedisError, ValueError):
-            stats[node.host] = None
-        finally:
-            stage_redis.close()
+    stats = streams.read_stages_stats(
+        [(n.host, n.redis_url) for n in ring], settings.swarm, 5.0, Dialer.for_settings(settings)
+    )
     return inventory.ring_latency(ring, stats)
 
 

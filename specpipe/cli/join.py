@@ -125,6 +125,7 @@ def join(
     from specpipe.model.resolve import model_label, open_checkpoint
     from specpipe.ops.redis_server import RedisServer, RedisUnavailable
     from specpipe.swarm import inventory, streams
+    from specpipe.swarm.dialing import Dialer
     from specpipe.swarm.redact import redact_url
 
     model_name = model_name or settings.default_model()
@@ -157,18 +158,13 @@ def join(
             f"a host named {host_name!r} already serves layers {taken[0].layers}: pass --host"
         )
     if layers is None:
-        load = {}
-        for node in nodes:  # rounds each stage has processed, from its own Redis
-            try:
-                stats = redis.Redis.from_url(
-                    node.redis_url, socket_connect_timeout=2, socket_timeout=2
-                )
-                load[node.host] = int(
-                    streams.read_stats(stats, config.swarm, node.host).get("processed", 0)
-                )
-                stats.close()
-            except (redis.RedisError, ValueError):
-                pass
+        # Rounds each stage has processed, from its own Redis.
+        found = streams.read_stages_stats(
+            [(n.host, n.redis_url) for n in nodes],
+            config.swarm,
+            dialer=Dialer.for_settings(config, registry_url),
+        )
+        load = {host: int(stats.get("processed", 0)) for host, stats in found.items() if stats}
         start, end, why = inventory.choose_layers(nodes, n_layers, label, load)
     else:
         start, end = layers

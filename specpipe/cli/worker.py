@@ -52,7 +52,8 @@ def layer_range(_ctx, _param, value: str) -> tuple[int, int]:
     "--redis",
     "redis_url",
     default=None,
-    help="This host's Redis (its input stream); default: REDIS_URL.",
+    help="This host's Redis (its input stream; its record in the inventory gives the address "
+    "without user or password); default: REDIS_URL.",
 )
 @click.option(
     "--registry",
@@ -216,6 +217,7 @@ def serve_stage(
             session_idle_s=session_idle_s,
             link_delay_s=link_delay_ms / 1000,
             tail_sampling=tail_sampling(),
+            redis_password=config.redis_password,
         ),
         node,
         head,

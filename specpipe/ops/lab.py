@@ -2,7 +2,8 @@
 
 `Lab.up` makes a bridge with an address in the root namespace (so this machine reaches every
 host), and per host a namespace joined to it by a veth pair, with its own address, its own
-Redis (a password each; host 1's speaks TLS only, with a certificate signed by a CA the lab
+Redis (the swarm's one data-plane password, which each process adds to the other hosts'
+addresses it dials; host 1's speaks TLS only, with a certificate signed by a CA the lab
 makes with `openssl`) and, on the hosts that serve, its own stage worker. Host 0 also runs the
 swarm's registry and broker (its Redis), the coordinator, beat and the web app, with a SQLite
 store in the lab's folder. The kernel here has no netem: a link's latency is the sending
@@ -35,6 +36,7 @@ import redis
 
 from specpipe.ops.redis_server import RedisServer, TlsFiles, answers, find_binary
 from specpipe.ops.supervisor import process_alive
+from specpipe.settings import REDIS_PASSWORD_FILE
 from specpipe.swarm import inventory
 
 LAB_FILE = "lab.json"
@@ -371,6 +373,11 @@ class Lab:
         secret = self.home / "secret_key"
         if not secret.exists():
             _private(secret, secrets.token_hex(32) + "\n")
+        # The swarm's data-plane password: every host's Redis takes it, and every process of
+        # the lab (its SPECPIPE_HOME is this folder) dials the others' addresses with it.
+        data = self.home / REDIS_PASSWORD_FILE
+        if not data.exists():
+            _private(data, secrets.token_hex(16) + "\n")
 
     def _start_redis(self, index: int) -> Host:
         namespace = f"{PREFIX}-{self.state['id']}-h{index}"
@@ -382,7 +389,7 @@ class Lab:
         server = RedisServer(
             port=REDIS_PORT,
             data_dir=directory / "redis",
-            password=secrets.token_hex(16),
+            password=(self.home / REDIS_PASSWORD_FILE).read_text().strip(),
             host=address,
             tls=tls,
         )

@@ -39,6 +39,7 @@ from urllib.parse import quote
 
 import redis
 
+from specpipe.swarm.dialing import REDIS_USER
 from specpipe.swarm.redact import redact_url
 
 log = logging.getLogger("specpipe.redis")
@@ -142,7 +143,7 @@ def find_binary() -> str:
 
 
 UNIX_PATH_MAX = 104  # the shortest sun_path among the systems Redis runs on
-USER = "specpipe"  # the one user of a locked-down server
+USER = REDIS_USER  # the one user of a locked-down server
 # The largest request Redis reads: the largest wire message plus room for the command around it.
 BULK_HEADROOM_BYTES = 1024 * 1024
 

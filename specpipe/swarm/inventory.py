@@ -1,5 +1,9 @@
 """The node inventory: who serves which layers, where its Redis is, and whether it is alive.
 
+A record gives its host's Redis as an address without user or password: whoever dials it adds
+credentials of its own (`specpipe.swarm.dialing`), so no record carries a secret, and one that
+does is neither published nor believed.
+
 Every stage worker publishes a `NodeInfo` as JSON into the hash `specpipe:{swarm}:nodes` on the
 swarm's registry Redis and refreshes it (its heartbeat) while it runs. A node is *online* when
 its last heartbeat is at most 30 s old, *stale* up to 120 s, *offline* after that. `route`
@@ -34,7 +38,7 @@ import redis
 
 from specpipe import __version__
 from specpipe.settings import TEST_LOSSY_TAIL_VAR
-from specpipe.swarm.redact import redact_url
+from specpipe.swarm.redact import has_credentials, redact_url
 
 ONLINE_S = 30.0
 STALE_S = 120.0
@@ -76,7 +80,7 @@ class NodeInfo:
     host: str
     layer_start: int
     layer_end: int
-    redis_url: str
+    redis_url: str  # the address of the host's Redis, without user or password
     role: str = ""  # stage0, stage1, …, tail
     model: str = ""
     public_ip: str = ""
@@ -248,12 +252,15 @@ def sign_record(record: str, swarm: str, key: bytes | str) -> str:
 
 def verify_record(host: str, value: bytes | str, swarm: str, keys: Keys, now: float) -> NodeInfo:
     """The node a stored value describes; ValueError when it is unsigned (by none of `keys`),
-    forged, filed under another host, malformed, or dated more than MAX_SKEW_S after `now`."""
+    forged, filed under another host, malformed, carries credentials, or dated more than
+    MAX_SKEW_S after `now`."""
     raw = value if isinstance(value, bytes) else value.encode()
     tag, _, record = raw.partition(b" ")
     if not any(hmac.compare_digest(tag, _tag(record, swarm, key).encode()) for key in _keys(keys)):
         raise ValueError("unsigned or forged node record")
     node = NodeInfo.from_json(record)
+    if has_credentials(node.redis_url):
+        raise ValueError("node record carries credentials")
     if node.host != host:
         raise ValueError("node record filed under another host")
     if node.last_heartbeat > now + MAX_SKEW_S:
@@ -265,7 +272,9 @@ def publish(
     client: redis.Redis, swarm: str, node: NodeInfo, key: bytes | str, now: float | None = None
 ) -> NodeInfo:
     """Record (or refresh) a node, signed with the swarm key, with the current time as its
-    heartbeat."""
+    heartbeat. ValueError for a record whose address carries credentials."""
+    if has_credentials(node.redis_url):
+        raise ValueError(f"{node.host}'s record would carry its Redis credentials")
     node = replace(node, last_heartbeat=time.time() if now is None else now)
     client.hset(nodes_key(swarm), node.host, sign_record(node.to_json(), swarm, key))
     return node

@@ -1,4 +1,4 @@
-"""Keeping secrets out of what is shown: passwords in URLs, and one-line error reasons."""
+"""Keeping secrets out of what is shown or sent: passwords in URLs, and one-line error reasons."""
 
 from __future__ import annotations
 
@@ -34,3 +34,17 @@ def one_line_reason(reason: str | BaseException) -> str:
         reason = f"{type(reason).__name__}: {first}" if first else type(reason).__name__
     line = " ".join(redact_text(reason).replace("\x00", "\ufffd").split())
     return line if len(line) <= MAX_REASON_CHARS else line[: MAX_REASON_CHARS - 1] + "…"
+
+
+def without_credentials(url: str) -> str:
+    """`url` without its user and password: the address a record or a message may carry."""
+    netloc = urlsplit(url).netloc
+    if "@" not in netloc:
+        return url
+    start = url.index("//") + 2  # by hand: urlunsplit would write unix:///path as unix:/path
+    return url[:start] + netloc.rsplit("@", 1)[1] + url[start + len(netloc) :]
+
+
+def has_credentials(url: str) -> bool:
+    """Whether `url` carries a user or a password."""
+    return "@" in urlsplit(url).netloc

@@ -1,8 +1,10 @@
 """`RedisRing`: the `Ring` interface over the swarm's per-host Redis Streams.
 
-A round is signed and XADDed to stage 0's stream on stage 0's Redis, carrying its route (each
-hop's host and Redis URL, from the inventory) and the Redis holding this coordinator's reply
-stream. The ring then waits on `specpipe:{swarm}:reply:{session}` for the reply, re-sending
+A round is signed and XADDed to stage 0's stream on stage 0's Redis, carrying its route as
+host names only: each stage finds its next hop's address in the signed inventory and dials it
+with its own credentials, and replies go to its registry, which is this coordinator's reply
+Redis. The ring dials each hop's address with this process's credentials (its `dialer`).
+It then waits on `specpipe:{swarm}:reply:{session}` for the reply, re-sending
 the round under a new id and sequence number (a reply to any of its ids will do) a bounded
 number of times before it gives up with a `RingError`. Every message the ring sends carries a
 sequence number larger than the last, which is how stages tell a replay from a fresh message;
@@ -31,6 +33,7 @@ from specpipe.core.ring import GapError, RoundResult
 from specpipe.core.sampling import SamplingParams, TokenLogprob
 from specpipe.settings import Settings
 from specpipe.swarm import inventory, streams, wire
+from specpipe.swarm.dialing import Dialer
 from specpipe.swarm.inventory import NodeInfo
 from specpipe.swarm.redact import redact_text, redact_url
 
@@ -66,22 +69,27 @@ class RedisRing:
         per_token_s: float = PER_TOKEN_S,
         watchdog: Callable[[], str | None] | None = None,
         watch_after_s: float = WATCH_AFTER_S,
+        dialer: Dialer | None = None,
     ) -> None:
         if not route:
             raise ValueError("a ring needs at least one stage")
         # The stages in ring order: inventory records when routed from the inventory (the run's
-        # node snapshot), else bare hops. Only their host and Redis URL go on the wire.
+        # node snapshot), else bare hops. Only their hosts go on the wire.
         self.route = tuple(route)
+        self._hops_on_wire = tuple(hop.host for hop in self.route)
         self._hosts = frozenset(hop.host for hop in self.route)  # who may reply
         self.swarm = swarm
         self.keys = wire.keyring(keys)
         self.reply_url = reply_url
+        self.connections = streams.Connections(dialer or Dialer.configured([reply_url], None))
         self.timeout_s = timeout_s  # a round's wait for its reply, before the work it carries
         self.per_token_s = per_token_s
         self.retries = retries
         self.maxlen = maxlen
+        dial = self.connections.dialer.url
+        # One write can carry a round and the read of its reply when they share a Redis.
+        self._first_is_reply = dial(self.route[0].redis_url) == dial(reply_url)
         self.link_delay_s = link_delay_s  # simulated latency of the link to stage 0 (benchmarks)
-        self.connections = streams.Connections()
         self._params: dict[str, SamplingParams] = {}
         self._cursor: dict[str, bytes | str] = {}  # last reply entry id read, per session
         self._seq = 0  # the last sequence number sent, for any session
@@ -122,7 +130,9 @@ class RedisRing:
             client.close()
         route = inventory.route(nodes, n_layers, model=model, avoid=avoid)
         keys = wire.Keyring(settings.accepted_swarm_keys)
-        return cls(route, settings.swarm, keys, reply_url or registry, **options)
+        reply = reply_url or registry
+        dialer = Dialer.for_settings(settings, registry, reply)
+        return cls(route, settings.swarm, keys, reply, dialer=dialer, **options)
 
     def reset(self, session: str, params: SamplingParams) -> None:
         """Clear every stage's cache for the session and give the tail its sampling parameters."""
@@ -168,8 +178,7 @@ class RedisRing:
             start_pos=start_pos,
             n_draft=n_draft,
             tokens=tuple(int(t) for t in tokens),
-            route=self.route,
-            reply=self.reply_url,
+            route=self._hops_on_wire,
             head_k=min(int(head_k), wire.MAX_HEAD_DRAFTS),
         )
         first = self.route[0]
@@ -196,7 +205,7 @@ class RedisRing:
             if self.link_delay_s > 0:
                 time.sleep(self.link_delay_s)
             try:
-                if first.redis_url == self.reply_url:
+                if self._first_is_reply:
                     # One write carries the round and the read that waits for its reply.
                     reply = self._wait(session, round_ids, wait_s, send)
                 else:

@@ -2,9 +2,11 @@
 
 Generic over the `Stage` protocol: it reads `specpipe:{swarm}:stage:{host}` on its own Redis as
 a member of the stage consumer group, verifies each message (`stage.admission`), runs
-`stage.forward`, and sends the hidden states to the next hop's stream on that hop's Redis, or,
-on the tail, samples the doctored result vector with the session's parameters and sends it to
-the coordinator's reply stream (`stage.onward`, `stage.samplers`). A stage that has lost a session's
+`stage.forward`, and sends the hidden states to the next hop's stream on that hop's Redis (its
+address from the signed inventory, `stage.directory`, dialled with this stage's own
+credentials, `swarm.dialing`), or, on the tail, samples the doctored result vector with the
+session's parameters and sends it to the coordinator's reply stream on the stage's registry
+(`stage.onward`, `stage.samplers`). A stage that has lost a session's
 cache answers `gap`. Per-session `reset` (the tail keeps temp, top_p, top_k and seed, and
 whether to send the committed tokens' log-probabilities with each result), `reseed` (new
 parameters, caches kept) and `drop` arrive as signed messages on the same stream, so they are
@@ -30,7 +32,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import redis
@@ -39,12 +41,15 @@ from specpipe.core.ring import BatchedStage, Stage
 from specpipe.model import heap
 from specpipe.settings import DEFAULT_HEARTBEAT_S, TEST_LOSSY_TAIL_VAR
 from specpipe.swarm import inventory, streams, wire
+from specpipe.swarm.dialing import Dialer
+from specpipe.swarm.redact import without_credentials
 from specpipe.swarm.stage import budget
 from specpipe.swarm.stage.activity import Activity
 from specpipe.swarm.stage.admission import Admission
 from specpipe.swarm.stage.batching import MAX_BATCH, Batcher
 from specpipe.swarm.stage.counters import StageStats
 from specpipe.swarm.stage.delayed_link import DelayedLink
+from specpipe.swarm.stage.directory import Directory
 from specpipe.swarm.stage.forward import Forward
 from specpipe.swarm.stage.heartbeat import Heartbeat
 from specpipe.swarm.stage.keys import StageKeys
@@ -66,7 +71,7 @@ class WorkerConfig:
     swarm: str
     keys: wire.Keyring | bytes | str  # the swarm's keyring (a single key is a ring of one)
     redis_url: str  # this host's Redis: its input stream lives here
-    registry_url: str | None = None  # the inventory's Redis; default: redis_url
+    registry_url: str | None = None  # the inventory's and the replies' Redis; default: redis_url
     consumer: str | None = None  # consumer name in the group; default: host
     maxlen: int = streams.DEFAULT_MAXLEN
     block_ms: int = 1000
@@ -81,6 +86,13 @@ class WorkerConfig:
     # The sampler a session's parameters get on the tail (the lossless one they name, unless
     # the process installs a test double).
     tail_sampling: TailSampling = TailSampling()
+    # The swarm's data-plane password: added to the address of every other host's Redis dialled.
+    redis_password: str | None = field(default=None, repr=False)
+
+    @property
+    def registry(self) -> str:
+        """The URL of the inventory's Redis, where the replies go too."""
+        return self.registry_url or self.redis_url
 
 
 class StageWorker:
@@ -98,7 +110,8 @@ class StageWorker:
         self.config = config
         host, swarm = config.host, config.swarm
         self.stream = streams.stage_key(swarm, host)
-        self.connections = streams.Connections()
+        dialer = Dialer.configured((config.redis_url, config.registry), config.redis_password)
+        self.connections = streams.Connections(dialer)
         self.client = self.connections.get(config.redis_url)
         self.consumer = streams.StreamConsumer(
             self.client,
@@ -116,10 +129,19 @@ class StageWorker:
         )
         self.batcher = Batcher(self.consumer, self._admit, isinstance(stage, BatchedStage))
         self.samplers = TailSamplers(stage, config.tail_sampling, self.stats, head)
-        replies = Replies(swarm, host, self.stage_keys)
+        replies = Replies(swarm, host, self.stage_keys, config.registry)
         self.outbox = Outbox(self._link(replies))
+        self.directory = Directory(self.connections.get(config.registry), swarm, self.stage_keys)
         self.onward = Onward(
-            stage, swarm, host, self.stage_keys, self.samplers, replies, self.outbox, self.stats
+            stage,
+            swarm,
+            host,
+            self.stage_keys,
+            self.samplers,
+            replies,
+            self.outbox,
+            self.stats,
+            self.directory,
         )
         self.forward = Forward(stage, host, self.stats, self.onward)
         # The record says what this process does, whatever the caller built it with.
@@ -127,6 +149,7 @@ class StageWorker:
         if node is not None:
             node = replace(
                 node,
+                redis_url=without_credentials(node.redis_url),  # the dialler brings its own
                 test_lossy_tail=config.tail_sampling.lossy,
                 kv_budget_tokens=self.kv_budget_tokens,
                 heartbeat_s=config.heartbeat_s,
@@ -136,11 +159,13 @@ class StageWorker:
             node,
             host,
             swarm,
-            config.registry_url or config.redis_url,
+            config.registry,
             config.heartbeat_s,
             self.stage_keys,
             self.stats,
             lambda: self.onward.next_hop,
+            dialer,
+            self.directory,
         )
         self._next_housekeeping = 0.0
 
@@ -336,7 +361,7 @@ def run(
     finally:
         if node is not None:
             try:
-                registry = worker.connections.get(config.registry_url or config.redis_url)
+                registry = worker.connections.get(config.registry)
                 inventory.remove(registry, config.swarm, node.host)
             except redis.RedisError:
                 pass

@@ -30,6 +30,8 @@ from collections.abc import Iterable
 import redis
 from hiredis import pack_command
 
+from specpipe.swarm.dialing import Dialer
+
 FIELD = b"m"  # the one field of every entry: the wire message
 GROUP = "stage"
 DEFAULT_MAXLEN = 1000
@@ -76,18 +78,23 @@ def read_stats(client: redis.Redis, swarm: str, host: str) -> dict[str, float]:
 
 
 def read_stages_stats(
-    stages: Iterable[tuple[str, str]], swarm: str, timeout_s: float = 2.0
+    stages: Iterable[tuple[str, str]],
+    swarm: str,
+    timeout_s: float = 2.0,
+    dialer: Dialer | None = None,
 ) -> dict[str, dict[str, float] | None]:
-    """Each stage's stats by host, read from its own Redis, for `(host, redis_url)` pairs; None
+    """Each stage's stats by host, read from its own Redis, for `(host, address)` pairs; None
     for a stage whose Redis does not answer within `timeout_s`. One client per Redis: the
-    stages of a one-machine swarm share one."""
+    stages of a one-machine swarm share one. The addresses are dialled with `dialer`, by default
+    with the credentials this process's environment configures."""
+    dialer = dialer or Dialer.from_env()
     clients: dict[str, redis.Redis] = {}
     found: dict[str, dict[str, float] | None] = {}
     try:
         for host, url in stages:
             if url not in clients:
                 clients[url] = redis.Redis.from_url(
-                    url, socket_connect_timeout=timeout_s / 2, socket_timeout=timeout_s
+                    dialer.url(url), socket_connect_timeout=timeout_s / 2, socket_timeout=timeout_s
                 )
             try:
                 found[host] = read_stats(clients[url], swarm, host)
@@ -175,19 +182,22 @@ def stream_entries(reply) -> list[tuple[bytes, bytes | None]]:
 
 
 class Connections:
-    """One client (and one `Link`) per Redis URL, reused for every send to that host."""
+    """One client (and one `Link`) per Redis address, reused for every send to that host. The
+    `dialer` adds this process's own credentials to an address (`specpipe.swarm.dialing`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dialer: Dialer | None = None) -> None:
+        self.dialer = dialer or Dialer()
         self._clients: dict[str, redis.Redis] = {}
         self._links: dict[str, Link] = {}
 
     def get(self, url: str) -> redis.Redis:
-        """The client for `url`, created on first use."""
+        """The client for `url` (an address, or a URL this process was configured with),
+        created on first use."""
         client = self._clients.get(url)
         if client is None:
             tcp = not url.startswith("unix:")  # keepalive is a TCP option
             client = redis.Redis.from_url(
-                url,
+                self.dialer.url(url),
                 socket_timeout=SOCKET_TIMEOUT_S,
                 socket_connect_timeout=5.0,
                 **({"socket_keepalive": True} if tcp else {}),

@@ -8,8 +8,10 @@ where `tag` is HMAC-SHA256 over everything before it, under the swarm key the ke
 `Keyring` holds the key that signs and the older ones still accepted while a new key spreads).
 The header names the swarm, where the message goes and what it is (the destination stream, the
 direction, the sender), the session with its sequence number and round id, positions, the token
-ids (with their log-probabilities on a tail's result, when the session asked for them) and the
-payload's dtype and shape; the payload is the tensor's bytes, nothing else. `decode`
+ids (with their log-probabilities on a tail's result, when the session asked for them), the
+route as host names only (never an address or a credential: each stage finds its next hop in
+the signed inventory, and replies go to its own registry) and the payload's dtype and shape;
+the payload is the tensor's bytes, nothing else. `decode`
 checks the size limits and the signature (constant-time) before it parses the header, and the
 dtype whitelist and the shape-versus-byte-count before it reads the payload. A receiver passes
 its own stream, so a message copied into another stream is refused; freshness (the sequence
@@ -32,7 +34,8 @@ import msgpack
 import numpy as np
 import torch
 
-MAGIC = b"SPW2"
+MAGIC = b"SPW3"  # SPW2 carried each hop's Redis URL, password included, and the reply's
+OLD_MAGICS = frozenset({b"SPW2"})
 TAG_BYTES = 32
 KEY_ID_BYTES = 4
 PREFIX = struct.Struct("<4s4sI")
@@ -85,7 +88,8 @@ class UnknownKeyError(WireError):
 
 @dataclass(frozen=True)
 class Hop:
-    """One stage on a round's route: its host name and the Redis that holds its input stream."""
+    """One stage on a route as a coordinator knows it: its host name and the address of the
+    Redis that holds its input stream. Only the host goes on the wire."""
 
     host: str
     redis_url: str
@@ -110,8 +114,7 @@ class Message:
     tokens: tuple[int, ...] = ()
     tensor: torch.Tensor | None = None
     hop: int = 0  # index into `route` of the stage this message is addressed to
-    route: tuple[Hop, ...] = ()
-    reply: str = ""  # Redis URL holding the coordinator's reply stream
+    route: tuple[str, ...] = ()  # the hosts of the stages a round passes, in order
     params: dict[str, float | int] = field(default_factory=dict)  # reset/reseed: temp, ...
     reason: str = ""  # gap / error: what went wrong
     # result, when asked: per committed token, its log-probability and the most likely
@@ -158,6 +161,7 @@ class Keyring:
             raise WireError("no swarm key: set SPECPIPE_SWARM_KEY")
         self.current = encoded[0]
         self.current_id = key_id(self.current)
+        self.accepted = tuple(encoded)  # the signing key first, then the old ones
         self._by_id = {key_id(k): k for k in reversed(encoded)}
 
     def get(self, kid: bytes) -> bytes | None:
@@ -204,8 +208,7 @@ def encode(message: Message, swarm: str, keys: Keyring | bytes | str) -> bytes:
         "n_draft": message.n_draft,
         "tokens": list(message.tokens),
         "hop": message.hop,
-        "route": [[h.host, h.redis_url] for h in message.route],
-        "reply": message.reply,
+        "route": list(message.route),
         "params": dict(message.params),
         "reason": message.reason,
     }
@@ -266,6 +269,8 @@ def decode(
     if len(view) < PREFIX.size + TAG_BYTES:
         raise WireError(f"message of {len(view)} bytes is too short")
     magic, kid, head_len = PREFIX.unpack_from(view)
+    if magic in OLD_MAGICS:
+        raise WireError(f"wire format {magic.decode()} of an older version: upgrade the sender")
     if magic != MAGIC:
         raise WireError("not a specpipe message (bad magic)")
     if head_len > MAX_HEADER_BYTES or PREFIX.size + head_len + TAG_BYTES > len(view):
@@ -350,7 +355,6 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
         tensor=tensor,
         hop=hop,
         route=route,
-        reply=_field(header, "reply", str, ""),
         params=params,
         reason=_field(header, "reason", str, ""),
         logprobs=_logprobs(_field(header, "logprobs", list, []), len(tokens)),
@@ -392,21 +396,10 @@ def _logprobs(entries: list, n_tokens: int) -> tuple:
     return tuple(out)
 
 
-_last_route: tuple[list, tuple[Hop, ...]] = ([], ())
-
-
-def _route(entries: list) -> tuple[Hop, ...]:
-    # A ring sends the same route round after round: the last one decoded is kept.
-    global _last_route
-    raw, hops = _last_route
-    if entries == raw:
-        return hops
-    for hop in entries:
-        if not (isinstance(hop, list) and len(hop) == 2 and all(isinstance(s, str) for s in hop)):
-            raise WireError("route entries must be [host, redis_url]")
-    hops = tuple(Hop(host, url) for host, url in entries)
-    _last_route = (entries, hops)
-    return hops
+def _route(entries: list) -> tuple[str, ...]:
+    if not all(isinstance(host, str) and host for host in entries):
+        raise WireError("route entries must be host names")
+    return tuple(entries)
 
 
 def _tensor(header: dict, payload: memoryview) -> torch.Tensor | None:

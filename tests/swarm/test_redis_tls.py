@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from specpipe.ops.redis_server import answers, find_binary, free_port
+from specpipe.ops.redis_server import acl_rules, answers, find_binary, free_port
 from specpipe.swarm.redis_ring import RedisRing
 from tests.swarm.test_redis_ring import PARAMS, drive, reference
 from tests.waiting import wait_until
@@ -85,7 +86,7 @@ def tls_redis(tmp_path_factory):
     make_certificates(directory)
     port = free_port()
     config = directory / "redis.conf"
-    config.write_text(f"requirepass {PASSWORD}\n")
+    config.write_text("\n".join(acl_rules(PASSWORD)) + "\n")  # as every swarm host's
     config.chmod(0o600)
     argv = [
         find_binary(),
@@ -113,7 +114,7 @@ def tls_redis(tmp_path_factory):
     ]
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     ca = directory / "ca.pem"
-    url = f"rediss://:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={ca}"
+    url = f"rediss://specpipe:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={ca}"
     try:
         wait_until(lambda: process.poll() is not None or answers(url), 10, "the TLS Redis")
         if process.poll() is not None:
@@ -137,9 +138,11 @@ def refused(url: str) -> redis.RedisError:
 
 def test_only_a_client_with_the_ca_and_the_password_gets_in(tls_redis):
     port, ca = tls_redis
-    assert answers(f"rediss://:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={ca}")
+    assert answers(f"rediss://specpipe:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={ca}")
     # Without the swarm's CA the server's certificate does not verify.
-    assert "certificate verify failed" in str(refused(f"rediss://:{PASSWORD}@127.0.0.1:{port}/0"))
+    assert "certificate verify failed" in str(
+        refused(f"rediss://specpipe:{PASSWORD}@127.0.0.1:{port}/0")
+    )
     # With the CA but without the password, or a wrong one, Redis refuses.
     assert isinstance(
         refused(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}"), redis.AuthenticationError
@@ -148,19 +151,25 @@ def test_only_a_client_with_the_ca_and_the_password_gets_in(tls_redis):
         refused(f"rediss://:guess@127.0.0.1:{port}/0?ssl_ca_certs={ca}"), redis.AuthenticationError
     )
     # Plain text is not spoken at all.
-    assert isinstance(refused(f"redis://:{PASSWORD}@127.0.0.1:{port}/0"), redis.ConnectionError)
+    assert isinstance(
+        refused(f"redis://specpipe:{PASSWORD}@127.0.0.1:{port}/0"), redis.ConnectionError
+    )
 
 
 def test_rounds_go_through_a_stage_whose_stream_lives_on_a_tls_redis(
-    tls_redis, stages, ring_settings, redis_url
+    tls_redis, stages, ring_settings, redis_url, monkeypatch
 ):
     port, ca = tls_redis
-    remote = f"rediss://:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={ca}"
+    address = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}"
+    remote = f"rediss://specpipe:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={ca}"
+    # The data-plane password: near and the coordinator add it to far's address.
+    monkeypatch.setenv("SPECPIPE_REDIS_PASSWORD", PASSWORD)
+    ring_settings = replace(ring_settings, redis_password=PASSWORD)
     stages.start("near", "0:2", redis_url, wait=False)
     stages.start("far", "2:4", remote, wait=False)  # registers in the plain registry
     stages.wait_ready(["near", "far"])
     ring = RedisRing.from_inventory(ring_settings, "toy", 4, timeout_s=20)
-    assert [hop.redis_url for hop in ring.route] == [redis_url, remote]
+    assert [hop.redis_url for hop in ring.route] == [redis_url, address]  # no password
     ring.reset("s", PARAMS)
     # Coordinator → near (plain) → far (TLS, sent there by near) → the reply stream.
     assert drive(ring, "s", rounds=3, k=2) == reference([(0, 2), (2, 4)], rounds=3, k=2)

@@ -86,6 +86,21 @@ def test_unsigned_forged_malformed_and_future_records_are_ignored_and_counted(sw
     client.close()
 
 
+def test_a_record_with_credentials_is_neither_published_nor_believed(swarm, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    leaky = good("p", 0, 4, "redis://specpipe:secret@10.0.0.9:6379/0")
+    with pytest.raises(ValueError, match="would carry its Redis credentials"):
+        inventory.publish(client, swarm, leaky, KEY)
+    assert not client.hexists(inventory.nodes_key(swarm), "p")
+    # Signed by a key holder of an older version, which put the password in its record.
+    record = json.dumps(
+        asdict(leaky) | {"last_heartbeat": time.time()}, sort_keys=True, separators=(",", ":")
+    )
+    _raw(client, swarm, "p", inventory.sign_record(record, swarm, KEY))
+    assert inventory.read(client, swarm, KEY) == inventory.Inventory([], 1)
+    client.close()
+
+
 def test_a_heartbeat_a_little_ahead_is_clock_skew_and_kept(swarm, redis_url):
     client = redis.Redis.from_url(redis_url)
     now = time.time()

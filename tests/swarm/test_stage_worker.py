@@ -37,7 +37,7 @@ def signed(worker: StageWorker, message: wire.Message, **fields) -> bytes:
     global _last_seq
     _last_seq = wire.next_seq(_last_seq)
     hop = message.hop
-    sender = message.route[hop - 1].host if message.kind == "round" and hop else wire.COORDINATOR
+    sender = message.route[hop - 1] if message.kind == "round" and hop else wire.COORDINATOR
     rightful = dict(to=worker.stream, sender=sender, seq=_last_seq)
     message = replace(message, **{**rightful, **fields})
     return wire.encode(message, worker.config.swarm, worker.keys)
@@ -54,10 +54,18 @@ def replies(redis_url, swarm, key, session="s"):
     return [wire.decode(f[streams.FIELD], swarm, key) for _, f in entries]
 
 
+def listed(redis_url, swarm, key, *hosts):
+    """Records of `hosts` in the inventory: where a stage finds the hop it passes a round to."""
+    client = redis.Redis.from_url(redis_url)
+    for host in hosts:
+        inventory.publish(client, swarm, inventory.NodeInfo(host, 0, 1, redis_url), key)
+    client.close()
+
+
 def round_message(
     redis_url, hosts, hop=0, tokens=(1, 2, 3), n_draft=0, tensor=None, rid="r", start_pos=0
 ):
-    route = tuple(wire.Hop(h, redis_url) for h in hosts)
+    route = tuple(hosts)
     return wire.Message(
         kind="round",
         session="s",
@@ -67,7 +75,6 @@ def round_message(
         tensor=tensor,
         route=route,
         hop=hop,
-        reply=redis_url,
         start_pos=start_pos,
     )
 
@@ -117,6 +124,22 @@ def test_a_route_that_ends_before_the_tail_is_an_error_reply(make, swarm, key, r
     deliver(worker, round_message(redis_url, ["a"]))
     (reply,) = replies(redis_url, swarm, key)
     assert reply.kind == "error" and "not a tail" in reply.reason
+
+
+def test_a_next_hop_missing_from_the_inventory_is_an_error_reply(make, swarm, key, redis_url):
+    # The round names its hops by host only: the address is the inventory's to give.
+    worker = make("a", 0, 2)
+    deliver(worker, round_message(redis_url, ["a", "b"]))
+    (reply,) = replies(redis_url, swarm, key)
+    assert reply.kind == "error" and "cannot pass the round to b: not in the inventory" in (
+        reply.reason
+    )
+    assert worker.counters["errors"] == 1
+    listed(redis_url, swarm, key, "b")
+    deliver(worker, round_message(redis_url, ["a", "b"], rid="r2"))
+    client = redis.Redis.from_url(redis_url)
+    assert client.xlen(streams.stage_key(swarm, "b")) == 1
+    client.close()
 
 
 def test_middle_stage_without_hidden_states_drops_the_round(make, swarm, key, redis_url):
@@ -403,6 +426,7 @@ def test_a_batch_passes_its_rounds_on_in_one_write(swarm, key, redis_url, tmp_pa
     tail = tiny_worker(tmp_path, "b", swarm, key, redis_url, 1)
     first.batcher.arrivals = gathering.Arrivals(groups=1)
     tail.batcher.arrivals = gathering.Arrivals(groups=1)
+    listed(redis_url, swarm, key, "b")
     sessions = {"s1": (1, 2, 3), "s2": (4, 5), "s3": (6, 7, 8, 9)}
     for session in sessions:
         deliver(tail, wire.Message(kind="reset", session=session, params=RESET))
@@ -502,6 +526,7 @@ def test_a_slow_link_is_installed_only_when_a_delay_is_configured(make, swarm, k
     config = WorkerConfig(host="a", swarm=swarm, keys=key, redis_url=redis_url, link_delay_s=0.2)
     slow = StageWorker(ToyStage(ToyConfig(), 0, 2), config)
     assert isinstance(slow.outbox.link, DelayedLink)
+    listed(redis_url, swarm, key, "b")
     client = redis.Redis.from_url(redis_url)
     onward = streams.stage_key(swarm, "b")
     started = time.monotonic()
@@ -523,6 +548,7 @@ def test_the_record_and_counters_are_written_by_the_heartbeat_thread_alone(
         publishers.append(threading.current_thread())
         return publish(*args, **kwargs)
 
+    listed(redis_url, swarm, key, "b")  # before the count of who publishes starts
     monkeypatch.setattr(inventory, "publish", recorded)
     config = WorkerConfig(
         host="a", swarm=swarm, keys=key, redis_url=redis_url, block_ms=50, heartbeat_s=0.1
@@ -540,8 +566,8 @@ def test_the_record_and_counters_are_written_by_the_heartbeat_thread_alone(
         beats = len(publishers)  # the processed count is written at a beat only
         wait_until(lambda: len(publishers) >= beats + 2, 10, "two more heartbeats")
         assert streams.read_stats(client, swarm, "a")["processed"] == 1
-        (record,) = inventory.load(client, swarm, key)
-        assert record.host == "a" and record.heartbeat_s == 0.1
+        record = {n.host: n for n in inventory.load(client, swarm, key)}["a"]
+        assert record.heartbeat_s == 0.1
     finally:
         stop.set()
         serving.join()

@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 
+from specpipe import settings
 from specpipe.swarm import inventory
 from specpipe.swarm.stage_worker import WorkerConfig, run
 from tests.swarm.toy_stage import ToyConfig, ToyStage
@@ -41,6 +42,7 @@ def main() -> None:
         block_ms=200,
         heartbeat_s=args.heartbeat_s,
         max_message_bytes=args.max_message_bytes,
+        redis_password=settings.redis_password(),
     )
     node = inventory.NodeInfo(
         host=args.host,

@@ -81,7 +81,7 @@ class Forward:
     def inputs(self, message: wire.Message) -> torch.Tensor | None:
         """A round's input rows, or None when the round is not one to run (dropped, counted)."""
         route, hop = message.route, message.hop
-        if not route or route[hop].host != self.host or not message.reply:
+        if not route or route[hop] != self.host:
             self.stats.drop(f"round {message.round_id!r} is not addressed to {self.host}")
             return None
         if not message.tokens or message.n_draft >= len(message.tokens):

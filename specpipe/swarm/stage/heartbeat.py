@@ -1,5 +1,6 @@
 """A stage's heartbeat: every `heartbeat_s`, from a thread of its own, the node's signed
-inventory record (with the round trip to the hop its rounds go on to) and the stage's counters.
+inventory record (with the round trip to the hop its rounds go on to), the stage's counters,
+and a fresh read of the other hosts' addresses (`stage.directory`).
 
 Its own thread, whatever the serving loop is doing: a coordinator with a spare takes a record
 that stops coming for a dead stage, so a long forward must not hold a beat up. The record is
@@ -17,7 +18,9 @@ from dataclasses import replace
 import redis
 
 from specpipe.swarm import inventory, streams
+from specpipe.swarm.dialing import Dialer
 from specpipe.swarm.stage.counters import StageStats
+from specpipe.swarm.stage.directory import Directory
 from specpipe.swarm.stage.keys import StageKeys
 
 log = logging.getLogger("specpipe.stage")
@@ -36,6 +39,8 @@ class Heartbeat:
         keys: StageKeys,
         stats: StageStats,
         next_hop: Callable[[], tuple[str, str] | None],
+        dialer: Dialer,
+        directory: Directory,
     ) -> None:
         self.node = node
         self.host = host
@@ -44,7 +49,9 @@ class Heartbeat:
         self.heartbeat_s = heartbeat_s
         self.keys = keys
         self.stats = stats
-        self.next_hop = next_hop  # (host, Redis URL) the stage's rounds went on to last
+        self.next_hop = next_hop  # (host, Redis address) the stage's rounds went on to last
+        self.dialer = dialer
+        self.directory = directory
 
     @contextlib.contextmanager
     def beating(self) -> Iterator[None]:
@@ -62,14 +69,15 @@ class Heartbeat:
         registry = None
         if self.node is not None:  # its own client: not the serving loop's
             registry = redis.Redis.from_url(
-                self.registry_url, socket_timeout=5, socket_connect_timeout=5
+                self.dialer.url(self.registry_url), socket_timeout=5, socket_connect_timeout=5
             )
-        probes = streams.Connections()
+        probes = streams.Connections(self.dialer)
         try:
             while not stop.is_set():
                 if registry is not None:
                     self.measure_next_hop(probes)
                     self.publish(registry)
+                    self.directory.refresh(registry)
                 self.flush_stats()
                 stop.wait(self.heartbeat_s)
         finally:

@@ -1,6 +1,7 @@
 """Where a round goes once the stage has run it: the tail samples its logits and replies to the
-coordinator, any other stage passes the hidden states to the next hop's stream; a round that
-failed is a gap (the stage lost the session's cache) or an error reply."""
+coordinator, any other stage passes the hidden states to the next hop's stream, at the address
+the inventory gives for that host (`stage.directory`); a round that failed is a gap (the stage
+lost the session's cache) or an error reply."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from specpipe.core.ring import GapError, Stage
 from specpipe.swarm import streams, wire
 from specpipe.swarm.stage.counters import StageStats
+from specpipe.swarm.stage.directory import Directory
 from specpipe.swarm.stage.keys import StageKeys
 from specpipe.swarm.stage.samplers import TailSamplers
 from specpipe.swarm.stage.sending import Outbox, Outgoing, Replies
@@ -33,15 +35,17 @@ class Onward:
         replies: Replies,
         outbox: Outbox,
         stats: StageStats,
+        directory: Directory,
     ) -> None:
         self.stage = stage
+        self.directory = directory
         self.swarm, self.host = swarm, host
         self.keys = keys
         self.samplers = samplers
         self.replies = replies
         self.outbox = outbox
         self.stats = stats
-        # Where this stage's rounds went on to last (host, Redis URL): the link it measures.
+        # Where this stage's rounds went on to last (host, Redis address): the link it measures.
         self.next_hop: tuple[str, str] | None = None
 
     def pass_on(self, message: wire.Message, out: torch.Tensor) -> None:
@@ -54,16 +58,22 @@ class Onward:
             self.reply(message, "error", reason=f"route ends at {self.host}, not a tail")
         else:
             nxt = route[hop + 1]
-            stream = streams.stage_key(self.swarm, nxt.host)
+            address = self.directory.address(nxt)
+            if address is None:
+                self.stats.count("errors")
+                reason = f"{self.host}: cannot pass the round to {nxt}: not in the inventory"
+                self.reply(message, "error", reason=reason)
+                return
+            stream = streams.stage_key(self.swarm, nxt)
             passed_on = replace(message, tensor=out, hop=hop + 1, to=stream, sender=self.host)
             try:
                 data = wire.encode(passed_on, self.swarm, self.keys.ring)
             except wire.WireError as exc:
                 self.failed(message, exc)
                 return
-            self.next_hop = (nxt.host, nxt.redis_url)
-            what = f"pass the round to {nxt.host}"
-            self.outbox.put(Outgoing(nxt.redis_url, stream, data, message, what))
+            self.next_hop = (nxt, address)
+            what = f"pass the round to {nxt}"
+            self.outbox.put(Outgoing(address, stream, data, message, what))
 
     def failed(self, message: wire.Message, exc: BaseException) -> None:
         """The round could not run here: a gap reply for a lost cache, else an error reply."""
@@ -79,5 +89,5 @@ class Onward:
         """Queue the `kind` reply to `message`'s coordinator."""
         item = self.replies.to(message, kind, **fields)
         if kind == "result":
-            self.next_hop = (wire.COORDINATOR, message.reply)
+            self.next_hop = (wire.COORDINATOR, self.replies.url)
         self.outbox.put(item)

@@ -21,7 +21,7 @@ log = logging.getLogger("specpipe.stage")
 class Outgoing:
     """One message a stage sends: queued while its batch runs, sent with the batch's others."""
 
-    url: str  # the destination Redis
+    url: str  # the destination Redis: a host's address, or the stage's registry URL
     stream: str
     data: bytes
     message: wire.Message | None  # the round passed on; None for a reply to a coordinator
@@ -35,10 +35,12 @@ class Link(Protocol):
 
 
 class Replies:
-    """Encodes a stage's replies to the coordinators of the rounds it was sent."""
+    """Encodes a stage's replies to the coordinators of the rounds it was sent. They go to the
+    session's reply stream on the stage's own registry (`url`, as configured), whatever a
+    message says."""
 
-    def __init__(self, swarm: str, host: str, keys: StageKeys) -> None:
-        self.swarm, self.host, self.keys = swarm, host, keys
+    def __init__(self, swarm: str, host: str, keys: StageKeys, url: str) -> None:
+        self.swarm, self.host, self.keys, self.url = swarm, host, keys, url
 
     def to(self, message: wire.Message, kind: str, **fields) -> Outgoing:
         """The `kind` reply to `message`'s coordinator, encoded, to be sent."""
@@ -53,7 +55,7 @@ class Replies:
             **fields,
         )
         data = wire.encode(reply, self.swarm, self.keys.ring)
-        return Outgoing(message.reply, stream, data, None, f"reply to {message.session}")
+        return Outgoing(self.url, stream, data, None, f"reply to {message.session}")
 
 
 def by_destination(outgoing: list[Outgoing]) -> dict[str, list[Outgoing]]:

@@ -1,0 +1,55 @@
+"""How a process dials a host's Redis from the address the inventory gives for it.
+
+Messages name hops by host only, and the inventory records each host's Redis address without
+user or password. The credentials are the dialling process's own: a URL it was configured with
+(its own `--redis`, its `--registry`, `REDIS_URL`) is dialled as configured, and any other
+address with the swarm's data-plane user and password (`settings.redis_password`), which every
+host's Redis accepts. Without a data-plane password an address is dialled as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from urllib.parse import quote
+
+from specpipe import settings
+from specpipe.swarm.redact import without_credentials
+
+REDIS_USER = "specpipe"  # the one user of every locked-down swarm Redis
+
+
+@dataclass(frozen=True)
+class Dialer:
+    """Turns a host's address into the URL this process connects with."""
+
+    own: tuple[str, ...] = ()  # the URLs this process was configured with, credentials and all
+    password: str | None = field(default=None, repr=False)  # the swarm's data-plane password
+    username: str = REDIS_USER
+
+    @classmethod
+    def configured(cls, urls: Iterable[str | None], password: str | None) -> Dialer:
+        """A dialer for a process configured with `urls` (None entries skipped)."""
+        return cls(tuple(url for url in urls if url), password)
+
+    @classmethod
+    def for_settings(cls, config: settings.Settings, *urls: str | None) -> Dialer:
+        """The dialer of a process with `config` (its registry and broker) and `urls`."""
+        return cls.configured((config.redis_url, *urls), config.redis_password)
+
+    @classmethod
+    def from_env(cls) -> Dialer:
+        """The dialer of a process configured by its environment alone."""
+        return cls.for_settings(settings.Settings.from_env(), settings.registry_url())
+
+    def url(self, address: str) -> str:
+        """The URL to connect to `address` with (an address or a URL, credentials or not)."""
+        bare = without_credentials(address)
+        for url in self.own:
+            if without_credentials(url) == bare:
+                return url
+        if not self.password or "//" not in bare:
+            return address
+        auth = f"{quote(self.username, safe='')}:{quote(self.password, safe='')}@"
+        start = bare.index("//") + 2
+        return bare[:start] + auth + bare[start:]
