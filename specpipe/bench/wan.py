@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import redis
 
 from specpipe.bench.ring_hops import GROUNDED_PROMPT, NOVEL_PROMPT, Timed, timed_generation
 from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.target import open_target
-from specpipe.settings import Settings
+from specpipe.ops.lab import Lab
+from specpipe.settings import SWARM_KEY_FILE, Settings
 from specpipe.swarm import inventory, streams
 from specpipe.swarm.dialing import Dialer
 from specpipe.swarm.redis_ring import RedisRing
@@ -33,9 +35,13 @@ PROMPTS = {"grounded": GROUNDED_PROMPT, "novel": NOVEL_PROMPT}
 MEASURE_S = 1.5  # long enough for every stage to beat (0.5 s) with its latest timings
 
 
-def lab_settings(state: dict, key: str) -> Settings:
-    """Settings pointing at the lab whose state is `state`."""
-    return Settings.from_env().for_swarm(state["registry_url"], state["swarm"], key)
+def lab_settings(lab: Lab) -> Settings:
+    """Settings pointing at `lab`: its registry, swarm and key, and the data-plane password
+    its hosts' Redis servers take (this process is none of the lab's, so its own environment
+    does not have it)."""
+    key = (lab.home / SWARM_KEY_FILE).read_text().strip()
+    settings = Settings.from_env().for_swarm(lab.state["registry_url"], lab.state["swarm"], key)
+    return replace(settings, redis_password=lab.data_password())
 
 
 def ring_latency_now(settings: Settings) -> inventory.RingLatency | None:

@@ -639,8 +639,7 @@ def bench_wan(model, delays, tokens, temps, seed, draft_k, home, json_path):
         folder = home or Path(scratch) / "lab"
         the_lab, _ = bring_up(folder, len(ms), 0, model, ms, 8000)
         try:
-            key = (the_lab.home / "swarm_key").read_text().strip()
-            settings = wanbench.lab_settings(the_lab.state, key)
+            settings = wanbench.lab_settings(the_lab)
             result = wanbench.run(
                 settings,
                 model,

@@ -379,6 +379,10 @@ class Lab:
         if not data.exists():
             _private(data, secrets.token_hex(16) + "\n")
 
+    def data_password(self) -> str:
+        """The swarm's data-plane password: what every host's Redis takes."""
+        return (self.home / REDIS_PASSWORD_FILE).read_text().strip()
+
     def _start_redis(self, index: int) -> Host:
         namespace = f"{PREFIX}-{self.state['id']}-h{index}"
         address = f"{self.state['subnet']}.{index + 1}"
@@ -389,7 +393,7 @@ class Lab:
         server = RedisServer(
             port=REDIS_PORT,
             data_dir=directory / "redis",
-            password=(self.home / REDIS_PASSWORD_FILE).read_text().strip(),
+            password=self.data_password(),
             host=address,
             tls=tls,
         )

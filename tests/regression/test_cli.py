@@ -13,6 +13,7 @@ import tests.regression.toy_target  # noqa: F401  (the `toy` target)
 from specpipe.cli import cli
 from specpipe.cli.proof import open_ring
 from specpipe.swarm import inventory
+from specpipe.swarm.redact import without_credentials
 
 NO_SWARM = {"SPECPIPE_SWARM_KEY": "k" * 32, "SPECPIPE_MODEL": "toy", "REDIS_URL": None}
 
@@ -78,7 +79,11 @@ def test_a_ring_with_a_test_lossy_tail_is_a_warning_line(
     client = redis.Redis.from_url(redis_url_for_cli)
     for host, start, end in (("wa", 0, 2), ("nj", 2, 4)):
         node = inventory.NodeInfo(
-            host, start, end, redis_url_for_cli, test_lossy_tail=lossy and host == "nj"
+            host,
+            start,
+            end,
+            without_credentials(redis_url_for_cli),
+            test_lossy_tail=lossy and host == "nj",
         )
         inventory.publish(client, swarm, node, "k" * 32)
     try:

@@ -1,5 +1,6 @@
 """The stage worker's handling of single messages, in this process, against a real Redis."""
 
+import socket
 import threading
 import time
 from dataclasses import replace
@@ -573,3 +574,34 @@ def test_the_record_and_counters_are_written_by_the_heartbeat_thread_alone(
         serving.join()
         client.close()
     assert len(set(publishers)) == 1 and serving not in publishers
+
+
+def test_a_next_hop_that_never_answers_does_not_hold_up_the_record(
+    swarm, key, redis_url, monkeypatch
+):
+    """A host cut off mid-round answers no PING until the socket times out (seconds): the
+    stage's own record must keep coming meanwhile, or it lapses and leaves its routes."""
+    silent = socket.socket()  # accepts connections (the backlog) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    published = []
+    publish = inventory.publish
+
+    def recorded(*args, **kwargs):
+        published.append(time.monotonic())
+        return publish(*args, **kwargs)
+
+    monkeypatch.setattr(inventory, "publish", recorded)
+    config = WorkerConfig(host="a", swarm=swarm, keys=key, redis_url=redis_url, heartbeat_s=0.1)
+    worker = StageWorker(
+        ToyStage(ToyConfig(), 0, 2), config, inventory.NodeInfo("a", 0, 2, redis_url)
+    )
+    dead = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
+    worker.heartbeat.next_hop = lambda: ("b", dead)
+    try:
+        with worker.heartbeat.beating():
+            time.sleep(2.0)
+    finally:
+        silent.close()
+    gaps = [b - a for a, b in zip(published, published[1:], strict=False)]
+    assert len(published) >= 10 and max(gaps) < 1.0, (len(published), max(gaps, default=None))

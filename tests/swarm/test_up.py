@@ -50,6 +50,11 @@ def online_hosts(redis_url: str, swarm: str, key: str) -> set[str]:
         client.close()
 
 
+def recorded_pid(home, role: str) -> int | None:
+    """The pid `processes.json` gives `role`; None while it is restarting (or not yet there)."""
+    return json.loads((home / "processes.json").read_text()).get(role)
+
+
 def stage_pids(up: psutil.Process) -> dict[str, int]:
     pids = {}
     for child in up.children(recursive=True):
@@ -204,7 +209,10 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
         )
         role = next(r for r, n in state["stage_nodes"].items() if n["host"] == host)
         wait_until(
-            lambda: json.loads((home / "processes.json").read_text())[role] == stage_pids(up)[host],
+            lambda: (
+                recorded_pid(home, role) not in (None, pid)
+                and recorded_pid(home, role) == stage_pids(up).get(host)
+            ),
             10,
             f"the restarted {role}'s pid on record",
             interval_s=0.2,

@@ -3,8 +3,11 @@ inventory record (with the round trip to the hop its rounds go on to), the stage
 and a fresh read of the other hosts' addresses (`stage.directory`).
 
 Its own thread, whatever the serving loop is doing: a coordinator with a spare takes a record
-that stops coming for a dead stage, so a long forward must not hold a beat up. The record is
-published from here only."""
+that stops coming for a dead stage, so a long forward must not hold a beat up. Nor may the
+round trip to the next hop: a host cut off mid-round answers no PING until the socket times out,
+seconds in which this stage's own record would lapse and take the stage out of its routes. So
+the next hop is timed on a second thread, and each beat publishes the latest timing it has.
+The record is published from here only."""
 
 from __future__ import annotations
 
@@ -57,13 +60,18 @@ class Heartbeat:
     def beating(self) -> Iterator[None]:
         """Beat from a thread while the block runs."""
         stop = threading.Event()
-        beat = threading.Thread(target=self._beat, args=(stop,), daemon=True)
-        beat.start()
+        threads = [
+            threading.Thread(target=self._beat, args=(stop,), daemon=True),
+            threading.Thread(target=self._probe, args=(stop,), daemon=True),
+        ]
+        for thread in threads:
+            thread.start()
         try:
             yield
         finally:
             stop.set()
-            beat.join()
+            for thread in threads:
+                thread.join()
 
     def _beat(self, stop: threading.Event) -> None:
         registry = None
@@ -71,11 +79,9 @@ class Heartbeat:
             registry = redis.Redis.from_url(
                 self.dialer.url(self.registry_url), socket_timeout=5, socket_connect_timeout=5
             )
-        probes = streams.Connections(self.dialer)
         try:
             while not stop.is_set():
                 if registry is not None:
-                    self.measure_next_hop(probes)
                     self.publish(registry)
                     self.directory.refresh(registry)
                 self.flush_stats()
@@ -83,6 +89,17 @@ class Heartbeat:
         finally:
             if registry is not None:
                 registry.close()
+
+    def _probe(self, stop: threading.Event) -> None:
+        """Time the next hop every `heartbeat_s` until `stop` (see the module's docstring)."""
+        if self.node is None:
+            return
+        probes = streams.Connections(self.dialer)
+        try:
+            while not stop.is_set():
+                self.measure_next_hop(probes)
+                stop.wait(self.heartbeat_s)
+        finally:
             probes.close()
 
     def measure_next_hop(self, probes: streams.Connections) -> float | None:
