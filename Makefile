@@ -7,8 +7,9 @@ STAMP  := $(VENV)/.installed
 .PHONY: install up test lint clean browser
 
 # The suite runs on SQLite, then its database tests again on this PostgreSQL database
-# (each test worker creates and drops its own database beside it). Both passes run on
-# PYTEST_WORKERS xdist workers; the lab's tests share one of them (tests/conftest.py).
+# (each test worker creates and drops its own database beside it). The first pass runs on
+# PYTEST_WORKERS xdist workers (the lab's tests share one of them, tests/conftest.py); the
+# PostgreSQL pass runs on one, which is steadier for its jobs on real stage processes.
 PG_TEST_URL ?= postgresql://postgres@127.0.0.1:5432/test
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
@@ -34,7 +35,7 @@ test: install browser
 	$(PYTEST)
 	@if [ -n "$$CI" ] || $(BIN)/python -c "import psycopg; psycopg.connect('$(PG_TEST_URL)', connect_timeout=3).close()" 2>/dev/null; then \
 	  echo "TESTING_DATABASE_URL=$(PG_TEST_URL) pytest -m db"; \
-	  TESTING_DATABASE_URL=$(PG_TEST_URL) $(PYTEST) -m db; \
+	  TESTING_DATABASE_URL=$(PG_TEST_URL) $(BIN)/pytest -q -m db; \
 	else \
 	  echo "PostgreSQL is not reachable at $(PG_TEST_URL) (set PG_TEST_URL): its pass is skipped"; \
 	fi
