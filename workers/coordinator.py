@@ -26,12 +26,14 @@ from specpipe.swarm.redact import redact_url
 from workers import job_run
 from workers.broker import stranded_jobs
 from workers.celery_app import DbTask
-from workers.job_lock import lock_first, stalled_jobs
-from workers.job_run import finish, pending
+from workers.job_lock import lock_first_through_outage, stalled_jobs
+from workers.job_run import pending
 from workers.names import COORDINATOR_QUEUE, GENERATE_TASK, RESUME_STALLED_TASK
 from workers.turns import fair_order
 
 log = logging.getLogger("specpipe.coordinator")
+
+REDIS_OUTAGE_S = 30.0  # how long a delivery waits for a restarting Redis before leaving its job
 
 
 @worker_ready.connect
@@ -61,11 +63,18 @@ def generate(self, job_id: int) -> str | None:
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
     candidates = fair_order(session) if job.status == "queued" else [job_id]
     try:
-        chosen = lock_first(client, settings.swarm, candidates)
+        chosen = lock_first_through_outage(client, settings.swarm, candidates, REDIS_OUTAGE_S)
     except redis.RedisError as exc:
+        # The job is left as it is, not failed: beat sends it again once Redis is back (a
+        # queued job the broker no longer holds, a running job whose lock lapsed).
         client.close()
-        where = redact_url(settings.redis_url)
-        return finish(session, job, "failed", f"cannot reach Redis at {where}: {exc}")
+        log.warning(
+            "job %s: cannot reach Redis at %s (%s); left for beat to resume",
+            job_id,
+            redact_url(settings.redis_url),
+            exc,
+        )
+        return job.status
     if chosen is None:
         if job.status == "queued":
             log.info("job %s: every queued job is taken; this delivery is done", job_id)

@@ -3,6 +3,7 @@ from a slow one (its lock has lapsed)."""
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import redis
@@ -31,6 +32,23 @@ def lock_first(
         if keeper.start():
             return job_id, keeper
     return None
+
+
+def lock_first_through_outage(
+    client: redis.Redis, swarm: str, job_ids: list[int], outage_s: float
+) -> tuple[int, LockKeeper] | None:
+    """`lock_first`, tried again while Redis is unreachable (restarting, loading its file) for
+    up to `outage_s` seconds; the last RedisError is raised if it stays away."""
+    give_up = time.monotonic() + outage_s
+    pause = 0.2
+    while True:
+        try:
+            return lock_first(client, swarm, job_ids)
+        except redis.RedisError:
+            if time.monotonic() + pause > give_up:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 2.0)
 
 
 def stalled_jobs(session: Session, client: redis.Redis, swarm: str, after_s: float) -> list[int]:

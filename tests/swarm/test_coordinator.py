@@ -623,3 +623,36 @@ def test_without_a_spare_a_ring_error_still_fails_the_job_with_it(db_url, monkey
     assert run_job(make_session_factory(db_url), job_id, make, ToyCodec(), {EOS}) == "failed"
     assert "cannot pass the round to h1" in load(db_url, job_id).error
     assert checks and checks[0] == ["h0", "h1"]  # it looked for a spare before giving up
+
+
+def test_a_lock_is_taken_once_a_restarting_redis_answers_again(tmp_path):
+    """A delivery that finds Redis down (killed, restarting) waits for it rather than failing."""
+    import threading
+
+    import redis
+
+    from specpipe.ops.redis_server import RedisServer, free_port
+
+    port = free_port()
+    server = RedisServer(port=port, data_dir=tmp_path)
+    starter = threading.Timer(1.5, server.start)
+    starter.start()
+    client = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0", socket_connect_timeout=1)
+    try:
+        chosen = job_lock.lock_first_through_outage(client, "s", [7], outage_s=20)
+        assert chosen is not None and chosen[0] == 7
+        chosen[1].stop()
+    finally:
+        starter.join()
+        server.stop()
+        client.close()
+
+
+def test_a_delivery_whose_redis_stays_away_leaves_the_job_for_beat(db_url, monkeypatch):
+    job_id = add_job(db_url)
+    monkeypatch.setenv("DATABASE_URL", db_url)
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.setattr(coordinator, "REDIS_OUTAGE_S", 0.5)
+    coordinator.generate.apply(args=[job_id])
+    job = load(db_url, job_id)
+    assert job.status == "queued" and job.error is None and job.finished_at is None
