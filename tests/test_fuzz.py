@@ -3,6 +3,7 @@ clear error or a clean value, never an unhandled exception."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -15,6 +16,8 @@ from hypothesis import strategies as st
 
 from specpipe.settings import JobLimits
 from specpipe.swarm import inventory, wire
+from workers.broker import MalformedEntry, message_job_id
+from workers.names import GENERATE_TASK
 from workers.submission import FIELDS, JobRequestError, parse_job_request
 
 SWARM, KEY = "fuzz", b"k" * 32
@@ -156,3 +159,27 @@ def test_any_job_request_is_clean_or_refused_field_by_field(raw, from_text):
     assert set(clean) == set(FIELDS)
     assert 0 <= clean["temp"] <= 100 and 0 < clean["top_p"] <= 1
     assert 1 <= clean["max_new_tokens"] <= JobLimits().max_new_tokens
+
+
+def generate_message(body) -> str:
+    """A Celery message of the generate task whose body (base64 JSON) is `body`."""
+    encoded = base64.b64encode(json.dumps(body).encode()).decode()
+    return json.dumps({"headers": {"task": GENERATE_TASK}, "body": encoded})
+
+
+broker_entries = (
+    st.binary(max_size=256)
+    | json_values.map(json.dumps)
+    | json_values.map(generate_message)
+    | json_values.map(lambda body: json.dumps([json.loads(generate_message(body)), "", "q"]))
+)
+
+
+@FUZZ
+@given(broker_entries, st.booleans())
+def test_any_broker_entry_gives_a_job_id_or_is_refused_as_malformed(raw, unacked):
+    try:
+        job_id = message_job_id(raw, unacked)
+    except MalformedEntry:
+        return
+    assert job_id is None or type(job_id) is int

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 from datetime import timedelta
 
 import redis
@@ -13,6 +14,8 @@ from sqlalchemy.orm import Session
 from models import Job
 from models.db import utcnow
 from workers.names import GENERATE_TASK
+
+log = logging.getLogger("specpipe.coordinator")
 
 QUEUED_GRACE_S = 30.0  # a queued job younger than this may still be on its way to the broker
 UNACKED_KEY = "unacked"  # where Celery's Redis transport keeps delivered, unacked messages
@@ -34,16 +37,41 @@ def stranded_jobs(session: Session, client: redis.Redis, queue: str) -> list[int
 
 def broker_job_ids(client: redis.Redis, queue: str) -> set[int]:
     """The job ids of the generate messages waiting in `queue` or delivered and not yet
-    acknowledged, as Celery's Redis transport keeps them (a list per queue, a hash `unacked`)."""
-    raw = [json.loads(m) for m in client.lrange(queue, 0, -1)]
-    raw += [json.loads(m)[0] for m in client.hvals(UNACKED_KEY)]
-    ids = set()
-    for message in raw:
+    acknowledged, as Celery's Redis transport keeps them (a list per queue, a hash `unacked`).
+    An entry that is not a generate message of ours, however malformed, is skipped and logged:
+    one bad entry must not stop the recovery of every other job."""
+    entries = [(m, False) for m in client.lrange(queue, 0, -1)]
+    entries += [(m, True) for m in client.hvals(UNACKED_KEY)]
+    ids, skipped = set(), 0
+    for raw, unacked in entries:
         try:
-            if message["headers"]["task"] != GENERATE_TASK:
-                continue
-            args = json.loads(base64.b64decode(message["body"]))[0]
-            ids.add(int(args[0]))
-        except (KeyError, IndexError, TypeError, ValueError):
-            continue  # not a message of ours
+            job_id = message_job_id(raw, unacked)
+        except MalformedEntry:
+            skipped += 1
+            continue
+        if job_id is not None:
+            ids.add(job_id)
+    if skipped:
+        log.warning("skipped %d malformed broker entries in %r and %r", skipped, queue, UNACKED_KEY)
     return ids
+
+
+class MalformedEntry(ValueError):
+    """A broker entry that is not a Celery message as its Redis transport writes them."""
+
+
+def message_job_id(raw: bytes | str, unacked: bool = False) -> int | None:
+    """The job id of one broker entry, None for a message of another task. `unacked` entries
+    are `[message, exchange, routing key]`. Raises MalformedEntry for anything else."""
+    try:
+        message = json.loads(raw)
+        if unacked:
+            message = message[0]
+        if message["headers"]["task"] != GENERATE_TASK:
+            return None
+        job_id = json.loads(base64.b64decode(message["body"], validate=True))[0][0]
+        if isinstance(job_id, bool) or not isinstance(job_id, int):
+            raise MalformedEntry(f"job id {job_id!r} is not an integer")
+        return job_id
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise MalformedEntry(str(exc)) from None

@@ -54,34 +54,31 @@ def generate(self, job_id: int) -> str | None:
     whose turn it is (`fair_order`), which may be another user's. Every queued job has one
     delivery, and each delivery runs one queued job while any is left, so every job runs once,
     and a user with many jobs waiting does not keep another's single job waiting behind them.
-    The delivery of a running job (beat resuming it) runs that job."""
+    The delivery of a running job (beat resuming it) runs that job, or, when another
+    coordinator holds it, takes a turn like the others: no delivery is wasted while a job waits."""
     session: Session = self.session
     job, outcome = pending(session, job_id)
-    if job is None:
-        return outcome
+    # A running job's own delivery (beat resuming it) runs that job; any other delivery (of a
+    # queued job, or of one another delivery's turn already ran) takes the next turn.
+    own = [job_id] if job is not None and job.status == "running" else []
+    candidates = own + fair_order(session)
+    if not candidates:
+        return outcome if job is None else job.status
     settings = Settings.from_env()
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
-    candidates = fair_order(session) if job.status == "queued" else [job_id]
     try:
         chosen = lock_first_through_outage(client, settings.swarm, candidates, REDIS_OUTAGE_S)
     except redis.RedisError as exc:
-        # The job is left as it is, not failed: beat sends it again once Redis is back (a
-        # queued job the broker no longer holds, a running job whose lock lapsed).
+        # The jobs are left as they are, not failed: beat sends them again once Redis is back
+        # (a queued job the broker no longer holds, a running job whose lock lapsed).
         client.close()
-        log.warning(
-            "job %s: cannot reach Redis at %s (%s); left for beat to resume",
-            job_id,
-            redact_url(settings.redis_url),
-            exc,
-        )
-        return job.status
+        where = redact_url(settings.redis_url)
+        log.warning("delivery of job %s: cannot reach Redis at %s (%s)", job_id, where, exc)
+        return outcome if job is None else job.status
     if chosen is None:
-        if job.status == "queued":
-            log.info("job %s: every queued job is taken; this delivery is done", job_id)
-        else:
-            log.warning("job %s is already running elsewhere; this delivery is dropped", job_id)
+        log.info("delivery of job %s: every job it could run is taken; it is done", job_id)
         client.close()
-        return "running"
+        return outcome if job is None else job.status
     job_id, keeper = chosen
     try:
         return job_run.run_on_swarm(session, session.get(Job, job_id), settings, keeper)

@@ -656,3 +656,48 @@ def test_a_delivery_whose_redis_stays_away_leaves_the_job_for_beat(db_url, monke
     coordinator.generate.apply(args=[job_id])
     job = load(db_url, job_id)
     assert job.status == "queued" and job.error is None and job.finished_at is None
+
+
+def test_malformed_broker_entries_are_skipped_and_the_rest_still_read(db_url, second_redis):
+    import json
+
+    import redis
+
+    from models.db import utcnow
+    from workers.names import GENERATE_TASK
+    from workers.submission import make_client
+
+    long_ago = utcnow() - timedelta(seconds=120)
+    lost = add_job(db_url, status="queued", created_at=long_ago)
+    waiting = add_job(db_url, status="queued", created_at=long_ago)
+    queue = "coordinator"
+    client = redis.Redis.from_url(second_redis)
+    client.rpush(queue, b"\xff not json", json.dumps({"headers": 3}), "[]")
+    make_client(second_redis).send_task(GENERATE_TASK, args=[waiting], queue=queue)
+    client.hset("unacked", mapping={"t1": "{}", "t2": json.dumps([{"body": "!!"}]), "t3": "7"})
+    try:
+        with make_session_factory(db_url)() as session:
+            assert stranded_jobs(session, client, queue) == [lost]
+    finally:
+        client.delete(queue, "unacked")
+        client.close()
+
+
+def test_a_delivery_whose_job_another_turn_ran_runs_the_next_queued_job(db_url, monkeypatch):
+    """Alice's delivery ran bob's job (his turn); bob's delivery then finds his job done and
+    runs alice's, which would otherwise wait for beat without a delivery."""
+    from tests.factories import gen_job, gen_user
+
+    with make_session_factory(db_url)() as session:
+        alice, bob = gen_user(session, "alice"), gen_user(session, "bob")
+        hers = gen_job(session, owner=alice)
+        his = gen_job(session, owner=bob, status="done")
+        session.commit()
+        ids = (hers.id, his.id)
+    ran = []
+    monkeypatch.setattr(
+        job_run, "run_on_swarm", lambda session, job, settings, keeper: ran.append(job.id)
+    )
+    monkeypatch.setenv("DATABASE_URL", db_url)
+    coordinator.generate.apply(args=[ids[1]])
+    assert ran == [ids[0]]
