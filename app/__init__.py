@@ -45,7 +45,7 @@ def default_config() -> dict:
         "TRUSTED_PROXIES": settings.trusted_proxies(),
         "OPEN_COMPLETIONS": settings.open_completions(),
         "OPEN_COMPLETIONS_PER_USER": settings.open_completions_per_user(),
-        "MAX_CONTENT_LENGTH": 1 << 20,
+        "MAX_CONTENT_LENGTH": 8 << 20,  # a prompt at its bound, JSON-escaped, fits
         "HISTORY_PAGE_SIZE": 25,
         "OPENAI_POLL_S": 0.1,  # how often a /v1 request reads its job's row
         "OPENAI_WAIT_S": 600.0,  # how long it waits for the job to finish

@@ -414,7 +414,9 @@ JOB_DEFAULTS = {
 class JobLimits:
     """Limits on a job request, the same for the web form, the API and the CLI."""
 
-    max_prompt_chars: int = 8000
+    # A sanity bound only: what limits a prompt is the model's context, counted in tokens at
+    # submission (`specpipe.decoding.target.context_error`); 131k tokens of text fit in it.
+    max_prompt_chars: int = 600_000
     max_new_tokens: int = 4096
     max_draft_k: int = 32
     max_active_jobs: int = 50  # one user's queued and running jobs together
