@@ -10,6 +10,11 @@ at the first position whose cached token was not committed, and the stages trunc
 loop then replays the committed prefix from position 0, which changes nothing in the output
 because every token is sampled from the uniform keyed by its own position.
 
+A long prefix (a long prompt, a replay, a resume) goes through the ring in prefill rounds of at
+most `prefill_chunk` tokens, whose sampled token is not used, before the round that samples: each
+stage serves other sessions' rounds between them, so a running job's round waits for one chunk
+of someone's prefill rather than for all of it.
+
 When the session's parameters ask for log-probabilities, `logprobs` holds one `TokenLogprob`
 per new token, as the tail computed them from the same logits it sampled from.
 """
@@ -28,6 +33,9 @@ from specpipe.drafting.ngram import NgramDrafter
 # Where a round's drafts come from: the n-gram drafter, the tail's draft head, or the n-gram
 # where it has a match and the head elsewhere.
 DRAFT_SOURCES = ("ngram", "head", "both")
+# The most tokens one round carries of a long prefix: a few hundred milliseconds of a stage's
+# time on the default model, and few enough round trips that a long prompt pays little for them.
+PREFILL_CHUNK = 512
 
 
 @dataclass
@@ -74,16 +82,18 @@ class Generation:
         drafts_from: str = "both",
         resume: Sequence[int] = (),
         should_stop: Callable[[list[int]], bool] | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
     ):
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
-        if max_new_tokens < 0 or draft_k < 0:
-            raise ValueError("max_new_tokens and draft_k must be >= 0")
+        if max_new_tokens < 0 or draft_k < 0 or prefill_chunk < 0:
+            raise ValueError("max_new_tokens, draft_k and prefill_chunk must be >= 0")
         if drafts_from not in DRAFT_SOURCES:
             raise ValueError(f"drafts_from must be one of {', '.join(DRAFT_SOURCES)}")
         self.ring, self.session, self.params = ring, session, params
         self.max_new_tokens, self.draft_k = max_new_tokens, draft_k
         self.eos_ids = set(eos_ids)
+        self.prefill_chunk = prefill_chunk  # 0: a prefix goes in one round, however long
         self.tokens = list(prompt_ids) + list(resume)  # everything committed, prompt included
         self.n_prompt = len(prompt_ids)
         self.drafter = drafter or NgramDrafter()
@@ -123,14 +133,14 @@ class Generation:
                 drafts = proposal
                 if self.draft_length is not None:
                     drafts = proposal[: self.draft_length.choose(len(proposal), source)]
-                send, replays = self.tokens[cached:] + drafts, self.stats.replays
+                replays = self.stats.replays
                 round_started = time.perf_counter()
-                result = self._round(send, cached, drafts, self._head_k(proposal, from_head))
+                result, sent = self._round(cached, drafts, self._head_k(proposal, from_head))
                 committed = committed_tokens(drafts, result)
                 self.head_drafts = list(result.drafts)
                 if self.draft_length is not None:
                     seconds = time.perf_counter() - round_started
-                    steady = len(send) == len(drafts) + 1 and self.stats.replays == replays
+                    steady = sent == len(drafts) + 1 and self.stats.replays == replays
                     self.draft_length.observe(
                         proposal, committed, len(drafts), seconds, steady, source
                     )
@@ -179,16 +189,24 @@ class Generation:
             return self.draft_k
         return max(1, self.draft_length.choose(self.draft_k, "head"))
 
-    def _round(
-        self, send: list[int], start_pos: int, drafts: list[int], head_k: int
-    ) -> RoundResult:
+    def _round(self, cached: int, drafts: list[int], head_k: int) -> tuple[RoundResult, int]:
+        """The round that verifies `drafts` after the committed tokens, the stages' caches
+        holding `[0, cached)`; and how many tokens it sent."""
         try:
-            return self.ring.round(self.session, send, start_pos, len(drafts), head_k)
+            return self._verify(cached, drafts, head_k)
         except GapError:
             # A stage restarted: rebuild every cache from the committed prefix, once.
             self.stats.replays += 1
             self.ring.reset(self.session, self.params)
-            return self.ring.round(self.session, self.tokens + drafts, 0, len(drafts), head_k)
+            return self._verify(0, drafts, head_k)
+
+    def _verify(self, cached: int, drafts: list[int], head_k: int) -> tuple[RoundResult, int]:
+        while self.prefill_chunk and len(self.tokens) - cached > self.prefill_chunk:
+            end = cached + self.prefill_chunk
+            self.ring.round(self.session, self.tokens[cached:end], cached, 0)  # its token unused
+            cached = end
+        send = self.tokens[cached:] + drafts
+        return self.ring.round(self.session, send, cached, len(drafts), head_k), len(send)
 
     def run(self) -> list[int]:
         """Generate to the end; return the new tokens."""

@@ -172,3 +172,48 @@ def test_a_sampled_run_under_the_inverse_cdf_asks_nothing_of_the_head():
         == generate(gumbel, draft_k=0)[0]
     )
     assert any(head_k > 0 for _, head_k in ring.calls)
+
+
+class RecordingRing:
+    """A LocalRing that notes how many tokens each round sent."""
+
+    def __init__(self, ring):
+        self.ring, self.sent = ring, []
+        self.route = ring.route
+
+    def reset(self, session, params):
+        self.ring.reset(session, params)
+
+    def reseed(self, session, params):
+        self.ring.reseed(session, params)
+
+    def round(self, session, tokens, start_pos, n_draft, head_k=0):
+        self.sent.append(len(tokens) - n_draft)
+        return self.ring.round(session, tokens, start_pos, n_draft, head_k)
+
+    def drop(self, session):
+        self.ring.drop(session)
+
+    def close(self):
+        self.ring.close()
+
+
+@pytest.mark.parametrize("draft_k", [0, 4])
+def test_a_long_prefix_goes_in_chunks_and_gives_the_same_tokens(draft_k):
+    params = SamplingParams(temp=0.9, seed=5)
+    whole, _ = generate(params, draft_k, prefill_chunk=0)
+    ring = RecordingRing(LocalRing(toy_stages()))
+    chunked, stats = generate(params, draft_k, ring=ring, prefill_chunk=4)
+    assert chunked == whole
+    assert ring.sent[:4] == [4, 4, 4, 2]  # the 14-token prompt: three prefill rounds, then 2
+    assert max(ring.sent) <= 4 and stats.rounds == len(ring.sent) - 3
+
+
+def test_a_replay_after_a_restart_goes_in_chunks_too():
+    params = SamplingParams(temp=0.8, seed=42)
+    expected, _ = generate(params, draft_k=4)
+    first, tail = toy_stages()
+    ring = RecordingRing(LocalRing([RestartingStage(first, restart_after=8), tail]))
+    got, stats = generate(params, draft_k=4, ring=ring, prefill_chunk=4)
+    assert got == expected and stats.replays == 1
+    assert max(ring.sent) <= 4  # the replay of 14 + n tokens went in rounds of at most 4
