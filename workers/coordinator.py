@@ -76,7 +76,9 @@ def generate(self, job_id: int) -> str | None:
         log.warning("delivery of job %s: cannot reach Redis at %s (%s)", job_id, where, exc)
         return outcome if job is None else job.status
     if chosen is None:
-        log.info("delivery of job %s: every job it could run is taken; it is done", job_id)
+        # Worth a warning when the job itself is running: two deliveries of one running job.
+        say = log.warning if own else log.info
+        say("delivery of job %s: every job it could run is taken; it is done", job_id)
         client.close()
         return outcome if job is None else job.status
     job_id, keeper = chosen

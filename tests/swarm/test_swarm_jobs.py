@@ -286,7 +286,7 @@ def test_a_duplicate_delivery_never_runs_a_job_twice_at_once(tiny, env, swarm, t
         assert out["result"].exit_code == 0, out["result"].output
         assert json.loads(out["result"].output)["tokens"] == want["tokens"]
         # Whichever coordinator took the job, the other one turned the duplicate away.
-        dropped = f"job {job.id} is already running elsewhere; this delivery is dropped"
+        dropped = f"delivery of job {job.id}: every job it could run is taken; it is done"
         logs = [log, swarm.logs["coordinator"]]
         wait_until(
             lambda: any(dropped in path.read_text() for path in logs),

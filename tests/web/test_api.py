@@ -180,7 +180,7 @@ def test_bad_bodies(api, session, queue, data, content_type, reason):
 
 def test_oversized_body_is_json_413(api, session, queue):
     response = api.post(
-        "/jobs", data=b'{"prompt": "' + b"x" * (2 << 20) + b'"}', content_type="application/json"
+        "/jobs", data=b'{"prompt": "' + b"x" * (9 << 20) + b'"}', content_type="application/json"
     )
     assert response.status_code == 413 and "error" in response.get_json()
     assert job_count(session) == 0
