@@ -198,7 +198,9 @@ class RedisRing:
         while tries > 0 and time.monotonic() < give_up_at:
             round_id = uuid.uuid4().hex
             round_ids.add(round_id)
-            sent = replace(message, round_id=round_id, seq=self._next_seq())
+            # Any try's answer will do until the last try's wait ends: that long it stays fresh.
+            left_ms = int(max(give_up_at - time.monotonic(), 0.0) * 1000)
+            sent = replace(message, round_id=round_id, seq=self._next_seq(), wait_ms=left_ms)
             send = streams.stage_send_commands(
                 stream, wire.encode(sent, self.swarm, self.keys), self.maxlen
             )
@@ -271,6 +273,7 @@ class RedisRing:
             seq=self._next_seq(),
             sender=wire.COORDINATOR,
             params=fields,
+            wait_ms=int(self.round_wait_s(0) * 1000),
         )
         for hop in self.route if hops is None else hops:
             to = streams.stage_key(self.swarm, hop.host)

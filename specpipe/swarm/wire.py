@@ -15,7 +15,8 @@ the payload is the tensor's bytes, nothing else. `decode`
 checks the size limits and the signature (constant-time) before it parses the header, and the
 dtype whitelist and the shape-versus-byte-count before it reads the payload. A receiver passes
 its own stream, so a message copied into another stream is refused; freshness (the sequence
-number) is the receiver's to check. No pickle, no code from the wire.
+number's date against the wait the message carries, `is_fresh`) is the receiver's to check.
+No pickle, no code from the wire.
 """
 
 from __future__ import annotations
@@ -56,8 +57,11 @@ REPLY_KINDS = frozenset({"result", "gap", "error"})
 KINDS = STAGE_KINDS | REPLY_KINDS
 COORDINATOR = "coordinator"  # the sender of what a coordinator sends; a stage signs as its host
 # A sequence number is the sender's clock in microseconds (bumped to stay strictly increasing),
-# so it also dates the message: a receiver refuses one older than this, or as far ahead.
-MAX_AGE_S = 300.0
+# so it also dates the message. Each message carries how long its sender waits for it
+# (`wait_ms`: a round's share of work, its tries); a receiver refuses one read later than that
+# after its date, give or take the hosts' clock difference, or dated further ahead than that.
+CLOCK_SLACK_S = 120.0
+MAX_WAIT_MS = 6 * 3600 * 1000
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -124,6 +128,8 @@ class Message:
     # result: those drafts
     head_k: int = 0
     drafts: tuple[int, ...] = ()
+    # how long after `seq`'s date the sender still waits for this message to be served
+    wait_ms: int = 0
 
     @property
     def direction(self) -> str:
@@ -138,10 +144,12 @@ def next_seq(last: int, now: float | None = None) -> int:
     return max(last + 1, clock)
 
 
-def is_fresh(seq: int, now: float | None = None) -> bool:
-    """Whether a sequence number dates from within `MAX_AGE_S` of now, either way."""
-    clock = time.time() if now is None else now
-    return abs(seq / 1_000_000 - clock) <= MAX_AGE_S
+def is_fresh(message: Message, now: float | None = None) -> bool:
+    """Whether `message` is read while its sender still waits for it: no later than its
+    `wait_ms` after the date its sequence number carries, and not dated in the future, each
+    give or take `CLOCK_SLACK_S` for the difference between the two hosts' clocks."""
+    age_s = (time.time() if now is None else now) - message.seq / 1_000_000
+    return -CLOCK_SLACK_S <= age_s <= message.wait_ms / 1000 + CLOCK_SLACK_S
 
 
 def key_id(key: bytes) -> bytes:
@@ -211,6 +219,7 @@ def encode(message: Message, swarm: str, keys: Keyring | bytes | str) -> bytes:
         "route": list(message.route),
         "params": dict(message.params),
         "reason": message.reason,
+        "wait_ms": message.wait_ms,
     }
     if message.logprobs:  # only on the results of sessions that asked: others pay nothing
         header["logprobs"] = [
@@ -332,6 +341,9 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
         raise WireError("start_pos, n_draft or hop is out of range")
     if not 0 <= seq < 2**63:
         raise WireError("seq is out of range")
+    wait_ms = _field(header, "wait_ms", int, 0)
+    if not 0 <= wait_ms <= MAX_WAIT_MS:
+        raise WireError(f"wait_ms is out of range (0 to {MAX_WAIT_MS})")
     if route and hop >= len(route):
         raise WireError("hop is beyond the route")
     head_k = _field(header, "head_k", int, 0)
@@ -360,6 +372,7 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
         logprobs=_logprobs(_field(header, "logprobs", list, []), len(tokens)),
         head_k=head_k,
         drafts=tuple(drafts),
+        wait_ms=wait_ms,
     )
 
 

@@ -373,6 +373,10 @@ def test_a_round_nobody_answers_is_resent_then_fails(swarm, key, redis_url):
     assert [m.kind for m in rounds] == ["reset", "round", "round", "round"]
     assert len({m.round_id for m in rounds[1:]}) == 3  # each send has an id of its own
     assert len({(m.start_pos, m.tokens) for m in rounds[1:]}) == 1  # of the same round
+    # Each try is fresh for as long as the ring still waits: 0.9 s, 0.6 s, 0.3 s of tries left.
+    waits = [m.wait_ms for m in rounds[1:]]
+    assert 850 <= waits[0] <= 900 and waits[0] > waits[1] > waits[2] >= 200, waits
+    assert rounds[0].wait_ms == 200  # a control waits as long as a round without tokens
     client.close()
     ring.close()
 

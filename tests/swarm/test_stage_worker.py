@@ -232,13 +232,33 @@ def test_stale_redirected_and_impersonated_messages_are_dropped(make, redis_url,
     middle = make("m", 1, 3)
     hidden = torch.zeros(3, ToyConfig.dim)
     passed_on = round_message(redis_url, ["a", "m", "t"], hop=1, tensor=hidden)
-    stale = wire.next_seq(0, now=time.time() - 2 * wire.MAX_AGE_S)
+    stale = wire.next_seq(0, now=time.time() - 2 * wire.CLOCK_SLACK_S)
     deliver(middle, passed_on, seq=stale)
     deliver(middle, passed_on, to=streams.stage_key(swarm, "t"))  # meant for another stage
     deliver(middle, passed_on, sender=wire.COORDINATOR)  # a hop-1 round comes from stage a
     deliver(middle, wire.Message(kind="reset", session="s", params=RESET), sender="a")
     assert middle.counters["replayed"] == 1 and middle.counters["dropped"] == 3
     assert middle.counters["processed"] == 0
+
+
+def test_a_long_round_is_served_for_as_long_as_its_sender_waits(make, redis_url, swarm, key):
+    """A long prefill or replay, or a round queued behind other sessions', may be read minutes
+    after it was sent: it is served while the coordinator still waits for it (its `wait_ms`),
+    and refused as stale once that is over."""
+    middle = make("m", 1, 3)
+    hidden = torch.zeros(3, ToyConfig.dim)
+    sent_s = time.time() - 400  # stamped 400 s ago: past any fixed 300 s limit
+    reset = wire.Message(kind="reset", session="s", params=RESET)
+    deliver(middle, reset, seq=wire.next_seq(0, now=sent_s - 1), wait_ms=600_000)
+    passed_on = round_message(redis_url, ["a", "m", "t"], hop=1, tensor=hidden)
+    listed(redis_url, swarm, key, "t")
+    deliver(middle, passed_on, seq=wire.next_seq(0, now=sent_s), wait_ms=600_000)
+    assert middle.counters["replayed"] == 0
+    served = middle.counters["processed"]
+    assert served >= 1
+    late = wire.next_seq(0, now=sent_s + 1)  # a later try, whose sender stopped waiting
+    deliver(middle, passed_on, seq=late, wait_ms=int((400 - 1 - wire.CLOCK_SLACK_S - 5) * 1000))
+    assert middle.counters["replayed"] == 1 and middle.counters["processed"] == served
 
 
 @pytest.mark.parametrize(

@@ -86,9 +86,29 @@ def test_sequence_numbers_increase_and_date_the_message():
     assert wire.next_seq(0, now=100.0) == 100_000_000
     assert wire.next_seq(100_000_000, now=100.0) == 100_000_001  # same microsecond
     assert wire.next_seq(200_000_000, now=100.0) == 200_000_001  # clock stepped back
-    assert wire.is_fresh(100_000_000, now=100.0 + wire.MAX_AGE_S)
-    assert not wire.is_fresh(100_000_000, now=101.0 + wire.MAX_AGE_S)
-    assert not wire.is_fresh(100_000_000, now=99.0 - wire.MAX_AGE_S)  # from the future
+
+
+def test_a_message_is_fresh_while_its_sender_waits_for_it():
+    slack = wire.CLOCK_SLACK_S
+    quick = wire.Message(kind="round", session="s", seq=100_000_000)  # stamped at t = 100 s
+    assert wire.is_fresh(quick, now=100.0 + slack)
+    assert not wire.is_fresh(quick, now=101.0 + slack)
+    assert not wire.is_fresh(quick, now=99.0 - slack)  # from the future
+    # A long round (a prefill's share of work, its tries) stays fresh for as long as its
+    # sender waits, which may be far beyond any one constant: 1,000 s here.
+    long = replace(quick, wait_ms=1_000_000)
+    assert wire.is_fresh(long, now=100.0 + 1000 + slack)
+    assert not wire.is_fresh(long, now=101.0 + 1000 + slack)
+    assert not wire.is_fresh(long, now=99.0 - slack)  # its wait does not excuse the future
+
+
+def test_the_wait_travels_signed_and_is_bounded():
+    sent = wire.Message(kind="round", session="s", seq=1, wait_ms=330_000)
+    assert wire.decode(wire.encode(sent, SWARM, KEY), SWARM, KEY).wait_ms == 330_000
+    for bad in (-1, wire.MAX_WAIT_MS + 1):
+        data = wire.encode(replace(sent, wait_ms=bad), SWARM, KEY)
+        with pytest.raises(wire.WireError, match="wait_ms"):
+            wire.decode(data, SWARM, KEY)
 
 
 def test_round_trip_from_a_bytearray_and_a_memoryview():

@@ -90,7 +90,7 @@ class Admission:
             self.stats.drop(f"a {message.kind!r} from {message.sender!r}, expected {expected!r}")
             return False
         last = self.last_seq.get(message.session, 0)
-        if message.seq <= last or not wire.is_fresh(message.seq):
+        if message.seq <= last or not wire.is_fresh(message):
             self.stats.count("replayed")
             log.warning(
                 "%s: dropped a replayed or stale %r of session %s",
