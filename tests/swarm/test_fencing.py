@@ -111,7 +111,8 @@ def test_pending_reads_the_job_as_the_store_holds_it_now(db_url):
     job_id = add_job(db_url)
     sessions = make_session_factory(db_url)
     with sessions() as long_lived:
-        assert job_run.pending(long_lived, job_id)[0].attempts == 0
+        job, _ = job_run.pending(long_lived, job_id)  # held: the session keeps it as it read it
+        assert job.attempts == 0
         long_lived.commit()
         with sessions() as other:
             other.get(Job, job_id).attempts = 1
