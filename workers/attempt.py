@@ -85,13 +85,17 @@ class Attempt:
         self._update(session, status=status, finished_at=now, error=reason)
         run_id = select(Job.run_id).where(Job.id == self.job_id).scalar_subquery()
         session.execute(
-            update(Run).where(Run.id == run_id, Run.kind == "generation").values(finished_at=now)
+            update(Run)
+            .where(Run.id == run_id, Run.kind == "generation")
+            .values(finished_at=now)
+            .execution_options(synchronize_session=False)
         )
         session.commit()
 
     def _update(self, session: Session, **values) -> None:
         """One UPDATE of the job's row, matching while this attempt holds the unfinished job;
-        Superseded (the transaction rolled back) when it matches none."""
+        Superseded (the transaction rolled back) when it matches none. The session's Job, if it
+        holds one, is left as it was read: whoever needs the row reads it back."""
         result = session.execute(
             update(Job)
             .where(
