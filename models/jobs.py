@@ -77,7 +77,12 @@ class Job(Base):
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     error: Mapped[str | None] = mapped_column(Text)
     task_id: Mapped[str | None] = mapped_column(String(64))
+    # Every start sets it one higher: the fencing number of the attempt holding the job
+    # (`workers/attempt.py`), never lowered.
     attempts: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    # Starts in a row that stored no round: what the coordinator gives up after, so outages
+    # that resume a job which goes on making progress never use up its starts.
+    starts_since_progress: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
 
     output_text: Mapped[str] = mapped_column(NulSafeText, default="")
     output_ids: Mapped[list] = mapped_column(default=list)
@@ -149,16 +154,9 @@ class Job(Base):
         elapsed_s: float,
         logprobs: list | None = None,
     ) -> None:
-        """Store what has been committed so far; called by the coordinator every round.
-        `logprobs`, when the job asked for them: one `[logprob, [[id, logprob], ...]]` per id."""
-        if logprobs is not None:
-            self.output_logprobs = list(logprobs)
-        self.output_ids = list(ids)
-        self.output_text = text
-        self.generated_tokens = len(ids)
-        self.accepted_drafts = list(accepted_drafts)
-        self.rounds = len(accepted_drafts)
-        self.tok_s = len(ids) / elapsed_s if elapsed_s > 0 else None
+        """Store what has been committed so far (`progress_values`)."""
+        for name, value in progress_values(ids, text, accepted_drafts, elapsed_s, logprobs).items():
+            setattr(self, name, value)
 
     def to_dict(self) -> dict:
         """The job as the JSON API returns it."""
@@ -189,3 +187,26 @@ class Job(Base):
             "run_id": self.run_id,
             "owner": self.owner.name,
         }
+
+
+def progress_values(
+    ids: list[int],
+    text: str,
+    accepted_drafts: list[int],
+    elapsed_s: float,
+    logprobs: list | None = None,
+) -> dict:
+    """The columns a job's progress sets, written by the coordinator every round: what has been
+    committed so far. `logprobs`, when the job asked for them: one `[logprob, [[id, logprob],
+    ...]]` per id."""
+    values = {
+        "output_ids": list(ids),
+        "output_text": text,
+        "generated_tokens": len(ids),
+        "accepted_drafts": list(accepted_drafts),
+        "rounds": len(accepted_drafts),
+        "tok_s": len(ids) / elapsed_s if elapsed_s > 0 else None,
+    }
+    if logprobs is not None:
+        values["output_logprobs"] = list(logprobs)
+    return values

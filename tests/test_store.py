@@ -25,6 +25,7 @@ BEFORE_LOSSY_FLAG = "bf4314513ebb"  # the revision before nodes recorded the tes
 BEFORE_ACCEPTED_DRAFTS = "ea3906a109e3"  # the revision before jobs.accepted_drafts was named so
 BEFORE_NUL_SAFE_TEXT = "3c7e1d52a9f0"  # the revision before output text was stored escaped
 BEFORE_USERS = "5d1f0c2b7e4a"  # the revision before users, and owners of jobs and tokens
+BEFORE_STARTS_SINCE_PROGRESS = "e6a2c4d8f1b3"  # the revision before jobs counted those starts
 TABLES = {"jobs", "runs", "proofs", "proof_cases", "nodes", "run_nodes", "api_tokens", "users"}
 
 
@@ -380,6 +381,23 @@ def test_rows_from_before_users_belong_to_the_builtin_admin(fresh_database_url):
     downgrade(url, BEFORE_USERS)
     assert "users" not in inspect(engine).get_table_names()
     assert "user_id" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
+
+
+def test_jobs_from_before_starts_since_progress_have_made_none(fresh_database_url):
+    url = fresh_database_url
+    upgrade(url, BEFORE_STARTS_SINCE_PROGRESS)
+    engine = get_engine(url)
+    jobs = Table("jobs", MetaData(), autoload_with=engine)
+    with engine.begin() as conn:
+        admin = conn.execute(select(Table("users", MetaData(), autoload_with=engine).c.id))
+        row = old_job_row(accepted_drafts=[0], user_id=admin.scalar_one(), attempts=2)
+        conn.execute(jobs.insert().values(**{**row, "status": "running"}))
+    upgrade(url)
+    with make_session_factory(url)() as session:
+        job = session.scalars(select(Job)).one()
+        assert (job.attempts, job.starts_since_progress) == (2, 0)
+    downgrade(url, BEFORE_STARTS_SINCE_PROGRESS)
+    assert "starts_since_progress" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
 
 
 def test_users_passwords_and_deletion(db_session):

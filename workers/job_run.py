@@ -27,11 +27,11 @@ from collections.abc import Callable, Iterable
 from typing import Protocol, TypeVar
 
 import redis
+from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from models import Job
-from models.db import utcnow
 from models.runs import Run, start_run
 from specpipe.core.ring import GapError, Ring
 from specpipe.core.sampling import SamplingParams, TokenLogprob
@@ -42,8 +42,8 @@ from specpipe.settings import Settings
 from specpipe.swarm.failover import CheckedRing, drop_quietly, lost_with_spare, served_layers
 from specpipe.swarm.inventory import RouteError
 from specpipe.swarm.kvbudget import Reservations
-from specpipe.swarm.redact import one_line_reason
 from specpipe.swarm.redis_ring import RedisRing, RingError
+from workers.attempt import Attempt, Superseded
 from workers.job_lock import lock_key
 from workers.locks import LockKeeper
 from workers.node_sync import sync_inventory
@@ -51,8 +51,9 @@ from workers.room import release_quietly, room_keeper
 
 log = logging.getLogger("specpipe.coordinator")
 
-# A job is started at most this often: a coordinator that dies on it every time (a crash it
-# triggers, a machine that keeps going away) does not make it run forever.
+# A job is started at most this often in a row without storing a round: a coordinator that dies
+# on it every time (a crash it triggers, a machine that keeps going away) does not make it run
+# forever, while outages that resume a job which goes on making progress cost it nothing.
 MAX_ATTEMPTS = 3
 
 R = TypeVar("R", bound=Ring)
@@ -81,18 +82,23 @@ def run_job(
     """Run (or resume) one job to its end and return its status; None when there is no job.
 
     `keep_alive` is called every round (it refreshes the job's lock); when it returns False
-    another coordinator owns the job, and this one stops without touching it further.
-    `admit` (see `workers.room.Admit`) waits, the job still queued, until its stages have room
-    for its cache; the room goes back when the job ends, however it ends."""
+    another coordinator owns the job, and this one stops without touching it further. Every
+    write is fenced (`workers.attempt`): an attempt that a newer one superseded (its lock lost
+    in a registry outage) stops at its next write without making it, and returns the job's
+    status as it is then. `admit` (see `workers.room.Admit`) waits, the job still queued, until
+    its stages have room for its cache; the room goes back when the job ends, however it ends."""
     eos = set(eos_ids)
     job, outcome = pending(session, job_id)
     if job is None:
         return outcome
+    attempt = Attempt.seen(job)
     if job.cancel_requested:
-        return finish(session, job, "cancelled")
-    if job.attempts >= MAX_ATTEMPTS:
-        reason = f"gave up after {job.attempts} attempts: its coordinator stopped each time"
-        return finish(session, job, "failed", reason)
+        return finish(session, attempt, "cancelled")
+    if job.starts_since_progress >= MAX_ATTEMPTS:
+        reason = (
+            f"gave up after {job.starts_since_progress} attempts: its coordinator stopped each time"
+        )
+        return finish(session, attempt, "failed", reason)
 
     # A name of its own per attempt: rounds a dead coordinator left in flight may still reach
     # the stages after this attempt's reset, and must not write into this attempt's caches.
@@ -104,22 +110,26 @@ def run_job(
         prompt_ids = job_prompt_ids(codec, job)
         reason = context_error_of(codec, len(prompt_ids), job.max_new_tokens)
         if reason is not None:
-            return finish(session, job, "failed", reason)
+            return finish(session, attempt, "failed", reason)
         if admit is not None:
             release = admit(job, ring, len(prompt_ids) + job.max_new_tokens)
             if release is None:  # cancelled while it waited, or another coordinator has it
                 session.refresh(job, ["cancel_requested", "status"])
-                return finish(session, job, "cancelled") if job.cancel_requested else job.status
-        job.status, job.error, job.attempts = "running", None, job.attempts + 1
-        job.started_at = job.started_at or utcnow()
-        session.commit()
+                if job.cancel_requested:
+                    return finish(session, attempt, "cancelled")
+                return job.status
+        attempt = attempt.start(session, len(prompt_ids))
+        # What this attempt resumes from: the row as it was when no older attempt could write.
+        session.refresh(job)
         if job.run is None:
-            job.run = _start_run(session, job, ring)
-            session.commit()
-        job.prompt_tokens = len(prompt_ids)
-        return _generate(session, job, ring, ring_session, prompt_ids, codec, eos, keep_alive)
+            attempt.run_started(session, _start_run(session, job, ring))
+        return _generate(
+            session, job, attempt, ring, ring_session, prompt_ids, codec, eos, keep_alive
+        )
+    except Superseded:
+        return superseded(session, attempt)
     except (RouteError, RingError, GapError, ValueError) as exc:
-        return finish(session, job, "failed", exc)
+        return finish(session, attempt, "failed", exc)
     except OperationalError as exc:
         # The store is unreachable or locked: what it holds is consistent up to the last round
         # stored, and marking the job failed would be a write that may just as well succeed.
@@ -130,7 +140,7 @@ def run_job(
     except Exception as exc:  # whatever else went wrong, the job ends rather than stays running
         log.exception("job %s failed", job_id)
         session.rollback()  # a failed flush or commit leaves the session unusable until then
-        return finish(session, session.get(Job, job_id), "failed", exc)
+        return finish(session, attempt, "failed", exc)
     finally:
         if ring is not None:
             drop_quietly(ring, ring_session)
@@ -141,6 +151,7 @@ def run_job(
 def _generate(
     session: Session,
     job: Job,
+    attempt: Attempt,
     ring: Ring,
     ring_session: str,
     prompt_ids: list[int],
@@ -185,8 +196,7 @@ def _generate(
         logprobs = None
         if job.logprobs is not None:
             logprobs = stored_logprobs + [logprob_entry(lp) for lp in generation.logprobs]
-        job.record_progress(ids, text, accepted, spent_s + generation.stats.seconds, logprobs)
-        session.commit()
+        attempt.progress(session, ids, text, accepted, spent_s + generation.stats.seconds, logprobs)
         session.refresh(job, ["cancel_requested"])  # the web app may have asked
         if job.cancel_requested:
             status = "cancelled"
@@ -194,7 +204,7 @@ def _generate(
         if keep_alive is not None and not keep_alive():
             log.warning("job %s: lost its lock to another coordinator; stopping", job.id)
             return job.status
-    return finish(session, job, status)
+    return finish(session, attempt, status)
 
 
 def run_on_swarm(session: Session, job: Job, settings: Settings, keeper: LockKeeper) -> str | None:
@@ -203,9 +213,10 @@ def run_on_swarm(session: Session, job: Job, settings: Settings, keeper: LockKee
     try:
         target = open_target(job.model)
     except ValueError as exc:
-        return finish(session, job, "failed", str(exc))
+        return finish(session, Attempt.seen(job), "failed", str(exc))
     except Exception as exc:  # a model that breaks its reader: still one line on the job
-        return finish(session, job, "failed", f"cannot open model {job.model!r}: {exc}")
+        reason = f"cannot open model {job.model!r}: {exc}"
+        return finish(session, Attempt.seen(job), "failed", reason)
 
     def build_ring(avoid: frozenset[str] = frozenset()) -> RedisRing:
         ring = RedisRing.from_inventory(settings, target.name, target.n_layers, avoid=avoid)
@@ -258,8 +269,9 @@ def logprob_entry(logprob: TokenLogprob) -> list:
 
 def pending(session: Session, job_id: int) -> tuple[Job | None, str | None]:
     """(job, None) while job `job_id` has work left; else (None, what the task returns): None
-    for a job that does not exist, the status of a finished one."""
-    job = session.get(Job, job_id)
+    for a job that does not exist, the status of a finished one. The job is read afresh, as
+    the store holds it now, however long the session has lived."""
+    job = session.get(Job, job_id, populate_existing=True)
     if job is None:
         log.warning("job %s does not exist", job_id)
         return None, None
@@ -269,14 +281,27 @@ def pending(session: Session, job_id: int) -> tuple[Job | None, str | None]:
 
 
 def finish(
-    session: Session, job: Job, status: str, error: str | BaseException | None = None
-) -> str:
-    """End the job with `status`; an error is stored as one redacted line."""
-    job.status, job.finished_at = status, utcnow()
-    job.error = None if error is None else one_line_reason(error)
-    if job.run is not None and job.run.kind == "generation":
-        job.run.finished_at = job.finished_at
-    session.commit()
+    session: Session, attempt: Attempt, status: str, error: str | BaseException | None = None
+) -> str | None:
+    """End the job with `status` (an error stored as one redacted line) and return it; the
+    job's current status instead when a newer attempt holds it."""
+    try:
+        attempt.finish(session, status, error)
+    except Superseded:
+        return superseded(session, attempt)
+    return status
+
+
+def superseded(session: Session, attempt: Attempt) -> str | None:
+    """The job's status as the store holds it, for an attempt that stops without writing."""
+    _rollback_quietly(session)
+    status = session.scalar(select(Job.status).where(Job.id == attempt.job_id))
+    log.warning(
+        "job %s: attempt %d was superseded (the job is %s now); it stops without writing",
+        attempt.job_id,
+        attempt.number,
+        status,
+    )
     return status
 
 

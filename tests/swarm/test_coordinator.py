@@ -346,8 +346,8 @@ def test_a_job_whose_coordinator_keeps_dying_ends_after_three_attempts(db_url):
     job_id = add_job(db_url, max_new_tokens=40)
     sessions = make_session_factory(db_url)
     for attempt in range(1, 4):
-        with pytest.raises(SystemExit):
-            run_job(sessions, job_id, lambda j: DyingRing(local_ring(), 1), ToyCodec(), {EOS})
+        with pytest.raises(SystemExit):  # each time before its first round is stored
+            run_job(sessions, job_id, lambda j: DyingRing(local_ring(), 0), ToyCodec(), {EOS})
         job = load(db_url, job_id)
         assert (job.status, job.attempts) == ("running", attempt)
     assert run_job(sessions, job_id, local_ring, ToyCodec(), {EOS}) == "failed"
