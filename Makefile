@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.installed
 # PostgreSQL pass runs on one, which is steadier for its jobs on real stage processes.
 PG_TEST_URL ?= postgresql://postgres@127.0.0.1:5432/test
 PYTEST_WORKERS ?= 2
-PYTEST := $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
+PYTEST := $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=15
 
 install: $(STAMP)
 
@@ -35,7 +35,7 @@ test: install browser
 	$(PYTEST)
 	@if [ -n "$$CI" ] || $(BIN)/python -c "import psycopg; psycopg.connect('$(PG_TEST_URL)', connect_timeout=3).close()" 2>/dev/null; then \
 	  echo "TESTING_DATABASE_URL=$(PG_TEST_URL) pytest -m db"; \
-	  TESTING_DATABASE_URL=$(PG_TEST_URL) $(BIN)/pytest -q -m db; \
+	  TESTING_DATABASE_URL=$(PG_TEST_URL) $(BIN)/pytest -q -m db --durations=15; \
 	else \
 	  echo "PostgreSQL is not reachable at $(PG_TEST_URL) (set PG_TEST_URL): its pass is skipped"; \
 	fi
