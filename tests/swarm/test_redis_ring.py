@@ -305,7 +305,11 @@ def test_killed_stage_answers_gap_and_a_replay_restores_the_same_output(
         stages.start(host, f"{a}:{b}", redis_url, wait=False)
     stages.wait_ready(["h0", "h1", "h2"])
     ring = RedisRing(
-        nodes(*[(h, redis_url) for h in ["h0", "h1", "h2"]]), swarm, key, redis_url, timeout_s=30
+        nodes(("h0", redis_url, "0:1"), ("h1", redis_url, "1:3"), ("h2", redis_url, "3:4")),
+        swarm,
+        key,
+        redis_url,
+        timeout_s=30,
     )
     ring.reset("s", PARAMS)
     committed, _ = drive(ring, "s", rounds=3, k=2)
