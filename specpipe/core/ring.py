@@ -113,13 +113,23 @@ class FeatureStage(Stage, Protocol):
 
 
 class Hop(Protocol):
-    """One stage on a route: its host and the Redis holding its input stream."""
+    """One stage on a route: its host, the Redis holding its input stream, and what it is
+    routed for (layers `layer_start:layer_end` of `model`), which it checks at every round."""
 
     @property
     def host(self) -> str: ...
 
     @property
     def redis_url(self) -> str: ...
+
+    @property
+    def layer_start(self) -> int: ...
+
+    @property
+    def layer_end(self) -> int: ...
+
+    @property
+    def model(self) -> str: ...
 
 
 class Ring(Protocol):

@@ -18,11 +18,13 @@ from specpipe.settings import Settings
 from specpipe.swarm import inventory
 from specpipe.swarm.inventory import NodeInfo, RouteError
 from specpipe.swarm.redact import one_line_reason
-from specpipe.swarm.redis_ring import HopLostError, RingError
+from specpipe.swarm.redis_ring import HopLostError, RingError, StaleRouteError
 
 log = logging.getLogger("specpipe.coordinator")  # it runs in the coordinator, logged as such
 
 FAILOVER_WAIT_S = 10.0  # the longest a failed round waits to learn which hop died
+STALE_WAIT_S = 5.0  # the longest a refused round waits for the inventory to change
+MAX_REFUSALS = 3  # refused rounds in a row that fail the round
 
 
 class CheckedRing:
@@ -39,11 +41,18 @@ class CheckedRing:
 
     A stage that restarted has lost its caches and answers gap, and the job replays its tokens
     from position 0. If the stage came back serving other layers than the ring's route has it
-    for (the model was split again), replaying on the same route would run those layers on the
-    wrong hidden states: the route on the wire names hosts, not layers, so no stage would notice
-    and the job would end with other tokens. So after a gap, when any hop of the route serves
-    other layers now, the ring is built again from the inventory before the replay: the job
-    re-routes, or fails with a RouteError naming the layers no online stage serves.
+    for (the model was split again), it would refuse the replay (below); so after a gap, when
+    any hop of the route serves other layers now, the ring is built again from the inventory
+    before the replay: the job re-routes, or fails with a RouteError naming the layers no online
+    stage serves.
+
+    Every hop checks that the route names it for the layers and model it serves, and refuses a
+    round that does not (`StaleRouteError`: the route came from a stale record, a re-split at
+    any moment). Nothing ran on the refusing stage, so the ring waits up to `STALE_WAIT_S` for
+    the inventory to show the change, builds itself again from it (a RouteError when no route
+    covers the model now) and replays: a round from position 0 is sent again at once on the new
+    ring, a later one is a `GapError`, and the caller replays its tokens from position 0 there.
+    The `MAX_REFUSALS`th refusal in a row fails the round with the StaleRouteError.
 
     `on_reroute`, when set, is called with the new route each time the ring is built again, before
     the replay: the job's KV room follows the route (`workers/room.py`)."""
@@ -59,7 +68,9 @@ class CheckedRing:
         self.ring: WatchedRing | None = self._watched(build())
         self.rebuilt = 0
         self.failovers = 0
+        self.refusals = 0  # refused rounds since the last round answered
         self.on_reroute: Callable[[Sequence[Hop]], None] | None = None
+        self._params: dict[str, SamplingParams] = {}  # a new ring's reset, per session
 
     @property
     def route(self) -> tuple:
@@ -67,15 +78,35 @@ class CheckedRing:
 
     def reset(self, session: str, params: SamplingParams) -> None:
         self.ring.reset(session, params)
+        self._params[session] = params
 
     def reseed(self, session: str, params: SamplingParams) -> None:
         self.ring.reseed(session, params)
+        self._params[session] = params
 
     def round(
         self, session: str, tokens, start_pos: int, n_draft: int, head_k: int = 0
     ) -> RoundResult:
+        while True:
+            try:
+                result = self._round(session, tokens, start_pos, n_draft, head_k)
+            except StaleRouteError as exc:
+                self._reroute_stale(session, exc)
+                params = self._params.get(session)
+                if start_pos > 0 or params is None:
+                    raise GapError(f"re-routed after a refused round: {exc}") from None
+                self.ring.reset(session, params)  # and the round from position 0 again
+                continue
+            self.refusals = 0
+            return result
+
+    def _round(
+        self, session: str, tokens, start_pos: int, n_draft: int, head_k: int
+    ) -> RoundResult:
         try:
             return self.ring.round(session, tokens, start_pos, n_draft, head_k)
+        except StaleRouteError:
+            raise
         except HopLostError as exc:
             self._fail_over(session, self._lost() or [], str(exc))
             raise GapError(f"re-routed around a lost stage: {exc}") from None
@@ -99,6 +130,7 @@ class CheckedRing:
             raise GapError(f"re-routed around a lost stage: {exc}") from None
 
     def drop(self, session: str) -> None:
+        self._params.pop(session, None)
         if self.ring is not None:
             self.ring.drop(session)
 
@@ -158,6 +190,24 @@ class CheckedRing:
             one_line_reason(why),
             hosts,
         )
+
+    def _reroute_stale(self, session: str, refused: StaleRouteError) -> None:
+        """Build the ring again from the inventory once it shows the refusing stage's change
+        (or `STALE_WAIT_S` has passed); `refused` again at the `MAX_REFUSALS`th in a row."""
+        self.refusals += 1
+        if self.refusals >= MAX_REFUSALS:
+            self.refusals = 0
+            raise refused
+        give_up_at = time.monotonic() + STALE_WAIT_S
+        while not self._route_changed() and time.monotonic() < give_up_at:
+            time.sleep(0.1)
+        old, self.ring = self.ring, None
+        drop_quietly(old, session)
+        self.ring = self._watched(self.build())  # RouteError: the model is not covered
+        self.rebuilt += 1
+        self._rerouted()
+        hosts = " -> ".join(hop.host for hop in self.route)
+        log.warning("session %s: %s; new ring %s", session, one_line_reason(str(refused)), hosts)
 
     def _rerouted(self) -> None:
         if self.on_reroute is not None:

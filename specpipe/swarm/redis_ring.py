@@ -1,18 +1,21 @@
 """`RedisRing`: the `Ring` interface over the swarm's per-host Redis Streams.
 
-A round is signed and XADDed to stage 0's stream on stage 0's Redis, carrying its route as
-host names only: each stage finds its next hop's address in the signed inventory and dials it
-with its own credentials, and replies go to its registry, which is this coordinator's reply
-Redis. The ring dials each hop's address with this process's credentials (its `dialer`).
-It then waits on `specpipe:{swarm}:reply:{session}` for the reply, re-sending
-the round under a new id and sequence number (a reply to any of its ids will do) a bounded
-number of times before it gives up with a `RingError`. Every message the ring sends carries a
-sequence number larger than the last, which is how stages tell a replay from a fresh message;
-a reply counts only if it is addressed to this session's reply stream, comes from a stage of
-the route and answers one of the round's ids: anything else is dropped and counted. A `gap`
-reply re-sends the session's reset to every stage and raises `GapError`, so the caller's
-replay from position 0 finds the tail with its sampling parameters again. A result is a
-`RoundResult`, with the tail's log-probabilities when the session's parameters asked for them.
+A round is signed and XADDed to stage 0's stream on stage 0's Redis, carrying its route: each
+hop's host and the layers of the model it was routed for (never an address: each stage finds its
+next hop's address in the signed inventory and dials it with its own credentials, and replies go
+to its registry, which is this coordinator's reply Redis). The ring dials each hop's address
+with this process's credentials (its `dialer`). It then waits on
+`specpipe:{swarm}:reply:{session}` for the reply, re-sending the round under a new id and
+sequence number (a reply to any of its ids will do) a bounded number of times before it gives up
+with a `RingError`. Every message the ring sends carries a sequence number larger than the last,
+which is how stages tell a replay from a fresh message; a reply counts only if it is addressed
+to this session's reply stream, comes from a stage of the route and answers one of the round's
+ids: anything else is dropped and counted. A `gap` reply re-sends the session's reset to every
+stage and raises `GapError`, so the caller's replay from position 0 finds the tail with its
+sampling parameters again. A result is a `RoundResult`, with the tail's log-probabilities when
+the session's parameters asked for them. A `misrouted` reply (a hop serves other layers or
+another model than the route has it for: the route was built from a stale inventory record)
+raises `StaleRouteError`; nothing ran there.
 
 A round that has waited `watch_after_s` without a reply asks its `watchdog` (when it has one)
 every `watch_every_s` whether a hop of the route is gone; a reason back ends the round at once
@@ -53,6 +56,15 @@ class HopLostError(RingError):
     """A hop of the route is gone (its watchdog says why): the round will not be answered."""
 
 
+class StaleRouteError(RingError):
+    """A hop refused the round: it serves other layers or another model than the route has it
+    for (the route came from a stale inventory record). `host` is the hop's."""
+
+    def __init__(self, message: str, host: str = "") -> None:
+        super().__init__(message)
+        self.host = host
+
+
 class RedisRing:
     """A ring of stage workers reached through Redis Streams."""
 
@@ -74,9 +86,9 @@ class RedisRing:
         if not route:
             raise ValueError("a ring needs at least one stage")
         # The stages in ring order: inventory records when routed from the inventory (the run's
-        # node snapshot), else bare hops. Only their hosts go on the wire.
+        # node snapshot), else bare hops. All but their addresses go on the wire.
         self.route = tuple(route)
-        self._hops_on_wire = tuple(hop.host for hop in self.route)
+        self._hops_on_wire = tuple(wire.RouteEntry.of(hop) for hop in self.route)
         self._hosts = frozenset(hop.host for hop in self.route)  # who may reply
         self.swarm = swarm
         self.keys = wire.keyring(keys)
@@ -235,6 +247,8 @@ class RedisRing:
                     lambda: self._control(session, "reset", self._params[session])
                 )
                 raise GapError(reply.reason or "a stage lost the session's cache")
+            if reply.kind == "misrouted":
+                raise StaleRouteError(f"round refused: {reply.reason}", reply.sender)
             raise RingError(f"round failed: {reply.reason or reply.kind}")
         route = " -> ".join(h.host for h in self.route)
         waited = time.monotonic() - started

@@ -2,7 +2,8 @@
 
 Generic over the `Stage` protocol: it reads `specpipe:{swarm}:stage:{host}` on its own Redis as
 a member of the stage consumer group, verifies each message (`stage.admission`), runs
-`stage.forward`, and sends the hidden states to the next hop's stream on that hop's Redis (its
+`stage.forward` (once its route is seen to have this stage for the layers and model it serves,
+`stage.routing`), and sends the hidden states to the next hop's stream on that hop's Redis (its
 address from the signed inventory, `stage.directory`, dialled with this stage's own
 credentials, `swarm.dialing`), or, on the tail, samples the doctored result vector with the
 session's parameters and sends it to the coordinator's reply stream on the stage's registry
@@ -54,6 +55,7 @@ from specpipe.swarm.stage.forward import Forward
 from specpipe.swarm.stage.heartbeat import Heartbeat
 from specpipe.swarm.stage.keys import StageKeys
 from specpipe.swarm.stage.onward import Onward
+from specpipe.swarm.stage.routing import Serves
 from specpipe.swarm.stage.samplers import TailSamplers, TailSampling
 from specpipe.swarm.stage.sending import Link, Outbox, Replies, Sender
 
@@ -143,7 +145,8 @@ class StageWorker:
             self.stats,
             self.directory,
         )
-        self.forward = Forward(stage, host, self.stats, self.onward)
+        # A round routed here for other layers or another model is refused, by the record.
+        self.forward = Forward(stage, host, self.stats, self.onward, Serves.of(node))
         # The record says what this process does, whatever the caller built it with.
         self.kv_budget_tokens = budget.kv_budget(stage)
         if node is not None:

@@ -9,8 +9,10 @@ where `tag` is HMAC-SHA256 over everything before it, under the swarm key the ke
 The header names the swarm, where the message goes and what it is (the destination stream, the
 direction, the sender), the session with its sequence number and round id, positions, the token
 ids (with their log-probabilities on a tail's result, when the session asked for them), the
-route as host names only (never an address or a credential: each stage finds its next hop in
-the signed inventory, and replies go to its own registry) and the payload's dtype and shape;
+route (each hop as `[host, first layer, end layer, model]`: what the coordinator routed it
+for, which the hop checks against what it serves; never an address or a credential: each
+stage finds its next hop in the signed inventory, and replies go to its own registry) and the
+payload's dtype and shape;
 the payload is the tensor's bytes, nothing else. `decode`
 checks the size limits and the signature (constant-time) before it parses the header, and the
 dtype whitelist and the shape-versus-byte-count before it reads the payload. A receiver passes
@@ -35,8 +37,10 @@ import msgpack
 import numpy as np
 import torch
 
-MAGIC = b"SPW3"  # SPW2 carried each hop's Redis URL, password included, and the reply's
-OLD_MAGICS = frozenset({b"SPW2"})
+# SPW2 carried each hop's Redis URL, password included, and the reply's; SPW3 named each hop
+# by host only, so a hop could not tell it was routed for layers it does not serve.
+MAGIC = b"SPW4"
+OLD_MAGICS = frozenset({b"SPW2", b"SPW3"})
 TAG_BYTES = 32
 KEY_ID_BYTES = 4
 PREFIX = struct.Struct("<4s4sI")
@@ -48,12 +52,15 @@ TOKEN_LIMIT = 2**31  # token ids (and the result vector's -1) fit in 32 bits
 POSITION_LIMIT = 2**40
 MAX_ALTERNATIVES = 5  # top log-probabilities per committed token on a result
 MAX_HEAD_DRAFTS = 64  # drafts a round may ask of the tail's draft head for the next round
+MAX_LAYER = 2**16  # of a route entry's layer range
+MAX_NAME = 256  # characters of a route entry's host or model
 
 # Kinds of message, by direction: what a stage's input stream carries (a round travelling
 # through the stages and the per-session controls) and what a coordinator's reply stream does
-# (the tail's result, and the replies a stage sends when it cannot go on).
+# (the tail's result, and the replies a stage sends when it cannot go on: `misrouted` when the
+# route has it for other layers or another model than it serves).
 STAGE_KINDS = frozenset({"round", "reset", "reseed", "drop"})
-REPLY_KINDS = frozenset({"result", "gap", "error"})
+REPLY_KINDS = frozenset({"result", "gap", "error", "misrouted"})
 KINDS = STAGE_KINDS | REPLY_KINDS
 COORDINATOR = "coordinator"  # the sender of what a coordinator sends; a stage signs as its host
 # A sequence number is the sender's clock in microseconds (bumped to stay strictly increasing),
@@ -92,11 +99,30 @@ class UnknownKeyError(WireError):
 
 @dataclass(frozen=True)
 class Hop:
-    """One stage on a route as a coordinator knows it: its host name and the address of the
-    Redis that holds its input stream. Only the host goes on the wire."""
+    """One stage on a route as a coordinator knows it: its host name, the address of the Redis
+    that holds its input stream, and what it is routed for (layers `layer_start:layer_end` of
+    `model`). All but the address goes on the wire, as a `RouteEntry`."""
 
     host: str
     redis_url: str
+    layer_start: int
+    layer_end: int
+    model: str
+
+
+@dataclass(frozen=True)
+class RouteEntry:
+    """One hop of a round's route: the host, and the layers of the model it is routed for."""
+
+    host: str
+    layer_start: int
+    layer_end: int
+    model: str
+
+    @classmethod
+    def of(cls, hop) -> RouteEntry:
+        """The entry of a hop (a `Hop` or an inventory record: anything with these fields)."""
+        return cls(hop.host, hop.layer_start, hop.layer_end, hop.model)
 
 
 @dataclass(frozen=True)
@@ -118,7 +144,7 @@ class Message:
     tokens: tuple[int, ...] = ()
     tensor: torch.Tensor | None = None
     hop: int = 0  # index into `route` of the stage this message is addressed to
-    route: tuple[str, ...] = ()  # the hosts of the stages a round passes, in order
+    route: tuple[RouteEntry, ...] = ()  # the stages a round passes, in order
     params: dict[str, float | int] = field(default_factory=dict)  # reset/reseed: temp, ...
     reason: str = ""  # gap / error: what went wrong
     # result, when asked: per committed token, its log-probability and the most likely
@@ -216,7 +242,7 @@ def encode(message: Message, swarm: str, keys: Keyring | bytes | str) -> bytes:
         "n_draft": message.n_draft,
         "tokens": list(message.tokens),
         "hop": message.hop,
-        "route": list(message.route),
+        "route": [[e.host, e.layer_start, e.layer_end, e.model] for e in message.route],
         "params": dict(message.params),
         "reason": message.reason,
         "wait_ms": message.wait_ms,
@@ -409,10 +435,27 @@ def _logprobs(entries: list, n_tokens: int) -> tuple:
     return tuple(out)
 
 
-def _route(entries: list) -> tuple[str, ...]:
-    if not all(isinstance(host, str) and host for host in entries):
-        raise WireError("route entries must be host names")
-    return tuple(entries)
+def _route(entries: list) -> tuple[RouteEntry, ...]:
+    route = []
+    for entry in entries:
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 4
+            and _is_name(entry[0], empty=False)
+            and isinstance(entry[1], int)
+            and isinstance(entry[2], int)
+            and not isinstance(entry[1], bool)
+            and not isinstance(entry[2], bool)
+            and 0 <= entry[1] < entry[2] <= MAX_LAYER
+            and _is_name(entry[3], empty=True)
+        ):
+            raise WireError("route entries must be [host, first layer, end layer, model]")
+        route.append(RouteEntry(*entry))
+    return tuple(route)
+
+
+def _is_name(value, empty: bool) -> bool:
+    return isinstance(value, str) and (empty or value != "") and len(value) <= MAX_NAME
 
 
 def _tensor(header: dict, payload: memoryview) -> torch.Tensor | None:

@@ -61,7 +61,7 @@ def ring(stages, swarm, key, redis_url):
     stages.start("h0", "0:2", redis_url, wait=False)
     stages.start("h1", "2:4", redis_url, "--max-message-bytes", str(MAX_BYTES), wait=False)
     stages.wait_ready(["h0", "h1"])
-    route = (wire.Hop("h0", redis_url), wire.Hop("h1", redis_url))
+    route = (wire.Hop("h0", redis_url, 0, 2, "toy"), wire.Hop("h1", redis_url, 2, 4, "toy"))
     ring = RedisRing(route, swarm, key, redis_url, timeout_s=20)
     yield ring
     ring.close()

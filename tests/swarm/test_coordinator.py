@@ -625,6 +625,92 @@ def test_without_a_spare_a_ring_error_still_fails_the_job_with_it(db_url, monkey
     assert checks and checks[0] == ["h0", "h1"]  # it looked for a spare before giving up
 
 
+RESPLIT = {"h0": (0, 1), "h1": (1, 4)}  # the inventory after the model was split again
+
+
+class RefusingRing(GappyRing):
+    """A routed toy ring whose rounds numbered in `refuse_at` are refused by h1, which serves
+    other layers than the route has it for: the stage was restarted on a new split, and its
+    new record goes into `inventory` as it refuses."""
+
+    def __init__(self, route, refuse_at=(), gap_at=None, inventory=None) -> None:
+        super().__init__(route, gap_at)
+        self.refuse_at, self.inventory, self.starts = set(refuse_at), inventory, []
+
+    def round(self, session, tokens, start_pos, n_draft, head_k=0):
+        from specpipe.swarm.redis_ring import StaleRouteError
+
+        self.starts.append(start_pos)
+        if self.rounds + 1 in self.refuse_at:
+            self.rounds += 1
+            if self.inventory is not None:
+                self.inventory.update(RESPLIT)
+            raise StaleRouteError("round refused: h1 serves layers 1:4 of toy, not 2:4", "h1")
+        return super().round(session, tokens, start_pos, n_draft, head_k)
+
+
+@pytest.mark.parametrize(
+    ("refuse_at", "gap_at", "replays"),
+    [({1}, None, 0), ({4}, None, 1), ({4}, 3, 1)],
+    ids=["first-round", "mid-job", "between-a-gap-and-its-replay"],
+)
+def test_a_refused_round_re_routes_and_the_output_is_the_plain_one(refuse_at, gap_at, replays):
+    params = SamplingParams(temp=0.9, seed=5)
+    prompt = ToyCodec().prompt_ids("the cat sat on the mat")
+    expected = Generation(local_ring(), "ref", prompt, params, max_new_tokens=30, draft_k=3).run()
+    inventory = {"h0": (0, 2), "h1": (2, 4)}
+    old = RefusingRing(routed((0, 2), (2, 4)), refuse_at, gap_at, inventory)
+    new = RefusingRing(routed((0, 1), (1, 4)))
+    built = iter([old, new])
+    ring = CheckedRing(lambda: next(built), lambda: dict(inventory))
+    run = Generation(ring, "s", prompt, params, max_new_tokens=30, draft_k=3)
+    assert run.run() == expected
+    assert (ring.rebuilt, run.stats.replays, ring.refusals) == (1, replays, 0)
+    assert ring.route == tuple(new.route) and new.starts[0] == 0  # replayed from the start
+
+
+def test_a_route_refused_three_times_in_a_row_fails_the_round(monkeypatch):
+    from specpipe.swarm.redis_ring import StaleRouteError
+
+    monkeypatch.setattr(failover, "STALE_WAIT_S", 0.05)  # the inventory never changes here
+    rings = []
+
+    def build():
+        rings.append(RefusingRing(routed((0, 2), (2, 4)), refuse_at=range(1, 100)))
+        return rings[-1]
+
+    ring = CheckedRing(build, lambda: {"h0": (0, 2), "h1": (2, 4)})
+    run = Generation(ring, "s", [1, 2, 3], SamplingParams(temp=0.0), max_new_tokens=5)
+    with pytest.raises(StaleRouteError, match="h1 serves layers 1:4"):
+        run.run()
+    assert len(rings) == 3 and ring.rebuilt == 2  # a route from each refusal's inventory
+
+
+def test_a_refused_round_with_no_route_left_fails_the_job_naming_the_layers(db_url):
+    import time
+
+    from specpipe.swarm import inventory
+
+    job_id = add_job(db_url, max_new_tokens=30)
+    first = RefusingRing(routed((0, 2), (2, 4)), refuse_at={3})
+    # After the re-split h1 serves 3:4, and nobody serves 2:3.
+    now = [
+        NodeInfo("h0", 0, 2, "redis://x", last_heartbeat=time.time()),
+        NodeInfo("h1", 3, 4, "redis://x", last_heartbeat=time.time()),
+    ]
+
+    def build():
+        if first.rounds == 0:
+            return first
+        return GappyRing(inventory.route(now, 4, model="toy"))
+
+    def make(_job):
+        return CheckedRing(build, lambda: {n.host: (n.layer_start, n.layer_end) for n in now})
+
+    assert run_job(make_session_factory(db_url), job_id, make, ToyCodec(), {EOS}) == "failed"
+    assert load(db_url, job_id).error == "RouteError: no online stage serves layers 2:3"
+
+
 def test_a_lock_is_taken_once_a_restarting_redis_answers_again(tmp_path):
     """A delivery that finds Redis down (killed, restarting) waits for it rather than failing."""
     import threading

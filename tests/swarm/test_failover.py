@@ -92,6 +92,32 @@ def test_without_a_spare_a_killed_stage_is_still_waited_for(stages, ring_setting
     assert (ring.failovers, run.stats.replays) == (0, 1)
 
 
+def test_a_re_split_after_the_route_was_built_is_refused_and_re_routed_to_the_plain_output(
+    stages, ring_settings, redis_url
+):
+    # a 0:2 and b 2:4 route the job; c serves 3:4 and waits as a spare.
+    for host, layers in (("a", "0:2"), ("b", "2:4"), ("c", "3:4")):
+        stages.start(host, layers, redis_url, wait=False)
+    stages.wait_ready(["a", "b", "c"])
+    expected = Generation(
+        ReferenceRing([(0, 2), (2, 4)]), "l", PROMPT, PARAMS, max_new_tokens=20, draft_k=3
+    ).run()
+    ring = checked_ring(ring_settings, "toy", 4)
+    assert [hop.host for hop in ring.route] == ["a", "b"]
+    # The model is split again before the first round: a now serves 0:3. The route a -> b
+    # would run layer 2 twice; a refuses it instead, and the ring goes a -> c.
+    stages.kill9("a")
+    stages.start("a", "0:3", redis_url)
+    run = Generation(ring, "s", PROMPT, PARAMS, max_new_tokens=20, draft_k=3)
+    assert run.run() == expected
+    ring.close()
+    assert [(hop.host, hop.layer_start, hop.layer_end) for hop in ring.route] == [
+        ("a", 0, 3),
+        ("c", 3, 4),
+    ]
+    assert ring.rebuilt == 1
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")

@@ -161,7 +161,7 @@ def test_a_stage_whose_registry_and_replies_run_without_lua_serves_exactly(two_u
     stages = Stages(swarm, key, two_users.remote_url)
     try:
         stages.start("h0", "0:4", two_users.url)
-        route = (wire.Hop("h0", two_users.url),)
+        route = (wire.Hop("h0", two_users.url, 0, 4, "toy"),)
         ring = RedisRing(route, swarm, key, two_users.remote_url, timeout_s=20)
         try:
             ring.reset("s", PARAMS)

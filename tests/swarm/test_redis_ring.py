@@ -16,7 +16,7 @@ from specpipe.decoding.generation import Generation
 from specpipe.decoding.local_ring import LocalRing
 from specpipe.swarm import inventory, streams, wire
 from specpipe.swarm.inventory import NodeInfo, RouteError
-from specpipe.swarm.redis_ring import RedisRing, RingError
+from specpipe.swarm.redis_ring import RedisRing, RingError, StaleRouteError
 from tests.swarm.toy_stage import ToyConfig, ToyStage
 from tests.waiting import wait_until
 
@@ -57,8 +57,15 @@ def reference(bounds, rounds, k, params=PARAMS):
     return drive(ring, "ref", rounds, k)
 
 
-def nodes(*hosts: tuple[str, str]) -> list[NodeInfo]:
-    return [NodeInfo(host=h, layer_start=0, layer_end=1, redis_url=u) for h, u in hosts]
+def nodes(*hosts: tuple[str, str, str]) -> list[NodeInfo]:
+    """Records of toy stages: (host, Redis, "first:end") each."""
+    out = []
+    for host, url, layers in hosts:
+        first, end = (int(x) for x in layers.split(":"))
+        out.append(
+            NodeInfo(host=host, layer_start=first, layer_end=end, redis_url=url, model="toy")
+        )
+    return out
 
 
 def stats(url, swarm, host) -> dict[str, float]:
@@ -108,7 +115,7 @@ def test_round_trip_through_three_stage_processes(stages, swarm, key, redis_url)
         stages.start(host, layers, redis_url, wait=False)
     stages.wait_ready(["h0", "h1", "h2"])
     ring = RedisRing(
-        nodes(("h0", redis_url), ("h1", redis_url), ("h2", redis_url)),
+        nodes(("h0", redis_url, "0:1"), ("h1", redis_url, "1:3"), ("h2", redis_url, "3:4")),
         swarm,
         key,
         redis_url,
@@ -160,11 +167,43 @@ def test_per_host_redis_each_stream_lives_on_its_hosts_server(
     other.close()
 
 
+def test_a_route_from_a_stale_record_is_refused_with_a_stale_route_error(
+    stages, swarm, key, redis_url
+):
+    stages.start("h0", "0:2", redis_url, wait=False)
+    stages.start("h1", "2:4", redis_url, wait=False)
+    stages.wait_ready(["h0", "h1"])
+    # Records from before a re-split: h0 held 0:1 and h1 1:4, or h1 held another model.
+    for stale, host, why in (
+        (nodes(("h0", redis_url, "0:1"), ("h1", redis_url, "1:4")), "h0", "layers 0:1 of toy"),
+        (
+            [*nodes(("h0", redis_url, "0:2")), NodeInfo("h1", 2, 4, redis_url, model="old")],
+            "h1",
+            "layers 2:4 of old",
+        ),
+    ):
+        ring = RedisRing(stale, swarm, key, redis_url, timeout_s=20)
+        ring.reset("s", PARAMS)
+        with pytest.raises(StaleRouteError, match=f"{host} serves .* of toy, not {why}") as caught:
+            ring.round("s", PROMPT, 0, 0)
+        assert caught.value.host == host and isinstance(caught.value, RingError)
+        ring.close()
+    assert stats(redis_url, swarm, "h0").get("misrouted") == 1
+    assert stats(redis_url, swarm, "h1").get("misrouted") == 1
+    # Both kept serving: a route from their records now gives the plain output.
+    ring = RedisRing(
+        nodes(("h0", redis_url, "0:2"), ("h1", redis_url, "2:4")), swarm, key, redis_url
+    )
+    ring.reset("s", PARAMS)
+    assert drive(ring, "s", rounds=3, k=2) == reference([(0, 2), (2, 4)], rounds=3, k=2)
+    ring.close()
+
+
 def test_bad_messages_are_dropped_and_counted_while_serving_goes_on(stages, swarm, key, redis_url):
     stages.start("h0", "0:2", redis_url, wait=False)
     stages.start("h1", "2:4", redis_url, wait=False)
     stages.wait_ready(["h0", "h1"])
-    route = nodes(("h0", redis_url), ("h1", redis_url))
+    route = nodes(("h0", redis_url, "0:2"), ("h1", redis_url, "2:4"))
     ring = RedisRing(route, swarm, key, redis_url, timeout_s=20)
     ring.reset("s", PARAMS)
     committed, _ = drive(ring, "s", rounds=1, k=2)
@@ -178,7 +217,7 @@ def test_bad_messages_are_dropped_and_counted_while_serving_goes_on(stages, swar
         start_pos=len(committed) - 1,
         tokens=(committed[-1],),
         tensor=torch.zeros(1, ToyConfig.dim),
-        route=tuple(n.host for n in route),
+        route=tuple(wire.RouteEntry.of(n) for n in route),
         hop=1,
         to=stream,
         sender="h0",
@@ -219,7 +258,7 @@ def test_a_round_sent_three_times_runs_once(stages, swarm, key, redis_url):
     stages.start("h0", "0:2", redis_url, wait=False)
     stages.start("h1", "2:4", redis_url, wait=False)
     stages.wait_ready(["h0", "h1"])
-    route = (wire.Hop("h0", redis_url), wire.Hop("h1", redis_url))
+    route = (wire.Hop("h0", redis_url, 0, 2, "toy"), wire.Hop("h1", redis_url, 2, 4, "toy"))
     ring = RedisRing(route, swarm, key, redis_url)
     ring.reset("s", PARAMS)
     data = wire.encode(
@@ -228,7 +267,7 @@ def test_a_round_sent_three_times_runs_once(stages, swarm, key, redis_url):
             session="s",
             round_id="same",
             tokens=tuple(PROMPT),
-            route=tuple(hop.host for hop in route),
+            route=tuple(wire.RouteEntry.of(hop) for hop in route),
             to=streams.stage_key(swarm, "h0"),
             sender=wire.COORDINATOR,
             seq=wire.next_seq(0),
@@ -266,7 +305,11 @@ def test_killed_stage_answers_gap_and_a_replay_restores_the_same_output(
         stages.start(host, f"{a}:{b}", redis_url, wait=False)
     stages.wait_ready(["h0", "h1", "h2"])
     ring = RedisRing(
-        nodes(*[(h, redis_url) for h in ["h0", "h1", "h2"]]), swarm, key, redis_url, timeout_s=30
+        nodes(("h0", redis_url, "0:1"), ("h1", redis_url, "1:3"), ("h2", redis_url, "3:4")),
+        swarm,
+        key,
+        redis_url,
+        timeout_s=30,
     )
     ring.reset("s", PARAMS)
     committed, _ = drive(ring, "s", rounds=3, k=2)
@@ -301,7 +344,7 @@ def test_a_round_taken_by_a_stage_killed_mid_round_is_finished_by_its_restart(
     stages.start("h2", "3:4", redis_url, wait=False)
     stages.wait_ready(["h0", "h1", "h2"])
     ring = RedisRing(
-        nodes(("h0", redis_url), ("h1", redis_url), ("h2", redis_url)),
+        nodes(("h0", redis_url, "0:1"), ("h1", redis_url, "1:3"), ("h2", redis_url, "3:4")),
         swarm,
         key,
         redis_url,
@@ -344,7 +387,9 @@ def test_killed_tail_lost_its_parameters_and_gets_them_back(stages, swarm, key, 
     stages.start("h0", "0:2", redis_url, wait=False)
     stages.start("h1", "2:4", redis_url, wait=False)
     stages.wait_ready(["h0", "h1"])
-    ring = RedisRing(nodes(("h0", redis_url), ("h1", redis_url)), swarm, key, redis_url)
+    ring = RedisRing(
+        nodes(("h0", redis_url, "0:2"), ("h1", redis_url, "2:4")), swarm, key, redis_url
+    )
     ring.reset("s", PARAMS)
     committed, _ = drive(ring, "s", rounds=2, k=1)
     stages.kill9("h1")
@@ -361,7 +406,12 @@ def test_killed_tail_lost_its_parameters_and_gets_them_back(stages, swarm, key, 
 
 def test_a_round_nobody_answers_is_resent_then_fails(swarm, key, redis_url):
     ring = RedisRing(
-        [wire.Hop("nobody", redis_url)], swarm, key, redis_url, timeout_s=0.2, retries=2
+        [wire.Hop("nobody", redis_url, 0, 4, "toy")],
+        swarm,
+        key,
+        redis_url,
+        timeout_s=0.2,
+        retries=2,
     )
     ring.reset("s", PARAMS)
     # Two tokens add 2 × 50 ms to the 0.2 s wait.
@@ -394,7 +444,9 @@ def test_an_unreachable_first_stage_is_a_clear_ring_error(swarm, key, redis_url)
     from specpipe.ops.redis_server import free_port
 
     gone = f"redis://127.0.0.1:{free_port()}/0"
-    ring = RedisRing([wire.Hop("h", gone)], swarm, key, redis_url, timeout_s=0.1, retries=1)
+    ring = RedisRing(
+        [wire.Hop("h", gone, 0, 4, "toy")], swarm, key, redis_url, timeout_s=0.1, retries=1
+    )
     with pytest.raises(RingError, match="cannot reach h's Redis"):
         ring.reset("s", PARAMS)
     ring._params["s"] = PARAMS  # as if h's Redis went away after the reset
@@ -404,7 +456,7 @@ def test_an_unreachable_first_stage_is_a_clear_ring_error(swarm, key, redis_url)
 
 
 def test_ring_refuses_bad_rounds_and_parameters(swarm, key, redis_url):
-    ring = RedisRing([wire.Hop("h", redis_url)], swarm, key, redis_url)
+    ring = RedisRing([wire.Hop("h", redis_url, 0, 4, "toy")], swarm, key, redis_url)
     with pytest.raises(RingError, match="not reset"):
         ring.round("s", [1], 0, 0)
     with pytest.raises(ValueError, match="top_p"):
@@ -426,7 +478,9 @@ def test_a_stage_rides_out_a_restart_of_its_redis(stages, swarm, key, redis_url)
         stages.start("a", "0:2", own, "--heartbeat-s", "0.1", wait=False)
         stages.start("b", "2:4", redis_url, wait=False)
         stages.wait_ready(["a", "b"])
-        ring = RedisRing(nodes(("a", own), ("b", redis_url)), swarm, key, redis_url, timeout_s=20)
+        ring = RedisRing(
+            nodes(("a", own, "0:2"), ("b", redis_url, "2:4")), swarm, key, redis_url, timeout_s=20
+        )
         ring.reset("s", PARAMS)
         committed, _ = drive(ring, "s", rounds=2, k=2)
         server.stop()
@@ -491,7 +545,9 @@ def test_a_round_waits_as_long_as_its_ring_says_not_a_sockets_five_seconds(
 ):
     # The stage takes 7 s a forward: longer than redis-py's default socket timeout (5 s).
     stages.start("slow", "0:4", redis_url, "--delay-ms", "7000")
-    ring = RedisRing(nodes(("slow", redis_url)), swarm, key, redis_url, timeout_s=12, retries=0)
+    ring = RedisRing(
+        nodes(("slow", redis_url, "0:4")), swarm, key, redis_url, timeout_s=12, retries=0
+    )
     ring.reset("s", PARAMS)
     started = time.monotonic()
     result = ring.round("s", PROMPT, 0, 0)
@@ -503,11 +559,11 @@ def test_a_round_waits_as_long_as_its_ring_says_not_a_sockets_five_seconds(
 
 
 def test_a_rounds_wait_grows_with_the_tokens_it_carries(redis_url, swarm, key):
-    ring = RedisRing(nodes(("a", redis_url)), swarm, key, redis_url, timeout_s=30)
+    ring = RedisRing(nodes(("a", redis_url, "0:4")), swarm, key, redis_url, timeout_s=30)
     assert ring.round_wait_s(1) == pytest.approx(30 + 0.05)
     assert ring.round_wait_s(4096) == pytest.approx(30 + 4096 * 0.05)  # a long prefill or replay
     delayed = RedisRing(
-        nodes(("a", redis_url), ("b", redis_url)),
+        nodes(("a", redis_url, "0:2"), ("b", redis_url, "2:4")),
         swarm,
         key,
         redis_url,
@@ -548,7 +604,7 @@ def test_a_reset_rides_out_a_redis_that_is_restarting(swarm, key):
 
     server = RedisServer()
     url = server.url  # nothing listens there yet: the Redis is "restarting"
-    ring = RedisRing([wire.Hop("h", url)], swarm, key, url, timeout_s=20)
+    ring = RedisRing([wire.Hop("h", url, 0, 4, "toy")], swarm, key, url, timeout_s=20)
     later = threading.Timer(1.5, server.start)
     later.start()
     try:

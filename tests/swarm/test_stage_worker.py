@@ -10,7 +10,7 @@ import redis
 import torch
 
 from specpipe.swarm import gathering, inventory, streams, wire
-from specpipe.swarm.stage import activity
+from specpipe.swarm.stage import activity, routing
 from specpipe.swarm.stage.delayed_link import DelayedLink
 from specpipe.swarm.stage.sending import Sender
 from specpipe.swarm.stage_worker import StageWorker, WorkerConfig
@@ -38,7 +38,7 @@ def signed(worker: StageWorker, message: wire.Message, **fields) -> bytes:
     global _last_seq
     _last_seq = wire.next_seq(_last_seq)
     hop = message.hop
-    sender = message.route[hop - 1] if message.kind == "round" and hop else wire.COORDINATOR
+    sender = message.route[hop - 1].host if message.kind == "round" and hop else wire.COORDINATOR
     rightful = dict(to=worker.stream, sender=sender, seq=_last_seq)
     message = replace(message, **{**rightful, **fields})
     return wire.encode(message, worker.config.swarm, worker.keys)
@@ -63,10 +63,16 @@ def listed(redis_url, swarm, key, *hosts):
     client.close()
 
 
+def routed(host: str, first: int = 0, end: int = 1, model: str = "toy") -> wire.RouteEntry:
+    """A route's entry for `host`. A worker without an inventory record (most of these tests)
+    is routed by host alone; one with a record checks the layers and model too."""
+    return wire.RouteEntry(host, first, end, model)
+
+
 def round_message(
     redis_url, hosts, hop=0, tokens=(1, 2, 3), n_draft=0, tensor=None, rid="r", start_pos=0
 ):
-    route = tuple(hosts)
+    route = tuple(routed(h) if isinstance(h, str) else h for h in hosts)
     return wire.Message(
         kind="round",
         session="s",
@@ -118,6 +124,51 @@ def test_misrouted_and_misplaced_messages_are_dropped(make, swarm, key, redis_ur
     client = redis.Redis.from_url(redis_url)
     assert client.hget(streams.stats_key(swarm, "a"), "dropped") == b"5"
     client.close()
+
+
+def test_a_round_routed_for_other_layers_or_another_model_is_refused_and_counted(
+    swarm, key, redis_url
+):
+    # The stage's record says it serves layers 0:4 of toy; a coordinator routing by an older
+    # record (before a re-split, or another model under the same host) names something else.
+    config = WorkerConfig(host="t", swarm=swarm, keys=key, redis_url=redis_url)
+    stage = ToyStage(ToyConfig(), 0, 4)
+    tail = StageWorker(stage, config, inventory.NodeInfo("t", 0, 4, redis_url, model="toy"))
+    deliver(tail, wire.Message(kind="reset", session="s", params=RESET))
+    deliver(tail, round_message(redis_url, [routed("t", 0, 2)], rid="layers"))
+    deliver(tail, round_message(redis_url, [routed("t", 0, 4, "other")], rid="model"))
+    assert stage.held_tokens() in ({}, {"s": 0})  # nothing ran
+    deliver(tail, round_message(redis_url, [routed("t", 0, 4)], rid="right"))
+    refused, other, result = replies(redis_url, swarm, key)
+    assert (refused.kind, refused.round_id, refused.sender) == ("misrouted", "layers", "t")
+    assert refused.reason == "t serves layers 0:4 of toy, not layers 0:2 of toy"
+    assert (other.kind, other.round_id) == ("misrouted", "model")
+    assert "not layers 0:4 of other" in other.reason
+    assert (result.kind, result.round_id, len(result.tokens)) == ("result", "right", 1)
+    assert (tail.counters["misrouted"], tail.counters["processed"]) == (2, 1)
+    assert tail.counters["dropped"] == tail.counters["errors"] == 0
+    client = redis.Redis.from_url(redis_url)
+    assert streams.read_stats(client, swarm, "t")["misrouted"] == 2  # published with the rest
+    client.close()
+
+
+def test_a_misrouted_round_in_a_batch_leaves_the_others_to_run(swarm, key, redis_url, tmp_path):
+    worker = tiny_worker(tmp_path, "t", swarm, key, redis_url)
+    n_layers = worker.stage.cfg.n_layers
+    worker.forward.serves = routing.Serves("tiny", 0, n_layers)
+    rounds = []
+    for session, end in (("s", n_layers), ("u", n_layers - 1)):
+        worker.handle(signed(worker, wire.Message(kind="reset", session=session, params=RESET)))
+        message = replace(
+            round_message(redis_url, [routed("t", 0, end, "tiny")], rid=session), session=session
+        )
+        rounds.append(signed(worker, message))
+    worker.handle(*rounds)
+    (result,) = replies(redis_url, swarm, key, "s")
+    (refused,) = replies(redis_url, swarm, key, "u")
+    assert (result.kind, refused.kind) == ("result", "misrouted")
+    assert (worker.counters["processed"], worker.counters["misrouted"]) == (1, 1)
+    assert worker.counters["forwards"] == 1
 
 
 def test_a_route_that_ends_before_the_tail_is_an_error_reply(make, swarm, key, redis_url):
@@ -582,7 +633,8 @@ def test_the_record_and_counters_are_written_by_the_heartbeat_thread_alone(
     client = redis.Redis.from_url(redis_url)
     try:
         wait_until(lambda: len(publishers) >= 3, 10, "three heartbeats")
-        streams.send(client, worker.stream, signed(worker, round_message(redis_url, ["a", "b"])))
+        route = [routed("a", 0, 2, ""), routed("b", 2, 4, "")]  # what the record says
+        streams.send(client, worker.stream, signed(worker, round_message(redis_url, route)))
         wait_until(lambda: client.xlen(streams.stage_key(swarm, "b")) == 1, 10, "the pass-on")
         beats = len(publishers)  # the processed count is written at a beat only
         wait_until(lambda: len(publishers) >= beats + 2, 10, "two more heartbeats")

@@ -13,6 +13,7 @@ from specpipe.swarm import wire
 
 KEY = b"k" * 32
 SWARM = "test"
+ROUTE = (wire.RouteEntry("a", 0, 2, "toy"), wire.RouteEntry("b", 2, 4, "toy"))
 
 
 def message(tensor=None, **fields):
@@ -24,7 +25,7 @@ def message(tensor=None, **fields):
         n_draft=2,
         tokens=(5, 6, 7),
         hop=1,
-        route=("a", "b"),
+        route=ROUTE,
     )
     base.update(fields)
     return wire.Message(tensor=tensor, **base)
@@ -48,7 +49,7 @@ def test_round_trip_keeps_every_field_and_the_exact_tensor(dtype):
     assert torch.equal(got.tensor, tensor)
     assert (got.kind, got.session, got.round_id) == ("round", "s1", "r1")
     assert (got.start_pos, got.n_draft, got.tokens, got.hop) == (7, 2, (5, 6, 7), 1)
-    assert got.route == sent.route == ("a", "b")
+    assert got.route == sent.route == ROUTE
 
 
 def test_where_a_message_goes_and_its_sequence_travel_signed():
@@ -260,24 +261,53 @@ def test_unsupported_tensor_dtype_cannot_be_sent():
         wire.encode(message(torch.ones(2, dtype=torch.float64)), SWARM, KEY)
 
 
-def test_a_route_names_hosts_only():
-    moved = message(route=("a", "c"))
-    assert wire.decode(wire.encode(moved, SWARM, KEY), SWARM, KEY).route == ("a", "c")
-    for route in ([["a", "redis://specpipe:pw@h:1/0"]], ["a", ""], ["a", 1]):
-        data = sign(raw({"swarm": SWARM, "kind": "round", "route": route}))
-        with pytest.raises(wire.WireError, match="route entries must be host names"):
-            wire.decode(data, SWARM, KEY)
+def test_a_route_names_each_hops_host_layers_and_model_and_no_address():
+    hops = (wire.RouteEntry("a", 0, 1, "toy"), wire.RouteEntry("c", 1, 4, ""))
+    got = wire.decode(wire.encode(message(route=hops), SWARM, KEY), SWARM, KEY)
+    assert got.route == hops and got.route[1].host == "c" and got.route[1].layer_start == 1
     header = msgpack.unpackb(
         wire.encode(message(), SWARM, KEY)[wire.PREFIX.size :][:-32], raw=False
     )
+    assert header["route"] == [["a", 0, 2, "toy"], ["b", 2, 4, "toy"]]  # inside the signature
     assert "reply" not in header  # replies go to the stage's own registry
 
 
-def test_a_message_of_the_old_wire_format_is_refused_by_name():
-    # SPW2 carried each hop's Redis URL and the reply's, passwords included.
+@pytest.mark.parametrize(
+    "route",
+    [
+        ["a", "b"],  # hosts only, as SPW3 had them
+        [["a", "redis://specpipe:pw@h:1/0"]],
+        [["a", 0, 2]],  # no model
+        [["", 0, 2, "toy"]],
+        [["a", 2, 2, "toy"]],  # an empty range
+        [["a", 3, 2, "toy"]],
+        [["a", -1, 2, "toy"]],
+        [["a", 0, 2**17, "toy"]],
+        [["a", True, 2, "toy"]],
+        [["a", 0, 2, 5]],
+        [["a", 0, 2, "toy", "extra"]],
+        [["a" * 300, 0, 2, "toy"]],
+    ],
+)
+def test_a_route_entry_that_is_not_host_layers_and_model_is_refused(route):
+    data = sign(raw({"swarm": SWARM, "kind": "round", "route": route}))
+    with pytest.raises(wire.WireError, match=r"route entries must be \[host, first layer"):
+        wire.decode(data, SWARM, KEY)
+
+
+def test_a_misrouted_reply_travels_to_the_coordinator():
+    reply = wire.Message(kind="misrouted", session="s1", reason="b serves layers 1:4 of toy")
+    got = wire.decode(wire.encode(reply, SWARM, KEY), SWARM, KEY)
+    assert (got.kind, got.direction, got.reason) == ("misrouted", "reply", reply.reason)
+
+
+@pytest.mark.parametrize("magic", [b"SPW2", b"SPW3"])
+def test_a_message_of_an_old_wire_format_is_refused_by_name(magic):
+    # SPW2 carried each hop's Redis URL and the reply's, passwords included; SPW3 named hops
+    # by host only, so a stage could not tell it was routed for layers it does not serve.
     body = wire.encode(message(), SWARM, KEY)[: -wire.TAG_BYTES]
-    old = sign(b"SPW2" + body[4:])
-    with pytest.raises(wire.WireError, match="wire format SPW2 of an older version"):
+    old = sign(magic + body[4:])
+    with pytest.raises(wire.WireError, match=f"wire format {magic.decode()} of an older version"):
         wire.decode(old, SWARM, KEY)
 
 

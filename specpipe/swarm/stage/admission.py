@@ -83,7 +83,7 @@ class Admission:
         """Whether `message` comes from whom its place says and is the session's next fresh one;
         what is not is counted and dropped."""
         if message.kind == "round" and message.hop > 0 and message.route:
-            expected = message.route[message.hop - 1]
+            expected = message.route[message.hop - 1].host
         else:
             expected = wire.COORDINATOR
         if message.sender != expected:

@@ -14,8 +14,9 @@ log = logging.getLogger("specpipe.stage")
 
 TIMING_WEIGHT = 0.1  # of the latest round in the running means of round timings
 # `processed` counts rounds, `forwards` the forwards they ran in (a batch of rounds is one), so
-# processed / forwards over an interval is its mean batch size.
-COUNTERS = ("processed", "forwards", "dropped", "replayed", "gaps", "errors")
+# processed / forwards over an interval is its mean batch size; `misrouted` counts rounds refused
+# for being routed here for layers or a model this stage does not serve (`stage.routing`).
+COUNTERS = ("processed", "forwards", "dropped", "replayed", "gaps", "errors", "misrouted")
 
 
 class StageStats:
@@ -34,8 +35,8 @@ class StageStats:
         self._lock = threading.Lock()
 
     def count(self, event: str) -> None:
-        """One more `event`, written at once: drops, replays, gaps and errors are rare and worth
-        seeing at once (the processed count waits for the next `flush`)."""
+        """One more `event`, written at once: drops, replays, gaps, errors and refused rounds are
+        rare and worth seeing at once (the processed count waits for the next `flush`)."""
         with self._lock:
             self.counters[event] += 1
             self._write({event: self.counters[event]})

@@ -1,5 +1,6 @@
 """The forward: a round's input rows through the stage, or the rounds of several sessions as
-one forward (`Stage.forward_many`), each output then passed on as it would be alone."""
+one forward (`Stage.forward_many`), each output then passed on as it would be alone. A round
+routed here for what this stage does not serve is refused before it (`stage.routing`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from specpipe.core.ring import Request, Stage
 from specpipe.swarm import wire
 from specpipe.swarm.stage.counters import StageStats
 from specpipe.swarm.stage.onward import Onward
+from specpipe.swarm.stage.routing import Serves, misrouted
 
 log = logging.getLogger("specpipe.stage")
 
@@ -19,11 +21,19 @@ log = logging.getLogger("specpipe.stage")
 class Forward:
     """Runs admitted rounds through `stage` and hands each output (or failure) to `onward`."""
 
-    def __init__(self, stage: Stage, host: str, stats: StageStats, onward: Onward) -> None:
+    def __init__(
+        self,
+        stage: Stage,
+        host: str,
+        stats: StageStats,
+        onward: Onward,
+        serves: Serves | None = None,
+    ) -> None:
         self.stage = stage
         self.host = host
         self.stats = stats
         self.onward = onward
+        self.serves = serves  # what the stage's record says it serves; None: no record
 
     def run(self, rounds: list[wire.Message]) -> None:
         """One round alone, or several sessions' rounds as one forward; timed either way."""
@@ -81,8 +91,13 @@ class Forward:
     def inputs(self, message: wire.Message) -> torch.Tensor | None:
         """A round's input rows, or None when the round is not one to run (dropped, counted)."""
         route, hop = message.route, message.hop
-        if not route or route[hop] != self.host:
+        if not route or route[hop].host != self.host:
             self.stats.drop(f"round {message.round_id!r} is not addressed to {self.host}")
+            return None
+        if (reason := misrouted(route[hop], self.serves)) is not None:
+            self.stats.count("misrouted")
+            log.warning("%s: refused round %s: %s", self.host, message.round_id, reason)
+            self.onward.reply(message, "misrouted", reason=reason)
             return None
         if not message.tokens or message.n_draft >= len(message.tokens):
             self.stats.drop(f"round {message.round_id!r} has {len(message.tokens)} tokens")

@@ -57,7 +57,7 @@ class Onward:
         elif hop + 1 >= len(route):
             self.reply(message, "error", reason=f"route ends at {self.host}, not a tail")
         else:
-            nxt = route[hop + 1]
+            nxt = route[hop + 1].host
             address = self.directory.address(nxt)
             if address is None:
                 self.stats.count("errors")
