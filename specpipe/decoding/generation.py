@@ -8,7 +8,8 @@ are absolute: after a round the stages' caches hold every position sent; the nex
 at the first position whose cached token was not committed, and the stages truncate there
 (this is how rejected drafts roll back). A stage that lost its state answers with a gap; the
 loop then replays the committed prefix from position 0, which changes nothing in the output
-because every token is sampled from the uniform keyed by its own position.
+because every token is sampled from the uniform keyed by its own position (a round replays at
+most `MAX_REPLAYS` times: a stage lost while a long replay's rounds pass is replayed again).
 
 A long prefix (a long prompt, a replay, a resume) goes through the ring in prefill rounds of at
 most `prefill_chunk` tokens, whose sampled token is not used, before the round that samples: each
@@ -36,6 +37,7 @@ DRAFT_SOURCES = ("ngram", "head", "both")
 # The most tokens one round carries of a long prefix: a few hundred milliseconds of a stage's
 # time on the default model, and few enough round trips that a long prompt pays little for them.
 PREFILL_CHUNK = 512
+MAX_REPLAYS = 3  # replays of one round, its last gap then ending the generation
 
 
 @dataclass
@@ -192,13 +194,19 @@ class Generation:
     def _round(self, cached: int, drafts: list[int], head_k: int) -> tuple[RoundResult, int]:
         """The round that verifies `drafts` after the committed tokens, the stages' caches
         holding `[0, cached)`; and how many tokens it sent."""
-        try:
-            return self._verify(cached, drafts, head_k)
-        except GapError:
-            # A stage restarted: rebuild every cache from the committed prefix, once.
-            self.stats.replays += 1
-            self.ring.reset(self.session, self.params)
-            return self._verify(0, drafts, head_k)
+        for replay in range(MAX_REPLAYS + 1):
+            try:
+                return self._verify(cached, drafts, head_k)
+            except GapError:
+                # A stage restarted: rebuild every cache from the committed prefix. A long
+                # prefix's replay is several rounds, and another stage may go (or the ring be
+                # re-routed) while they pass, so a round may replay more than once, boundedly.
+                if replay == MAX_REPLAYS:
+                    raise
+                self.stats.replays += 1
+                self.ring.reset(self.session, self.params)
+                cached = 0
+        raise AssertionError("unreachable")
 
     def _verify(self, cached: int, drafts: list[int], head_k: int) -> tuple[RoundResult, int]:
         while self.prefill_chunk and len(self.tokens) - cached > self.prefill_chunk:

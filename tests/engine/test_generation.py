@@ -71,14 +71,14 @@ def test_should_stop_ends_the_generation_after_the_round_that_satisfies_it():
 
 
 class RestartingStage:
-    """Wraps a stage; loses every session's cache once, after a given number of calls."""
+    """Wraps a stage; loses every session's cache after each of the given numbers of calls."""
 
-    def __init__(self, stage, restart_after):
-        self.stage, self.restart_after = stage, restart_after
+    def __init__(self, stage, restart_after, *more):
+        self.stage, self.restart_after = stage, {restart_after, *more}
         self.first, self.last = stage.first, stage.last
 
     def forward(self, session, inputs, start_pos, last_rows=None):
-        if self.stage.calls == self.restart_after:
+        if self.stage.calls in self.restart_after:
             self.stage.cache.clear()
         return self.stage.forward(session, inputs, start_pos, last_rows)
 
@@ -217,3 +217,22 @@ def test_a_replay_after_a_restart_goes_in_chunks_too():
     got, stats = generate(params, draft_k=4, ring=ring, prefill_chunk=4)
     assert got == expected and stats.replays == 1
     assert max(ring.sent) <= 4  # the replay of 14 + n tokens went in rounds of at most 4
+
+
+def test_a_restart_during_a_replays_chunks_replays_again():
+    """A long prefix's replay is several rounds; a stage lost while they pass (here after the
+    replay's second chunk) is replayed again, and the output does not change."""
+    params = SamplingParams(temp=0.8, seed=42)
+    expected, _ = generate(params, draft_k=4)
+    first, tail = toy_stages()
+    ring = LocalRing([RestartingStage(first, 8, 11), tail])
+    got, stats = generate(params, draft_k=4, ring=ring, prefill_chunk=4)
+    assert got == expected and stats.replays == 2
+
+
+def test_a_stage_that_keeps_losing_its_cache_ends_the_generation():
+    params = SamplingParams(temp=0.8, seed=42)
+    first, tail = toy_stages()
+    ring = LocalRing([RestartingStage(first, *range(8, 200)), tail])
+    with pytest.raises(GapError):
+        generate(params, draft_k=4, ring=ring, prefill_chunk=4)
