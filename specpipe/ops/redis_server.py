@@ -16,7 +16,8 @@ remote-code-execution bugs: `start` refuses one older than `LUA_FIXED_IN` says f
 (the Lua interpreter's CVE-2025-49844, -46817, -46818, -46819), unless its distribution
 backported the fixes and the operator says so (`accept_backported`). A loopback server runs
 whatever build there is: only this host's processes reach it. The credentials handed to other
-hosts (`acl_rules`' `remote_password`) may not run Lua at all (`SCRIPT_COMMANDS`).
+hosts (`acl_rules`' `remote_password`) may not run Lua at all (`SCRIPT_COMMANDS`), and reach
+only what a stage does on the registry: the inventory and the reply streams (`REMOTE_KEYS`).
 """
 
 from __future__ import annotations
@@ -255,27 +256,60 @@ SWARM_COMMANDS = (
 # own stream (`streams.READ_SCRIPT`), the coordinator's KV reservations, redis-py's Lock (job
 # and nightly locks), the web app's rate limits. Nothing another host does runs a script.
 SCRIPT_COMMANDS = ("eval", "evalsha", "script|load", "script|exists")
-REMOTE_USER = "specpipe-remote"  # the user whose password other hosts hold: no Lua
+REMOTE_USER = "specpipe-remote"  # the user whose password other hosts hold on the registry
+# What another host's stage does on the registry, and nothing more: its node record in the
+# inventory (publish, read, remove) and its replies to the coordinators' reply streams.
+REMOTE_COMMANDS = (
+    "ping",
+    "hello",
+    "auth",
+    "select",
+    "echo",
+    "client|setname",
+    "client|getname",
+    "client|id",
+    "hset",
+    "hget",
+    "hmget",
+    "hgetall",
+    "hkeys",
+    "hvals",
+    "hlen",
+    "hexists",
+    "hdel",
+    "xadd",
+    "expire",
+)
+# The keys those are allowed on: every swarm's inventory hash and reply streams. Not the
+# Celery queues, the job locks, the rate limits, the KV reservations or the nightly's keys.
+REMOTE_KEYS = ("specpipe:*:nodes", "specpipe:*:reply:*")
 
 
 def acl_rules(password: str, remote_password: str | None = None) -> list[str]:
     """The `user` lines of a locked-down server: the default user off, `specpipe` with the
     password (stored as its SHA-256) on every key and channel, allowed SWARM_COMMANDS and
     SCRIPT_COMMANDS only; with `remote_password`, also `specpipe-remote`, for the credentials
-    other hosts hold, allowed SWARM_COMMANDS and no Lua."""
+    other hosts hold: REMOTE_COMMANDS on REMOTE_KEYS, no channels, no Lua."""
     rules = [
         "user default off resetpass -@all",
         _user(USER, password, SWARM_COMMANDS + SCRIPT_COMMANDS),
     ]
     if remote_password is not None:
-        rules.append(_user(REMOTE_USER, remote_password, SWARM_COMMANDS))
+        rules.append(_user(REMOTE_USER, remote_password, REMOTE_COMMANDS, REMOTE_KEYS, ()))
     return rules
 
 
-def _user(name: str, password: str, commands: tuple[str, ...]) -> str:
+def _user(
+    name: str,
+    password: str,
+    commands: tuple[str, ...],
+    keys: tuple[str, ...] = ("*",),
+    channels: tuple[str, ...] = ("*",),
+) -> str:
     digest = hashlib.sha256(password.encode()).hexdigest()
     allowed = " ".join(f"+{command}" for command in commands)
-    return f"user {name} on #{digest} ~* &* -@all {allowed}"
+    patterns = " ".join([*(f"~{k}" for k in keys), *(f"&{c}" for c in channels)])
+    return f"user {name} on #{digest} resetkeys resetchannels {patterns} -@all {allowed}"
 
 
 def proto_max_bulk_len() -> int:

@@ -154,15 +154,16 @@ def test_the_credentials_for_other_hosts_run_no_lua(two_users, command):
 
 
 def test_a_stage_whose_registry_and_replies_run_without_lua_serves_exactly(two_users, swarm, key):
-    """A stage registers, heartbeats and replies with the credentials other hosts hold; only
-    its own checked read of its stream runs a script, with its own host's user."""
+    """A stage registers, heartbeats and replies with the credentials other hosts hold (the
+    coordinator, on the registry's host, reads the replies as its own user); only the stage's
+    own checked read of its stream runs a script, with its own host's user."""
     from tests.swarm.conftest import Stages
 
     stages = Stages(swarm, key, two_users.remote_url)
     try:
         stages.start("h0", "0:4", two_users.url)
         route = (wire.Hop("h0", two_users.url, 0, 4, "toy"),)
-        ring = RedisRing(route, swarm, key, two_users.remote_url, timeout_s=20)
+        ring = RedisRing(route, swarm, key, two_users.url, timeout_s=20)  # host 0's coordinator
         try:
             ring.reset("s", PARAMS)
             got = drive(ring, "s", rounds=3, k=2)
@@ -171,3 +172,52 @@ def test_a_stage_whose_registry_and_replies_run_without_lua_serves_exactly(two_u
     finally:
         stages.stop()
     assert got == reference([(0, 4)], rounds=3, k=2)
+
+
+# What another host's credentials must not reach on the registry, each with a command that
+# would do it: the Celery queues, the job locks, the rate limits, the KV reservations, the
+# nightly's keys, a stage's input stream, every key, and the pub/sub Celery's events use.
+OFF_LIMITS = [
+    ("LPUSH", "coordinator", "x"),  # queue a task for the coordinator
+    ("LRANGE", "coordinator", "0", "-1"),  # read the queued tasks
+    ("HGETALL", "unacked"),  # kombu's unacked deliveries
+    ("SET", "specpipe:s:job-lock:1", "mine"),  # take over a job
+    ("DEL", "specpipe:s:job-lock:1"),
+    ("GET", "LIMITS:LIMITER/user/1"),  # read or reset someone's rate limit
+    ("HSET", "specpipe:s:kv:h1", "job-1", "0"),  # KV reservations
+    ("SET", "specpipe:s:nightly:lock:k", "1"),
+    ("XRANGE", "specpipe:s:stage:h1", "-", "+"),  # read another stage's traffic
+    ("XADD", "specpipe:s:stage:h1", "*", "m", "x"),
+    ("XRANGE", "specpipe:s:reply:job-1", "-", "+"),  # read a coordinator's replies
+    ("DEL", "specpipe:s:reply:job-1"),
+    ("KEYS", "*"),
+    ("SCAN", "0"),
+    ("PUBLISH", "celeryev", "x"),
+    ("SUBSCRIBE", "celeryev"),
+    ("CONFIG", "GET", "*"),
+    ("FLUSHALL",),
+]
+
+
+@pytest.mark.parametrize("command", OFF_LIMITS, ids=lambda c: " ".join(c[:2]))
+def test_the_credentials_for_other_hosts_reach_nothing_but_a_stages_keys(two_users, command):
+    remote = redis.Redis.from_url(two_users.remote_url)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        remote.execute_command(*command)
+    remote.close()
+
+
+def test_the_credentials_for_other_hosts_do_what_a_stage_does(two_users, swarm, key):
+    from specpipe.swarm import inventory, streams
+
+    remote = redis.Redis.from_url(two_users.remote_url)
+    node = inventory.NodeInfo("far", 0, 4, "redis://203.0.113.7:6379/0")
+    inventory.publish(remote, swarm, node, key)
+    assert [n.host for n in inventory.load(remote, swarm, key)] == ["far"]
+    reply = streams.reply_key(swarm, "job-1-ab")
+    streams.send_all(streams.Link(remote), [(reply, b"result", True)])
+    inventory.remove(remote, swarm, "far")
+    remote.close()
+    local = redis.Redis.from_url(two_users.url)
+    assert local.xlen(reply) == 1 and inventory.load(local, swarm, key) == []
+    local.close()
