@@ -295,7 +295,11 @@ def finish(
 def superseded(session: Session, attempt: Attempt) -> str | None:
     """The job's status as the store holds it, for an attempt that stops without writing."""
     _rollback_quietly(session)
-    status = session.scalar(select(Job.status).where(Job.id == attempt.job_id))
+    try:
+        status = session.scalar(select(Job.status).where(Job.id == attempt.job_id))
+    except OperationalError:  # the store went away too: the newer attempt's rows stand anyway
+        _rollback_quietly(session)
+        status = "running"
     log.warning(
         "job %s: attempt %d was superseded (the job is %s now); it stops without writing",
         attempt.job_id,
