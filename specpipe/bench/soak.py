@@ -481,8 +481,7 @@ class Users:
             )
             self.submissions += wave
             ids = [s.job_id for s in wave if s.job_id is not None]
-            if not ids:
-                time.sleep(2.0)
+            time.sleep(0.5 if ids else 2.0)
             while ids and not all(self.monitor.status(j) in FINAL for j in ids):
                 time.sleep(0.2)
                 if self.stopped.is_set() and self.monitor.now() > self.give_up:
@@ -596,7 +595,9 @@ def run_soak(
         )
         if status != 201:
             raise RuntimeError(f"the warm-up job was refused: {status} {answer}")
-        api_load.wait_jobs(database_url, [answer["id"]], deadline_s)
+        warmed = api_load.wait_jobs(database_url, [answer["id"]], deadline_s)[answer["id"]]
+        if warmed["status"] != "done":
+            raise RuntimeError(f"the warm-up job ended {warmed['status']}: {warmed['error']}")
         rss_start = lab_rss_mib(lab)
         monitor = Monitor(database_url, time.monotonic()).start()
         crowd = Users(web_url, by_user, monitor, tokens).start()

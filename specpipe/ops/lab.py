@@ -212,6 +212,9 @@ class Lab:
             "REDIS_URL": state["registry_url"],
             "SPECPIPE_REGISTRY_URL": state["registry_url"],
             "DATABASE_URL": state["database_url"],
+            # What the web app and the coordinator take jobs for: the lab's model, also before
+            # swarm.json (written once everything is up) names it.
+            "SPECPIPE_MODEL": state["model"],
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",
             # A Redis `join` starts in a namespace serves this machine's namespaces only, which
