@@ -122,7 +122,8 @@ def faketime_library() -> str | None:
 
 @dataclass(frozen=True)
 class Observation:
-    """A job as the store showed it `t` seconds into the soak (recorded on every change)."""
+    """A job as the store showed it, recorded on every change: `t` is when the store wrote it
+    (its `updated_at`, in seconds into the soak), not when the poll saw it."""
 
     t: float
     job_id: int
@@ -139,6 +140,7 @@ class Monitor:
 
         self.session = make_session_factory(database_url)()
         self.started, self.interval_s = started, interval_s
+        self.wall_started = time.time() - (time.monotonic() - started)
         self.observations: list[Observation] = []
         self.latest: dict[int, Observation] = {}
         self.lock = threading.Lock()
@@ -155,9 +157,10 @@ class Monitor:
     def _poll(self) -> None:
         from sqlalchemy import select
 
+        from models.db import as_utc
         from models.jobs import Job
 
-        columns = (Job.id, Job.status, Job.rounds, Job.generated_tokens)
+        columns = (Job.id, Job.status, Job.rounds, Job.generated_tokens, Job.updated_at)
         while not self.stopped.is_set():
             try:
                 self.session.rollback()
@@ -167,9 +170,12 @@ class Monitor:
             except Exception:  # the store busy or locked for a moment: the next poll sees it
                 time.sleep(self.interval_s)
                 continue
-            t = self.now()
+            now = self.now()
             with self.lock:
-                for job_id, status, rounds, generated in rows:
+                for job_id, status, rounds, generated, updated_at in rows:
+                    t = now
+                    if updated_at is not None:
+                        t = min(now, as_utc(updated_at).timestamp() - self.wall_started)
                     seen = Observation(t, job_id, status, rounds or 0, generated or 0)
                     last = self.latest.get(job_id)
                     if last is None or (last.status, last.rounds, last.generated_tokens) != (
