@@ -503,6 +503,113 @@ def bench_faults(
         raise SystemExit(1)
 
 
+@bench.command(name="soak")
+@model_option("Model to serve.")
+@click.option(
+    "--minutes",
+    type=click.FloatRange(min=0.1),
+    default=20.0,
+    show_default=True,
+    help="How long users submit jobs and faults are injected (every kind at least once).",
+)
+@click.option("--users", type=click.IntRange(1, 64), default=3, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seeds the chaos schedule.")
+@click.option(
+    "--tokens",
+    type=click.IntRange(4, 4096),
+    default=48,
+    show_default=True,
+    help="New tokens per job.",
+)
+@click.option(
+    "--link-delay-ms",
+    "delays",
+    default="11,8,3.4,19",
+    show_default=True,
+    help="One-way delay of each of the four stage hosts' links, in ring order (the spare "
+    "has its copied host's).",
+)
+@click.option(
+    "--pause-s",
+    type=click.FloatRange(min=0),
+    default=20.0,
+    show_default=True,
+    help="Seconds between one fault's recovery and the next fault.",
+)
+@click.option(
+    "--hold-s",
+    type=(click.FloatRange(min=0), click.FloatRange(min=0)),
+    default=(3.0, 8.0),
+    show_default=True,
+    help="The range a fault's length is drawn from (a cut link, a stalled or full Redis, a "
+    "skewed clock).",
+)
+@click.option(
+    "--deadline-s",
+    type=click.FloatRange(min=10),
+    default=600.0,
+    show_default=True,
+    help="A job not ended this long after the time is up counts as stuck.",
+)
+@click.option(
+    "--home",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The lab's folder [default: a temporary one].",
+)
+@json_option
+@_model_errors
+def bench_soak(
+    model, minutes, users, seed, tokens, delays, pause_s, hold_s, deadline_s, home, json_path
+):
+    """A WAN soak on the lab (root only): users submit jobs through the JSON API for
+    --minutes while a seeded chaos schedule cuts a stage host's link, stalls and fills a
+    host's Redis, kills a stage and the coordinator (restarting them) and skews a stage's
+    clock, one at a time. Reports each job's end (against its solo run), each fault kind's
+    recovery time, tokens per minute and every lab process's memory. Exits 1 on a lost,
+    stuck or different job, or a process whose memory grew over 10 % after warm-up.
+
+    Example:
+
+        specpipe bench soak --minutes 20 --users 3 --seed 1
+    """
+    import tempfile
+
+    from specpipe.bench import soak as soakbench
+    from specpipe.cli.lab import link_delays
+    from specpipe.ops.lab import LabError, check_can_run
+
+    ms = link_delays(None, None, delays)
+    if len(ms) != soakbench.STAGES:
+        raise click.BadParameter(
+            f"give {soakbench.STAGES} delays, one per stage host", param_hint="--link-delay-ms"
+        )
+    try:
+        check_can_run()
+    except LabError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"bench soak: {model}, {minutes:g} min, {users} users, seed {seed}")
+    with tempfile.TemporaryDirectory(prefix="specpipe-soak-") as scratch:
+        result = soakbench.run_soak(
+            model,
+            home or Path(scratch) / "lab",
+            click.echo,
+            minutes=minutes,
+            users=users,
+            seed=seed,
+            tokens=tokens,
+            pause_s=pause_s,
+            hold_s=hold_s,
+            deadline_s=deadline_s,
+            delays=ms,
+        )
+    for line in soakbench.report(result):
+        click.echo(line)
+    write_json(json_path, result)
+    if result["verdict"] != "PASS":
+        raise SystemExit(1)
+
+
 @bench.command(name="long-prompt")
 @model_option("Model to serve.")
 @click.option(

@@ -19,6 +19,7 @@ the lab's namespaces. Root only: namespaces need it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -47,6 +48,10 @@ WEB_PORT = 8000
 TLS_HOST = 1  # the host whose Redis speaks only TLS (when the lab has one)
 SUBNET_PREFIX = "10.231"  # hosts at 10.231.N.1…, the bridge at 10.231.N.254
 PREFIX = "splab"  # of every namespace and link a lab makes
+# A user of every host's Redis allowed every command (CONFIG too), for what disturbs the lab
+# on purpose; its password is in the lab's folder only, no swarm process has it.
+ADMIN_USER = "lab-admin"
+ADMIN_PASSWORD_FILE = "redis_admin_password"
 
 
 class LabError(RuntimeError):
@@ -207,6 +212,9 @@ class Lab:
             "REDIS_URL": state["registry_url"],
             "SPECPIPE_REGISTRY_URL": state["registry_url"],
             "DATABASE_URL": state["database_url"],
+            # What the web app and the coordinator take jobs for: the lab's model, also before
+            # swarm.json (written once everything is up) names it.
+            "SPECPIPE_MODEL": state["model"],
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",
             # A Redis `join` starts in a namespace serves this machine's namespaces only, which
@@ -378,10 +386,23 @@ class Lab:
         data = self.home / REDIS_PASSWORD_FILE
         if not data.exists():
             _private(data, secrets.token_hex(16) + "\n")
+        admin = self.home / ADMIN_PASSWORD_FILE
+        if not admin.exists():
+            _private(admin, secrets.token_hex(16) + "\n")
 
     def data_password(self) -> str:
         """The swarm's data-plane password: what every host's Redis takes."""
         return (self.home / REDIS_PASSWORD_FILE).read_text().strip()
+
+    def admin_redis(self, host: Host) -> redis.Redis:
+        """A client of `host`'s Redis as the lab's admin user (every command), over its unix
+        socket: the same for a TLS-only server."""
+        return redis.Redis(
+            unix_socket_path=str(self.home / host.name / "redis" / "redis.sock"),
+            username=ADMIN_USER,
+            password=(self.home / ADMIN_PASSWORD_FILE).read_text().strip(),
+            socket_timeout=10,
+        )
 
     def _start_redis(self, index: int) -> Host:
         namespace = f"{PREFIX}-{self.state['id']}-h{index}"
@@ -397,6 +418,11 @@ class Lab:
             host=address,
             tls=tls,
         )
+        digest = hashlib.sha256(
+            (self.home / ADMIN_PASSWORD_FILE).read_text().strip().encode()
+        ).hexdigest()
+        with open(server.config_path, "a") as acl:
+            acl.write(f"user {ADMIN_USER} on #{digest} ~* &* +@all\n")
         host = Host(index, namespace, address, server.url, tls is not None)
         self.state["hosts"].append(host.__dict__)
         if index == 0:
@@ -418,14 +444,16 @@ class Lab:
         self._save()
         return host
 
-    def spawn(self, host: Host, name: str, argv: Sequence[str]) -> int:
-        """Run `argv` in `host`'s namespace with the lab's environment; its output goes to
-        logs/<host>-<name>.log. Returns its pid."""
+    def spawn(
+        self, host: Host, name: str, argv: Sequence[str], env: dict[str, str] | None = None
+    ) -> int:
+        """Run `argv` in `host`'s namespace with the lab's environment (and `env`); its output
+        goes to logs/<host>-<name>.log. Returns its pid."""
         log_path = self.home / "logs" / f"{host.name}-{name}.log"
         with open(log_path, "a") as log:
             process = subprocess.Popen(
                 ["ip", "netns", "exec", host.namespace, *argv],
-                env=self.env(host),
+                env={**self.env(host), **(env or {})},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -1,0 +1,59 @@
+"""A slice of `specpipe bench soak` on the tiny model: two users on the lab's JSON API for a
+minute and a half while every fault kind is injected once; no job lost, stuck or different,
+every failed job with its reason, and a recovery time for every kind injected."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specpipe.bench.soak import KINDS, faketime_library
+from tests.lab.conftest import lab_unavailable, run
+
+
+@pytest.mark.slow
+def test_a_slice_of_the_soak_loses_nothing_and_recovers_from_every_fault(tiny, tmp_path):
+    reason = lab_unavailable()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "soak.json"
+    result = run(
+        "bench",
+        "soak",
+        "--model",
+        str(tiny),
+        "--minutes",
+        "1.5",
+        "--users",
+        "2",
+        "--tokens",
+        "32",
+        "--pause-s",
+        "2",
+        "--hold-s",
+        "2",
+        "3",
+        "--deadline-s",
+        "60",
+        "--seed",
+        "3",
+        "--home",
+        str(tmp_path / "lab"),
+        "--json",
+        str(out),
+    )
+    report = json.loads(out.read_text())
+    jobs = report["jobs"]
+    assert jobs["lost"] == jobs["stuck"] == jobs["different"] == 0, result.output
+    assert jobs["identical"] > 0
+    assert all(o["reason"] for o in report["outcomes"] if o["outcome"] == "failed")
+    kinds = [k for k in KINDS if k != "clock-skew" or faketime_library()]
+    assert sorted(report["faults"]) == sorted(kinds), result.output
+    for kind, row in report["faults"].items():
+        assert row["injected"] >= 1 and not row["errors"], (kind, row)
+        assert row["recover_s_p50"] is not None and row["recover_s_max"] is not None, kind
+    assert sum(report["tokens_per_minute"]) > 0
+    assert set(report["memory_mib"]) >= {"h0-coordinator", "h0-web", "h4-stage-h4", "h2-redis"}
+    assert result.exit_code == (1 if report["memory_grown"] else 0), result.output
+    assert not (tmp_path / "lab" / "lab.json").exists()  # taken down
