@@ -279,7 +279,7 @@ def encode(message: Message, swarm: str, keys: Keyring | bytes | str) -> bytes:
         header["head_k"] = message.head_k
     if message.drafts:
         header["drafts"] = list(message.drafts)
-    payload = b""
+    payload: bytes | memoryview = b""
     if message.tensor is not None:
         tensor = message.tensor.detach()
         if tensor.dtype not in DTYPE_NAMES:
@@ -300,11 +300,11 @@ def encode(message: Message, swarm: str, keys: Keyring | bytes | str) -> bytes:
     return seal(HEAD_LEN.pack(len(head)) + head + payload, keys)
 
 
-def _as_bytes(tensor: torch.Tensor) -> bytes:
-    """A contiguous CPU tensor's memory, as bytes."""
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's memory, as a byte view (no copy: the plaintext is one)."""
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)  # numpy has no bfloat16; the bits are what travel
-    return tensor.numpy().tobytes()
+    return memoryview(tensor.numpy().reshape(-1).view(np.uint8))
 
 
 def decode(
