@@ -167,7 +167,7 @@ def test_nothing_of_the_header_or_the_payload_is_in_clear():
         assert secret not in data
     # A fresh nonce each time: the same message never reads the same twice.
     again = wire.encode(sent, SWARM, KEY)
-    assert again != data and again[20:] != data[20:]
+    assert again != data and again[wire.PREFIX.size :] != data[wire.PREFIX.size :]
     assert again[:8] == data[:8] and again[8:20] != data[8:20]
     assert opened(again) == opened(data)
 
