@@ -4,11 +4,8 @@ clear error or a clean value, never an unhandled exception."""
 from __future__ import annotations
 
 import base64
-import hashlib
-import hmac
 import json
 import math
-import struct
 
 import msgpack
 from hypothesis import HealthCheck, given, settings
@@ -64,10 +61,9 @@ HEADER_KEYS = [
 
 
 def signed(header: dict, payload: bytes = b"") -> bytes:
-    """A message any key holder could send: whatever header, properly framed and signed."""
+    """A message any key holder could send: whatever header, properly framed and sealed."""
     head = msgpack.packb(header, use_bin_type=True)
-    body = struct.pack("<4sI", wire.MAGIC, len(head)) + head + payload
-    return body + hmac.new(KEY, body, hashlib.sha256).digest()
+    return wire.seal(wire.HEAD_LEN.pack(len(head)) + head + payload, KEY)
 
 
 @FUZZ

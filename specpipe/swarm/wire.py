@@ -1,11 +1,25 @@
-"""The swarm's wire format: a signed msgpack header plus raw little-endian tensor bytes.
+"""The swarm's wire format: an encrypted msgpack header plus raw little-endian tensor bytes.
 
 A message on the wire is
 
-    MAGIC (4 bytes) | key id (4 bytes) | header length (u32 LE) | header (msgpack) | payload | tag
+    MAGIC (4 bytes) | key id (4 bytes) | nonce (12 bytes) | ciphertext | tag (16 bytes)
 
-where `tag` is HMAC-SHA256 over everything before it, under the swarm key the key id names (a
-`Keyring` holds the key that signs and the older ones still accepted while a new key spreads).
+where the ciphertext is `header length (u32 LE) | header (msgpack) | payload`, sealed with
+AES-256-GCM-SIV under the data key of the swarm key the key id names, MAGIC, key id and nonce
+being the associated data. A `Keyring` holds the key that seals and the older ones still
+accepted while a new key spreads; each swarm key's data key is derived from it with
+HKDF-SHA256 under a fixed label. A Redis (its streams, its append-only file) holds no swarm
+key, so all it shows of a message is its size, its stream and the id of its key.
+
+Why AES-GCM-SIV: the nonce is 96 random bits per message, and every host of a swarm seals
+under the same key for as long as the key lives. AES-GCM with a repeated nonce gives away the
+XOR of two plaintexts and the key that forges tags; AES-GCM-SIV gives away only that the same
+message was sent twice. Measured here (cryptography 50, OpenSSL 4, one core), sealing plus
+opening a one-row message (3 KB) takes about 10 us with GCM-SIV against 2 us with GCM and
+4.5 us with ChaCha20-Poly1305, well within 0.1 ms a hop; a 512-row prefill (1.2 MB) takes
+about 3.2 ms against 0.2 ms and 0.6 ms (the HMAC-SHA256 it replaces took 1.2 ms), which a
+prefill's compute dwarfs. The decode rounds that make up a generation pay the small figure.
+
 The header names the swarm, where the message goes and what it is (the destination stream, the
 direction, the sender), the session with its sequence number and round id, positions, the token
 ids (with their log-probabilities on a tail's result, when the session asked for them), the
@@ -13,9 +27,9 @@ route (each hop as `[host, first layer, end layer, model]`: what the coordinator
 for, which the hop checks against what it serves; never an address or a credential: each
 stage finds its next hop in the signed inventory, and replies go to its own registry) and the
 payload's dtype and shape;
-the payload is the tensor's bytes, nothing else. `decode`
-checks the size limits and the signature (constant-time) before it parses the header, and the
-dtype whitelist and the shape-versus-byte-count before it reads the payload. A receiver passes
+the payload is the tensor's bytes, nothing else. `decode` checks the size limits, and opens
+the message (which checks its tag) before it parses anything of the header; then the dtype
+whitelist and the shape-versus-byte-count before it reads the payload. A receiver passes
 its own stream, so a message copied into another stream is refused; freshness (the sequence
 number's date against the wait the message carries, `is_fresh`) is the receiver's to check.
 No pickle, no code from the wire.
@@ -24,8 +38,8 @@ No pickle, no code from the wire.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import math
+import os
 import struct
 import sys
 import time
@@ -36,14 +50,22 @@ from functools import lru_cache
 import msgpack
 import numpy as np
 import torch
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCMSIV
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 # SPW2 carried each hop's Redis URL, password included, and the reply's; SPW3 named each hop
-# by host only, so a hop could not tell it was routed for layers it does not serve.
-MAGIC = b"SPW4"
-OLD_MAGICS = frozenset({b"SPW2", b"SPW3"})
-TAG_BYTES = 32
+# by host only, so a hop could not tell it was routed for layers it does not serve; SPW4 was
+# signed but not encrypted: every Redis on the way could read prompts and hidden states.
+MAGIC = b"SPW5"
+OLD_MAGICS = frozenset({b"SPW2", b"SPW3", b"SPW4"})
+TAG_BYTES = 16  # the AEAD tag
 KEY_ID_BYTES = 4
-PREFIX = struct.Struct("<4s4sI")
+NONCE_BYTES = 12
+PREFIX = struct.Struct("<4s4s12s")  # magic, key id, nonce: in clear, and authenticated
+HEAD_LEN = struct.Struct("<I")  # the first field of the ciphertext
+DATA_KEY_INFO = b"specpipe swarm wire data key v1"
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a long prefill's hidden states fit; Redis allows 512 MiB
 MAX_HEADER_BYTES = 1024 * 1024
 MAX_DIMS = 4
@@ -62,7 +84,7 @@ MAX_NAME = 256  # characters of a route entry's host or model
 STAGE_KINDS = frozenset({"round", "reset", "reseed", "drop"})
 REPLY_KINDS = frozenset({"result", "gap", "error", "misrouted"})
 KINDS = STAGE_KINDS | REPLY_KINDS
-COORDINATOR = "coordinator"  # the sender of what a coordinator sends; a stage signs as its host
+COORDINATOR = "coordinator"  # the sender of what a coordinator sends; a stage sends as its host
 # A sequence number is the sender's clock in microseconds (bumped to stay strictly increasing),
 # so it also dates the message. Each message carries how long its sender waits for it
 # (`wait_ms`: a round's share of work, its tries); a receiver refuses one read later than that
@@ -90,11 +112,11 @@ if sys.byteorder != "little":  # the payload is the tensor's memory, sent as is
 
 
 class WireError(ValueError):
-    """A message that must be dropped: malformed, oversized, unsigned or of the wrong shape."""
+    """A message that must be dropped: malformed, oversized, unsealed or of the wrong shape."""
 
 
 class UnknownKeyError(WireError):
-    """A message signed with a key the keyring does not hold (perhaps not yet)."""
+    """A message sealed under a key the keyring does not hold (perhaps not yet)."""
 
 
 @dataclass(frozen=True)
@@ -179,14 +201,14 @@ def is_fresh(message: Message, now: float | None = None) -> bool:
 
 
 def key_id(key: bytes) -> bytes:
-    """The id a message carries of the key that signed it: a hash, so it tells nothing of it."""
+    """The id a message carries of the key that sealed it: a hash, so it tells nothing of it."""
     return hashlib.sha256(b"specpipe swarm key id\0" + key).digest()[:KEY_ID_BYTES]
 
 
 class Keyring:
-    """The swarm keys of one process: the first signs, every one is accepted.
+    """The swarm keys of one process: the first signs and seals, every one is accepted.
 
-    While a new key spreads through a swarm (`specpipe key rotate`), hosts sign with it and
+    While a new key spreads through a swarm (`specpipe key rotate`), hosts seal with it and
     still accept the old one, until the old one's grace period ends."""
 
     def __init__(self, keys: Iterable[bytes | str]) -> None:
@@ -195,7 +217,7 @@ class Keyring:
             raise WireError("no swarm key: set SPECPIPE_SWARM_KEY")
         self.current = encoded[0]
         self.current_id = key_id(self.current)
-        self.accepted = tuple(encoded)  # the signing key first, then the old ones
+        self.accepted = tuple(encoded)  # the sealing key first, then the old ones
         self._by_id = {key_id(k): k for k in reversed(encoded)}
 
     def get(self, kid: bytes) -> bytes | None:
@@ -212,20 +234,22 @@ def keyring(keys: Keyring | bytes | str) -> Keyring:
 
 
 @lru_cache(maxsize=16)
-def _keyed(key: bytes) -> hmac.HMAC:
-    return hmac.new(key, digestmod=hashlib.sha256)
+def _cipher(key: bytes) -> AESGCMSIV:
+    """The AEAD under the data key of swarm key `key`, derived once per key."""
+    hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=DATA_KEY_INFO)
+    return AESGCMSIV(hkdf.derive(key))
 
 
-def _tag(key: bytes, data: bytes | memoryview) -> bytes:
-    # A copy of an already keyed HMAC: every message skips the key schedule and the digest
-    # lookup, which cost more than the hashing itself for a one-row message.
-    mac = _keyed(key).copy()
-    mac.update(data)
-    return mac.digest()
+def seal(plaintext: bytes, keys: Keyring | bytes | str) -> bytes:
+    """`plaintext` (header length, header, payload) as a message sealed under the keyring's
+    current key, with a fresh random nonce."""
+    keys = keyring(keys)
+    prefix = PREFIX.pack(MAGIC, keys.current_id, os.urandom(NONCE_BYTES))
+    return prefix + _cipher(keys.current).encrypt(prefix[-NONCE_BYTES:], plaintext, prefix)
 
 
 def encode(message: Message, swarm: str, keys: Keyring | bytes | str) -> bytes:
-    """Serialise `message` for `swarm` and sign it with the keyring's current key."""
+    """Serialise `message` for `swarm` and seal it under the keyring's current key."""
     keys = keyring(keys)
     if message.kind not in KINDS:
         raise WireError(f"unknown message kind {message.kind!r}")
@@ -255,7 +279,7 @@ def encode(message: Message, swarm: str, keys: Keyring | bytes | str) -> bytes:
         header["head_k"] = message.head_k
     if message.drafts:
         header["drafts"] = list(message.drafts)
-    payload = b""
+    payload: bytes | memoryview = b""
     if message.tensor is not None:
         tensor = message.tensor.detach()
         if tensor.dtype not in DTYPE_NAMES:
@@ -270,17 +294,17 @@ def encode(message: Message, swarm: str, keys: Keyring | bytes | str) -> bytes:
     head = msgpack.packb(header, use_bin_type=True)
     if len(head) > MAX_HEADER_BYTES:
         raise WireError(f"header of {len(head)} bytes is over the {MAX_HEADER_BYTES} limit")
-    body = PREFIX.pack(MAGIC, keys.current_id, len(head)) + head + payload
-    if len(body) + TAG_BYTES > MAX_MESSAGE_BYTES:
-        raise WireError(f"message of {len(body)} bytes is over the {MAX_MESSAGE_BYTES} limit")
-    return body + _tag(keys.current, body)
+    size = PREFIX.size + HEAD_LEN.size + len(head) + len(payload) + TAG_BYTES
+    if size > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {size} bytes is over the {MAX_MESSAGE_BYTES} limit")
+    return seal(HEAD_LEN.pack(len(head)) + head + payload, keys)
 
 
-def _as_bytes(tensor: torch.Tensor) -> bytes:
-    """A contiguous CPU tensor's memory, as bytes."""
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's memory, as a byte view (no copy: the plaintext is one)."""
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)  # numpy has no bfloat16; the bits are what travel
-    return tensor.numpy().tobytes()
+    return memoryview(tensor.numpy().reshape(-1).view(np.uint8))
 
 
 def decode(
@@ -291,9 +315,9 @@ def decode(
     *,
     to: str | None = None,
 ) -> Message:
-    """Verify and parse one message for `swarm`; raise WireError with the reason to drop it.
+    """Open and parse one message for `swarm`; raise WireError with the reason to drop it.
 
-    With `to`, the message must be addressed to that stream: a signed message copied into
+    With `to`, the message must be addressed to that stream: a sealed message copied into
     another stream is refused."""
     keys = keyring(keys)
     if not isinstance(data, bytes | bytearray | memoryview):
@@ -301,24 +325,26 @@ def decode(
     view = memoryview(data).cast("B")
     if len(view) > max_bytes:
         raise WireError(f"message of {len(view)} bytes is over the {max_bytes} limit")
-    if len(view) < PREFIX.size + TAG_BYTES:
+    if len(view) < PREFIX.size + HEAD_LEN.size + TAG_BYTES:
         raise WireError(f"message of {len(view)} bytes is too short")
-    magic, kid, head_len = PREFIX.unpack_from(view)
+    magic, kid, nonce = PREFIX.unpack_from(view)
     if magic in OLD_MAGICS:
         raise WireError(f"wire format {magic.decode()} of an older version: upgrade the sender")
     if magic != MAGIC:
         raise WireError("not a specpipe message (bad magic)")
-    if head_len > MAX_HEADER_BYTES or PREFIX.size + head_len + TAG_BYTES > len(view):
-        raise WireError("header length is out of bounds")
     key = keys.get(kid)
     if key is None:
-        raise UnknownKeyError(f"signed with an unknown key (id {kid.hex()})")
-    body, tag = view[:-TAG_BYTES], view[-TAG_BYTES:]
-    if not hmac.compare_digest(bytes(tag), _tag(key, body)):
-        raise WireError("bad signature")
-    # Signed by a key holder from here on; still parse defensively.
-    head = bytes(body[PREFIX.size : PREFIX.size + head_len])
-    payload = body[PREFIX.size + head_len :]
+        raise UnknownKeyError(f"sealed under an unknown key (id {kid.hex()})")
+    try:
+        plaintext = _cipher(key).decrypt(nonce, view[PREFIX.size :], view[: PREFIX.size])
+    except InvalidTag:
+        raise WireError("bad tag: altered, or not sealed under the key its id names") from None
+    # Sealed by a key holder from here on; still parse defensively.
+    (head_len,) = HEAD_LEN.unpack_from(plaintext)
+    if head_len > MAX_HEADER_BYTES or HEAD_LEN.size + head_len > len(plaintext):
+        raise WireError("header length is out of bounds")
+    head = plaintext[HEAD_LEN.size : HEAD_LEN.size + head_len]
+    payload = memoryview(plaintext)[HEAD_LEN.size + head_len :]
     try:
         header = msgpack.unpackb(head, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types

@@ -4,8 +4,6 @@ would have had, and every stage keeps serving."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import threading
 
 import msgpack
@@ -151,8 +149,7 @@ def test_poison_entries_are_acked_and_the_stage_keeps_serving(ring, stages, swar
         "shape": [0, 2**63],
     }
     head = msgpack.packb(header)
-    body = wire.PREFIX.pack(wire.MAGIC, wire.key_id(key), len(head)) + head
-    streams.send(client, stream, body + hmac.new(key, body, hashlib.sha256).digest())
+    streams.send(client, stream, wire.seal(wire.HEAD_LEN.pack(len(head)) + head, key))
     client.set(streams.stats_key(swarm, "h1"), "not a hash")
     streams.send(client, stream, b"x" * (2 * MAX_BYTES))
     wait_until(lambda: all_caught_up(redis_url, swarm), 15, "h1 to ack every entry")

@@ -7,18 +7,23 @@ from __future__ import annotations
 
 import importlib.util
 import socket
+import struct
+import uuid
 from pathlib import Path
 
+import msgpack
 import pytest
 import redis
 from click.testing import CliRunner
 
 from specpipe.cli import cli
+from specpipe.core.sampling import committed_tokens
 from specpipe.ops import redis_server
 from specpipe.ops.redis_server import REMOTE_USER, RedisServer, UnsafeRedis, find_binary
-from specpipe.swarm import wire
+from specpipe.swarm import streams, wire
 from specpipe.swarm.redis_ring import RedisRing
-from tests.swarm.test_redis_ring import PARAMS, drive, reference
+from tests.swarm.test_redis_ring import PARAMS, ReferenceRing, drive, reference
+from tests.waiting import wait_until
 
 ELSEWHERE = "198.51.100.1"  # an address other hosts would reach (never bound: refused first)
 
@@ -221,3 +226,96 @@ def test_the_credentials_for_other_hosts_do_what_a_stage_does(two_users, swarm, 
     local = redis.Redis.from_url(two_users.url)
     assert local.xlen(reply) == 1 and inventory.load(local, swarm, key) == []
     local.close()
+
+
+# Token ids of the toy vocabulary that are neither printable ASCII nor CR/LF nor zero, so
+# that no run of them turns up by chance in the append-only file's framing and text.
+SECRET_PROMPT = [29, 3, 17, 5, 26, 11, 19, 2, 23, 14, 31, 7, 22, 6]
+
+
+def plain_runs(tokens: list[int], run: int = 4) -> set[bytes]:
+    """Every run of `run` consecutive ids of `tokens` as a header in clear (msgpack) or an id
+    tensor (int32, int64 little-endian) would carry it."""
+    out = set()
+    for i in range(len(tokens) - run + 1):
+        ids = tokens[i : i + run]
+        out.add(b"".join(msgpack.packb(t) for t in ids))
+        out.add(struct.pack(f"<{run}i", *ids))
+        out.add(struct.pack(f"<{run}q", *ids))
+    return out
+
+
+def generate(ring, session: str, prompt: list[int], rounds: int, k: int) -> list[int]:
+    ring.reset(session, PARAMS)
+    committed = list(prompt)
+    committed += committed_tokens([], ring.round(session, committed, 0, 0))
+    return drive(ring, session, rounds=rounds, k=k, committed=committed)[0]
+
+
+def test_neither_the_streams_nor_the_append_only_file_show_a_prompt(tmp_path, swarm, key):
+    """On main every round's header carried its token ids in clear, in the streams and on
+    the Redis host's disk."""
+    from tests.swarm.conftest import Stages
+
+    data = tmp_path / "redis"
+    with RedisServer(data_dir=data) as server:
+        stages = Stages(swarm, key, server.url)
+        try:
+            stages.start("h0", "0:2", server.url, wait=False)
+            stages.start("h1", "2:4", server.url, wait=False)
+            stages.wait_ready(["h0", "h1"])
+            route = (
+                wire.Hop("h0", server.url, 0, 2, "toy"),
+                wire.Hop("h1", server.url, 2, 4, "toy"),
+            )
+            ring = RedisRing(route, swarm, key, server.url, timeout_s=20)
+            try:
+                got = generate(ring, "secret", SECRET_PROMPT, rounds=3, k=2)
+            finally:
+                ring.close()
+        finally:
+            stages.stop()
+        client = redis.Redis.from_url(server.url)
+        left = []  # what the streams still hold (a stage deletes what it has handled)
+        for name in client.scan_iter(f"specpipe:{swarm}:*"):
+            if client.type(name) == b"stream":
+                left += [e[streams.FIELD] for _, e in client.xrange(name)]
+        # The append-only file is written in order: once a later write is in it, all is.
+        marker = f"marker {uuid.uuid4().hex}".encode()
+        client.set("specpipe:test:marker", marker)
+        client.close()
+        wait_until(lambda: marker in aof_bytes(data), 10, "the append-only file's fsync")
+        aof = aof_bytes(data)
+    reference_ring = ReferenceRing([(0, 2), (2, 4)])
+    assert got == generate(reference_ring, "ref", SECRET_PROMPT, rounds=3, k=2)
+    # Every message any stream ever held, as the append-only file logged each XADD.
+    logs = [p.read_bytes() for p in data.rglob("*.aof") if p.is_file()]
+    added = [c for log in logs for c in aof_commands(log) if c[0].upper() == b"XADD"]
+    sent = [c[c.index(streams.FIELD, 2) + 1] for c in added]
+    stage_streams = {streams.stage_key(swarm, h).encode() for h in ("h0", "h1")}
+    assert sum(c[1] in stage_streams for c in added) >= 2 * 4  # four rounds through two stages
+    assert sum(c[1] == streams.reply_key(swarm, "secret").encode() for c in added) >= 4
+    assert set(left) <= set(sent) and all(wire.decode(m, swarm, key) for m in sent)
+    for secret in plain_runs(SECRET_PROMPT):
+        assert not any(secret in m for m in sent), secret
+        assert secret not in aof, secret
+
+
+def aof_commands(aof: bytes) -> list[list[bytes]]:
+    """The commands an append-only file logs (RESP arrays of bulk strings)."""
+    commands, at = [], 0
+    while aof.startswith(b"*", at):
+        end = aof.index(b"\r\n", at)
+        n, at, command = int(aof[at + 1 : end]), end + 2, []
+        for _ in range(n):
+            end = aof.index(b"\r\n", at)
+            size = int(aof[at + 1 : end])
+            command.append(aof[end + 2 : end + 2 + size])
+            at = end + 2 + size + 2
+        commands.append(command)
+    return commands
+
+
+def aof_bytes(data: Path) -> bytes:
+    """Every append-only file under `data`, one after another."""
+    return b"".join(p.read_bytes() for p in sorted(data.rglob("*.aof*")) if p.is_file())

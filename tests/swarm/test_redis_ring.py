@@ -226,7 +226,7 @@ def test_bad_messages_are_dropped_and_counted_while_serving_goes_on(stages, swar
     signed = wire.encode(good, swarm, key)
     bad = [
         b"not a message at all",  # malformed
-        signed[: -wire.TAG_BYTES] + bytes(wire.TAG_BYTES),  # unsigned (zero tag)
+        signed[: -wire.TAG_BYTES] + bytes(wire.TAG_BYTES),  # a zeroed tag
         wire.encode(good, swarm, b"another swarm's key"),  # wrong key
         signed[:40],  # truncated
         wire.encode(  # signed, but the hidden states have the wrong width for this model

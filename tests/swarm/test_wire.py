@@ -8,6 +8,10 @@ from dataclasses import replace
 import msgpack
 import pytest
 import torch
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCMSIV
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from specpipe.swarm import wire
 
@@ -31,13 +35,22 @@ def message(tensor=None, **fields):
     return wire.Message(tensor=tensor, **base)
 
 
-def sign(body: bytes, key: bytes = KEY) -> bytes:
-    return body + hmac.new(key, body, hashlib.sha256).digest()
+def sign(plaintext: bytes, key: bytes = KEY) -> bytes:
+    """`plaintext` sealed as any key holder could: whatever it says."""
+    return wire.seal(plaintext, key)
 
 
 def raw(header: dict, payload: bytes = b"") -> bytes:
+    """The plaintext of a message: header length, header, payload."""
     head = msgpack.packb({"dir": "stage", **header})
-    return wire.PREFIX.pack(wire.MAGIC, wire.key_id(KEY), len(head)) + head + payload
+    return wire.HEAD_LEN.pack(len(head)) + head + payload
+
+
+def opened(data: bytes, key: bytes = KEY) -> bytes:
+    """The plaintext of a sealed message, opened under the data key derived here."""
+    hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=wire.DATA_KEY_INFO)
+    n = wire.PREFIX.size
+    return AESGCMSIV(hkdf.derive(key)).decrypt(data[n - wire.NONCE_BYTES : n], data[n:], data[:n])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
@@ -124,40 +137,94 @@ def test_message_without_tensor_and_with_params():
     assert got.tensor is None and got.params == {"temp": 0.7, "top_k": 40}
 
 
-def test_payload_is_raw_little_endian_bytes():
+def test_payload_is_raw_little_endian_bytes_inside_the_ciphertext():
     tensor = torch.tensor([[1.0, -2.0]], dtype=torch.float32)
     data = wire.encode(message(tensor), SWARM, KEY)
-    assert data[-wire.TAG_BYTES - 8 : -wire.TAG_BYTES] == struct.pack("<2f", 1.0, -2.0)
+    assert opened(data)[-8:] == struct.pack("<2f", 1.0, -2.0)
+    assert len(data) == wire.PREFIX.size + len(opened(data)) + wire.TAG_BYTES
+    assert data[:4] == wire.MAGIC and data[4:8] == wire.key_id(KEY)
 
 
-def test_tampered_payload_is_refused():
-    data = bytearray(wire.encode(message(torch.ones(2, 2)), SWARM, KEY))
-    data[-wire.TAG_BYTES - 1] ^= 1
-    with pytest.raises(wire.WireError, match="signature"):
-        wire.decode(bytes(data), SWARM, KEY)
+def test_nothing_of_the_header_or_the_payload_is_in_clear():
+    tokens = (101, 202, 303, 404, 50_505, 606, 7, 8)
+    tensor = torch.arange(1, 257, dtype=torch.float32).view(2, 128) * 3.25
+    sent = message(tensor, tokens=tokens, session="a-distinctive-session-name")
+    data = wire.encode(sent, SWARM, KEY)
+    assert wire.decode(data, SWARM, KEY).tokens == tokens
+    secrets = [
+        msgpack.packb(list(tokens)),
+        b"".join(msgpack.packb(t) for t in tokens[:4]),  # a run inside the list
+        b"a-distinctive-session-name",
+        msgpack.packb("a-distinctive-session-name"),
+        tensor.numpy().tobytes(),
+        tensor.numpy().tobytes()[:16],  # any four floats of it
+        struct.pack("<4i", *tokens[:4]),
+        struct.pack("<4q", *tokens[:4]),
+        msgpack.packb(SWARM),
+        b"round",
+    ]
+    for secret in secrets:
+        assert secret not in data
+    # A fresh nonce each time: the same message never reads the same twice.
+    again = wire.encode(sent, SWARM, KEY)
+    assert again != data and again[wire.PREFIX.size :] != data[wire.PREFIX.size :]
+    assert again[:8] == data[:8] and again[8:20] != data[8:20]
+    assert opened(again) == opened(data)
 
 
-def test_tampered_header_is_refused():
+def test_the_data_key_is_derived_from_the_swarm_key_not_the_key_itself():
     data = wire.encode(message(), SWARM, KEY)
-    with pytest.raises(wire.WireError, match="signature"):
-        wire.decode(data.replace(b"s1", b"s2", 1), SWARM, KEY)
+    n = wire.PREFIX.size
+    with pytest.raises(InvalidTag):
+        AESGCMSIV(KEY).decrypt(data[n - wire.NONCE_BYTES : n], data[n:], data[:n])
+    assert msgpack.unpackb(opened(data)[wire.HEAD_LEN.size :])["session"] == "s1"
+
+
+def test_a_flipped_bit_anywhere_is_refused():
+    data = wire.encode(message(torch.ones(1, 2)), SWARM, KEY)
+    for i in range(len(data)):
+        for bit in range(8):
+            changed = bytearray(data)
+            changed[i] ^= 1 << bit
+            with pytest.raises(wire.WireError):
+                wire.decode(bytes(changed), SWARM, KEY)
+
+
+@pytest.mark.parametrize(
+    ("where", "reason"),
+    [
+        (0, "bad magic"),  # the magic
+        (5, "unknown key"),  # the key id
+        (9, "bad tag"),  # the nonce
+        (wire.PREFIX.size, "bad tag"),  # the header length
+        (wire.PREFIX.size + 8, "bad tag"),  # the header
+        (-wire.TAG_BYTES - 1, "bad tag"),  # the payload
+        (-1, "bad tag"),  # the tag
+    ],
+)
+def test_tampering_with_each_part_is_refused_before_anything_is_parsed(where, reason):
+    data = bytearray(wire.encode(message(torch.ones(2, 2)), SWARM, KEY))
+    data[where] ^= 1
+    with pytest.raises(wire.WireError, match=reason):
+        wire.decode(bytes(data), SWARM, KEY)
 
 
 def test_wrong_key_is_refused():
     data = wire.encode(message(torch.ones(1, 1)), SWARM, b"other key")
     with pytest.raises(wire.UnknownKeyError, match="unknown key"):
         wire.decode(data, SWARM, KEY)
-    # The id of our key on a message signed with another: the signature gives it away.
+    # The id of our key on a message sealed under another: the tag gives it away.
     forged = data[:4] + wire.key_id(KEY) + data[8:]
-    with pytest.raises(wire.WireError, match="signature"):
+    with pytest.raises(wire.WireError, match="bad tag"):
         wire.decode(forged, SWARM, KEY)
 
 
-def test_unsigned_message_is_refused():
-    body = raw({"swarm": SWARM, "kind": "round", "session": "s"})
+def test_a_message_in_clear_is_refused():
+    prefix = wire.PREFIX.pack(wire.MAGIC, wire.key_id(KEY), bytes(wire.NONCE_BYTES))
+    body = prefix + raw({"swarm": SWARM, "kind": "round", "session": "s"})
     with pytest.raises(wire.WireError):
         wire.decode(body, SWARM, KEY)
-    with pytest.raises(wire.WireError, match="signature"):
+    with pytest.raises(wire.WireError, match="bad tag"):
         wire.decode(body + b"\0" * wire.TAG_BYTES, SWARM, KEY)
 
 
@@ -183,7 +250,7 @@ def test_oversized_message_is_refused_before_anything_else():
 
 
 def test_header_length_beyond_the_message_is_refused():
-    data = wire.PREFIX.pack(wire.MAGIC, wire.key_id(KEY), 10_000) + b"x" * 100
+    data = sign(wire.HEAD_LEN.pack(10_000) + b"x" * 100)
     with pytest.raises(wire.WireError, match="header length"):
         wire.decode(data, SWARM, KEY)
 
@@ -244,9 +311,9 @@ def test_malformed_header_fields_are_refused(header):
 
 
 def test_signed_garbage_header_is_refused():
-    body = wire.PREFIX.pack(wire.MAGIC, wire.key_id(KEY), 3) + b"\xc1\xc1\xc1"
+    data = sign(wire.HEAD_LEN.pack(3) + b"\xc1\xc1\xc1")
     with pytest.raises(wire.WireError, match="msgpack"):
-        wire.decode(sign(body), SWARM, KEY)
+        wire.decode(data, SWARM, KEY)
 
 
 def test_no_key_is_an_error_not_an_unsigned_message():
@@ -265,10 +332,8 @@ def test_a_route_names_each_hops_host_layers_and_model_and_no_address():
     hops = (wire.RouteEntry("a", 0, 1, "toy"), wire.RouteEntry("c", 1, 4, ""))
     got = wire.decode(wire.encode(message(route=hops), SWARM, KEY), SWARM, KEY)
     assert got.route == hops and got.route[1].host == "c" and got.route[1].layer_start == 1
-    header = msgpack.unpackb(
-        wire.encode(message(), SWARM, KEY)[wire.PREFIX.size :][:-32], raw=False
-    )
-    assert header["route"] == [["a", 0, 2, "toy"], ["b", 2, 4, "toy"]]  # inside the signature
+    header = msgpack.unpackb(opened(wire.encode(message(), SWARM, KEY))[4:], raw=False)
+    assert header["route"] == [["a", 0, 2, "toy"], ["b", 2, 4, "toy"]]  # sealed with the rest
     assert "reply" not in header  # replies go to the stage's own registry
 
 
@@ -301,12 +366,20 @@ def test_a_misrouted_reply_travels_to_the_coordinator():
     assert (got.kind, got.direction, got.reason) == ("misrouted", "reply", reply.reason)
 
 
-@pytest.mark.parametrize("magic", [b"SPW2", b"SPW3"])
+def spw4(header: dict) -> bytes:
+    """A message as SPW4 had it: signed with HMAC-SHA256, header and payload in clear."""
+    head = msgpack.packb({"dir": "stage", **header})
+    body = struct.pack("<4s4sI", b"SPW4", wire.key_id(KEY), len(head)) + head
+    return body + hmac.new(KEY, body, hashlib.sha256).digest()
+
+
+@pytest.mark.parametrize("magic", [b"SPW2", b"SPW3", b"SPW4"])
 def test_a_message_of_an_old_wire_format_is_refused_by_name(magic):
     # SPW2 carried each hop's Redis URL and the reply's, passwords included; SPW3 named hops
-    # by host only, so a stage could not tell it was routed for layers it does not serve.
-    body = wire.encode(message(), SWARM, KEY)[: -wire.TAG_BYTES]
-    old = sign(magic + body[4:])
+    # by host only, so a stage could not tell it was routed for layers it does not serve;
+    # SPW4 was signed but in clear, for every Redis on the way to read.
+    old = spw4({"swarm": SWARM, "kind": "round", "session": "s"})
+    old = magic + old[4:]
     with pytest.raises(wire.WireError, match=f"wire format {magic.decode()} of an older version"):
         wire.decode(old, SWARM, KEY)
 
