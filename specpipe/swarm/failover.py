@@ -112,15 +112,7 @@ class CheckedRing:
             raise GapError(f"re-routed around a lost stage: {exc}") from None
         except GapError:
             if self._route_changed():
-                old, self.ring = self.ring, None
-                drop_quietly(old, session)
-                self.ring = self._watched(self.build())  # RouteError: the model is not covered
-                self.rebuilt += 1
-                self._rerouted()
-                hosts = " -> ".join(hop.host for hop in self.route)
-                log.warning(
-                    "session %s: a stage serves other layers now; new ring %s", session, hosts
-                )
+                self._rebuild(session, "a stage serves other layers now")
             raise
         except RingError as exc:
             lost = self._await_lost()
@@ -201,13 +193,18 @@ class CheckedRing:
         give_up_at = time.monotonic() + STALE_WAIT_S
         while not self._route_changed() and time.monotonic() < give_up_at:
             time.sleep(0.1)
+        self._rebuild(session, one_line_reason(str(refused)))
+
+    def _rebuild(self, session: str, why: str) -> None:
+        """Build the ring again from the inventory as it is now (RouteError: the model is not
+        covered), the old one's session dropped."""
         old, self.ring = self.ring, None
         drop_quietly(old, session)
-        self.ring = self._watched(self.build())  # RouteError: the model is not covered
+        self.ring = self._watched(self.build())
         self.rebuilt += 1
         self._rerouted()
         hosts = " -> ".join(hop.host for hop in self.route)
-        log.warning("session %s: %s; new ring %s", session, one_line_reason(str(refused)), hosts)
+        log.warning("session %s: %s; new ring %s", session, why, hosts)
 
     def _rerouted(self) -> None:
         if self.on_reroute is not None:
