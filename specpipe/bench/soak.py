@@ -31,7 +31,8 @@ process over the whole model), different, failed (with its reason), lost (the st
 has it) or stuck (not ended by the deadline). A fault's recovery time is from its end (the
 link up, the SIGCONT, the restart, the junk deleted) to the next round any job stores or its
 end as done. Tokens per minute are counted per minute of the soak, and the resident memory of
-every lab process (with its children) after a warm-up job and at the end.
+every lab process (with its children) after warm-up (a first job, then `warm_up_s` of the
+users' load before the first fault) and at the end.
 
 The verdict is FAIL on any lost, stuck or different job, or on a lab process whose memory grew
 by more than `MEMORY_GROWTH` after warm-up (and by more than `MEMORY_FLOOR_MIB`, so tiny
@@ -578,6 +579,7 @@ def run_soak(
     pause_s: float = 20.0,
     hold_s: tuple[float, float] = (3.0, 8.0),
     deadline_s: float = 600.0,
+    warm_up_s: float = 60.0,
     delays: Sequence[float] = REFERENCE_DELAYS_MS,
 ) -> dict:
     """The soak on a lab in `home` (taken down after); the result, with its verdict."""
@@ -604,9 +606,12 @@ def run_soak(
         warmed = api_load.wait_jobs(database_url, [answer["id"]], deadline_s)[answer["id"]]
         if warmed["status"] != "done":
             raise RuntimeError(f"the warm-up job ended {warmed['status']}: {warmed['error']}")
-        rss_start = lab_rss_mib(lab)
         monitor = Monitor(database_url, time.monotonic()).start()
         crowd = Users(web_url, by_user, monitor, tokens).start()
+        # A process's size after warm-up is its size once it has served the users' load (every
+        # session's cache, the batches, the allocator's arenas), before the first fault.
+        time.sleep(warm_up_s)
+        rss_start = lab_rss_mib(lab)
         log(f"{users} users on {web_url} for {minutes:g} min, faults {', '.join(kinds)}")
         plan = schedule(seed, 1 + int(minutes * 60 / max(pause_s, 1.0)), kinds, hold_s=hold_s)
         for i, fault in enumerate(plan):
@@ -645,6 +650,7 @@ def run_soak(
             "pause_s": pause_s,
             "hold_s": list(hold_s),
             "deadline_s": deadline_s,
+            "warm_up_s": warm_up_s,
             "link_delays_ms": [*delays, delays[COPIED]],
             "spare": f"h{SPARE} serves h{COPIED}'s layers",
             "left_out": left_out,

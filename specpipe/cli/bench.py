@@ -552,6 +552,14 @@ def bench_faults(
     help="A job not ended this long after the time is up counts as stuck.",
 )
 @click.option(
+    "--warm-up-s",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    show_default=True,
+    help="Seconds of the users' load, before the first fault, after which each process's "
+    "memory is its size after warm-up.",
+)
+@click.option(
     "--home",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -560,7 +568,18 @@ def bench_faults(
 @json_option
 @_model_errors
 def bench_soak(
-    model, minutes, users, seed, tokens, delays, pause_s, hold_s, deadline_s, home, json_path
+    model,
+    minutes,
+    users,
+    seed,
+    tokens,
+    delays,
+    pause_s,
+    hold_s,
+    deadline_s,
+    warm_up_s,
+    home,
+    json_path,
 ):
     """A WAN soak on the lab (root only): users submit jobs through the JSON API for
     --minutes while a seeded chaos schedule cuts a stage host's link, stalls and fills a
@@ -601,6 +620,7 @@ def bench_soak(
             pause_s=pause_s,
             hold_s=hold_s,
             deadline_s=deadline_s,
+            warm_up_s=warm_up_s,
             delays=ms,
         )
     for line in soakbench.report(result):

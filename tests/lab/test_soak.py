@@ -36,6 +36,8 @@ def test_a_slice_of_the_soak_loses_nothing_and_recovers_from_every_fault(tiny, t
         "3",
         "--deadline-s",
         "60",
+        "--warm-up-s",
+        "10",
         "--seed",
         "3",
         "--home",
