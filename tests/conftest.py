@@ -32,9 +32,10 @@ def pytest_unconfigure(config) -> None:
         _private_redis.stop()
 
 
-# Tests that must not run beside each other on two xdist workers: the lab's network namespaces
-# and subnets are the machine's own.
-SERIAL_GROUPS = {"lab": "tests/lab/"}
+# Tests that run on one xdist worker, one after another: the lab's (its network namespaces and
+# subnets are the machine's own), and the fault matrix's, whose module fixture (the matrix, a
+# minute and a half) would otherwise run once on each worker.
+SERIAL_GROUPS = {"lab": "tests/lab/", "fault-matrix": "tests/swarm/test_faults.py"}
 
 
 def pytest_collection_modifyitems(config, items) -> None:
