@@ -18,7 +18,12 @@ from specpipe.settings import Settings
 from specpipe.swarm import inventory
 from specpipe.swarm.inventory import NodeInfo, RouteError
 from specpipe.swarm.redact import one_line_reason
-from specpipe.swarm.redis_ring import HopLostError, RingError, StaleRouteError
+from specpipe.swarm.redis_ring import (
+    HopLostError,
+    HopUnreachableError,
+    RingError,
+    StaleRouteError,
+)
 
 log = logging.getLogger("specpipe.coordinator")  # it runs in the coordinator, logged as such
 
@@ -35,9 +40,11 @@ class CheckedRing:
     off), left or serves other layers *and* the inventory holds a route around it; then the
     ring is built again without those hosts and the job replays on the spare at once (a
     `GapError` to the generation loop), without waiting for the dead host. A stage that could
-    not pass a round on (its next hop's Redis is gone with its host) fails the round at once;
-    the ring then waits up to the route's lapse time for the inventory to say which hop died.
-    Without a spare nothing changes: the round waits, and a restarted stage answers gap.
+    not pass a round on answers `unreachable` at once (`HopUnreachableError`, naming the next
+    hop: its Redis gone with its host, cut off, or full); the ring goes around that host at
+    once when the inventory has a route without it, even while it still heartbeats, else waits
+    up to the route's lapse time for the inventory to say which hop died. Without a spare
+    nothing changes: the round waits, and a restarted stage answers gap.
 
     A stage that restarted has lost its caches and answers gap, and the job replays its tokens
     from position 0. If the stage came back serving other layers than the ring's route has it
@@ -114,6 +121,16 @@ class CheckedRing:
             if self._route_changed():
                 self._rebuild(session, "a stage serves other layers now")
             raise
+        except HopUnreachableError as exc:
+            # Its host may still heartbeat (its Redis full, or cut off from this hop only):
+            # go around it at once where the inventory has a route without it.
+            if exc.host and self._fail_over_if_routed(session, exc.host, str(exc)):
+                raise GapError(f"re-routed around an unreachable stage: {exc}") from None
+            lost = self._await_lost()
+            if not lost:
+                raise
+            self._fail_over(session, lost, str(exc))
+            raise GapError(f"re-routed around a lost stage: {exc}") from None
         except RingError as exc:
             lost = self._await_lost()
             if not lost:
@@ -163,15 +180,24 @@ class CheckedRing:
                 return lost
             time.sleep(0.25)
 
+    def _fail_over_if_routed(self, session: str, host: str, why: str) -> bool:
+        """Fail over around `host` when a route without it exists; whether it did."""
+        try:
+            self._fail_over(session, [host], why)
+        except RouteError:
+            return False
+        return True
+
     def _fail_over(self, session: str, lost: list[str], why: str) -> None:
-        """Build the ring again around the `lost` hosts; the caller replays on it."""
-        old, self.ring = self.ring, None
+        """Build the ring again around the `lost` hosts (RouteError, the ring as it was, when
+        no route avoids them); the caller replays on it."""
+        new = self._watched(self.build(avoid=frozenset(lost)))
+        old, self.ring = self.ring, new
         try:
             old.drop(session, skip=lost)  # the lost hosts' Redis may be gone with them
         except Exception as exc:  # only costs the survivors some memory until they idle out
             log.warning("could not drop %s on the old ring: %s", session, exc)
         old.close()
-        self.ring = self._watched(self.build(avoid=frozenset(lost)))
         self.failovers += 1
         self._rerouted()
         hosts = " -> ".join(hop.host for hop in self.route)

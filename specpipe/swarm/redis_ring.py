@@ -56,6 +56,15 @@ class HopLostError(RingError):
     """A hop of the route is gone (its watchdog says why): the round will not be answered."""
 
 
+class HopUnreachableError(RingError):
+    """A stage could not pass the round on to the next hop (`host`): that host's Redis refused
+    or did not answer (a cut link, a Redis full or gone), or the inventory does not list it."""
+
+    def __init__(self, message: str, host: str = "") -> None:
+        super().__init__(message)
+        self.host = host
+
+
 class StaleRouteError(RingError):
     """A hop refused the round: it serves other layers or another model than the route has it
     for (the route came from a stale inventory record). `host` is the hop's."""
@@ -249,6 +258,11 @@ class RedisRing:
                 raise GapError(reply.reason or "a stage lost the session's cache")
             if reply.kind == "misrouted":
                 raise StaleRouteError(f"round refused: {reply.reason}", reply.sender)
+            if reply.kind == "unreachable":
+                hosts = [hop.host for hop in self.route]
+                after = hosts.index(reply.sender) + 1 if reply.sender in hosts else len(hosts)
+                unreachable = hosts[after] if after < len(hosts) else ""
+                raise HopUnreachableError(f"round failed: {reply.reason}", unreachable)
             raise RingError(f"round failed: {reply.reason or reply.kind}")
         route = " -> ".join(h.host for h in self.route)
         waited = time.monotonic() - started

@@ -80,9 +80,10 @@ MAX_NAME = 256  # characters of a route entry's host or model
 # Kinds of message, by direction: what a stage's input stream carries (a round travelling
 # through the stages and the per-session controls) and what a coordinator's reply stream does
 # (the tail's result, and the replies a stage sends when it cannot go on: `misrouted` when the
-# route has it for other layers or another model than it serves).
+# route has it for other layers or another model than it serves, `unreachable` when it could
+# not pass the round on to its next hop).
 STAGE_KINDS = frozenset({"round", "reset", "reseed", "drop"})
-REPLY_KINDS = frozenset({"result", "gap", "error", "misrouted"})
+REPLY_KINDS = frozenset({"result", "gap", "error", "misrouted", "unreachable"})
 KINDS = STAGE_KINDS | REPLY_KINDS
 COORDINATOR = "coordinator"  # the sender of what a coordinator sends; a stage sends as its host
 # A sequence number is the sender's clock in microseconds (bumped to stay strictly increasing),

@@ -607,6 +607,58 @@ def test_a_lost_hop_with_a_spare_fails_over_and_the_job_ends_undisturbed(db_url,
     assert first.dropped_on == ["h0"]  # the session is dropped on the survivors only
 
 
+class UnreachableRing(LosingRing):
+    """A routed toy ring whose round `lose_at` finds h1 unreachable from h0 (its Redis full,
+    or cut off from h0 only), while h1 still heartbeats."""
+
+    def round(self, session, tokens, start_pos, n_draft, head_k=0):
+        from specpipe.swarm.redis_ring import HopUnreachableError
+
+        if self.rounds + 1 == self.lose_at:
+            self.rounds += 1
+            raise HopUnreachableError("round failed: h0: cannot pass the round to h1: OOM", "h1")
+        return super().round(session, tokens, start_pos, n_draft, head_k)
+
+
+def test_an_unreachable_hop_still_heartbeating_is_gone_around_at_once(db_url, monkeypatch):
+    monkeypatch.setattr(failover, "FAILOVER_WAIT_S", 0.5)  # h1 never lapses here
+    job_id = add_job(db_url, temp=0.9, draft_k=3, max_new_tokens=30)
+    first = UnreachableRing(routed((0, 2), (2, 4)), lose_at=4)
+    spare = LosingRing([*routed((0, 2)), NodeInfo("h1b", 2, 4, "redis://x")])
+    avoided = []
+
+    def build(avoid=frozenset()):
+        avoided.append(set(avoid))
+        return spare if avoid else first
+
+    def make(_job):
+        return CheckedRing(build, lambda: {}, lambda route: [])  # h1's record is fine
+
+    assert run_job(make_session_factory(db_url), job_id, make, ToyCodec(), {EOS}) == "done"
+    job = load(db_url, job_id)
+    assert job.output_ids == undisturbed(job)
+    assert avoided == [set(), {"h1"}] and spare.rounds > 0
+
+
+def test_an_unreachable_hop_without_a_spare_fails_the_job_with_the_reason(db_url, monkeypatch):
+    from specpipe.swarm.inventory import RouteError
+
+    monkeypatch.setattr(failover, "FAILOVER_WAIT_S", 0.5)
+    job_id = add_job(db_url, max_new_tokens=30)
+    ring = UnreachableRing(routed((0, 2), (2, 4)), lose_at=2)
+
+    def build(avoid=frozenset()):
+        if avoid:
+            raise RouteError("no online stage serves layers 2:4")
+        return ring
+
+    def make(_job):
+        return CheckedRing(build, lambda: {}, lambda route: [])
+
+    assert run_job(make_session_factory(db_url), job_id, make, ToyCodec(), {EOS}) == "failed"
+    assert "cannot pass the round to h1: OOM" in load(db_url, job_id).error
+
+
 def test_without_a_spare_a_ring_error_still_fails_the_job_with_it(db_url, monkeypatch):
     monkeypatch.setattr(failover, "FAILOVER_WAIT_S", 0.5)
     job_id = add_job(db_url, max_new_tokens=30)

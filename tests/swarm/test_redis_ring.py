@@ -16,7 +16,7 @@ from specpipe.decoding.generation import Generation
 from specpipe.decoding.local_ring import LocalRing
 from specpipe.swarm import inventory, streams, wire
 from specpipe.swarm.inventory import NodeInfo, RouteError
-from specpipe.swarm.redis_ring import RedisRing, RingError, StaleRouteError
+from specpipe.swarm.redis_ring import HopUnreachableError, RedisRing, RingError, StaleRouteError
 from tests.swarm.toy_stage import ToyConfig, ToyStage
 from tests.waiting import wait_until
 
@@ -617,3 +617,15 @@ def test_a_reset_rides_out_a_redis_that_is_restarting(swarm, key):
         later.join()
         ring.close()
         server.stop()
+
+
+def test_a_next_hop_a_stage_cannot_reach_is_named_to_the_ring(stages, swarm, key, redis_url):
+    stages.start("h0", "0:2", redis_url)
+    ring = RedisRing(
+        nodes(("h0", redis_url, "0:2"), ("gone", redis_url, "2:4")), swarm, key, redis_url
+    )
+    ring.reset("s", PARAMS)
+    with pytest.raises(HopUnreachableError, match="cannot pass the round to gone") as refused:
+        ring.round("s", PROMPT, 0, 0)
+    assert refused.value.host == "gone"  # the hop after the stage that could not pass it on
+    ring.close()

@@ -178,12 +178,12 @@ def test_a_route_that_ends_before_the_tail_is_an_error_reply(make, swarm, key, r
     assert reply.kind == "error" and "not a tail" in reply.reason
 
 
-def test_a_next_hop_missing_from_the_inventory_is_an_error_reply(make, swarm, key, redis_url):
+def test_a_next_hop_missing_from_the_inventory_is_an_unreachable_reply(make, swarm, key, redis_url):
     # The round names its hops by host only: the address is the inventory's to give.
     worker = make("a", 0, 2)
     deliver(worker, round_message(redis_url, ["a", "b"]))
     (reply,) = replies(redis_url, swarm, key)
-    assert reply.kind == "error" and "cannot pass the round to b: not in the inventory" in (
+    assert reply.kind == "unreachable" and "cannot pass the round to b: not in the inventory" in (
         reply.reason
     )
     assert worker.counters["errors"] == 1

@@ -62,7 +62,7 @@ class Onward:
             if address is None:
                 self.stats.count("errors")
                 reason = f"{self.host}: cannot pass the round to {nxt}: not in the inventory"
-                self.reply(message, "error", reason=reason)
+                self.reply(message, "unreachable", reason=reason)
                 return
             stream = streams.stage_key(self.swarm, nxt)
             passed_on = replace(message, tensor=out, hop=hop + 1, to=stream, sender=self.host)

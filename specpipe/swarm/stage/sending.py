@@ -101,7 +101,7 @@ class Sender:
                 log.warning("%s", reason)
                 if item.message is not None:
                     self.stats.count("errors")
-                    replies.append(self.replies.to(item.message, "error", reason=reason))
+                    replies.append(self.replies.to(item.message, "unreachable", reason=reason))
             return replies
         return []
 
