@@ -22,6 +22,19 @@ def bench() -> None:
     """Benchmarks."""
 
 
+def _verdict(
+    result: dict, lines: list[str], json_path: Path | None, say_verdict: bool = True
+) -> None:
+    """Print a bench's report (and its verdict line), write its JSON, exit 1 unless it passed."""
+    for line in lines:
+        click.echo(line)
+    if say_verdict:
+        click.echo(f"verdict {result['verdict']}")
+    write_json(json_path, result)
+    if result["verdict"] != "PASS":
+        raise SystemExit(1)
+
+
 @bench.command(name="draft")
 @click.option(
     "--context",
@@ -495,12 +508,7 @@ def bench_faults(
             deadline_s=deadline_s,
             seed=seed,
         )
-    for line in faultbench.table(result["rows"]):
-        click.echo(line)
-    click.echo(f"verdict {result['verdict']}")
-    write_json(json_path, result)
-    if result["verdict"] != "PASS":
-        raise SystemExit(1)
+    _verdict(result, faultbench.table(result["rows"]), json_path)
 
 
 @bench.command(name="soak")
@@ -623,11 +631,7 @@ def bench_soak(
             warm_up_s=warm_up_s,
             delays=ms,
         )
-    for line in soakbench.report(result):
-        click.echo(line)
-    write_json(json_path, result)
-    if result["verdict"] != "PASS":
-        raise SystemExit(1)
+    _verdict(result, soakbench.report(result), json_path, say_verdict=False)
 
 
 @bench.command(name="long-prompt")
@@ -692,12 +696,7 @@ def bench_long_prompt(model, stages, prompt_tokens, tokens, seed, deadline_s, js
             seed=seed,
             deadline_s=deadline_s,
         )
-    for line in longbench.report(result):
-        click.echo(line)
-    click.echo(f"verdict {result['verdict']}")
-    write_json(json_path, result)
-    if result["verdict"] != "PASS":
-        raise SystemExit(1)
+    _verdict(result, longbench.report(result), json_path)
 
 
 @bench.command(name="load-api")
@@ -771,12 +770,7 @@ def bench_load_api(model, stages, users, jobs, within_s, tokens, deadline_s, jso
             tokens=tokens,
             deadline_s=deadline_s,
         )
-    for line in apiloadbench.report(result):
-        click.echo(line)
-    click.echo(f"verdict {result['verdict']}")
-    write_json(json_path, result)
-    if result["verdict"] != "PASS":
-        raise SystemExit(1)
+    _verdict(result, apiloadbench.report(result), json_path)
 
 
 @bench.command(name="wan")

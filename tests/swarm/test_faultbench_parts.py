@@ -41,8 +41,20 @@ def test_the_benches_say_in_one_line_that_the_model_is_missing(tmp_path):
 
     from specpipe.cli import cli
 
-    for command in ("faults", "load-api"):
+    for command in ("faults", "load-api", "long-prompt"):
         result = CliRunner().invoke(cli, ["bench", command, "--model", str(tmp_path / "none")])
         assert result.exit_code == 1, result.output
         error = result.output.strip().splitlines()[-1]
         assert error.startswith("Error: ") and "none" in error, result.output
+
+
+def test_a_long_prompt_has_the_tokens_asked_for_and_is_the_same_for_a_seed():
+    from specpipe.bench.long_prompt import long_prompt
+
+    def words(text: str) -> list[str]:  # a tokenizer's stand-in
+        return text.split()
+
+    prompt = long_prompt(words, 300, seed=1)
+    assert 300 <= len(words(prompt)) < 300 + 4 * 20  # within the last few notes added
+    assert prompt == long_prompt(words, 300, seed=1) != long_prompt(words, 300, seed=2)
+    assert prompt.endswith("and why?")
