@@ -8,11 +8,12 @@ STAMP  := $(VENV)/.installed
 
 # The suite runs on SQLite, then its database tests again on this PostgreSQL database
 # (each test worker creates and drops its own database beside it). The first pass runs on
-# PYTEST_WORKERS xdist workers (the lab's tests share one of them, tests/conftest.py); the
-# PostgreSQL pass runs on one, which is steadier for its jobs on real stage processes.
+# PYTEST_WORKERS xdist workers, a test file to a worker, so that a module's fixtures (the fault
+# matrix, a lab, stage processes) are set up once; the lab's tests each take a free subnet of
+# their own. The PostgreSQL pass runs on one worker, steadier for its jobs on real processes.
 PG_TEST_URL ?= postgresql://postgres@127.0.0.1:5432/test
 PYTEST_WORKERS ?= 2
-PYTEST := $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=15
+PYTEST := $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15
 
 install: $(STAMP)
 

@@ -7,8 +7,6 @@ machine without a Redis service still runs every test.
 
 import os
 
-import pytest
-
 from specpipe.ops.redis_server import RedisServer, answers
 
 pytest_plugins = ["tests.dbfixtures"]
@@ -30,17 +28,3 @@ def pytest_configure(config) -> None:
 def pytest_unconfigure(config) -> None:
     if _private_redis is not None:
         _private_redis.stop()
-
-
-# Tests that run on one xdist worker, one after another: the lab's (its network namespaces and
-# subnets are the machine's own), and the fault matrix's, whose module fixture (the matrix, a
-# minute and a half) would otherwise run once on each worker.
-SERIAL_GROUPS = {"lab": "tests/lab/", "fault-matrix": "tests/swarm/test_faults.py"}
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    for item in items:
-        path = item.path.as_posix()
-        for group, folder in SERIAL_GROUPS.items():
-            if f"/{folder}" in path:
-                item.add_marker(pytest.mark.xdist_group(group))
