@@ -19,7 +19,6 @@ from celery import shared_task
 from celery.signals import worker_ready
 from sqlalchemy.orm import Session
 
-from models import Job
 from specpipe.decoding.target import open_target
 from specpipe.settings import Settings, default_model, stalled_after_s
 from specpipe.swarm.redact import redact_url
@@ -83,7 +82,10 @@ def generate(self, job_id: int) -> str | None:
         return outcome if job is None else job.status
     job_id, keeper = chosen
     try:
-        return job_run.run_on_swarm(session, session.get(Job, job_id), settings, keeper)
+        job, outcome = pending(session, job_id)
+        if job is None:
+            return outcome
+        return job_run.run_on_swarm(session, job, settings, keeper)
     finally:
         keeper.stop()
         client.close()

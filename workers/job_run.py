@@ -27,11 +27,13 @@ from collections.abc import Callable, Iterable
 from typing import Protocol, TypeVar
 
 import redis
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from models import Job
+from models.db import utcnow
+from models.jobs import ACTIVE_STATUSES
 from models.runs import Run, start_run
 from specpipe.core.ring import GapError, Ring
 from specpipe.core.sampling import SamplingParams, TokenLogprob
@@ -42,6 +44,7 @@ from specpipe.settings import Settings
 from specpipe.swarm.failover import CheckedRing, drop_quietly, lost_with_spare, served_layers
 from specpipe.swarm.inventory import RouteError
 from specpipe.swarm.kvbudget import Reservations
+from specpipe.swarm.redact import one_line_reason
 from specpipe.swarm.redis_ring import RedisRing, RingError
 from workers.attempt import Attempt, Superseded
 from workers.job_lock import lock_key
@@ -55,6 +58,10 @@ log = logging.getLogger("specpipe.coordinator")
 # on it every time (a crash it triggers, a machine that keeps going away) does not make it run
 # forever, while outages that resume a job which goes on making progress cost it nothing.
 MAX_ATTEMPTS = 3
+
+# What a column's type raises on a stored value it cannot parse (SQLite keeps any value in any
+# column: bad JSON, a date that is not one, text in an integer column).
+UNREADABLE = (ValueError, TypeError, LookupError)
 
 R = TypeVar("R", bound=Ring)
 
@@ -271,13 +278,33 @@ def pending(session: Session, job_id: int) -> tuple[Job | None, str | None]:
     """(job, None) while job `job_id` has work left; else (None, what the task returns): None
     for a job that does not exist, the status of a finished one. The job is read afresh, as
     the store holds it now, however long the session has lived."""
-    job = session.get(Job, job_id, populate_existing=True)
+    try:
+        job = session.get(Job, job_id, populate_existing=True)
+    except UNREADABLE as exc:
+        return None, set_aside(session, job_id, exc)
     if job is None:
         log.warning("job %s does not exist", job_id)
         return None, None
     if job.finished:
         return None, job.status
     return job, None
+
+
+def set_aside(session: Session, job_id: int, exc: Exception) -> str | None:
+    """Fail a job whose stored row cannot be read (a column its type cannot parse: a hand edit,
+    a damaged file) in one UPDATE that reads none of it, so that no delivery or beat task trips
+    on it again; the job's status as it is then."""
+    _rollback_quietly(session)
+    reason = f"its stored row cannot be read ({one_line_reason(exc)}); it was set aside"
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status.in_(ACTIVE_STATUSES))
+        .values(status="failed", finished_at=utcnow(), error=reason)
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+    log.warning("job %s: %s", job_id, reason)
+    return session.scalar(select(Job.status).where(Job.id == job_id))
 
 
 def finish(

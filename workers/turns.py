@@ -9,6 +9,7 @@ in it, which may change as other users' jobs arrive.
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime
 
 from sqlalchemy import func, select
@@ -16,6 +17,8 @@ from sqlalchemy.orm import Session
 
 from models import Job
 from models.db import as_utc
+
+log = logging.getLogger("specpipe.coordinator")
 
 
 def fair_order(session: Session) -> list[int]:
@@ -31,13 +34,7 @@ def fair_order(session: Session) -> list[int]:
             .group_by(Job.user_id)
         ).all()
     )
-    last_start = dict(
-        session.execute(
-            select(Job.user_id, func.max(Job.started_at))
-            .where(Job.user_id.in_(owners), Job.started_at.is_not(None))
-            .group_by(Job.user_id)
-        ).all()
-    )
+    last_start = _last_starts(session, owners)
     never = datetime.min.replace(tzinfo=UTC)
 
     def turn(row) -> tuple:
@@ -45,6 +42,31 @@ def fair_order(session: Session) -> list[int]:
         return running.get(user_id, 0), as_utc(last_start.get(user_id)) or never, job_id
 
     return [job_id for job_id, _ in sorted(queued, key=turn)]
+
+
+def _last_starts(session: Session, owners: set[int]) -> dict[int, datetime]:
+    """When each of `owners` last had a job started. A user whose start times cannot be read
+    (a stored value that is not a date) counts as never served, rather than stopping every
+    coordinator from choosing the next job."""
+
+    def query(users):
+        return (
+            select(Job.user_id, func.max(Job.started_at))
+            .where(Job.user_id.in_(users), Job.started_at.is_not(None))
+            .group_by(Job.user_id)
+        )
+
+    try:
+        return dict(session.execute(query(owners)).all())
+    except (ValueError, TypeError) as exc:
+        log.warning("job start times that cannot be read (%s): reading them user by user", exc)
+    starts = {}
+    for user_id in owners:
+        try:
+            starts.update(session.execute(query([user_id])).all())
+        except (ValueError, TypeError):
+            log.warning("user %s: job start times cannot be read; counted as never served", user_id)
+    return starts
 
 
 def queue_place(session: Session, job: Job) -> dict | None:

@@ -839,3 +839,65 @@ def test_a_delivery_whose_job_another_turn_ran_runs_the_next_queued_job(db_url, 
     monkeypatch.setenv("DATABASE_URL", db_url)
     coordinator.generate.apply(args=[ids[1]])
     assert ran == [ids[0]]
+
+
+def _spoil(db_url: str, job_id: int, column: str, stored: str) -> None:
+    """Store `stored` (SQL text) in one column of a job, as a hand edit or a damaged file would."""
+    from sqlalchemy import text
+
+    from models.db import get_engine
+
+    engine = get_engine(db_url)
+    if engine.dialect.name != "sqlite":
+        pytest.skip("PostgreSQL checks every value against its column's type as it is stored")
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE jobs SET {column} = {stored} WHERE id = :id"), {"id": job_id})
+
+
+@pytest.mark.parametrize(
+    "column, stored",
+    [("stop", "'not json'"), ("output_ids", "'[1,'"), ("seed", "'x'"), ("started_at", "'noon'")],
+)
+def test_a_job_whose_row_cannot_be_read_is_set_aside_and_the_next_runs(
+    db_url, monkeypatch, column, stored
+):
+    """A delivery of a job whose row no column type can parse fails that job with the reason,
+    once, and runs the next job whose turn it is; no delivery or beat pass trips on it again."""
+    from tests.factories import gen_job, gen_user
+
+    with make_session_factory(db_url)() as session:
+        alice, bob = gen_user(session, "alice"), gen_user(session, "bob")
+        spoiled, his = gen_job(session, owner=alice).id, gen_job(session, owner=bob).id
+    _spoil(db_url, spoiled, column, stored)
+    ran = []
+    monkeypatch.setattr(
+        job_run, "run_on_swarm", lambda session, job, settings, keeper: ran.append(job.id)
+    )
+    monkeypatch.setenv("DATABASE_URL", db_url)
+    coordinator.generate.apply(args=[spoiled])
+    assert ran == [his]
+    with make_session_factory(db_url)() as session:
+        status, error = session.execute(
+            Job.__table__.select().with_only_columns(Job.status, Job.error).where(Job.id == spoiled)
+        ).one()
+        assert status == "failed"
+        assert "its stored row cannot be read" in error and "set aside" in error
+        assert turns.fair_order(session) == [his]  # the stand-in run left bob's job queued
+    coordinator.generate.apply(args=[spoiled])  # a second delivery of it takes the next turn
+    assert ran == [his, his]
+
+
+def test_start_times_that_cannot_be_read_do_not_stop_the_turns(db_url):
+    """A finished job whose start time is not a date: its owner counts as never served, and the
+    queued jobs are still ordered (before, every delivery raised and no job ran)."""
+    from models.db import utcnow
+    from tests.factories import gen_job, gen_user
+
+    with make_session_factory(db_url)() as session:
+        alice, bob = gen_user(session, "alice"), gen_user(session, "bob")
+        old = gen_job(session, owner=alice, status="done", started_at=utcnow()).id
+        gen_job(session, owner=bob, status="done", started_at=utcnow())
+        his, hers = gen_job(session, owner=bob).id, gen_job(session, owner=alice).id
+    _spoil(db_url, old, "started_at", "'noon'")
+    with make_session_factory(db_url)() as session:
+        assert turns.fair_order(session) == [hers, his]
