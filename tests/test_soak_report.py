@@ -11,6 +11,7 @@ from specpipe.bench.soak import (
     problems,
     recovery_s,
     schedule,
+    stall_s,
     summarise_faults,
     summarise_jobs,
     tokens_per_minute,
@@ -50,6 +51,21 @@ def test_recovery_is_the_first_round_stored_after_the_fault_ended():
     assert recovery_s(5.0, seen) == 7.5
     assert recovery_s(0.5, seen) == 0.5
     assert recovery_s(13.0, seen) is None
+
+
+def test_a_faults_stall_is_the_longest_a_running_job_waited_for_its_next_round():
+    seen = [
+        obs(1.0, 1, rounds=3),
+        obs(1.5, 2, rounds=1),
+        obs(6.0, 2, rounds=2),  # job 2 waited 4 s from the fault at 2.0
+        obs(3.0, 1, rounds=4),  # job 1 only 1 s
+    ]
+    assert stall_s(2.0, [1, 2], seen) == 4.0
+    assert stall_s(2.0, [1], seen) == 1.0
+    assert stall_s(2.0, [], seen) == 0.0
+    assert stall_s(7.0, [1, 2], seen) is None  # neither has moved since
+    # A job that ended (however it ended) no longer waits.
+    assert stall_s(2.0, [1], [obs(1.0, 1, rounds=3), obs(2.5, 1, "failed", rounds=3)]) == 0.5
 
 
 def test_a_job_ending_done_or_a_new_job_storing_a_round_is_recovery_too():
@@ -100,9 +116,9 @@ def test_the_job_summary_counts_outcomes_and_reasons():
 
 def test_the_fault_summary_has_p50_and_max_recovery_per_kind():
     injected = [
-        Injected("link-cut", "h2", 3.0, 10.0, 13.0, recover_s=1.0),
-        Injected("link-cut", "h4", 3.0, 30.0, 33.0, recover_s=3.0),
-        Injected("link-cut", "h2", 3.0, 50.0, 53.0, recover_s=2.5),
+        Injected("link-cut", "h2", 3.0, 10.0, 13.0, recover_s=1.0, stall_s=2.0),
+        Injected("link-cut", "h4", 3.0, 30.0, 33.0, recover_s=3.0, stall_s=5.0),
+        Injected("link-cut", "h2", 3.0, 50.0, 53.0, recover_s=2.5, stall_s=1.0),
         Injected("redis-fill", "h2", 3.0, 70.0, 73.0, recover_s=None),
         Injected("clock-skew", "h2", 3.0, 80.0, 80.0, error="RuntimeError: no"),
     ]
@@ -113,6 +129,8 @@ def test_the_fault_summary_has_p50_and_max_recovery_per_kind():
         "recover_s_p50": 2.5,
         "recover_s_max": 3.0,
         "unrecovered": 0,
+        "stall_s_p50": 2.0,
+        "stall_s_max": 5.0,
     }
     assert rows["redis-fill"]["unrecovered"] == 1 and rows["redis-fill"]["recover_s_p50"] is None
     assert rows["clock-skew"]["injected"] == 0 and rows["clock-skew"]["errors"] == [

@@ -30,9 +30,11 @@ ends in one of faults.py's columns: identical (its tokens equal the same job run
 process over the whole model), different, failed (with its reason), lost (the store no longer
 has it) or stuck (not ended by the deadline). A fault's recovery time is from its end (the
 link up, the SIGCONT, the restart, the junk deleted) to the next round any job stores or its
-end as done. Tokens per minute are counted per minute of the soak, and the resident memory of
-every lab process (with its children) after warm-up (a first job, then `warm_up_s` of the
-users' load before the first fault) and at the end.
+end as done; its stall is what it cost a running job: the longest any job running when it
+began waited from then for its next round (or its end). Tokens per minute are counted per
+minute of the soak, and the resident memory of every lab process (with its children) after
+warm-up (a first job, then `warm_up_s` of the users' load before the first fault) and at the
+end.
 
 The verdict is FAIL on any lost, stuck or different job, or on a lab process whose memory grew
 by more than `MEMORY_GROWTH` after warm-up (and by more than `MEMORY_FLOOR_MIB`, so tiny
@@ -222,6 +224,26 @@ def recovery_s(ended: float, observations: Sequence[Observation]) -> float | Non
     return None
 
 
+def stall_s(
+    started: float, job_ids: Sequence[int], observations: Sequence[Observation]
+) -> float | None:
+    """The longest any of `job_ids` (the jobs running when a fault began at `started`) waited
+    from then for its next stored round or its end: what the fault cost a running job. None
+    while one of them has neither."""
+    waited = []
+    for job_id in job_ids:
+        seen = sorted((o for o in observations if o.job_id == job_id), key=lambda o: o.t)
+        before = [o for o in seen if o.t <= started]
+        rounds = before[-1].rounds if before else 0
+        moved = next(
+            (o for o in seen if o.t > started and (o.rounds > rounds or o.status in FINAL)), None
+        )
+        if moved is None:
+            return None
+        waited.append(moved.t - started)
+    return max(waited, default=0.0)
+
+
 def tokens_per_minute(observations: Sequence[Observation], minutes: int) -> list[int]:
     """New tokens stored in each minute of the soak (a job's tokens counted once: a job run
     again from the start counts only those past the most it had before)."""
@@ -253,6 +275,7 @@ class Injected:
     detail: str = ""
     running: list[int] = field(default_factory=list)  # the jobs running when it came
     recover_s: float | None = None
+    stall_s: float | None = None  # the longest a running job waited for its next round
     error: str | None = None  # the fault could not be injected as planned
 
 
@@ -404,12 +427,15 @@ def summarise_faults(injected: Sequence[Injected]) -> dict[str, dict]:
     for kind in dict.fromkeys(i.kind for i in injected):
         these = [i for i in injected if i.kind == kind]
         recover = [i.recover_s for i in these if i.recover_s is not None]
+        stalls = [i.stall_s for i in these if i.stall_s is not None]
         rows[kind] = {
             "injected": sum(i.error is None for i in these),
             "errors": [i.error for i in these if i.error],
             "recover_s_p50": round(statistics.median(recover), 2) if recover else None,
             "recover_s_max": round(max(recover), 2) if recover else None,
             "unrecovered": sum(i.error is None and i.recover_s is None for i in these),
+            "stall_s_p50": round(statistics.median(stalls), 2) if stalls else None,
+            "stall_s_max": round(max(stalls), 2) if stalls else None,
         }
     return rows
 
@@ -522,13 +548,16 @@ def inject(chaos: Chaos, monitor: Monitor, fault: Fault, log: Log) -> Injected:
     done.ended = monitor.now()
     if done.error is None:
         limit = time.monotonic() + RECOVER_WAIT_S
-        while done.recover_s is None and time.monotonic() < limit:
+        while done.stall_s is None and time.monotonic() < limit:
             time.sleep(0.1)
-            done.recover_s = recovery_s(done.ended, monitor.snapshot())
+            seen = monitor.snapshot()
+            done.recover_s = done.recover_s or recovery_s(done.ended, seen)
+            done.stall_s = stall_s(done.started, done.running, seen)
     recover = f"{done.recover_s:.2f} s" if done.recover_s is not None else "-"
+    stalled = f"{done.stall_s:.2f} s" if done.stall_s is not None else "-"
     log(
         f"[{done.started:6.1f} s] {fault.kind} on {fault.host}: {done.detail or done.error}; "
-        f"running {done.running}; recovered in {recover}"
+        f"running {done.running}; recovered in {recover}; a running job waited {stalled}"
     )
     return done
 
@@ -683,12 +712,13 @@ def report(result: dict) -> list[str]:
     ]
     lines += [f"  failed ({n}): {reason}" for reason, n in j["failed_reasons"].items()]
     lines += [f"  refused ({n}): {why}" for why, n in result["refused"].items()]
-    lines.append("FAULT             INJECTED  RECOVER s p50 / max  UNRECOVERED")
+    lines.append("FAULT             INJECTED  RECOVER s p50 / max  UNRECOVERED  STALL s p50 / max")
     for kind, row in result["faults"].items():
-        recover = "-"
-        if row["recover_s_p50"] is not None:
-            recover = f"{row['recover_s_p50']:.2f} / {row['recover_s_max']:.2f}"
-        lines.append(f"{kind:<17} {row['injected']:>8}  {recover:>19}  {row['unrecovered']:>11}")
+        recover = _p50_max(row["recover_s_p50"], row["recover_s_max"])
+        stall = _p50_max(row["stall_s_p50"], row["stall_s_max"])
+        lines.append(
+            f"{kind:<17} {row['injected']:>8}  {recover:>19}  {row['unrecovered']:>11}  {stall:>17}"
+        )
         lines += [f"  {kind} not injected: {e}" for e in row["errors"]]
     lines += [f"left out: {why}" for why in result["setup"]["left_out"]]
     per_minute = ", ".join(str(n) for n in result["tokens_per_minute"])
@@ -700,3 +730,7 @@ def report(result: dict) -> list[str]:
     lines += [f"problem: {p}" for p in result["problems"]]
     lines.append(f"verdict {result['verdict']}")
     return lines
+
+
+def _p50_max(p50: float | None, most: float | None) -> str:
+    return "-" if p50 is None else f"{p50:.2f} / {most:.2f}"
