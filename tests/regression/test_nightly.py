@@ -22,7 +22,7 @@ from models.runs import Run
 from models.users import builtin_admin
 from specpipe.cli import cli
 from specpipe.settings import Settings, nightly_sizes
-from tests.regression.conftest import ROOT, SMALL_SIZES, STAGES
+from tests.regression.conftest import PLUMBING_SIZES, ROOT, SMALL_SIZES, STAGES
 from tests.regression.toy_target import toy_target
 from tests.waiting import wait_until
 from tests.web.conftest import as_user
@@ -139,6 +139,7 @@ def test_a_verdict_faked_in_the_broker_is_not_reported_and_the_night_runs(live_s
     outcome for the night `specpipe regression run` waits on, before any worker takes it. On
     main the command printed "verdict: pass" and the worker skipped the night; here the night
     runs, on a ring whose lossy tail fails it, and the command reports the stored verdict."""
+    live_swarm.sizes = PLUMBING_SIZES
     live_swarm.start_stages(lossy_tail=True)
     command = subprocess.Popen(
         [sys.executable, "-m", "specpipe", "regression", "run", "--timeout", "150"],
@@ -221,7 +222,7 @@ def test_a_stage_flagged_lossy_fails_the_night_even_when_the_proofs_pass(live_sw
     swarm = Settings.from_env().for_swarm(live_swarm.redis_url, live_swarm.name, live_swarm.key)
     with make_session_factory(live_swarm.db_url)() as session:
         run = run_nightly(session, toy_target(), swarm, sizes["seed"], sizes)
-        assert run.verdict == "error"
+        assert run.verdict == "error", [(p.kind, p.summary.get("reasons")) for p in run.proofs]
         verdicts = [(p.kind, p.verdict) for p in run.proofs]
         assert verdicts == [
             ("local_math", "pass"),
@@ -278,6 +279,7 @@ def test_the_nightly_verifies_the_tails_draft_head_on_real_stage_processes(
 
 @pytest.mark.slow
 def test_two_schedulers_firing_at_once_store_one_run(live_swarm, monkeypatch):
+    live_swarm.sizes = PLUMBING_SIZES
     live_swarm.start_stages()
     live_swarm.start_workers(2)
     enqueue(live_swarm, monkeypatch)  # beat's own call: the key is tonight's date
