@@ -548,11 +548,13 @@ def inject(chaos: Chaos, monitor: Monitor, fault: Fault, log: Log) -> Injected:
     done.ended = monitor.now()
     if done.error is None:
         limit = time.monotonic() + RECOVER_WAIT_S
-        while done.stall_s is None and time.monotonic() < limit:
+        while None in (done.recover_s, done.stall_s) and time.monotonic() < limit:
             time.sleep(0.1)
             seen = monitor.snapshot()
-            done.recover_s = done.recover_s or recovery_s(done.ended, seen)
-            done.stall_s = stall_s(done.started, done.running, seen)
+            if done.recover_s is None:
+                done.recover_s = recovery_s(done.ended, seen)
+            if done.stall_s is None:
+                done.stall_s = stall_s(done.started, done.running, seen)
     recover = f"{done.recover_s:.2f} s" if done.recover_s is not None else "-"
     stalled = f"{done.stall_s:.2f} s" if done.stall_s is not None else "-"
     log(
