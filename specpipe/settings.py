@@ -75,6 +75,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 SECRET_KEY_FILE = "secret_key"
 SWARM_KEY_FILE = "swarm_key"
 REDIS_PASSWORD_FILE = "redis_password"
+LOCAL_REDIS_PASSWORD_FILE = "redis_local_password"
 DEFAULT_REDIS_MAXMEMORY = "2gb"
 SWARM_FILE = "swarm.json"
 PROCESSES_FILE = "processes.json"  # `up`: the pid of each process it supervises, by name
@@ -267,9 +268,11 @@ def secret_key() -> str | None:
 
 def _secret(variable: str, name: str) -> str | None:
     """The environment's `variable`, else the instance folder's file `name`, else None."""
-    value = os.environ.get(variable)
-    if value:
-        return value
+    return os.environ.get(variable) or _secret_file(name)
+
+
+def _secret_file(name: str) -> str | None:
+    """The instance folder's file `name`, stripped, else None."""
     path = instance_dir() / name
     return (path.read_text().strip() or None) if path.is_file() else None
 
@@ -280,8 +283,8 @@ def ensure_secret_key() -> str:
 
 
 def redis_password() -> str | None:
-    """The swarm's data-plane Redis password, which every host's Redis accepts for its user
-    `specpipe` and a process adds to the addresses of other hosts it dials:
+    """The swarm's data-plane Redis password, which every stage host's Redis accepts for its
+    peer user `specpipe-peer` and a process adds to the addresses of other hosts it dials:
     `SPECPIPE_REDIS_PASSWORD`, else the file `SPECPIPE_REDIS_PASSWORD_FILE` names, else the one
     kept in the instance folder, else None."""
     path = os.environ.get("SPECPIPE_REDIS_PASSWORD_FILE")
@@ -291,9 +294,21 @@ def redis_password() -> str | None:
 
 
 def ensure_redis_password() -> str:
-    """The password of the Redis `specpipe up` or `specpipe join` runs: `redis_password`, else
-    a new one written into the instance folder (mode 0600)."""
+    """The peer password of the Redis `specpipe up` or `specpipe join` runs: `redis_password`,
+    else a new one written into the instance folder (mode 0600)."""
     return redis_password() or _write_secret(REDIS_PASSWORD_FILE)
+
+
+def local_redis_password() -> str | None:
+    """The password of the `specpipe` user of the Redis `specpipe up` or `specpipe join` runs
+    on this host (every command it allows, Lua too), for this host's own processes only, so it
+    never leaves the host: the instance folder's `redis_local_password`, else None."""
+    return _secret_file(LOCAL_REDIS_PASSWORD_FILE)
+
+
+def ensure_local_redis_password() -> str:
+    """`local_redis_password`, else a new one written into the instance folder (mode 0600)."""
+    return local_redis_password() or _write_secret(LOCAL_REDIS_PASSWORD_FILE)
 
 
 def redis_maxmemory() -> str:

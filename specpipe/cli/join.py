@@ -109,8 +109,10 @@ def join(
     """Join the swarm whose registry is REGISTRY as a stage, and serve until stopped.
 
     The swarm key comes from SPECPIPE_SWARM_KEY or the file SPECPIPE_SWARM_KEY_FILE names.
-    Uses this host's Redis (--redis, REDIS_URL) or starts one, locked down with a password
-    kept in the instance folder; chooses a layer range (--layers, or auto); registers with
+    Uses this host's Redis (--redis, REDIS_URL) or starts one, locked down: its own user with a
+    password kept in the instance folder that never leaves this host, and the other hosts' peer
+    user with the swarm's data-plane password (SPECPIPE_REDIS_PASSWORD_FILE, or the instance
+    folder's); chooses a layer range (--layers, or auto); registers with
     the address the other hosts reach it at; Ctrl-C or SIGTERM leaves the swarm.
 
     Example:
@@ -175,13 +177,15 @@ def join(
     server = None
     redis_url = redis_url or settings.configured_redis_url()
     if redis_url is None:
+        # Its own user's password stays here; the other hosts dial it with the data-plane one.
         server = RedisServer(
             port=port,
             host=address,
-            password=settings.ensure_redis_password(),
+            password=settings.ensure_local_redis_password(),
             data_dir=settings.instance_dir() / "redis",
             maxmemory=settings.redis_maxmemory(),
             accept_backported=accept_backported_redis or settings.accept_backported_redis(),
+            peer_password=settings.ensure_redis_password(),
         )
         try:
             redis_url = server.start()

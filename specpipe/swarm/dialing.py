@@ -2,9 +2,11 @@
 
 Messages name hops by host only, and the inventory records each host's Redis address without
 user or password. The credentials are the dialling process's own: a URL it was configured with
-(its own `--redis`, its `--registry`, `REDIS_URL`) is dialled as configured, and any other
-address with the swarm's data-plane user and password (`settings.redis_password`), which every
-host's Redis accepts. Without a data-plane password an address is dialled as it is.
+(its own `--redis`, its `--registry`, `REDIS_URL`) is dialled as configured, with its host's own
+user and password, and any other address as the peer user with the swarm's data-plane password
+(`settings.redis_password`), which every stage host's Redis accepts for that user and which
+reaches there only what another host does (`specpipe.ops.redis_server.PEER_COMMANDS`). Without
+a data-plane password an address is dialled as it is.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from urllib.parse import quote
 from specpipe import settings
 from specpipe.swarm.redact import without_credentials
 
-REDIS_USER = "specpipe"  # the one user of every locked-down swarm Redis
+REDIS_USER = "specpipe"  # a locked-down swarm Redis's own user, for its host's processes
+PEER_USER = "specpipe-peer"  # the user other hosts dial a stage host's Redis as
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,7 @@ class Dialer:
 
     own: tuple[str, ...] = ()  # the URLs this process was configured with, credentials and all
     password: str | None = field(default=None, repr=False)  # the swarm's data-plane password
-    username: str = REDIS_USER
+    username: str = PEER_USER
 
     @classmethod
     def configured(cls, urls: Iterable[str | None], password: str | None) -> Dialer:

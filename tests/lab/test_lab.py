@@ -9,8 +9,12 @@ import os
 import subprocess
 
 import pytest
+import redis
 
 from specpipe.ops.lab import Lab
+from specpipe.swarm import streams
+from specpipe.swarm.dialing import Dialer
+from specpipe.swarm.redact import without_credentials
 from tests.lab.conftest import lab_unavailable, run
 
 PROMPT = "hello world"
@@ -49,6 +53,37 @@ def test_every_host_has_its_own_namespace_address_and_redis(lab):
         ["ip", "netns", "exec", hosts[0].namespace, "ss", "-ltn"], capture_output=True, text=True
     ).stdout
     assert f"{hosts[0].address}:6379" in here and "127.0.0.1:6379" not in here
+
+
+def test_what_other_hosts_hold_reaches_only_a_stages_stream_and_the_registrys_keys(lab):
+    """Each host's own user's password is its own; with the data-plane password, as another
+    host dials it, a host's Redis takes a message for its stage and shows none; the other hosts
+    reach the registry as its user for them. On main the data-plane password was every host's
+    `specpipe` password, and the registry's too."""
+    hosts = lab.hosts()
+    data = lab.data_password()
+    assert len({h.redis_url for h in hosts[:2]}) == 2
+    for host in hosts[:2]:
+        assert data not in host.redis_url
+        stream = streams.stage_key(lab.state["swarm"], f"{host.name}-probe")
+        peer = redis.Redis.from_url(
+            Dialer.configured([], data).url(without_credentials(host.redis_url)),
+            socket_timeout=10,
+        )
+        try:
+            streams.send(peer, stream, b"sealed elsewhere")
+            for command in (("XRANGE", stream, "-", "+"), ("EVAL", "return 1", "0"), ("INFO",)):
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    peer.execute_command(*command)
+        finally:
+            peer.close()
+        own = redis.Redis.from_url(host.redis_url, socket_timeout=10)
+        assert own.xlen(stream) == 1
+        own.delete(stream, streams.bell_key(stream))
+        own.close()
+    registry = lab.env(hosts[1])["SPECPIPE_REGISTRY_URL"]
+    assert registry.startswith("redis://specpipe-remote:") and "@" + hosts[0].address in registry
+    assert lab.env(hosts[0])["SPECPIPE_REGISTRY_URL"] == hosts[0].redis_url
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """How a process dials the addresses the inventory gives: its own URLs as configured, any other
-host with the swarm's data-plane password, and nothing added without one."""
+host as the peer user with the swarm's data-plane password, and nothing added without one."""
 
-from specpipe.swarm.dialing import Dialer
+from specpipe.swarm.dialing import PEER_USER, REDIS_USER, Dialer
 from specpipe.swarm.redact import has_credentials, without_credentials
 
 OWN = "rediss://specpipe:own-pw@10.0.0.1:6379/0?ssl_ca_certs=/etc/specpipe/ca.pem"
@@ -16,13 +16,16 @@ def test_an_address_carries_no_credentials():
     assert not has_credentials(without_credentials(OWN))
 
 
-def test_own_urls_are_dialled_as_configured_and_others_with_the_data_plane_password():
+def test_own_urls_are_dialled_as_configured_and_others_as_the_peer_user():
+    """On main another host's address was dialled as `specpipe`, the user with every right."""
     dialer = Dialer.configured([OWN, SOCKET, None], "data pw/1")
     assert dialer.url(without_credentials(OWN)) == OWN
     assert dialer.url(without_credentials(SOCKET)) == SOCKET
     assert dialer.url(OWN) == OWN
-    assert dialer.url("redis://10.0.0.2:6379/0") == "redis://specpipe:data%20pw%2F1@10.0.0.2:6379/0"
-    assert dialer.url("unix:///other.sock?db=0") == "unix://specpipe:data%20pw%2F1@/other.sock?db=0"
+    peer = "specpipe-peer:data%20pw%2F1@"
+    assert dialer.url("redis://10.0.0.2:6379/0") == f"redis://{peer}10.0.0.2:6379/0"
+    assert dialer.url("unix:///other.sock?db=0") == f"unix://{peer}/other.sock?db=0"
+    assert PEER_USER == "specpipe-peer" != REDIS_USER
     assert "data pw" not in repr(dialer)
 
 

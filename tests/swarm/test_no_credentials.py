@@ -1,6 +1,6 @@
 """No credential on the wire or in a record: after a generation through real stage processes on
-two password-protected Redis servers, the password stands in no stream entry, inventory
-record, dead letter, log line, error or append-only file."""
+two password-protected Redis servers, neither the data-plane password nor a host's own stands
+in a stream entry, inventory record, dead letter, log line, error or append-only file."""
 
 from __future__ import annotations
 
@@ -62,13 +62,16 @@ def files_under(directory: Path) -> dict[Path, bytes]:
 
 def test_no_password_in_any_message_record_dead_letter_log_or_file(tmp_path, monkeypatch, caplog):
     caplog.set_level(logging.INFO)
-    password = secrets.token_hex(16)
+    password = secrets.token_hex(16)  # the swarm's data-plane password
+    owned = {host: secrets.token_hex(16) for host in ("h0", "h1")}  # each host's own user's
     swarm, key = f"t{secrets.token_hex(5)}", secrets.token_hex(16)
-    monkeypatch.setenv("SPECPIPE_REDIS_PASSWORD", password)  # the swarm's data-plane password
-    home = RedisServer(password=password, data_dir=tmp_path / "h0-redis")  # registry, h0
-    other = RedisServer(password=password, data_dir=tmp_path / "h1-redis")  # h1
+    monkeypatch.setenv("SPECPIPE_REDIS_PASSWORD", password)
+    home, other = (  # the registry and h0's, and h1's
+        RedisServer(password=owned[h], data_dir=tmp_path / f"{h}-redis", peer_password=password)
+        for h in ("h0", "h1")
+    )
     registry, h1_url = home.start(), other.start()
-    assert password in registry and password in h1_url  # what each process is configured with
+    assert owned["h0"] in registry and owned["h1"] in h1_url  # each process's own host's
     env = {
         **os.environ,
         "SPECPIPE_SWARM_KEY": key,
@@ -140,19 +143,23 @@ def test_no_password_in_any_message_record_dead_letter_log_or_file(tmp_path, mon
         home.stop()
         other.stop()
 
-    secret = password.encode()
+    passwords = [password, *owned.values()]
+
+    def shows(data: bytes | str) -> bool:
+        return any((p if isinstance(data, str) else p.encode()) in data for p in passwords)
+
     found = {
-        "stream entries": [m for m in seen if secret in m],
-        "inventory records": [r for r in records if secret in r],
-        "dead letters": [d for d in letters if secret in d],
-        "errors": [e for e in errors if password in e],
-        "logs": [h for h, path in logs.items() if secret in path.read_bytes()]
-        + (["this process"] if password in caplog.text else []),
+        "stream entries": [m for m in seen if shows(m)],
+        "inventory records": [r for r in records if shows(r)],
+        "dead letters": [d for d in letters if shows(d)],
+        "errors": [e for e in errors if shows(e)],
+        "logs": [h for h, path in logs.items() if shows(path.read_bytes())]
+        + (["this process"] if shows(caplog.text) else []),
         "Redis files": [
             str(path)
             for directory in (tmp_path / "h0-redis", tmp_path / "h1-redis")
             for path, data in files_under(directory).items()
-            if secret in data
+            if shows(data)
         ],
     }
     assert any(files_under(tmp_path / "h0-redis")), "the registry keeps an append-only file"

@@ -1,7 +1,8 @@
 """A Redis that is safe to expose: a build with the Lua code-execution bugs never serves other
 hosts unless the operator vouches for a backported fix, loopback servers run any build as
-before, and the credentials other hosts hold cannot run Lua while a stage still serves with
-them."""
+before, and the credentials other hosts hold (the registry's `specpipe-remote`, every stage
+host's `specpipe-peer` with the data-plane password) cannot run Lua or reach more than what
+another host does there, while a ring still serves with them."""
 
 from __future__ import annotations
 
@@ -19,8 +20,18 @@ from click.testing import CliRunner
 from specpipe.cli import cli
 from specpipe.core.sampling import committed_tokens
 from specpipe.ops import redis_server
-from specpipe.ops.redis_server import REMOTE_USER, RedisServer, UnsafeRedis, find_binary
+from specpipe.ops.redis_server import (
+    PEER_USER,
+    REMOTE_USER,
+    RedisServer,
+    UnsafeRedis,
+    find_binary,
+    free_port,
+)
+from specpipe.settings import Settings
 from specpipe.swarm import streams, wire
+from specpipe.swarm.dialing import Dialer
+from specpipe.swarm.redact import without_credentials
 from specpipe.swarm.redis_ring import RedisRing
 from tests.swarm.test_redis_ring import PARAMS, ReferenceRing, drive, reference
 from tests.waiting import wait_until
@@ -226,6 +237,203 @@ def test_the_credentials_for_other_hosts_do_what_a_stage_does(two_users, swarm, 
     local = redis.Redis.from_url(two_users.url)
     assert local.xlen(reply) == 1 and inventory.load(local, swarm, key) == []
     local.close()
+
+
+DATA_PASSWORD = "data secret"  # the swarm's data-plane password, which every host holds
+
+
+def as_a_peer(server: RedisServer) -> redis.Redis:
+    """A client of `server` as another host dials it: its address, with the data-plane
+    password added by that host's dialer."""
+    url = Dialer.configured([], DATA_PASSWORD).url(without_credentials(server.url))
+    assert url.startswith(f"redis://{PEER_USER}:") and url == server.peer_url
+    return redis.Redis.from_url(url)
+
+
+@pytest.fixture(scope="module")
+def stage_host():
+    """A stage host's Redis: its own user's password, and the data-plane one for its peers."""
+    with RedisServer(password="own secret", peer_password=DATA_PASSWORD) as server:
+        yield server
+
+
+# What the data-plane password must not reach on a stage host's Redis, each with a command
+# that would do it: the stage's traffic, its consumer group and dead letters, any other key, a
+# Celery queue, the inventory, the counters to forge, Lua, pub/sub, and the server itself.
+PEER_OFF_LIMITS = [
+    ("XREADGROUP", "GROUP", "stage", "c", "STREAMS", "specpipe:s:stage:h1", ">"),
+    ("XREAD", "STREAMS", "specpipe:s:stage:h1", "0"),
+    ("XRANGE", "specpipe:s:stage:h1", "-", "+"),
+    ("XLEN", "specpipe:s:stage:h1"),
+    ("XTRIM", "specpipe:s:stage:h1", "MAXLEN", "0"),
+    ("XGROUP", "DESTROY", "specpipe:s:stage:h1", "stage"),
+    ("DEL", "specpipe:s:stage:h1"),
+    ("XRANGE", "specpipe:s:dead:h1", "-", "+"),
+    ("XADD", "specpipe:s:reply:job-1", "*", "m", "x"),
+    ("GET", "anything"),
+    ("SET", "anything", "x"),
+    ("DEL", "anything"),
+    ("LPUSH", "coordinator", "x"),
+    ("HSET", "specpipe:s:nodes", "h1", "forged"),
+    ("HGETALL", "specpipe:s:nodes"),
+    ("HSET", "specpipe:s:stats:h1", "processed", "0"),
+    ("SET", "specpipe:s:job-lock:1", "mine"),
+    ("EVAL", "return 1", "0"),
+    ("EVALSHA", "e0e1f9fabfc9d4800c877a703b823ac0578ff8db", "0"),
+    ("SCRIPT", "LOAD", "return 1"),
+    ("SUBSCRIBE", "celeryev"),
+    ("PUBLISH", "celeryev", "x"),
+    ("PSUBSCRIBE", "*"),
+    ("CONFIG", "GET", "*"),
+    ("CONFIG", "SET", "maxmemory", "1"),
+    ("INFO",),
+    ("KEYS", "*"),
+    ("SCAN", "0"),
+    ("ACL", "LIST"),
+    ("CLIENT", "LIST"),
+    ("FLUSHALL",),
+    ("SHUTDOWN", "NOSAVE"),
+]
+
+
+@pytest.mark.parametrize("command", PEER_OFF_LIMITS, ids=lambda c: " ".join(c[:2]))
+def test_the_data_plane_password_reaches_nothing_but_a_stages_stream(stage_host, command):
+    """On main it was the password of `specpipe` on every host: every command, every key."""
+    peer = as_a_peer(stage_host)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        peer.execute_command(*command)
+    peer.close()
+
+
+def test_the_data_plane_password_does_what_another_host_does(stage_host):
+    """A previous hop or a coordinator sends to a stage's stream and rings its bell, a stage
+    times a PING to its next hop, `specpipe nodes` reads a stage's counters."""
+    stream = streams.stage_key("s", "h2")
+    own = redis.Redis.from_url(stage_host.url)
+    own.hset(streams.stats_key("s", "h2"), "processed", 3)
+    peer = as_a_peer(stage_host)
+    assert peer.ping()
+    streams.send(peer, stream, b"one")
+    link = streams.Link(peer)
+    streams.send_all(link, [(stream, b"two", False), (stream, b"three", False)])
+    link.close()
+    assert streams.read_stats(peer, "s", "h2") == {"processed": 3.0}
+    peer.close()
+    assert [e[streams.FIELD] for _, e in own.xrange(stream)] == [b"one", b"two", b"three"]
+    assert own.lrange(streams.bell_key(stream), 0, -1) == [b"1"]  # rung, one ring held
+    assert own.eval("return 1", 0) == 1  # this host's own processes keep Lua
+    own.close()
+    # The data-plane password is not the host's own user's.
+    wrong = redis.Redis(port=stage_host.port, username="specpipe", password=DATA_PASSWORD)
+    with pytest.raises(redis.AuthenticationError):
+        wrong.ping()
+    wrong.close()
+
+
+def test_a_ring_over_two_hosts_redis_serves_with_what_other_hosts_hold(swarm, key, monkeypatch):
+    """Host 0 runs the registry, a stage and the coordinator; host 1 a stage only. The stage on
+    host 0 and the coordinator reach host 1's stream as its peer user, with the data-plane
+    password; host 1's stage registers and replies as the registry's `specpipe-remote`. Nobody
+    holds another host's own password."""
+    from tests.swarm.conftest import Stages
+
+    monkeypatch.setenv("SPECPIPE_REDIS_PASSWORD", DATA_PASSWORD)
+    host0 = RedisServer(password="h0 own", remote_password="h0 remote", peer_password=DATA_PASSWORD)
+    host1 = RedisServer(password="h1 own", peer_password=DATA_PASSWORD)
+    registry = host0.start()
+    host1.start()
+    stages = Stages(swarm, key, registry)
+    try:
+        stages.start("near", "0:2", registry, wait=False)
+        stages.start("far", "2:4", host1.url, "--registry", host0.remote_url, wait=False)
+        stages.wait_ready(["near", "far"])
+        settings = Settings.from_env().for_swarm(registry, swarm, key)
+        assert settings.redis_password == DATA_PASSWORD
+        ring = RedisRing.from_inventory(settings, "toy", 4, timeout_s=20)
+        try:
+            assert [hop.redis_url for hop in ring.route] == [
+                without_credentials(registry),
+                without_credentials(host1.url),
+            ]
+            ring.reset("s", PARAMS)
+            got = drive(ring, "s", rounds=3, k=2)
+            ring.drop("s")
+        finally:
+            ring.close()
+        # What `specpipe nodes` reads on host 0: each stage's counters, far's as its peer
+        # (flushed at the stages' heartbeats).
+        hops = [(hop.host, hop.redis_url) for hop in ring.route]
+        dialer = Dialer.for_settings(settings)
+        found = wait_until(
+            lambda: (
+                (found := streams.read_stages_stats(hops, swarm, dialer=dialer))
+                and all(stats and stats["processed"] >= 3 for stats in found.values())
+                and found
+            ),
+            10,
+            "both stages' counters",
+        )
+    finally:
+        stages.stop()
+        host0.stop()
+        host1.stop()
+    assert got == reference([(0, 2), (2, 4)], rounds=3, k=2)
+    assert set(found) == {"near", "far"}
+
+
+def test_join_starts_its_redis_with_a_password_of_its_own_and_the_peer_user(
+    tmp_path, monkeypatch, redis_url, swarm
+):
+    """`specpipe join`'s Redis: its own user's password, made here (0600), only in the URL
+    this host's processes get; the data-plane password (the deploy guide's file) only for its
+    peers. On main the data-plane password was its own user's."""
+    from tests.swarmprocs import write_tiny_model
+
+    join_cli = importlib.import_module("specpipe.cli.join")  # the module, not the command
+
+    model = write_tiny_model(tmp_path / "tiny")
+    home = tmp_path / "home"
+    data_file = tmp_path / "data_password"
+    data_file.write_text(DATA_PASSWORD + "\n")
+    monkeypatch.setenv("SPECPIPE_HOME", str(home))
+    monkeypatch.setenv("SPECPIPE_SWARM", swarm)
+    monkeypatch.setenv("SPECPIPE_SWARM_KEY", "k" * 32)
+    monkeypatch.setenv("SPECPIPE_REGISTRY_URL", redis_url)
+    monkeypatch.setenv("SPECPIPE_REDIS_PASSWORD_FILE", str(data_file))
+    for name in ("REDIS_URL", "SPECPIPE_REDIS_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)
+    seen = {}
+
+    def serving(host, layers, model_name, *, redis_url, registry_url, **options):
+        seen["url"] = redis_url
+        own = redis.Redis.from_url(redis_url)
+        seen["own lua"] = own.eval("return 1", 0)
+        own.close()
+        peer = redis.Redis.from_url(
+            Dialer.configured([], DATA_PASSWORD).url(without_credentials(redis_url))
+        )
+        stream = streams.stage_key(swarm, host)
+        seen["peer sends"] = streams.send(peer, stream, b"m")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            peer.xrange(stream)
+        peer.close()
+        where = redis.connection.parse_url(redis_url)
+        wrong = redis.Redis(port=where["port"], username="specpipe", password=DATA_PASSWORD)
+        with pytest.raises(redis.AuthenticationError):
+            wrong.ping()
+        wrong.close()
+
+    monkeypatch.setattr(join_cli, "serve_stage", serving)
+    port = str(free_port())
+    argv = ["join", "--model", str(model), "--layers", "0:4", "--host", "joiner"]
+    result = CliRunner().invoke(cli, [*argv, "--address", "127.0.0.1", "--port", port])
+    assert result.exit_code == 0, result.output
+    own_password = (home / "redis_local_password").read_text().strip()
+    assert (home / "redis_local_password").stat().st_mode & 0o077 == 0
+    assert seen["url"].startswith(f"redis://specpipe:{own_password}@127.0.0.1:{port}/")
+    assert DATA_PASSWORD.replace(" ", "%20") not in seen["url"]
+    assert seen["own lua"] == 1 and seen["peer sends"]
+    assert own_password not in result.output
 
 
 # Token ids of the toy vocabulary that are neither printable ASCII nor CR/LF nor zero, so

@@ -18,7 +18,8 @@ from specpipe.swarm.redis_ring import RedisRing
 from tests.swarm.test_redis_ring import PARAMS, drive, reference
 from tests.waiting import wait_until
 
-PASSWORD = "tls-test-password"
+PASSWORD = "tls-test-password"  # the host's own user's
+DATA_PASSWORD = "tls-test-data-password"  # the swarm's data-plane password: its peer user's
 
 
 def openssl(*args: str, cwd: Path) -> None:
@@ -86,7 +87,8 @@ def tls_redis(tmp_path_factory):
     make_certificates(directory)
     port = free_port()
     config = directory / "redis.conf"
-    config.write_text("\n".join(acl_rules(PASSWORD)) + "\n")  # as every swarm host's
+    # As every stage host's: its own user, and the peer user for the data-plane password.
+    config.write_text("\n".join(acl_rules(PASSWORD, peer_password=DATA_PASSWORD)) + "\n")
     config.chmod(0o600)
     argv = [
         find_binary(),
@@ -163,8 +165,8 @@ def test_rounds_go_through_a_stage_whose_stream_lives_on_a_tls_redis(
     address = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}"
     remote = f"rediss://specpipe:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={ca}"
     # The data-plane password: near and the coordinator add it to far's address.
-    monkeypatch.setenv("SPECPIPE_REDIS_PASSWORD", PASSWORD)
-    ring_settings = replace(ring_settings, redis_password=PASSWORD)
+    monkeypatch.setenv("SPECPIPE_REDIS_PASSWORD", DATA_PASSWORD)
+    ring_settings = replace(ring_settings, redis_password=DATA_PASSWORD)
     stages.start("near", "0:2", redis_url, wait=False)
     stages.start("far", "2:4", remote, wait=False)  # registers in the plain registry
     stages.wait_ready(["near", "far"])

@@ -114,11 +114,15 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
         )
         assert state["pid"] == proc.pid and state["web_url"] == f"http://127.0.0.1:{port}/"
         assert state["redis_url"] != "redis://127.0.0.1:6379/0"  # a private Redis of its own
-        for name in ("swarm.json", "swarm_key", "secret_key", "redis_password"):
+        secrets = ("swarm_key", "secret_key", "redis_password", "redis_local_password")
+        for name in ("swarm.json", *secrets):
             assert stat.S_IMODE((home / name).stat().st_mode) == 0o600, name
         swarm_key = (home / "swarm_key").read_text().strip()
-        password = (home / "redis_password").read_text().strip()
+        # Its processes reach it as its own user; the data-plane password is the peer user's.
+        password = (home / "redis_local_password").read_text().strip()
+        data_password = (home / "redis_password").read_text().strip()
         assert state["redis_url"].startswith(f"redis://specpipe:{password}@127.0.0.1:")
+        assert data_password != password
         wait_until(
             lambda: healthy(state["web_url"]), 90, "the web app to be healthy", interval_s=0.2
         )
@@ -143,9 +147,17 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
         for anonymous in (
             redis.Redis(**once),
             redis.Redis(username="specpipe", password="x", **once),
+            redis.Redis(username="specpipe", password=data_password, **once),
         ):
             with pytest.raises(redis.AuthenticationError):
                 anonymous.ping()
+        # The data-plane password reaches a stage's stream to send to, and nothing else.
+        peer = redis.Redis(username="specpipe-peer", password=data_password, **once)
+        assert peer.ping()
+        for command in (("KEYS", "*"), ("XRANGE", f"specpipe:{state['swarm']}:stage:x", "-", "+")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                peer.execute_command(*command)
+        peer.close()
         # And the swarm's own user cannot reconfigure, list, empty or stop it.
         swarm_user = redis.Redis.from_url(state["redis_url"])
         for command in (
@@ -161,13 +173,15 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
         nodes = inventory.load(client, state["swarm"], swarm_key)
         client.close()
         assert all(n.redis_url.startswith("unix://") for n in nodes)  # streams on the socket
-        # The password is on no command line, and in no record `specpipe nodes` shows.
-        assert not [p.pid for p in up.children(recursive=True) if password in " ".join(p.cmdline())]
+        # The passwords are on no command line, and in no record `specpipe nodes` shows.
+        lines = [" ".join(p.cmdline()) for p in up.children(recursive=True)]
+        assert not [line for line in lines if password in line or data_password in line]
         shown = subprocess.run(
             [*SPECPIPE, "nodes"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
         )
         assert shown.returncode == 0 and "unix:///" in shown.stdout, shown.stderr
         assert password not in shown.stdout + shown.stderr
+        assert data_password not in shown.stdout + shown.stderr
 
         # Another shell: only SPECPIPE_HOME, and `generate` finds the swarm.
         for key in CLEARED:
@@ -255,6 +269,7 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
         log.flush()
         output = (tmp_path / "up.log").read_text()
         assert password not in output and "Redis redis://specpipe:***@127.0.0.1:" in output
+        assert data_password not in output
         assert "no permissions" not in output  # the ACL let every process do its work
     finally:
         if proc.poll() is None:
