@@ -66,6 +66,9 @@ def test_a_faults_stall_is_the_longest_a_running_job_waited_for_its_next_round()
     assert stall_s(7.0, [1, 2], seen) is None  # neither has moved since
     # A job that ended (however it ended) no longer waits.
     assert stall_s(2.0, [1], [obs(1.0, 1, rounds=3), obs(2.5, 1, "failed", rounds=3)]) == 0.5
+    # Nor one that had ended before the fault, though the poll saw it running when it began.
+    assert stall_s(2.0, [1, 2], [obs(1.0, 1, rounds=3), obs(1.9, 1, "done", rounds=4)]) is None
+    assert stall_s(2.0, [1], [obs(1.0, 1, rounds=3), obs(1.9, 1, "done", rounds=4)]) == 0.0
 
 
 def test_a_job_ending_done_or_a_new_job_storing_a_round_is_recovery_too():

@@ -234,6 +234,8 @@ def stall_s(
     for job_id in job_ids:
         seen = sorted((o for o in observations if o.job_id == job_id), key=lambda o: o.t)
         before = [o for o in seen if o.t <= started]
+        if before and before[-1].status in FINAL:
+            continue  # it had ended already; the poll saw that only after the fault began
         rounds = before[-1].rounds if before else 0
         moved = next(
             (o for o in seen if o.t > started and (o.rounds > rounds or o.status in FINAL)), None
