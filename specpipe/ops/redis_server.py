@@ -262,9 +262,8 @@ SWARM_COMMANDS = (
 # and nightly locks), the web app's rate limits. Nothing another host does runs a script.
 SCRIPT_COMMANDS = ("eval", "evalsha", "script|load", "script|exists")
 REMOTE_USER = "specpipe-remote"  # the user whose password other hosts hold on the registry
-# What another host's stage does on the registry, and nothing more: its node record in the
-# inventory (publish, read, remove) and its replies to the coordinators' reply streams.
-REMOTE_COMMANDS = (
+# What any client needs to connect and stay connected: redis-py's handshake and health checks.
+CONNECTION_COMMANDS = (
     "ping",
     "hello",
     "auth",
@@ -273,6 +272,11 @@ REMOTE_COMMANDS = (
     "client|setname",
     "client|getname",
     "client|id",
+)
+# What another host's stage does on the registry, and nothing more: its node record in the
+# inventory (publish, read, remove) and its replies to the coordinators' reply streams.
+REMOTE_COMMANDS = (
+    *CONNECTION_COMMANDS,
     "hset",
     "hget",
     "hmget",
@@ -293,14 +297,7 @@ REMOTE_KEYS = ("specpipe:*:nodes", "specpipe:*:reply:*")
 # a stage times a PING to its next hop, and `specpipe nodes` (the nodes page, `/metrics`,
 # `join --layers auto`) reads a stage's counters. No read of a stream, no Lua, no channels.
 PEER_COMMANDS = (
-    "ping",
-    "hello",
-    "auth",
-    "select",
-    "echo",
-    "client|setname",
-    "client|getname",
-    "client|id",
+    *CONNECTION_COMMANDS,
     "xadd",
     "lpush",
     "ltrim",
