@@ -119,9 +119,9 @@ def test_the_job_summary_counts_outcomes_and_reasons():
 
 def test_the_fault_summary_has_p50_and_max_recovery_per_kind():
     injected = [
-        Injected("link-cut", "h2", 3.0, 10.0, 13.0, recover_s=1.0, stall_s=2.0),
-        Injected("link-cut", "h4", 3.0, 30.0, 33.0, recover_s=3.0, stall_s=5.0),
-        Injected("link-cut", "h2", 3.0, 50.0, 53.0, recover_s=2.5, stall_s=1.0),
+        Injected("link-cut", "h2", 3.0, 10.0, 13.0, recover_s=1.0, stall_s=2.0, serving=True),
+        Injected("link-cut", "h4", 3.0, 30.0, 33.0, recover_s=3.0, stall_s=5.0, serving=True),
+        Injected("link-cut", "h2", 3.0, 50.0, 53.0, recover_s=2.5, stall_s=1.0, serving=False),
         Injected("redis-fill", "h2", 3.0, 70.0, 73.0, recover_s=None),
         Injected("clock-skew", "h2", 3.0, 80.0, 80.0, error="RuntimeError: no"),
     ]
@@ -134,6 +134,9 @@ def test_the_fault_summary_has_p50_and_max_recovery_per_kind():
         "unrecovered": 0,
         "stall_s_p50": 2.0,
         "stall_s_max": 5.0,
+        "on_serving_host": 2,
+        "serving_stall_s_p50": 3.5,
+        "serving_stall_s_max": 5.0,
     }
     assert rows["redis-fill"]["unrecovered"] == 1 and rows["redis-fill"]["recover_s_p50"] is None
     assert rows["clock-skew"]["injected"] == 0 and rows["clock-skew"]["errors"] == [

@@ -31,7 +31,9 @@ process over the whole model), different, failed (with its reason), lost (the st
 has it) or stuck (not ended by the deadline). A fault's recovery time is from its end (the
 link up, the SIGCONT, the restart, the junk deleted) to the next round any job stores or its
 end as done; its stall is what it cost a running job: the longest any job running when it
-began waited from then for its next round (or its end). Tokens per minute are counted per
+began waited from then for its next round (or its end), reported apart for the faults whose
+host's stage was serving rounds as they came (its count grew over the heartbeats before; the
+spare or the copy idles while the other serves). Tokens per minute are counted per
 minute of the soak, and the resident memory of every lab process (with its children) after
 warm-up (a first job, then `warm_up_s` of the users' load before the first fault) and at the
 end.
@@ -63,9 +65,12 @@ from specpipe.bench import api_load
 from specpipe.bench.wan import REFERENCE_DELAYS_MS
 from specpipe.ops.lab import PREFIX, Host, Lab
 from specpipe.ops.supervisor import process_alive
+from specpipe.settings import DEFAULT_HEARTBEAT_S
+from specpipe.swarm.streams import stats_key
 
 Log = Callable[[str], None]
 KINDS = ("link-cut", "redis-stall", "kill-stage", "kill-coordinator", "redis-fill", "clock-skew")
+STAGE_HOST_KINDS = tuple(k for k in KINDS if k != "kill-coordinator")
 FINAL = ("done", "failed", "cancelled")
 STAGES = 4
 COPIED = 2  # the host whose layer range the spare serves too
@@ -76,6 +81,7 @@ MEMORY_FLOOR_MIB = 20.0
 FILL_MARGIN = 2 * 2**20  # the cap on a filled Redis: this much above what it uses
 JUNK_BYTES = 64 * 1024
 RECOVER_WAIT_S = 120.0
+SERVING_WINDOW_S = 3 * DEFAULT_HEARTBEAT_S  # how far back a stage's rounds tell it is serving
 
 
 # --- the schedule ------------------------------------------------------------------------
@@ -276,6 +282,8 @@ class Injected:
     ended: float
     detail: str = ""
     running: list[int] = field(default_factory=list)  # the jobs running when it came
+    # Whether the stage on its host had served rounds just before (None: not a stage's host).
+    serving: bool | None = None
     recover_s: float | None = None
     stall_s: float | None = None  # the longest a running job waited for its next round
     error: str | None = None  # the fault could not be injected as planned
@@ -300,6 +308,21 @@ class Chaos:
         argv = psutil.Process(pid).cmdline()
         kill_group(pid)
         return self.lab.spawn(self.host(host), name, argv, env)
+
+    def processed(self, host: str) -> int:
+        """The rounds the stage on `host` has counted (its counters, on its own Redis)."""
+        client = self.lab.admin_redis(self.host(host))
+        try:
+            return int(client.hget(stats_key(self.lab.state["swarm"], host), "processed") or 0)
+        finally:
+            client.close()
+
+    def serving(self, host: str) -> bool:
+        """Whether the stage on `host` serves rounds now: its count grew over a few heartbeats
+        (the count is written at each)."""
+        before = self.processed(host)
+        time.sleep(SERVING_WINDOW_S)
+        return self.processed(host) > before
 
     def wait_whole(self, timeout_s: float = 300.0) -> None:
         """Every serving host's stage registered afresh and the web app answering."""
@@ -430,6 +453,7 @@ def summarise_faults(injected: Sequence[Injected]) -> dict[str, dict]:
         these = [i for i in injected if i.kind == kind]
         recover = [i.recover_s for i in these if i.recover_s is not None]
         stalls = [i.stall_s for i in these if i.stall_s is not None]
+        serving = [i.stall_s for i in these if i.stall_s is not None and i.serving]
         rows[kind] = {
             "injected": sum(i.error is None for i in these),
             "errors": [i.error for i in these if i.error],
@@ -438,6 +462,10 @@ def summarise_faults(injected: Sequence[Injected]) -> dict[str, dict]:
             "unrecovered": sum(i.error is None and i.recover_s is None for i in these),
             "stall_s_p50": round(statistics.median(stalls), 2) if stalls else None,
             "stall_s_max": round(max(stalls), 2) if stalls else None,
+            # The same over the faults whose host was serving rounds as they came.
+            "on_serving_host": len(serving),
+            "serving_stall_s_p50": round(statistics.median(serving), 2) if serving else None,
+            "serving_stall_s_max": round(max(serving), 2) if serving else None,
         }
     return rows
 
@@ -541,7 +569,13 @@ def inject(chaos: Chaos, monitor: Monitor, fault: Fault, log: Log) -> Injected:
     deadline = time.monotonic() + 60
     while not monitor.running() and time.monotonic() < deadline:
         time.sleep(0.05)
-    done = Injected(fault.kind, fault.host, fault.hold_s, monitor.now(), 0.0)
+    serving = None
+    if fault.kind in STAGE_HOST_KINDS:
+        try:
+            serving = chaos.serving(fault.host)
+        except (redis.RedisError, OSError):  # its Redis is still on its way back: say nothing
+            serving = None
+    done = Injected(fault.kind, fault.host, fault.hold_s, monitor.now(), 0.0, serving=serving)
     done.running = monitor.running()
     try:
         done.detail = ACTIONS[fault.kind](chaos, fault)
@@ -559,9 +593,11 @@ def inject(chaos: Chaos, monitor: Monitor, fault: Fault, log: Log) -> Injected:
                 done.stall_s = stall_s(done.started, done.running, seen)
     recover = f"{done.recover_s:.2f} s" if done.recover_s is not None else "-"
     stalled = f"{done.stall_s:.2f} s" if done.stall_s is not None else "-"
+    where = {True: " (serving)", False: " (idle)", None: ""}[done.serving]
     log(
-        f"[{done.started:6.1f} s] {fault.kind} on {fault.host}: {done.detail or done.error}; "
-        f"running {done.running}; recovered in {recover}; a running job waited {stalled}"
+        f"[{done.started:6.1f} s] {fault.kind} on {fault.host}{where}: "
+        f"{done.detail or done.error}; running {done.running}; recovered in {recover}; "
+        f"a running job waited {stalled}"
     )
     return done
 
@@ -716,12 +752,17 @@ def report(result: dict) -> list[str]:
     ]
     lines += [f"  failed ({n}): {reason}" for reason, n in j["failed_reasons"].items()]
     lines += [f"  refused ({n}): {why}" for why, n in result["refused"].items()]
-    lines.append("FAULT             INJECTED  RECOVER s p50 / max  UNRECOVERED  STALL s p50 / max")
+    lines.append(
+        "FAULT             INJECTED  RECOVER s p50 / max  UNRECOVERED  STALL s p50 / max"
+        "  SERVING  ITS STALL s p50 / max"
+    )
     for kind, row in result["faults"].items():
         recover = _p50_max(row["recover_s_p50"], row["recover_s_max"])
         stall = _p50_max(row["stall_s_p50"], row["stall_s_max"])
+        serving = _p50_max(row["serving_stall_s_p50"], row["serving_stall_s_max"])
         lines.append(
             f"{kind:<17} {row['injected']:>8}  {recover:>19}  {row['unrecovered']:>11}  {stall:>17}"
+            f"  {row['on_serving_host']:>7}  {serving:>21}"
         )
         lines += [f"  {kind} not injected: {e}" for e in row["errors"]]
     lines += [f"left out: {why}" for why in result["setup"]["left_out"]]
