@@ -10,6 +10,7 @@ from specpipe.bench.soak import (
     memory_grown,
     problems,
     recovery_s,
+    report,
     schedule,
     stall_s,
     summarise_faults,
@@ -142,3 +143,30 @@ def test_the_fault_summary_has_p50_and_max_recovery_per_kind():
     assert rows["clock-skew"]["injected"] == 0 and rows["clock-skew"]["errors"] == [
         "RuntimeError: no"
     ]
+
+
+def test_the_report_shows_a_grown_process_minute_by_minute():
+    result = {
+        "soak_s": 180.0,
+        "submitted": 2,
+        "refused": {},
+        "jobs": summarise_jobs([{"outcome": "identical", "status": "done", "reason": None}]),
+        "faults": summarise_faults([Injected("link-cut", "h2", 3.0, 1.0, 4.0, 0.1, 0.2)]),
+        "setup": {"left_out": []},
+        "tokens_per_minute": [10, 20, 30],
+        "memory_mib": {
+            "h0-web": {"start": 100.0, "end": 101.0},
+            "h1-stage": {"start": 500.0, "end": 600.0},
+        },
+        "memory_grown": ["h1-stage"],
+        "memory_per_minute_mib": [
+            {"t": 60.0, "h0-web": 100.0, "h1-stage": 540.0},
+            {"t": 120.0, "h0-web": 101.0, "h1-stage": 580.0},
+        ],
+        "problems": ["memory grew: h1-stage"],
+        "verdict": "FAIL",
+    }
+    lines = report(result)
+    assert "  h1-stage by minute: 540, 580" in lines
+    assert not any(line.startswith("  h0-web by minute") for line in lines)
+    assert lines[-1] == "verdict FAIL"

@@ -525,6 +525,29 @@ def lab_rss_mib(lab: Lab) -> dict[str, float]:
     return sizes
 
 
+class MemoryLog:
+    """Every lab process's resident memory once a minute, in a thread: whether a process that
+    grew levels off or keeps growing."""
+
+    def __init__(self, lab: Lab, monitor: Monitor, every_s: float = 60.0) -> None:
+        self.lab, self.monitor, self.every_s = lab, monitor, every_s
+        self.samples: list[dict] = []
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+
+    def start(self) -> MemoryLog:
+        self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self.stopped.wait(self.every_s):
+            self.samples.append({"t": round(self.monitor.now(), 1), **lab_rss_mib(self.lab)})
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(10)
+
+
 class Users:
     """Waves of jobs from every user through the API, in a thread, until stopped."""
 
@@ -658,7 +681,7 @@ def run_soak(
     lab = bring_up(home, model, delays, log)
     chaos = Chaos(lab, log, faketime)
     injected: list[Injected] = []
-    monitor = None
+    monitor = memory_log = None
     try:
         database_url, web_url = lab.state["database_url"], lab.state["web_url"]
         by_user = api_load.make_users(database_url, users, prefix="soak")
@@ -681,6 +704,7 @@ def run_soak(
         # session's cache, the batches, the allocator's arenas), before the first fault.
         time.sleep(warm_up_s)
         rss_start = lab_rss_mib(lab)
+        memory_log = MemoryLog(lab, monitor).start()
         log(f"{users} users on {web_url} for {minutes:g} min, faults {', '.join(kinds)}")
         plan = schedule(seed, 1 + int(minutes * 60 / max(pause_s, 1.0)), kinds, hold_s=hold_s)
         for i, fault in enumerate(plan):
@@ -700,6 +724,8 @@ def run_soak(
         rss_end = lab_rss_mib(lab)
         observations = monitor.snapshot()
     finally:
+        if memory_log is not None:
+            memory_log.stop()
         if monitor is not None:
             monitor.stop()
         lab.down()
@@ -735,6 +761,7 @@ def run_soak(
             name: {"start": mib, "end": rss_end.get(name)} for name, mib in rss_start.items()
         },
         "memory_grown": grown,
+        "memory_per_minute_mib": memory_log.samples,
         "problems": found,
         "outcomes": jobs,
         "verdict": "FAIL" if found else "PASS",
@@ -772,6 +799,9 @@ def report(result: dict) -> list[str]:
     for name, m in result["memory_mib"].items():
         end = f"{m['end']:7.1f}" if m["end"] is not None else "      -"
         lines.append(f"  {name:<18} {m['start']:7.1f} {end}")
+    for name in result["memory_grown"]:
+        series = ", ".join(f"{m[name]:.0f}" for m in result["memory_per_minute_mib"] if name in m)
+        lines.append(f"  {name} by minute: {series}")
     lines += [f"problem: {p}" for p in result["problems"]]
     lines.append(f"verdict {result['verdict']}")
     return lines
