@@ -588,16 +588,17 @@ class Users:
 
 
 def inject(chaos: Chaos, monitor: Monitor, fault: Fault, log: Log) -> Injected:
-    """Wait for a running job (a minute at most), inject `fault`, wait for the jobs to move."""
-    deadline = time.monotonic() + 60
-    while not monitor.running() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    """Note whether the fault's host is serving, wait for a running job (a minute at most),
+    inject `fault`, wait for the jobs to move."""
     serving = None
     if fault.kind in STAGE_HOST_KINDS:
         try:
             serving = chaos.serving(fault.host)
         except (redis.RedisError, OSError):  # its Redis is still on its way back: say nothing
             serving = None
+    deadline = time.monotonic() + 60
+    while not monitor.running() and time.monotonic() < deadline:
+        time.sleep(0.05)
     done = Injected(fault.kind, fault.host, fault.hold_s, monitor.now(), 0.0, serving=serving)
     done.running = monitor.running()
     try:
