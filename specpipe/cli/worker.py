@@ -218,6 +218,7 @@ def serve_stage(
             link_delay_s=link_delay_ms / 1000,
             tail_sampling=tail_sampling(),
             redis_password=config.redis_password,
+            tls_ca=config.tls_ca,
         ),
         node,
         head,

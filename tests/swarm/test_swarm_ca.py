@@ -142,3 +142,22 @@ def test_a_redis_server_with_issued_files_is_verified_with_the_ca_and_no_other(h
         assert isinstance(
             refused(f"redis://specpipe:own%20secret@127.0.0.1:{port}/0"), redis.ConnectionError
         )
+
+
+def test_a_peers_record_cannot_choose_how_its_server_is_verified(host, tmp_path):
+    """The address another host registers names its CA file and may name options that switch
+    verification off; a dialling process uses its own CA and nothing of those."""
+    from specpipe.swarm.dialing import Dialer
+
+    stranger = ca.make_ca(tmp_path / "stranger")
+    with RedisServer(tls=host, password="own", peer_password="data") as server:
+        where = f"127.0.0.1:{server.port}/0"
+        record = f"rediss://{where}?ssl_ca_certs={stranger.cert}&ssl_cert_reqs=none"
+        client = redis.Redis.from_url(Dialer.configured([], "data", ca=str(host.ca)).url(record))
+        assert client.ping()
+        client.close()
+        for dialer in (
+            Dialer.configured([], "data"),
+            Dialer.configured([], "data", str(stranger.cert)),
+        ):
+            assert "certificate verify failed" in str(refused(dialer.url(record)))
