@@ -72,6 +72,31 @@ def warn_if_in_clear(url: str) -> None:
         )
 
 
+def check_link(redis_url: str | None, tls: TlsFiles | None, address: str, port: int) -> None:
+    """Before serving: with the operator's Redis at `redis_url`, a warning when it is in clear;
+    else, for the one started on `address`:`port`, a warning when it is without TLS, or a
+    one-line ClickException unless the certificate in `tls` fits `address`."""
+    from specpipe.ops.ca import CaError, check_host_files
+
+    if redis_url is not None:
+        warn_if_in_clear(redis_url)  # the operator's Redis, their choice
+    elif tls is None:
+        log.warning(
+            "--insecure-no-tls: this host's Redis on %s:%d speaks plain text, so links to this "
+            "host are in clear: the Redis passwords other hosts send here can be read on the "
+            "way, and what passes held back or changed (what the swarm key seals stays sealed)",
+            address,
+            port,
+        )
+    else:
+        try:
+            check_host_files(tls, address)
+        except CaError as exc:
+            raise click.ClickException(
+                f"{exc}: issue this host's with `specpipe ca issue --address {address}`"
+            ) from None
+
+
 @click.command(name="join")
 @click.option(
     "--registry",
@@ -188,7 +213,6 @@ def join(
     from specpipe import settings
     from specpipe.model.errors import ModelError
     from specpipe.model.resolve import model_label, open_checkpoint
-    from specpipe.ops.ca import CaError, check_host_files
     from specpipe.ops.redis_server import RedisServer, RedisUnavailable
     from specpipe.swarm import inventory, streams
     from specpipe.swarm.dialing import Dialer
@@ -248,23 +272,7 @@ def join(
     address = address or address_towards(registry_url)
     server = None
     configure_logging()
-    if redis_url is not None:
-        warn_if_in_clear(redis_url)  # the operator's Redis, their choice
-    elif tls is None:
-        log.warning(
-            "--insecure-no-tls: this host's Redis on %s:%d speaks plain text, so links to this "
-            "host are in clear: the Redis passwords other hosts send here can be read on the "
-            "way, and what passes held back or changed (what the swarm key seals stays sealed)",
-            address,
-            port,
-        )
-    else:
-        try:
-            check_host_files(tls, address)
-        except CaError as exc:
-            raise click.ClickException(
-                f"{exc}: issue this host's with `specpipe ca issue --address {address}`"
-            ) from None
+    check_link(redis_url, tls, address, port)
     if redis_url is None:
         # Its own user's password stays here; the other hosts dial it with the data-plane one.
         server = RedisServer(
