@@ -37,8 +37,7 @@ def ca() -> None:
     "--days",
     type=click.IntRange(min=1),
     default=None,
-    show_default="3650",
-    help="How long the CA is valid.",
+    help="How long the CA is valid, in days [default: 3650].",
 )
 @click.option(
     "--force",
@@ -98,8 +97,7 @@ def ca_init(ca_dir: Path | None, days: int | None, force: bool) -> None:
     "--days",
     type=click.IntRange(min=1),
     default=None,
-    show_default="825",
-    help="How long the certificate is valid (never past the CA's end).",
+    help="How long the certificate is valid, in days (never past the CA's end) [default: 825].",
 )
 @click.option("--force", is_flag=True, help="Replace the host's files already in --out.")
 def ca_issue(

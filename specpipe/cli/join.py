@@ -200,10 +200,9 @@ def join(
     folder's); chooses a layer range (--layers, or auto); registers with
     the address the other hosts reach it at; Ctrl-C or SIGTERM leaves the swarm.
 
-    Example, with the environment file of docs/deploy.md and this host's TLS folder
-    /var/lib/specpipe/tls as `specpipe ca issue` made it:
+    Example, in the environment docs/deploy.md sets up, with this host's TLS folder
+    (/var/lib/specpipe/tls) as `specpipe ca issue` made it:
 
-        set -a; . /etc/specpipe/env; set +a
         SPECPIPE_HOME=/var/lib/specpipe specpipe join --layers auto
     """
     from dataclasses import replace
