@@ -42,6 +42,8 @@ class Settings:
     old_swarm_keys: tuple[str, ...] = ()  # still accepted while a new key spreads
     # The swarm's data-plane Redis password, for the hosts' addresses (`redis_password`).
     redis_password: str | None = field(default=None, repr=False)
+    # This host's copy of the swarm CA, which other hosts' TLS Redis must verify against.
+    tls_ca: str | None = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -54,6 +56,7 @@ class Settings:
             swarm_key=keys[0] if keys else None,
             old_swarm_keys=keys[1:],
             redis_password=redis_password(),
+            tls_ca=swarm_ca(),
         )
 
     @property
@@ -80,6 +83,11 @@ DEFAULT_REDIS_MAXMEMORY = "2gb"
 SWARM_FILE = "swarm.json"
 PROCESSES_FILE = "processes.json"  # `up`: the pid of each process it supervises, by name
 ADMIN_PASSWORD_FILE = "admin_password"
+# A host's TLS folder (`tls_dir`): what `specpipe ca issue` made for it.
+TLS_DIR = "tls"
+TLS_CERT_FILE = "redis.pem"  # its Redis's certificate
+TLS_KEY_FILE = "redis.key"  # and key (mode 0600)
+CA_CERT_FILE = "ca.pem"  # its copy of the swarm CA's certificate
 # Seconds between a stage's heartbeats (`worker stage --heartbeat-s`): a coordinator with a
 # spare for a stage's layers re-routes after three missed beats.
 DEFAULT_HEARTBEAT_S = 0.5
@@ -319,6 +327,23 @@ def redis_maxmemory() -> str:
     if not re.fullmatch(r"[1-9][0-9]*(?:[kmg]b?)?", value, re.IGNORECASE):
         raise ValueError(f"SPECPIPE_REDIS_MAXMEMORY must be a size such as 4gb, got {value!r}")
     return value
+
+
+def tls_dir() -> Path:
+    """This host's TLS folder: `SPECPIPE_TLS_DIR`, else the instance folder's `tls`. It holds
+    what `specpipe ca issue` made for this host: its Redis's certificate (`redis.pem`) and key
+    (`redis.key`), with which `specpipe join` starts its Redis, and its copy of the swarm CA's
+    certificate (`ca.pem`), against which this host's processes verify the other hosts'."""
+    path = os.environ.get("SPECPIPE_TLS_DIR")
+    return Path(path).resolve() if path else instance_dir() / TLS_DIR
+
+
+def swarm_ca() -> str | None:
+    """The swarm CA's certificate this host verifies other hosts' TLS Redis servers against:
+    `ca.pem` in `tls_dir`, when it is there; else None (such a server is then verified
+    against the system's CAs, which never signed it)."""
+    path = tls_dir() / CA_CERT_FILE
+    return str(path) if path.is_file() else None
 
 
 def accept_backported_redis() -> bool:

@@ -36,12 +36,12 @@ MEASURE_S = 1.5  # long enough for every stage to beat (0.5 s) with its latest t
 
 
 def lab_settings(lab: Lab) -> Settings:
-    """Settings pointing at `lab`: its registry, swarm and key, and the data-plane password
-    its hosts' Redis servers take (this process is none of the lab's, so its own environment
-    does not have it)."""
+    """Settings pointing at `lab`: its registry, swarm and key, the data-plane password its
+    hosts' Redis servers take and the CA their TLS servers verify against (this process is
+    none of the lab's, so its own environment has neither)."""
     key = (lab.home / SWARM_KEY_FILE).read_text().strip()
     settings = Settings.from_env().for_swarm(lab.state["registry_url"], lab.state["swarm"], key)
-    return replace(settings, redis_password=lab.data_password())
+    return replace(settings, redis_password=lab.data_password(), tls_ca=str(lab.ca_cert()))
 
 
 def ring_latency_now(settings: Settings) -> inventory.RingLatency | None:

@@ -5,6 +5,7 @@ import click
 
 from specpipe import __version__
 from specpipe.cli.bench import bench
+from specpipe.cli.ca import ca
 from specpipe.cli.checkpoints import model
 from specpipe.cli.db import db
 from specpipe.cli.drafter import drafter
@@ -39,7 +40,7 @@ def cli() -> None:
 
 for command in (generate, model, proof, regression, bench, nodes, runs, db, user, token, key, web):
     cli.add_command(command)
-for command in (worker, up, join, lab, drafter):
+for command in (worker, up, join, ca, lab, drafter):
     cli.add_command(command)
 
 

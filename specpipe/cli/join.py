@@ -1,15 +1,28 @@
-"""`specpipe join`: one command on a new host joins a running swarm as a stage."""
+"""`specpipe join`: one command on a new host joins a running swarm as a stage.
+
+The Redis it starts speaks TLS only, with the certificate `specpipe ca issue` made for this
+host (its TLS folder: `redis.pem`, `redis.key`, `ca.pem`); without one it refuses, unless the
+operator opts out out loud (`--insecure-no-tls`).
+"""
 
 from __future__ import annotations
 
+import logging
 import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import click
 
 from specpipe.cli.checkpoints import ModelInputError
 from specpipe.cli.options import compute_options
-from specpipe.cli.worker import check_reachable, layer_range, serve_stage
+from specpipe.cli.worker import check_reachable, configure_logging, layer_range, serve_stage
+
+if TYPE_CHECKING:
+    from specpipe.ops.redis_server import TlsFiles
+
+log = logging.getLogger("specpipe.join")
 
 
 def _layers(ctx, param, value: str) -> tuple[int, int] | None:
@@ -26,6 +39,62 @@ def address_towards(url: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((parsed.hostname, parsed.port or 6379))  # no packet is sent
         return probe.getsockname()[0]
+
+
+def tls_files(folder: Path) -> TlsFiles:
+    """This host's TLS files in `folder`; a one-line ClickException naming what is missing and
+    how to make it."""
+    from specpipe.ops.ca import host_files
+
+    files = host_files(folder)
+    missing = [path.name for path in (files.cert, files.key, files.ca) if not path.is_file()]
+    if missing:
+        raise click.ClickException(
+            f"no TLS files for this host's Redis in {folder} (missing {', '.join(missing)}): "
+            "make them where the swarm's CA is with `specpipe ca issue --address ADDRESS` and "
+            "copy that folder here (or pass --tls-dir), or pass --insecure-no-tls to serve "
+            "in clear"
+        )
+    return files
+
+
+def warn_if_in_clear(url: str) -> None:
+    """Log a warning when the Redis at `url`, given by the operator, is reached in clear from
+    another host: a `redis://` URL of an address other than loopback."""
+    from specpipe.ops.redis_server import is_loopback
+    from specpipe.swarm.redact import redact_url
+
+    parsed = urlparse(url)
+    if parsed.scheme == "redis" and not is_loopback(parsed.hostname or "localhost"):
+        log.warning(
+            "this host's Redis %s is not TLS (rediss://): links to this host are in clear",
+            redact_url(url),
+        )
+
+
+def check_link(redis_url: str | None, tls: TlsFiles | None, address: str, port: int) -> None:
+    """Before serving: with the operator's Redis at `redis_url`, a warning when it is in clear;
+    else, for the one started on `address`:`port`, a warning when it is without TLS, or a
+    one-line ClickException unless the certificate in `tls` fits `address`."""
+    from specpipe.ops.ca import CaError, check_host_files
+
+    if redis_url is not None:
+        warn_if_in_clear(redis_url)  # the operator's Redis, their choice
+    elif tls is None:
+        log.warning(
+            "--insecure-no-tls: this host's Redis on %s:%d speaks plain text, so links to this "
+            "host are in clear: the Redis passwords other hosts send here can be read on the "
+            "way, and what passes held back or changed (what the swarm key seals stays sealed)",
+            address,
+            port,
+        )
+    else:
+        try:
+            check_host_files(tls, address)
+        except CaError as exc:
+            raise click.ClickException(
+                f"{exc}: issue this host's with `specpipe ca issue --address {address}`"
+            ) from None
 
 
 @click.command(name="join")
@@ -60,8 +129,21 @@ def address_towards(url: str) -> str:
     "--redis",
     "redis_url",
     default=None,
-    help="This host's Redis; default: REDIS_URL, else one started here with a "
-    "password, on --address:--port.",
+    help="This host's Redis, used as given; default: REDIS_URL, else one started here with "
+    "a password and TLS, on --address:--port.",
+)
+@click.option(
+    "--tls-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="This host's TLS folder, as `specpipe ca issue` writes it (redis.pem, redis.key, "
+    "ca.pem) [default: SPECPIPE_TLS_DIR, else <instance>/tls].",
+)
+@click.option(
+    "--insecure-no-tls",
+    is_flag=True,
+    help="Start this host's Redis without TLS: every link to this host in clear (a warning "
+    "at every start).",
 )
 @click.option(
     "--address",
@@ -97,6 +179,8 @@ def join(
     host_name: str | None,
     model_name: str | None,
     redis_url: str | None,
+    tls_dir: Path | None,
+    insecure_no_tls: bool,
     address: str | None,
     port: int,
     accept_backported_redis: bool,
@@ -109,17 +193,20 @@ def join(
     """Join the swarm whose registry is REGISTRY as a stage, and serve until stopped.
 
     The swarm key comes from SPECPIPE_SWARM_KEY or the file SPECPIPE_SWARM_KEY_FILE names.
-    Uses this host's Redis (--redis, REDIS_URL) or starts one, locked down: its own user with a
+    Uses this host's Redis (--redis, REDIS_URL) or starts one, locked down: TLS only, with the
+    certificate in this host's TLS folder (`specpipe ca issue` makes it); its own user with a
     password kept in the instance folder that never leaves this host, and the other hosts' peer
     user with the swarm's data-plane password (SPECPIPE_REDIS_PASSWORD_FILE, or the instance
     folder's); chooses a layer range (--layers, or auto); registers with
     the address the other hosts reach it at; Ctrl-C or SIGTERM leaves the swarm.
 
-    Example:
+    Example, in the environment docs/deploy.md sets up, with this host's TLS folder
+    (/var/lib/specpipe/tls) as `specpipe ca issue` made it:
 
-        SPECPIPE_SWARM_KEY_FILE=/etc/specpipe/swarm_key \\
-        SPECPIPE_REGISTRY_URL=redis://specpipe:PASSWORD@203.0.113.7:6379/0 specpipe join
+        SPECPIPE_HOME=/var/lib/specpipe specpipe join --layers auto
     """
+    from dataclasses import replace
+
     import redis
 
     from specpipe import settings
@@ -139,6 +226,14 @@ def join(
     registry_url = registry_url or settings.registry_url()
     if not registry_url:
         raise click.ClickException("no registry: pass --registry URL or set SPECPIPE_REGISTRY_URL")
+    redis_url = redis_url or settings.configured_redis_url()
+    folder = tls_dir.resolve() if tls_dir else settings.tls_dir()
+    if tls_dir is not None:  # this host verifies the others against the CA copy there
+        ca_copy = folder / settings.CA_CERT_FILE
+        config = replace(config, tls_ca=str(ca_copy) if ca_copy.is_file() else None)
+    tls = None
+    if redis_url is None and not insecure_no_tls:
+        tls = tls_files(folder)
     check_reachable(registry_url, "the registry")
     try:
         n_layers = open_checkpoint(model_name).config.n_layers
@@ -175,7 +270,8 @@ def join(
         why = "as asked"
     address = address or address_towards(registry_url)
     server = None
-    redis_url = redis_url or settings.configured_redis_url()
+    configure_logging()
+    check_link(redis_url, tls, address, port)
     if redis_url is None:
         # Its own user's password stays here; the other hosts dial it with the data-plane one.
         server = RedisServer(
@@ -184,6 +280,7 @@ def join(
             password=settings.ensure_local_redis_password(),
             data_dir=settings.instance_dir() / "redis",
             maxmemory=settings.redis_maxmemory(),
+            tls=tls,
             accept_backported=accept_backported_redis or settings.accept_backported_redis(),
             peer_password=settings.ensure_redis_password(),
         )

@@ -156,8 +156,6 @@ def serve_stage(
 ) -> None:
     """Load layers `layers` of `model_name`, register as `host` and serve until SIGINT or
     SIGTERM (what `worker stage` and `join` run). One-line ClickExceptions for what is wrong."""
-    import logging
-
     import torch
 
     from specpipe import settings
@@ -192,7 +190,7 @@ def serve_stage(
         (stage,), head = load_with_head(load, draft_head, label, checkpoint)
     except (ModelError, DraftHeadError) as exc:
         raise ModelInputError(str(exc)) from None
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging()
     node = inventory.NodeInfo(
         host=host,
         layer_start=start,
@@ -218,6 +216,7 @@ def serve_stage(
             link_delay_s=link_delay_ms / 1000,
             tail_sampling=tail_sampling(),
             redis_password=config.redis_password,
+            tls_ca=config.tls_ca,
         ),
         node,
         head,
@@ -316,6 +315,13 @@ def _celery_app():
     from workers.celery_app import celery
 
     return celery
+
+
+def configure_logging() -> None:
+    """A stage process's log: INFO and up, timed, to stderr (a no-op once it is set up)."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
 
 
 def check_reachable(url: str, what: str) -> None:

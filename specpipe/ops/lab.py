@@ -2,8 +2,11 @@
 
 `Lab.up` makes a bridge with an address in the root namespace (so this machine reaches every
 host), and per host a namespace joined to it by a veth pair, with its own address, its own
-Redis (host 1's speaks TLS only, with a certificate signed by a CA the lab makes with
-`openssl`) and, on the hosts that serve, its own stage worker. Each Redis has its host's own
+Redis (host 1's speaks TLS only) and, on the hosts that serve, its own stage worker. The lab
+has a swarm CA of its own (`specpipe.ops.ca`), and every host a TLS folder with a certificate
+for its address and a copy of the CA, as `specpipe ca issue` makes them: every process
+verifies host 1's Redis against its host's copy, and a `join` on a bare host starts a TLS
+Redis with its host's files. Each Redis has its host's own
 user, whose password only that host's processes are given, and the peer user, whose password
 is the swarm's one data-plane password, which each process adds to the other hosts' addresses
 it dials. Host 0 also runs the swarm's registry and broker (its Redis, which the other hosts
@@ -37,9 +40,10 @@ from pathlib import Path
 
 import redis
 
+from specpipe.ops import ca
 from specpipe.ops.redis_server import RedisServer, TlsFiles, answers, find_binary
 from specpipe.ops.supervisor import process_alive
-from specpipe.settings import LOCAL_REDIS_PASSWORD_FILE, REDIS_PASSWORD_FILE
+from specpipe.settings import LOCAL_REDIS_PASSWORD_FILE, REDIS_PASSWORD_FILE, TLS_DIR
 from specpipe.swarm import inventory
 
 LAB_FILE = "lab.json"
@@ -56,6 +60,8 @@ ADMIN_USER = "lab-admin"
 ADMIN_PASSWORD_FILE = "redis_admin_password"
 # The password of host 0's `specpipe-remote`: the registry's user for the other hosts.
 REMOTE_PASSWORD_FILE = "redis_remote_password"
+LAB_CA_DIR = "ca"  # the lab's swarm CA, made afresh by each `up`
+LAB_CA_DAYS = 30
 
 
 class LabError(RuntimeError):
@@ -105,67 +111,13 @@ def _private(path: Path, text: str) -> None:
         handle.write(text)
 
 
-def make_certificates(directory: Path, address: str) -> TlsFiles:
-    """A CA and a server certificate it signed for `address`, made with `openssl`."""
-    if shutil.which("openssl") is None:
-        raise LabError("the lab's TLS link needs the `openssl` command")
-
-    def openssl(*args: str) -> None:
-        done = subprocess.run(["openssl", *args], cwd=directory, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise LabError(f"openssl {args[0]} failed: {done.stderr.strip()[-200:]}")
-
-    directory.mkdir(parents=True, exist_ok=True)
-    openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "30",
-        "-subj",
-        "/CN=specpipe lab CA",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-    )
-    openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        f"/CN={address}",
-        "-keyout",
-        "server.key",
-        "-out",
-        "server.csr",
-    )
-    (directory / "san.ext").write_text(f"subjectAltName=IP:{address}\n")
-    openssl(
-        "x509",
-        "-req",
-        "-in",
-        "server.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "30",
-        "-extfile",
-        "san.ext",
-        "-out",
-        "server.pem",
-    )
-    for name in ("ca.key", "server.key"):
-        (directory / name).chmod(0o600)
-    return TlsFiles(
-        cert=directory / "server.pem", key=directory / "server.key", ca=directory / "ca.pem"
-    )
+def make_certificates(directory: Path, address: str, authority: ca.Authority) -> TlsFiles:
+    """A host's TLS folder `directory`: a certificate `authority` signed for `address`, its
+    key and a copy of the CA's certificate (what `specpipe ca issue` writes)."""
+    try:
+        return ca.issue(authority, [address], directory, days=LAB_CA_DAYS, overwrite=True)
+    except (ca.CaError, OSError) as exc:
+        raise LabError(f"cannot make {address}'s certificate in {directory}: {exc}") from None
 
 
 class Lab:
@@ -226,6 +178,8 @@ class Lab:
             # A Redis `join` starts in a namespace serves this machine's namespaces only, which
             # nothing outside reaches: whatever build this machine has may serve them.
             "SPECPIPE_ACCEPT_BACKPORTED_REDIS": "1",
+            # The host's TLS folder (this machine's: the lab's own), with its copy of the CA.
+            "SPECPIPE_TLS_DIR": str(self.tls_dir(host)),
         }
         env.pop("SPECPIPE_SWARM_KEY", None)  # the lab's own key, from its folder
         if host is not None:
@@ -235,6 +189,15 @@ class Lab:
             if host.index != 0:
                 env["SPECPIPE_REGISTRY_URL"] = state["remote_registry_url"]
         return env
+
+    def tls_dir(self, host: Host | None = None) -> Path:
+        """`host`'s TLS folder (this machine's without one): its certificate and key, and its
+        copy of the lab's CA."""
+        return (self.home / host.name if host else self.home) / TLS_DIR
+
+    def ca_cert(self) -> Path:
+        """The lab's CA's certificate, which every host's TLS folder holds a copy of."""
+        return ca.Authority.in_dir(self.home / LAB_CA_DIR).cert
 
     # --- up ------------------------------------------------------------------------------
 
@@ -282,11 +245,12 @@ class Lab:
         try:
             self._network(n_hosts)
             self._secrets()
+            authority = self._make_ca()
             for index in range(n_hosts):
                 if index < len(layers):
-                    self._start_redis(index)
+                    self._start_redis(index, authority)
                 else:
-                    self._add_idle(index)
+                    self._add_idle(index, authority)
             return self.state
         except BaseException:
             self.down()
@@ -396,6 +360,20 @@ class Lab:
             if not (self.home / name).exists():
                 _private(self.home / name, secrets.token_hex(16) + "\n")
 
+    def _make_ca(self) -> ca.Authority:
+        """The lab's CA, made afresh, and a copy of its certificate in this machine's TLS
+        folder (for the commands run here with the lab's folder as SPECPIPE_HOME)."""
+        try:
+            authority = ca.make_ca(
+                self.home / LAB_CA_DIR, name="specpipe lab CA", days=LAB_CA_DAYS, overwrite=True
+            )
+        except (ca.CaError, OSError) as exc:
+            raise LabError(f"cannot make the lab's CA: {exc}") from None
+        here = self.tls_dir()
+        here.mkdir(mode=0o700, exist_ok=True)
+        shutil.copyfile(authority.cert, here / authority.cert.name)
+        return authority
+
     def data_password(self) -> str:
         """The swarm's data-plane password: what every host's Redis takes for its peer user."""
         return (self.home / REDIS_PASSWORD_FILE).read_text().strip()
@@ -419,13 +397,12 @@ class Lab:
             socket_timeout=10,
         )
 
-    def _start_redis(self, index: int) -> Host:
+    def _start_redis(self, index: int, authority: ca.Authority) -> Host:
         namespace = f"{PREFIX}-{self.state['id']}-h{index}"
         address = f"{self.state['subnet']}.{index + 1}"
         directory = self.home / f"h{index}"
-        tls = None
-        if index == TLS_HOST:
-            tls = make_certificates(directory / "tls", address)
+        files = make_certificates(directory / TLS_DIR, address, authority)
+        tls = files if index == TLS_HOST else None
         server = RedisServer(
             port=REDIS_PORT,
             data_dir=directory / "redis",
@@ -452,14 +429,11 @@ class Lab:
         self._wait(lambda: answers(server.url), 20, f"{host.name}'s Redis")
         return host
 
-    def _add_idle(self, index: int) -> Host:
-        host = Host(
-            index,
-            f"{PREFIX}-{self.state['id']}-h{index}",
-            f"{self.state['subnet']}.{index + 1}",
-            "",
-            False,
-        )
+    def _add_idle(self, index: int, authority: ca.Authority) -> Host:
+        address = f"{self.state['subnet']}.{index + 1}"
+        # Nothing runs there yet; a `join` there starts its Redis with these.
+        make_certificates(self.home / f"h{index}" / TLS_DIR, address, authority)
+        host = Host(index, f"{PREFIX}-{self.state['id']}-h{index}", address, "", False)
         self.state["hosts"].append(host.__dict__)
         self._save()
         return host

@@ -6,20 +6,27 @@ user or password. The credentials are the dialling process's own: a URL it was c
 user and password, and any other address as the peer user with the swarm's data-plane password
 (`settings.redis_password`), which every stage host's Redis accepts for that user and which
 reaches there only what another host does (`specpipe.ops.redis_server.PEER_COMMANDS`). Without
-a data-plane password an address is dialled as it is.
+a data-plane password an address is dialled without one.
+
+How another host's server is checked is the dialling process's own too: of the options an
+address carries (its query), only the database is kept, and a `rediss://` address is verified
+against this host's own copy of the swarm CA (`settings.swarm_ca`), never a file or an option
+(`ssl_cert_reqs=none`, `ssl_ca_path`, …) the address names. Without a CA of its own, such a
+server is verified against the system's CAs, which never signed it: it is refused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from urllib.parse import quote
+from urllib.parse import parse_qsl, quote, urlencode
 
 from specpipe import settings
 from specpipe.swarm.redact import without_credentials
 
 REDIS_USER = "specpipe"  # a locked-down swarm Redis's own user, for its host's processes
 PEER_USER = "specpipe-peer"  # the user other hosts dial a stage host's Redis as
+ADDRESS_OPTIONS = ("db",)  # all that another host's address may say about how it is dialled
 
 
 @dataclass(frozen=True)
@@ -29,16 +36,20 @@ class Dialer:
     own: tuple[str, ...] = ()  # the URLs this process was configured with, credentials and all
     password: str | None = field(default=None, repr=False)  # the swarm's data-plane password
     username: str = PEER_USER
+    ca: str | None = None  # this host's copy of the swarm CA's certificate
 
     @classmethod
-    def configured(cls, urls: Iterable[str | None], password: str | None) -> Dialer:
-        """A dialer for a process configured with `urls` (None entries skipped)."""
-        return cls(tuple(url for url in urls if url), password)
+    def configured(
+        cls, urls: Iterable[str | None], password: str | None, ca: str | None = None
+    ) -> Dialer:
+        """A dialer for a process configured with `urls` (None entries skipped) that verifies
+        other hosts' TLS servers against `ca`."""
+        return cls(tuple(url for url in urls if url), password, ca=ca)
 
     @classmethod
     def for_settings(cls, config: settings.Settings, *urls: str | None) -> Dialer:
-        """The dialer of a process with `config` (its registry and broker) and `urls`."""
-        return cls.configured((config.redis_url, *urls), config.redis_password)
+        """The dialer of a process with `config` (its registry and broker, its CA) and `urls`."""
+        return cls.configured((config.redis_url, *urls), config.redis_password, config.tls_ca)
 
     @classmethod
     def from_env(cls) -> Dialer:
@@ -51,8 +62,19 @@ class Dialer:
         for url in self.own:
             if without_credentials(url) == bare:
                 return url
-        if not self.password or "//" not in bare:
+        if "//" not in bare:
             return address
+        if not self.password:
+            return self._checked(address)
         auth = f"{quote(self.username, safe='')}:{quote(self.password, safe='')}@"
         start = bare.index("//") + 2
-        return bare[:start] + auth + bare[start:]
+        return self._checked(bare[:start] + auth + bare[start:])
+
+    def _checked(self, url: str) -> str:
+        """`url` with this process's own options for another host: its database kept, any
+        other option dropped, and for TLS this host's CA."""
+        base, _, query = url.partition("?")
+        options = [(k, v) for k, v in parse_qsl(query) if k in ADDRESS_OPTIONS]
+        if base.startswith("rediss://") and self.ca:
+            options.append(("ssl_ca_certs", self.ca))
+        return f"{base}?{urlencode(options, quote_via=quote, safe='/')}" if options else base

@@ -90,6 +90,8 @@ class WorkerConfig:
     tail_sampling: TailSampling = TailSampling()
     # The swarm's data-plane password: added to the address of every other host's Redis dialled.
     redis_password: str | None = field(default=None, repr=False)
+    # This host's copy of the swarm CA: every other host's TLS Redis is verified against it.
+    tls_ca: str | None = None
 
     @property
     def registry(self) -> str:
@@ -112,7 +114,9 @@ class StageWorker:
         self.config = config
         host, swarm = config.host, config.swarm
         self.stream = streams.stage_key(swarm, host)
-        dialer = Dialer.configured((config.redis_url, config.registry), config.redis_password)
+        dialer = Dialer.configured(
+            (config.redis_url, config.registry), config.redis_password, config.tls_ca
+        )
         self.connections = streams.Connections(dialer)
         self.client = self.connections.get(config.redis_url)
         self.consumer = streams.StreamConsumer(

@@ -101,11 +101,15 @@ def test_a_bare_host_joins_as_a_spare_and_takes_over_when_the_stage_dies(lab, ti
         assert joined.poll() is None, joined.stdout.read()
         record = next(n for n in nodes(lab) if n.host == bare.name)
         # Every layer was served: it spares one of the two ranges, at its own address, with a
-        # Redis it started there (locked down: a password, which its record does not carry).
+        # Redis it started there (locked down: TLS only, with the certificate of its host's
+        # TLS folder, and a password, which its record does not carry).
         assert record.layers in ("0:2", "2:4") and record.public_ip == bare.address
-        assert record.redis_url == f"redis://{bare.address}:6379/0"
+        ca = lab.tls_dir(bare) / "ca.pem"
+        assert record.redis_url == f"rediss://{bare.address}:6379/0?ssl_ca_certs={ca}"
         with pytest.raises(redis.RedisError, match="(?i)auth"):
             redis.Redis.from_url(record.redis_url, socket_connect_timeout=5).ping()
+        with pytest.raises(redis.ConnectionError):  # plain text is not spoken
+            redis.Redis.from_url(f"redis://{bare.address}:6379/0", socket_connect_timeout=5).ping()
         partner = next(
             n.host for n in nodes(lab) if n.layers == record.layers and n.host != bare.name
         )

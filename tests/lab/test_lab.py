@@ -11,6 +11,7 @@ import subprocess
 import pytest
 import redis
 
+from specpipe.ops import ca
 from specpipe.ops.lab import Lab
 from specpipe.swarm import streams
 from specpipe.swarm.dialing import Dialer
@@ -48,6 +49,8 @@ def test_every_host_has_its_own_namespace_address_and_redis(lab):
     assert len({h.namespace for h in hosts}) == len({h.address for h in hosts}) == 3
     assert [h.tls for h in hosts] == [False, True, False]
     assert hosts[1].redis_url.startswith("rediss://specpipe:")
+    for host in hosts:  # each host's TLS folder, as `specpipe ca issue` makes it
+        ca.check_host_files(ca.host_files(lab.tls_dir(host)), host.address)
     # Each Redis listens on its host's address only: not from another host's loopback.
     here = subprocess.run(
         ["ip", "netns", "exec", hosts[0].namespace, "ss", "-ltn"], capture_output=True, text=True
@@ -67,7 +70,9 @@ def test_what_other_hosts_hold_reaches_only_a_stages_stream_and_the_registrys_ke
         assert data not in host.redis_url
         stream = streams.stage_key(lab.state["swarm"], f"{host.name}-probe")
         peer = redis.Redis.from_url(
-            Dialer.configured([], data).url(without_credentials(host.redis_url)),
+            Dialer.configured([], data, str(lab.ca_cert())).url(
+                without_credentials(host.redis_url)
+            ),
             socket_timeout=10,
         )
         try:

@@ -33,3 +33,42 @@ def test_without_a_data_plane_password_an_address_is_dialled_as_it_is():
     dialer = Dialer.configured([OWN], None)
     assert dialer.url("redis://10.0.0.2:6379/0") == "redis://10.0.0.2:6379/0"
     assert dialer.url(without_credentials(OWN)) == OWN
+
+
+PEER_RECORD = (
+    "rediss://10.0.0.2:6379/0?ssl_ca_certs=/elsewhere/ca.pem&ssl_cert_reqs=none"
+    "&ssl_check_hostname=false"
+)
+
+
+def test_another_hosts_tls_server_is_verified_against_this_hosts_own_ca():
+    """On main the CA file, and any other TLS option, came from the other host's record."""
+    dialer = Dialer.configured([OWN], "pw", ca="/var/lib/specpipe/tls/ca.pem")
+    mine = "ssl_ca_certs=/var/lib/specpipe/tls/ca.pem"
+    assert dialer.url(PEER_RECORD) == f"rediss://specpipe-peer:pw@10.0.0.2:6379/0?{mine}"
+    assert Dialer(ca="/var/lib/specpipe/tls/ca.pem").url(PEER_RECORD) == (
+        f"rediss://10.0.0.2:6379/0?{mine}"
+    )
+    # Without a CA of its own: no file and no option at all (the system's CAs, which never
+    # signed a swarm's certificate, so the server is refused).
+    assert (
+        Dialer.configured([], "pw").url(PEER_RECORD) == "rediss://specpipe-peer:pw@10.0.0.2:6379/0"
+    )
+    # Of a plain address's options only its database is kept.
+    assert dialer.url("redis://10.0.0.2:6379/0?socket_timeout=0.001&db=3") == (
+        "redis://specpipe-peer:pw@10.0.0.2:6379/0?db=3"
+    )
+    assert dialer.url(without_credentials(OWN)) == OWN  # its own URLs: as configured
+
+
+def test_a_process_verifies_with_the_ca_of_its_own_tls_folder(tmp_path, monkeypatch):
+    from specpipe.settings import Settings
+
+    monkeypatch.setenv("SPECPIPE_HOME", str(tmp_path / "instance"))
+    monkeypatch.delenv("SPECPIPE_TLS_DIR", raising=False)
+    assert Dialer.for_settings(Settings.from_env()).ca is None
+    (tmp_path / "instance" / "tls").mkdir(parents=True)
+    (tmp_path / "instance" / "tls" / "ca.pem").write_text("a certificate\n")
+    assert Dialer.from_env().ca == str(tmp_path / "instance" / "tls" / "ca.pem")
+    monkeypatch.setenv("SPECPIPE_TLS_DIR", str(tmp_path / "elsewhere"))
+    assert Dialer.from_env().ca is None

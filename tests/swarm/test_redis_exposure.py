@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from specpipe.cli import cli
 from specpipe.core.sampling import committed_tokens
-from specpipe.ops import redis_server
+from specpipe.ops import ca, redis_server
 from specpipe.ops.redis_server import (
     PEER_USER,
     REMOTE_USER,
@@ -132,11 +132,20 @@ def test_join_refuses_to_start_an_unpatched_redis_for_other_hosts(tmp_path, monk
     monkeypatch.setenv("SPECPIPE_REGISTRY_URL", redis_url)
     monkeypatch.delenv("REDIS_URL", raising=False)
     monkeypatch.delenv("SPECPIPE_ACCEPT_BACKPORTED_REDIS", raising=False)
+    monkeypatch.delenv("SPECPIPE_TLS_DIR", raising=False)
+    issue_tls_folder(tmp_path, ELSEWHERE)  # the host's certificate is fine: its Redis is not
     argv = ["join", "--model", str(model), "--layers", "0:4", "--address", ELSEWHERE]
     result = CliRunner().invoke(cli, argv)
     assert result.exit_code == 1, result.output
     assert result.output.startswith("Error: redis-server 6.2.14 (")
     assert "must not serve other hosts" in result.output and len(result.output.splitlines()) == 1
+
+
+def issue_tls_folder(tmp_path: Path, address: str) -> ca.TlsFiles:
+    """The TLS folder `specpipe ca issue` makes for a host at `address`, in its instance folder
+    (tmp_path/home)."""
+    authority = ca.make_ca(tmp_path / "operator" / "ca")
+    return ca.issue(authority, [address], tmp_path / "home" / "tls")
 
 
 SCRIPTS = [
@@ -400,8 +409,9 @@ def test_join_starts_its_redis_with_a_password_of_its_own_and_the_peer_user(
     monkeypatch.setenv("SPECPIPE_SWARM_KEY", "k" * 32)
     monkeypatch.setenv("SPECPIPE_REGISTRY_URL", redis_url)
     monkeypatch.setenv("SPECPIPE_REDIS_PASSWORD_FILE", str(data_file))
-    for name in ("REDIS_URL", "SPECPIPE_REDIS_PASSWORD"):
+    for name in ("REDIS_URL", "SPECPIPE_REDIS_PASSWORD", "SPECPIPE_TLS_DIR"):
         monkeypatch.delenv(name, raising=False)
+    tls = issue_tls_folder(tmp_path, "127.0.0.1")
     seen = {}
 
     def serving(host, layers, model_name, *, redis_url, registry_url, **options):
@@ -410,7 +420,7 @@ def test_join_starts_its_redis_with_a_password_of_its_own_and_the_peer_user(
         seen["own lua"] = own.eval("return 1", 0)
         own.close()
         peer = redis.Redis.from_url(
-            Dialer.configured([], DATA_PASSWORD).url(without_credentials(redis_url))
+            Dialer.configured([], DATA_PASSWORD, str(tls.ca)).url(without_credentials(redis_url))
         )
         stream = streams.stage_key(swarm, host)
         seen["peer sends"] = streams.send(peer, stream, b"m")
@@ -418,7 +428,14 @@ def test_join_starts_its_redis_with_a_password_of_its_own_and_the_peer_user(
             peer.xrange(stream)
         peer.close()
         where = redis.connection.parse_url(redis_url)
-        wrong = redis.Redis(port=where["port"], username="specpipe", password=DATA_PASSWORD)
+        wrong = redis.Redis(
+            host="127.0.0.1",
+            port=where["port"],
+            username="specpipe",
+            password=DATA_PASSWORD,
+            ssl=True,
+            ssl_ca_certs=str(tls.ca),
+        )
         with pytest.raises(redis.AuthenticationError):
             wrong.ping()
         wrong.close()
@@ -430,7 +447,7 @@ def test_join_starts_its_redis_with_a_password_of_its_own_and_the_peer_user(
     assert result.exit_code == 0, result.output
     own_password = (home / "redis_local_password").read_text().strip()
     assert (home / "redis_local_password").stat().st_mode & 0o077 == 0
-    assert seen["url"].startswith(f"redis://specpipe:{own_password}@127.0.0.1:{port}/")
+    assert seen["url"].startswith(f"rediss://specpipe:{own_password}@127.0.0.1:{port}/")
     assert DATA_PASSWORD.replace(" ", "%20") not in seen["url"]
     assert seen["own lua"] == 1 and seen["peer sends"]
     assert own_password not in result.output

@@ -164,9 +164,11 @@ def test_rounds_go_through_a_stage_whose_stream_lives_on_a_tls_redis(
     port, ca = tls_redis
     address = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}"
     remote = f"rediss://specpipe:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={ca}"
-    # The data-plane password: near and the coordinator add it to far's address.
+    # The data-plane password: near and the coordinator add it to far's address, and verify
+    # far against their own copy of the CA (their TLS folder's), not the one far's record names.
     monkeypatch.setenv("SPECPIPE_REDIS_PASSWORD", DATA_PASSWORD)
-    ring_settings = replace(ring_settings, redis_password=DATA_PASSWORD)
+    monkeypatch.setenv("SPECPIPE_TLS_DIR", str(ca.parent))
+    ring_settings = replace(ring_settings, redis_password=DATA_PASSWORD, tls_ca=str(ca))
     stages.start("near", "0:2", redis_url, wait=False)
     stages.start("far", "2:4", remote, wait=False)  # registers in the plain registry
     stages.wait_ready(["near", "far"])

@@ -43,6 +43,7 @@ def main() -> None:
         heartbeat_s=args.heartbeat_s,
         max_message_bytes=args.max_message_bytes,
         redis_password=settings.redis_password(),
+        tls_ca=settings.swarm_ca(),
     )
     node = inventory.NodeInfo(
         host=args.host,
