@@ -10,12 +10,10 @@ STAMP  := $(VENV)/.installed
 # (each test worker creates and drops its own database beside it). The first pass runs on
 # PYTEST_WORKERS xdist workers, a test file to a worker, so that a module's fixtures (the fault
 # matrix, a lab, stage processes) are set up once; the lab's tests each take a free subnet of
-# their own. The files go out in the order the suite collects them, the longest first
-# (tests/conftest.py), not xdist's largest-count-first. The PostgreSQL pass runs on one worker,
-# steadier for its jobs on real processes.
+# their own. The PostgreSQL pass runs on one worker, steadier for its jobs on real processes.
 PG_TEST_URL ?= postgresql://postgres@127.0.0.1:5432/test
 PYTEST_WORKERS ?= 2
-PYTEST := $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
+PYTEST := $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15
 
 install: $(STAMP)
 
