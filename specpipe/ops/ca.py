@@ -182,15 +182,21 @@ def issue(
 def load_authority(authority: Authority) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """The CA's certificate and key; CaError when they are missing, unreadable or no pair."""
     cert = load_certificate(authority.cert)
-    try:
-        key = serialization.load_pem_private_key(authority.key.read_bytes(), password=None)
-    except FileNotFoundError:
-        raise CaError(f"no CA key at {authority.key}") from None
-    except (OSError, ValueError, TypeError) as exc:
-        raise CaError(f"cannot read the CA key {authority.key}: {_reason(exc)}") from None
+    key = load_key(authority.key, "CA key")
     if not isinstance(key, ec.EllipticCurvePrivateKey) or key.public_key() != cert.public_key():
         raise CaError(f"{authority.key} is not the key of {authority.cert}")
     return cert, key
+
+
+def load_key(path: Path, what: str = "key"):
+    """The PEM private key at `path` (no passphrase); CaError naming it as `what` when it is
+    missing or not one."""
+    try:
+        return serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    except FileNotFoundError:
+        raise CaError(f"no {what} at {path}") from None
+    except (OSError, ValueError, TypeError) as exc:
+        raise CaError(f"cannot read the {what} {path}: {_reason(exc)}") from None
 
 
 def load_certificate(path: Path) -> x509.Certificate:
@@ -209,12 +215,7 @@ def check_host_files(files: TlsFiles, address: str, now: datetime | None = None)
     it there checks; CaError saying what is wrong otherwise."""
     cert = load_certificate(files.cert)
     ca_cert = load_certificate(files.ca)
-    try:
-        key = serialization.load_pem_private_key(files.key.read_bytes(), password=None)
-    except FileNotFoundError:
-        raise CaError(f"no key at {files.key}") from None
-    except (OSError, ValueError, TypeError) as exc:
-        raise CaError(f"cannot read the key {files.key}: {_reason(exc)}") from None
+    key = load_key(files.key)
     if key.public_key() != cert.public_key():
         raise CaError(f"{files.key} is not the key of {files.cert}")
     verifier = (
