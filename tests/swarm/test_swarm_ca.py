@@ -13,11 +13,10 @@ import redis
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from specpipe.ops import ca
 from specpipe.ops.redis_server import RedisServer, TlsFiles
+from tests.swarm.test_redis_tls import refused
 
 
 @pytest.fixture(scope="module")
@@ -111,16 +110,6 @@ def test_addresses_of_every_kind_are_taken(authority, tmp_path):
     assert ca.certificate_names(files.cert) == ["2001:db8::7", "host-1.example.org"]
     ca.check_host_files(files, "2001:db8::7")
     ca.check_host_files(files, "host-1.example.org")
-
-
-def refused(url: str) -> redis.RedisError:
-    client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), socket_connect_timeout=2)
-    try:
-        with pytest.raises(redis.RedisError) as caught:
-            client.ping()
-        return caught.value
-    finally:
-        client.close()
 
 
 def test_a_redis_server_with_issued_files_is_verified_with_the_ca_and_no_other(host, tmp_path):
