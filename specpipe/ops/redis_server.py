@@ -31,6 +31,7 @@ import importlib.util
 import ipaddress
 import logging
 import os
+import random
 import re
 import shutil
 import signal
@@ -349,8 +350,35 @@ def proto_max_bulk_len() -> int:
     return MAX_MESSAGE_BYTES + BULK_HEADROOM_BYTES
 
 
+LISTEN_PORTS_FROM = 20000  # free_port's candidates start here and end below the ephemeral range
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel takes outgoing connections' source ports from (Linux's default)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 nobody listens on right now."""
+    """A TCP port on 127.0.0.1 nobody listens on right now, outside the ephemeral range.
+
+    A port the kernel hands out for `bind(0)` comes from the range it also takes outgoing
+    connections' source ports from, so between this call and the server's own bind any new
+    connection on the host may take it (and hold it as long as it lives). A port below that
+    range is never taken that way.
+    """
+    low = ephemeral_ports()[0]
+    candidates = range(LISTEN_PORTS_FROM, low) if low - LISTEN_PORTS_FROM >= 1000 else range(0)
+    for port in random.sample(candidates, min(64, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -122,3 +122,19 @@ def test_a_server_with_a_data_dir_keeps_what_it_held_across_a_kill(tmp_path):
 def _aof_holds(data, needle: bytes) -> bool:
     """Whether any append-only file under `data` holds `needle`."""
     return any(needle in p.read_bytes() for p in data.rglob("*.aof*") if p.is_file())
+
+
+def test_free_port_is_below_the_ephemeral_range_and_skips_a_taken_one(monkeypatch):
+    low, _ = redis_server.ephemeral_ports()
+    ports = {redis_server.free_port() for _ in range(20)}
+    assert all(redis_server.LISTEN_PORTS_FROM <= port < low for port in ports)
+    # A candidate with a listener on it is passed over for the next.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        monkeypatch.setattr(
+            redis_server.random, "sample", lambda candidates, k: [busy, *list(candidates)[:k]]
+        )
+        port = redis_server.free_port()
+        assert port != busy and redis_server.LISTEN_PORTS_FROM <= port < low

@@ -6,24 +6,18 @@ from __future__ import annotations
 import http.cookiejar
 import os
 import re
-import socket
 import subprocess
 import sys
 import urllib.parse
 import urllib.request
 
 from models.migrate import current, heads
+from specpipe.ops.redis_server import free_port
 from tests.waiting import wait_until
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_web_command_serves(fresh_database_url, tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "DATABASE_URL": fresh_database_url, "SPECPIPE_HOME": str(tmp_path)}
     env.pop("SECRET_KEY", None)
     process = subprocess.Popen(
