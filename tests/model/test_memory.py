@@ -102,3 +102,33 @@ print(json.dumps({"loaded": loaded - base, "released": anon() - base}))
     # (a numpy view per vocabulary string) made 380 MB; the loader's freed heap is ~45 MB.
     assert got["loaded"] < 300, got
     assert got["released"] < got["loaded"] - 10, got
+
+
+SERVE_MANY_SHAPES = """
+import os, torch
+from specpipe.model.resolve import open_checkpoint
+from specpipe.model.stage import load_stage
+from specpipe.swarm.stage_worker import release_load_memory
+torch.set_num_threads(1)
+stage = load_stage(open_checkpoint("default"), 8, 15)
+release_load_memory()
+def serve(length):  # a prompt, a few rounds, the end of the session
+    stage.forward("s", torch.randn(length, stage.cfg.dim), 0)
+    for pos in range(length, length + 8, 4):
+        stage.forward("s", torch.randn(4, stage.cfg.dim), pos)
+    stage.drop("s")
+for length in range(8, 264, 16):
+    serve(length)
+before = anon()
+for length in range(266, 620, 18):  # lengths not seen before
+    serve(length)
+print(json.dumps({"grown": anon() - before}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs Linux /proc")
+def test_a_stage_serving_prompts_of_ever_new_lengths_stops_growing():
+    # oneDNN keeps a kernel and its memory for each shape a product ran: when a packed weight
+    # ran every prompt's length as it came, these 20 prompts added some 90 MB.
+    got = _anonymous_mb(SERVE_MANY_SHAPES)
+    assert got["grown"] < 40, got
