@@ -353,13 +353,12 @@ def proto_max_bulk_len() -> int:
 LISTEN_PORTS_FROM = 20000  # free_port's candidates start here and end below the ephemeral range
 
 
-def ephemeral_ports() -> tuple[int, int]:
-    """The range the kernel takes outgoing connections' source ports from (Linux's default)."""
+def ephemeral_start() -> int:
+    """The first port of the range the kernel takes outgoing connections' source ports from."""
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port() -> int:
@@ -368,10 +367,9 @@ def free_port() -> int:
     A port the kernel hands out for `bind(0)` comes from the range it also takes outgoing
     connections' source ports from, so between this call and the server's own bind any new
     connection on the host may take it (and hold it as long as it lives). A port below that
-    range is never taken that way.
+    range is never taken that way; `bind(0)` is the fallback when none is free there.
     """
-    low = ephemeral_ports()[0]
-    candidates = range(LISTEN_PORTS_FROM, low) if low - LISTEN_PORTS_FROM >= 1000 else range(0)
+    candidates = range(LISTEN_PORTS_FROM, max(LISTEN_PORTS_FROM, ephemeral_start()))
     for port in random.sample(candidates, min(64, len(candidates))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:

@@ -125,7 +125,7 @@ def _aof_holds(data, needle: bytes) -> bool:
 
 
 def test_free_port_is_below_the_ephemeral_range_and_skips_a_taken_one(monkeypatch):
-    low, _ = redis_server.ephemeral_ports()
+    low = redis_server.ephemeral_start()
     ports = {redis_server.free_port() for _ in range(20)}
     assert all(redis_server.LISTEN_PORTS_FROM <= port < low for port in ports)
     # A candidate with a listener on it is passed over for the next.
