@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 # (each test worker creates and drops its own database beside it). The first pass runs on
 # PYTEST_WORKERS xdist workers, a test file to a worker, so that a module's fixtures (the fault
 # matrix, a lab, stage processes) are set up once; the lab's tests each take a free subnet of
-# their own. The PostgreSQL pass runs on one worker, steadier for its jobs on real processes.
+# their own. The PostgreSQL pass runs the database tests the same way.
 PG_TEST_URL ?= postgresql://postgres@127.0.0.1:5432/test
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15
@@ -36,7 +36,7 @@ test: install browser
 	$(PYTEST)
 	@if [ -n "$$CI" ] || $(BIN)/python -c "import psycopg; psycopg.connect('$(PG_TEST_URL)', connect_timeout=3).close()" 2>/dev/null; then \
 	  echo "TESTING_DATABASE_URL=$(PG_TEST_URL) pytest -m db"; \
-	  TESTING_DATABASE_URL=$(PG_TEST_URL) $(BIN)/pytest -q -m db --durations=15; \
+	  TESTING_DATABASE_URL=$(PG_TEST_URL) $(PYTEST) -m db; \
 	else \
 	  echo "PostgreSQL is not reachable at $(PG_TEST_URL) (set PG_TEST_URL): its pass is skipped"; \
 	fi

@@ -504,6 +504,7 @@ def nightly_sizes() -> dict[str, int]:
     """The nightly regression's proof sizes; the defaults are the reference run's."""
     return {
         "local_draws": _env_int("SPECPIPE_NIGHTLY_LOCAL_DRAWS", 120_000, 1000),
+        "sampler_trials": _env_int("SPECPIPE_NIGHTLY_SAMPLER_TRIALS", 2_000, 4),
         "stops": _env_int("SPECPIPE_NIGHTLY_STOPS", 12),
         "draws": _env_int("SPECPIPE_NIGHTLY_DRAWS", 140),
         "generation_tokens": _env_int("SPECPIPE_NIGHTLY_GENERATION_TOKENS", 48),

@@ -140,7 +140,14 @@ def run_nightly(
     stages of the swarm `settings` names. With `draft_head`, proofs 2 and 3 verify the tail's
     draft head's drafts, sampling with gumbel.
     """
-    local = run_local_proof(LocalProofConfig(draws=sizes["local_draws"], seed=seed))
+    local = run_local_proof(
+        LocalProofConfig(
+            draws=sizes["local_draws"],
+            seed=seed,
+            sampler_trials=sizes["sampler_trials"],
+            gumbel_sampler_trials=sizes["sampler_trials"] // 4,
+        )
+    )
     errors: dict[str, str] = {}
     swarm_result = generation = None
     topology = None

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Small proofs: seconds, not the reference run's minutes.
 SMALL_SIZES = {
     "SPECPIPE_NIGHTLY_LOCAL_DRAWS": "40000",
+    "SPECPIPE_NIGHTLY_SAMPLER_TRIALS": "400",
     "SPECPIPE_NIGHTLY_STOPS": "3",
     "SPECPIPE_NIGHTLY_DRAWS": "120",
     "SPECPIPE_NIGHTLY_GENERATION_TOKENS": "16",

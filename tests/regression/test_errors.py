@@ -7,7 +7,7 @@ from specpipe.settings import Settings, nightly_sizes
 from tests.regression.toy_target import toy_target
 from workers.regression import run_nightly
 
-SIZES = {**nightly_sizes(), "local_draws": 40_000}
+SIZES = {**nightly_sizes(), "local_draws": 40_000, "sampler_trials": 400}
 
 
 def nobody(redis_url: str) -> Settings:
