@@ -18,3 +18,25 @@ def trim() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+class Trimmer:
+    """Trims the heap after memory was freed, at most once every `every_s` seconds: a serving
+    loop marks each time it frees a session's caches and calls `due` as it goes."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._freed = False
+        self._next = 0.0
+
+    def freed(self) -> None:
+        """Memory worth giving back was freed."""
+        self._freed = True
+
+    def due(self, now: float) -> bool:
+        """Trim if something was freed and the last trim is `every_s` old; whether it did."""
+        if not self._freed or now < self._next:
+            return False
+        trim()
+        self._freed, self._next = False, now + self.every_s
+        return True

@@ -238,6 +238,38 @@ def test_sessions_idle_past_the_limit_are_forgotten_and_answer_a_gap(
     assert [r.kind for r in replies(redis_url, swarm, key, "new")] == ["result", "result"]
 
 
+def test_what_ended_sessions_freed_goes_back_to_the_system_at_most_every_few_seconds(
+    make, redis_url, monkeypatch
+):
+    from specpipe.model import heap
+    from specpipe.swarm import stage_worker
+
+    trims = []
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(clock.now))
+    clock = Clock()
+    monkeypatch.setattr(stage_worker, "time", clock)
+    tail = make("t", 0, 4)
+    tail.housekeeping()
+    assert trims == []  # nothing was freed yet
+    for session in ("a", "b"):
+        deliver(tail, wire.Message(kind="reset", session=session, params=RESET))
+        deliver(tail, round_message(redis_url, ["t"], tokens=(1, 2), rid=f"{session}-1"))
+    deliver(tail, wire.Message(kind="drop", session="a"))
+    clock.now += stage_worker.DEFAULT_HEARTBEAT_S
+    tail.housekeeping()
+    assert trims == [clock.now]
+    deliver(tail, wire.Message(kind="drop", session="b"))
+    clock.now += stage_worker.DEFAULT_HEARTBEAT_S
+    tail.housekeeping()  # freed again, but trimmed too recently
+    assert len(trims) == 1
+    clock.now += stage_worker.HEAP_TRIM_S
+    tail.housekeeping()
+    clock.now += stage_worker.HEAP_TRIM_S
+    tail.housekeeping()  # nothing freed since
+    first = 1000.0 + stage_worker.DEFAULT_HEARTBEAT_S
+    assert trims == [first, clock.now - stage_worker.HEAP_TRIM_S]
+
+
 def test_processed_rounds_leave_counters_and_timings_in_the_stats(make, swarm, key, redis_url):
     tail = make("t", 0, 4)
     deliver(tail, wire.Message(kind="reset", session="s", params=RESET))
