@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specpipe.stage")
 # What ended sessions' caches freed goes back to the system at most this often: glibc keeps it
-# otherwise (a stage of the default model serving three users' jobs held 25 to 40 MiB more), and
+# otherwise (a stage of the default model serving three users' jobs held about 35 MiB more), and
 # a trim after much was freed holds the serving loop for tens of milliseconds.
 HEAP_TRIM_S = 10.0
 
