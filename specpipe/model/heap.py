@@ -33,10 +33,8 @@ class Trimmer:
         """Memory worth giving back was freed."""
         self._freed = True
 
-    def due(self, now: float) -> bool:
-        """Trim if something was freed and the last trim is `every_s` old; whether it did."""
-        if not self._freed or now < self._next:
-            return False
-        trim()
-        self._freed, self._next = False, now + self.every_s
-        return True
+    def due(self, now: float) -> None:
+        """Trim if something was freed and the last trim is `every_s` old."""
+        if self._freed and now >= self._next:
+            trim()
+            self._freed, self._next = False, now + self.every_s

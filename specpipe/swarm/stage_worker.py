@@ -312,17 +312,19 @@ class StageWorker:
             self.forward.run(batch)
         elif message.kind in ("reset", "reseed"):
             if message.kind == "reset":  # a reseed keeps the caches (many draws from one context)
-                self.stage.drop(message.session)
-                self.heap.freed()
+                self._drop_caches(message.session)
             self.samplers.set_params(message)
         elif message.kind == "drop":
             self._forget(message.session)
         else:
             self.stats.drop(f"a {message.kind!r} message does not belong on a stage stream")
 
-    def _forget(self, session: str) -> None:
+    def _drop_caches(self, session: str) -> None:
         self.stage.drop(session)
-        self.heap.freed()
+        self.heap.freed()  # given back to the system at a housekeeping
+
+    def _forget(self, session: str) -> None:
+        self._drop_caches(session)
         self.batcher.forget(session)
         self.samplers.forget(session)
         self.activity.forget(session)

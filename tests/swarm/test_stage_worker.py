@@ -244,10 +244,10 @@ def test_what_ended_sessions_freed_goes_back_to_the_system_at_most_every_few_sec
     from specpipe.model import heap
     from specpipe.swarm import stage_worker
 
-    trims = []
-    monkeypatch.setattr(heap, "trim", lambda: trims.append(clock.now))
     clock = Clock()
     monkeypatch.setattr(stage_worker, "time", clock)
+    trims = []
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(clock.now))
     tail = make("t", 0, 4)
     tail.housekeeping()
     assert trims == []  # nothing was freed yet
