@@ -172,9 +172,8 @@ def test_submit_watch_history_proofs_nodes(server, page, session, queue):
     page.click("form.filters button")
     page.wait_for_url("**/history?q=no+such+prompt*")
     page.wait_for_selector(".card.empty")
-    assert page.locator("#history").count() == 0 and "No jobs match" in page.text_content(
-        ".card.empty"
-    )
+    assert page.locator("#history").count() == 0
+    assert "No jobs match" in page.text_content(".card.empty")
 
     page.click("text=Log out")
     page.wait_for_url("**/login")
@@ -223,9 +222,8 @@ def test_form_errors_shown(server, page, session, queue):
     page.fill("#f-top_p", "1.5")
     page.fill("#f-seed", "-4")
     page.click("button:has-text('Generate')")
-    page.wait_for_selector(
-        "text=Prompt is empty"
-    )  # the re-rendered form, not the old one mid-navigation
+    # The re-rendered form, not the old one mid-navigation.
+    page.wait_for_selector("text=Prompt is empty")
     assert "Prompt is empty" in page.content()
     assert "Top-p must be above 0 and at most 1" in page.content()
     assert "Seed must be between 0 and 2^64-1" in page.content()
