@@ -45,7 +45,7 @@ from specpipe.swarm.failover import CheckedRing, drop_quietly, lost_with_spare, 
 from specpipe.swarm.inventory import RouteError
 from specpipe.swarm.kvbudget import Reservations
 from specpipe.swarm.redact import one_line_reason
-from specpipe.swarm.redis_ring import RedisRing, RingError
+from specpipe.swarm.redis_ring import ROUND_TIMEOUT_S, RedisRing, RingError
 from workers.attempt import Attempt, Superseded
 from workers.job_lock import lock_key
 from workers.locks import LockKeeper
@@ -226,7 +226,9 @@ def run_on_swarm(session: Session, job: Job, settings: Settings, keeper: LockKee
         return finish(session, Attempt.seen(job), "failed", reason)
 
     def build_ring(avoid: frozenset[str] = frozenset()) -> RedisRing:
-        ring = RedisRing.from_inventory(settings, target.name, target.n_layers, avoid=avoid)
+        ring = RedisRing.from_inventory(
+            settings, target.name, target.n_layers, avoid=avoid, outage_s=ROUND_TIMEOUT_S
+        )
         sync_inventory(session, list(ring.route))  # the run's snapshot is the ring as it is now
         return ring
 

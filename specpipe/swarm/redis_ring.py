@@ -44,6 +44,7 @@ from specpipe.swarm.redact import redact_text, redact_url
 # whole generation after a gap, takes the stages longer than one decode step.
 PER_TOKEN_S = 0.05
 RECONNECT_S = 1.0  # pause before sending a round again after a connection error
+ROUND_TIMEOUT_S = 30.0  # a round's wait for its reply (and for a restarting Redis), before its work
 WATCH_AFTER_S = 0.5  # a round this late asks its watchdog whether a hop is gone…
 WATCH_EVERY_S = 0.25  # …and again this often while it waits
 
@@ -83,7 +84,7 @@ class RedisRing:
         swarm: str,
         keys: wire.Keyring | bytes | str,
         reply_url: str,
-        timeout_s: float = 30.0,
+        timeout_s: float = ROUND_TIMEOUT_S,
         retries: int = 2,
         maxlen: int = streams.DEFAULT_MAXLEN,
         link_delay_s: float = 0.0,
@@ -129,6 +130,7 @@ class RedisRing:
         registry_url: str | None = None,
         reply_url: str | None = None,
         avoid: Collection[str] = (),
+        outage_s: float = 0.0,
         **options,
     ) -> RedisRing:
         """The ring every caller builds: the online stages serving `model` that the swarm's
@@ -137,18 +139,14 @@ class RedisRing:
         The registry is `settings.redis_url` unless `registry_url` is given, and replies come
         back there unless `reply_url` is given. Raises RingError when the swarm has no key or
         the registry cannot be read, RouteError when the online stages leave layers uncovered.
-        The hosts in `avoid` are left out (a failover around them).
+        The hosts in `avoid` are left out (a failover around them). An unreachable registry
+        is read again for up to `outage_s` (a job's ring waits out a restarting Redis as its
+        rounds do; a command asked once answers at once).
         """
         if not settings.swarm_key:
             raise RingError("the swarm is not configured: SPECPIPE_SWARM_KEY is not set")
         registry = registry_url or settings.redis_url
-        client = redis.Redis.from_url(registry, socket_connect_timeout=5, socket_timeout=5)
-        try:
-            nodes = inventory.load(client, settings.swarm, settings.accepted_swarm_keys)
-        except redis.RedisError as exc:
-            raise RingError(f"cannot read the inventory at {redact_url(registry)}: {exc}") from None
-        finally:
-            client.close()
+        nodes = _inventory_through_outage(settings, registry, outage_s)
         route = inventory.route(nodes, n_layers, model=model, avoid=avoid)
         keys = wire.Keyring(settings.accepted_swarm_keys)
         reply = reply_url or registry
@@ -388,3 +386,29 @@ class RedisRing:
             self.dropped_replies += 1
             return None
         return reply
+
+
+def _inventory_through_outage(settings: Settings, registry: str, outage_s: float) -> list[NodeInfo]:
+    """The registry's verified inventory, read again after a pause while the registry is
+    unreachable (restarting, loading its file) for up to `outage_s`, as a round waits for a
+    restarting Redis; then, or on any other Redis error, a RingError."""
+    give_up_at = time.monotonic() + outage_s
+    client = redis.Redis.from_url(registry, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        while True:
+            try:
+                return inventory.load(client, settings.swarm, settings.accepted_swarm_keys)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if time.monotonic() >= give_up_at:
+                    where = redact_url(registry)
+                    raise RingError(
+                        f"cannot read the inventory at {where}: {redact_text(str(exc))}"
+                    ) from None
+                time.sleep(RECONNECT_S)
+            except redis.RedisError as exc:
+                where = redact_url(registry)
+                raise RingError(
+                    f"cannot read the inventory at {where}: {redact_text(str(exc))}"
+                ) from None
+    finally:
+        client.close()

@@ -629,3 +629,38 @@ def test_a_next_hop_a_stage_cannot_reach_is_named_to_the_ring(stages, swarm, key
         ring.round("s", PROMPT, 0, 0)
     assert refused.value.host == "gone"  # the hop after the stage that could not pass it on
     ring.close()
+
+
+def test_a_jobs_ring_waits_out_a_restarting_registry_and_a_command_does_not(
+    ring_settings, swarm, key
+):
+    """The fault matrix's kill of the broker and registry Redis failed a job whose ring was
+    being built while Redis restarted ("cannot read the inventory … Connection refused"). A job's
+    ring reads the inventory again while the registry is away, for as long as a round waits."""
+    from specpipe.ops.redis_server import RedisServer
+
+    server = RedisServer()
+    url = server.url
+    settings = ring_settings.for_swarm(url, swarm, key)
+    record = nodes(("a", url, "0:4"))[0]
+    with pytest.raises(RingError, match="cannot read the inventory"):
+        RedisRing.from_inventory(settings, "toy", 4)  # nothing listens: at once
+
+    def restart() -> None:
+        time.sleep(1.5)
+        server.start()
+        client = redis.Redis.from_url(url)
+        inventory.publish(client, swarm, record, key)
+        client.close()
+
+    thread = threading.Thread(target=restart)
+    thread.start()
+    try:
+        started = time.monotonic()
+        ring = RedisRing.from_inventory(settings, "toy", 4, outage_s=20)
+        assert [hop.host for hop in ring.route] == ["a"]
+        assert 1.5 <= time.monotonic() - started < 20
+        ring.close()
+    finally:
+        thread.join()
+        server.stop()
