@@ -25,8 +25,8 @@ from models.db import as_utc, utcnow
 from models.jobs import JOB_STATUSES, Job
 from models.nodes import Node
 from models.runs import Run
-from specpipe.settings import swarm_keys
 from specpipe.swarm import inventory, streams
+from specpipe.swarm.trust import reading_keyring
 
 RECENT_JOBS = 50  # tok/s and acceptance gauges average the latest finished jobs
 
@@ -196,8 +196,8 @@ class StageCollector(Collector):
 
     @staticmethod
     def _stats() -> dict[str, dict[str, float]]:
-        keys = swarm_keys()
-        if not keys:
+        keys = reading_keyring()
+        if keys is None:
             return {}
         swarm = current_app.config["SWARM"]
         client = redis.Redis.from_url(

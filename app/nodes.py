@@ -12,9 +12,9 @@ from redis.retry import Retry
 from app.db import get_session
 from models.db import utcnow
 from models.nodes import Node, ring_nodes
-from specpipe.settings import swarm_keys
 from specpipe.swarm import inventory, streams
 from specpipe.swarm.inventory import lossy_warning
+from specpipe.swarm.trust import reading_keyring
 
 bp = Blueprint("nodes", __name__, url_prefix="/nodes")
 
@@ -68,8 +68,8 @@ def live_inventory() -> tuple[int | None, inventory.RingLatency | None]:
     """From the live inventory: how many records fail to verify (None when it cannot be read)
     and the ring's latency, with each stage's timings from its own Redis (None until the
     stages have measured their links)."""
-    keys = swarm_keys()
-    if not keys:
+    keys = reading_keyring()
+    if keys is None:
         return None, None
     client = quick_redis(current_app.config["REDIS_URL"])
     try:

@@ -44,6 +44,9 @@ class Settings:
     redis_password: str | None = field(default=None, repr=False)
     # This host's copy of the swarm CA, which other hosts' TLS Redis must verify against.
     tls_ca: str | None = None
+    # The coordinator's public key this host pins (hex): every host's own key is then checked
+    # against the roster the coordinator signs. None: every swarm key holder is trusted alike.
+    coordinator_public_key: str | None = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -57,6 +60,7 @@ class Settings:
             old_swarm_keys=keys[1:],
             redis_password=redis_password(),
             tls_ca=swarm_ca(),
+            coordinator_public_key=coordinator_public_key(),
         )
 
     @property
@@ -64,10 +68,24 @@ class Settings:
         """The key that signs, then the old ones still accepted."""
         return (self.swarm_key, *self.old_swarm_keys) if self.swarm_key else ()
 
-    def for_swarm(self, redis_url: str, swarm: str, swarm_key: str | bytes) -> Settings:
-        """These settings pointed at another swarm (a benchmark's or a test's own)."""
+    def for_swarm(
+        self,
+        redis_url: str,
+        swarm: str,
+        swarm_key: str | bytes,
+        coordinator_public_key: str | None = None,
+    ) -> Settings:
+        """These settings pointed at another swarm (a benchmark's or a test's own), which pins
+        `coordinator_public_key` (None: its swarm key holders are trusted alike)."""
         key = swarm_key.decode() if isinstance(swarm_key, bytes) else swarm_key
-        return replace(self, redis_url=redis_url, swarm=swarm, swarm_key=key, old_swarm_keys=())
+        return replace(
+            self,
+            redis_url=redis_url,
+            swarm=swarm,
+            swarm_key=key,
+            old_swarm_keys=(),
+            coordinator_public_key=coordinator_public_key,
+        )
 
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -88,6 +106,12 @@ TLS_DIR = "tls"
 TLS_CERT_FILE = "redis.pem"  # its Redis's certificate
 TLS_KEY_FILE = "redis.key"  # and key (mode 0600)
 CA_CERT_FILE = "ca.pem"  # its copy of the swarm CA's certificate
+# Host identities (`specpipe.swarm.identity`): each host's own signing key, the coordinator's
+# on host 0, the coordinator's public key every host pins, and host 0's copy of the roster.
+HOST_KEYS_DIR = "host_keys"
+COORDINATOR_KEY_FILE = "coordinator_key"
+COORDINATOR_PUB_FILE = "coordinator.pub"
+ROSTERS_DIR = "rosters"
 # Seconds between a stage's heartbeats (`worker stage --heartbeat-s`): a coordinator with a
 # spare for a stage's layers re-routes after three missed beats.
 DEFAULT_HEARTBEAT_S = 0.5
@@ -344,6 +368,50 @@ def swarm_ca() -> str | None:
     against the system's CAs, which never signed it)."""
     path = tls_dir() / CA_CERT_FILE
     return str(path) if path.is_file() else None
+
+
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+
+
+def host_key_path(host: str, home: Path | None = None) -> Path:
+    """Where host `host`'s signing key lives: the file `SPECPIPE_HOST_KEY_FILE` names, else
+    `host_keys/HOST.key` in the instance folder (`home`, else this process's; one folder may
+    hold several hosts' keys, as `specpipe up`'s does). ValueError for a host name that cannot
+    name a file."""
+    path = os.environ.get("SPECPIPE_HOST_KEY_FILE")
+    if path:
+        return Path(path)
+    if not _FILE_NAME.fullmatch(host) or host.endswith(".") or ".." in host:
+        raise ValueError(f"host name {host!r} must be letters, digits, '.', '_', ':' or '-'")
+    return (home or instance_dir()) / HOST_KEYS_DIR / f"{host}.key"
+
+
+def coordinator_key_path(home: Path | None = None) -> Path:
+    """Where host 0 keeps the coordinator's signing key: `SPECPIPE_COORDINATOR_KEY_FILE`, else
+    `coordinator_key` in the instance folder (`home`, else this process's)."""
+    path = os.environ.get("SPECPIPE_COORDINATOR_KEY_FILE")
+    return Path(path) if path else (home or instance_dir()) / COORDINATOR_KEY_FILE
+
+
+def coordinator_public_key() -> str | None:
+    """The coordinator's public key this host pins (64 hex digits): `SPECPIPE_COORDINATOR_PUB`,
+    else `coordinator.pub` in the TLS folder or the instance folder; None when there is none."""
+    value = os.environ.get("SPECPIPE_COORDINATOR_PUB")
+    if value:
+        return value.strip()
+    for folder in (tls_dir(), instance_dir()):
+        path = folder / COORDINATOR_PUB_FILE
+        if path.is_file():
+            return path.read_text().strip()
+    return None
+
+
+def roster_path(swarm: str, home: Path | None = None) -> Path:
+    """Host 0's own copy of swarm `swarm`'s roster (the registry holds the one hosts read), in
+    the instance folder (`home`, else this process's)."""
+    if not _FILE_NAME.fullmatch(swarm):
+        raise ValueError(f"swarm name {swarm!r} must be letters, digits, '.', '_', ':' or '-'")
+    return (home or instance_dir()) / ROSTERS_DIR / swarm
 
 
 def accept_backported_redis() -> bool:

@@ -6,6 +6,7 @@ machine without a Redis service still runs every test.
 """
 
 import os
+import tempfile
 
 from specpipe.ops.redis_server import RedisServer, answers
 
@@ -17,6 +18,9 @@ _private_redis = None
 
 def pytest_configure(config) -> None:
     global _private_redis
+    # An instance folder of the suite's own: keys a `specpipe up` left in ./instance (its
+    # coordinator's pinned key, say) must not reach a test that does not name its own folder.
+    os.environ.setdefault("SPECPIPE_HOME", tempfile.mkdtemp(prefix="specpipe-tests-"))
     if os.environ.get("TESTING_REDIS_URL") or answers(DEFAULT_REDIS):
         return
     _private_redis = RedisServer()

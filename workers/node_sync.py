@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from models.nodes import NODE_FIELDS, upsert_node
 from specpipe.settings import Settings
-from specpipe.swarm import inventory
+from specpipe.swarm import inventory, trust
 from specpipe.swarm.redact import redact_url
 from workers.names import SYNC_NODES_TASK
 
@@ -34,7 +34,7 @@ def sync(self) -> int:
     settings = Settings.from_env()
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3)
     try:
-        nodes = inventory.load(client, settings.swarm, settings.accepted_swarm_keys)
+        nodes = inventory.load(client, settings.swarm, trust.keyring(settings))
     finally:
         client.close()
     count = sync_inventory(self.session, nodes)

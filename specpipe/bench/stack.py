@@ -24,7 +24,7 @@ import redis
 
 from specpipe import settings
 from specpipe.ops.redis_server import free_port
-from specpipe.swarm import inventory
+from specpipe.swarm import inventory, trust
 
 # The variables a shell may carry that would point `up` at another swarm or store.
 CLEARED = (
@@ -177,8 +177,7 @@ class Stack:
         """Online stage hosts and their layer ranges, as the inventory has them."""
         client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=2, socket_timeout=2)
         try:
-            keys = settings.key_file_keys(self.home / settings.SWARM_KEY_FILE)
-            nodes = inventory.load(client, self.swarm, keys)
+            nodes = inventory.load(client, self.swarm, trust.home_keyring(self.home))
         except redis.RedisError:
             return {}
         finally:

@@ -25,8 +25,8 @@ from specpipe.bench.ring_hops import GROUNDED_PROMPT, NOVEL_PROMPT, Timed, timed
 from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.target import open_target
 from specpipe.ops.lab import Lab
-from specpipe.settings import SWARM_KEY_FILE, Settings
-from specpipe.swarm import inventory, streams
+from specpipe.settings import COORDINATOR_PUB_FILE, SWARM_KEY_FILE, Settings
+from specpipe.swarm import inventory, streams, trust
 from specpipe.swarm.dialing import Dialer
 from specpipe.swarm.redis_ring import RedisRing
 
@@ -36,19 +36,25 @@ MEASURE_S = 1.5  # long enough for every stage to beat (0.5 s) with its latest t
 
 
 def lab_settings(lab: Lab) -> Settings:
-    """Settings pointing at `lab`: its registry, swarm and key, the data-plane password its
-    hosts' Redis servers take and the CA their TLS servers verify against (this process is
-    none of the lab's, so its own environment has neither)."""
+    """Settings pointing at `lab`: its registry, swarm, key and folder (the coordinator's key,
+    and the pin of it), the data-plane password its hosts' Redis servers take and the CA their
+    TLS servers verify against (this process is none of the lab's, so its own environment has
+    none of these)."""
     key = (lab.home / SWARM_KEY_FILE).read_text().strip()
-    settings = Settings.from_env().for_swarm(lab.state["registry_url"], lab.state["swarm"], key)
-    return replace(settings, redis_password=lab.data_password(), tls_ca=str(lab.ca_cert()))
+    pin = (lab.home / COORDINATOR_PUB_FILE).read_text().strip()
+    settings = Settings.from_env().for_swarm(
+        lab.state["registry_url"], lab.state["swarm"], key, coordinator_public_key=pin
+    )
+    return replace(
+        settings, home=lab.home, redis_password=lab.data_password(), tls_ca=str(lab.ca_cert())
+    )
 
 
 def ring_latency_now(settings: Settings) -> inventory.RingLatency | None:
     """The latency the lab's stages measured, with their timings from their own Redis."""
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=5)
     try:
-        nodes = inventory.load(client, settings.swarm, settings.accepted_swarm_keys)
+        nodes = inventory.load(client, settings.swarm, trust.keyring(settings))
     finally:
         client.close()
     ring = inventory.measured_ring(nodes)

@@ -10,6 +10,7 @@ from specpipe.cli.checkpoints import model
 from specpipe.cli.db import db
 from specpipe.cli.drafter import drafter
 from specpipe.cli.generate import generate
+from specpipe.cli.host import host
 from specpipe.cli.join import join
 from specpipe.cli.key import key
 from specpipe.cli.lab import lab
@@ -40,7 +41,7 @@ def cli() -> None:
 
 for command in (generate, model, proof, regression, bench, nodes, runs, db, user, token, key, web):
     cli.add_command(command)
-for command in (worker, up, join, ca, lab, drafter):
+for command in (worker, up, join, host, ca, lab, drafter):
     cli.add_command(command)
 
 

@@ -298,7 +298,7 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
     from models.db import make_session_factory
     from models.jobs import Job
     from specpipe import settings
-    from specpipe.swarm import inventory
+    from specpipe.swarm import inventory, trust
     from specpipe.swarm.redact import redact_url
     from workers.submission import QueueUnavailable, Submitter
 
@@ -310,7 +310,7 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
     client = redis.Redis.from_url(url, socket_connect_timeout=3)
     try:
         client.ping()
-        keys = config.accepted_swarm_keys
+        keys = trust.keyring(config) if config.accepted_swarm_keys else None
         nodes = inventory.load(client, swarm, keys) if keys else []
     except redis.RedisError as exc:
         raise click.ClickException(

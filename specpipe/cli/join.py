@@ -213,7 +213,7 @@ def join(
     from specpipe.model.errors import ModelError
     from specpipe.model.resolve import model_label, open_checkpoint
     from specpipe.ops.redis_server import RedisServer, RedisUnavailable
-    from specpipe.swarm import inventory, streams
+    from specpipe.swarm import inventory, streams, trust
     from specpipe.swarm.dialing import Dialer
     from specpipe.swarm.redact import redact_url
 
@@ -242,7 +242,7 @@ def join(
         raise ModelInputError(str(exc)) from None
     client = redis.Redis.from_url(registry_url, socket_connect_timeout=5, socket_timeout=5)
     try:
-        nodes = inventory.load(client, config.swarm, config.accepted_swarm_keys)
+        nodes = inventory.load(client, config.swarm, trust.keyring(config))
     except redis.RedisError as exc:
         raise click.ClickException(f"cannot read the inventory: {exc}") from None
     finally:

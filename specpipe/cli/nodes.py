@@ -56,7 +56,7 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     import redis
 
     from specpipe import settings
-    from specpipe.swarm import inventory
+    from specpipe.swarm import inventory, trust, wire
     from specpipe.swarm.redact import redact_url
 
     redis_url = (
@@ -65,12 +65,15 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     swarm = swarm or settings.swarm_name()
     if not redis_url:
         raise click.ClickException("no swarm Redis: set REDIS_URL or pass --redis")
-    keys = settings.swarm_keys()
-    if not keys:
+    try:
+        keys = trust.keyring(settings.Settings.from_env())
+    except wire.WireError:
         raise click.ClickException(
             "no swarm key to check the inventory with: set SPECPIPE_SWARM_KEY "
             "(or run `specpipe up`, which keeps one)"
-        )
+        ) from None
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     client = redis.Redis.from_url(redis_url, socket_connect_timeout=3)
     try:
         found = inventory.read(client, swarm, keys)

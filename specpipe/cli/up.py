@@ -155,11 +155,23 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
         for name, node in stage_nodes.items()
     ]
     quiet = ["--loglevel", "WARNING"]
+    hosts = [node["host"] for node in stage_nodes.values()]
+
+    def admitted() -> bool:
+        """Every stage host admitted under its own key, once the Redis answers (`up` is host 0
+        and its own operator: the keys and the roster live in its instance folder)."""
+        return _admit_own_hosts(redis_url, swarm, hosts)
+
     if private_redis is not None:
         redis_spec = ProcessSpec(
-            "redis", private_redis.argv(), ready=private_redis.answers, stop_last=True
+            "redis",
+            private_redis.argv(),
+            ready=lambda: private_redis.answers() and admitted(),
+            stop_last=True,
         )
         specs.insert(0, redis_spec)
+    elif not admitted():
+        raise click.ClickException(f"cannot publish the hosts' roster at {redact_url(redis_url)}")
     specs += [
         ProcessSpec("coordinator", [*python, "worker", "coordinator", *quiet], env),
         ProcessSpec("nightly", [*python, "worker", "nightly", *quiet], env),
@@ -194,3 +206,19 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
             state_file.unlink(missing_ok=True)
             processes_file.unlink(missing_ok=True)
         click.echo("specpipe up: stopped")
+
+
+def _admit_own_hosts(redis_url: str, swarm: str, hosts: list[str]) -> bool:
+    """`roster.admit_own_hosts` on the Redis at `redis_url`; False while it does not answer."""
+    import redis
+
+    from specpipe.ops import roster
+
+    client = redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
+    try:
+        roster.admit_own_hosts(client, swarm, hosts)
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+    return True

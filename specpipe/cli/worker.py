@@ -207,8 +207,8 @@ def serve_stage(
         WorkerConfig(
             host=host,
             swarm=config.swarm,
-            keys=_keyring(config),
-            reload_keys=lambda: _keyring(settings.Settings.from_env()),
+            keys=_keyring(config, host),
+            reload_keys=lambda: _keyring(settings.Settings.from_env(), host),
             redis_url=redis_url,
             registry_url=registry_url,
             heartbeat_s=heartbeat_s,
@@ -352,8 +352,8 @@ def tail_sampling() -> TailSampling:
     return TailSampling(LossySampler.from_params, lossy=True)
 
 
-def _keyring(config: Settings) -> Keyring:
-    """The keyring of `config`'s swarm keys: the signing one and those still accepted."""
-    from specpipe.swarm.wire import Keyring
+def _keyring(config: Settings, host: str) -> Keyring:
+    """The keyring stage `host` seals and signs with (`specpipe.swarm.trust`)."""
+    from specpipe.swarm import trust
 
-    return Keyring(config.accepted_swarm_keys)
+    return trust.keyring(config, host)

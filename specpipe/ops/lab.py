@@ -40,11 +40,11 @@ from pathlib import Path
 
 import redis
 
-from specpipe.ops import ca
+from specpipe.ops import ca, roster
 from specpipe.ops.redis_server import RedisServer, TlsFiles, answers, find_binary
 from specpipe.ops.supervisor import process_alive
 from specpipe.settings import LOCAL_REDIS_PASSWORD_FILE, REDIS_PASSWORD_FILE, TLS_DIR
-from specpipe.swarm import inventory
+from specpipe.swarm import inventory, trust
 
 LAB_FILE = "lab.json"
 LAB_STORE = "lab.sqlite3"  # the lab's own store, made afresh by each `up`
@@ -269,6 +269,13 @@ class Lab:
         hosts = self.hosts()
         registry = self.state["registry_url"]
         python = [sys.executable, "-m", "specpipe"]
+        # The lab is host 0's operator: the serving hosts' keys (in its folder) are admitted.
+        serving = [h.name for h in hosts[: len(self.state["layers"])]]
+        admin = self.admin_redis(hosts[0])
+        try:
+            roster.admit_own_hosts(admin, self.state["swarm"], serving, self.home)
+        finally:
+            admin.close()
         plan = zip(hosts, self.state["layers"], self.state["link_delays_ms"], strict=False)
         for host, (start, end), delay in plan:
             argv = [
@@ -302,7 +309,6 @@ class Lab:
         web_url = f"http://{head.address}:{web_port}/"
         self.state["web_url"] = web_url
         self._save()
-        serving = [h.name for h in hosts[: len(self.state["layers"])]]
         self.wait_stages(serving, timeout_s)
         self._wait(lambda: _http_ok(web_url + "healthz"), timeout_s, "the web app")
         swarm_file = {
@@ -462,11 +468,11 @@ class Lab:
         client = redis.Redis.from_url(
             self.state["registry_url"], socket_connect_timeout=5, socket_timeout=5
         )
-        key = (self.home / "swarm_key").read_text().strip()
+        keys = trust.home_keyring(self.home)
         since = time.time() - 1
 
         def fresh() -> bool:
-            nodes = inventory.load(client, self.state["swarm"], key)
+            nodes = inventory.load(client, self.state["swarm"], keys)
             seen = {n.host for n in nodes if n.last_heartbeat >= since}
             return set(hosts) <= seen
 

@@ -21,7 +21,7 @@ hold may not run Lua at all (`SCRIPT_COMMANDS`): on a stage host the swarm's dat
 is that of `specpipe-peer` (`acl_rules`' `peer_password`), which reaches only what another host
 does there: a stage's input stream and its bell, and the stage's counters to read
 (`PEER_KEYS`); on the registry `specpipe-remote` (`remote_password`) reaches only what a stage
-does there: the inventory and the reply streams (`REMOTE_KEYS`).
+does there: the inventory, the reply streams and the roster (`REMOTE_KEYS`).
 """
 
 from __future__ import annotations
@@ -289,10 +289,12 @@ REMOTE_COMMANDS = (
     "hdel",
     "xadd",
     "expire",
+    "get",
 )
-# The keys those are allowed on: every swarm's inventory hash and reply streams. Not the
-# Celery queues, the job locks, the rate limits, the KV reservations or the nightly's keys.
-REMOTE_KEYS = ("specpipe:*:nodes", "specpipe:*:reply:*")
+# The keys those are allowed on: every swarm's inventory hash, reply streams and roster of
+# admitted hosts (read: the coordinator signs it). Not the Celery queues, the job locks, the
+# rate limits, the KV reservations or the nightly's keys.
+REMOTE_KEYS = ("specpipe:*:nodes", "specpipe:*:reply:*", "specpipe:*:roster")
 # What another host does on a stage host's Redis, and nothing more: a previous hop or a
 # coordinator appends to a stage's input stream and rings its bell (`streams.stage_send_commands`),
 # a stage times a PING to its next hop, and `specpipe nodes` (the nodes page, `/metrics`,

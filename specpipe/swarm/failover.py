@@ -15,7 +15,7 @@ import redis
 from specpipe.core.ring import GapError, Hop, Ring, RoundResult, WatchedRing
 from specpipe.core.sampling import SamplingParams
 from specpipe.settings import Settings
-from specpipe.swarm import inventory
+from specpipe.swarm import inventory, trust
 from specpipe.swarm.inventory import NodeInfo, RouteError
 from specpipe.swarm.redact import one_line_reason
 from specpipe.swarm.redis_ring import (
@@ -288,6 +288,6 @@ def _inventory_now(settings: Settings, timeout_s: float = 5) -> list[NodeInfo]:
         settings.redis_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
     )
     try:
-        return inventory.load(client, settings.swarm, settings.accepted_swarm_keys)
+        return inventory.load(client, settings.swarm, trust.keyring(settings))
     finally:
         client.close()

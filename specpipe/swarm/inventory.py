@@ -12,11 +12,16 @@ Several hosts may serve the same range (spares): the route takes the healthiest,
 heartbeat has not *lapsed* (missed `LAPSE_BEATS` of the beats it promised, `heartbeat_s`), the
 freshest among those; a coordinator whose route has a lapsed hop re-routes around it.
 
-Records are signed: each value is `<HMAC-SHA256 hex> <record JSON>`, the tag computed with the
-swarm key over the swarm's name and the record's exact bytes. `read` checks the tag (constant
-time) before it parses anything, and ignores, and counts, every record that is unsigned, forged,
-filed under another host's name, malformed, or dated more than `MAX_SKEW_S` in the future (such
-a record would win every route as the freshest replica). Routing never raises on a bad record.
+Records are signed. With host identities (a keyring that pins the coordinator's key,
+`specpipe.swarm.identity`) each value is `ed25519:<signature hex> <record JSON>`, signed by the
+host's own key over the swarm's name and the record's exact bytes, and a reader believes it only
+when the roster (which `read` fetches with the records) admits that host under that key: no
+host can write another's record, and a revoked host's record is ignored from the next read on.
+Without them each value is `<HMAC-SHA256 hex> <record JSON>`, the tag computed with the swarm
+key. `read` checks the signature (the tag in constant time) before it parses anything, and
+ignores, and counts, every record that is unsigned, forged, of a host not admitted, filed under
+another host's name, malformed, or dated more than `MAX_SKEW_S` in the future (such a record
+would win every route as the freshest replica). Routing never raises on a bad record.
 Public IP and geo label come from configuration; nothing here asks the internet.
 A node whose worker runs with the test-only `SPECPIPE_TEST_LOSSY_TAIL=1` says so in its record
 (`test_lossy_tail`), so a leaked variable shows wherever the inventory does.
@@ -38,7 +43,9 @@ import redis
 
 from specpipe import __version__
 from specpipe.settings import TEST_LOSSY_TAIL_VAR
+from specpipe.swarm import identity
 from specpipe.swarm.redact import has_credentials, redact_url
+from specpipe.swarm.wire import Keyring
 
 ONLINE_S = 30.0
 STALE_S = 120.0
@@ -49,7 +56,11 @@ MAX_SKEW_S = 30.0  # a heartbeat further ahead of this host's clock is not belie
 LAPSE_BEATS = 3
 LAPSE_MIN_S = 1.0
 _MAC_CONTEXT = b"specpipe inventory record v1\x00"
-Keys = bytes | str | Sequence[bytes | str]  # one swarm key, or those a rotation accepts
+_SIGNED_CONTEXT = b"specpipe inventory record v2\x00"
+_SIGNED_TAG = b"ed25519:"
+# One swarm key, those a rotation accepts, or a keyring (with host identities when it pins the
+# coordinator's key).
+Keys = bytes | str | Sequence[bytes | str] | Keyring
 
 
 def heartbeat_status(age_s: float) -> str:
@@ -234,29 +245,59 @@ def _key_bytes(key: bytes | str | None) -> bytes:
 
 def _keys(keys: Keys | None) -> list[bytes]:
     """The keys a record may be signed with: one key, or those a rotation still accepts."""
+    if isinstance(keys, Keyring):
+        return list(keys.accepted)
     if isinstance(keys, bytes | str) or keys is None:
         return [_key_bytes(keys)]
     return [_key_bytes(key) for key in keys] or [_key_bytes(None)]
 
 
-def _tag(record: bytes, swarm: str, key: bytes) -> str:
+def _scoped(context: bytes, record: bytes, swarm: str) -> bytes:
     name = swarm.encode()
-    message = _MAC_CONTEXT + len(name).to_bytes(4, "big") + name + record
-    return hmac.new(key, message, hashlib.sha256).hexdigest()
+    return context + len(name).to_bytes(4, "big") + name + record
 
 
-def sign_record(record: str, swarm: str, key: bytes | str) -> str:
-    """The stored form of a record's JSON: its tag under `key` for `swarm`, a space, the JSON."""
-    return f"{_tag(record.encode(), swarm, _key_bytes(key))} {record}"
+def _tag(record: bytes, swarm: str, key: bytes) -> str:
+    return hmac.new(key, _scoped(_MAC_CONTEXT, record, swarm), hashlib.sha256).hexdigest()
 
 
-def verify_record(host: str, value: bytes | str, swarm: str, keys: Keys, now: float) -> NodeInfo:
-    """The node a stored value describes; ValueError when it is unsigned (by none of `keys`),
-    forged, filed under another host, malformed, carries credentials, or dated more than
-    MAX_SKEW_S after `now`."""
+def sign_record(record: str, swarm: str, key: bytes | str | Keyring) -> str:
+    """The stored form of a record's JSON for `swarm`: its signature, a space, the JSON. A
+    keyring with a signer signs with the host's own key; else the tag is under the swarm key."""
+    if isinstance(key, Keyring) and key.signer is not None:
+        signature = key.signer.sign(_scoped(_SIGNED_CONTEXT, record.encode(), swarm))
+        return f"{_SIGNED_TAG.decode()}{signature.hex()} {record}"
+    swarm_key = key.current if isinstance(key, Keyring) else _key_bytes(key)
+    return f"{_tag(record.encode(), swarm, swarm_key)} {record}"
+
+
+def verify_record(
+    host: str,
+    value: bytes | str,
+    swarm: str,
+    keys: Keys,
+    now: float,
+    roster: identity.Roster | None = None,
+) -> NodeInfo:
+    """The node a stored value describes; ValueError when it is unsigned (by none of `keys`;
+    with `roster`, by anything but the key the roster admits `host` under), forged, filed under
+    another host, malformed, carries credentials, or dated more than MAX_SKEW_S after `now`."""
     raw = value if isinstance(value, bytes) else value.encode()
     tag, _, record = raw.partition(b" ")
-    if not any(hmac.compare_digest(tag, _tag(record, swarm, key).encode()) for key in _keys(keys)):
+    if roster is not None:
+        key = roster.key_of(host)
+        if key is None:
+            raise ValueError("node record of a host not admitted")
+        try:
+            signature = bytes.fromhex(tag.removeprefix(_SIGNED_TAG).decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            raise ValueError("unsigned node record") from None
+        scoped = _scoped(_SIGNED_CONTEXT, record, swarm)
+        if not tag.startswith(_SIGNED_TAG) or not identity.verifies(key, signature, scoped):
+            raise ValueError("node record not signed by its host's own key")
+    elif not any(
+        hmac.compare_digest(tag, _tag(record, swarm, key).encode()) for key in _keys(keys)
+    ):
         raise ValueError("unsigned or forged node record")
     node = NodeInfo.from_json(record)
     if has_credentials(node.redis_url):
@@ -269,9 +310,13 @@ def verify_record(host: str, value: bytes | str, swarm: str, keys: Keys, now: fl
 
 
 def publish(
-    client: redis.Redis, swarm: str, node: NodeInfo, key: bytes | str, now: float | None = None
+    client: redis.Redis,
+    swarm: str,
+    node: NodeInfo,
+    key: bytes | str | Keyring,
+    now: float | None = None,
 ) -> NodeInfo:
-    """Record (or refresh) a node, signed with the swarm key, with the current time as its
+    """Record (or refresh) a node, signed (`sign_record`), with the current time as its
     heartbeat. ValueError for a record whose address carries credentials."""
     if has_credentials(node.redis_url):
         raise ValueError(f"{node.host}'s record would carry its Redis credentials")
@@ -290,21 +335,29 @@ class Inventory:
     """The nodes whose records verified, in ring order, and how many records were ignored."""
 
     nodes: list[NodeInfo]
-    ignored: int  # unsigned, forged, malformed or future-dated records
+    ignored: int  # unsigned, forged, not admitted, malformed or future-dated records
+    roster: identity.Roster | None = None  # the admitted hosts, with host identities
 
 
 def read(client: redis.Redis, swarm: str, keys: Keys | None, now: float | None = None) -> Inventory:
     """Every verified node, in ring order (by first layer), and the count of ignored records.
-    `keys`: the swarm key, or every key a rotation still accepts."""
+    `keys`: the swarm key, every key a rotation still accepts, or a keyring; one that pins the
+    coordinator's key reads the roster too and believes only what admitted hosts signed."""
     accepted = _keys(keys)
+    coordinator = keys.coordinator if isinstance(keys, Keyring) else None
     now = time.time() if now is None else now
+    roster = None
+    if coordinator is not None:
+        roster, _ = identity.read_roster(client, swarm, coordinator)
     nodes, ignored = [], 0
     for host, value in client.hgetall(nodes_key(swarm)).items():
         try:
-            nodes.append(verify_record(host.decode(errors="replace"), value, swarm, accepted, now))
+            name = host.decode(errors="replace")
+            nodes.append(verify_record(name, value, swarm, accepted, now, roster))
         except (ValueError, TypeError):
             ignored += 1
-    return Inventory(sorted(nodes, key=lambda n: (n.layer_start, n.layer_end, n.host)), ignored)
+    ordered = sorted(nodes, key=lambda n: (n.layer_start, n.layer_end, n.host))
+    return Inventory(ordered, ignored, roster)
 
 
 def load(
@@ -317,7 +370,10 @@ def load(
 def ignored_note(count: int) -> str:
     """One line saying how many inventory records were ignored, and why such records are."""
     noun = "record" if count == 1 else "records"
-    return f"{count} inventory {noun} ignored: unsigned, forged, malformed or dated in the future"
+    return (
+        f"{count} inventory {noun} ignored: unsigned, forged, of a host not admitted, "
+        "malformed or dated in the future"
+    )
 
 
 def route(

@@ -35,7 +35,7 @@ from specpipe.core.coupling import sampler_for
 from specpipe.core.ring import GapError, RoundResult
 from specpipe.core.sampling import SamplingParams, TokenLogprob
 from specpipe.settings import Settings
-from specpipe.swarm import inventory, streams, wire
+from specpipe.swarm import inventory, streams, trust, wire
 from specpipe.swarm.dialing import Dialer
 from specpipe.swarm.inventory import NodeInfo
 from specpipe.swarm.redact import redact_text, redact_url
@@ -146,9 +146,13 @@ class RedisRing:
         if not settings.swarm_key:
             raise RingError("the swarm is not configured: SPECPIPE_SWARM_KEY is not set")
         registry = registry_url or settings.redis_url
-        nodes = _inventory_through_outage(settings, registry, outage_s)
-        route = inventory.route(nodes, n_layers, model=model, avoid=avoid)
-        keys = wire.Keyring(settings.accepted_swarm_keys)
+        try:
+            keys = trust.keyring(settings, wire.COORDINATOR)
+        except ValueError as exc:  # a pinned key or the coordinator's own that cannot be read
+            raise RingError(str(exc)) from None
+        found = _inventory_through_outage(keys, settings.swarm, registry, outage_s)
+        route = inventory.route(found.nodes, n_layers, model=model, avoid=avoid)
+        keys = keys.with_roster(found.roster)
         reply = reply_url or registry
         dialer = Dialer.for_settings(settings, registry, reply)
         return cls(route, settings.swarm, keys, reply, dialer=dialer, **options)
@@ -388,7 +392,9 @@ class RedisRing:
         return reply
 
 
-def _inventory_through_outage(settings: Settings, registry: str, outage_s: float) -> list[NodeInfo]:
+def _inventory_through_outage(
+    keys: wire.Keyring, swarm: str, registry: str, outage_s: float
+) -> inventory.Inventory:
     """The registry's verified inventory, read again after a pause while the registry is
     unreachable (restarting, loading its file) for up to `outage_s`, as a round waits for a
     restarting Redis; then, or on any other Redis error, a RingError."""
@@ -397,7 +403,7 @@ def _inventory_through_outage(settings: Settings, registry: str, outage_s: float
     try:
         while True:
             try:
-                return inventory.load(client, settings.swarm, settings.accepted_swarm_keys)
+                return inventory.read(client, swarm, keys)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if time.monotonic() >= give_up_at:
                     where = redact_url(registry)

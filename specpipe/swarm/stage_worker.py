@@ -142,6 +142,8 @@ class StageWorker:
         replies = Replies(swarm, host, self.stage_keys, config.registry)
         self.outbox = Outbox(self._link(replies))
         self.directory = Directory(self.connections.get(config.registry), swarm, self.stage_keys)
+        self.directory.refresh()  # the roster, before the first message is read
+        self.admission.refresh_roster = self.directory.refresh
         self.onward = Onward(
             stage,
             swarm,

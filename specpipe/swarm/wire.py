@@ -4,9 +4,16 @@ A message on the wire is
 
     MAGIC (4 bytes) | key id (4 bytes) | nonce (12 bytes) | ciphertext | tag (16 bytes)
 
-where the ciphertext is `header length (u32 LE) | header (msgpack) | payload`, sealed with
-AES-256-GCM-SIV under the data key of the swarm key the key id names, MAGIC, key id and nonce
-being the associated data. A `Keyring` holds the key that seals and the older ones still
+where the ciphertext is `header length (u32 LE) | header (msgpack) | payload | signature (64
+bytes)`, sealed with AES-256-GCM-SIV under the data key of the swarm key the key id names,
+MAGIC, key id and nonce being the associated data. The signature is the sender's own
+(`specpipe.swarm.identity`): Ed25519 over the swarm's name, the header and the payload's
+SHA-256, by the coordinator's key or the sending stage host's. A keyring that pins the
+coordinator's key (`Keyring.coordinator`) believes a message only when the key its sender's
+name has there, the coordinator's or the roster's for that host, made that signature: holding
+the swarm key, a host can still seal a message, but not one as the coordinator or another
+host. Without such a pin (every holder of the swarm key trusted alike) the field is zeros and
+not read. A `Keyring` holds the key that seals and the older ones still
 accepted while a new key spreads; each swarm key's data key is derived from it with
 HKDF-SHA256 under a fixed label. A Redis (its streams, its append-only file) holds no swarm
 key, so all it shows of a message is its size, its stream and the id of its key.
@@ -52,19 +59,26 @@ import numpy as np
 import torch
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCMSIV
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from specpipe.swarm import identity
+
 # SPW2 carried each hop's Redis URL, password included, and the reply's; SPW3 named each hop
 # by host only, so a hop could not tell it was routed for layers it does not serve; SPW4 was
-# signed but not encrypted: every Redis on the way could read prompts and hidden states.
-MAGIC = b"SPW5"
-OLD_MAGICS = frozenset({b"SPW2", b"SPW3", b"SPW4"})
+# signed but not encrypted: every Redis on the way could read prompts and hidden states; SPW5
+# carried no signature of its sender's own, so any holder of the swarm key could speak as any.
+MAGIC = b"SPW6"
+OLD_MAGICS = frozenset({b"SPW2", b"SPW3", b"SPW4", b"SPW5"})
 TAG_BYTES = 16  # the AEAD tag
 KEY_ID_BYTES = 4
 NONCE_BYTES = 12
 PREFIX = struct.Struct("<4s4s12s")  # magic, key id, nonce: in clear, and authenticated
 HEAD_LEN = struct.Struct("<I")  # the first field of the ciphertext
+SIGNATURE_BYTES = identity.SIGNATURE_BYTES  # the last field of the ciphertext
+NO_SIGNATURE = bytes(SIGNATURE_BYTES)
+SIGNED_CONTEXT = b"specpipe wire message v6\x00"
 DATA_KEY_INFO = b"specpipe swarm wire data key v1"
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a long prefill's hidden states fit; Redis allows 512 MiB
 MAX_HEADER_BYTES = 1024 * 1024
@@ -85,7 +99,7 @@ MAX_NAME = 256  # characters of a route entry's host or model
 STAGE_KINDS = frozenset({"round", "reset", "reseed", "drop"})
 REPLY_KINDS = frozenset({"result", "gap", "error", "misrouted", "unreachable"})
 KINDS = STAGE_KINDS | REPLY_KINDS
-COORDINATOR = "coordinator"  # the sender of what a coordinator sends; a stage sends as its host
+COORDINATOR = identity.COORDINATOR  # the sender of what a coordinator sends; a stage: its host
 # A sequence number is the sender's clock in microseconds (bumped to stay strictly increasing),
 # so it also dates the message. Each message carries how long its sender waits for it
 # (`wait_ms`: a round's share of work, its tries); a receiver refuses one read later than that
@@ -118,6 +132,10 @@ class WireError(ValueError):
 
 class UnknownKeyError(WireError):
     """A message sealed under a key the keyring does not hold (perhaps not yet)."""
+
+
+class UnknownSenderError(WireError):
+    """A message whose sender the keyring's roster does not admit (perhaps not yet)."""
 
 
 @dataclass(frozen=True)
@@ -207,12 +225,22 @@ def key_id(key: bytes) -> bytes:
 
 
 class Keyring:
-    """The swarm keys of one process: the first signs and seals, every one is accepted.
+    """What one process seals, signs and believes with.
 
-    While a new key spreads through a swarm (`specpipe key rotate`), hosts seal with it and
-    still accept the old one, until the old one's grace period ends."""
+    The swarm keys: the first seals, every one is accepted (while a new key spreads through a
+    swarm, `specpipe key rotate`, hosts seal with it and still accept the old one until its
+    grace period ends). With identities (`specpipe.swarm.identity`): `signer`, the key this
+    process signs as (its host, or the coordinator), `coordinator`, the coordinator's public key
+    it pins, and `roster`, the admitted hosts' keys as last read from the registry."""
 
-    def __init__(self, keys: Iterable[bytes | str]) -> None:
+    def __init__(
+        self,
+        keys: Iterable[bytes | str],
+        *,
+        signer: identity.Signer | None = None,
+        coordinator: Ed25519PublicKey | None = None,
+        roster: identity.Roster | None = None,
+    ) -> None:
         encoded = [k.encode() if isinstance(k, str) else bytes(k) for k in keys]
         if not encoded or not all(encoded):
             raise WireError("no swarm key: set SPECPIPE_SWARM_KEY")
@@ -220,6 +248,22 @@ class Keyring:
         self.current_id = key_id(self.current)
         self.accepted = tuple(encoded)  # the sealing key first, then the old ones
         self._by_id = {key_id(k): k for k in reversed(encoded)}
+        self.signer = signer
+        self.coordinator = coordinator
+        self.roster = roster
+
+    def with_roster(self, roster: identity.Roster | None) -> Keyring:
+        """This keyring with `roster` as the admitted hosts."""
+        return Keyring(
+            self.accepted, signer=self.signer, coordinator=self.coordinator, roster=roster
+        )
+
+    def sender_key(self, sender: str) -> Ed25519PublicKey | None:
+        """The public key a message from `sender` must be signed with: the pinned coordinator's,
+        or the roster's for a host; None when the sender is not admitted."""
+        if sender == COORDINATOR:
+            return self.coordinator
+        return self.roster.key_of(sender) if self.roster is not None else None
 
     def get(self, kid: bytes) -> bytes | None:
         """The key with id `kid`, None if this keyring does not hold it."""
@@ -295,10 +339,22 @@ def encode(message: Message, swarm: str, keys: Keyring | bytes | str) -> bytes:
     head = msgpack.packb(header, use_bin_type=True)
     if len(head) > MAX_HEADER_BYTES:
         raise WireError(f"header of {len(head)} bytes is over the {MAX_HEADER_BYTES} limit")
-    size = PREFIX.size + HEAD_LEN.size + len(head) + len(payload) + TAG_BYTES
+    size = PREFIX.size + HEAD_LEN.size + len(head) + len(payload) + SIGNATURE_BYTES + TAG_BYTES
     if size > MAX_MESSAGE_BYTES:
         raise WireError(f"message of {size} bytes is over the {MAX_MESSAGE_BYTES} limit")
-    return seal(HEAD_LEN.pack(len(head)) + head + payload, keys)
+    signature = NO_SIGNATURE
+    if keys.signer is not None:
+        if keys.signer.name != message.sender:
+            raise WireError(f"{keys.signer.name!r} cannot sign as {message.sender!r}")
+        signature = keys.signer.sign(_signed(swarm, head, payload))
+    return seal(HEAD_LEN.pack(len(head)) + head + payload + signature, keys)
+
+
+def _signed(swarm: str, head: bytes | memoryview, payload: bytes | memoryview) -> bytes:
+    """What a sender's signature covers: the swarm, the header and the payload's digest."""
+    name = swarm.encode()
+    digest = hashlib.sha256(payload).digest()
+    return SIGNED_CONTEXT + len(name).to_bytes(4, "big") + name + bytes(head) + digest
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -326,13 +382,15 @@ def decode(
     view = memoryview(data).cast("B")
     if len(view) > max_bytes:
         raise WireError(f"message of {len(view)} bytes is over the {max_bytes} limit")
-    if len(view) < PREFIX.size + HEAD_LEN.size + TAG_BYTES:
+    if len(view) < PREFIX.size:
         raise WireError(f"message of {len(view)} bytes is too short")
     magic, kid, nonce = PREFIX.unpack_from(view)
     if magic in OLD_MAGICS:
         raise WireError(f"wire format {magic.decode()} of an older version: upgrade the sender")
     if magic != MAGIC:
         raise WireError("not a specpipe message (bad magic)")
+    if len(view) < PREFIX.size + HEAD_LEN.size + SIGNATURE_BYTES + TAG_BYTES:
+        raise WireError(f"message of {len(view)} bytes is too short")
     key = keys.get(kid)
     if key is None:
         raise UnknownKeyError(f"sealed under an unknown key (id {kid.hex()})")
@@ -342,10 +400,12 @@ def decode(
         raise WireError("bad tag: altered, or not sealed under the key its id names") from None
     # Sealed by a key holder from here on; still parse defensively.
     (head_len,) = HEAD_LEN.unpack_from(plaintext)
-    if head_len > MAX_HEADER_BYTES or HEAD_LEN.size + head_len > len(plaintext):
+    body_end = len(plaintext) - SIGNATURE_BYTES
+    if head_len > MAX_HEADER_BYTES or HEAD_LEN.size + head_len > body_end:
         raise WireError("header length is out of bounds")
     head = plaintext[HEAD_LEN.size : HEAD_LEN.size + head_len]
-    payload = memoryview(plaintext)[HEAD_LEN.size + head_len :]
+    payload = memoryview(plaintext)[HEAD_LEN.size + head_len : body_end]
+    signature = plaintext[body_end:]
     try:
         header = msgpack.unpackb(head, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
@@ -356,7 +416,21 @@ def decode(
         raise WireError(f"message for swarm {header.get('swarm')!r}, not {swarm!r}")
     if to is not None and header.get("to") != to:
         raise WireError(f"message for stream {header.get('to')!r}, not {to!r}")
+    if keys.coordinator is not None:
+        _check_signature(keys, header.get("from"), signature, _signed(swarm, head, payload))
     return _message(header, _tensor(header, payload))
+
+
+def _check_signature(keys: Keyring, sender, signature: bytes, signed: bytes) -> None:
+    """WireError unless the key `sender` has in `keys` (the coordinator's, or the roster's for a
+    host) made `signature`."""
+    if not isinstance(sender, str):
+        raise WireError("header field 'from' has the wrong type")
+    key = keys.sender_key(sender)
+    if key is None:
+        raise UnknownSenderError(f"from {sender!r}, which the roster does not admit")
+    if not identity.verifies(key, signature, signed):
+        raise WireError(f"not signed by {sender!r}'s own key")
 
 
 def _field(header: dict, name: str, kind: type, default):

@@ -72,8 +72,12 @@ def ring_settings(redis_url, swarm, key) -> Settings:
 class Stages:
     """Starts toy stage worker processes and stops every one of them at the end."""
 
-    def __init__(self, swarm: str, key: bytes, registry: str) -> None:
+    def __init__(
+        self, swarm: str, key: bytes, registry: str, env: dict[str, str] | None = None, keys=None
+    ) -> None:
         self.swarm, self.key, self.registry = swarm, key, registry
+        self.env = env or {}  # more of the workers' environment (their host identities)
+        self.keys = keys or key  # what their records are read with
         self.procs: dict[str, subprocess.Popen] = {}
         self.args: dict[str, list[str]] = {}
 
@@ -95,14 +99,13 @@ class Stages:
             *extra,
         ]
         self.args[host] = argv
-        env = {**os.environ, "SPECPIPE_SWARM_KEY": self.key.decode(), "OMP_NUM_THREADS": "1"}
-        self.procs[host] = subprocess.Popen(argv, cwd=ROOT, env=env)
+        self.procs[host] = subprocess.Popen(argv, cwd=ROOT, env=self._env())
         if wait:
             self.wait_ready([host])
 
     def wait_ready(self, hosts, timeout_s: float = 60.0) -> None:
         """Wait until each host has heartbeated since it was (re)started."""
-        wait_heartbeats(self.registry, self.swarm, self.key, self.procs, hosts, timeout_s)
+        wait_heartbeats(self.registry, self.swarm, self.keys, self.procs, hosts, timeout_s)
 
     def kill9(self, host: str) -> None:
         proc = self.procs[host]
@@ -116,9 +119,12 @@ class Stages:
             i = argv.index(flag)
             del argv[i : i + 2]
         self.args[host] = argv
-        env = {**os.environ, "SPECPIPE_SWARM_KEY": self.key.decode(), "OMP_NUM_THREADS": "1"}
-        self.procs[host] = subprocess.Popen(argv, cwd=ROOT, env=env)
+        self.procs[host] = subprocess.Popen(argv, cwd=ROOT, env=self._env())
         self.wait_ready([host])
+
+    def _env(self) -> dict[str, str]:
+        key = self.key.decode()
+        return {**os.environ, "SPECPIPE_SWARM_KEY": key, "OMP_NUM_THREADS": "1", **self.env}
 
     def stop(self) -> None:
         terminate_all(self.procs.values(), timeout_s=10)

@@ -41,9 +41,9 @@ def sign(plaintext: bytes, key: bytes = KEY) -> bytes:
 
 
 def raw(header: dict, payload: bytes = b"") -> bytes:
-    """The plaintext of a message: header length, header, payload."""
+    """The plaintext of a message: header length, header, payload, no sender's signature."""
     head = msgpack.packb({"dir": "stage", **header})
-    return wire.HEAD_LEN.pack(len(head)) + head + payload
+    return wire.HEAD_LEN.pack(len(head)) + head + payload + wire.NO_SIGNATURE
 
 
 def opened(data: bytes, key: bytes = KEY) -> bytes:
@@ -140,7 +140,9 @@ def test_message_without_tensor_and_with_params():
 def test_payload_is_raw_little_endian_bytes_inside_the_ciphertext():
     tensor = torch.tensor([[1.0, -2.0]], dtype=torch.float32)
     data = wire.encode(message(tensor), SWARM, KEY)
-    assert opened(data)[-8:] == struct.pack("<2f", 1.0, -2.0)
+    assert opened(data)[-wire.SIGNATURE_BYTES - 8 : -wire.SIGNATURE_BYTES] == struct.pack(
+        "<2f", 1.0, -2.0
+    )
     assert len(data) == wire.PREFIX.size + len(opened(data)) + wire.TAG_BYTES
     assert data[:4] == wire.MAGIC and data[4:8] == wire.key_id(KEY)
 
@@ -177,7 +179,8 @@ def test_the_data_key_is_derived_from_the_swarm_key_not_the_key_itself():
     n = wire.PREFIX.size
     with pytest.raises(InvalidTag):
         AESGCMSIV(KEY).decrypt(data[n - wire.NONCE_BYTES : n], data[n:], data[:n])
-    assert msgpack.unpackb(opened(data)[wire.HEAD_LEN.size :])["session"] == "s1"
+    plaintext = opened(data)[wire.HEAD_LEN.size : -wire.SIGNATURE_BYTES]
+    assert msgpack.unpackb(plaintext)["session"] == "s1"
 
 
 def test_a_flipped_bit_anywhere_is_refused():
@@ -311,7 +314,7 @@ def test_malformed_header_fields_are_refused(header):
 
 
 def test_signed_garbage_header_is_refused():
-    data = sign(wire.HEAD_LEN.pack(3) + b"\xc1\xc1\xc1")
+    data = sign(wire.HEAD_LEN.pack(3) + b"\xc1\xc1\xc1" + wire.NO_SIGNATURE)
     with pytest.raises(wire.WireError, match="msgpack"):
         wire.decode(data, SWARM, KEY)
 
@@ -332,7 +335,8 @@ def test_a_route_names_each_hops_host_layers_and_model_and_no_address():
     hops = (wire.RouteEntry("a", 0, 1, "toy"), wire.RouteEntry("c", 1, 4, ""))
     got = wire.decode(wire.encode(message(route=hops), SWARM, KEY), SWARM, KEY)
     assert got.route == hops and got.route[1].host == "c" and got.route[1].layer_start == 1
-    header = msgpack.unpackb(opened(wire.encode(message(), SWARM, KEY))[4:], raw=False)
+    plaintext = opened(wire.encode(message(), SWARM, KEY))[4 : -wire.SIGNATURE_BYTES]
+    header = msgpack.unpackb(plaintext, raw=False)
     assert header["route"] == [["a", 0, 2, "toy"], ["b", 2, 4, "toy"]]  # sealed with the rest
     assert "reply" not in header  # replies go to the stage's own registry
 
@@ -373,11 +377,12 @@ def spw4(header: dict) -> bytes:
     return body + hmac.new(KEY, body, hashlib.sha256).digest()
 
 
-@pytest.mark.parametrize("magic", [b"SPW2", b"SPW3", b"SPW4"])
+@pytest.mark.parametrize("magic", [b"SPW2", b"SPW3", b"SPW4", b"SPW5"])
 def test_a_message_of_an_old_wire_format_is_refused_by_name(magic):
     # SPW2 carried each hop's Redis URL and the reply's, passwords included; SPW3 named hops
     # by host only, so a stage could not tell it was routed for layers it does not serve;
-    # SPW4 was signed but in clear, for every Redis on the way to read.
+    # SPW4 was signed but in clear, for every Redis on the way to read; SPW5 carried no
+    # signature of its sender's own.
     old = spw4({"swarm": SWARM, "kind": "round", "session": "s"})
     old = magic + old[4:]
     with pytest.raises(wire.WireError, match=f"wire format {magic.decode()} of an older version"):

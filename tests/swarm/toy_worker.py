@@ -2,15 +2,15 @@
 
     python -m tests.swarm.toy_worker --host h0 --layers 0:2 --redis URL --swarm NAME
 
-The swarm key comes from SPECPIPE_SWARM_KEY, as for a real worker.
+The swarm key comes from SPECPIPE_SWARM_KEY, as for a real worker, and so do the host
+identities (the pinned coordinator key, this host's own key) where the environment gives them.
 """
 
 import argparse
 import logging
-import os
 
 from specpipe import settings
-from specpipe.swarm import inventory
+from specpipe.swarm import inventory, trust
 from specpipe.swarm.stage_worker import WorkerConfig, run
 from tests.swarm.toy_stage import ToyConfig, ToyStage
 
@@ -36,7 +36,7 @@ def main() -> None:
     config = WorkerConfig(
         host=args.host,
         swarm=args.swarm,
-        keys=os.environ["SPECPIPE_SWARM_KEY"].encode(),
+        keys=trust.keyring(settings.Settings.from_env(), args.host),
         redis_url=args.redis,
         registry_url=args.registry,
         block_ms=200,

@@ -1,7 +1,8 @@
 """Which entries of a stage's stream it acts on.
 
-A message is accepted when it is signed with a key of the swarm's keyring, addressed to this
-stage's stream, from the sender its place on the route names (the coordinator for the first hop
+A message is accepted when it is sealed with a key of the swarm's keyring (and, with host
+identities, signed by its sender's own key), addressed to this stage's stream, from the sender
+its place on the route names (the coordinator for the first hop
 and the controls, else the previous hop), with a fresh sequence number larger than any this
 stage has seen for the session. Anything else (malformed, oversized, unsigned, redirected,
 replayed or stale) is dropped and counted, and the session goes on as if it never came; a
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 
 from specpipe.swarm import streams, wire
 from specpipe.swarm.stage.activity import Activity, remember
@@ -42,6 +44,8 @@ class Admission:
         self.stats = stats
         self.activity = activity
         self.last_seq: OrderedDict[str, int] = OrderedDict()  # kept after a session ends
+        # Reads the inventory and its roster again (the stage's directory), when set.
+        self.refresh_roster: Callable[[], None] | None = None
 
     def admit(self, data: bytes | None) -> wire.Message | None:
         """The entry's message if it is one to act on; else it is counted and dropped."""
@@ -66,10 +70,13 @@ class Admission:
 
         try:
             return decode()
-        except wire.UnknownKeyError as exc:
+        except (wire.UnknownKeyError, wire.UnknownSenderError) as exc:
             reason = exc
             if self.keys.reload_due():
-                self.keys.reload()  # the key may be a rotation's new one
+                # The key may be a rotation's new one, the sender a host admitted since.
+                self.keys.reload()
+                if isinstance(exc, wire.UnknownSenderError) and self.refresh_roster is not None:
+                    self.refresh_roster()
                 try:
                     return decode()
                 except wire.WireError as again:

@@ -124,7 +124,7 @@ class Heartbeat:
     def publish(self, registry: redis.Redis) -> None:
         """Publish this node's signed record now."""
         try:
-            inventory.publish(registry, self.swarm, self.node, self.keys.ring.current)
+            inventory.publish(registry, self.swarm, self.node, self.keys.ring)
         except redis.RedisError as exc:
             log.warning("%s: heartbeat failed: %s", self.host, exc)
 

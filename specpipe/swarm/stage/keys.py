@@ -1,4 +1,5 @@
-"""The swarm keys a stage signs and verifies with, and their reload after a key rotation."""
+"""The keyring a stage seals, signs and verifies with, its reload after a key rotation, and
+the roster of admitted hosts it learns from the inventory."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from specpipe.swarm import wire
+from specpipe.swarm import identity, wire
 
 log = logging.getLogger("specpipe.stage")
 
@@ -15,7 +16,8 @@ KEY_RELOAD_S = 1.0  # an unknown key id reloads the keyring at most this often
 
 class StageKeys:
     """The keyring in use (`ring`), replaced by what `reload_keys` gives when asked to reload
-    (at a heartbeat, and when a message names a key this stage does not hold)."""
+    (at a heartbeat, and when a message names a key or a sender this stage does not know), with
+    the roster it last read kept."""
 
     def __init__(
         self,
@@ -34,9 +36,14 @@ class StageKeys:
             return
         self._next_reload = time.monotonic() + KEY_RELOAD_S
         try:
-            self.ring = self._reload_keys()
+            self.ring = self._reload_keys().with_roster(self.ring.roster)
         except (OSError, ValueError) as exc:  # keep the keys we have
             log.warning("%s: cannot reload the swarm keys: %s", self.host, exc)
+
+    def take_roster(self, roster: identity.Roster | None) -> None:
+        """Believe `roster` (read with the inventory) from now on; None changes nothing."""
+        if roster is not None and roster != self.ring.roster:
+            self.ring = self.ring.with_roster(roster)
 
     def reload_due(self) -> bool:
         """Whether an unknown key id may reload the keyring now (at most every KEY_RELOAD_S)."""

@@ -1,0 +1,113 @@
+"""`specpipe host`: host identities. Each host's own signing key, and on host 0 the coordinator
+key and the roster of admitted hosts (`specpipe.swarm.identity`, `specpipe.ops.roster`)."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.group(name="host")
+def host() -> None:
+    """Host identities: this host's key, and (on host 0) admitting and revoking hosts."""
+
+
+@host.command(name="init")
+def host_init() -> None:
+    """On host 0: make the coordinator's key (once) and print its public key.
+
+    Copy the `coordinator.pub` it writes into every other host's TLS folder (beside `ca.pem`):
+    each host then believes only what the coordinator and the hosts it admits sign.
+    """
+    from specpipe import settings
+    from specpipe.ops import roster
+    from specpipe.swarm.identity import IdentityError
+
+    try:
+        signer = roster.init_coordinator()
+    except IdentityError as exc:
+        raise click.ClickException(str(exc)) from None
+    pin = settings.instance_dir() / settings.COORDINATOR_PUB_FILE
+    click.echo(f"coordinator key in {settings.coordinator_key_path()}; public key in {pin}:")
+    click.echo(signer.public_hex)
+
+
+@host.command(name="key")
+@click.option("--host", "host_name", required=True, help="This host's name in the swarm.")
+def host_key(host_name: str) -> None:
+    """Print this host's public key (made on first use, mode 0600), for host 0 to admit.
+
+    Example:
+
+        specpipe host key --host mn
+    """
+    from specpipe import settings
+    from specpipe.swarm import identity
+
+    try:
+        identity.check_host_name(host_name)
+        key = identity.ensure_private(settings.host_key_path(host_name))
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(identity.public_hex(key))
+
+
+@host.command(name="admit")
+@click.argument("name")
+@click.argument("public_key")
+def host_admit(name: str, public_key: str) -> None:
+    """On host 0: admit host NAME under PUBLIC_KEY (what `specpipe host key` printed there).
+
+    The roster is published on the registry (REDIS_URL) at once; a host already admitted
+    gets the new key. Example:
+
+        specpipe host admit mn 3b6a27bc...e1f2
+    """
+    from specpipe.ops import roster
+
+    _on_registry(lambda client, swarm: roster.admit(client, swarm, name, public_key))
+    click.echo(f"admitted {name}")
+
+
+@host.command(name="revoke")
+@click.argument("name")
+def host_revoke(name: str) -> None:
+    """On host 0: revoke host NAME. From the next read of the roster (within a heartbeat) its
+    records are ignored, its messages refused, and jobs route around it."""
+    from specpipe.ops import roster
+
+    _on_registry(lambda client, swarm: roster.revoke(client, swarm, name))
+    click.echo(f"revoked {name}")
+
+
+@host.command(name="list")
+def host_list() -> None:
+    """On host 0: the admitted hosts and their public keys, and the roster's version."""
+    from specpipe.ops import roster
+
+    def show(client, swarm):
+        current = roster.current(client, swarm, roster.coordinator())
+        click.echo(f"roster of swarm {swarm!r}, version {current.version}")
+        for name, key in sorted(current.hosts.items()):
+            click.echo(f"{name}  {key}")
+
+    _on_registry(show)
+
+
+def _on_registry(change) -> None:
+    """`change(client, swarm)` on the swarm's registry, any failure one line."""
+    import redis
+
+    from specpipe import settings
+    from specpipe.swarm.redact import redact_url
+
+    url, swarm = settings.redis_url(), settings.swarm_name()
+    client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=5)
+    try:
+        change(client, swarm)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    except redis.RedisError as exc:
+        where = redact_url(url)
+        raise click.ClickException(f"cannot reach the registry at {where}: {exc}") from None
+    finally:
+        client.close()
