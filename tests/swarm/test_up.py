@@ -19,7 +19,7 @@ from redis.retry import Retry
 
 from specpipe.cli import cli
 from specpipe.ops.redis_server import free_port
-from specpipe.swarm import inventory
+from specpipe.swarm import inventory, trust
 from tests.swarmprocs import ROOT, SPECPIPE, write_tiny_model
 from tests.waiting import wait_until
 
@@ -42,10 +42,10 @@ def healthy(url: str) -> bool:
         return False
 
 
-def online_hosts(redis_url: str, swarm: str, key: str) -> set[str]:
+def online_hosts(redis_url: str, swarm: str, keys) -> set[str]:
     client = redis.Redis.from_url(redis_url)
     try:
-        return {n.host for n in inventory.load(client, swarm, key) if n.status() == "online"}
+        return {n.host for n in inventory.load(client, swarm, keys) if n.status() == "online"}
     finally:
         client.close()
 
@@ -118,6 +118,9 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
         for name in ("swarm.json", *secrets):
             assert stat.S_IMODE((home / name).stat().st_mode) == 0o600, name
         swarm_key = (home / "swarm_key").read_text().strip()
+        # Host identities: the stages sign as themselves, the coordinator pins its own key.
+        keys = trust.home_keyring(home)
+        assert keys.coordinator is not None
         # Its processes reach it as its own user; the data-plane password is the peer user's.
         password = (home / "redis_local_password").read_text().strip()
         data_password = (home / "redis_password").read_text().strip()
@@ -127,7 +130,7 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
             lambda: healthy(state["web_url"]), 90, "the web app to be healthy", interval_s=0.2
         )
         wait_until(
-            lambda: len(online_hosts(state["redis_url"], state["swarm"], swarm_key)) == 2,
+            lambda: len(online_hosts(state["redis_url"], state["swarm"], keys)) == 2,
             90,
             "both stages to come online",
             interval_s=0.2,
@@ -170,7 +173,14 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
                 swarm_user.execute_command(*command)
         swarm_user.close()
         client = redis.Redis.from_url(state["redis_url"])
-        nodes = inventory.load(client, state["swarm"], swarm_key)
+        nodes = inventory.load(client, state["swarm"], keys)
+        for name in ("coordinator_key", f"rosters/{state['swarm']}"):
+            assert stat.S_IMODE((home / name).stat().st_mode) == 0o600, name
+        # Each record is signed by its host's own key: the swarm key alone verifies none.
+        assert inventory.read(client, state["swarm"], swarm_key).ignored == len(nodes) == 2
+        for node in nodes:
+            key_file = home / "host_keys" / f"{node.host}.key"
+            assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
         client.close()
         assert all(n.redis_url.startswith("unix://") for n in nodes)  # streams on the socket
         # The passwords are on no command line, and in no record `specpipe nodes` shows.
