@@ -240,14 +240,20 @@ def join(
         label = model_label(model_name)
     except ModelError as exc:
         raise ModelInputError(str(exc)) from None
+    host_name = host_name or socket.gethostname().split(".")[0]
+    try:
+        keys = trust.keyring(config, host_name)  # this host's own key, made on first use
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     client = redis.Redis.from_url(registry_url, socket_connect_timeout=5, socket_timeout=5)
     try:
-        nodes = inventory.load(client, config.swarm, trust.keyring(config))
+        found = inventory.read(client, config.swarm, keys)
     except redis.RedisError as exc:
         raise click.ClickException(f"cannot read the inventory: {exc}") from None
     finally:
         client.close()
-    host_name = host_name or socket.gethostname().split(".")[0]
+    nodes = found.nodes
+    check_admitted(host_name, keys, found.roster, folder)
     # A name whose heartbeat lapsed (that host died) may be taken again.
     taken = [n for n in nodes if n.host == host_name and not n.lapsed()]
     if taken:
@@ -310,3 +316,22 @@ def join(
     finally:
         if server is not None:
             server.stop()
+
+
+def check_admitted(host_name: str, keys, roster, folder: Path) -> None:
+    """A one-line ClickException unless host 0 admitted `host_name` under this host's key (what
+    it says to run there, if not); a loud warning when this host pins no coordinator key."""
+    if keys.coordinator is None:
+        logging.getLogger("specpipe.join").warning(
+            "this host pins no coordinator key (coordinator.pub in %s): every holder of the "
+            "swarm key can speak here as the coordinator or as any host; copy host 0's "
+            "coordinator.pub there",
+            folder,
+        )
+        return
+    mine = keys.signer.public_hex
+    if roster is None or roster.hosts.get(host_name) != mine:
+        raise click.ClickException(
+            f"host {host_name!r} is not admitted under this host's key: on host 0 run "
+            f"`specpipe host admit {host_name} {mine}`"
+        )

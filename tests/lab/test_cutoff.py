@@ -16,7 +16,7 @@ from models.db import make_session_factory
 from models.runs import Run
 from specpipe.ops.lab import PREFIX, Lab
 from tests.lab.conftest import lab_unavailable, run
-from tests.lab.test_join import ARGS, PROMPT, lab_env, latest_job, nodes
+from tests.lab.test_join import ARGS, PROMPT, admit, lab_env, latest_job, nodes
 from tests.waiting import wait_until
 
 
@@ -48,6 +48,7 @@ def test_a_cut_off_host_with_a_spare_is_routed_around(tiny, tmp_path):
     try:
         assert up.exit_code == 0, up.output
         bare = lab.hosts()[2]
+        admit(lab, bare.name)
         joined = subprocess.Popen(
             [
                 "ip",

@@ -87,7 +87,8 @@ def test_the_guide_on_one_machine_runs_as_written(tiny, tmp_path):
         )
         for process in background:
             process.wait(30)
-    up, nodes_before, first, nodes_after, second, down = outputs
+    up, nodes_before, first, admitted, nodes_after, second, down = outputs
+    assert admitted.strip() == "admitted h4"
     assert "h1  " in up and "TLS" in up and "h4  " in up and "idle" in up
     assert [line.split()[0] for line in nodes_before.splitlines()[1:5]] == ["h0", "h1", "h2", "h3"]
     spare = next(line for line in nodes_after.splitlines() if line.startswith("h4 "))

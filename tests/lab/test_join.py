@@ -18,7 +18,7 @@ import redis
 from models import Job
 from models.db import make_session_factory
 from models.runs import Run
-from specpipe.swarm import inventory
+from specpipe.swarm import inventory, trust
 from tests.lab.conftest import run
 from tests.waiting import wait_until
 
@@ -39,9 +39,18 @@ def lab_env(lab) -> dict[str, str]:
 def nodes(lab) -> list[inventory.NodeInfo]:
     client = redis.Redis.from_url(lab.state["registry_url"])
     try:
-        return inventory.load(client, "lab", (lab.home / "swarm_key").read_text().strip())
+        return inventory.load(client, "lab", trust.home_keyring(lab.home))
     finally:
         client.close()
+
+
+def admit(lab, host: str) -> str:
+    """As the operator does: `specpipe host key` where the host's key is (the lab's folder),
+    `specpipe host admit` on host 0; the host's public key."""
+    key = run("host", "key", "--host", host, env=lab_env(lab)).output.strip()
+    admitted = run("host", "admit", host, key, env=lab_env(lab))
+    assert admitted.exit_code == 0, admitted.output
+    return key
 
 
 def latest_job(lab) -> Job | None:
@@ -66,27 +75,36 @@ def test_a_bare_host_joins_as_a_spare_and_takes_over_when_the_stage_dies(lab, ti
     lab.load()
     bare = lab.hosts()[2]
     assert not bare.redis_url  # nothing runs there yet
+    join = [
+        "ip",
+        "netns",
+        "exec",
+        bare.namespace,
+        sys.executable,
+        "-m",
+        "specpipe",
+        "join",
+        "--layers",
+        "auto",
+        "--model",
+        str(tiny),
+        "--host",
+        bare.name,
+        "--threads",
+        "1",
+        "--link-delay-ms",
+        "2",
+    ]
+    # Not admitted yet: one line that says what to run on host 0, and nothing started.
+    refused = subprocess.run(join, env=lab.env(bare), capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    key = admit(lab, bare.name)
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"Error: host {bare.name!r} is not admitted under this host's key: on host 0 run "
+        f"`specpipe host admit {bare.name} {key}`"
+    )
     joined = subprocess.Popen(
-        [
-            "ip",
-            "netns",
-            "exec",
-            bare.namespace,
-            sys.executable,
-            "-m",
-            "specpipe",
-            "join",
-            "--layers",
-            "auto",
-            "--model",
-            str(tiny),
-            "--host",
-            bare.name,
-            "--threads",
-            "1",
-            "--link-delay-ms",
-            "2",
-        ],
+        join,
         env=lab.env(bare),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
