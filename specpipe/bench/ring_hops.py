@@ -22,13 +22,16 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import redis
 
@@ -38,10 +41,11 @@ from specpipe.decoding.generation import Generation
 from specpipe.decoding.local_ring import LocalRing
 from specpipe.decoding.target import open_target
 from specpipe.model.resolve import even_split
+from specpipe.ops import roster
 from specpipe.ops.redis_server import RedisServer
 from specpipe.ops.supervisor import terminate_all
-from specpipe.settings import Settings
-from specpipe.swarm import inventory, streams
+from specpipe.settings import COORDINATOR_PUB_FILE, Settings
+from specpipe.swarm import inventory, streams, trust
 from specpipe.swarm.redis_ring import RedisRing
 
 GROUNDED_PROMPT = (
@@ -66,7 +70,9 @@ STATS_FLUSH_S = 2.5  # more than a bench stage's heartbeat (1 s) plus its read t
 
 
 class LocalSwarm:
-    """N `specpipe worker stage` processes of one model on a private Redis (context manager)."""
+    """N `specpipe worker stage` processes of one model on a private Redis (context manager),
+    with host identities as `specpipe up` runs them: each stage signs with its own key, and
+    this process, the coordinator, with the coordinator's (all in a folder of its own)."""
 
     def __init__(
         self,
@@ -83,14 +89,23 @@ class LocalSwarm:
         self.key = secrets.token_hex(32)
         self.redis = RedisServer()
         self.procs: list[subprocess.Popen] = []
+        self.home = Path(tempfile.mkdtemp(prefix="specpipe-bench-"))
 
     def __enter__(self) -> LocalSwarm:
         self.url = self.redis.start()
         self.data_url = self.redis.socket_url or self.url  # the streams' Redis, as in `up`
         target = open_target(self.model)
         self.n_layers, self.model_label = target.n_layers, target.name
+        client = redis.Redis.from_url(self.url)
+        try:
+            hosts = [f"s{i}" for i in range(self.n_stages)]
+            roster.admit_own_hosts(client, self.swarm, hosts, self.home)
+        finally:
+            client.close()
+        self.pin = (self.home / COORDINATOR_PUB_FILE).read_text().strip()
         env = {
             **os.environ,
+            "SPECPIPE_HOME": str(self.home),
             "REDIS_URL": self.url,
             "SPECPIPE_SWARM": self.swarm,
             "SPECPIPE_SWARM_KEY": self.key,
@@ -133,7 +148,8 @@ class LocalSwarm:
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
-                if len(inventory.load(client, self.swarm, self.key)) == self.n_stages:
+                keys = trust.keyring(self.settings())
+                if len(inventory.load(client, self.swarm, keys)) == self.n_stages:
                     return
                 if any(p.poll() is not None for p in self.procs):
                     raise RuntimeError("a stage worker exited while loading")
@@ -150,9 +166,16 @@ class LocalSwarm:
         finally:
             client.close()
 
+    def settings(self) -> Settings:
+        """A coordinator's settings for this swarm: its key, and its host identities."""
+        found = Settings.from_env().for_swarm(
+            self.url, self.swarm, self.key, coordinator_public_key=self.pin
+        )
+        return replace(found, home=self.home)
+
     def ring(self) -> RedisRing:
         return RedisRing.from_inventory(
-            Settings.from_env().for_swarm(self.url, self.swarm, self.key),
+            self.settings(),
             self.model_label,
             self.n_layers,
             reply_url=self.data_url,
@@ -163,6 +186,7 @@ class LocalSwarm:
     def __exit__(self, *exc) -> None:
         terminate_all(self.procs)
         self.redis.stop()
+        shutil.rmtree(self.home, ignore_errors=True)
 
 
 @dataclass
@@ -243,6 +267,52 @@ def median_interval(values: Sequence[float], z: float = 1.96) -> tuple[float, fl
     half = z * math.sqrt(n) / 2
     low, high = max(0, math.floor(n / 2 - half)), min(n - 1, math.ceil(n / 2 + half))
     return ordered[low], ordered[high]
+
+
+def wire_costs(dim: int, rows: Sequence[int] = (1, 512), repeats: int = 200) -> dict:
+    """What the wire format costs a hop, in this process: one message of `rows` hidden-state
+    rows of width `dim` sealed and signed by its sender, then opened and verified by its
+    receiver, with the swarm key alone and with host identities (the sender's Ed25519 signature
+    and its check), timed in alternation; the median µs of each, per row count."""
+    import torch
+
+    from specpipe.swarm import identity, wire
+
+    key = secrets.token_bytes(32)
+    host = identity.Signer("s0", identity.Ed25519PrivateKey.generate())
+    coordinator = identity.Signer(identity.COORDINATOR, identity.Ed25519PrivateKey.generate())
+    admitted = identity.Roster("bench", 1, {"s0": host.public_hex})
+    sender = {
+        "swarm key": wire.Keyring([key]),
+        "host identities": wire.Keyring([key], signer=host),
+    }
+    receiver = {
+        "swarm key": wire.Keyring([key]),
+        "host identities": wire.Keyring(
+            [key], coordinator=coordinator.key.public_key(), roster=admitted
+        ),
+    }
+    found: dict = {}
+    for n in rows:
+        message = wire.Message(
+            kind="round",
+            session="bench",
+            seq=1,
+            to="s1",
+            sender="s0",
+            tokens=tuple(range(n)),
+            tensor=torch.randn(n, dim),
+        )
+        times: dict[str, list[float]] = {name: [] for name in sender}
+        for _ in range(max(1, repeats if n < 64 else repeats // 10)):
+            for name in sender:
+                started = time.perf_counter()
+                wire.decode(wire.encode(message, "bench", sender[name]), "bench", receiver[name])
+                times[name].append((time.perf_counter() - started) * 1e6)
+        us = {name: statistics.median(t) for name, t in times.items()}
+        us["signature"] = us["host identities"] - us["swarm key"]
+        found[f"{n}_rows_us"] = us
+    return found
 
 
 def overhead(

@@ -178,6 +178,15 @@ def bench_ring(
         f"{o['slower_forwards_per_hop_ms']:.2f} ms from forwards slower in separate processes, "
         f"{o['transport_per_hop_ms']:.2f} ms transport and message handling"
     )
+    from specpipe.model.resolve import open_checkpoint
+
+    result["wire"] = ringbench.wire_costs(open_checkpoint(model).config.dim)
+    for rows, us in result["wire"].items():
+        click.echo(
+            f"wire per hop, {rows.split('_')[0]}-row message: sealed and opened "
+            f"{us['swarm key']:.0f} us; with the sender's signature and its check "
+            f"{us['host identities']:.0f} us (+{us['signature']:.0f} us)"
+        )
     params = {"temp": temp, "top_p": top_p, "top_k": top_k, "seed": seed}
     result["latency"] = ringbench.latency(
         model, stages, delays, tokens, params, draft_k, threads, click.echo

@@ -77,6 +77,11 @@ def test_bench_ring_reports_overhead_and_delays(tiny, tmp_path):
     assert low <= o["overhead_per_hop_ms"] <= high
     assert len(o["ring_stage_forwards_ms_runs"]) == 3
     assert all(ms > 0 for ms in o["ring_stage_forwards_ms_runs"])  # the stages' own timings
+    # The wire's cost per hop, with and without the sender's own signature, side by side.
+    for rows in ("1_rows_us", "512_rows_us"):
+        us = doc["wire"][rows]
+        assert 0 < us["swarm key"] and us["signature"] == us["host identities"] - us["swarm key"]
+    assert "with the sender's signature and its check" in result.output
     delayed = [row for row in doc["latency"] if row["hop_delay_ms"] == 20]
     assert {row["prompt"] for row in delayed} == {"grounded", "novel"}
     assert all(row["identical"] for row in doc["latency"])
