@@ -34,8 +34,8 @@ import redis
 from specpipe.core.coupling import sampler_for
 from specpipe.core.ring import GapError, RoundResult
 from specpipe.core.sampling import SamplingParams, TokenLogprob
-from specpipe.settings import Settings
-from specpipe.swarm import inventory, streams, trust, wire
+from specpipe.settings import DEFAULT_HEARTBEAT_S, Settings
+from specpipe.swarm import identity, inventory, streams, trust, wire
 from specpipe.swarm.dialing import Dialer
 from specpipe.swarm.inventory import NodeInfo
 from specpipe.swarm.redact import redact_text, redact_url
@@ -47,6 +47,8 @@ RECONNECT_S = 1.0  # pause before sending a round again after a connection error
 ROUND_TIMEOUT_S = 30.0  # a round's wait for its reply (and for a restarting Redis), before its work
 WATCH_AFTER_S = 0.5  # a round this late asks its watchdog whether a hop is gone…
 WATCH_EVERY_S = 0.25  # …and again this often while it waits
+# With host identities, a ring reads the roster again at most this often: a stage's heartbeat.
+ROSTER_EVERY_S = DEFAULT_HEARTBEAT_S
 
 
 class RingError(RuntimeError):
@@ -92,6 +94,7 @@ class RedisRing:
         watchdog: Callable[[], str | None] | None = None,
         watch_after_s: float = WATCH_AFTER_S,
         dialer: Dialer | None = None,
+        registry_url: str | None = None,
     ) -> None:
         if not route:
             raise ValueError("a ring needs at least one stage")
@@ -119,6 +122,10 @@ class RedisRing:
         # Asked while a round is late: a reason when a hop of the route is gone for good.
         self.watchdog = watchdog
         self.watch_after_s = watch_after_s
+        # Where the roster is read again (with host identities): a host revoked mid-job is
+        # believed no longer, so its replies are dropped and the job goes around it.
+        self.registry_url = registry_url
+        self._roster_due = time.monotonic() + ROSTER_EVERY_S
 
     @classmethod
     def from_inventory(
@@ -155,7 +162,9 @@ class RedisRing:
         keys = keys.with_roster(found.roster)
         reply = reply_url or registry
         dialer = Dialer.for_settings(settings, registry, reply)
-        return cls(route, settings.swarm, keys, reply, dialer=dialer, **options)
+        return cls(
+            route, settings.swarm, keys, reply, dialer=dialer, registry_url=registry, **options
+        )
 
     def reset(self, session: str, params: SamplingParams) -> None:
         """Clear every stage's cache for the session and give the tail its sampling parameters."""
@@ -204,6 +213,7 @@ class RedisRing:
             route=self._hops_on_wire,
             head_k=min(int(head_k), wire.MAX_HEAD_DRAFTS),
         )
+        self._refresh_roster()
         first = self.route[0]
         stream = streams.stage_key(self.swarm, first.host)
         message = replace(message, to=stream, sender=wire.COORDINATOR)
@@ -330,6 +340,19 @@ class RedisRing:
                 time.sleep(RECONNECT_S)
             except redis.RedisError as exc:
                 raise RingError(f"Redis refused: {redact_text(str(exc))}") from None
+
+    def _refresh_roster(self) -> None:
+        """The roster read again, at most every ROSTER_EVERY_S (see `registry_url`)."""
+        due = self.keys.coordinator is not None and self.registry_url is not None
+        if not due or time.monotonic() < self._roster_due:
+            return
+        self._roster_due = time.monotonic() + ROSTER_EVERY_S
+        try:
+            client = self.connections.get(self.registry_url)
+            roster, _ = identity.read_roster(client, self.swarm, self.keys.coordinator)
+        except redis.RedisError:  # the roster it has holds until the registry answers
+            return
+        self.keys = self.keys.with_roster(roster)
 
     def _watch(self) -> None:
         """HopLostError when the watchdog says a hop of the route is gone."""

@@ -19,7 +19,7 @@ from specpipe.settings import COORDINATOR_PUB_FILE
 from specpipe.swarm import identity, inventory, streams, trust, wire
 from specpipe.swarm.identity import COORDINATOR, Roster, Signer
 from specpipe.swarm.inventory import NodeInfo
-from specpipe.swarm.redis_ring import RedisRing
+from specpipe.swarm.redis_ring import ROSTER_EVERY_S, RedisRing
 from tests.swarm.conftest import Stages
 from tests.swarm.test_redis_ring import PARAMS, drive, reference
 from tests.waiting import wait_until
@@ -245,3 +245,34 @@ def test_on_stage_processes_a_revoked_host_drops_out_of_routing_and_a_forged_con
     ring.drop("s2")
     ring.close()
     client.close()
+
+
+def test_a_tail_revoked_mid_job_is_gone_around_with_the_same_tokens(identified, swarm, redis_url):
+    from specpipe.decoding.generation import Generation
+    from tests.swarm.test_failover import FAILOVER_BOUND_S, checked_ring
+    from tests.swarm.test_redis_ring import PROMPT, ReferenceRing
+
+    stages, settings, home = identified
+    for host, layers in (("a", "0:2"), ("b", "2:4"), ("b2", "2:4")):
+        stages.start(host, layers, redis_url, wait=False)
+    stages.wait_ready(["a", "b", "b2"])
+    options = dict(max_new_tokens=40, draft_k=3)
+    expected = Generation(ReferenceRing([(0, 2), (2, 4)]), "l", PROMPT * 2, PARAMS, **options).run()
+    ring = checked_ring(settings, "toy", 4)
+    tail = ring.route[-1].host
+    client = redis.Redis.from_url(redis_url)
+    run = Generation(ring, "s", PROMPT * 2, PARAMS, **options)
+    stall_s, revoked_at = 0.0, None
+    for i, _ in enumerate(run.rounds()):
+        if revoked_at is not None and not stall_s:
+            stall_s = time.monotonic() - revoked_at
+        if i == 2:
+            roster.revoke(client, swarm, tail, home)  # the process runs on, its key no good
+            revoked_at = time.monotonic()
+            time.sleep(ROSTER_EVERY_S)  # a heartbeat passes: from then on b is not believed
+    ring.close()
+    client.close()
+    assert run.generated == expected
+    assert tail not in [hop.host for hop in ring.route] and ring.failovers == 1
+    assert 0 < stall_s < FAILOVER_BOUND_S, stall_s
+    print(f"a revoked tail: the next round {stall_s:.2f} s after the revocation, via {ring.route}")

@@ -1,0 +1,81 @@
+"""`specpipe host`: the coordinator's key, a host's own key, and admitting and revoking hosts."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from specpipe.cli import cli
+from specpipe.swarm import identity
+
+
+@pytest.fixture
+def env(tmp_path, redis_url, swarm) -> dict[str, str]:
+    return {
+        "SPECPIPE_HOME": str(tmp_path / "instance"),
+        "REDIS_URL": redis_url,
+        "SPECPIPE_SWARM": swarm,
+    }
+
+
+def host(*args: str, env: dict[str, str]):
+    return CliRunner().invoke(cli, ["host", *args], env=env)
+
+
+def test_admitting_and_revoking_hosts_publishes_a_roster_only_the_coordinator_signed(
+    env, tmp_path, redis_url, swarm
+):
+    home = tmp_path / "instance"
+    refused = host("admit", "mn", "ab" * 32, env=env)
+    assert refused.exit_code == 1
+    assert refused.output.strip().startswith("Error: no coordinator key at")
+    assert "specpipe host init" in refused.output
+
+    made = host("init", env=env)
+    assert made.exit_code == 0, made.output
+    public = made.output.strip().splitlines()[-1]
+    assert (home / "coordinator.pub").read_text().strip() == public
+    assert stat.S_IMODE((home / "coordinator_key").stat().st_mode) == 0o600
+    assert host("init", env=env).output.strip().splitlines()[-1] == public  # made once
+
+    key = host("key", "--host", "mn", env=env).output.strip()
+    assert len(key) == 64 and bytes.fromhex(key)
+    assert stat.S_IMODE((home / "host_keys" / "mn.key").stat().st_mode) == 0o600
+    assert host("key", "--host", "mn", env=env).output.strip() == key  # the same key again
+
+    for bad in (["nj", "not a key"], ["coordinator", key], ["", key]):
+        result = host("admit", *bad, env=env)
+        assert result.exit_code == 1 and result.output.startswith("Error: "), result.output
+        assert len(result.output.strip().splitlines()) == 1
+    assert host("admit", "mn", key, env=env).output.strip() == "admitted mn"
+    listed = host("list", env=env).output.splitlines()
+    assert listed == [f"roster of swarm {swarm!r}, version 1", f"mn  {key}"]
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        pin = identity.public_key(public)
+        roster, believed = identity.read_roster(client, swarm, pin)
+        assert believed and roster.hosts == {"mn": key}
+        revoked = host("revoke", "nj", env=env)
+        assert revoked.exit_code == 1 and "'nj' is not admitted" in revoked.output
+        assert host("revoke", "mn", env=env).output.strip() == "revoked mn"
+        roster, believed = identity.read_roster(client, swarm, pin)
+        assert believed and roster.version == 2 and roster.hosts == {}
+        # A Redis that lost the roster gets host 0's copy back with the next change.
+        client.delete(identity.roster_key(swarm))
+        assert host("admit", "mn", key, env=env).exit_code == 0
+        assert identity.read_roster(client, swarm, pin)[0].version == 3
+    finally:
+        client.delete(identity.roster_key(swarm))
+        client.close()
+
+
+def test_a_host_name_that_cannot_name_a_file_is_one_line(env):
+    result = host("key", "--host", "../etc/passwd", env=env)
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "Error: host name '../etc/passwd' must be letters, digits, '.', '_', ':' or '-'"
+    ]
