@@ -275,4 +275,5 @@ def test_a_tail_revoked_mid_job_is_gone_around_with_the_same_tokens(identified, 
     assert run.generated == expected
     assert tail not in [hop.host for hop in ring.route] and ring.failovers == 1
     assert 0 < stall_s < FAILOVER_BOUND_S, stall_s
-    print(f"a revoked tail: the next round {stall_s:.2f} s after the revocation, via {ring.route}")
+    hosts = " -> ".join(hop.host for hop in ring.route)
+    print(f"revoked {tail}: the next round {stall_s:.2f} s after the revocation, via {hosts}")
