@@ -20,7 +20,8 @@ folder (`specpipe host admit|revoke`). Every host pins the coordinator's public 
 The swarm key still seals every message (what a Redis holds stays unreadable to it); these
 signatures say which host, among those that hold it, wrote what. A process that pins no
 coordinator key trusts every holder of the swarm key alike, as before per-host keys (a
-`Keyring` without `coordinator`): `specpipe up`, the lab and `specpipe join` always pin one.
+`Keyring` without `coordinator`): `specpipe up` and the lab always pin one, and `specpipe join`
+warns at every start on a host that pins none.
 """
 
 from __future__ import annotations
