@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 import time
 
@@ -16,7 +15,7 @@ from models.db import make_session_factory
 from models.runs import Run
 from specpipe.ops.lab import PREFIX, Lab
 from tests.lab.conftest import lab_unavailable, run
-from tests.lab.test_join import ARGS, PROMPT, admit, lab_env, latest_job, nodes
+from tests.lab.test_join import ARGS, PROMPT, admit, join_argv, lab_env, latest_job, nodes
 from tests.waiting import wait_until
 
 
@@ -50,26 +49,7 @@ def test_a_cut_off_host_with_a_spare_is_routed_around(tiny, tmp_path):
         bare = lab.hosts()[2]
         admit(lab, bare.name)
         joined = subprocess.Popen(
-            [
-                "ip",
-                "netns",
-                "exec",
-                bare.namespace,
-                sys.executable,
-                "-m",
-                "specpipe",
-                "join",
-                "--layers",
-                "2:4",
-                "--model",
-                str(tiny),
-                "--host",
-                bare.name,
-                "--threads",
-                "1",
-                "--link-delay-ms",
-                "2",
-            ],
+            join_argv(bare, tiny, "2:4"),
             env=lab.env(bare),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,

@@ -53,6 +53,15 @@ def admit(lab, host: str) -> str:
     return key
 
 
+def join_argv(host, model, layers: str) -> list[str]:
+    """`specpipe join` in `host`'s namespace, as that host's operator runs it."""
+    return [
+        *("ip", "netns", "exec", host.namespace, sys.executable, "-m", "specpipe", "join"),
+        *("--layers", layers, "--model", str(model), "--host", host.name),
+        *("--threads", "1", "--link-delay-ms", "2"),
+    ]
+
+
 def latest_job(lab) -> Job | None:
     with make_session_factory(lab.state["database_url"])() as session:
         return session.query(Job).order_by(Job.id.desc()).first()
@@ -75,26 +84,7 @@ def test_a_bare_host_joins_as_a_spare_and_takes_over_when_the_stage_dies(lab, ti
     lab.load()
     bare = lab.hosts()[2]
     assert not bare.redis_url  # nothing runs there yet
-    join = [
-        "ip",
-        "netns",
-        "exec",
-        bare.namespace,
-        sys.executable,
-        "-m",
-        "specpipe",
-        "join",
-        "--layers",
-        "auto",
-        "--model",
-        str(tiny),
-        "--host",
-        bare.name,
-        "--threads",
-        "1",
-        "--link-delay-ms",
-        "2",
-    ]
+    join = join_argv(bare, tiny, "auto")
     # Not admitted yet: one line that says what to run on host 0, and nothing started.
     refused = subprocess.run(join, env=lab.env(bare), capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1, refused.stdout + refused.stderr
