@@ -271,11 +271,11 @@ class Lab:
         python = [sys.executable, "-m", "specpipe"]
         # The lab is host 0's operator: the serving hosts' keys (in its folder) are admitted.
         serving = [h.name for h in hosts[: len(self.state["layers"])]]
-        admin = self.admin_redis(hosts[0])
+        client = redis.Redis.from_url(registry, socket_connect_timeout=5, socket_timeout=5)
         try:
-            roster.admit_own_hosts(admin, self.state["swarm"], serving, self.home)
+            roster.admit_own_hosts(client, self.state["swarm"], serving, self.home)
         finally:
-            admin.close()
+            client.close()
         plan = zip(hosts, self.state["layers"], self.state["link_delays_ms"], strict=False)
         for host, (start, end), delay in plan:
             argv = [

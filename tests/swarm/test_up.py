@@ -42,8 +42,10 @@ def healthy(url: str) -> bool:
         return False
 
 
-def online_hosts(redis_url: str, swarm: str, keys) -> set[str]:
+def online_hosts(redis_url: str, swarm: str, home) -> set[str]:
+    """The online stages of the swarm `specpipe up` runs from `home`, as its keys verify them."""
     client = redis.Redis.from_url(redis_url)
+    keys = trust.home_keyring(home)
     try:
         return {n.host for n in inventory.load(client, swarm, keys) if n.status() == "online"}
     finally:
@@ -118,9 +120,6 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
         for name in ("swarm.json", *secrets):
             assert stat.S_IMODE((home / name).stat().st_mode) == 0o600, name
         swarm_key = (home / "swarm_key").read_text().strip()
-        # Host identities: the stages sign as themselves, the coordinator pins its own key.
-        keys = trust.home_keyring(home)
-        assert keys.coordinator is not None
         # Its processes reach it as its own user; the data-plane password is the peer user's.
         password = (home / "redis_local_password").read_text().strip()
         data_password = (home / "redis_password").read_text().strip()
@@ -130,7 +129,7 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
             lambda: healthy(state["web_url"]), 90, "the web app to be healthy", interval_s=0.2
         )
         wait_until(
-            lambda: len(online_hosts(state["redis_url"], state["swarm"], keys)) == 2,
+            lambda: len(online_hosts(state["redis_url"], state["swarm"], home)) == 2,
             90,
             "both stages to come online",
             interval_s=0.2,
@@ -173,6 +172,9 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
                 swarm_user.execute_command(*command)
         swarm_user.close()
         client = redis.Redis.from_url(state["redis_url"])
+        # Host identities: the stages sign as themselves, the coordinator pins its own key.
+        keys = trust.home_keyring(home)
+        assert keys.coordinator is not None
         nodes = inventory.load(client, state["swarm"], keys)
         for name in ("coordinator_key", f"rosters/{state['swarm']}"):
             assert stat.S_IMODE((home / name).stat().st_mode) == 0o600, name
