@@ -2,7 +2,8 @@
 
 The Redis it starts speaks TLS only, with the certificate `specpipe ca issue` made for this
 host (its TLS folder: `redis.pem`, `redis.key`, `ca.pem`); without one it refuses, unless the
-operator opts out out loud (`--insecure-no-tls`).
+operator opts out out loud (`--insecure-no-tls`); and it refuses to serve on a host that pins
+no coordinator key unless the operator opts out as loudly (`--insecure-shared-key`).
 """
 
 from __future__ import annotations
@@ -146,6 +147,14 @@ def check_link(redis_url: str | None, tls: TlsFiles | None, address: str, port: 
     "at every start).",
 )
 @click.option(
+    "--insecure-shared-key",
+    is_flag=True,
+    envvar="SPECPIPE_INSECURE_SHARED_KEY",
+    help="Serve on a host that pins no coordinator key: every holder of the swarm key may "
+    "speak here as the coordinator or as any host (a warning at every start; also "
+    "SPECPIPE_INSECURE_SHARED_KEY=1).",
+)
+@click.option(
     "--address",
     default=None,
     help="Where the other hosts reach this one [default: this host's address "
@@ -181,6 +190,7 @@ def join(
     redis_url: str | None,
     tls_dir: Path | None,
     insecure_no_tls: bool,
+    insecure_shared_key: bool,
     address: str | None,
     port: int,
     accept_backported_redis: bool,
@@ -197,11 +207,13 @@ def join(
     certificate in this host's TLS folder (`specpipe ca issue` makes it); its own user with a
     password kept in the instance folder that never leaves this host, and the other hosts' peer
     user with the swarm's data-plane password (SPECPIPE_REDIS_PASSWORD_FILE, or the instance
-    folder's); chooses a layer range (--layers, or auto); registers with
-    the address the other hosts reach it at; Ctrl-C or SIGTERM leaves the swarm.
+    folder's); signs as this host with its own key, once host 0 admitted it (`specpipe host
+    key` prints it, `specpipe host admit` on host 0), pinning the coordinator's key
+    (coordinator.pub in the TLS folder); chooses a layer range (--layers, or auto); registers
+    with the address the other hosts reach it at; Ctrl-C or SIGTERM leaves the swarm.
 
     Example, in the environment docs/deploy.md sets up, with this host's TLS folder
-    (/var/lib/specpipe/tls) as `specpipe ca issue` made it:
+    (/var/lib/specpipe/tls) as `specpipe ca issue` made it, and host 0's coordinator.pub:
 
         SPECPIPE_HOME=/var/lib/specpipe specpipe join --layers auto
     """
@@ -231,9 +243,13 @@ def join(
     if tls_dir is not None:  # this host verifies the others against the CA copy there
         ca_copy = folder / settings.CA_CERT_FILE
         config = replace(config, tls_ca=str(ca_copy) if ca_copy.is_file() else None)
+        pin = folder / settings.COORDINATOR_PUB_FILE  # and pins the coordinator key there
+        if pin.is_file():
+            config = replace(config, coordinator_public_key=pin.read_text().strip())
     tls = None
     if redis_url is None and not insecure_no_tls:
         tls = tls_files(folder)
+    check_pinned(config.coordinator_public_key, folder, insecure_shared_key)
     check_reachable(registry_url, "the registry")
     try:
         n_layers = open_checkpoint(model_name).config.n_layers
@@ -253,7 +269,7 @@ def join(
     finally:
         client.close()
     nodes = found.nodes
-    check_admitted(host_name, keys, found.roster, folder)
+    check_admitted(host_name, keys, found.roster)
     # A name whose heartbeat lapsed (that host died) may be taken again.
     taken = [n for n in nodes if n.host == host_name and not n.lapsed()]
     if taken:
@@ -318,16 +334,28 @@ def join(
             server.stop()
 
 
-def check_admitted(host_name: str, keys, roster, folder: Path) -> None:
-    """A one-line ClickException unless host 0 admitted `host_name` under this host's key (what
-    it says to run there, if not); a loud warning when this host pins no coordinator key."""
-    if keys.coordinator is None:
-        logging.getLogger("specpipe.join").warning(
-            "this host pins no coordinator key (coordinator.pub in %s): every holder of the "
-            "swarm key can speak here as the coordinator or as any host; copy host 0's "
-            "coordinator.pub there",
-            folder,
+def check_pinned(coordinator: str | None, folder: Path, shared_key: bool) -> None:
+    """A one-line ClickException when this host pins no coordinator key, unless the operator
+    opted out with `shared_key` (then a warning at every start)."""
+    if coordinator is not None:
+        return
+    if not shared_key:
+        raise click.ClickException(
+            f"this host pins no coordinator key: copy host 0's coordinator.pub into {folder} "
+            "(`specpipe host init` makes it there), or pass --insecure-shared-key"
         )
+    logging.getLogger("specpipe.join").warning(
+        "this host pins no coordinator key (coordinator.pub in %s): every holder of the "
+        "swarm key can speak here as the coordinator or as any host; copy host 0's "
+        "coordinator.pub there",
+        folder,
+    )
+
+
+def check_admitted(host_name: str, keys, roster) -> None:
+    """A one-line ClickException unless host 0 admitted `host_name` under this host's key (what
+    to run there, if not); nothing to check on a host that pins no coordinator key."""
+    if keys.coordinator is None:
         return
     mine = keys.signer.public_hex
     if roster is None or roster.hosts.get(host_name) != mine:

@@ -21,7 +21,7 @@ The swarm key still seals every message (what a Redis holds stays unreadable to 
 signatures say which host, among those that hold it, wrote what. A process that pins no
 coordinator key trusts every holder of the swarm key alike, as before per-host keys (a
 `Keyring` without `coordinator`): `specpipe up` and the lab always pin one, and `specpipe join`
-warns at every start on a host that pins none.
+refuses to serve on a host that pins none unless told to (`--insecure-shared-key`).
 """
 
 from __future__ import annotations

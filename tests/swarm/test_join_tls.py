@@ -31,6 +31,8 @@ def joining(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECPIPE_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("SPECPIPE_SWARM_KEY", "k" * 32)
     monkeypatch.setenv("SPECPIPE_REGISTRY_URL", DEAD)
+    # Host identities are not what these tests are about: the host pins no coordinator key.
+    monkeypatch.setenv("SPECPIPE_INSECURE_SHARED_KEY", "1")
     for name in ("REDIS_URL", "SPECPIPE_TLS_DIR", "SPECPIPE_REDIS_PASSWORD"):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
@@ -154,3 +156,14 @@ def test_the_opt_out_and_a_plain_redis_elsewhere_warn_at_start(registered, tiny,
         result = CliRunner().invoke(cli, [*argv, "--redis", quiet])
         assert result.exit_code == 0, result.output
     assert not link_warnings(caplog)
+
+
+def test_a_host_that_pins_no_coordinator_key_is_refused_unless_it_opts_out(joining, tmp_path):
+    joining.delenv("SPECPIPE_INSECURE_SHARED_KEY")
+    result = CliRunner().invoke(cli, ["join", "--layers", "0:4", "--insecure-no-tls"])
+    assert result.exit_code == 1
+    folder = tmp_path / "home" / "tls"
+    assert result.output.strip().splitlines() == [
+        f"Error: this host pins no coordinator key: copy host 0's coordinator.pub into {folder} "
+        "(`specpipe host init` makes it there), or pass --insecure-shared-key"
+    ]

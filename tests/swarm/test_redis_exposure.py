@@ -129,6 +129,7 @@ def test_join_refuses_to_start_an_unpatched_redis_for_other_hosts(tmp_path, monk
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     monkeypatch.setenv("SPECPIPE_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("SPECPIPE_SWARM_KEY", "k" * 32)
+    monkeypatch.setenv("SPECPIPE_INSECURE_SHARED_KEY", "1")  # identities are not what is tried
     monkeypatch.setenv("SPECPIPE_REGISTRY_URL", redis_url)
     monkeypatch.delenv("REDIS_URL", raising=False)
     monkeypatch.delenv("SPECPIPE_ACCEPT_BACKPORTED_REDIS", raising=False)
@@ -407,6 +408,7 @@ def test_join_starts_its_redis_with_a_password_of_its_own_and_the_peer_user(
     monkeypatch.setenv("SPECPIPE_HOME", str(home))
     monkeypatch.setenv("SPECPIPE_SWARM", swarm)
     monkeypatch.setenv("SPECPIPE_SWARM_KEY", "k" * 32)
+    monkeypatch.setenv("SPECPIPE_INSECURE_SHARED_KEY", "1")  # identities are not what is tried
     monkeypatch.setenv("SPECPIPE_REGISTRY_URL", redis_url)
     monkeypatch.setenv("SPECPIPE_REDIS_PASSWORD_FILE", str(data_file))
     for name in ("REDIS_URL", "SPECPIPE_REDIS_PASSWORD", "SPECPIPE_TLS_DIR"):
