@@ -209,7 +209,8 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
 
 
 def _admit_own_hosts(redis_url: str, swarm: str, hosts: list[str]) -> bool:
-    """`roster.admit_own_hosts` on the Redis at `redis_url`; False while it does not answer."""
+    """`roster.admit_own_hosts` on the Redis at `redis_url`; False while it does not answer.
+    A key or roster file in the instance folder that cannot be read is one line."""
     import redis
 
     from specpipe.ops import roster
@@ -219,6 +220,8 @@ def _admit_own_hosts(redis_url: str, swarm: str, hosts: list[str]) -> bool:
         roster.admit_own_hosts(client, swarm, hosts)
     except redis.RedisError:
         return False
+    except ValueError as exc:  # names the file, never what it holds
+        raise click.ClickException(f"cannot admit the stages' keys: {exc}") from None
     finally:
         client.close()
     return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import stat
 
+import click
 import pytest
 import redis
 from click.testing import CliRunner
@@ -79,3 +80,19 @@ def test_a_host_name_that_cannot_name_a_file_is_one_line(env):
     assert result.output.strip().splitlines() == [
         "Error: host name '../etc/passwd' must be letters, digits, '.', '_', ':' or '-'"
     ]
+
+
+def test_up_says_in_one_line_when_its_roster_file_cannot_be_read(
+    tmp_path, monkeypatch, redis_url, swarm
+):
+    from specpipe.cli.up import _admit_own_hosts
+
+    home = tmp_path / "instance"
+    monkeypatch.setenv("SPECPIPE_HOME", str(home))
+    assert _admit_own_hosts("redis://127.0.0.1:1/0", swarm, ["a"]) is False  # not up yet
+    assert _admit_own_hosts(redis_url, swarm, ["a"])  # keys made, a admitted
+    (home / "rosters" / swarm).write_text("not a roster\n")
+    with pytest.raises(click.ClickException) as refused:
+        _admit_own_hosts(redis_url, swarm, ["a"])
+    assert refused.value.message == "cannot admit the stages' keys: the roster is not signed"
+    redis.Redis.from_url(redis_url).delete(identity.roster_key(swarm))
