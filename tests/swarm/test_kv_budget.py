@@ -297,11 +297,11 @@ def test_a_job_cancelled_while_it_waits_ends_cancelled_without_running(
     job_id = add_job(db_url)
     ring = RouteRing(need)
     thread, out = start_job(db_url, job_id, ring, client, swarm, holders("1"))
-    time.sleep(0.3)
+    # Cancelled once it waits for room (a fixed pause was too short on a loaded machine).
+    wait_until(lambda: list(rooms.waiting()) == [f"job-{job_id}"], 30, "the job to wait for room")
     with make_session_factory(db_url)() as session:
         session.get(Job, job_id).request_cancel()
         session.commit()
-    assert list(rooms.waiting()) == [f"job-{job_id}"]
     thread.join(30)
     assert out["status"] == "cancelled" and ring.rounds == 0
     assert load(db_url, job_id).status == "cancelled"
