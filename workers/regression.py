@@ -39,7 +39,7 @@ from specpipe.decoding.target import Target, open_target
 from specpipe.prompts import DEFAULT_GENERATION_PROMPT, DEFAULT_PROMPTS
 from specpipe.proofs.local import LocalProofConfig, run_local_proof
 from specpipe.proofs.outputs import run_generation_proof
-from specpipe.proofs.swarm import SwarmProofConfig, run_swarm_proof
+from specpipe.proofs.swarm import IN_FLIGHT, SwarmProofConfig, run_swarm_proof
 from specpipe.settings import Settings, default_model, nightly_sizes
 from specpipe.swarm import inventory
 from specpipe.swarm.redis_ring import RedisRing, RingError
@@ -165,18 +165,24 @@ def run_nightly(
             session.commit()
             topology = " → ".join([*(n.geo or n.host for n in route), "back"])
             prompts = [target.prompt_ids(p) for p in DEFAULT_PROMPTS]
-            swarm_result = run_swarm_proof(
-                ring,
-                prompts,
-                SwarmProofConfig(
-                    stops=sizes["stops"],
-                    draws=sizes["draws"],
-                    seed=seed,
-                    generation_tokens=sizes["generation_tokens"],
-                    pilot_draws=sizes["pilot_draws"],
-                    draft_head=draft_head,
-                ),
-            )
+            lanes = [ring.twin() for _ in range(IN_FLIGHT - 1)]
+            try:
+                swarm_result = run_swarm_proof(
+                    ring,
+                    prompts,
+                    SwarmProofConfig(
+                        stops=sizes["stops"],
+                        draws=sizes["draws"],
+                        seed=seed,
+                        generation_tokens=sizes["generation_tokens"],
+                        pilot_draws=sizes["pilot_draws"],
+                        draft_head=draft_head,
+                    ),
+                    lanes=lanes,
+                )
+            finally:
+                for lane in lanes:
+                    lane.close()
         except RING_ERRORS as exc:
             errors["on_swarm"] = f"{type(exc).__name__}: {exc}"
         if ring is not None:

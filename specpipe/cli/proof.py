@@ -13,6 +13,7 @@ import click
 
 from specpipe.cli.options import SEED, json_option, sampling_options, write_json
 from specpipe.proofs import report
+from specpipe.proofs.swarm import IN_FLIGHT
 
 if TYPE_CHECKING:
     from specpipe.core.ring import Ring
@@ -330,6 +331,13 @@ def _closing_ring(ring: Ring, plain_errors: tuple[type[Exception], ...] = ()) ->
     show_default=True,
     help="Drafts from the tail's draft head, drawn with the Gumbel sampler whose noise it shares.",
 )
+@click.option(
+    "--in-flight",
+    type=click.IntRange(1, 64),
+    default=IN_FLIGHT,
+    show_default=True,
+    help="Stops measured at once on the swarm, each a session of its own (--local: one).",
+)
 @json_option
 @store_option
 def proof_swarm(
@@ -345,6 +353,7 @@ def proof_swarm(
     seed,
     prompts,
     draft_head,
+    in_flight,
     json_path,
     store,
 ) -> None:
@@ -381,12 +390,17 @@ def proof_swarm(
     )
     ring, target, where = open_ring(redis_option, local_model, model)
     prompt_ids = [target.prompt_ids(t) for t in texts]
+    lanes = [] if local_model else [ring.twin() for _ in range(in_flight - 1)]
     started = time.perf_counter()
     with (
         _closing_ring(ring, plain_errors=(ValueError,)),
         tqdm(total=cfg.work_units(), desc="proof swarm", unit="stop", leave=False) as bar,
     ):
-        result = run_swarm_proof(ring, prompt_ids, cfg, progress=bar.update)
+        try:
+            result = run_swarm_proof(ring, prompt_ids, cfg, progress=bar.update, lanes=lanes)
+        finally:
+            for lane in lanes:
+                lane.close()
     summary = report.SwarmProofSummary.from_result(result)
     text = report.format_swarm_summary(summary, where, time.perf_counter() - started)
     keep = dict(swarm=result, target=target, ring=ring, where=where) if store else None

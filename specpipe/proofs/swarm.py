@@ -14,6 +14,11 @@
 5. The exact check: the coupled sampler commits what plain sampling draws for the same seed,
    so the speculative draws are repeated as plain draws with the same seeds; all must match.
 
+Stops are independent, and so are candidates and generations: given more rings over the same
+route (`lanes`), each is measured in a thread of its own, so that several sessions are in flight
+and the stages batch their rounds into one forward. Every result is a function of its stop and
+its seeds alone, so the proof says the same whatever ran beside it.
+
 With `draft_head` the speculative draws verify the tail's draft head's drafts, which differ seed
 by seed (drawn with the target's own Gumbel noise, so the sampler is "gumbel"). The head drafts
 for the positions after the token a round commits, so each draw takes two rounds: round A
@@ -30,10 +35,13 @@ when it has none), and `head_rounds` says so.
 
 from __future__ import annotations
 
+import queue
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import partial
+from typing import TypeVar
 
 import numpy as np
 
@@ -44,6 +52,11 @@ from specpipe.drafting.ngram import NgramDrafter
 from specpipe.proofs.stats import entropy_bits, total_variation, two_sample_p_value
 
 Progress = Callable[[int], None]
+# Sessions a proof keeps in flight on a swarm's ring: one per stop, as many as the nightly's 12
+# stops; past about that, a 2-stage ring of the default model on 2 CPUs runs no faster.
+IN_FLIGHT = 12
+Item = TypeVar("Item")
+Outcome = TypeVar("Outcome")
 
 
 @dataclass
@@ -142,22 +155,80 @@ def _seeds(base: int, stream: int, n: int) -> list[int]:
     return np.random.default_rng([base, stream]).integers(0, 2**63, size=n).tolist()
 
 
+def in_flight(
+    rings: Sequence[Ring],
+    work: Callable[[Ring, Item], Outcome],
+    items: Sequence[Item],
+    progress: Progress = lambda _: None,
+) -> list[Outcome]:
+    """`work(ring, item)` for every item, as many at once as there are rings (a ring is used
+    by one thread at a time); the outcomes in the items' order. `progress(1)` per item done."""
+    if len(rings) == 1:
+        outcomes = []
+        for item in items:
+            outcomes.append(work(rings[0], item))
+            progress(1)
+        return outcomes
+    free: queue.SimpleQueue[Ring] = queue.SimpleQueue()
+    for ring in rings:
+        free.put(ring)
+
+    def run(item: Item) -> Outcome:
+        ring = free.get()
+        try:
+            return work(ring, item)
+        finally:
+            free.put(ring)
+
+    pool = ThreadPoolExecutor(len(rings), thread_name_prefix="proof-lane")
+    try:
+        futures = [pool.submit(run, item) for item in items]
+        for future in as_completed(futures):
+            future.result()  # the first failure ends the proof
+            progress(1)
+        return [future.result() for future in futures]
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def _generate(ring: Ring, job: tuple[int, Sequence[int]], cfg: SwarmProofConfig) -> list[int]:
+    """The tokens generated from prompt number i (its own seed)."""
+    i, prompt = job
+    gen = Generation(
+        ring,
+        f"proof-gen-{uuid.uuid4().hex[:12]}",
+        prompt,
+        cfg.params(offset_seed(cfg.seed, i)),
+        max_new_tokens=cfg.generation_tokens,
+        draft_k=cfg.draft_k,
+    )
+    generated = gen.run()
+    ring.drop(gen.session)
+    return generated
+
+
+def _pilot(ring: Ring, candidate: tuple[int, list[int]], cfg: SwarmProofConfig) -> dict:
+    """A few plain draws at candidate number n: its entropy estimate."""
+    n, context = candidate
+    drawer = StopDrawer(ring, context, cfg)
+    try:
+        tokens = [drawer.draw(s)[0] for s in _seeds(cfg.seed, 10_000 + n, cfg.pilot_draws)]
+    finally:
+        drawer.close()
+    counts = np.bincount(tokens).astype(np.float64)
+    return {"context": context, "pilot_entropy_bits": entropy_bits(counts)}
+
+
 def choose_stops(
-    ring: Ring, prompts: Sequence[Sequence[int]], cfg: SwarmProofConfig, progress: Progress
+    rings: Sequence[Ring],
+    prompts: Sequence[Sequence[int]],
+    cfg: SwarmProofConfig,
+    progress: Progress,
 ) -> list[dict]:
     """Candidate positions inside real generations, ranked by pilot entropy; the best S."""
+    generations = in_flight(rings, partial(_generate, cfg=cfg), list(enumerate(prompts)))
     candidates = []
-    for i, prompt in enumerate(prompts):
-        gen = Generation(
-            ring,
-            f"proof-gen-{uuid.uuid4().hex[:12]}",
-            prompt,
-            cfg.params(offset_seed(cfg.seed, i)),
-            max_new_tokens=cfg.generation_tokens,
-            draft_k=cfg.draft_k,
-        )
-        generated = gen.run()
-        ring.drop(gen.session)
+    for prompt, generated in zip(prompts, generations, strict=True):
         for j in range(1, len(generated)):
             candidates.append(list(prompt) + generated[:j])
     wanted = cfg.stops * cfg.candidates_per_stop
@@ -165,14 +236,7 @@ def choose_stops(
         candidates = [
             candidates[i] for i in np.linspace(0, len(candidates) - 1, wanted).astype(int)
         ]
-    scored = []
-    for n, context in enumerate(candidates):
-        drawer = StopDrawer(ring, context, cfg)
-        tokens = [drawer.draw(s)[0] for s in _seeds(cfg.seed, 10_000 + n, cfg.pilot_draws)]
-        drawer.close()
-        counts = np.bincount(tokens).astype(np.float64)
-        scored.append({"context": context, "pilot_entropy_bits": entropy_bits(counts)})
-        progress(1)
+    scored = in_flight(rings, partial(_pilot, cfg=cfg), list(enumerate(candidates)), progress)
     scored.sort(key=lambda c: -c["pilot_entropy_bits"])  # stable: earlier candidates win ties
     return scored[: cfg.stops]
 
@@ -314,18 +378,24 @@ def run_swarm_proof(
     prompts: Sequence[Sequence[int]],
     cfg: SwarmProofConfig,
     progress: Progress = lambda _: None,
+    lanes: Sequence[Ring] = (),
 ) -> dict:
-    """Run proof 2 on a ring; return `proof_2_on_swarm` and the per-stop details."""
+    """Run proof 2 on a ring; return `proof_2_on_swarm` and the per-stop details. `lanes`:
+    more rings over the same route, each driven by a thread of its own beside the first, so
+    that stops (and candidates, and generations) are measured in flight together."""
     if not prompts or not all(prompts):
         raise ValueError("proof 2 needs at least one non-empty prompt")
-    stops = choose_stops(ring, prompts, cfg, progress)
+    rings = [ring, *lanes]
+    stops = choose_stops(rings, prompts, cfg, progress)
     if not stops:
         raise ValueError("the generations were too short to hold a stop")
     measure = measure_head_stop if cfg.draft_head else measure_stop
-    rows = []
-    for i, stop in enumerate(stops):
-        rows.append(measure(ring, i, stop, cfg))
-        progress(1)
+    rows = in_flight(
+        rings,
+        lambda lane, job: measure(lane, job[0], job[1], cfg),
+        list(enumerate(stops)),
+        progress,
+    )
     alpha_per_stop = cfg.alpha / len(rows)
     failing = [r["stop"] for r in rows if r["p_value"] <= alpha_per_stop]
     flagged = [r["stop"] for r in rows if r["p_value_mutant"] <= alpha_per_stop]

@@ -294,6 +294,25 @@ class RedisRing:
         self._params.pop(session, None)
         self._cursor.pop(session, None)
 
+    def twin(self) -> RedisRing:
+        """A ring over the same route, keys and settings with connections of its own, for a
+        second thread: a ring is used by one thread at a time. It shares no session."""
+        return RedisRing(
+            self.route,
+            self.swarm,
+            self.keys,
+            self.reply_url,
+            timeout_s=self.timeout_s,
+            retries=self.retries,
+            maxlen=self.maxlen,
+            link_delay_s=self.link_delay_s,
+            per_token_s=self.per_token_s,
+            watchdog=self.watchdog,
+            watch_after_s=self.watch_after_s,
+            dialer=self.connections.dialer,
+            registry_url=self.registry_url,
+        )
+
     def close(self) -> None:
         """Close the Redis connections."""
         self.connections.close()

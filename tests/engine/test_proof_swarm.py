@@ -9,7 +9,7 @@ from specpipe.decoding.local_ring import LocalRing
 from specpipe.drafting.head import DraftHead, TailHead, TargetParts
 from specpipe.proofs.outputs import run_generation_proof
 from specpipe.proofs.report import SwarmProofSummary, format_swarm_summary
-from specpipe.proofs.swarm import SwarmProofConfig, run_swarm_proof
+from specpipe.proofs.swarm import SwarmProofConfig, in_flight, run_swarm_proof
 from tests.engine.toy_stages import WIDTH, ToyStage, toy_stages
 
 PROMPTS = [[3, 7, 1, 9, 3, 7, 1, 9], [5, 6, 7, 8]]
@@ -118,6 +118,47 @@ def test_a_tail_that_accepts_every_head_draft_fails_the_head_on_proof():
     assert result["proof_2_on_swarm"]["verdict"] == "FAIL"
     assert any("spec differs from plain" in reason for reason in result["reasons"])
     assert result["exact_check"]["identical"] < result["exact_check"]["pairs"]
+
+
+@pytest.mark.parametrize("with_head", [False, True], ids=["ngram", "head"])
+def test_stops_measured_in_flight_say_what_one_lane_says(with_head):
+    """Lanes of their own (each a ring with its own stages) measure stops at once; every number
+    of the proof is the one-lane run's, since each depends on its stop and seeds alone."""
+    cfg = WITH_HEAD if with_head else SMALL
+
+    def ring():
+        return head_ring(True) if with_head else LocalRing(toy_stages())
+
+    alone = run_swarm_proof(ring(), PROMPTS, cfg)
+    done = []
+    together = run_swarm_proof(ring(), PROMPTS, cfg, done.append, [ring() for _ in range(3)])
+    assert together == alone
+    assert len(done) == cfg.work_units()
+
+
+def test_in_flight_keeps_the_items_order_uses_each_ring_once_at_a_time_and_raises():
+    import threading
+    import time
+
+    rings = ["a", "b", "c"]
+    busy: set[str] = set()
+    lock = threading.Lock()
+
+    def work(ring, item):
+        with lock:
+            assert ring not in busy
+            busy.add(ring)
+        time.sleep(0.01 * (item % 3))
+        with lock:
+            busy.discard(ring)
+        if item == 7:
+            raise RuntimeError("stop 7 failed")
+        return item * item
+
+    assert in_flight(rings, work, list(range(7))) == [i * i for i in range(7)]
+    assert in_flight(rings[:1], work, [3, 1]) == [9, 1]
+    with pytest.raises(RuntimeError, match="stop 7 failed"):
+        in_flight(rings, work, list(range(12)))
 
 
 def test_the_head_needs_the_gumbel_sampler():

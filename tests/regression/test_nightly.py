@@ -10,7 +10,6 @@ import time
 from datetime import timedelta
 
 import pytest
-from click.testing import CliRunner
 from sqlalchemy import func, select
 
 import tests.regression.toy_target  # noqa: F401  (the `toy` target)
@@ -20,7 +19,6 @@ from models.nodes import ring_nodes
 from models.records import record_of
 from models.runs import Run
 from models.users import builtin_admin
-from specpipe.cli import cli
 from specpipe.settings import Settings, nightly_sizes
 from tests.regression.conftest import PLUMBING_SIZES, ROOT, SMALL_SIZES, STAGES
 from tests.regression.toy_target import toy_target
@@ -240,44 +238,6 @@ def test_a_stage_flagged_lossy_fails_the_night_even_when_the_proofs_pass(live_sw
 
 
 @pytest.mark.slow
-def test_the_nightly_verifies_the_tails_draft_head_on_real_stage_processes(
-    live_swarm, monkeypatch, tmp_path
-):
-    import torch
-
-    from specpipe.decoding.target import open_target
-    from specpipe.drafting.head import DraftHead
-    from specpipe.model.resolve import model_label, open_checkpoint
-    from tests.swarmprocs import write_tiny_model
-
-    tiny = str(write_tiny_model(tmp_path / "tiny"))
-    cfg = open_checkpoint(tiny).config
-    torch.manual_seed(0)  # an untrained head: its drafts are verified all the same
-    head_file = tmp_path / "head.safetensors"
-    meta = {"model": model_label(tiny), "dim": cfg.dim, "vocab": cfg.vocab_size}
-    DraftHead(cfg.dim, 32).save(head_file, meta)
-    live_swarm.start_stages(model=tiny, draft_head=str(head_file))
-    for name, value in SMALL_SIZES.items():
-        monkeypatch.setenv(name, value)
-    sizes = {**nightly_sizes(), "stops": 2, "draws": 80}
-    swarm = Settings.from_env().for_swarm(live_swarm.redis_url, live_swarm.name, live_swarm.key)
-    with make_session_factory(live_swarm.db_url)() as session:
-        run = run_nightly(session, open_target(tiny), swarm, sizes["seed"], sizes)
-        on_swarm = run.proof("on_swarm")
-        assert run.verdict == "pass", [(p.kind, p.verdict, p.summary) for p in run.proofs]
-        assert (on_swarm.summary["sampler"], on_swarm.summary["drafter"]) == ("gumbel", "head")
-        head = on_swarm.summary["head"]
-        assert head["rounds"] == head["draws"] == 2 * 80 and head["drafted"] == 4 * 2 * 80
-        assert on_swarm.summary["exact_check"] == {"pairs": 160, "identical": 160}
-        assert "sampler gumbel" in run.method and "head drafted for 160/160 draws" in run.method
-        generation = run.generation_summary
-        sampled = generation["sampled_temp0.7_seed7"]
-        assert sampled["draft_head"] and sampled["sampler"] == "gumbel"
-        assert sampled["drafts_from"] == "both"
-        assert generation["greedy_temp0"]["head_rounds"] > 0
-
-
-@pytest.mark.slow
 def test_two_schedulers_firing_at_once_store_one_run(live_swarm, monkeypatch):
     live_swarm.sizes = PLUMBING_SIZES
     live_swarm.start_stages()
@@ -303,60 +263,3 @@ def test_two_schedulers_firing_at_once_store_one_run(live_swarm, monkeypatch):
     assert [r.name for r in runs] == [outcome["name"]]
     with make_session_factory(live_swarm.db_url)() as session:
         assert session.scalar(select(func.count()).select_from(Run)) == 1
-
-
-def test_the_swarm_proof_command_on_the_live_ring(live_swarm):
-    live_swarm.start_stages()
-    env = {k: v for k, v in live_swarm.env().items() if k.startswith(("SPECPIPE_", "REDIS_"))}
-    env["DATABASE_URL"] = live_swarm.db_url
-    result = CliRunner().invoke(
-        cli,
-        [
-            "proof",
-            "swarm",
-            "--stops",
-            "2",
-            "--draws",
-            "100",
-            "--prompt",
-            "the cat sat on the mat",
-            "--prompt",
-            "tell me a story",
-        ],
-        env=env,
-    )
-    assert result.exit_code == 0, result.output
-    assert "TV spec/plain" in result.output and "wa-1 → nj-1" in result.output
-    assert "same-seed draws          200/200 identical" in result.output
-    assert result.output.strip().splitlines()[-2].startswith("verdict: PASS")
-    # Kept in the store as the nightly's are: the ring it ran on, and why it passed.
-    name = result.output.strip().splitlines()[-1].split()[3]
-    with make_session_factory(live_swarm.db_url)() as session:
-        run = session.scalar(select(Run).where(Run.name == name))
-        assert (run.kind, run.verdict, run.topology) == ("proof", "pass", "wa-1 → nj-1")
-        assert [n.host for n in run.node_snapshots] == ["wa-1", "nj-1"]
-        assert run.proof("on_swarm").summary["reasons"] == []
-
-
-def test_the_generation_proof_on_a_live_ring_of_the_default_model(live_swarm):
-    live_swarm.start_stages(model="default")
-    env = {k: v for k, v in live_swarm.env().items() if k.startswith(("SPECPIPE_", "REDIS_"))}
-    result = CliRunner().invoke(
-        cli,
-        [
-            "proof",
-            "generation",
-            "--model",
-            "default",
-            "--max-new-tokens",
-            "5",
-            "--seed",
-            "7",
-            "--no-store",
-        ],
-        env=env,
-    )
-    assert result.exit_code == 0, result.output
-    assert result.stdout.startswith("proof 3: generation, speculative vs plain (wa-1 → nj-1)")
-    assert result.stdout.count("texts identical") == 2
-    assert result.stdout.strip().endswith("verdict: PASS")
