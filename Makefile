@@ -10,10 +10,11 @@ STAMP  := $(VENV)/.installed
 # (each test worker creates and drops its own database beside it). The first pass runs on
 # PYTEST_WORKERS xdist workers, a test file to a worker, so that a module's fixtures (the fault
 # matrix, a lab, stage processes) are set up once; the lab's tests each take a free subnet of
-# their own. The PostgreSQL pass runs the database tests the same way.
+# their own. Files go out in collection order, which puts the slow ones first (tests/conftest.py).
+# The PostgreSQL pass runs the database tests the same way.
 PG_TEST_URL ?= postgresql://postgres@127.0.0.1:5432/test
 PYTEST_WORKERS ?= 2
-PYTEST := $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15
+PYTEST := $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 install: $(STAMP)
 
