@@ -1,10 +1,14 @@
-"""`specpipe model …`: inspect a checkpoint without loading its weights."""
+"""`specpipe model …`: inspect a checkpoint without loading its weights, or make one of a
+released model's layout."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
+
+from specpipe.cli.options import layer_range
 
 
 class ModelInputError(click.ClickException):
@@ -68,3 +72,51 @@ def model_info(model_name: str, stages: int, as_json: bool) -> None:
     for i, stage in enumerate(info["stages"]):
         a, b = stage["layers"]
         click.echo(f"  stage {i}: layers [{a}, {b}) {_gib(stage['bytes'])}")
+
+
+@model.command(name="synth")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--like",
+    type=click.Choice(["gpt-oss-120b", "gpt-oss-20b"]),
+    required=True,
+    help="The released model whose layout (config, tensor names, dtypes, shapes) to copy.",
+)
+@click.option(
+    "--layers",
+    callback=lambda ctx, param, value: value and layer_range(ctx, param, value),
+    help="Only the layers A:B (with the embedding from 0, the norm and head to the end) "
+    "[default: every layer].",
+)
+@click.option(
+    "--with-embedding",
+    is_flag=True,
+    help="The embedding table too, whatever the range (a tail with a draft head reads it).",
+)
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
+def model_synth(
+    out: Path, like: str, layers: tuple[int, int] | None, with_embedding: bool, seed: int
+) -> None:
+    """Write a checkpoint of a released model's layout with random weights to OUT (a new or
+    empty directory), for tests and benchmarks at the real size: no download.
+
+    Examples:
+
+        specpipe model synth --like gpt-oss-120b --layers 9:18 /data/oss-9-18
+
+        specpipe model synth --like gpt-oss-20b --layers 0:1 /tmp/one-layer
+    """
+    from specpipe.model.errors import ModelError
+    from specpipe.model.synth import synthesize
+
+    try:
+        made = synthesize(like, out, layers, seed, embedding=with_embedding)
+    except ModelError as e:
+        raise ModelInputError(str(e)) from None
+    except OSError as e:
+        raise ModelInputError(f"cannot write {out}: {e.strerror}") from None
+    a, b = made.layers
+    click.echo(
+        f"wrote {made.path}: {like} layers {a}:{b}, {made.tensors} tensors, "
+        f"{_gib(made.bytes)} in {made.shards} shard(s)"
+    )

@@ -17,8 +17,8 @@ from urllib.parse import urlparse
 import click
 
 from specpipe.cli.checkpoints import ModelInputError
-from specpipe.cli.options import compute_options
-from specpipe.cli.worker import check_reachable, configure_logging, layer_range, serve_stage
+from specpipe.cli.options import compute_options, layer_range
+from specpipe.cli.worker import check_reachable, configure_logging, serve_stage
 
 if TYPE_CHECKING:
     from specpipe.ops.redis_server import TlsFiles

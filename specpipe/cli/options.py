@@ -139,3 +139,14 @@ def store_session():
     from specpipe.settings import database_url
 
     return make_session_factory(database_url())()
+
+
+def layer_range(_ctx, _param, value: str) -> tuple[int, int]:
+    """A click callback: `A:B` as the layer range (A, B), A below B."""
+    start, sep, end = value.partition(":")
+    if not sep or not start.strip().isdigit() or not end.strip().isdigit():
+        raise click.BadParameter(f"{value!r} is not A:B (two layer numbers)")
+    a, b = int(start), int(end)
+    if a >= b:
+        raise click.BadParameter(f"{value!r} is empty or reversed: A must be below B")
+    return a, b

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import click
 
 from specpipe.cli.checkpoints import ModelInputError
-from specpipe.cli.options import compute_options, model_option
+from specpipe.cli.options import compute_options, layer_range, model_option
 from specpipe.settings import DEFAULT_HEARTBEAT_S
 
 if TYPE_CHECKING:
@@ -26,17 +26,6 @@ ALONE = ("--without-gossip", "--without-mingle", "--without-heartbeat")
 @click.group(name="worker")
 def worker() -> None:
     """Run one swarm process: a stage, the coordinator, the nightly lane or the beat scheduler."""
-
-
-def layer_range(_ctx, _param, value: str) -> tuple[int, int]:
-    """A click callback: `A:B` as the layer range (A, B), A below B."""
-    start, sep, end = value.partition(":")
-    if not sep or not start.strip().isdigit() or not end.strip().isdigit():
-        raise click.BadParameter(f"{value!r} is not A:B (two layer numbers)")
-    a, b = int(start), int(end)
-    if a >= b:
-        raise click.BadParameter(f"{value!r} is empty or reversed: A must be below B")
-    return a, b
 
 
 @worker.command(name="stage")

@@ -57,6 +57,7 @@ class TargetParts:
     norm: Callable[[torch.Tensor], torch.Tensor]  # [N, D] -> [N, D]
     head: Callable[[torch.Tensor], torch.Tensor]  # [N, D] -> logits [N, V]
     head_weight: torch.Tensor | None = None  # [V, D] plain, for a head on part of the vocabulary
+    embed_weight: torch.Tensor | None = None  # [V, D] a table held for `embed` alone (a tail's)
 
     @classmethod
     def from_stage(cls, stage, embed_weight: torch.Tensor | None = None) -> TargetParts:
@@ -80,7 +81,8 @@ class TargetParts:
             head_weight = stage.embed.weight
         if head_weight is not None:
             head = lambda x: F.linear(x, head_weight)  # noqa: E731
-        return cls(embed=embed, norm=stage.norm, head=head, head_weight=head_weight)
+        own_table = embed_weight if stage.embed is None else None
+        return cls(embed, stage.norm, head, head_weight, own_table)
 
 
 def _rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -253,17 +255,18 @@ def load_with_head(
     path: str | Path | None,
     label: str,
     checkpoint=None,
+    pack: bool = True,
 ) -> tuple[list, TailHead | None]:
     """The stages `load(**options)` gives, and the draft head on their tail as a stage worker
     holds it: the head at `path`, none for "none", else the one the package ships for the model
     `label` if there is one; None too when no stage is the tail.
 
     The head takes the tail's plain head weight, so with a head the stages load unpacked
-    (`pack=False`) and are packed after it is attached. A tail whose head is not tied to the
-    embedding borrows stage 0's embedding table when it was loaded too, else reads the table
-    from `checkpoint`."""
+    (`pack=False`) and are packed after it is attached (`pack=False`: never, as on a GPU). A
+    tail whose head is not tied to the embedding borrows stage 0's embedding table when it was
+    loaded too, else reads the table from `checkpoint`."""
     if path == "none" or (path is None and not shipped_head(label).exists()):
-        return list(load()), None
+        return list(load() if pack else load(pack=False)), None
     stages, head = list(load(pack=False)), None
     tail = stages[-1]
     if tail.last:
@@ -272,7 +275,8 @@ def load_with_head(
             embed_weight = _embedding(stages[0], tail, checkpoint)
         head = TailHead.for_stage(tail, path, label, embed_weight)
     for stage in stages:
-        stage.pack()
+        if pack:
+            stage.pack()
     return stages, head
 
 

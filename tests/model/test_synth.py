@@ -1,0 +1,182 @@
+"""`specpipe model synth`: checkpoints of gpt-oss's released layout with random weights.
+
+The real sizes are checked from the tensor table alone (61 GiB would take minutes to write);
+what is written is checked on a model of the same layout at tiny sizes: transformers' GptOss
+takes its tensors by name and shape, and gives the logits our stages give."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from specpipe.cli import cli
+from specpipe.model import synth
+from specpipe.model.checkpoint import SafetensorsCheckpoint
+from specpipe.model.config import ModelConfig
+from specpipe.model.errors import ModelError
+from specpipe.model.stage import load_stage
+
+transformers = pytest.importorskip("transformers")
+
+GIB = 2**30
+
+
+def tiny_like(n_layers: int = 4) -> dict:
+    """gpt-oss's config with every size shrunk, the layout kept."""
+    config = synth._gpt_oss(n_layers=n_layers, n_experts=4)
+    config.update(
+        hidden_size=64,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts_per_tok=2,
+        experts_per_token=2,
+        sliding_window=4,
+        vocab_size=97,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return config
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    monkeypatch.setitem(synth.LIKE, "tiny-oss", tiny_like())
+    return "tiny-oss"
+
+
+def test_gpt_oss_120b_has_the_released_size_shapes_and_dtypes():
+    cfg = ModelConfig.from_hf(synth.LIKE["gpt-oss-120b"])
+    specs = {s.name: s for s in synth.tensor_specs(cfg, 0, cfg.n_layers)}
+    total = sum(s.nbytes for s in specs.values())
+    assert 60.5 * GIB < total < 61.5 * GIB  # "about 61 GiB of safetensors"
+    assert specs["model.embed_tokens.weight"].shape == (201088, 2880)
+    assert specs["lm_head.weight"].shape == (201088, 2880)
+    layer = "model.layers.35."
+    assert specs[layer + "self_attn.q_proj.weight"].shape == (64 * 64, 2880)
+    assert specs[layer + "self_attn.k_proj.weight"].shape == (8 * 64, 2880)
+    assert specs[layer + "self_attn.sinks"].shape == (64,)
+    assert specs[layer + "mlp.experts.gate_up_proj_blocks"].shape == (128, 5760, 90, 16)
+    assert specs[layer + "mlp.experts.down_proj_scales"].shape == (128, 2880, 90)
+    assert len(specs) == 3 + 36 * 19  # embedding, norm, head; 19 tensors a layer
+    # A 9-layer middle stage: the experts are most of it, about 14.8 GiB of MXFP4.
+    middle = sum(s.nbytes for s in synth.tensor_specs(cfg, 9, 18))
+    assert 14 * GIB < middle < 15.5 * GIB
+    assert cfg.n_layers == 36 and cfg.n_experts == 128 and cfg.experts_per_token == 4
+    assert cfg.layer_types[:2] == ["sliding_attention", "full_attention"]
+    assert cfg.sliding_window == 128 and cfg.mxfp4 and cfg.rope_scaling["rope_type"] == "yarn"
+    small = ModelConfig.from_hf(synth.LIKE["gpt-oss-20b"])
+    assert (small.n_layers, small.n_experts) == (24, 32)
+    whole_20b = sum(s.nbytes for s in synth.tensor_specs(small, 0, 24))
+    assert 12.5 * GIB < whole_20b < 13 * GIB  # its release: 13.8 GB
+
+
+def test_a_synthesized_checkpoint_is_what_transformers_loads_and_our_stages_equal_it(
+    tiny, tmp_path
+):
+    from safetensors.torch import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    made = synth.synthesize(tiny, tmp_path / "oss", shard_bytes=64 * 1024)
+    assert made.shards > 1 and made.layers == (0, 4)
+    index = json.loads((tmp_path / "oss" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == made.bytes
+    # transformers' own model, its experts unpacked by transformers' own MXFP4 decoder: every
+    # tensor must be taken by name and shape (strict), and none be left over.
+    tensors = {}
+    for file in sorted((tmp_path / "oss").glob("*.safetensors")):
+        tensors.update(load_file(file))
+    assert tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"].dtype == torch.uint8
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    state = {}
+    for name, t in tensors.items():
+        if name.endswith("_blocks"):
+            base = name.removesuffix("_blocks")
+            state[base] = convert_moe_packed_tensors(
+                t, tensors[base + "_scales"], dtype=torch.float32
+            )
+        elif not name.endswith("_scales"):
+            state[name] = t.float()
+    config = {k: v for k, v in tiny_like().items() if k != "quantization_config"}
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**config)).eval()
+    model.load_state_dict(state, strict=True)
+    ids = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids[None]).logits[0].float()
+    checkpoint = SafetensorsCheckpoint(tmp_path / "oss")
+    first, last = load_stage(checkpoint, 0, 2), load_stage(checkpoint, 2, 4)
+    got = last.forward("s", first.forward("s", ids, 0), 0)
+    assert want.abs().max() > 0.1  # not a comparison of near-zeros
+    torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=0)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_range_holds_its_layers_alone_and_the_same_values_as_the_whole(tiny, tmp_path):
+    whole = synth.synthesize(tiny, tmp_path / "whole", seed=3)
+    part = synth.synthesize(tiny, tmp_path / "part", layers=(1, 3), seed=3)
+    assert part.layers == (1, 3) and part.bytes < whole.bytes
+    a, b = SafetensorsCheckpoint(whole.path), SafetensorsCheckpoint(part.path)
+    names = set(b.names())
+    assert {n for n in names if not n.startswith("model.layers.")} == set()
+    assert {int(n.split(".")[2]) for n in names} == {1, 2}
+    for name in names:
+        assert torch.equal(a.read(name), b.read(name)), name
+    stage = load_stage(b, 1, 3)  # a middle stage loads from it alone
+    assert stage.forward("s", torch.randn(3, 64), 0).shape == (3, 64)
+    tail = synth.synthesize(tiny, tmp_path / "tail", layers=(3, 4), embedding=True)
+    assert "model.embed_tokens.weight" in SafetensorsCheckpoint(tail.path).names()
+    other = synth.synthesize(tiny, tmp_path / "other", layers=(1, 3), seed=4)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    assert not torch.equal(SafetensorsCheckpoint(other.path).read(name), b.read(name))
+
+
+def test_bad_requests_are_refused_and_a_failed_write_leaves_nothing(tiny, tmp_path, monkeypatch):
+    with pytest.raises(ModelError, match="unknown model 'gpt-oss-7b'"):
+        synth.synthesize("gpt-oss-7b", tmp_path / "x")
+    with pytest.raises(ModelError, match="not within 0:4"):
+        synth.synthesize(tiny, tmp_path / "x", layers=(2, 9))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(ModelError, match="not an empty directory"):
+        synth.synthesize(tiny, tmp_path / "full")
+    assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+    written = []
+
+    def failing_save(tensors, path, metadata=None):
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(path)
+        path.write_bytes(b"part")
+
+    monkeypatch.setattr(synth, "save_file", failing_save)
+    with pytest.raises(OSError):
+        synth.synthesize(tiny, tmp_path / "half", shard_bytes=64 * 1024)
+    assert written and sorted(p.name for p in tmp_path.iterdir()) == ["full"]
+
+
+def test_the_command_writes_a_range_and_refuses_bad_input_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(synth.LIKE, "gpt-oss-20b", tiny_like())  # its layout, tiny sizes
+
+    def run(*args):
+        return CliRunner().invoke(cli, ["model", "synth", "--like", "gpt-oss-20b", *args])
+
+    done = run("--layers", "3:4", "--with-embedding", str(tmp_path / "tail"))
+    assert done.exit_code == 0, done.output
+    assert done.output.startswith(f"wrote {tmp_path / 'tail'}: gpt-oss-20b layers 3:4, 22 tensors")
+    names = SafetensorsCheckpoint(tmp_path / "tail").names()
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= set(names)
+    for args, message in (
+        (("--layers", "3:9"), "Error: layer range 3:9 is not within 0:4 of gpt-oss-20b"),
+        (("--layers", "3:2"), "is empty or reversed: A must be below B"),
+        (("--like", "llama-70b"), "'llama-70b' is not one of"),
+        ((), "exists and is not an empty directory"),
+    ):
+        out = tmp_path / ("tail" if not args else "o")
+        refused = run(*args, str(out))
+        assert refused.exit_code == 2 and message in refused.output, refused.output
+        assert "Traceback" not in refused.output
+    assert not (tmp_path / "o").exists()
