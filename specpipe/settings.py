@@ -583,6 +583,11 @@ def nightly_sizes() -> dict[str, int]:
     }
 
 
+# Sessions proof 2 keeps in flight on a swarm's ring (`proof swarm --in-flight`, the nightly):
+# one per stop, as many as the nightly's 12 stops; past about that, a 2-stage ring of the
+# default model on 2 CPUs runs no faster.
+PROOF_IN_FLIGHT = 12
+
 TEST_LOSSY_TAIL_VAR = "SPECPIPE_TEST_LOSSY_TAIL"
 
 

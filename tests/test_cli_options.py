@@ -63,3 +63,16 @@ def test_seeds_derived_from_any_seed_are_seeds():
     assert offset_seed(7, 3) == 10
     assert offset_seed(MAX_SEED, 1) == 0 and offset_seed(MAX_SEED - 1, 5) == 3
     check_seed(offset_seed(MAX_SEED * 100_003, 2))
+
+
+def test_the_command_line_starts_without_torch():
+    """Every `specpipe` command pays for what the CLI imports before it runs: the commands
+    import torch (a second or more) when they need it, not at start."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, specpipe.cli; print(sorted(m for m in ('torch', 'scipy') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

@@ -39,8 +39,8 @@ from specpipe.decoding.target import Target, open_target
 from specpipe.prompts import DEFAULT_GENERATION_PROMPT, DEFAULT_PROMPTS
 from specpipe.proofs.local import LocalProofConfig, run_local_proof
 from specpipe.proofs.outputs import run_generation_proof
-from specpipe.proofs.swarm import IN_FLIGHT, SwarmProofConfig, run_swarm_proof
-from specpipe.settings import Settings, default_model, nightly_sizes
+from specpipe.proofs.swarm import SwarmProofConfig, run_swarm_proof
+from specpipe.settings import PROOF_IN_FLIGHT, Settings, default_model, nightly_sizes
 from specpipe.swarm import inventory
 from specpipe.swarm.redis_ring import RedisRing, RingError
 from workers.locks import LockKeeper
@@ -165,7 +165,7 @@ def run_nightly(
             session.commit()
             topology = " → ".join([*(n.geo or n.host for n in route), "back"])
             prompts = [target.prompt_ids(p) for p in DEFAULT_PROMPTS]
-            lanes = [ring.twin() for _ in range(IN_FLIGHT - 1)]
+            lanes = [ring.twin() for _ in range(PROOF_IN_FLIGHT - 1)]
             try:
                 swarm_result = run_swarm_proof(
                     ring,

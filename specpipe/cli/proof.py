@@ -13,7 +13,7 @@ import click
 
 from specpipe.cli.options import SEED, json_option, sampling_options, write_json
 from specpipe.proofs import report
-from specpipe.proofs.swarm import IN_FLIGHT
+from specpipe.settings import PROOF_IN_FLIGHT
 
 if TYPE_CHECKING:
     from specpipe.core.ring import Ring
@@ -334,7 +334,7 @@ def _closing_ring(ring: Ring, plain_errors: tuple[type[Exception], ...] = ()) ->
 @click.option(
     "--in-flight",
     type=click.IntRange(1, 64),
-    default=IN_FLIGHT,
+    default=PROOF_IN_FLIGHT,
     show_default=True,
     help="Stops measured at once on the swarm, each a session of its own (--local: one).",
 )

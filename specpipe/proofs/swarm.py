@@ -52,9 +52,6 @@ from specpipe.drafting.ngram import NgramDrafter
 from specpipe.proofs.stats import entropy_bits, total_variation, two_sample_p_value
 
 Progress = Callable[[int], None]
-# Sessions a proof keeps in flight on a swarm's ring: one per stop, as many as the nightly's 12
-# stops; past about that, a 2-stage ring of the default model on 2 CPUs runs no faster.
-IN_FLIGHT = 12
 Item = TypeVar("Item")
 Outcome = TypeVar("Outcome")
 
