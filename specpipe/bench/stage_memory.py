@@ -6,7 +6,9 @@ experts kept packed, weights not packed for the CPU), the tail with its draft he
 
 - resident weights: the bytes of every tensor the stage holds, in the dtype it holds them;
 - RSS after the load and its peak during the load, above the process's own before it;
-- the load's wall time (the files are in the page cache after they are written);
+- the load's wall time: the tensors are memory-mapped, so it reads little; then the time to
+  read every weight byte once, as a copy to a GPU would (from the page cache, since the files
+  were just written: a first read from disk takes longer);
 - KV per token: full-attention layers grow by one position per token; sliding-window layers
   hold at most `sliding_window` positions per session, a fixed cost;
 - on a card of `card_gib`: what is left for KV once the weights and a reserve for activations
@@ -76,7 +78,13 @@ def measure_load(path: str, start: int, end: int, dtype: str, draft_head: bool) 
     if head is not None:
         held += list(head.head.state_dict().values())
         held += [head.parts.head_weight, head.parts.embed_weight]
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    mapped_rss, peak = _rss() - base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # What a copy to a GPU reads: every byte once, a tensor at a time.
+    started = time.perf_counter()
+    for t in held:
+        if t is not None:
+            torch.empty_like(t).copy_(t)
+    read_s = time.perf_counter() - started
     element = torch.empty((), dtype=stage.dtype).element_size()
     per_layer_token = 2 * cfg.n_kv_heads * cfg.head_dim * element  # K and V of one position
     windows = [cfg.window(i) for i in range(start, end)]
@@ -87,9 +95,11 @@ def measure_load(path: str, start: int, end: int, dtype: str, draft_head: bool) 
         "head": stage.last,
         "draft_head": head is not None,
         "load_s": load_s,
+        "read_s": read_s,
         "resident_weight_bytes": _unique_bytes(held),
-        "rss_bytes": _rss() - base,
-        "peak_rss_bytes": max(peak - max(base, peak_before), _rss() - base),
+        "rss_bytes": mapped_rss,
+        "peak_rss_bytes": max(peak - max(base, peak_before), mapped_rss),
+        "rss_after_read_bytes": _rss() - base,
         "full_attention_layers": sum(w is None for w in windows),
         "kv_bytes_per_token": per_layer_token * sum(w is None for w in windows),
         "kv_bytes_per_session_fixed": per_layer_token * sum(w for w in windows if w),
@@ -125,15 +135,18 @@ def run(
 ) -> dict:
     """Make, load and measure each range in turn (each checkpoint removed after, unless
     `keep`); the report as a dict."""
+    from specpipe.model import synth
     from specpipe.model.synth import synthesize
 
     root = Path(workdir or tempfile.mkdtemp(prefix="stage-memory-"))
+    n_layers = synth.LIKE[like]["num_hidden_layers"]
     rows = []
     for start, end in ranges:
         path = root / f"{like}-{start}-{end}"
         began = time.perf_counter()
         if not (path / "config.json").exists():
-            made = synthesize(like, path, (start, end), embedding=True)  # for the draft head
+            # The tail's draft head reads the embedding table too.
+            made = synthesize(like, path, (start, end), embedding=end == n_layers)
             progress(
                 f"made {path.name}: {made.bytes / GIB:.2f} GiB in {made.shards} shard(s) "
                 f"in {time.perf_counter() - began:.0f} s"
@@ -181,8 +194,9 @@ def format_row(row: dict) -> str:
     return (
         f"{' '.join(parts)} ({row['dtype']}): "
         f"weights {row['resident_weight_bytes'] / GIB:.2f} GiB, "
-        f"RSS {row['rss_bytes'] / GIB:.2f} GiB (peak {row['peak_rss_bytes'] / GIB:.2f}), "
-        f"load {row['load_s']:.1f} s; KV {row['kv_bytes_per_token'] / 1024:.0f} KiB/token "
+        f"RSS {row['rss_bytes'] / GIB:.2f} GiB mapped (peak {row['peak_rss_bytes'] / GIB:.2f}), "
+        f"load {row['load_s']:.1f} s, every byte read once {row['read_s']:.1f} s; "
+        f"KV {row['kv_bytes_per_token'] / 1024:.0f} KiB/token "
         f"+ {row['kv_bytes_per_session_fixed'] / 2**20:.1f} MiB/session (windows); "
         f"on {plan['card_gib']:g} GiB with {plan['reserve_gib']:g} GiB reserved: "
         f"{plan['kv_budget_bytes'] / GIB:.2f} GiB for KV, {room}"

@@ -180,3 +180,41 @@ def test_the_command_writes_a_range_and_refuses_bad_input_in_one_line(tmp_path, 
         assert refused.exit_code == 2 and message in refused.output, refused.output
         assert "Traceback" not in refused.output
     assert not (tmp_path / "o").exists()
+
+
+def test_bench_stage_memory_measures_each_range_and_its_room_on_a_card(tmp_path, monkeypatch):
+
+    monkeypatch.setitem(synth.LIKE, "gpt-oss-20b", tiny_like())  # its layout, tiny sizes
+    cfg = ModelConfig.from_hf(tiny_like())
+    out = tmp_path / "report.json"
+    argv = ["bench", "stage-memory", "--like", "gpt-oss-20b", "--layers", "1:3"]
+    argv += ["--layers", "3:4", "--dir", str(tmp_path / "made"), "--json", str(out)]
+    done = CliRunner().invoke(cli, argv)
+    assert done.exit_code == 0, done.output
+    middle, tail = json.loads(out.read_text())["stages"]
+    # A middle stage holds its layers' tensors as stored: bf16, the experts packed in MXFP4.
+    assert middle["resident_weight_bytes"] == sum(s.nbytes for s in synth.tensor_specs(cfg, 1, 3))
+    assert (middle["embedding"], middle["head"], middle["draft_head"]) == (False, False, False)
+    assert middle["dtype"] == "bfloat16" and middle["load_s"] > 0
+    # Layer 1 attends over everything, layer 2 over a window of 4: K and V of 2 heads of 16.
+    assert middle["kv_bytes_per_token"] == 2 * 2 * 16 * 2
+    assert middle["kv_bytes_per_session_fixed"] == 2 * 2 * 16 * 2 * 4
+    plan = middle["budget"]
+    left = 24 * 2**30 - middle["resident_weight_bytes"] - 2**30
+    assert plan["kv_budget_bytes"] == left
+    assert plan["context_tokens_per_session"] == (left / 8 - 512) // 128
+    # The tail holds its head, the embedding table its draft head reads, and the draft head.
+    assert (tail["head"], tail["draft_head"]) == (True, True)
+    table = cfg.vocab_size * cfg.dim * 2
+    assert tail["resident_weight_bytes"] > sum(s.nbytes for s in synth.tensor_specs(cfg, 3, 4))
+    assert (
+        tail["resident_weight_bytes"]
+        >= sum(s.nbytes for s in synth.tensor_specs(cfg, 3, 4, embedding=True))
+        > table
+    )
+    assert "layers 3:4 + head + draft head (bfloat16)" in done.output
+    assert "\nverdict PASS\n" in done.output
+    assert not any((tmp_path / "made").iterdir())  # made, measured and removed
+    # A card too small for the weights and the reserve: FAIL, exit 1.
+    small = CliRunner().invoke(cli, [*argv[:6], "--card-gib", "1", "--reserve-gib", "1"])
+    assert small.exit_code == 1 and "DOES NOT FIT" in small.output
