@@ -1044,6 +1044,84 @@ def bench_stage_memory(like, ranges, card_gib, reserve_gib, sessions, workdir, k
     _verdict(result, [], json_path)
 
 
+def _forward_points(_ctx, _param, value: str | None) -> dict[int, float] | None:
+    """`ROWS=MS,ROWS=MS` as {rows: ms}."""
+    if not value:
+        return None
+    try:
+        points = {int(r): float(ms) for r, ms in (p.split("=") for p in value.split(","))}
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not ROWS=MS[,ROWS=MS…]") from None
+    if any(r < 1 or ms <= 0 for r, ms in points.items()):
+        raise click.BadParameter(f"{value!r}: rows and milliseconds must be positive")
+    return points
+
+
+@bench.command(name="reference")
+@click.option(
+    "--forward-ms",
+    callback=_forward_points,
+    help="One 9-layer stage's forward on the hosts' GPUs, ROWS=MS for 1 row and draft-k + 1 "
+    "rows (e.g. 1=40,5=42) [default: one real-shape layer timed here, times 9].",
+)
+@click.option(
+    "--draft-k",
+    type=click.IntRange(1, 16),
+    default=4,
+    show_default=True,
+    help="Drafts a speculative round verifies.",
+)
+@click.option(
+    "--spec-tokens-per-round",
+    type=click.FloatRange(min=1.0),
+    default=1.4,
+    show_default=True,
+    help="Tokens a speculative round commits (the default model's real jobs at draft K 4, "
+    "temp 0.7, head and n-gram).",
+)
+@click.option(
+    "--handling-ms",
+    type=click.FloatRange(min=0),
+    default=2.0,
+    show_default=True,
+    help="Each hop's handling (bench ring's overhead per hop here).",
+)
+@json_option
+def bench_reference(forward_ms, draft_k, spec_tokens_per_round, handling_ms, json_path):
+    """Predict the reference deployment's tok/s (gpt-oss-120b, 4 × 9 layers, WA → MN → NC →
+    NJ, one way 11, 8, 3.4 and 19 ms) from a cost model of a round, beside the reference run's
+    4.6 tok/s and the links' ceiling.
+
+    Examples:
+
+        specpipe bench reference                         # forwards timed on this machine
+
+        specpipe bench reference --forward-ms 1=40,5=42  # a GPU's forward of one stage
+    """
+    from specpipe.bench import reference
+
+    rows = sorted({1, draft_k + 1})
+    if forward_ms is None:
+        layer = reference.measure_layer_forward(rows)
+        forward_ms = {n: ms * reference.LAYERS_PER_STAGE for n, ms in layer.items()}
+        source = "one real-shape layer timed here × 9: " + ", ".join(
+            f"{n} row(s) {ms:.1f} ms" for n, ms in layer.items()
+        )
+    else:
+        if missing := [n for n in rows if n not in forward_ms]:
+            raise click.BadParameter(f"no time for {missing} rows", param_hint="--forward-ms")
+        source = "--forward-ms"
+    modes = [
+        reference.Mode("plain", 1.0, 1),
+        reference.Mode("spec", spec_tokens_per_round, draft_k + 1),
+    ]
+    result = reference.predict(forward_ms, modes, handling_ms=handling_ms)
+    result["forward_from"] = source
+    for line in reference.format_report(result):
+        click.echo(line)
+    write_json(json_path, result)
+
+
 @bench.command(name="web")
 @click.option(
     "--streams",

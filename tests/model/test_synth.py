@@ -218,3 +218,32 @@ def test_bench_stage_memory_measures_each_range_and_its_room_on_a_card(tmp_path,
     # A card too small for the weights and the reserve: FAIL, exit 1.
     small = CliRunner().invoke(cli, [*argv[:6], "--card-gib", "1", "--reserve-gib", "1"])
     assert small.exit_code == 1 and "DOES NOT FIT" in small.output
+
+
+def test_the_reference_cost_model_adds_up_a_round_and_measures_a_layer_when_not_told(
+    tmp_path, monkeypatch
+):
+    from specpipe.bench import reference
+
+    modes = [reference.Mode("plain", 1.0, 1), reference.Mode("spec", 2.0, 5)]
+    result = reference.predict({1: 40.0, 5: 50.0}, modes, handling_ms=2.0)
+    plain, spec = result["modes"]
+    assert plain["ring_ms"] == 4 * 40 + 4 * 2 + 41.4 and spec["ring_ms"] == 4 * 50 + 8 + 41.4
+    assert plain["tok_s"] == round(1000 / 209.4, 3) and spec["tok_s"] == round(2000 / 249.4, 3)
+    assert result["links_ceiling_tok_s"] == round(1000 / 41.4, 2)
+    assert plain["of_reference"] == round(plain["tok_s"] / 4.6, 3)
+    out = tmp_path / "reference.json"
+    told = CliRunner().invoke(
+        cli,
+        ["bench", "reference", "--forward-ms", "1=40,5=50", "--spec-tokens-per-round", "2"]
+        + ["--handling-ms", "2", "--json", str(out)],
+    )
+    assert told.exit_code == 0, told.output
+    assert json.loads(out.read_text())["modes"] == result["modes"]
+    assert "-> 8.02 tok/s" in told.output and "24.1 tok/s at 1 token per round" in told.output
+    # Not told: one layer of the model's layout is made and timed here (tiny sizes in a test).
+    monkeypatch.setitem(synth.LIKE, "gpt-oss-120b", tiny_like(n_layers=36))
+    timed = CliRunner().invoke(cli, ["bench", "reference", "--draft-k", "2"])
+    assert timed.exit_code == 0, timed.output
+    assert "one real-shape layer timed here × 9: 1 row(s)" in timed.output
+    assert "3 rows:" in timed.output
