@@ -29,6 +29,7 @@ from specpipe import __version__
 from specpipe.core.sampling import MAX_TOP_LOGPROBS
 from specpipe.core.stopping import GenerationText, hold_back_stop_prefix
 from specpipe.decoding.target import open_target
+from specpipe.model.harmony import Reply, split_reply
 from workers.submission import JobRequestError, QueueUnavailable, TooManyActiveJobs
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
@@ -511,7 +512,15 @@ def whole_answer(completion: Completion, job: Job) -> dict:
     text = job.output_text or ""
     logprobs = _logprobs_of(completion, job, 0, len(job.output_ids or []), target, 0)
     choice: dict = {"index": 0, "finish_reason": finish_reason(job, target), "logprobs": logprobs}
-    if completion.chat:
+    if completion.chat and _harmony(target):
+        reply = split_reply(text)
+        choice["message"] = {
+            "role": "assistant",
+            "content": reply.content,
+            "reasoning_content": reply.reasoning,
+            "refusal": None,
+        }
+    elif completion.chat:
         choice["message"] = {"role": "assistant", "content": text, "refusal": None}
     else:
         choice["text"] = text
@@ -523,6 +532,11 @@ def whole_answer(completion: Completion, job: Job) -> dict:
     }
 
 
+def _harmony(target) -> bool:
+    """Whether the model's replies are harmony's channels (gpt-oss), to be given apart."""
+    return target is not None and target.harmony
+
+
 def _chunk(
     completion: Completion,
     job: Job,
@@ -530,10 +544,13 @@ def _chunk(
     logprobs,
     finish: str | None,
     first: bool = False,
+    reasoning: str | None = None,
 ) -> dict:
     choice: dict = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
     if completion.chat:
         delta: dict = {"role": "assistant", "content": ""} if first else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if text:
             delta["content"] = text
         choice["delta"] = delta
@@ -564,6 +581,7 @@ def stream_answer(app: Flask, completion: Completion, job_id: int) -> Iterator[s
     done = False
     try:
         sent_text, sent_ids, first, target = "", 0, True, None
+        sent = Reply("", "")  # with harmony: what of each channel was sent
         for job in job_updates(session, job_id, poll_s, wait_s, idle_s=KEEP_ALIVE_S):
             if job is None:  # nothing new for a while: a comment shows whether anyone listens
                 yield ": waiting\n\n"
@@ -576,11 +594,22 @@ def stream_answer(app: Flask, completion: Completion, job_id: int) -> Iterator[s
             if not text.startswith(sent_text):
                 continue  # a rare decoder whose text changed behind the shown part: wait
             n_ids = len(job.output_ids or [])
-            if target is None and (completion.logprobs is not None or job.finished):
+            if target is None and (
+                completion.chat or completion.logprobs is not None or job.finished
+            ):
                 target = _target(job)
             logprobs = _logprobs_of(completion, job, sent_ids, n_ids, target, len(sent_text))
             if text != sent_text or first or logprobs:
-                yield _event(_chunk(completion, job, text[len(sent_text) :], logprobs, None, first))
+                if completion.chat and _harmony(target):
+                    reply = split_reply(text)
+                    new_text = reply.content[len(sent.content) :]
+                    reasoning = reply.reasoning[len(sent.reasoning) :]
+                    sent = reply
+                else:
+                    new_text, reasoning = text[len(sent_text) :], None
+                if new_text or reasoning or first or logprobs:  # markers alone show nothing
+                    chunk = _chunk(completion, job, new_text, logprobs, None, first, reasoning)
+                    yield _event(chunk)
                 sent_text, sent_ids, first = text, n_ids, False
             if job.finished:
                 yield _event(_chunk(completion, job, None, None, finish_reason(job, target)))

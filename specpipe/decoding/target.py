@@ -18,6 +18,7 @@ from functools import lru_cache, partial
 from specpipe.core.ring import Stage
 from specpipe.decoding.local_ring import LocalRing
 from specpipe.drafting.head import load_with_head
+from specpipe.model.harmony import STOP_MARKERS, speaks_harmony
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class Target:
     quant: str = "none"
     # a chat's messages through the chat template (ModelError when the model has none)
     chat_ids: Callable[[list[dict]], list[int]] | None = None
+    # its replies are harmony (gpt-oss): reasoning and answer in channels (`model.harmony`)
+    harmony: bool = False
     context_length: int = 0  # positions the model attends over; 0 when unknown
     # (n_stages, **options) -> the model as n_stages stages in this process
     load_stages: Callable[..., Sequence[Stage]] | None = field(default=None, repr=False)
@@ -88,6 +91,9 @@ def _open_checkpoint(name: str) -> Target:
     eos_token = getattr(tokenizer, "eos_token", None)
     if eos_token and tokenizer.token_id(eos_token) is not None:
         eos.add(tokenizer.token_id(eos_token))
+    harmony = speaks_harmony(tokenizer.token_id)
+    if harmony:  # a reply ends with its last message, or with a tool call
+        eos.update(tokenizer.token_id(marker) for marker in STOP_MARKERS)
     return Target(
         name=label,
         n_layers=checkpoint.config.n_layers,
@@ -95,6 +101,7 @@ def _open_checkpoint(name: str) -> Target:
         chat_ids=tokenizer.chat_ids,
         decode=tokenizer.decode,
         eos_ids=tuple(sorted(eos)),
+        harmony=harmony,
         quant=_quant(checkpoint),
         context_length=int(checkpoint.config.max_position_embeddings or 0),
         load_stages=lambda n, **options: load_stages(name, n, **options),

@@ -9,6 +9,7 @@ renders them (sandboxed, trim_blocks, lstrip_blocks).
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,8 @@ class Tokenizer:
         )
         env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
         env.globals["raise_exception"] = raise_exception
+        # gpt-oss's template dates its system message, as transformers lets templates do.
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             return env.from_string(self.chat_template).render(
                 messages=messages,

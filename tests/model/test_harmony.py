@@ -1,0 +1,95 @@
+"""Harmony, gpt-oss's chat format: a reply split into its channels, whole or as it is written,
+and a gpt-oss checkpoint whose tokenizer has the real layout is opened as a harmony model."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+
+from specpipe.decoding.target import open_target
+from specpipe.model.harmony import Reply, speaks_harmony, split_reply
+from tests.harmony_checkpoint import write_checkpoint
+
+REPLY = (
+    "<|channel|>analysis<|message|>The user greets. Answer briefly.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Hello! How can I help?<|return|>"
+)
+
+
+def test_a_reply_gives_its_reasoning_and_its_answer_apart():
+    assert split_reply(REPLY) == Reply("The user greets. Answer briefly.", "Hello! How can I help?")
+    two = (
+        "<|channel|>analysis<|message|>first<|end|><|start|>assistant<|channel|>analysis"
+        "<|message|>second<|end|><|start|>assistant<|channel|>final<|message|>done<|return|>"
+    )
+    assert split_reply(two) == Reply("first\nsecond", "done")
+    # A preamble in the commentary channel is said to the user; a constrained header still parses.
+    said = (
+        "<|channel|>commentary<|message|>Let me check.<|end|><|start|>assistant"
+        "<|channel|>final <|constrain|>json<|message|>{}<|return|>"
+    )
+    assert split_reply(said) == Reply("", "Let me check.{}")
+    # A model that does not follow the format: all of it is the answer.
+    assert split_reply("Just text.") == Reply("", "Just text.")
+
+
+def test_a_reply_being_written_only_grows_in_each_channel():
+    """Streamed, each channel's text so far is a prefix of its final text: deltas never retract."""
+    final = split_reply(REPLY)
+    markers = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>")
+    cuts, i = [], 0
+    while i < len(REPLY):  # every cut a tokenizer could make: between characters or markers
+        marker = next((m for m in markers if REPLY.startswith(m, i)), None)
+        i += len(marker) if marker else 1
+        cuts.append(i)
+    seen = Reply("", "")
+    for cut in cuts:
+        now = split_reply(REPLY[:cut])
+        assert final.reasoning.startswith(now.reasoning) and final.content.startswith(now.content)
+        assert now.reasoning.startswith(seen.reasoning) and now.content.startswith(seen.content)
+        seen = now
+    assert seen == final
+    assert split_reply("<|channel|>analysis<|message|>The us") == Reply("The us", "")
+    assert split_reply(REPLY.split("<|start|>")[0] + "<|start|>assistant<|chan") == Reply(
+        final.reasoning, ""
+    )
+
+
+def test_a_gpt_oss_checkpoint_with_the_real_token_layout_is_a_harmony_model(tmp_path, monkeypatch):
+    target = open_target(str(write_checkpoint(tmp_path / "oss", monkeypatch)))
+    assert target.harmony
+    assert {200002, 200012} <= set(target.eos_ids)  # <|return|> and <|call|> end a reply
+    ids = target.prompt_ids("What is the capital of France?")
+    text = target.decode(ids)
+    assert text.startswith("<|start|>system<|message|>")
+    assert f"Current date: {datetime.date.today().isoformat()}" in text  # strftime_now
+    assert text.endswith(
+        "<|start|>user<|message|>What is the capital of France?<|end|><|start|>assistant"
+    )
+    # Markers are single tokens at their ids: the prompt ends <|start|> then "assistant".
+    assert ids[-10] == 200006 and target.decode(ids[-9:]) == "assistant"
+    assert {200006, 200007, 200008} <= set(ids)
+
+
+def test_the_default_model_is_not_a_harmony_model():
+    target = open_target("default")
+    assert not target.harmony
+    from specpipe.model.resolve import load_tokenizer, open_checkpoint
+
+    assert not speaks_harmony(load_tokenizer(open_checkpoint("default")).token_id)
+
+
+@pytest.mark.parametrize("missing", ["<|channel|>", "<|return|>"])
+def test_a_tokenizer_without_every_marker_is_not_harmony(missing):
+    tokens = {
+        "<|start|>": 1,
+        "<|end|>": 2,
+        "<|message|>": 3,
+        "<|channel|>": 4,
+        "<|return|>": 5,
+        "<|call|>": 6,
+    }
+    assert speaks_harmony(tokens.get)
+    del tokens[missing]
+    assert not speaks_harmony(tokens.get)
