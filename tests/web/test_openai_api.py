@@ -528,3 +528,46 @@ def test_under_waitress_chunks_arrive_as_rounds_are_stored_and_leaving_cancels(
         assert job.status == "cancelled" and len(job.output_ids) < 59
     finally:
         server.close()
+
+
+HARMONY = [  # a gpt-oss reply as rounds write it: reasoning first, then the answer
+    ([1, 2], "<|channel|>analysis<|message|>User says hi"),
+    ([1, 2, 3], "<|channel|>analysis<|message|>User says hi.<|end|><|start|>assistant"),
+    (
+        [1, 2, 3, 4],
+        "<|channel|>analysis<|message|>User says hi.<|end|><|start|>assistant"
+        "<|channel|>final<|message|>Hello",
+    ),
+    (
+        [1, 2, 3, 4, 5],
+        "<|channel|>analysis<|message|>User says hi.<|end|><|start|>assistant"
+        "<|channel|>final<|message|>Hello there.<|return|>",
+    ),
+]
+
+
+def test_a_gpt_oss_chat_answer_gives_its_reasoning_apart_whole_and_streamed(
+    make_app, db_url, api_token, tmp_path, monkeypatch
+):
+    from tests.harmony_checkpoint import write_checkpoint
+
+    model = str(write_checkpoint(tmp_path / "oss", monkeypatch))
+    client = make_app(MODEL=model).test_client()
+    chat = {**CHAT, "model": model}
+    with FakeCoordinator(db_url, HARMONY, pause_s=0.02):
+        whole = post(client, "/v1/chat/completions", api_token, chat).get_json()
+        chunks = events(post(client, "/v1/chat/completions", api_token, {**chat, "stream": True}))
+        raw = post(client, "/v1/completions", api_token, {**RAW, "model": model}).get_json()
+    message = whole["choices"][0]["message"]
+    assert message["content"] == "Hello there."
+    assert message["reasoning_content"] == "User says hi."
+    deltas = [c["choices"][0]["delta"] for c in chunks[:-1] if c["choices"]]
+    assert deltas[0]["role"] == "assistant"
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "User says hi."
+    assert "".join(d.get("content", "") for d in deltas) == "Hello there."
+    # The reasoning comes first, and no chunk shows a marker.
+    firsts = [i for i, d in enumerate(deltas) if d.get("content")]
+    assert max(i for i, d in enumerate(deltas) if d.get("reasoning_content")) <= min(firsts)
+    assert not any("<|" in d.get("content", "") + d.get("reasoning_content", "") for d in deltas)
+    # A raw completion is the text as generated, markers and all.
+    assert raw["choices"][0]["text"] == HARMONY[-1][1]
