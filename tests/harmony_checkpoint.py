@@ -1,7 +1,8 @@
-"""A gpt-oss checkpoint at tiny sizes whose tokenizer has the real layout: o200k's 201,088 ids
-with harmony's markers at their real ids, and a chat template in harmony's format.
+"""gpt-oss checkpoints at tiny sizes: the released layout with every size shrunk, and one whose
+tokenizer has the real layout: o200k's 201,088 ids with harmony's markers at their real ids, and
+a chat template in harmony's format.
 
-The vocabulary is not the real one (bytes, then filler tokens; no merges), which no test here
+That vocabulary is not the real one (bytes, then filler tokens; no merges), which no test here
 needs: what matters is that the markers are single special tokens at the ids gpt-oss uses.
 """
 
@@ -53,9 +54,9 @@ def write_tokenizer(path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def write_checkpoint(path: Path, monkeypatch) -> Path:
-    """gpt-oss's layout at tiny sizes (vocabulary 201,088) with the harmony tokenizer."""
-    config = synth._gpt_oss(n_layers=2, n_experts=4)
+def tiny_like(n_layers: int = 4, vocab_size: int = 97) -> dict:
+    """gpt-oss's config with every size shrunk, the layout kept."""
+    config = synth._gpt_oss(n_layers=n_layers, n_experts=4)
     config.update(
         hidden_size=64,
         intermediate_size=64,
@@ -65,8 +66,16 @@ def write_checkpoint(path: Path, monkeypatch) -> Path:
         num_experts_per_tok=2,
         experts_per_token=2,
         sliding_window=4,
+        vocab_size=vocab_size,
     )
-    monkeypatch.setitem(synth.LIKE, "tiny-harmony", config)
+    if vocab_size < VOCAB:  # ids of the real vocabulary would not fit
+        config.update(pad_token_id=0, eos_token_id=1)
+    return config
+
+
+def write_checkpoint(path: Path, monkeypatch) -> Path:
+    """gpt-oss's layout at tiny sizes (vocabulary 201,088) with the harmony tokenizer."""
+    monkeypatch.setitem(synth.LIKE, "tiny-harmony", tiny_like(n_layers=2, vocab_size=VOCAB))
     synth.synthesize("tiny-harmony", path)
     write_tokenizer(path)
     return path

@@ -18,29 +18,11 @@ from specpipe.model.checkpoint import SafetensorsCheckpoint
 from specpipe.model.config import ModelConfig
 from specpipe.model.errors import ModelError
 from specpipe.model.stage import load_stage
+from tests.harmony_checkpoint import tiny_like
 
 transformers = pytest.importorskip("transformers")
 
 GIB = 2**30
-
-
-def tiny_like(n_layers: int = 4) -> dict:
-    """gpt-oss's config with every size shrunk, the layout kept."""
-    config = synth._gpt_oss(n_layers=n_layers, n_experts=4)
-    config.update(
-        hidden_size=64,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts_per_tok=2,
-        experts_per_token=2,
-        sliding_window=4,
-        vocab_size=97,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    return config
 
 
 @pytest.fixture
