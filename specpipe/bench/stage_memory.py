@@ -57,23 +57,22 @@ def measure_load(path: str, start: int, end: int, dtype: str, draft_head: bool) 
     torch.set_num_threads(1)
     checkpoint = open_checkpoint(path)
     cfg = checkpoint.config
-    head_file = None
-    if draft_head and end == cfg.n_layers:  # a head of the shipped kind, random
-        head_file = Path(tempfile.mkdtemp()) / "head.safetensors"
-        label = model_label(path)
-        DraftHead(cfg.dim, cfg.dim).save(
-            head_file, {"model": label, "dim": cfg.dim, "vocab": cfg.vocab_size}
+    with tempfile.TemporaryDirectory() as scratch:
+        head_file = "none"
+        if draft_head and end == cfg.n_layers:  # a head of the shipped kind, random
+            head_file = str(Path(scratch) / "head.safetensors")
+            meta = {"model": model_label(path), "dim": cfg.dim, "vocab": cfg.vocab_size}
+            DraftHead(cfg.dim, cfg.dim).save(head_file, meta)
+        base, peak_before = _rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        started = time.perf_counter()
+        (stage,), head = load_with_head(
+            lambda **options: [load_stage(checkpoint, start, end, dtype=dtype, **options)],
+            head_file,
+            model_label(path),
+            checkpoint,
+            pack=False,  # as on a GPU: packing for oneDNN is the CPU's own copy
         )
-    base, peak_before = _rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    started = time.perf_counter()
-    (stage,), head = load_with_head(
-        lambda **options: [load_stage(checkpoint, start, end, dtype=dtype, **options)],
-        str(head_file) if head_file else "none",
-        model_label(path),
-        checkpoint,
-        pack=False,  # as on a GPU: packing for oneDNN is the CPU's own copy
-    )
-    load_s = time.perf_counter() - started
+        load_s = time.perf_counter() - started
     held = list(stage.state_dict().values())
     if head is not None:
         held += list(head.head.state_dict().values())
