@@ -165,8 +165,7 @@ def run_nightly(
             session.commit()
             topology = " → ".join([*(n.geo or n.host for n in route), "back"])
             prompts = [target.prompt_ids(p) for p in DEFAULT_PROMPTS]
-            lanes = [ring.twin() for _ in range(PROOF_IN_FLIGHT - 1)]
-            try:
+            with ring.twins(PROOF_IN_FLIGHT - 1) as lanes:
                 swarm_result = run_swarm_proof(
                     ring,
                     prompts,
@@ -180,9 +179,6 @@ def run_nightly(
                     ),
                     lanes=lanes,
                 )
-            finally:
-                for lane in lanes:
-                    lane.close()
         except RING_ERRORS as exc:
             errors["on_swarm"] = f"{type(exc).__name__}: {exc}"
         if ring is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -390,17 +390,13 @@ def proof_swarm(
     )
     ring, target, where = open_ring(redis_option, local_model, model)
     prompt_ids = [target.prompt_ids(t) for t in texts]
-    lanes = [] if local_model else [ring.twin() for _ in range(in_flight - 1)]
     started = time.perf_counter()
     with (
         _closing_ring(ring, plain_errors=(ValueError,)),
+        nullcontext([]) if local_model else ring.twins(in_flight - 1) as lanes,
         tqdm(total=cfg.work_units(), desc="proof swarm", unit="stop", leave=False) as bar,
     ):
-        try:
-            result = run_swarm_proof(ring, prompt_ids, cfg, progress=bar.update, lanes=lanes)
-        finally:
-            for lane in lanes:
-                lane.close()
+        result = run_swarm_proof(ring, prompt_ids, cfg, progress=bar.update, lanes=lanes)
     summary = report.SwarmProofSummary.from_result(result)
     text = report.format_swarm_summary(summary, where, time.perf_counter() - started)
     keep = dict(swarm=result, target=target, ring=ring, where=where) if store else None
