@@ -24,8 +24,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from specpipe.swarm.inventory import HopLatency, RingLatency
-
 HOSTS = ("WA", "MN", "NC", "NJ")
 LINKS_MS = (11.0, 8.0, 3.4, 19.0)  # one way: WA → MN, MN → NC, NC → NJ, NJ → WA
 LAYERS_PER_STAGE = 9
@@ -51,6 +49,8 @@ def predict(
 ) -> dict:
     """Each mode's ring time and tok/s, with one stage's forward `forward_ms[rows]` on every
     hop; where the time of a round goes; the links' ceiling and the reference run's tok/s."""
+    from specpipe.swarm.inventory import HopLatency, RingLatency
+
     rows = []
     for mode in modes:
         ring = RingLatency(

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from specpipe.model.checkpoint import NameMap, hf_name_map
 from specpipe.model.config import ModelConfig
 from specpipe.model.errors import ModelError
 
@@ -133,25 +134,49 @@ def tensor_specs(cfg: ModelConfig, start: int, end: int, embedding: bool = False
         yield Spec("lm_head.weight", (V, D), "weight")
 
 
-def make_tensor(spec: Spec, seed: int) -> torch.Tensor:
-    """The tensor's random values: a function of the seed and its name alone."""
+def make_tensor(spec: Spec, seed: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The tensor's random values, made on `device`: a function of the seed and its name alone
+    (on one kind of device; a GPU's generator draws other numbers than the CPU's)."""
     digest = hashlib.sha256(f"{seed}:{spec.name}".encode()).digest()
-    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    g = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    on = dict(generator=g, device=device)
     if spec.kind == "blocks":
-        return torch.randint(0, 256, spec.shape, generator=g, dtype=torch.uint8)
+        return torch.randint(0, 256, spec.shape, dtype=torch.uint8, **on)
     if spec.kind == "scales":
         # 2^-9 … 2^-6 per group: E2M1 values of at most 6 give weights of at most ~0.1.
-        return torch.randint(127 - 9, 127 - 5, spec.shape, generator=g, dtype=torch.uint8)
+        return torch.randint(127 - 9, 127 - 5, spec.shape, dtype=torch.uint8, **on)
     if spec.kind == "norm":
-        return torch.ones(spec.shape, dtype=torch.bfloat16)
+        return torch.ones(spec.shape, dtype=torch.bfloat16, device=device)
     scale = 0.02 if spec.kind == "weight" else 0.01
-    out = torch.empty(spec.shape, dtype=torch.bfloat16)
+    out = torch.empty(spec.shape, dtype=torch.bfloat16, device=device)
     # In slices, so that a 201,088-row head never needs a float32 copy of itself.
     rows = max(1, 2**24 // max(1, out[0].numel())) if out.dim() > 1 else len(out)
     for lo in range(0, out.shape[0], rows):
         part = out[lo : lo + rows]
-        part.copy_(torch.randn(part.shape, generator=g) * scale)
+        part.copy_(torch.randn(part.shape, **on) * scale)
     return out
+
+
+class SynthSource:
+    """A checkpoint of `like`'s layout that makes each tensor when a stage reads it, on
+    `device`, with no file: `load_stage(SynthSource("gpt-oss-120b", "cuda"), 9, 18)` is a
+    real-size stage whose weights are drawn in place."""
+
+    kind = "synth"
+
+    def __init__(self, like: str, device: str | torch.device = "cpu", seed: int = 0) -> None:
+        if like not in LIKE:
+            raise ModelError(f"unknown model {like!r}: one of {', '.join(sorted(LIKE))}")
+        self.config = ModelConfig.from_hf(LIKE[like])
+        self.path = Path(f"synth:{like}")
+        self.device, self.seed = device, seed
+        self._specs = {s.name: s for s in tensor_specs(self.config, 0, self.config.n_layers)}
+
+    def name_map(self, start: int, end: int, first: bool, last: bool, packed: bool) -> NameMap:
+        return hf_name_map(self.config, start, end, first, last, packed)
+
+    def read(self, name: str) -> torch.Tensor:
+        return make_tensor(self._specs[name], self.seed, self.device)
 
 
 @dataclass

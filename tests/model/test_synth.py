@@ -229,3 +229,29 @@ def test_the_reference_cost_model_adds_up_a_round_and_measures_a_layer_when_not_
     assert timed.exit_code == 0, timed.output
     assert "one real-shape layer timed here × 9: 1 row(s)" in timed.output
     assert "3 rows:" in timed.output
+
+
+def test_the_gpu_check_runs_its_stage_and_ring_here_on_the_cpu_at_tiny_sizes(tmp_path, monkeypatch):
+    """What benchmarks/gpu_check.sh runs on a GPU, on the CPU with the layout at tiny sizes: the
+    stage drawn in place holds what a synthesized checkpoint holds, and the ring reaches its
+    latency ceiling's neighbourhood (the links' sleeps dominate)."""
+    from specpipe.bench import gpu_check
+
+    monkeypatch.setitem(synth.LIKE, "gpt-oss-120b", tiny_like(n_layers=36))
+    made = synth.synthesize("gpt-oss-120b", tmp_path / "made", layers=(9, 18))
+    from_files = load_stage(SafetensorsCheckpoint(made.path), 9, 18, dtype="bfloat16")
+    in_place = load_stage(synth.SynthSource("gpt-oss-120b"), 9, 18, dtype="bfloat16")
+    for (name, a), (_, b) in zip(
+        from_files.state_dict().items(), in_place.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    out = tmp_path / "gpu_check.json"
+    argv = ["--device", "cpu", "--tokens", "6", "--repeats", "1", "--json", str(out)]
+    result = gpu_check.main(argv)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert set(result["stage"]["rows_ms"]) == {1, 2, 4, 8, 16}
+    assert set(result["stage"]["sessions_of_5_rows_ms"]) == {1, 2, 4, 8}
+    ring = result["ring"]
+    assert ring["stages"] == [[0, 9], [9, 18], [18, 27], [27, 36]] and ring["tokens"] == 6
+    assert 0.5 < ring["of_ceiling"] < 1.2
+    assert ring["ceiling_tok_s"] < 1000 / 41.4  # the links alone bound it
