@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from specpipe.cli.options import layer_range
+from specpipe.cli.options import SEED, layer_range
 
 
 class ModelInputError(click.ClickException):
@@ -93,7 +93,7 @@ def model_info(model_name: str, stages: int, as_json: bool) -> None:
     is_flag=True,
     help="The embedding table too, whatever the range (a tail with a draft head reads it).",
 )
-@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random weights.")
 def model_synth(
     out: Path, like: str, layers: tuple[int, int] | None, with_embedding: bool, seed: int
 ) -> None:
