@@ -197,13 +197,21 @@ def synthesize(
     seed: int = 0,
     shard_bytes: int = SHARD_BYTES,
     embedding: bool = False,
+    n_layers: int | None = None,
 ) -> Synthesized:
     """Write a checkpoint of `like`'s layout holding layers [start, end) (all: None) to `out`,
     which must not exist or be empty; with `embedding`, the embedding table too whatever the
-    range (a tail with a draft head reads it). ModelError for an unknown model or a bad range."""
+    range (a tail with a draft head reads it). With `n_layers`, the model is `like` cut to its
+    first n layers (its config says so), with its embedding, norm and head. ModelError for an
+    unknown model or a bad range."""
     if like not in LIKE:
         raise ModelError(f"unknown model {like!r}: one of {', '.join(sorted(LIKE))}")
     config = LIKE[like]
+    if n_layers is not None:
+        if not 1 <= n_layers <= config["num_hidden_layers"]:
+            raise ModelError(f"{like} has {config['num_hidden_layers']} layers, not {n_layers}")
+        types = config["layer_types"][:n_layers]
+        config = {**config, "num_hidden_layers": n_layers, "layer_types": types}
     cfg = ModelConfig.from_hf(config)
     start, end = layers or (0, cfg.n_layers)
     if not 0 <= start < end <= cfg.n_layers:

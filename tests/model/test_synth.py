@@ -255,3 +255,24 @@ def test_the_gpu_check_runs_its_stage_and_ring_here_on_the_cpu_at_tiny_sizes(tmp
     assert ring["stages"] == [[0, 9], [9, 18], [18, 27], [27, 36]] and ring["tokens"] == 6
     assert 0.5 < ring["of_ceiling"] < 1.2
     assert ring["ceiling_tok_s"] < 1000 / 41.4  # the links alone bound it
+
+
+def test_bench_parity_compares_our_stages_with_transformers_on_a_cut_model(tmp_path, monkeypatch):
+    """`bench parity` on the layout at tiny sizes: the model cut to its first layers, ours and
+    transformers' logits within the tolerance, the same greedy tokens."""
+    monkeypatch.setitem(synth.LIKE, "gpt-oss-20b", tiny_like(n_layers=4))
+    out = tmp_path / "parity.json"
+    argv = ["bench", "parity", "--n-layers", "2", "--tokens", "6", "--steps", "3"]
+    done = CliRunner().invoke(cli, [*argv, "--json", str(out)])
+    assert done.exit_code == 0, done.output
+    result = json.loads(out.read_text())
+    assert result["layers"] == 2 and result["verdict"] == "PASS"
+    assert result["max_abs_diff"] <= 1e-4 and result["argmax_identical"]
+    assert len(result["greedy_ours"]) == 3 and result["greedy_identical"]
+    # The cut model is the layout's first layers with its embedding, norm and head.
+    made = synth.synthesize("gpt-oss-20b", tmp_path / "cut", n_layers=2)
+    names = set(SafetensorsCheckpoint(made.path).names())
+    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= names
+    assert max(int(n.split(".")[2]) for n in names if n.startswith("model.layers.")) == 1
+    with pytest.raises(ModelError, match="has 4 layers, not 5"):
+        synth.synthesize("gpt-oss-20b", tmp_path / "none", n_layers=5)
