@@ -51,21 +51,24 @@ def _theirs(path: Path, ids: torch.Tensor, steps: int) -> tuple:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**config)).eval()
-    state = {}
+    # Copied in one tensor at a time: the model's own float32 weights are most of the memory.
+    params, loaded = model.state_dict(), set()
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            names = list(f.keys())
-            for name in names:
+            for name in f.keys():
                 if name.endswith("_scales"):
                     continue
                 if name.endswith("_blocks"):
-                    base = name.removesuffix("_blocks")
-                    blocks, scales = f.get_tensor(name), f.get_tensor(base + "_scales")
-                    state[base] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+                    name = name.removesuffix("_blocks")
+                    blocks, scales = f.get_tensor(name + "_blocks"), f.get_tensor(name + "_scales")
+                    t = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
                 else:
-                    state[name] = f.get_tensor(name).float()
-    model.load_state_dict(state, strict=True)
-    del state
+                    t = f.get_tensor(name)
+                params[name].copy_(t)  # KeyError: a tensor transformers does not have
+                loaded.add(name)
+                del t
+    if missing := set(params) - loaded:
+        raise ValueError(f"transformers' model has tensors the checkpoint lacks: {missing}")
     with torch.no_grad():  # greedy by whole forwards: ours decodes from its cache, step by step
         logits = model(ids[None]).logits[0]
         tokens, last = [], logits[-1]
