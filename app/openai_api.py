@@ -580,7 +580,7 @@ def stream_answer(app: Flask, completion: Completion, job_id: int) -> Iterator[s
     poll_s, wait_s = app.config["OPENAI_POLL_S"], app.config["OPENAI_WAIT_S"]
     done = False
     try:
-        sent_text, sent_ids, first, target = "", 0, True, None
+        sent_text, sent_ids, first, target, opened = "", 0, True, None, False
         sent = Reply("", "")  # with harmony: what of each channel was sent
         for job in job_updates(session, job_id, poll_s, wait_s, idle_s=KEEP_ALIVE_S):
             if job is None:  # nothing new for a while: a comment shows whether anyone listens
@@ -594,10 +594,8 @@ def stream_answer(app: Flask, completion: Completion, job_id: int) -> Iterator[s
             if not text.startswith(sent_text):
                 continue  # a rare decoder whose text changed behind the shown part: wait
             n_ids = len(job.output_ids or [])
-            if target is None and (
-                completion.chat or completion.logprobs is not None or job.finished
-            ):
-                target = _target(job)
+            if not opened and (completion.chat or completion.logprobs is not None or job.finished):
+                target, opened = _target(job), True  # once: a model that cannot open stays so
             logprobs = _logprobs_of(completion, job, sent_ids, n_ids, target, len(sent_text))
             if text != sent_text or first or logprobs:
                 if completion.chat and _harmony(target):

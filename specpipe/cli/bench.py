@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from specpipe.cli.options import (
+    RELEASED_LAYOUTS,
     SEED,
     hop_delays_option,
     json_option,
@@ -980,7 +981,7 @@ def bench_draft_head(
 @bench.command(name="stage-memory")
 @click.option(
     "--like",
-    type=click.Choice(["gpt-oss-120b", "gpt-oss-20b"]),
+    type=click.Choice(RELEASED_LAYOUTS),
     default="gpt-oss-120b",
     show_default=True,
     help="The released model whose stages to make and load (random weights, its layout).",
@@ -1125,7 +1126,7 @@ def bench_reference(forward_ms, draft_k, spec_tokens_per_round, handling_ms, jso
 @bench.command(name="parity")
 @click.option(
     "--like",
-    type=click.Choice(["gpt-oss-120b", "gpt-oss-20b"]),
+    type=click.Choice(RELEASED_LAYOUTS),
     default="gpt-oss-20b",
     show_default=True,
     help="The released layout, cut to its first layers (the 20b's layers have the 120b's "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from specpipe.cli.options import SEED, layer_range
+from specpipe.cli.options import RELEASED_LAYOUTS, SEED, layer_range
 
 
 class ModelInputError(click.ClickException):
@@ -78,7 +78,7 @@ def model_info(model_name: str, stages: int, as_json: bool) -> None:
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
     "--like",
-    type=click.Choice(["gpt-oss-120b", "gpt-oss-20b"]),
+    type=click.Choice(RELEASED_LAYOUTS),
     required=True,
     help="The released model whose layout (config, tensor names, dtypes, shapes) to copy.",
 )

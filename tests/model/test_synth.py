@@ -51,6 +51,9 @@ def test_gpt_oss_120b_has_the_released_size_shapes_and_dtypes():
     assert cfg.n_layers == 36 and cfg.n_experts == 128 and cfg.experts_per_token == 4
     assert cfg.layer_types[:2] == ["sliding_attention", "full_attention"]
     assert cfg.sliding_window == 128 and cfg.mxfp4 and cfg.rope_scaling["rope_type"] == "yarn"
+    from specpipe.cli.options import RELEASED_LAYOUTS
+
+    assert set(RELEASED_LAYOUTS) == set(synth.LIKE)  # what the commands offer is what is made
     small = ModelConfig.from_hf(synth.LIKE["gpt-oss-20b"])
     assert (small.n_layers, small.n_experts) == (24, 32)
     whole_20b = sum(s.nbytes for s in synth.tensor_specs(small, 0, 24))
