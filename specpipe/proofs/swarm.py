@@ -14,10 +14,12 @@
 5. The exact check: the coupled sampler commits what plain sampling draws for the same seed,
    so the speculative draws are repeated as plain draws with the same seeds; all must match.
 
-Stops are independent, and so are candidates and generations: given more rings over the same
-route (`lanes`), each is measured in a thread of its own, so that several sessions are in flight
-and the stages batch their rounds into one forward. Every result is a function of its stop and
-its seeds alone, so the proof says the same whatever ran beside it.
+Stops are independent, and so are candidates, generations and the draws at a stop: given more
+rings over the same route (`lanes`), each is measured in a thread of its own, so that several
+sessions are in flight and the stages batch their rounds into one forward; a stop's draws are
+cut into parts, each a session of its own, so that the rings stay busy to the end. Every result
+is a function of its stop and its seeds alone, so the proof says the same whatever ran beside
+it, and however its draws were cut.
 
 With `draft_head` the speculative draws verify the tail's draft head's drafts, which differ seed
 by seed (drawn with the target's own Gumbel noise, so the sampler is "gumbel"). The head drafts
@@ -25,10 +27,12 @@ for the positions after the token a round commits, so each draw takes two rounds
 re-sends the stop's last token asking for `head_k` drafts and commits x0 at the stop; round B
 sends [x0, d1 … dK] one position on and commits x1 (and more when d1 is accepted). The plain
 side sends [x0] alone in round B. The law compared is the joint law of (x0, x1), pairs as
-categories; the exact check compares every token a speculative round committed with plain
-draws of the same seed, one round per position. The mutant is a ring whose caches keep the
-previous draw's token at the stop, so that x1 follows the wrong x0: unlike a lossy acceptance
+categories; the exact check compares every token round B committed with plain draws of the
+same seed after x0, one round per position. The mutant is a ring whose caches keep an
+earlier draw's token at the stop, so that x1 follows the wrong x0: unlike a lossy acceptance
 rule, which only acts on rejected drafts, its damage does not fade as the head gets better.
+Its pairs are built from live draws (each speculative x0 with the x1 of an independent plain
+draw), so it costs no rounds.
 A tail without a head sends no drafts: the n-gram's proposal after x0 stands in (the argmax
 when it has none), and `head_rounds` says so.
 """
@@ -36,6 +40,7 @@ when it has none), and `head_rounds` says so.
 from __future__ import annotations
 
 import queue
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -136,12 +141,16 @@ class StopDrawer:
             self.ring.reseed(self.session, params)
         return self.ring.round(self.session, [*tokens, *drafts], len(self.context), len(drafts))
 
-    def plain_run(self, seed: int, n: int) -> list[int]:
-        """n tokens drawn plainly from the stop on under `seed`, one round each."""
-        tokens = [self.draw(seed)[0]]
-        while len(tokens) < n:
+    def plain_run(self, seed: int, n: int, after: Sequence[int] = ()) -> list[int]:
+        """n tokens drawn plainly under `seed`, one round each: from the stop on, or after the
+        tokens `after` that a draw under the same seed committed there."""
+        if after:
+            tokens = [*after, self.follow(after, params=self.cfg.params(seed))[0]]
+        else:
+            tokens = [self.draw(seed)[0]]
+        while len(tokens) < len(after) + n:
             tokens.append(self.follow(tokens)[0])
-        return tokens
+        return tokens[len(after) :]
 
     def close(self) -> None:
         self.ring.drop(self.session)
@@ -270,9 +279,10 @@ def _compare(samples: dict[str, list], label: Callable = int) -> dict:
     }
 
 
-def _stop_seeds(cfg: SwarmProofConfig, index: int) -> dict[str, list[int]]:
+def _stop_seeds(cfg: SwarmProofConfig, index: int, part: slice) -> dict[str, list[int]]:
+    """The seeds of one stop's draws, each purpose its own stream; `part`: the draws wanted."""
     return {
-        name: _seeds(cfg.seed, 100 * index + k, cfg.draws)
+        name: _seeds(cfg.seed, 100 * index + k, cfg.draws)[part]
         for k, name in enumerate(("plain", "spec", "floor"))
     }
 
@@ -284,14 +294,15 @@ def _fixed_drafts(context: Sequence[int], k: int, argmax: Callable[[], int]) -> 
     return drafter.propose(k) or [argmax()]  # a model-free drafter may find none
 
 
-def measure_stop(ring: Ring, index: int, stop: dict, cfg: SwarmProofConfig) -> dict:
-    """All draws at one stop, and what they say."""
+def draw_stop(ring: Ring, index: int, stop: dict, cfg: SwarmProofConfig, part: slice) -> dict:
+    """The draws numbered `part` at one stop: plain, floor, speculative (verifying the n-gram's
+    fixed drafts) and the mutant's, and how many same-seed pairs were identical."""
     context = stop["context"]
     drawer = StopDrawer(ring, context, cfg)
     try:
         greedy = drawer.draw(0, params=SamplingParams(temp=0.0))[0]
         drafts = _fixed_drafts(context, cfg.draft_k, lambda: greedy)
-        seeds = _stop_seeds(cfg, index)
+        seeds = _stop_seeds(cfg, index, part)
         plain = [drawer.draw(s)[0] for s in seeds["plain"]]
         floor = [drawer.draw(s)[0] for s in seeds["floor"]]
         spec_results = [drawer.draw(s, drafts) for s in seeds["spec"]]
@@ -299,22 +310,22 @@ def measure_stop(ring: Ring, index: int, stop: dict, cfg: SwarmProofConfig) -> d
     finally:
         drawer.close()
     spec = [r[0] for r in spec_results]
-    # The lossy mutant: on rejection of the first draft, commit the argmax.
-    mutant = [greedy if r[0] != drafts[0] else r[0] for r in spec_results]
     return {
-        "stop": index,
-        "position": len(context),
-        "drafts": list(drafts),
-        "pilot_entropy_bits": stop["pilot_entropy_bits"],
-        **_compare({"plain": plain, "floor": floor, "spec": spec, "mutant": mutant}),
+        "drafts": drafts,
+        "plain": plain,
+        "floor": floor,
+        "spec": spec,
+        # The lossy mutant: on rejection of the first draft, commit the argmax.
+        "mutant": [greedy if r[0] != drafts[0] else r[0] for r in spec_results],
         "exact_pairs": len(spec),
         "exact_identical": int(sum(a == b for a, b in zip(spec, same_seed_plain, strict=True))),
     }
 
 
-def measure_head_stop(ring: Ring, index: int, stop: dict, cfg: SwarmProofConfig) -> dict:
-    """All draws at one stop with the tail's draft head (see the module's docstring): the joint
-    law of (x0, x1), the exact check over every committed token, the head's acceptance."""
+def draw_head_stop(ring: Ring, index: int, stop: dict, cfg: SwarmProofConfig, part: slice) -> dict:
+    """The draws numbered `part` at one stop with the tail's draft head (see the module's
+    docstring): pairs (x0, x1) plain, floor, speculative and the mutant's, the exact check over
+    every committed token, the head's acceptance."""
     context = stop["context"]
     drawer = StopDrawer(ring, context, cfg)
     argmax_after: dict[int, int] = {}
@@ -325,9 +336,8 @@ def measure_head_stop(ring: Ring, index: int, stop: dict, cfg: SwarmProofConfig)
             argmax_after[x0] = drawer.follow([x0], params=SamplingParams(temp=0.0))[0]
         return argmax_after[x0]
 
-    seeds = _stop_seeds(cfg, index)
-    spec, mutant, head_rounds, drafted, accepted, first_accepted = [], [], 0, 0, 0, 0
-    exact_identical = 0
+    seeds = _stop_seeds(cfg, index, part)
+    spec, head_rounds, drafted, accepted, first_accepted, exact_identical = [], 0, 0, 0, 0, 0
     try:
         plain = [tuple(drawer.plain_run(s, 2)) for s in seeds["plain"]]
         floor = [tuple(drawer.plain_run(s, 2)) for s in seeds["floor"]]
@@ -344,23 +354,20 @@ def measure_head_stop(ring: Ring, index: int, stop: dict, cfg: SwarmProofConfig)
                 drafted += len(drafts)
                 accepted += len(committed) - 1
                 first_accepted += committed[0] == drafts[0]
-            exact_identical += drawer.plain_run(s, 1 + len(committed)) == [x0, *committed]
-            # The lossy mutant: a ring whose caches keep the previous draw's token at the stop
-            # (a truncation that fails), so x1 follows the wrong x0. It changes the pair's law
-            # however often the head is right, unlike an acceptance rule that a good head
-            # rarely gets to break.
-            stale = spec[-2][0] if len(spec) > 1 else x0
-            mutant.append((x0, drawer.follow([stale], params=cfg.params(s))[0]))
+            # x0 was a plain draw (its round verified nothing): the check starts after it.
+            exact_identical += drawer.plain_run(s, len(committed), after=[x0]) == committed
     finally:
         drawer.close()
     return {
-        "stop": index,
-        "position": len(context),
-        "pilot_entropy_bits": stop["pilot_entropy_bits"],
-        **_compare(
-            {"plain": plain, "floor": floor, "spec": spec, "mutant": mutant},
-            label=lambda pair: f"{pair[0]} {pair[1]}",
-        ),
+        "plain": plain,
+        "floor": floor,
+        "spec": spec,
+        # The lossy mutant: a ring whose caches keep an earlier draw's token at the stop (a
+        # truncation that fails), so x1 follows the wrong x0. It changes the pair's law however
+        # often the head is right, unlike an acceptance rule that a good head rarely gets to
+        # break. Its draws need no rounds of their own: the noise floor's x1 followed the
+        # floor's own x0, a draw independent of the speculative x0 it is paired with here.
+        "mutant": [(x0, other[1]) for (x0, _), other in zip(spec, floor, strict=True)],
         "exact_pairs": len(spec),
         "exact_identical": int(exact_identical),
         "head_rounds": head_rounds,
@@ -368,6 +375,38 @@ def measure_head_stop(ring: Ring, index: int, stop: dict, cfg: SwarmProofConfig)
         "head_accepted": accepted,
         "head_first_accepted": int(first_accepted),
     }
+
+
+SAMPLES = ("plain", "floor", "spec", "mutant")
+
+
+def stop_row(index: int, stop: dict, parts: Sequence[dict], pairs: bool) -> dict:
+    """What one stop's draws (its parts, in order) say: the laws compared, the exact check and
+    the counts; `pairs`: the samples are pairs of tokens (the head's proof)."""
+    samples = {name: [value for part in parts for value in part[name]] for name in SAMPLES}
+    counted = {
+        key: sum(part[key] for part in parts)
+        for key in parts[0]
+        if key not in SAMPLES and key != "drafts"
+    }
+    label = (lambda pair: f"{pair[0]} {pair[1]}") if pairs else int
+    return {
+        "stop": index,
+        "position": len(stop["context"]),
+        **({} if pairs else {"drafts": list(parts[0]["drafts"])}),
+        "pilot_entropy_bits": stop["pilot_entropy_bits"],
+        **_compare(samples, label=label),
+        **counted,
+    }
+
+
+def split_draws(draws: int, stops: int, rings: int) -> list[slice]:
+    """Each stop's draws cut into parts, each measured in a session of its own, so that about
+    three parts per ring wait to be measured: the rings stay busy until the last few parts,
+    whichever stops ran long (the head's draws take a round more per accepted draft)."""
+    n = max(1, min(draws, -(-3 * rings // stops))) if rings > 1 else 1
+    bounds = np.linspace(0, draws, n + 1).astype(int).tolist()
+    return [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True) if hi > lo]
 
 
 def run_swarm_proof(
@@ -386,13 +425,25 @@ def run_swarm_proof(
     stops = choose_stops(rings, prompts, cfg, progress)
     if not stops:
         raise ValueError("the generations were too short to hold a stop")
-    measure = measure_head_stop if cfg.draft_head else measure_stop
-    rows = in_flight(
-        rings,
-        lambda lane, job: measure(lane, job[0], job[1], cfg),
-        list(enumerate(stops)),
-        progress,
-    )
+    draw = draw_head_stop if cfg.draft_head else draw_stop
+    parts = split_draws(cfg.draws, len(stops), len(rings))
+    parts_left, counting = [len(parts)] * len(stops), threading.Lock()
+
+    def measure(lane: Ring, job: tuple[int, dict, slice]) -> dict:
+        index, stop, part = job
+        drawn = draw(lane, index, stop, cfg, part)
+        with counting:  # progress counts stops: one when its last part is drawn
+            parts_left[index] -= 1
+            if not parts_left[index]:
+                progress(1)
+        return drawn
+
+    jobs = [(index, stop, part) for index, stop in enumerate(stops) for part in parts]
+    drawn = in_flight(rings, measure, jobs)
+    rows = [
+        stop_row(index, stop, drawn[index * len(parts) : (index + 1) * len(parts)], cfg.draft_head)
+        for index, stop in enumerate(stops)
+    ]
     alpha_per_stop = cfg.alpha / len(rows)
     failing = [r["stop"] for r in rows if r["p_value"] <= alpha_per_stop]
     flagged = [r["stop"] for r in rows if r["p_value_mutant"] <= alpha_per_stop]

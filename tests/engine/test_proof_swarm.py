@@ -9,7 +9,7 @@ from specpipe.decoding.local_ring import LocalRing
 from specpipe.drafting.head import DraftHead, TailHead, TargetParts
 from specpipe.proofs.outputs import run_generation_proof
 from specpipe.proofs.report import SwarmProofSummary, format_swarm_summary
-from specpipe.proofs.swarm import SwarmProofConfig, in_flight, run_swarm_proof
+from specpipe.proofs.swarm import SwarmProofConfig, in_flight, run_swarm_proof, split_draws
 from tests.engine.toy_stages import WIDTH, ToyStage, toy_stages
 
 PROMPTS = [[3, 7, 1, 9, 3, 7, 1, 9], [5, 6, 7, 8]]
@@ -134,6 +134,16 @@ def test_stops_measured_in_flight_say_what_one_lane_says(with_head):
     together = run_swarm_proof(ring(), PROMPTS, cfg, done.append, [ring() for _ in range(3)])
     assert together == alone
     assert len(done) == cfg.work_units()
+
+
+@pytest.mark.parametrize(
+    ("draws", "stops", "rings", "parts"),
+    [(140, 12, 1, 1), (140, 12, 12, 3), (140, 4, 12, 9), (5, 1, 12, 5), (140, 12, 2, 1)],
+)
+def test_a_stops_draws_are_cut_into_parts_that_cover_each_draw_once(draws, stops, rings, parts):
+    cut = split_draws(draws, stops, rings)
+    assert len(cut) == parts
+    assert [i for part in cut for i in range(draws)[part]] == list(range(draws))
 
 
 def test_in_flight_keeps_the_items_order_uses_each_ring_once_at_a_time_and_raises():
