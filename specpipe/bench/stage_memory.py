@@ -74,13 +74,15 @@ def measure_load(path: str, start: int, end: int, dtype: str, draft_head: bool) 
         )
         load_s = time.perf_counter() - started
     held = list(stage.state_dict().values())
+    host_held = []  # what a GPU tail keeps in host memory: its draft head's embedding table
     if head is not None:
         held += list(head.head.state_dict().values())
-        held += [head.parts.head_weight, head.parts.embed_weight]
+        held += [head.parts.head_weight]
+        host_held += [head.parts.embed_weight]
     mapped_rss, peak = _rss() - base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     # What a copy to a GPU reads: every byte once, a tensor at a time.
     started = time.perf_counter()
-    for t in held:
+    for t in held + host_held:
         if t is not None:
             torch.empty_like(t).copy_(t)
     read_s = time.perf_counter() - started
@@ -96,6 +98,7 @@ def measure_load(path: str, start: int, end: int, dtype: str, draft_head: bool) 
         "load_s": load_s,
         "read_s": read_s,
         "resident_weight_bytes": _unique_bytes(held),
+        "host_weight_bytes": _unique_bytes(host_held),
         "rss_bytes": mapped_rss,
         "peak_rss_bytes": max(peak - max(base, peak_before), mapped_rss),
         "rss_after_read_bytes": _rss() - base,
@@ -182,7 +185,7 @@ def format_row(row: dict) -> str:
     parts += ["+ embedding"] if row["embedding"] else []
     parts += ["+ head"] if row["head"] else []
     parts += ["+ draft head"] if row["draft_head"] else []
-    plan = row["budget"]
+    plan, host = row["budget"], row["host_weight_bytes"]
     context = plan["context_tokens_per_session"]
     if not plan["fits"]:
         room = "DOES NOT FIT"
@@ -192,8 +195,9 @@ def format_row(row: dict) -> str:
         room = f"{context:,} tokens each for {plan['sessions']} sessions"
     return (
         f"{' '.join(parts)} ({row['dtype']}): "
-        f"weights {row['resident_weight_bytes'] / GIB:.2f} GiB, "
-        f"RSS {row['rss_bytes'] / GIB:.2f} GiB mapped (peak {row['peak_rss_bytes'] / GIB:.2f}), "
+        f"weights {row['resident_weight_bytes'] / GIB:.2f} GiB"
+        + (f" (+ {row['host_weight_bytes'] / GIB:.2f} GiB in host memory), " if host else ", ")
+        + f"RSS {row['rss_bytes'] / GIB:.2f} GiB mapped (peak {row['peak_rss_bytes'] / GIB:.2f}), "
         f"load {row['load_s']:.1f} s, every byte read once {row['read_s']:.1f} s; "
         f"KV {row['kv_bytes_per_token'] / 1024:.0f} KiB/token "
         f"+ {row['kv_bytes_per_session_fixed'] / 2**20:.1f} MiB/session (windows); "

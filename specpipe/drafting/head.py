@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +70,7 @@ class TargetParts:
         if stage.embed is not None:
             embed = stage.embed
         elif embed_weight is not None:
-            embed = lambda ids: F.embedding(ids, embed_weight)  # noqa: E731
+            embed = partial(embed_rows, embed_weight)
         elif stage.cfg.tie_word_embeddings and stage.head.weight is not None:
             weight = stage.head.weight  # [V, D], tied: the embedding table itself
             embed = lambda ids: F.embedding(ids, weight)  # noqa: E731
@@ -83,6 +84,12 @@ class TargetParts:
             head = lambda x: F.linear(x, head_weight)  # noqa: E731
         own_table = embed_weight if stage.embed is None else None
         return cls(embed, stage.norm, head, head_weight, own_table)
+
+
+def embed_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The rows of `table` [V, D] for `ids` [N], on the ids' device: a table kept in host memory
+    gathers there, and only its N rows cross to the card."""
+    return F.embedding(ids.to(table.device), table).to(ids.device)
 
 
 def _rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -281,14 +288,16 @@ def load_with_head(
 
 
 def _embedding(first, tail, checkpoint) -> torch.Tensor | None:
-    """The token embedding table for `tail`'s head: stage 0's, or read from `checkpoint`."""
+    """The token embedding table for `tail`'s head: stage 0's, or read from `checkpoint` and
+    kept in host memory. The head embeds a few tokens a round, so on a GPU the card keeps the
+    table's memory for KV (gpt-oss-120b's: 1.08 GiB of a 24 GiB card)."""
     if first.embed is not None:
         return first.embed.weight
     if checkpoint is None:
         return None  # TargetParts.from_stage says what is missing
     from specpipe.model.stage import load_embedding
 
-    return load_embedding(checkpoint, tail.dtype).to(tail.device)
+    return load_embedding(checkpoint, tail.dtype).to("cpu")
 
 
 class TailHead:

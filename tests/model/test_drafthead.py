@@ -374,3 +374,32 @@ def test_the_training_prompts_leave_out_every_prompt_the_head_is_measured_on():
     # Nor any of their subjects: a held-out prompt is about something the head never read of.
     lowered = " ".join(measured).lower()
     assert [s for s in dt.SUBJECTS if s.lower() in lowered] == []
+
+
+def test_a_tail_apart_from_stage_0_keeps_its_heads_embedding_table_in_host_memory(
+    tmp_path, checkpoints
+):
+    """gpt-oss's head is not tied to its embedding, so a tail's draft head needs a table of its
+    own; it stays on the CPU, whatever the stage's device, and gathers rows for the ids' device."""
+    from specpipe.drafting.head import load_with_head
+    from specpipe.model.stage import load_embedding
+
+    checkpoint = open_checkpoint(checkpoints["gptoss-mxfp4"])
+    cfg = checkpoint.config
+    assert not cfg.tie_word_embeddings
+    head_file = tmp_path / "head.safetensors"
+    meta = {"model": "gptoss", "dim": cfg.dim, "vocab": cfg.vocab_size}
+    DraftHead(cfg.dim, cfg.dim).save(head_file, meta)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    (tail,), head = load_with_head(
+        lambda **options: [load_stage(checkpoint, 2, cfg.n_layers, device=device, **options)],
+        str(head_file),
+        "gptoss",
+        checkpoint,
+    )
+    assert tail.embed is None and tail.last
+    assert head.parts.embed_weight.device.type == "cpu"
+    ids = torch.tensor([1, 5, 9, 5], device=device)
+    rows = head.parts.embed(ids)
+    assert rows.device == ids.device
+    assert torch.equal(rows.cpu(), load_embedding(checkpoint)[ids.cpu()])
