@@ -6,6 +6,8 @@ answers 404, like one that does not exist, so ids say nothing about other users.
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import redis
 from flask import (
     Blueprint,
@@ -24,6 +26,7 @@ from app.db import get_session
 from app.forms import bad_utf8_fields
 from app.history import MAX_PAGE, SORTS, job_page
 from app.nodes import quick_redis
+from app.replies import job_reply
 from app.submitting import submitter
 from models.jobs import JOB_STATUSES, Job
 from specpipe.core.sampling import MAX_SEED_TEXT, SAMPLERS
@@ -148,6 +151,7 @@ def detail(job_id: int):
     return render_template(
         "jobs/detail.html",
         job=job,
+        reply=job_reply(job),
         queue=queue_place(get_session(), job),
         room=room_wait(job),
         ring=ring_panel(job),
@@ -190,10 +194,13 @@ def _layer_span(node) -> str:
 
 
 def job_state(job: Job) -> dict:
-    """The job as the API returns it, with a queued job's place in line (`queue`) and why it
-    waits for its stages' room (`waiting_for_room`)."""
+    """The job as the API returns it, with a chat on gpt-oss's reasoning and answer apart
+    (`reply`), a queued job's place in line (`queue`) and why it waits for its stages' room
+    (`waiting_for_room`)."""
+    reply = job_reply(job)
     return {
         **job.to_dict(),
+        "reply": None if reply is None else asdict(reply),
         "queue": queue_place(get_session(), job),
         "waiting_for_room": room_wait(job),
     }

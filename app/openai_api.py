@@ -20,6 +20,7 @@ from werkzeug.exceptions import ClientDisconnected
 
 from app.auth import current_user, user_from_token
 from app.db import get_session
+from app.replies import job_target, speaks_harmony
 from app.submitting import submitter
 from app.waits import TooManyOpen, open_completions
 from models.db import utcnow
@@ -28,7 +29,6 @@ from models.nodes import ring_nodes
 from specpipe import __version__
 from specpipe.core.sampling import MAX_TOP_LOGPROBS
 from specpipe.core.stopping import GenerationText, hold_back_stop_prefix
-from specpipe.decoding.target import open_target
 from specpipe.model.harmony import Reply, split_reply
 from workers.submission import JobRequestError, QueueUnavailable, TooManyActiveJobs
 
@@ -394,14 +394,6 @@ def _failure(job: Job) -> OpenAIError:
 # Answers
 
 
-def _target(job: Job):
-    """The job's model as the coordinator opened it (its tokenizer), or None if it cannot open."""
-    try:
-        return open_target(job.model)
-    except ValueError:
-        return None
-
-
 def finish_reason(job: Job, target=None) -> str:
     """`length` when the token budget ended the job, else `stop` (EOS or a stop string)."""
     ids = list(job.output_ids or [])
@@ -508,11 +500,11 @@ def _head(completion: Completion, job: Job, chunk: bool) -> dict:
 
 def whole_answer(completion: Completion, job: Job) -> dict:
     """The non-streamed response for a finished job."""
-    target = _target(job)
+    target = job_target(job)
     text = job.output_text or ""
     logprobs = _logprobs_of(completion, job, 0, len(job.output_ids or []), target, 0)
     choice: dict = {"index": 0, "finish_reason": finish_reason(job, target), "logprobs": logprobs}
-    if completion.chat and _harmony(target):
+    if completion.chat and speaks_harmony(target):
         reply = split_reply(text)
         choice["message"] = {
             "role": "assistant",
@@ -530,11 +522,6 @@ def whole_answer(completion: Completion, job: Job) -> dict:
         "usage": _usage(job),
         "specpipe": _extension(job),
     }
-
-
-def _harmony(target) -> bool:
-    """Whether the model's replies are harmony's channels (gpt-oss), to be given apart."""
-    return target is not None and target.harmony
 
 
 def _chunk(
@@ -595,10 +582,10 @@ def stream_answer(app: Flask, completion: Completion, job_id: int) -> Iterator[s
                 continue  # a rare decoder whose text changed behind the shown part: wait
             n_ids = len(job.output_ids or [])
             if not opened and (completion.chat or completion.logprobs is not None or job.finished):
-                target, opened = _target(job), True  # once: a model that cannot open stays so
+                target, opened = job_target(job), True  # once: a model that cannot open stays so
             logprobs = _logprobs_of(completion, job, sent_ids, n_ids, target, len(sent_text))
             if text != sent_text or first or logprobs:
-                if completion.chat and _harmony(target):
+                if completion.chat and speaks_harmony(target):
                     reply = split_reply(text)
                     new_text = reply.content[len(sent.content) :]
                     reasoning = reply.reasoning[len(sent.reasoning) :]

@@ -98,6 +98,12 @@ _JOB = {
         "seed_was_random": {"type": "boolean"},
         "cancel_requested": {"type": "boolean"},
         "output_text": {"type": "string"},
+        "reply": {
+            "type": ["object", "null"],
+            "description": "One job's reads only: a chat on a model that writes harmony's "
+            "channels (gpt-oss), its reasoning and its answer apart; null for any other job.",
+            "properties": {"reasoning": {"type": "string"}, "content": {"type": "string"}},
+        },
         "output_ids": {"type": "array", "items": {"type": "integer"}},
         "prompt_tokens": _NULLABLE_INT,
         "generated_tokens": {"type": "integer"},

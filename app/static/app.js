@@ -65,7 +65,12 @@
     setText("stat-toks", fixed(job.tok_s, 1));
     setText("stat-rounds", String(job.rounds));
     setText("stat-per-round", fixed(job.tokens_per_round, 2));
-    setText("job-output", job.output_text || "");
+    if (job.reply) {  // gpt-oss: its reasoning and its answer apart
+      setText("job-reasoning", job.reply.reasoning);
+      setText("job-output", job.reply.content);
+    } else {
+      setText("job-output", job.output_text || "");
+    }
     var strip = document.getElementById("rounds-strip");
     var rounds = job.accepted_drafts || [];
     if (strip && strip.dataset.rounds !== String(rounds.length)) {

@@ -3,7 +3,8 @@
 Both paths take the same options with the same defaults as the web form and the API, stream
 their text the same way (`TextStream`) and report the same numbers (`Outcome`). On the swarm
 the job goes through the submission path the web app uses, checked against the same limits,
-and its text streams as the coordinator records it.
+and its text streams as the coordinator records it. A chat with gpt-oss (harmony's channels)
+shows its reasoning on stderr and its answer on stdout, as they are written.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from specpipe.core.stopping import (
     check_stop_strings,
     hold_back_stop_prefix,
 )
+from specpipe.model.harmony import Reply, split_reply
 from specpipe.settings import JOB_DEFAULTS
 
 
@@ -45,11 +47,12 @@ class Outcome:
     """A finished generation as `generate` reports it."""
 
     tokens: list[int]
-    text: str
+    text: str  # with harmony: the answer alone
     tok_s: float
     rounds: int
     tokens_per_round: float  # tokens committed per verify round
     seed: int
+    reasoning: str = ""  # with harmony: the reasoning channel
 
     def to_json(self) -> str:
         record = asdict(self)
@@ -66,23 +69,57 @@ class Outcome:
 
 class TextStream:
     """Echoes a generation's text as it grows. What may still change is held back: an ending
-    that could begin a stop string, and an incomplete UTF-8 sequence."""
+    that could begin a stop string, and an incomplete UTF-8 sequence. With `harmony` (a chat
+    with gpt-oss) the reasoning goes to stderr and the answer to stdout, without the markers."""
 
-    def __init__(self, stops: list[str], quiet: bool) -> None:
-        self.stops, self.quiet, self.shown = stops, quiet, ""
+    def __init__(self, stops: list[str], quiet: bool, harmony: bool = False) -> None:
+        self.stops, self.quiet, self.harmony = stops, quiet, harmony
+        self.shown, self.shown_reply = "", Reply("", "")
 
     def show(self, text: str) -> None:
         if self.quiet:
             return
         text = hold_back_stop_prefix(text, self.stops)
         if not text.endswith("\ufffd") and text.startswith(self.shown):
-            click.echo(text[len(self.shown) :], nl=False)
-            sys.stdout.flush()
+            self._echo(text)
             self.shown = text
 
     def finish(self, text: str) -> None:
-        if not self.quiet:
-            click.echo(text[len(self.shown) :] if text.startswith(self.shown) else "")
+        if self.quiet:
+            return
+        if text.startswith(self.shown):
+            self._echo(text)
+        if self.harmony and self.shown_reply.reasoning and not self.shown_reply.content:
+            click.echo("", err=True)  # the reasoning's line ends
+        click.echo("")
+
+    def _echo(self, text: str) -> None:
+        """What `text` adds to what was shown."""
+        if not self.harmony:
+            click.echo(text[len(self.shown) :], nl=False)
+            sys.stdout.flush()
+            return
+        reply, shown = split_reply(text), self.shown_reply
+        more_reasoning = reply.reasoning[len(shown.reasoning) :]
+        more_content = reply.content[len(shown.content) :]
+        if more_reasoning:
+            header = "" if shown.reasoning else "reasoning: "
+            click.echo(header + more_reasoning, nl=False, err=True)
+            sys.stderr.flush()
+        if more_content:
+            if reply.reasoning and not shown.content:
+                click.echo("", err=True)  # the answer starts below the reasoning
+            click.echo(more_content, nl=False)
+            sys.stdout.flush()
+        self.shown_reply = reply
+
+
+def finished(text: str, harmony: bool) -> tuple[str, str]:
+    """A finished generation's answer and reasoning: with `harmony`, its channels apart."""
+    if not harmony:
+        return text, ""
+    reply = split_reply(text)
+    return reply.content, reply.reasoning
 
 
 @click.command(name="generate")
@@ -231,7 +268,6 @@ def generate(
     if as_json:
         click.echo(outcome.to_json())
         return
-    stream.finish(outcome.text)
     click.echo(f"\n{where}{outcome.summary()}", err=True)
 
 
@@ -277,16 +313,21 @@ def generate_locally(request: dict, model_name: str, options: dict, stream: Text
         eos_ids=target.eos_ids,
         should_stop=output.should_stop,
     )
+    stream.harmony = target.harmony and not options["raw"]
     for _ in run.rounds():
         stream.show(output.cut(run.generated)[0])
+    text = output.cut(run.generated)[0]
+    stream.finish(text)
     stats = run.stats
+    answer, reasoning = finished(text, stream.harmony)
     return Outcome(
         run.generated,
-        output.cut(run.generated)[0],
+        answer,
         stats.tok_s,
         stats.rounds,
         stats.tokens_per_round,
         seed,
+        reasoning,
     )
 
 
@@ -331,12 +372,14 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
     sessions = make_session_factory(config.database_url)
     with sessions() as session:
         try:
-            job_id = submitter.submit(session, request).id
+            job = submitter.submit(session, request)
+            job_id, job_model, job_raw = job.id, job.model, job.raw_prompt
         except QueueUnavailable as exc:
             raise click.ClickException(f"job {exc.job.id}: {exc}") from None
         except Exception as exc:  # e.g. a store that was never migrated
             where = redact_url(config.database_url)
             raise click.ClickException(f"cannot store the job in {where}: {exc}") from None
+    stream.harmony = not job_raw and _speaks_harmony(job_model)
     warned, queued_since = False, time.monotonic()
     try:
         while True:
@@ -356,15 +399,29 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
         raise click.ClickException(f"job {job_id}: cancelled") from None
     if job.status != "done":
         raise click.ClickException(f"job {job_id} {job.status}: {job.error or 'no reason given'}")
+    stream.finish(job.output_text)
+    answer, reasoning = finished(job.output_text, stream.harmony)
     outcome = Outcome(
         list(job.output_ids or []),
-        job.output_text,
+        answer,
         job.tok_s or 0.0,
         job.rounds,
         job.tokens_per_round or 0.0,
         job.seed,
+        reasoning,
     )
     return job_id, outcome
+
+
+def _speaks_harmony(model: str) -> bool:
+    """Whether the model writes harmony's channels (gpt-oss); False for one that cannot open
+    here, whose text is shown as it is."""
+    from specpipe.decoding.target import open_target
+
+    try:
+        return open_target(model).harmony
+    except ValueError:
+        return False
 
 
 def checked_request(request: dict, check=None) -> dict:

@@ -91,7 +91,8 @@ def test_generate_tiny_checkpoint_spec_equals_plain(checkpoints, tmp_path):
     assert spec["tokens"] == plain["tokens"] and len(spec["tokens"]) > 0
     assert json.loads(invoke(*common, "--draft-k", "0").output)["rounds"] == plain["rounds"]
     assert plain["rounds"] == len(plain["tokens"])
-    assert set(spec) == {"tokens", "text", "tok_s", "rounds", "tokens_per_round", "seed"}
+    fields = {"tokens", "text", "tok_s", "rounds", "tokens_per_round", "seed", "reasoning"}
+    assert set(spec) == fields
     assert spec["tokens_per_round"] == pytest.approx(len(spec["tokens"]) / spec["rounds"], 1e-2)
 
 

@@ -34,17 +34,23 @@ def test_a_reply_gives_its_reasoning_and_its_answer_apart():
     assert split_reply("Just text.") == Reply("", "Just text.")
 
 
+def _cuts(text: str) -> list[int]:
+    """Every place a tokenizer could cut `text`: between characters or whole markers (each
+    marker is one token)."""
+    markers = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>")
+    cuts, i = [], 0
+    while i < len(text):
+        marker = next((m for m in markers if text.startswith(m, i)), None)
+        i += len(marker) if marker else 1
+        cuts.append(i)
+    return cuts
+
+
 def test_a_reply_being_written_only_grows_in_each_channel():
     """Streamed, each channel's text so far is a prefix of its final text: deltas never retract."""
     final = split_reply(REPLY)
-    markers = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>")
-    cuts, i = [], 0
-    while i < len(REPLY):  # every cut a tokenizer could make: between characters or markers
-        marker = next((m for m in markers if REPLY.startswith(m, i)), None)
-        i += len(marker) if marker else 1
-        cuts.append(i)
     seen = Reply("", "")
-    for cut in cuts:
+    for cut in _cuts(REPLY):
         now = split_reply(REPLY[:cut])
         assert final.reasoning.startswith(now.reasoning) and final.content.startswith(now.content)
         assert now.reasoning.startswith(seen.reasoning) and now.content.startswith(seen.content)
@@ -93,3 +99,42 @@ def test_a_tokenizer_without_every_marker_is_not_harmony(missing):
     assert speaks_harmony(tokens.get)
     del tokens[missing]
     assert not speaks_harmony(tokens.get)
+
+
+def test_generate_shows_the_reasoning_on_stderr_and_the_answer_on_stdout_as_they_grow(capsys):
+    from specpipe.cli.generate import TextStream, finished
+
+    stream = TextStream([], quiet=False, harmony=True)
+    for cut in _cuts(REPLY):
+        stream.show(REPLY[:cut])
+    stream.finish(REPLY)
+    shown = capsys.readouterr()
+    assert shown.out == "Hello! How can I help?\n"
+    assert shown.err == "reasoning: The user greets. Answer briefly.\n"
+    assert finished(REPLY, True) == ("Hello! How can I help?", "The user greets. Answer briefly.")
+    # Any other model (or a raw prompt): the text as generated, on stdout.
+    plain = TextStream([], quiet=False)
+    plain.show(REPLY[:40])
+    plain.finish(REPLY)
+    assert capsys.readouterr().out == REPLY + "\n"
+    assert finished(REPLY, False) == (REPLY, "")
+
+
+def test_generate_on_a_gpt_oss_checkpoint_reports_the_answer_and_the_reasoning(
+    tmp_path, monkeypatch
+):
+    import json
+
+    from click.testing import CliRunner
+
+    from specpipe.cli import cli
+
+    model = str(write_checkpoint(tmp_path / "oss", monkeypatch))
+    argv = ["generate", "--local", "Hi", "--model", model, "--max-new-tokens", "6", "--json"]
+    done = CliRunner().invoke(cli, [*argv, "--temp", "0"])
+    assert done.exit_code == 0, done.output
+    outcome = json.loads(done.output.strip().splitlines()[-1])
+    # Random weights write no channels: all of the text is the answer, with no reasoning.
+    assert outcome["reasoning"] == "" and len(outcome["tokens"]) == 6
+    raw = CliRunner().invoke(cli, [*argv, "--temp", "0", "--raw"])
+    assert json.loads(raw.output.strip().splitlines()[-1])["reasoning"] == ""

@@ -146,9 +146,8 @@ def test_a_swarm_job_equals_the_local_run_spec_and_plain(tiny, env, kw):
         want = generate("--local", "--stages", "2", *options(tiny, **kw, draft_k=0), *extra)
     assert spec["tokens"] == plain["tokens"] == want["tokens"] and want["tokens"]
     assert spec["text"] == plain["text"] == want["text"]
-    assert (
-        set(spec) == set(want) == {"tokens", "text", "tok_s", "rounds", "tokens_per_round", "seed"}
-    )
+    fields = {"tokens", "text", "tok_s", "rounds", "tokens_per_round", "seed", "reasoning"}
+    assert set(spec) == set(want) == fields
     assert plain["rounds"] == len(plain["tokens"]) and plain["tokens_per_round"] == 1.0
     assert spec["tokens_per_round"] == pytest.approx(len(spec["tokens"]) / spec["rounds"], 1e-2)
     if kw["temp"] == 0:  # greedy on this checkpoint repeats itself: some drafts get accepted

@@ -22,7 +22,7 @@ from models.jobs import Job
 from models.runs import start_run
 from specpipe.swarm.kvbudget import Full, room_name
 from tests.dbfixtures import backend_name
-from tests.factories import gen_node, gen_proof_run, gen_ring, gen_user
+from tests.factories import gen_job, gen_node, gen_proof_run, gen_ring, gen_user
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -214,6 +214,34 @@ def test_a_job_waiting_for_room_says_so_until_it_runs(server, page, session, que
     assert page.is_hidden("#job-room") and page.is_hidden("#job-queue")
     page.reload()
     assert page.is_hidden("#job-room")
+
+
+def test_a_gpt_oss_chat_job_shows_its_reasoning_then_its_answer_as_they_are_written(
+    server, page, session, tmp_path, monkeypatch
+):
+    from sqlalchemy import select
+
+    from models.users import User
+    from tests.harmony_checkpoint import write_checkpoint
+
+    model = str(write_checkpoint(tmp_path / "oss", monkeypatch))
+    alice = session.scalars(select(User).where(User.name == "alice")).one()
+    reasoning = "<|channel|>analysis<|message|>User says hi. Keep it short."
+    job = gen_job(session, alice, model=model, status="running", output_text=reasoning)
+    page.goto(f"{server}/jobs/{job.id}")
+    assert page.text_content("#job-reasoning") == "User says hi. Keep it short."
+    assert page.text_content("#job-output") == ""
+    job.record_progress(
+        list(range(12)),
+        reasoning + "<|end|><|start|>assistant<|channel|>final<|message|>Hello there.<|return|>",
+        [1] * 12,
+        elapsed_s=2.0,
+    )
+    session.commit()
+    page.wait_for_function("() => document.getElementById('job-output').textContent !== ''")
+    assert page.text_content("#job-output") == "Hello there."
+    assert page.text_content("#job-reasoning") == "User says hi. Keep it short."
+    shot(page, "05-gpt-oss-reasoning")
 
 
 def test_form_errors_shown(server, page, session, queue):

@@ -444,3 +444,35 @@ def test_unknown_page_is_friendly_404(client):
 def test_static_assets_served(client):
     for name in ("style.css", "app.js", "favicon.svg"):
         assert client.get(f"/static/{name}").status_code == 200
+
+
+def test_a_gpt_oss_chat_job_shows_its_reasoning_and_its_answer_apart(
+    client, api, session, tmp_path, monkeypatch
+):
+    """The job page and the job's JSON give harmony's channels apart; a raw prompt's job, or
+    any other model's, shows its text as generated."""
+    from tests.harmony_checkpoint import write_checkpoint
+
+    model = str(write_checkpoint(tmp_path / "oss", monkeypatch))
+    generated = (
+        "<|channel|>analysis<|message|>User says <b>hi</b>.<|end|><|start|>assistant"
+        "<|channel|>final<|message|>Hello there.<|return|>"
+    )
+    chat = gen_job(session, model=model, status="done", output_text=generated)
+    html = client.get(f"/jobs/{chat.id}").get_data(as_text=True)
+    assert re.search(r'id="job-reasoning">User says &lt;b&gt;hi&lt;/b&gt;\.</pre>', html)
+    assert re.search(r'id="job-output">Hello there\.</pre>', html)
+    assert "<|" not in html.split('id="job-prompt"')[1].split("</section>")[0]
+    state = client.get(f"/jobs/{chat.id}/progress").get_json()
+    assert state["reply"] == {"reasoning": "User says <b>hi</b>.", "content": "Hello there."}
+    assert state["output_text"] == generated  # the record keeps the text as generated
+    assert api.get(f"/jobs/{chat.id}").get_json()["reply"] == state["reply"]
+    assert "reply" not in api.get("/jobs").get_json()["jobs"][0]  # one job's reads only
+
+    raw = gen_job(session, model=model, status="done", output_text=generated, raw_prompt=True)
+    other = gen_job(session, status="done", output_text=generated)  # a model that cannot open
+    for job in (raw, other):
+        html = client.get(f"/jobs/{job.id}").get_data(as_text=True)
+        assert 'id="job-reasoning"' not in html
+        assert "&lt;|channel|&gt;analysis" in html
+        assert client.get(f"/jobs/{job.id}/progress").get_json()["reply"] is None
