@@ -11,7 +11,9 @@ STAMP  := $(VENV)/.installed
 # PYTEST_WORKERS xdist workers, a test file to a worker, so that a module's fixtures (the fault
 # matrix, a lab, stage processes) are set up once; the lab's tests each take a free subnet of
 # their own. Files go out in collection order, which puts the slow ones first (tests/conftest.py).
-# The PostgreSQL pass runs the database tests the same way.
+# Then gpt-oss at its real shapes against transformers runs alone (about 18 GB of memory: beside
+# another worker it could run the machine out). The PostgreSQL pass runs the database tests the
+# same way as the first.
 PG_TEST_URL ?= postgresql://postgres@127.0.0.1:5432/test
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
@@ -35,6 +37,7 @@ test: install browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(PYTEST)
+	$(BIN)/pytest -q -m realshape
 	@if [ -n "$$CI" ] || $(BIN)/python -c "import psycopg; psycopg.connect('$(PG_TEST_URL)', connect_timeout=3).close()" 2>/dev/null; then \
 	  echo "TESTING_DATABASE_URL=$(PG_TEST_URL) pytest -m db"; \
 	  TESTING_DATABASE_URL=$(PG_TEST_URL) $(PYTEST) -m db; \

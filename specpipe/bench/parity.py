@@ -48,11 +48,13 @@ def _theirs(path: Path, ids: torch.Tensor, steps: int) -> tuple:
 
     config = json.loads((path / "config.json").read_text())
     config.pop("quantization_config")
-    with warnings.catch_warnings():
+    config = transformers.GptOssConfig(**config)
+    # Built without weights (no random init to overwrite: time, and a second copy in memory),
+    # then given the checkpoint's tensors in float32, the experts unpacked by transformers.
+    with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
-        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**config)).eval()
-    # Copied in one tensor at a time: the model's own float32 weights are most of the memory.
-    params, loaded = model.state_dict(), set()
+        model = transformers.GptOssForCausalLM(config).eval()
+    state = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
@@ -61,14 +63,13 @@ def _theirs(path: Path, ids: torch.Tensor, steps: int) -> tuple:
                 if name.endswith("_blocks"):
                     name = name.removesuffix("_blocks")
                     blocks, scales = f.get_tensor(name + "_blocks"), f.get_tensor(name + "_scales")
-                    t = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+                    state[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
                 else:
-                    t = f.get_tensor(name)
-                params[name].copy_(t)  # KeyError: a tensor transformers does not have
-                loaded.add(name)
-                del t
-    if missing := set(params) - loaded:
-        raise ValueError(f"transformers' model has tensors the checkpoint lacks: {missing}")
+                    state[name] = f.get_tensor(name).float()
+    model.load_state_dict(state, strict=True, assign=True)  # a name either side lacks: an error
+    del state
+    # The rotary frequencies are computed, not loaded: made again, on the CPU.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config)
     with torch.no_grad():  # greedy by whole forwards: ours decodes from its cache, step by step
         logits = model(ids[None]).logits[0]
         tokens, last = [], logits[-1]
