@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specpipe.core.tree import DraftTree, walk
+
 # A seed keys the Philox stream, so any 64-bit unsigned integer will do: what every command, the
 # web form, the APIs and the store accept.
 MAX_SEED = 2**64 - 1
@@ -532,6 +534,19 @@ class Sampler:
                 f"sample takes one row of logits [V], got shape {np.shape(logits_row)}"
             )
         return int(self._draws(_as_logits(logits_row), pos)[0])
+
+    def accept_tree(self, logits, tree: DraftTree, start_pos: int) -> tuple[list[int], list[int]]:
+        """Verify a draft tree (`core.tree`): logits `[tree.rows, V]`, row r's for position
+        start_pos + depth(r). Returns the committed tokens and the rows walked; only the rows
+        walked are sampled. A chain commits what `accept` does."""
+        z = _as_logits(logits)
+        if np.ndim(logits) != 2 or len(z) != tree.rows:
+            raise ValueError(f"a tree of {tree.rows} rows needs logits [{tree.rows}, V]")
+        if any(t >= z.shape[1] for t in tree.tokens):
+            raise ValueError(f"draft ids must lie in [0, {z.shape[1]})")
+        return walk(
+            tree, lambda row, depth: int(self._draws(z[row : row + 1], start_pos + depth)[0])
+        )
 
     def accept(self, logits, drafts: Sequence[int], start_pos: int) -> list[int]:
         """Verify K drafts: logits `[K+1, V]` for positions start_pos … start_pos+K.

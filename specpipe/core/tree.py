@@ -1,0 +1,101 @@
+"""Draft trees: several candidates per position, verified in one round by walking the tree.
+
+A round sends the last committed token (the root, row 0) and the drafts as rows 1 … N; draft
+row r has a token and a parent row (0: the root), and its logits give the distribution of the
+token one position past it. A chain of K drafts is the tree whose every row has one child.
+
+Verifying is walking: at the root draw the target's token at its position; if a child of the
+root holds that token, move to it and draw again one position on; stop at the first row none
+of whose children holds the draw. The committed tokens are the draws made on the way, so the
+round commits 1 + (accepted depth) tokens.
+
+Why this is exact. A sampler's draw at absolute position t is a function of (seed, t, the
+logits there) alone: the Gumbel-max draw (`core.coupling`), or the inverse CDF at u_t
+(`core.sampling`). The row the walk draws at holds the committed prefix and nothing else
+(every row sees only the prefix and its own ancestors), so its logits are plain decoding's at
+that position and its draw is plain sampling's. The committed tokens are plain sampling's token
+for token, whatever the tree held; a tree changes how many a round commits, never which.
+Under the Gumbel coupling a drafter that shares the noise also proposes well: its best
+candidates are those most likely to equal the target's draw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Drafts under the root: draft i is row i + 1, with token `tokens[i]` under row
+    `parents[i]` (0: the root; a parent comes before its children). Siblings hold different
+    tokens, so the walk follows at most one child."""
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"{len(self.tokens)} drafts but {len(self.parents)} parents")
+        seen: set[tuple[int, int]] = set()
+        for i, (token, parent) in enumerate(zip(self.tokens, self.parents, strict=True)):
+            if not 0 <= parent <= i:
+                raise ValueError(f"draft {i} (row {i + 1}) has parent row {parent}, not 0 … {i}")
+            if token < 0:
+                raise ValueError(f"draft {i} has token {token}: ids are never negative")
+            if (parent, token) in seen:
+                raise ValueError(f"row {parent} has two children holding token {token}")
+            seen.add((parent, token))
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> DraftTree:
+        """K drafts one after another: row r's parent is row r - 1."""
+        return cls(tuple(int(t) for t in tokens), tuple(range(len(tokens))))
+
+    @property
+    def rows(self) -> int:
+        """Rows a round runs: the root and every draft."""
+        return len(self.tokens) + 1
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        """Each row's distance from the root (the root: 0); row r's logits are for the
+        position `depth` past the root's."""
+        depths = [0]
+        for parent in self.parents:
+            depths.append(depths[parent] + 1)
+        return tuple(depths)
+
+    @cached_property
+    def _children(self) -> tuple[dict[int, int], ...]:
+        children: list[dict[int, int]] = [{} for _ in range(self.rows)]
+        for i, (token, parent) in enumerate(zip(self.tokens, self.parents, strict=True)):
+            children[parent][token] = i + 1
+        return tuple(children)
+
+    def child(self, row: int, token: int) -> int | None:
+        """The row under `row` holding `token`, if any."""
+        return self._children[row].get(token)
+
+    def ancestors(self, row: int) -> list[int]:
+        """The rows from the root down to `row`, both included: what `row` may attend to
+        within the round (besides the committed prefix)."""
+        path = [row]
+        while path[-1] != 0:
+            path.append(self.parents[path[-1] - 1])
+        return path[::-1]
+
+
+def walk(tree: DraftTree, draw: Callable[[int, int], int]) -> tuple[list[int], list[int]]:
+    """Verify `tree`: `draw(row, depth)` is the target's token from row's logits, at the
+    position `depth` past the root. Returns the committed tokens (one per row walked) and the
+    rows walked, the root first: the accepted drafts are the rows after the root."""
+    row, committed, path = 0, [], [0]
+    while True:
+        token = int(draw(row, tree.depths[row]))
+        committed.append(token)
+        row = tree.child(row, token)
+        if row is None:
+            return committed, path
+        path.append(row)
