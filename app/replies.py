@@ -25,11 +25,9 @@ def speaks_harmony(target: Target | None) -> bool:
     return target is not None and target.harmony
 
 
-def job_reply(job: Job, target: Target | None = None) -> Reply | None:
-    """The reasoning and the answer of a chat job on a model that speaks harmony (`target`:
-    the job's, when the caller has it); None for any other job, whose text is its answer."""
-    if job.raw_prompt:
-        return None
-    if not speaks_harmony(target or job_target(job)):
+def job_reply(job: Job) -> Reply | None:
+    """The reasoning and the answer of a chat job on a model that speaks harmony; None for any
+    other job (a raw prompt's too), whose text is its answer."""
+    if job.raw_prompt or not speaks_harmony(job_target(job)):
         return None
     return split_reply(job.output_text or "")

@@ -336,7 +336,7 @@ def _closing_ring(ring: Ring, plain_errors: tuple[type[Exception], ...] = ()) ->
     type=click.IntRange(1, 64),
     default=PROOF_IN_FLIGHT,
     show_default=True,
-    help="Stops measured at once on the swarm, each a session of its own (--local: one).",
+    help="Sessions in flight on the swarm, each measuring part of a stop's draws (--local: one).",
 )
 @json_option
 @store_option
