@@ -57,6 +57,10 @@ class Request:
     inputs: torch.Tensor
     start_pos: int
     last_rows: int | None = None
+    # A draft tree (`core.tree`): the parent row of each input row after the first (the root);
+    # row r sits at start_pos + its depth and sees the prefix and its own ancestors. None: the
+    # rows are a sequence at start_pos, start_pos + 1, …
+    parents: tuple[int, ...] | None = None
 
 
 class Stage(Protocol):

@@ -38,10 +38,9 @@ class DraftTree:
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
             raise ValueError(f"{len(self.tokens)} drafts but {len(self.parents)} parents")
+        ancestor_paths(self.parents)  # ValueError for a parent that is not an earlier row
         seen: set[tuple[int, int]] = set()
         for i, (token, parent) in enumerate(zip(self.tokens, self.parents, strict=True)):
-            if not 0 <= parent <= i:
-                raise ValueError(f"draft {i} (row {i + 1}) has parent row {parent}, not 0 … {i}")
             if token < 0:
                 raise ValueError(f"draft {i} has token {token}: ids are never negative")
             if (parent, token) in seen:
@@ -59,13 +58,15 @@ class DraftTree:
         return len(self.tokens) + 1
 
     @cached_property
+    def paths(self) -> tuple[tuple[int, ...], ...]:
+        """Each row's rows from the root down to itself (`ancestor_paths`)."""
+        return ancestor_paths(self.parents)
+
+    @cached_property
     def depths(self) -> tuple[int, ...]:
         """Each row's distance from the root (the root: 0); row r's logits are for the
         position `depth` past the root's."""
-        depths = [0]
-        for parent in self.parents:
-            depths.append(depths[parent] + 1)
-        return tuple(depths)
+        return tuple(len(path) - 1 for path in self.paths)
 
     @cached_property
     def _children(self) -> tuple[dict[int, int], ...]:
@@ -81,10 +82,27 @@ class DraftTree:
     def ancestors(self, row: int) -> list[int]:
         """The rows from the root down to `row`, both included: what `row` may attend to
         within the round (besides the committed prefix)."""
-        path = [row]
-        while path[-1] != 0:
-            path.append(self.parents[path[-1] - 1])
-        return path[::-1]
+        return list(self.paths[row])
+
+
+def ancestor_paths(parents: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """For a tree given by its drafts' parent rows (draft i is row i + 1, row 0 the root), each
+    row's rows from the root down to itself. ValueError for a parent that is not an earlier row."""
+    paths: list[tuple[int, ...]] = [(0,)]
+    for i, parent in enumerate(parents):
+        if not 0 <= parent <= i:
+            raise ValueError(f"draft {i} (row {i + 1}) has parent row {parent}, not 0 … {i}")
+        paths.append((*paths[parent], i + 1))
+    return tuple(paths)
+
+
+def is_path(paths: Sequence[Sequence[int]], rows: Sequence[int]) -> bool:
+    """Whether `rows` run from the root down a branch of the tree whose `paths` are given."""
+    return (
+        0 < len(rows) <= len(paths)
+        and all(0 <= r < len(paths) for r in rows)
+        and (tuple(paths[rows[-1]]) == tuple(rows))
+    )
 
 
 def walk(tree: DraftTree, draw: Callable[[int, int], int]) -> tuple[list[int], list[int]]:

@@ -38,6 +38,9 @@ class Segment:
     sin: torch.Tensor
     cache: LayerCache
     pos: int
+    # A draft tree: each token row's rows from the root down to itself. Row r sits at position
+    # pos + len(ancestors[r]) - 1 (its rotations say so too); None: a sequence.
+    ancestors: tuple[tuple[int, ...], ...] | None = None
 
 
 class Attention(nn.Module):
@@ -89,6 +92,9 @@ class Attention(nn.Module):
         k, v = qk[H:], qkv[H + self.n_kv :]  # [Hkv, P, hd] x 2
         if T < P:
             k, v = k[:, :T], v[:, :T]
+        if seg.ancestors is not None:
+            out = self._attend_tree(qk[:H], k, v, seg)
+            return out.transpose(0, 1).reshape(P, self.n_heads * self.hd)
         pos = seg.pos
         keys, values, first = seg.cache.append(k, v, pos)  # [Hkv, S, hd], position of key 0
         if self.row_stable and keys.shape[1] < MIN_KEYS:  # padded keys lie in the future: masked
@@ -102,6 +108,27 @@ class Attention(nn.Module):
         ]
         out = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)  # [H, P, hd]
         return out.transpose(0, 1).reshape(P, self.n_heads * self.hd)
+
+    def _attend_tree(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segment
+    ) -> torch.Tensor:
+        """A draft tree's rows, q [H, P, hd] with k, v [Hkv, T, hd] -> [H, P, hd]: each token
+        row over the prefix and its own ancestors, those keys gathered in order from the root,
+        so that the keys a row sees lie exactly as a plain step's at its position would. The
+        rows' keys wait in the cache for the accepted path (`LayerCache.keep`)."""
+        prefix_k, prefix_v, first = seg.cache.prefix(seg.pos)
+        seg.cache.pending = (k, v, seg.pos)
+        outs = []
+        for r in range(q.shape[1]):
+            path = list(seg.ancestors[r] if r < seg.tokens else (0,))  # padding: as the root
+            keys = torch.cat([prefix_k, k[:, path]], dim=1)  # [Hkv, S, hd]
+            values = torch.cat([prefix_v, v[:, path]], dim=1)
+            if self.row_stable and keys.shape[1] < MIN_KEYS:
+                keys, values = padded(keys, MIN_KEYS), padded(values, MIN_KEYS)
+            at = seg.pos + len(path) - 1
+            masked = self.window is not None or first + keys.shape[1] > at + 1
+            outs.append(self._attend(q[:, r : r + 1], keys, values, first, at, masked))
+        return torch.cat(outs, dim=1)
 
     def _attend(
         self,

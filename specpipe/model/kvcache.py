@@ -39,6 +39,9 @@ class LayerCache:
         self.v = torch.empty_like(self.k)
         self.first = 0  # absolute position held in slot 0
         self.end = 0  # one past the last absolute position held
+        # A draft tree's keys and values [Hkv, R, hd] and its root's position, held apart until
+        # the rows of its accepted path are known (`keep`).
+        self.pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     def append(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> tuple[torch.Tensor, ...]:
         """Store k, v [Hkv, T, hd] at positions pos…; return all keys, values and `first`."""
@@ -55,6 +58,22 @@ class LayerCache:
         self.end = pos + T
         n = self.end - self.first
         return self.k[:, :n], self.v[:, :n], self.first
+
+    def prefix(self, pos: int) -> tuple[torch.Tensor, ...]:
+        """The keys, values and `first` of the positions before `pos`, storing nothing."""
+        self.check(pos)
+        n = pos - self.first
+        return self.k[:, :n], self.v[:, :n], self.first
+
+    def keep(self, rows: list[int]) -> None:
+        """Store the pending tree's `rows` (an accepted path, root first) at its root's position
+        on, as if they had been appended one after another."""
+        if self.pending is None:
+            raise GapError("no draft tree is waiting for its path here")
+        k, v, pos = self.pending
+        index = torch.tensor(rows, device=k.device)
+        self.append(k[:, index], v[:, index], pos)
+        self.pending = None
 
     def check(self, pos: int) -> None:
         """Raise GapError unless this layer can continue from `pos`."""
@@ -92,6 +111,8 @@ class SessionCache:
     def __init__(self, layers: list[LayerCache]) -> None:
         self.layers = layers
         self.length = 0
+        # After a draft tree's round: each of its rows' path from the root, until `keep_path`.
+        self.tree: tuple[tuple[int, ...], ...] | None = None
 
     def check(self, start_pos: int) -> None:
         """Raise GapError when `start_pos` is beyond what this session holds."""

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpipe.core.ring import GapError, Request
+from specpipe.core.tree import ancestor_paths, is_path
 from specpipe.model.attention import Segment
 from specpipe.model.config import ModelConfig
 from specpipe.model.errors import ModelError
@@ -123,20 +124,30 @@ class StageModel(nn.Module):
             xs[-1] = F.pad(xs[-1], (0, 0, 0, deficit))  # [P, D]: rows from T on are padding
         segments = []
         for i, x, T in zip(rows, xs, tokens, strict=True):
-            cos, sin = self.rotary(requests[i].start_pos, x.shape[0], self.dtype)
-            segments.append((x.shape[0], T, cos, sin, requests[i].start_pos))
+            req, P = requests[i], x.shape[0]
+            if req.parents is None:
+                cos, sin = self.rotary(req.start_pos, P, self.dtype)
+                paths = None
+            else:  # a draft tree: row r turns as the token at start_pos + its depth
+                paths = ancestor_paths(req.parents)
+                depths = [len(path) - 1 for path in paths] + [0] * (P - T)  # padding: the root's
+                cos, sin = self.rotary(req.start_pos, max(depths) + 1, self.dtype)
+                cos, sin = cos[depths], sin[depths]
+            segments.append((P, T, cos, sin, req.start_pos, paths))
         x = xs[0] if len(xs) == 1 else torch.cat(xs)  # [sum of P, D]
         for layer_index, layer in enumerate(self.layers):
             parts = [
-                Segment(P, T, cos, sin, cache.layers[layer_index], pos)
-                for (P, T, cos, sin, pos), cache in zip(segments, caches, strict=True)
+                Segment(P, T, cos, sin, cache.layers[layer_index], pos, paths)
+                for (P, T, cos, sin, pos, paths), cache in zip(segments, caches, strict=True)
             ]
             x = layer.forward_many(x, parts)
         start, kept = 0, []
-        for i, cache, (P, T, _, _, pos) in zip(rows, caches, segments, strict=True):
+        for i, cache, (P, T, _, _, pos, paths) in zip(rows, caches, segments, strict=True):
             h = x[start : start + T]
             start += P
-            cache.length = pos + T
+            # A tree's rows wait for its accepted path (`keep_path`); the cache ends at its root.
+            cache.length = pos + T if paths is None else pos
+            cache.tree = paths
             last_rows = requests[i].last_rows if self.last else None
             kept.append(h if last_rows is None else h[-last_rows:])
         if not self.last:
@@ -154,9 +165,32 @@ class StageModel(nn.Module):
             start += h.shape[0]
         return outs
 
+    @torch.inference_mode()
+    def keep_path(self, session: str, rows: Sequence[int]) -> None:
+        """After a draft tree's round: keep the rows of its accepted path (`rows`, the root
+        first) in the session's cache, at the root's position on, as if they had run one after
+        another; the tree's other rows are forgotten. GapError when no tree waits, ValueError
+        when `rows` are not a branch of it."""
+        cache = self.sessions.get(session)
+        if cache is None or cache.tree is None:
+            raise GapError(f"session {session!r} has no draft tree waiting for its path")
+        rows = [int(r) for r in rows]
+        if not is_path(cache.tree, rows):
+            raise ValueError(f"rows {rows} are not a branch of the tree from its root")
+        for layer in cache.layers:
+            layer.keep(rows)
+        cache.length += len(rows)
+        cache.tree = None
+
     def _prepare(self, req: Request) -> tuple[SessionCache, torch.Tensor]:
         """The session's cache, checked against the round's start, and its input rows [T, D]."""
         self._check_inputs(req.inputs)
+        if req.parents is not None:
+            if len(req.parents) != len(req.inputs) - 1:
+                raise ValueError(
+                    f"a tree of {len(req.inputs)} rows needs {len(req.inputs) - 1} parents"
+                )
+            ancestor_paths(req.parents)  # ValueError for a parent that is not an earlier row
         if req.session not in self.sessions and req.start_pos > 0:
             raise GapError(
                 f"session {req.session!r} has no cache here; start_pos {req.start_pos} > 0"
