@@ -11,36 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from specpipe.model import synth
 from specpipe.model.config import ModelConfig
 from specpipe.model.resolve import even_split
 from specpipe.model.stage import StageModel
 
-GPT_OSS_120B = {  # the published config.json's numbers
-    "model_type": "gpt_oss",
-    "vocab_size": 201088,
-    "hidden_size": 2880,
-    "intermediate_size": 2880,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "head_dim": 64,
-    "num_local_experts": 128,
-    "num_experts_per_tok": 4,
-    "sliding_window": 128,
-    "layer_types": ["sliding_attention", "full_attention"] * 18,
-    "rope_theta": 150000,
-    "rope_scaling": {
-        "rope_type": "yarn",
-        "factor": 32.0,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "original_max_position_embeddings": 4096,
-        "truncate": False,
-    },
-    "max_position_embeddings": 131072,
-    "tie_word_embeddings": False,
-    "quantization_config": {"quant_method": "mxfp4"},
-}
+GPT_OSS_120B = synth.LIKE["gpt-oss-120b"]  # the published config.json
 
 
 def _bytes(model: StageModel, dtype: torch.dtype) -> int:

@@ -6,10 +6,12 @@ experts a layer, random weights. Our stage (experts kept packed) and transformer
 (experts unpacked by its own MXFP4 decoder) give the same logits, within the tiny fixtures'
 tolerance, and the same greedy tokens. Both in float32, one after the other: transformers'
 model needs about 18 GB, so `make test` runs this file alone, after the other passes
-(marker `realshape`).
+(marker `realshape`). Elsewhere it skips where less than 19 GiB is free; under CI it runs.
 """
 
 from __future__ import annotations
+
+import os
 
 import psutil
 import pytest
@@ -30,7 +32,8 @@ def one_thread():
 
 
 @pytest.mark.skipif(
-    psutil.virtual_memory().available < NEEDED_BYTES,
+    # Under CI it runs whatever the memory says: a skip there would hide the check.
+    not os.environ.get("CI") and psutil.virtual_memory().available < NEEDED_BYTES,
     reason="needs 19 GiB of free memory for transformers' float32 model",
 )
 def test_two_real_shape_layers_give_transformers_logits_and_greedy_tokens():
