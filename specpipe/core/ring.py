@@ -9,6 +9,14 @@ the caller then replays the committed prefix as one round from position 0.
 When the session asked for log-probabilities (`SamplingParams.logprobs`), the result is a
 `RoundResult`: still the list of ids, with the committed tokens' `TokenLogprob`s beside it.
 
+A round may carry a draft tree instead of a chain (`Branches.parents`, see `core.tree`): its
+tokens are the root (the last committed token) and the drafts, each under a parent row. Every
+stage runs the tree's rows in one forward and the tail walks it; the result holds the committed
+tokens and the rows walked (`RoundResult.path`). The stages keep those rows in their caches when
+the session's next round tells them which they were (`Branches.keep`), so a tree costs no trip
+and no forward of its own: a stage that is told nothing forgets the tree, and a round that then
+starts past its cache gets a gap, as after a restart.
+
 `LocalRing` (`specpipe.decoding.local_ring`) runs the stages in this process; `RedisRing`
 (`specpipe.swarm.redis_ring`) sends each hop over Redis Streams. Both offer the same calls, so
 the generation loop cannot tell them apart.
@@ -30,6 +38,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from specpipe.core.sampling import SamplingParams, TokenLogprob
+from specpipe.core.tree import DraftTree, TreeShape
 
 
 class GapError(RuntimeError):
@@ -37,16 +46,51 @@ class GapError(RuntimeError):
 
 
 class RoundResult(list):
-    """A round's doctored result vector (a list of ids, equal to the plain list) carrying the
-    committed tokens' log-probabilities when the session asked for them, and the tail's draft
-    head's proposal for the next round when it was asked for one."""
+    """A round's doctored result vector (a list of ids, equal to the plain list; after a tree,
+    its committed tokens, -1 padded) carrying the committed tokens' log-probabilities when the
+    session asked for them, and the tail's draft head's proposal for the next round when it was
+    asked for one: a chain, or a tree when `draft_parents` says where each draft hangs."""
 
     def __init__(
-        self, ids, logprobs: Sequence[TokenLogprob] = (), drafts: Sequence[int] = ()
+        self,
+        ids,
+        logprobs: Sequence[TokenLogprob] = (),
+        drafts: Sequence[int] = (),
+        *,
+        path: Sequence[int] = (),
+        draft_parents: Sequence[int] = (),
+        ranks: Sequence[int] = (),
     ) -> None:
         super().__init__(ids)
         self.logprobs = list(logprobs)
         self.drafts = [int(t) for t in drafts]
+        self.path = [int(r) for r in path]  # a tree round's rows walked, the root first
+        self.draft_parents = [int(r) for r in draft_parents]  # the proposal's tree, if a tree
+        # Where the head drafted the tree this round verified: the rank of each committed token
+        # among the head's candidates at its node, -1 for none of them (`TreeSize` learns from
+        # it), up to the first node the head did not expand.
+        self.ranks = [int(r) for r in ranks]
+
+    @property
+    def draft_tree(self) -> DraftTree:
+        """The head's proposal as a tree (a chain when it gave no parents)."""
+        if self.draft_parents:
+            return DraftTree(tuple(self.drafts), tuple(self.draft_parents))
+        return DraftTree.chain(self.drafts)
+
+
+@dataclass(frozen=True)
+class Branches:
+    """What a round says of draft trees, beyond its tokens.
+
+    `parents`: the round's drafts form a tree, draft i under row parents[i] (row 0: the root,
+    the round's first token; its only other tokens are the drafts). `keep`: the rows the last
+    tree round walked, the root first, which every stage stores at that root's position before
+    running this round. `shape`: the tree the tail's draft head proposes for the next round."""
+
+    parents: tuple[int, ...] | None = None
+    keep: tuple[int, ...] = ()
+    shape: TreeShape | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +105,9 @@ class Request:
     # row r sits at start_pos + its depth and sees the prefix and its own ancestors. None: the
     # rows are a sequence at start_pos, start_pos + 1, …
     parents: tuple[int, ...] | None = None
+    # The rows of the session's last tree that its tail walked (root first): stored before this
+    # round runs, where it starts right after them (`Branches.keep`).
+    keep: tuple[int, ...] = ()
 
 
 class Stage(Protocol):
@@ -149,10 +196,17 @@ class Ring(Protocol):
         ...
 
     def round(
-        self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int, head_k: int = 0
+        self,
+        session: str,
+        tokens: Sequence[int],
+        start_pos: int,
+        n_draft: int,
+        head_k: int = 0,
+        branches: Branches | None = None,
     ) -> RoundResult:
         """Run one round; return the doctored result vector (n_draft + 1 ids, -1 padded), with
-        up to `head_k` drafts for the next round from the tail's draft head, if it has one."""
+        up to `head_k` drafts for the next round from the tail's draft head, if it has one (or
+        the tree of `branches.shape`). `branches`: a draft tree, the rows to keep of the last."""
         ...
 
     def drop(self, session: str) -> None:

@@ -79,6 +79,35 @@ class DraftTree:
         """The row under `row` holding `token`, if any."""
         return self._children[row].get(token)
 
+    @property
+    def is_chain(self) -> bool:
+        """Whether every row has at most one child (what a plain verify round carries)."""
+        return self.parents == tuple(range(len(self.parents)))
+
+    def within_depth(self, depth: int) -> DraftTree:
+        """The rows at most `depth` below the root (none for depth 0)."""
+        row_of = {0: 0}
+        tokens: list[int] = []
+        parents: list[int] = []
+        for i, (token, parent) in enumerate(zip(self.tokens, self.parents, strict=True)):
+            if self.depths[i + 1] <= depth and parent in row_of:
+                row_of[i + 1] = len(tokens) + 1
+                tokens.append(token)
+                parents.append(row_of[parent])
+        return DraftTree(tuple(tokens), tuple(parents))
+
+    def main_branch(self) -> list[int]:
+        """The tokens down the first child of each row from the root: the branch a drafter that
+        orders its rows best first thinks likeliest."""
+        first_child: dict[int, int] = {}
+        for i, parent in enumerate(self.parents):
+            first_child.setdefault(parent, i + 1)
+        tokens, row = [], 0
+        while row in first_child:
+            row = first_child[row]
+            tokens.append(self.tokens[row - 1])
+        return tokens
+
     def ancestors(self, row: int) -> list[int]:
         """The rows from the root down to `row`, both included: what `row` may attend to
         within the round (besides the committed prefix)."""
@@ -117,3 +146,41 @@ def walk(tree: DraftTree, draw: Callable[[int, int], int]) -> tuple[list[int], l
         if row is None:
             return committed, path
         path.append(row)
+
+
+MAX_RANK = 4  # candidates a drafter ranks at a node: a tree's node has at most this many children
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """The shape of a tree a drafter is asked for, before it has tokens: slot i is row i + 1,
+    under row `parents[i]`, holding the drafter's candidate of rank `ranks[i]` there (0: its
+    best). A parent comes before its children, and no two siblings share a rank."""
+
+    parents: tuple[int, ...] = ()
+    ranks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.parents) != len(self.ranks):
+            raise ValueError(f"{len(self.parents)} parents but {len(self.ranks)} ranks")
+        ancestor_paths(self.parents)  # ValueError for a parent that is not an earlier row
+        seen: set[tuple[int, int]] = set()
+        for parent, rank in zip(self.parents, self.ranks, strict=True):
+            if not 0 <= rank < MAX_RANK:
+                raise ValueError(f"rank {rank} is not 0 … {MAX_RANK - 1}")
+            if (parent, rank) in seen:
+                raise ValueError(f"row {parent} has two children of rank {rank}")
+            seen.add((parent, rank))
+
+    @classmethod
+    def chain(cls, k: int) -> TreeShape:
+        """K drafts one after another, each the drafter's best."""
+        return cls(tuple(range(k)), (0,) * k)
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        """Each row's distance from the root (the root: 0)."""
+        return tuple(len(path) - 1 for path in ancestor_paths(self.parents))

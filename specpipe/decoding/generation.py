@@ -1,7 +1,11 @@
 """The generation loop: draft, one round through the ring, the equality accept loop, commit.
 
 With `adaptive`, each round sends the number of drafts `specpipe/drafting/length.py` expects to be
-fastest (at most `draft_k`); the committed tokens are the same whatever it sends.
+fastest (at most `draft_k`); the committed tokens are the same whatever it sends. With `trees`
+too, the tail's draft head proposes a draft tree each round, shaped by
+`specpipe/drafting/tree_size.py` (at most `draft_k` deep), which the next round carries when
+the root alone is uncached (else its main branch, as a chain); the stages keep the branch the
+tail walked when the round after it names it (`core.ring.Branches.keep`).
 
 The same loop runs over a `LocalRing` (one process) and a `RedisRing` (the swarm). Positions
 are absolute: after a round the stages' caches hold every position sent; the next round starts
@@ -26,10 +30,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from specpipe.core.ring import GapError, Ring, RoundResult
+from specpipe.core.ring import Branches, GapError, Ring, RoundResult
 from specpipe.core.sampling import SamplingParams, TokenLogprob, committed_tokens
+from specpipe.core.tree import DraftTree, TreeShape
 from specpipe.drafting.length import DraftLength
 from specpipe.drafting.ngram import NgramDrafter
+from specpipe.drafting.tree_size import TreeSize
 
 # Where a round's drafts come from: the n-gram drafter, the tail's draft head, or the n-gram
 # where it has a match and the head elsewhere.
@@ -50,6 +56,7 @@ class GenerationStats:
     generated: int = 0  # new tokens committed
     replays: int = 0  # prefix replays after a gap
     head_rounds: int = 0  # rounds whose drafts the tail's draft head proposed
+    tree_rounds: int = 0  # rounds that carried a draft tree (more than one branch)
     seconds: float = 0.0
 
     @property
@@ -85,6 +92,7 @@ class Generation:
         resume: Sequence[int] = (),
         should_stop: Callable[[list[int]], bool] | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
+        trees: bool = False,
     ):
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
@@ -106,9 +114,15 @@ class Generation:
         self.use_head = drafts_from in ("head", "both") and (
             params.temp <= 0 or params.sampler == "gumbel"
         )
-        self.head_drafts: list[int] = []  # what the head proposed with the last result
+        self.head_tree = DraftTree((), ())  # what the head proposed with the last result
         # With `adaptive`, draft_k is the most a round sends; each round's K is chosen.
         self.draft_length = DraftLength(draft_k) if adaptive and draft_k else None
+        # With `trees` too, the head's proposals are trees of the shape measured to pay.
+        self.tree_size = None
+        if trees and self.use_head and self.draft_length is not None:
+            self.tree_size = TreeSize(draft_k, self.draft_length)
+        self.head_wanted = 0  # drafts the tree asked of the head would have (0: send none)
+        self.keep: tuple[int, ...] = ()  # the rows the last tree round walked, for the stages
         # Sees the generated ids after each round (stop strings); the whole round stays committed.
         self.should_stop = should_stop
         self.stats = GenerationStats()
@@ -126,25 +140,40 @@ class Generation:
         """Run rounds until EOS, `should_stop` or the token budget; yield each round's tokens."""
         started = time.perf_counter()
         self.ring.reset(self.session, self.params)
+        self.keep = ()
         cached = 0  # positions [0, cached) hold committed tokens in every stage's cache
         try:
             while not self.finished and len(self.generated) < self.max_new_tokens:
                 budget = self.max_new_tokens - len(self.generated)
                 proposal, from_head = self._propose(min(self.draft_k, budget - 1))
                 source = "head" if from_head else "ngram"
-                drafts = proposal
-                if self.draft_length is not None:
-                    drafts = proposal[: self.draft_length.choose(len(proposal), source)]
+                parents = None
+                if not proposal.is_chain:
+                    drafts, parents = list(proposal.tokens), proposal.parents  # a tree round
+                else:
+                    drafts = proposal.main_branch()
+                    if self.draft_length is not None and not (from_head and self.tree_size):
+                        drafts = drafts[: self.draft_length.choose(len(drafts), source)]
                 replays = self.stats.replays
                 round_started = time.perf_counter()
-                result, sent = self._round(cached, drafts, self._head_k(proposal, from_head))
-                committed = committed_tokens(drafts, result)
-                self.head_drafts = list(result.drafts)
+                shape, head_k = self._ask_head(drafts, from_head)
+                result, sent = self._round(cached, drafts, head_k, parents, shape)
+                if parents is None:
+                    committed = committed_tokens(drafts, result)
+                    self.keep = ()
+                else:
+                    committed = [int(t) for t in result if t >= 0]
+                    self.keep = tuple(result.path)
+                    self.stats.tree_rounds += 1
+                self.head_tree = result.draft_tree
+                if self.tree_size is not None and result.ranks:
+                    self.tree_size.observe(result.ranks)
                 if self.draft_length is not None:
                     seconds = time.perf_counter() - round_started
                     steady = sent == len(drafts) + 1 and self.stats.replays == replays
+                    scored = [] if parents is not None else proposal.main_branch()
                     self.draft_length.observe(
-                        proposal, committed, len(drafts), seconds, steady, source
+                        scored, committed, len(drafts), seconds, steady, source
                     )
                 cached = len(self.tokens) + len(committed) - 1
                 for i, token in enumerate(committed):
@@ -159,60 +188,108 @@ class Generation:
                 self.stats.rounds += 1
                 self.stats.head_rounds += bool(drafts) and from_head
                 self.stats.drafted += len(drafts)
-                self.stats.accepted += _leading_matches(committed, drafts)
+                self.stats.accepted += (
+                    len(committed) - 1 if parents else _leading_matches(committed, drafts)
+                )
                 self.stats.generated += len(committed)
                 self.stats.seconds = time.perf_counter() - started
                 yield committed
         finally:
             self.stats.seconds = time.perf_counter() - started
 
-    def _propose(self, k: int) -> tuple[list[int], bool]:
-        """Up to k drafts for this round, and whether the head proposed them: the n-gram's where
-        it has a match (it copies whole passages), else what the head sent with the last
-        result."""
+    def _propose(self, k: int) -> tuple[DraftTree, bool]:
+        """The drafts for this round, at most k deep, and whether the head proposed them: the
+        n-gram's chain where it has a match (it copies whole passages), else what the head sent
+        with the last result (a chain, or a tree)."""
+        none = DraftTree((), ())
         if k <= 0:
-            return [], False
+            return none, False
         if self.use_ngram:
             proposal = self.drafter.propose(k)
             if proposal:
-                return proposal, False
-        if self.use_head and self.head_drafts:
-            return self.head_drafts[:k], True
-        return [], False
+                return DraftTree.chain(proposal), False
+        if self.use_head and self.head_tree.tokens and self.head_wanted:
+            return self.head_tree.within_depth(k), True
+        return none, False
 
-    def _head_k(self, proposal: list[int], from_head: bool) -> int:
-        """How many drafts to ask of the tail's head for the next round, whose steps cost the
-        tail's time: none while the n-gram drafter has a match (in copied text it goes on
-        matching), else as many as the draft length would send, and at least one, so that the
-        head's acceptance is still measured."""
-        if not self.use_head or self.draft_k == 0 or (proposal and not from_head):
-            return 0
+    def _ask_head(self, drafts: list[int], from_head: bool) -> tuple[TreeShape | None, int]:
+        """What to ask of the tail's head for the next round, whose steps cost the tail's time:
+        nothing while the n-gram drafter has a match (in copied text it goes on matching); else
+        the tree `TreeSize` chooses, or as many drafts in a chain as the draft length would
+        send; and at least one, so that the head's acceptance is still measured."""
+        self.head_wanted = 0
+        if not self.use_head or self.draft_k == 0 or (drafts and not from_head):
+            return None, 0
+        if self.tree_size is not None:
+            shape = self.tree_size.choose()
+            self.head_wanted = len(shape)
+            return (shape if len(shape) else TreeShape.chain(1)), 0
+        self.head_wanted = self.draft_k
         if self.draft_length is None:
-            return self.draft_k
-        return max(1, self.draft_length.choose(self.draft_k, "head"))
+            return None, self.draft_k
+        self.head_wanted = self.draft_length.choose(self.draft_k, "head")
+        return None, max(1, self.head_wanted)
 
-    def _round(self, cached: int, drafts: list[int], head_k: int) -> tuple[RoundResult, int]:
-        """The round that verifies `drafts` after the committed tokens, the stages' caches
-        holding `[0, cached)`; and how many tokens it sent."""
+    def _round(
+        self,
+        cached: int,
+        drafts: list[int],
+        head_k: int,
+        parents: tuple[int, ...] | None = None,
+        shape: TreeShape | None = None,
+    ) -> tuple[RoundResult, int]:
+        """The round that verifies `drafts` (a tree under the last committed token, when
+        `parents` are given) after the committed tokens, the stages' caches holding
+        `[0, cached)`; and how many tokens it sent."""
         for _ in range(MAX_REPLAYS):
             try:
-                return self._verify(cached, drafts, head_k)
+                return self._verify(cached, drafts, head_k, parents, shape)
             except GapError:
                 # A stage restarted: rebuild every cache from the committed prefix. A long
                 # prefix's replay is several rounds, and another stage may go (or the ring be
                 # re-routed) while they pass, so a round may replay more than once, boundedly.
                 self.stats.replays += 1
                 self.ring.reset(self.session, self.params)
+                self.keep = ()
                 cached = 0
-        return self._verify(cached, drafts, head_k)  # its gap, if any, ends the generation
+        return self._verify(cached, drafts, head_k, parents, shape)  # a gap ends the generation
 
-    def _verify(self, cached: int, drafts: list[int], head_k: int) -> tuple[RoundResult, int]:
-        while self.prefill_chunk and len(self.tokens) - cached > self.prefill_chunk:
-            end = cached + self.prefill_chunk
-            self.ring.round(self.session, self.tokens[cached:end], cached, 0)  # its token unused
-            cached = end
+    def _verify(
+        self,
+        cached: int,
+        drafts: list[int],
+        head_k: int,
+        parents: tuple[int, ...] | None,
+        shape: TreeShape | None,
+    ) -> tuple[RoundResult, int]:
+        # A tree's root goes alone (a replay leaves more uncached); a chain's round carries up
+        # to `prefill_chunk` tokens of the prefix before its drafts.
+        end = len(self.tokens) - 1 if parents is not None else len(self.tokens)
+        while cached < end and (
+            parents is not None
+            or (self.prefill_chunk and len(self.tokens) - cached > self.prefill_chunk)
+        ):
+            step_end = min(cached + self.prefill_chunk, end) if self.prefill_chunk else end
+            self._send(self.tokens[cached:step_end], cached, 0)  # its token unused
+            cached = step_end
         send = self.tokens[cached:] + drafts
-        return self.ring.round(self.session, send, cached, len(drafts), head_k), len(send)
+        return self._send(send, cached, len(drafts), head_k, parents, shape), len(send)
+
+    def _send(
+        self,
+        tokens: list[int],
+        start_pos: int,
+        n_draft: int,
+        head_k: int = 0,
+        parents: tuple[int, ...] | None = None,
+        shape: TreeShape | None = None,
+    ) -> RoundResult:
+        """One round through the ring, carrying the rows to keep of the last tree round."""
+        keep, self.keep = self.keep, ()
+        if parents is None and not keep and shape is None:
+            return self.ring.round(self.session, tokens, start_pos, n_draft, head_k)
+        branches = Branches(parents, keep, shape)
+        return self.ring.round(self.session, tokens, start_pos, n_draft, head_k, branches)
 
     def run(self) -> list[int]:
         """Generate to the end; return the new tokens."""

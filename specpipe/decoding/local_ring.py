@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from specpipe.core.coupling import sampler_for
-from specpipe.core.ring import Request, RoundResult, Stage
+from specpipe.core.ring import Branches, Request, RoundResult, Stage
 from specpipe.core.sampling import Sampler, SamplingParams
 from specpipe.core.tree import DraftTree
 from specpipe.decoding.tail import finish_round
@@ -36,18 +36,33 @@ class LocalRing:
         self.samplers[session] = sampler_for(params)
 
     def round(
-        self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int, head_k: int = 0
+        self,
+        session: str,
+        tokens: Sequence[int],
+        start_pos: int,
+        n_draft: int,
+        head_k: int = 0,
+        branches: Branches | None = None,
     ) -> RoundResult:
         sampler = self.samplers.get(session)
         if sampler is None:
             raise KeyError(f"session {session!r} was never reset")
-        hidden = torch.tensor(list(tokens), dtype=torch.long)
-        for stage in self.stages[:-1]:
-            hidden = stage.forward(session, hidden, start_pos)
+        x = torch.tensor(list(tokens), dtype=torch.long)
         tail = self.stages[-1]
-        logits = tail.forward(session, hidden, start_pos, last_rows=n_draft + 1)
+        if branches is None:
+            for stage in self.stages[:-1]:
+                x = stage.forward(session, x, start_pos)
+            logits = tail.forward(session, x, start_pos, last_rows=n_draft + 1)
+        else:  # a tree's rows, or rows to keep of the last one: what `forward_many` takes
+            for stage in self.stages:
+                last_rows = n_draft + 1 if stage is tail else None
+                request = Request(session, x, start_pos, last_rows, branches.parents, branches.keep)
+                (x,) = stage.forward_many([request])
+                if isinstance(x, BaseException):
+                    raise x
+            logits = x
         return finish_round(
-            tail, session, logits, tokens, start_pos, n_draft, sampler, self.head, head_k
+            tail, session, logits, tokens, start_pos, n_draft, sampler, self.head, head_k, branches
         )
 
     def tree_round(
@@ -73,6 +88,8 @@ class LocalRing:
         for stage in self.stages:
             stage.drop(session)
         self.samplers.pop(session, None)
+        if self.head is not None:
+            self.head.forget(session)
 
     def close(self) -> None:
         """Nothing to let go of: the stages belong to whoever made them."""

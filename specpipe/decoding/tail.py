@@ -1,6 +1,6 @@
 """The tail's end of a round, written once for every ring: verify the drafts against the logits
-(the sampler's doctored result vector and the committed tokens' log-probabilities), then let the
-draft head propose the next round's drafts."""
+(the sampler's doctored result vector, or the walk of a draft tree, and the committed tokens'
+log-probabilities), then let the draft head propose the next round's drafts."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specpipe.core.ring import RoundResult, Stage
+from specpipe.core.ring import Branches, RoundResult, Stage
 from specpipe.core.sampling import Sampler
+from specpipe.core.tree import DraftTree
 
 if TYPE_CHECKING:
     from specpipe.drafting.head import TailHead
@@ -26,18 +27,46 @@ def finish_round(
     sampler: Sampler,
     head: TailHead | None = None,
     head_k: int = 0,
+    branches: Branches | None = None,
 ) -> RoundResult:
     """The round's result from the tail stage's `logits` (at least its last `n_draft + 1` rows)
-    for `tokens` at `start_pos`, whose last `n_draft` are drafts; with up to `head_k` drafts for
-    the next round from `head`, which drafts from `tail.features[session]`. ValueError when
-    the drafts or the logits cannot be verified (a draft id outside the vocabulary, NaN)."""
-    drafts = list(tokens)[len(tokens) - n_draft :] if n_draft else []
+    for `tokens` at `start_pos`, whose last `n_draft` are drafts (a tree under the token before
+    them when `branches.parents` says so); with the next round's drafts from `head`, which
+    drafts from `tail.features[session]`: up to `head_k` in a chain, or the tree of
+    `branches.shape`. ValueError when the drafts or the logits cannot be verified (a draft id
+    outside the vocabulary, a malformed tree, NaN)."""
     rows = logits[-(n_draft + 1) :]
-    first_sampled = start_pos + len(tokens) - n_draft
-    result = sampler.accept(rows, drafts, first_sampled)
-    logprobs = sampler.result_logprobs(rows, result)
-    proposal: list[int] = []
-    if head is not None and head_k > 0:
-        features = tail.features[session]
-        proposal = head.drafts_after(features, result, first_sampled, head_k, sampler.params)
-    return RoundResult(result, logprobs, proposal)
+    root_pos = start_pos + len(tokens) - n_draft - 1  # the position of the last committed token
+    path: list[int] = []
+    if branches is not None and branches.parents is not None:
+        if len(tokens) != n_draft + 1:
+            raise ValueError("a tree round carries its root and its drafts only")
+        tree = DraftTree(tuple(int(t) for t in tokens[1:]), tuple(branches.parents))
+        committed, path = sampler.accept_tree(rows, tree, root_pos + 1)
+        result = committed + [-1] * (n_draft + 1 - len(committed))
+        logprobs = sampler.result_logprobs(rows[path], result)
+        feature_row = path[-1]
+    else:
+        drafts = list(tokens)[len(tokens) - n_draft :] if n_draft else []
+        result = sampler.accept(rows, drafts, root_pos + 1)
+        logprobs = sampler.result_logprobs(rows, result)
+        committed = [t for t in result if t >= 0]
+        feature_row = len(committed) - 1
+    found = RoundResult(result, logprobs, path=path)
+    if head is None:
+        return found
+    root = int(tokens[len(tokens) - n_draft - 1])
+    found.ranks = head.ranks_of(session, root_pos, root, committed)
+    shape = branches.shape if branches is not None else None
+    if shape is None and head_k <= 0:
+        return found
+    # The last committed token was drawn from `feature_row`, whose feature sits one position
+    # before that token's.
+    features = tail.features[session][feature_row]
+    token_pos = root_pos + len(committed)
+    if shape is not None:
+        tree = head.draft_tree(session, features, committed[-1], token_pos, shape, sampler.params)
+        found.drafts, found.draft_parents = list(tree.tokens), list(tree.parents)
+    else:
+        found.drafts = head.drafts_after(features, committed[-1], token_pos, head_k, sampler.params)
+    return found

@@ -24,6 +24,7 @@ target's, so a head is a few MB.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -34,8 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpipe.core.coupling import gumbel_draw
+from specpipe.core.coupling import gumbel_draw, gumbel_noise
 from specpipe.core.sampling import SamplingParams, target_probs
+from specpipe.core.tree import MAX_RANK, DraftTree, TreeShape
 
 FORMAT = "specpipe-draft-head-1"
 SHIPPED = Path(__file__).resolve().parent / "heads"  # the heads the package ships
@@ -168,6 +170,66 @@ class DraftHead(nn.Module):
             drafts.append(token)
         return drafts
 
+    @torch.inference_mode()
+    def draft_tree(
+        self,
+        parts: TargetParts,
+        h_last: torch.Tensor,
+        token: int,
+        token_pos: int,
+        shape: TreeShape,
+        params: SamplingParams,
+    ) -> tuple[DraftTree, dict[tuple[int, ...], list[int]]]:
+        """A draft tree of `shape` under `token` (at absolute position `token_pos`), and the
+        candidates ranked at each node it expanded, keyed by the node's tokens below the root.
+
+        h_last [D] is the target's pre-norm feature at token_pos - 1. The nodes of one depth
+        step together (one product of the head for all of them); a node's candidates are the
+        tokens its logits rank best under the noise the target draws that position with
+        (`ranked_candidates`), so rank 0 is `draft`'s token and the others are the next most
+        likely to equal the target's draw. A slot whose rank the node lacks (a top-k or top-p
+        cut leaves fewer candidates) is left out with everything under it."""
+        depths, ids = shape.depths, self.token_ids()
+        row_of = {0: 0}  # shape row -> tree row, for the rows kept
+        tokens: list[int] = []
+        parents: list[int] = []
+        keys: dict[int, tuple[int, ...]] = {0: ()}  # tree row -> its tokens below the root
+        features: dict[int, torch.Tensor] = {}  # tree row -> the head's feature predicted there
+        candidates: dict[tuple[int, ...], list[int]] = {}
+        node_token = {0: int(token)}
+        for depth in range(max(depths, default=0)):
+            # Every kept row at this depth with a child in the shape steps now.
+            expand = sorted(
+                {row_of[p] for p in shape.parents if p in row_of and depths[p] == depth}
+            )
+            if not expand:
+                break
+            # A node steps from its parent's predicted feature (the root: the target's own).
+            h = torch.stack(
+                [h_last.reshape(-1) if r == 0 else features[parents[r - 1]] for r in expand]
+            )
+            ids_in = torch.tensor([node_token[r] for r in expand], device=h.device)
+            h_next, logits = self.step(parts, h, ids_in)
+            logits = logits.cpu().numpy()
+            for i, r in enumerate(expand):
+                features[r] = h_next[i]
+                candidates[keys[r]] = ranked_candidates(
+                    logits[i], params, token_pos + depth + 1, ids, MAX_RANK
+                )
+            for slot, (parent, rank) in enumerate(zip(shape.parents, shape.ranks, strict=True)):
+                if depths[slot + 1] != depth + 1 or parent not in row_of:
+                    continue
+                ranked = candidates[keys[row_of[parent]]]
+                if rank >= len(ranked):
+                    continue
+                row = len(tokens) + 1
+                row_of[slot + 1] = row
+                tokens.append(ranked[rank])
+                parents.append(row_of[parent])
+                node_token[row] = ranked[rank]
+                keys[row] = (*keys[row_of[parent]], ranked[rank])
+        return DraftTree(tuple(tokens), tuple(parents)), candidates
+
     # -- files ------------------------------------------------------------------------------
 
     def save(self, path: str | Path, meta: dict[str, object]) -> None:
@@ -240,6 +302,28 @@ def coupled_draft(
     return gumbel_draw(q, params.seed, position, ids)
 
 
+def ranked_candidates(
+    logits: np.ndarray, params: SamplingParams, position: int, ids: np.ndarray | None, n: int
+) -> list[int]:
+    """The drafter's best `n` tokens at `position` from its logits [V'] (column c is token
+    ids[c], or c), best first: by logit when greedy, else by the Gumbel-max score log q + g
+    under the target's noise, over the tokens q keeps. The first is `coupled_draft`'s token."""
+    if params.temp <= 0:
+        scores = np.asarray(logits, dtype=np.float64)
+        columns = np.arange(len(scores))
+    else:
+        q = target_probs(logits, params.temp, params.top_p, params.top_k)
+        columns = np.flatnonzero(q > 0)
+        tokens = columns if ids is None else np.asarray(ids)[columns]
+        scores = np.log(q[columns]) + gumbel_noise(params.seed, position, tokens)
+    n = min(n, len(scores))
+    top = np.argpartition(-scores, n - 1)[:n] if n < len(scores) else np.arange(len(scores))
+    # Best first; on a tie the lower column, as `coupled_draft`'s argmax picks it.
+    best = top[np.lexsort((columns[top], -scores[top]))]
+    chosen = columns[best]
+    return [int(c) if ids is None else int(ids[c]) for c in chosen]
+
+
 def frequent_tokens(top_ids: torch.Tensor, top_probs: torch.Tensor, vocab: int, n: int):
     """The n tokens with the most target probability over some positions ([M, k] each), as a
     sorted id tensor; None when n covers the vocabulary."""
@@ -303,12 +387,15 @@ def _embedding(first, tail, checkpoint) -> torch.Tensor | None:
 class TailHead:
     """A draft head at the tail: right after a verify it drafts the next round's tokens from
     the feature of the row that sampled the last committed token, so they travel back with the
-    result and drafting costs no hop of its own."""
+    result and drafting costs no hop of its own. For a tree it remembers, per session, the
+    candidates it ranked, to say at the next round which rank the target's tokens had."""
 
     def __init__(self, head: DraftHead, parts: TargetParts) -> None:
         self.head, self.parts = head, parts
         if head.vocab is not None:
             head._head_rows(parts)  # taken now, while the stage's head is still plain
+        # session -> (root position, root token, candidates by node) of its last tree
+        self._ranked: OrderedDict[str, tuple[int, int, dict]] = OrderedDict()
 
     @classmethod
     def for_stage(
@@ -324,20 +411,58 @@ class TailHead:
 
     def drafts_after(
         self,
-        features: torch.Tensor,
-        result: list[int],
-        first_sampled: int,
+        feature: torch.Tensor,
+        token: int,
+        token_pos: int,
         k: int,
         params: SamplingParams,
     ) -> list[int]:
-        """K drafts to follow a verified round: features [K'+1, D] are the round's kept rows
-        before the final norm, `result` its doctored vector (-1 after the committed tokens),
-        `first_sampled` the position of its first token."""
-        n = next((i for i, t in enumerate(result) if t < 0), len(result))
-        if k <= 0 or n == 0:
+        """K drafts in a chain after the last committed `token`, at `token_pos`, drawn from the
+        row whose `feature` [D] (before the final norm) sampled it."""
+        if k <= 0:
             return []
-        # The last committed token was drawn from row n-1, whose feature sits one position
-        # before that token's.
-        return self.head.draft(
-            self.parts, features[n - 1], int(result[n - 1]), first_sampled + n - 1, k, params
+        return self.head.draft(self.parts, feature, int(token), token_pos, k, params)
+
+    def draft_tree(
+        self,
+        session: str,
+        feature: torch.Tensor,
+        token: int,
+        token_pos: int,
+        shape: TreeShape,
+        params: SamplingParams,
+    ) -> DraftTree:
+        """A tree of `shape` after the last committed `token` (see `DraftHead.draft_tree`); its
+        candidates are remembered for `ranks_of` until the session's next tree."""
+        tree, candidates = self.head.draft_tree(
+            self.parts, feature, int(token), token_pos, shape, params
         )
+        self._ranked[session] = (token_pos, int(token), candidates)
+        self._ranked.move_to_end(session)
+        while len(self._ranked) > MAX_RANKED_SESSIONS:
+            self._ranked.popitem(last=False)
+        return tree
+
+    def ranks_of(
+        self, session: str, root_pos: int, root: int, committed: Sequence[int]
+    ) -> list[int]:
+        """After a round from `root` at `root_pos` committed `committed`: if the head's last
+        tree grew from that root, the rank of each committed token among its candidates at the
+        node the walk was at (-1: none of them), up to the first node it did not expand."""
+        last = self._ranked.get(session)
+        if last is None or last[:2] != (root_pos, int(root)):
+            return []
+        candidates, ranks = last[2], []
+        for depth, token in enumerate(committed):
+            ranked = candidates.get(tuple(int(t) for t in committed[:depth]))
+            if ranked is None:
+                break
+            ranks.append(ranked.index(token) if token in ranked else -1)
+        return ranks
+
+    def forget(self, session: str) -> None:
+        """Let go of what the head remembers of a session."""
+        self._ranked.pop(session, None)
+
+
+MAX_RANKED_SESSIONS = 4096  # sessions whose last tree's candidates a tail head remembers

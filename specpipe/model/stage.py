@@ -182,6 +182,21 @@ class StageModel(nn.Module):
         cache.length += len(rows)
         cache.tree = None
 
+    def _settle_tree(self, cache: SessionCache, req: Request) -> None:
+        """Before a round of a session whose last round was a tree: keep its walked rows when
+        the round names them and starts right after them (`Request.keep`); else forget the
+        tree, so the round continues from its root (or gets a gap beyond it). A round sent
+        again after its first try had run finds the tree it made itself and recomputes it."""
+        if cache.tree is None:
+            return
+        keep = list(req.keep)
+        if keep and cache.length + len(keep) == req.start_pos and is_path(cache.tree, keep):
+            self.keep_path(req.session, keep)
+            return
+        cache.tree = None
+        for layer in cache.layers:
+            layer.pending = None
+
     def _prepare(self, req: Request) -> tuple[SessionCache, torch.Tensor]:
         """The session's cache, checked against the round's start, and its input rows [T, D]."""
         self._check_inputs(req.inputs)
@@ -196,6 +211,7 @@ class StageModel(nn.Module):
                 f"session {req.session!r} has no cache here; start_pos {req.start_pos} > 0"
             )
         cache = self._session(req.session)
+        self._settle_tree(cache, req)
         cache.check(req.start_pos)  # GapError before anything changes; appending truncates
         if self.first:
             return cache, self.embed(req.inputs.to(self.device, torch.long))  # [T, D]

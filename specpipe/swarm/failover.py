@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import redis
 
-from specpipe.core.ring import GapError, Hop, Ring, RoundResult, WatchedRing
+from specpipe.core.ring import Branches, GapError, Hop, Ring, RoundResult, WatchedRing
 from specpipe.core.sampling import SamplingParams
 from specpipe.settings import Settings
 from specpipe.swarm import inventory, trust
@@ -92,11 +92,17 @@ class CheckedRing:
         self._params[session] = params
 
     def round(
-        self, session: str, tokens, start_pos: int, n_draft: int, head_k: int = 0
+        self,
+        session: str,
+        tokens,
+        start_pos: int,
+        n_draft: int,
+        head_k: int = 0,
+        branches: Branches | None = None,
     ) -> RoundResult:
         while True:
             try:
-                result = self._round(session, tokens, start_pos, n_draft, head_k)
+                result = self._round(session, tokens, start_pos, n_draft, head_k, branches)
             except StaleRouteError as exc:
                 self._reroute_stale(session, exc)
                 params = self._params.get(session)
@@ -108,10 +114,16 @@ class CheckedRing:
             return result
 
     def _round(
-        self, session: str, tokens, start_pos: int, n_draft: int, head_k: int
+        self,
+        session: str,
+        tokens,
+        start_pos: int,
+        n_draft: int,
+        head_k: int,
+        branches: Branches | None,
     ) -> RoundResult:
         try:
-            return self.ring.round(session, tokens, start_pos, n_draft, head_k)
+            return self.ring.round(session, tokens, start_pos, n_draft, head_k, branches)
         except StaleRouteError:
             raise
         except HopLostError as exc:

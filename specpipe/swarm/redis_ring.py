@@ -33,7 +33,7 @@ from dataclasses import replace
 import redis
 
 from specpipe.core.coupling import sampler_for
-from specpipe.core.ring import GapError, RoundResult
+from specpipe.core.ring import Branches, GapError, RoundResult
 from specpipe.core.sampling import SamplingParams, TokenLogprob
 from specpipe.settings import DEFAULT_HEARTBEAT_S, Settings
 from specpipe.swarm import identity, inventory, streams, trust, wire
@@ -196,11 +196,18 @@ class RedisRing:
         )
 
     def round(
-        self, session: str, tokens: Sequence[int], start_pos: int, n_draft: int, head_k: int = 0
+        self,
+        session: str,
+        tokens: Sequence[int],
+        start_pos: int,
+        n_draft: int,
+        head_k: int = 0,
+        branches: Branches | None = None,
     ) -> RoundResult:
         """Send one round, wait for the tail's result vector; GapError or RingError otherwise.
         With `head_k`, the tail's draft head (if it has one) proposes that many drafts for the
-        next round, which come back on the result (`RoundResult.drafts`)."""
+        next round, which come back on the result (`RoundResult.drafts`); with `branches`, the
+        round carries a draft tree, the rows to keep of the last, or the tree to propose."""
         if session not in self._params:
             raise RingError(f"session {session!r} was not reset on this ring")
         if not tokens or not 0 <= n_draft < len(tokens):
@@ -214,6 +221,16 @@ class RedisRing:
             route=self._hops_on_wire,
             head_k=min(int(head_k), wire.MAX_HEAD_DRAFTS),
         )
+        if branches is not None:
+            shape = branches.shape
+            message = replace(
+                message,
+                parents=None if branches.parents is None else tuple(branches.parents),
+                keep=tuple(branches.keep),
+                head_shape=()
+                if shape is None
+                else tuple(zip(shape.parents, shape.ranks, strict=True)),
+            )
         self._refresh_roster()
         first = self.route[0]
         stream = streams.stage_key(self.swarm, first.host)
@@ -263,7 +280,15 @@ class RedisRing:
                     TokenLogprob(token, lp, top)
                     for token, (lp, top) in zip(reply.tokens, reply.logprobs, strict=False)
                 ]
-                return RoundResult(reply.tokens, logprobs, reply.drafts[:head_k])
+                wanted = len(branches.shape) if branches and branches.shape else head_k
+                return RoundResult(
+                    reply.tokens,
+                    logprobs,
+                    reply.drafts[:wanted],
+                    path=reply.path,
+                    draft_parents=reply.draft_parents[:wanted],
+                    ranks=reply.ranks,
+                )
             if reply.kind == "gap":
                 self._until_reachable(
                     lambda: self._control(session, "reset", self._params[session])

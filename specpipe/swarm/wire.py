@@ -63,6 +63,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCMSIV
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from specpipe.core.tree import TreeShape, ancestor_paths
 from specpipe.swarm import identity
 
 # SPW2 carried each hop's Redis URL, password included, and the reply's; SPW3 named each hop
@@ -88,6 +89,7 @@ TOKEN_LIMIT = 2**31  # token ids (and the result vector's -1) fit in 32 bits
 POSITION_LIMIT = 2**40
 MAX_ALTERNATIVES = 5  # top log-probabilities per committed token on a result
 MAX_HEAD_DRAFTS = 64  # drafts a round may ask of the tail's draft head for the next round
+MAX_TREE_ROWS = MAX_HEAD_DRAFTS + 1  # a draft tree's rows: its root and its drafts
 MAX_LAYER = 2**16  # of a route entry's layer range
 MAX_NAME = 256  # characters of a route entry's host or model
 
@@ -195,6 +197,16 @@ class Message:
     # result: those drafts
     head_k: int = 0
     drafts: tuple[int, ...] = ()
+    # round: a draft tree's parent row of each draft (None: a chain, `core.ring.Branches`), the
+    # rows of the session's last tree to keep, and the tree the head proposes for the next round
+    # as (parent, rank) per draft; result: the rows the tail walked, the parents of `drafts`
+    # when they are a tree, and the ranks the head's candidates gave the committed tokens
+    parents: tuple[int, ...] | None = None
+    keep: tuple[int, ...] = ()
+    head_shape: tuple[tuple[int, int], ...] = ()
+    path: tuple[int, ...] = ()
+    draft_parents: tuple[int, ...] = ()
+    ranks: tuple[int, ...] = ()
     # how long after `seq`'s date the sender still waits for this message to be served
     wait_ms: int = 0
 
@@ -324,6 +336,13 @@ def encode(message: Message, swarm: str, keys: Keyring | bytes | str) -> bytes:
         header["head_k"] = message.head_k
     if message.drafts:
         header["drafts"] = list(message.drafts)
+    if message.parents is not None:  # the tree fields, only where there is a tree
+        header["parents"] = list(message.parents)
+    for name in ("keep", "path", "draft_parents", "ranks"):
+        if getattr(message, name):
+            header[name] = list(getattr(message, name))
+    if message.head_shape:
+        header["head_shape"] = [list(slot) for slot in message.head_shape]
     payload: bytes | memoryview = b""
     if message.tensor is not None:
         tensor = message.tensor.detach()
@@ -481,6 +500,7 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < TOKEN_LIMIT for t in drafts
     ):
         raise WireError("draft ids must be 32-bit non-negative integers")
+    tree = _tree_fields(header, len(tokens), n_draft, len(drafts))
     return Message(
         kind=kind,
         session=_field(header, "session", str, ""),
@@ -500,7 +520,54 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
         head_k=head_k,
         drafts=tuple(drafts),
         wait_ms=wait_ms,
+        **tree,
     )
+
+
+def _rows(header: dict, name: str, limit: int, low: int = 0) -> tuple[int, ...]:
+    values = _field(header, name, list, [])
+    if len(values) > limit or not all(
+        isinstance(v, int) and not isinstance(v, bool) and low <= v < MAX_TREE_ROWS for v in values
+    ):
+        raise WireError(f"{name} must be at most {limit} row numbers below {MAX_TREE_ROWS}")
+    return tuple(values)
+
+
+def _tree_fields(header: dict, n_tokens: int, n_draft: int, n_drafts: int) -> dict:
+    """A round's or a result's draft-tree fields, checked: a tree's parents name earlier rows
+    of a round that is its root and drafts alone, the head's shape is a tree of ranks."""
+    fields: dict = {
+        "keep": _rows(header, "keep", MAX_TREE_ROWS),
+        "path": _rows(header, "path", MAX_TREE_ROWS),
+        "draft_parents": _rows(header, "draft_parents", MAX_HEAD_DRAFTS),
+        "ranks": _rows(header, "ranks", MAX_TREE_ROWS, low=-1),
+        "parents": None,
+    }
+    if "parents" in header:
+        parents = _rows(header, "parents", MAX_TREE_ROWS - 1)
+        if n_tokens != n_draft + 1 or len(parents) != n_draft:
+            raise WireError("a tree round carries its root, its drafts and a parent for each")
+        fields["parents"] = parents
+    if fields["draft_parents"] and len(fields["draft_parents"]) != n_drafts:
+        raise WireError("a proposed tree needs a parent for each draft")
+    shape = _field(header, "head_shape", list, [])
+    if len(shape) > MAX_HEAD_DRAFTS or not all(
+        isinstance(slot, list)
+        and len(slot) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in slot)
+        for slot in shape
+    ):
+        raise WireError(f"head_shape must be at most {MAX_HEAD_DRAFTS} [parent, rank] pairs")
+    try:
+        for name in ("parents", "draft_parents"):
+            if fields[name]:
+                ancestor_paths(fields[name])
+        if shape:
+            TreeShape(tuple(p for p, _ in shape), tuple(r for _, r in shape))
+    except ValueError as exc:
+        raise WireError(f"not a tree: {exc}") from None
+    fields["head_shape"] = tuple((p, r) for p, r in shape)
+    return fields
 
 
 def _is_number(value) -> bool:

@@ -133,7 +133,7 @@ class HeadRing(LocalRing):
         super().__init__(stages)
         self.token, self.calls = token, []  # (drafts sent, head_k asked)
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0):
+    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
         self.calls.append((list(tokens)[len(tokens) - n_draft :], head_k))
         result = super().round(session, tokens, start_pos, n_draft)
         return RoundResult(result, result.logprobs, [self.token] * head_k)
@@ -187,9 +187,9 @@ class RecordingRing:
     def reseed(self, session, params):
         self.ring.reseed(session, params)
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0):
+    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
         self.sent.append(len(tokens) - n_draft)
-        return self.ring.round(session, tokens, start_pos, n_draft, head_k)
+        return self.ring.round(session, tokens, start_pos, n_draft, head_k, branches)
 
     def drop(self, session):
         self.ring.drop(session)

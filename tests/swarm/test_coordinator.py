@@ -102,13 +102,13 @@ class DyingRing:
     def reseed(self, session, params):
         self.ring.reseed(session, params)
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0):
+    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
         if self.on_round is not None:
             self.on_round()
         if self.left == 0:
             raise SystemExit("coordinator killed")
         self.left -= 1
-        return self.ring.round(session, tokens, start_pos, n_draft, head_k)
+        return self.ring.round(session, tokens, start_pos, n_draft, head_k, branches)
 
     def drop(self, session):
         self.ring.drop(session)
@@ -303,11 +303,11 @@ class FailingRing:
     def reseed(self, session, params):
         self.ring.reseed(session, params)
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0):
+    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
         if self.left == 0:
             raise self.error
         self.left -= 1
-        return self.ring.round(session, tokens, start_pos, n_draft, head_k)
+        return self.ring.round(session, tokens, start_pos, n_draft, head_k, branches)
 
     def drop(self, session):
         self.ring.drop(session)
@@ -501,13 +501,13 @@ class GappyRing:
     def reseed(self, session, params):
         self.ring.reseed(session, params)
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0):
+    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
         from specpipe.core.ring import GapError
 
         self.rounds += 1
         if self.rounds == self.gap_at:
             raise GapError("h1: lost the session's cache")
-        return self.ring.round(session, tokens, start_pos, n_draft, head_k)
+        return self.ring.round(session, tokens, start_pos, n_draft, head_k, branches)
 
     def drop(self, session, skip=()):
         self.ring.drop(session)
@@ -570,7 +570,7 @@ class LosingRing(GappyRing):
         super().__init__(route)
         self.lose_at, self.error, self.dropped_on = lose_at, error, None
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0):
+    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
         from specpipe.swarm.redis_ring import HopLostError, RingError
 
         self.rounds += 1
@@ -578,7 +578,7 @@ class LosingRing(GappyRing):
             if self.error:
                 raise RingError("round failed: h0: cannot pass the round to h1")
             raise HopLostError(self.watchdog() or "the watchdog saw nothing")
-        return self.ring.round(session, tokens, start_pos, n_draft, head_k)
+        return self.ring.round(session, tokens, start_pos, n_draft, head_k, branches)
 
     def drop(self, session, skip=()):
         self.dropped_on = [hop.host for hop in self.route if hop.host not in skip]
@@ -611,13 +611,13 @@ class UnreachableRing(LosingRing):
     """A routed toy ring whose round `lose_at` finds h1 unreachable from h0 (its Redis full,
     or cut off from h0 only), while h1 still heartbeats."""
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0):
+    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
         from specpipe.swarm.redis_ring import HopUnreachableError
 
         if self.rounds + 1 == self.lose_at:
             self.rounds += 1
             raise HopUnreachableError("round failed: h0: cannot pass the round to h1: OOM", "h1")
-        return super().round(session, tokens, start_pos, n_draft, head_k)
+        return super().round(session, tokens, start_pos, n_draft, head_k, branches)
 
 
 def test_an_unreachable_hop_still_heartbeating_is_gone_around_at_once(db_url, monkeypatch):
@@ -689,7 +689,7 @@ class RefusingRing(GappyRing):
         super().__init__(route, gap_at)
         self.refuse_at, self.inventory, self.starts = set(refuse_at), inventory, []
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0):
+    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
         from specpipe.swarm.redis_ring import StaleRouteError
 
         self.starts.append(start_pos)
@@ -698,7 +698,7 @@ class RefusingRing(GappyRing):
             if self.inventory is not None:
                 self.inventory.update(RESPLIT)
             raise StaleRouteError("round refused: h1 serves layers 1:4 of toy, not 2:4", "h1")
-        return super().round(session, tokens, start_pos, n_draft, head_k)
+        return super().round(session, tokens, start_pos, n_draft, head_k, branches)
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,9 @@ log = logging.getLogger("specpipe.stage")
 TIMING_WEIGHT = 0.1  # of the latest round in the running means of round timings
 # `processed` counts rounds, `forwards` the forwards they ran in (a batch of rounds is one), so
 # processed / forwards over an interval is its mean batch size; `misrouted` counts rounds refused
-# for being routed here for layers or a model this stage does not serve (`stage.routing`).
-COUNTERS = ("processed", "forwards", "dropped", "replayed", "gaps", "errors", "misrouted")
+# for being routed here for layers or a model this stage does not serve (`stage.routing`), and
+# `trees` the rounds a tail verified as draft trees.
+COUNTERS = ("processed", "forwards", "dropped", "replayed", "gaps", "errors", "misrouted", "trees")
 
 
 class StageStats:

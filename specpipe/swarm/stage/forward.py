@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from specpipe.core.ring import Request, Stage
+from specpipe.core.ring import BatchedStage, Request, Stage
 from specpipe.swarm import wire
 from specpipe.swarm.stage.counters import StageStats
 from specpipe.swarm.stage.onward import Onward
@@ -52,9 +52,7 @@ class Forward:
             return None
         try:
             forward_started = time.perf_counter()
-            out = self.stage.forward(
-                message.session, inputs, message.start_pos, last_rows=self._last_rows(message)
-            )
+            out = self._forward_one(self._request(message, inputs))
             forward_s = time.perf_counter() - forward_started
         except Exception as exc:  # a bad round must not take the stage down
             self.onward.failed(message, exc)
@@ -69,7 +67,7 @@ class Forward:
         ready = [(m, x) for m in messages if (x := self.inputs(m)) is not None]
         if not ready:
             return
-        requests = [Request(m.session, x, m.start_pos, self._last_rows(m)) for m, x in ready]
+        requests = [self._request(m, x) for m, x in ready]
         try:
             outs = self.stage.forward_many(requests)
         except Exception:  # the batch as a whole: each round alone, with its own error
@@ -109,5 +107,22 @@ class Forward:
             return None
         return message.tensor
 
-    def _last_rows(self, message: wire.Message) -> int | None:
-        return message.n_draft + 1 if self.stage.last else None
+    def _request(self, message: wire.Message, inputs: torch.Tensor) -> Request:
+        last_rows = message.n_draft + 1 if self.stage.last else None
+        return Request(
+            message.session, inputs, message.start_pos, last_rows, message.parents, message.keep
+        )
+
+    def _forward_one(self, request: Request) -> torch.Tensor:
+        """One request through the stage: as a batch of one where the stage batches (the only
+        forward that takes a draft tree), else its plain `forward`."""
+        if isinstance(self.stage, BatchedStage):
+            (out,) = self.stage.forward_many([request])
+            if isinstance(out, BaseException):
+                raise out
+            return out
+        if request.parents is not None or request.keep:
+            raise ValueError("this stage runs no draft trees")
+        return self.stage.forward(
+            request.session, request.inputs, request.start_pos, request.last_rows
+        )

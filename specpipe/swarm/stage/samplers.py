@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from specpipe.core import coupling
-from specpipe.core.ring import Stage
+from specpipe.core.ring import Branches, Stage
 from specpipe.core.sampling import Sampler, SamplingParams
+from specpipe.core.tree import TreeShape
 from specpipe.decoding.tail import finish_round
 from specpipe.swarm import wire
 from specpipe.swarm.stage.activity import remember
@@ -68,6 +69,8 @@ class TailSamplers:
 
     def forget(self, session: str) -> None:
         self._samplers.pop(session, None)
+        if self.head is not None:
+            self.head.forget(session)
 
     def sample(self, message: wire.Message, logits: torch.Tensor, host: str) -> tuple[str, dict]:
         """The reply to a round the tail ran, as (kind, fields): its result, or a gap when the
@@ -88,12 +91,29 @@ class TailSamplers:
                 sampler,
                 self.head,
                 message.head_k,
+                branches_of(message),
             )
         except ValueError as exc:  # e.g. a draft id outside the vocabulary, NaN logits
             self.stats.count("errors")
             return "error", {"reason": f"{host}: {exc}"}
+        if message.parents is not None:
+            self.stats.count("trees")
         return "result", {
             "tokens": tuple(int(t) for t in result),
             "logprobs": tuple((lp.logprob, lp.top) for lp in result.logprobs),
             "drafts": tuple(result.drafts),
+            "path": tuple(result.path),
+            "draft_parents": tuple(result.draft_parents),
+            "ranks": tuple(result.ranks),
         }
+
+
+def branches_of(message: wire.Message) -> Branches | None:
+    """What a round says of draft trees (`core.ring.Branches`), None when it says nothing."""
+    if message.parents is None and not message.keep and not message.head_shape:
+        return None
+    shape = None
+    if message.head_shape:
+        parents, ranks = zip(*message.head_shape, strict=True)
+        shape = TreeShape(parents, ranks)
+    return Branches(message.parents, message.keep, shape)

@@ -1,0 +1,101 @@
+"""The size and shape of each round's draft tree, per session: the tree that is expected to
+commit the most tokens per second, from the head's measured acceptance by depth and rank and
+the measured cost of a round.
+
+Under the coupling, the walk moves from a node to its child of rank r (the head's r-th best
+candidate there) exactly when the target's draw equals that candidate. Let a(d, r) be the
+probability of that at depth d (the root is depth 0) once the walk got there. The walk reaches
+a node with probability the product of a(·, ·) along its path, and a round commits one token
+more than the nodes it passes, so a tree T commits on average
+
+    E(T) = 1 + Σ_{n in T} P(reach n)
+
+tokens. Each node added costs one row of every stage's forward, cd seconds, on top of the
+round's c0 (`DraftLength.cost`, a line through the rounds' rows and seconds: on a slow ring c0
+is large and rows are nearly free; on a fast, busy one they are not). For each size N the best
+tree is the N nodes most likely to be reached, which a best-first search grows one node at a
+time (a node is never likelier than its parent, so every prefix of the search is a tree), and
+the rule sends the N that maximises E / (c0 + N cd), or no drafts when none beats plain
+decoding by `MARGIN`. This is the rule of EAGLE-2 (Li et al. 2024, "EAGLE-2: Faster Inference
+of Language Models with Dynamic Draft Trees"), with acceptance measured instead of read off
+the drafter's confidence, and the cost of rows measured on the ring.
+
+a(d, r) is counted from each round's ranks (`RoundResult.ranks`: the rank of each committed
+token among the head's candidates at the node the walk was at), decaying by `ACCEPT_DECAY`, from
+a prior worth `PRIOR_WEIGHT` rounds. The choice never changes the output: a tree changes how
+many tokens a round commits, never which.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from specpipe.core.tree import MAX_RANK, TreeShape
+from specpipe.drafting.length import MARGIN, DraftLength
+
+ACCEPT_DECAY = 0.97  # per observed node: a depth's estimate weighs roughly its last thirty
+PRIOR = (0.5, 0.1, 0.05, 0.03)  # a(d, r) believed before anything is observed, by rank
+PRIOR_WEIGHT = 2.0  # worth that many observed nodes
+MAX_SLOTS = 32  # drafts in one tree, at most
+
+
+class TreeSize:
+    """One session's draft trees: `choose` before asking the head for one, `observe` after a
+    round whose ranks came back."""
+
+    def __init__(self, max_depth: int, length: DraftLength) -> None:
+        if max_depth < 0:
+            raise ValueError("max_depth must be >= 0")
+        self.max_depth = max_depth
+        self.length = length  # whose cost line prices a row
+        # counts[d][r]: decayed times the walk took rank r at depth d; the last entry: no rank.
+        self._counts = [
+            [p * PRIOR_WEIGHT for p in PRIOR] + [(1.0 - sum(PRIOR)) * PRIOR_WEIGHT]
+            for _ in range(max_depth)
+        ]
+
+    def acceptance(self, depth: int, rank: int) -> float:
+        """a(depth, rank) as measured so far."""
+        counts = self._counts[depth]
+        return counts[rank] / sum(counts)
+
+    def observe(self, ranks: Sequence[int]) -> None:
+        """A round's ranks: at depth d the walk took the head's candidate ranks[d] (-1: none)."""
+        for depth, rank in enumerate(ranks[: self.max_depth]):
+            counts = self._counts[depth]
+            for r in range(len(counts)):
+                counts[r] *= ACCEPT_DECAY
+            counts[rank if 0 <= rank < MAX_RANK else MAX_RANK] += 1.0
+
+    def choose(self, limit: int = MAX_SLOTS) -> TreeShape:
+        """The tree to ask the head for: at most `limit` drafts, none when plain is faster."""
+        base, per_row = self.length.cost()
+        # Candidates: (-P(reach), order, parent row, rank, depth); order keeps ties stable.
+        frontier: list[tuple[float, int, int, int, int]] = []
+        order = 0
+
+        def offer(parent: int, depth: int, reach: float) -> None:
+            nonlocal order
+            if depth >= self.max_depth:
+                return
+            for rank in range(MAX_RANK):
+                heapq.heappush(
+                    frontier, (-reach * self.acceptance(depth, rank), order, parent, rank, depth)
+                )
+                order += 1
+
+        offer(0, 0, 1.0)
+        parents: list[int] = []
+        ranks: list[int] = []
+        expected, best_n, best = 1.0, 0, (1.0 / base) * (1.0 + MARGIN)
+        while frontier and len(parents) < min(limit, MAX_SLOTS):
+            reach, _, parent, rank, depth = heapq.heappop(frontier)
+            parents.append(parent)
+            ranks.append(rank)
+            expected -= reach
+            rate = expected / (base + len(parents) * per_row)
+            if rate > best:
+                best_n, best = len(parents), rate
+            offer(len(parents), depth + 1, -reach)
+        return TreeShape(tuple(parents[:best_n]), tuple(ranks[:best_n]))
