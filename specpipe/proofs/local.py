@@ -25,6 +25,10 @@ the target's noise keyed by (seed, position, token):
   accepted whenever p gives it mass, noise keyed by rank), which must fail;
 - exact coupling: `GumbelSampler.accept` commits what `GumbelSampler.sample` draws.
 
+And for draft trees verified by walking them (`specpipe.proofs.trees`, the document's "trees"):
+the committed law of a tree round against exact enumeration, three lossy walks, and
+`Sampler.accept_tree` committing plain sampling's tokens seed by seed.
+
 The result also gives the proof's time against a plain numpy grid of as many cases
 (`reference_grid_seconds`), the yardstick for keeping proof 1 fast.
 """
@@ -52,6 +56,7 @@ from specpipe.core.sampling import (
     verify_coupled,
     verify_residual,
 )
+from specpipe.proofs import trees
 from specpipe.proofs.stats import chi_square_p_value, total_variation
 
 Progress = Callable[[int], None]  # called with the number of units of work just finished
@@ -76,6 +81,8 @@ class LocalProofConfig:
     # The Gumbel form's drafters: each config's q (see `drafter_probs`).
     drafters: Sequence[str] = field(default=("neighbour", "uncut", "equal"))
     gumbel_sampler_trials: int = 500  # GumbelSampler.accept against .sample, trial by trial
+    tree_draws: int | None = None  # draws per tree case (None: `draws`)
+    tree_exact_trials: int = 300  # Sampler.accept_tree against .sample, trial by trial
 
     @property
     def configs(self) -> list[tuple[float, float, int]]:
@@ -89,10 +96,15 @@ class LocalProofConfig:
     def n_gumbel_cases(self) -> int:
         return len(self.configs) * len(self.drafters)
 
+    @property
+    def n_tree_draws(self) -> int:
+        return self.draws if self.tree_draws is None else self.tree_draws
+
     def work_units(self) -> int:
         """How many progress units a run reports: one per case and form, plus the checks."""
         gumbel = self.n_gumbel_cases * (1 + len(GUMBEL_MUTANTS))
-        return self.n_cases * (2 + len(MUTANTS)) + gumbel + 5
+        tree = len(trees.CONFIGS) * len(trees.SHAPES) * (1 + len(trees.MUTANTS)) + 1
+        return self.n_cases * (2 + len(MUTANTS)) + gumbel + tree + 5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -751,6 +763,11 @@ def run_local_proof(cfg: LocalProofConfig, progress: Progress = lambda _: None) 
     seconds = time.perf_counter() - started
     reference = reference_grid_seconds(cfg, len(cases) // len(cfg.configs))
     progress(1)
+    tree_started = time.perf_counter()
+    tree_part = trees.run_tree_proof(
+        cfg.n_tree_draws, cfg.seed, cfg.gate_tv, cfg.alpha, cfg.tree_exact_trials, progress
+    )
+    tree_seconds = time.perf_counter() - tree_started
     worst_tv = max(row["tv"] for row in cases)
     passed = (
         all(row["pass"] for row in cases)
@@ -760,6 +777,7 @@ def run_local_proof(cfg: LocalProofConfig, progress: Progress = lambda _: None) 
         and greedy["mismatches"] == 0
         and coupling["mismatches"] == 0
         and gumbel_coupling["mismatches"] == 0
+        and tree_part["pass"]
     )
     return {
         "proof_1_local_math": {
@@ -787,10 +805,12 @@ def run_local_proof(cfg: LocalProofConfig, progress: Progress = lambda _: None) 
             "multi_position": gumbel_multi,
             "exact_coupling": gumbel_coupling,
         },
+        "trees": tree_part,
         "timing": {
             "seconds": seconds,
             "reference_grid_cases": len(cases),
             "reference_grid_seconds": reference,
             "ratio": seconds / reference,
+            "tree_seconds": tree_seconds,  # apart from `seconds`, which the ratio is of
         },
     }

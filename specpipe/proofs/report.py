@@ -71,6 +71,89 @@ class GumbelSummary:
 
 
 @dataclass(frozen=True)
+class TreeSummary:
+    """Proof 1's tree cases: draft trees verified by walking them (`specpipe.proofs.trees`)."""
+
+    cases: int  # configs × tree shapes
+    cases_failed: int
+    draws_per_case: int
+    vocab: int
+    worst_tv: float
+    worst_tv_over_floor: float  # the gate is on a case's TV above its sampling floor
+    gate: float
+    worst_p_value: float
+    alpha_per_test: float
+    accepted_range: tuple[float, float]  # the cases' mean accepted drafts, lowest and highest
+    mutants: tuple[Mutant, ...]
+    mutant_cases_failed: tuple[int, ...]  # per mutant, the cases it failed
+    exact_trials: int
+    tree_mismatches: int  # the trees drafted against the head's own ranking, seed by seed
+    exact_mismatches: int  # accept_tree against plain sampling, seed by seed
+    walk_mismatches: int  # accept_tree against the law check's vectorised walk
+    chain_trials: int
+    chain_mismatches: int  # a chain's accept_tree against accept
+    seconds: float | None
+
+    @classmethod
+    def from_result(cls, doc: Document) -> TreeSummary:
+        """The view of a `run_local_proof` document's "trees"."""
+        trees, exact = doc["trees"], doc["trees"]["exact"]
+        accepted = [case["mean_accepted"] for case in trees["cases"]]
+        return cls(
+            cases=len(trees["cases"]),
+            cases_failed=sum(not case["pass"] for case in trees["cases"]),
+            draws_per_case=trees["draws_per_case"],
+            vocab=trees["vocab"],
+            worst_tv=trees["worst_tv"],
+            worst_tv_over_floor=trees["worst_tv_over_floor"],
+            gate=trees["gate"],
+            worst_p_value=trees["worst_p_value"],
+            alpha_per_test=trees["alpha_per_test"],
+            accepted_range=(min(accepted), max(accepted)),
+            mutants=tuple(Mutant(m["name"], m["worst_tv"], m["caught"]) for m in trees["mutants"]),
+            mutant_cases_failed=tuple(m["cases_failed"] for m in trees["mutants"]),
+            exact_trials=exact["trials"],
+            tree_mismatches=exact["tree_mismatches"],
+            exact_mismatches=exact["mismatches"],
+            walk_mismatches=exact["walk_mismatches"],
+            chain_trials=exact["chain_trials"],
+            chain_mismatches=exact["chain_mismatches"],
+            seconds=doc.get("timing", {}).get("tree_seconds"),
+        )
+
+
+def tree_rows(t: TreeSummary) -> list[tuple[str, str]]:
+    """The report's rows on the tree cases."""
+    seconds = "" if t.seconds is None else f", {t.seconds:.1f} s"
+    low, high = t.accepted_range
+    rows = [
+        (
+            "tree cases",
+            f"{t.cases} (config × shape), {t.draws_per_case:,} draws each, vocab {t.vocab}, "
+            f"{low:.2f} to {high:.2f} drafts accepted a round{seconds}",
+        ),
+        (
+            "tree worst TV",
+            f"{t.worst_tv:.4f}, at most {t.worst_tv_over_floor:+.4f} over its floor "
+            f"(gate +{t.gate}); worst p {t.worst_p_value:.3g} (alpha {t.alpha_per_test:.2g})",
+        ),
+        ("tree cases failing", str(t.cases_failed)),
+    ]
+    for m, failed in zip(t.mutants, t.mutant_cases_failed, strict=True):
+        verdict = f"caught on {failed} of {t.cases} cases" if m.caught else "NOT CAUGHT"
+        rows.append((f"tree mutant {m.name}", f"worst TV {m.worst_tv:.3f}, {verdict}"))
+    rows.append(
+        (
+            "tree walk == plain",
+            f"{t.exact_trials:,} seeds, {t.exact_mismatches} mismatches (trees vs the head's: "
+            f"{t.tree_mismatches}; vs the law check's walk: {t.walk_mismatches}; "
+            f"{t.chain_trials} chains vs accept: {t.chain_mismatches})",
+        )
+    )
+    return rows
+
+
+@dataclass(frozen=True)
 class Timing:
     """The proof's time against a plain numpy grid of the same number of cases."""
 
@@ -105,6 +188,7 @@ class LocalProofSummary:
     coupling_mismatches: int
     gumbel: GumbelSummary | None = None  # None in documents from before the Gumbel form
     timing: Timing | None = None
+    trees: TreeSummary | None = None  # None in documents from before the tree cases
 
     @property
     def passed(self) -> bool:
@@ -151,6 +235,7 @@ class LocalProofSummary:
                 if "timing" in doc
                 else None
             ),
+            trees=TreeSummary.from_result(doc) if "trees" in doc else None,
         )
 
 
@@ -200,6 +285,8 @@ def format_local_summary(summary: LocalProofSummary, elapsed: float) -> str:
                 f"{g.coupling_trials:,} trials, {g.coupling_mismatches} mismatches",
             )
         )
+    if s.trees:
+        rows += tree_rows(s.trees)
     if s.timing:
         t = s.timing
         rows.append(
