@@ -10,7 +10,6 @@ import torch
 from specpipe.core.coupling import sampler_for
 from specpipe.core.ring import Branches, Request, RoundResult, Stage
 from specpipe.core.sampling import Sampler, SamplingParams
-from specpipe.core.tree import DraftTree
 from specpipe.decoding.tail import finish_round
 from specpipe.drafting.head import TailHead
 
@@ -64,25 +63,6 @@ class LocalRing:
         return finish_round(
             tail, session, logits, tokens, start_pos, n_draft, sampler, self.head, head_k, branches
         )
-
-    def tree_round(
-        self, session: str, root: int, tree: DraftTree, start_pos: int
-    ) -> tuple[list[int], list[int]]:
-        """One round verifying a draft tree (`core.tree`) under `root`, the last committed token,
-        at `start_pos`: every stage runs the tree's rows in one forward, the tail walks the tree
-        and every stage keeps the accepted branch. The committed tokens and the rows walked."""
-        sampler = self.samplers.get(session)
-        if sampler is None:
-            raise KeyError(f"session {session!r} was never reset")
-        x = torch.tensor([root, *tree.tokens], dtype=torch.long)
-        for stage in self.stages:
-            (x,) = stage.forward_many([Request(session, x, start_pos, parents=tree.parents)])
-            if isinstance(x, BaseException):
-                raise x
-        committed, path = sampler.accept_tree(x.numpy(), tree, start_pos + 1)
-        for stage in self.stages:
-            stage.keep_path(session, path)
-        return committed, path
 
     def drop(self, session: str) -> None:
         for stage in self.stages:

@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
+from specpipe.core.ring import Branches
 from specpipe.core.sampling import Sampler
+from specpipe.core.tree import DraftTree, TreeShape
 from specpipe.decoding.tail import finish_round
 
 VOCAB = 8
@@ -19,14 +21,21 @@ class Tail:
 
 
 class RecordingHead:
-    """A draft head that proposes `first_sampled + i` and remembers what it was given."""
+    """A draft head that proposes `token_pos + i` and remembers what it was given."""
 
     def __init__(self) -> None:
         self.calls = []
 
-    def drafts_after(self, features, result, first_sampled, k, params):
-        self.calls.append((features, list(result), first_sampled, k, params))
-        return [first_sampled + i for i in range(k)]
+    def drafts_after(self, feature, token, token_pos, k, params):
+        self.calls.append((feature, token, token_pos, k, params))
+        return [token_pos + i for i in range(k)]
+
+    def draft_tree(self, session, feature, token, token_pos, shape, params):
+        self.calls.append((feature, token, token_pos, shape, params))
+        return DraftTree(tuple(token_pos + i for i in range(len(shape))), shape.parents)
+
+    def ranks_of(self, session, root_pos, root, committed):
+        return [root_pos, root, *committed]
 
 
 def peaked(*argmaxes: int) -> torch.Tensor:
@@ -68,10 +77,51 @@ def test_the_head_drafts_from_the_tail_features_after_the_result():
     result = finish_round(
         Tail({"s": features}), "s", peaked(4, 3, 7), (1, 4, 6), 10, 2, sampler, head, 3
     )
-    assert result.drafts == [11, 12, 13]  # first sampled at 13 - 2 = 11
-    ((seen, verified, first_sampled, k, params),) = head.calls
-    assert seen is features and verified == [4, 3, -1] and (first_sampled, k) == (11, 3)
+    # 4 (position 11) and 3 (position 12) committed; 3 was drawn from row 1.
+    assert result.drafts == [12, 13, 14]
+    ((seen, token, token_pos, k, params),) = head.calls
+    assert torch.equal(seen, features[1]) and (token, token_pos, k) == (3, 12, 3)
     assert params == sampler.params
+    assert result.ranks == [10, 1, 4, 3]  # the head was asked which ranks it had given
+
+
+def test_a_tree_round_commits_the_walk_and_the_head_drafts_after_its_last_row():
+    # Root 1 at position 10; rows: 1 -> 5 (row 1), 1 -> 4 (row 2), 4 -> 6 (row 3).
+    # The target wants 4 at the root, 6 after it, then 2: rows 0, 2, 3 walked.
+    logits = peaked(4, 0, 6, 2)
+    features = torch.arange(8.0).reshape(4, 2)
+    head, sampler = RecordingHead(), Sampler(temp=0)
+    shape = TreeShape((0, 0), (0, 1))
+    branches = Branches(parents=(0, 0, 2), shape=shape)
+    result = finish_round(
+        Tail({"s": features}), "s", logits, (1, 5, 4, 6), 10, 3, sampler, head, 0, branches
+    )
+    assert list(result) == [4, 6, 2, -1] and result.path == [0, 2, 3]
+    ((seen, token, token_pos, asked, _),) = head.calls
+    assert torch.equal(seen, features[3]) and (token, token_pos, asked) == (2, 13, shape)
+    assert result.drafts == [13, 14] and result.draft_parents == [0, 0]
+    assert result.draft_tree == DraftTree((13, 14), (0, 0))
+
+
+def test_a_malformed_tree_is_refused():
+    bad = Branches(parents=(0, 0))  # two children of the root holding one token
+    with pytest.raises(ValueError):
+        finish_round(
+            Tail({}), "s", peaked(4, 0, 6), (1, 5, 5), 10, 2, Sampler(temp=0), None, 0, bad
+        )
+    with pytest.raises(ValueError):  # a tree's round is its root and drafts alone
+        finish_round(
+            Tail({}),
+            "s",
+            peaked(7, 4, 0, 6),
+            (7, 1, 5, 4),
+            9,
+            2,
+            Sampler(temp=0),
+            None,
+            0,
+            Branches(parents=(0, 0)),
+        )
 
 
 def test_a_head_is_not_asked_for_zero_drafts_and_needs_no_features_then():

@@ -83,6 +83,42 @@ def test_a_tree_is_checked_and_its_branch_kept_once(checkpoints):
         stage.keep_path("s", [0, 2])
 
 
+def test_the_round_after_a_tree_keeps_the_rows_it_names_or_forgets_the_tree(checkpoints):
+    (stage,) = load_split(lambda: SafetensorsCheckpoint(checkpoints["llama"]), [4])
+
+    def step(session, tokens, pos, **branches):
+        (out,) = stage.forward_many([Request(session, torch.tensor(tokens), pos, **branches)])
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    prompt = list(range(1, 9))
+    step("plain", prompt + [5, 7, 11], 0)  # the branch 5, 7 kept, then 11
+    expected = step("plain", [13], 11)
+
+    step("s", prompt, 0)
+    first = tree_forward(stage, "s", torch.tensor([8, 5, 6, 7, 2, 3, 4]), 7)
+    # Sent again (its reply was late): the tree is recomputed from its root, the same rows.
+    assert torch.equal(tree_forward(stage, "s", torch.tensor([8, 5, 6, 7, 2, 3, 4]), 7), first)
+    # The next round names the walked rows (root, 5, 7) and starts right after them.
+    assert torch.equal(step("s", [11, 13], 10, keep=(0, 1, 3))[-1:], expected)
+    assert stage.held_tokens()["s"] == 12
+
+    # A round that names no rows (or rows it does not start after) forgets the tree: it goes
+    # on from the root, and one that starts past the root gets a gap.
+    step("t", prompt, 0)
+    tree_forward(stage, "t", torch.tensor([8, 5, 6, 7, 2, 3, 4]), 7)
+    with pytest.raises(GapError):
+        step("t", [11, 13], 10)
+    step("u", prompt, 0)
+    tree_forward(stage, "u", torch.tensor([8, 5, 6, 7, 2, 3, 4]), 7)
+    with pytest.raises(GapError):
+        step("u", [11, 13], 10, keep=(0, 2))  # rows 0, 2 end at position 9, not 10
+    step("v", prompt, 0)
+    tree_forward(stage, "v", torch.tensor([8, 5, 6, 7, 2, 3, 4]), 7)
+    assert torch.equal(step("v", [8, 5, 7, 11, 13], 7)[-1:], expected)
+
+
 @pytest.mark.parametrize("sampler", ["gumbel", "icdf"])
 @pytest.mark.parametrize("family", ["llama", "gptoss-mxfp4"])
 def test_tree_rounds_through_two_stages_commit_plain_samplings_tokens(checkpoints, family, sampler):
@@ -91,6 +127,7 @@ def test_tree_rounds_through_two_stages_commit_plain_samplings_tokens(checkpoint
     (each round's branch kept on both stages is the cache the next one builds on)."""
     import numpy as np
 
+    from specpipe.core.ring import Branches
     from specpipe.core.sampling import SamplingParams
     from specpipe.core.tree import DraftTree
     from specpipe.decoding.local_ring import LocalRing
@@ -106,7 +143,7 @@ def test_tree_rounds_through_two_stages_commit_plain_samplings_tokens(checkpoint
     rng = np.random.default_rng(3)
     ring.reset("tree", params)
     out = [ring.round("tree", prompt, 0, 0)[0]]
-    accepted = 0
+    accepted, keep = 0, ()
     while len(out) < n:
         # Two branches: one that follows plain decoding for a while (then strays), one random.
         truth = plain[len(out) : len(out) + 3]
@@ -120,8 +157,11 @@ def test_tree_rounds_through_two_stages_commit_plain_samplings_tokens(checkpoint
             tokens.append(other)
             parents.append(0)
         tree = DraftTree(tuple(tokens), tuple(parents))
-        committed, path = ring.tree_round("tree", out[-1], tree, len(prompt) + len(out) - 1)
-        accepted += len(path) - 1
-        out += committed
+        root_pos = len(prompt) + len(out) - 1
+        branches = Branches(tree.parents, keep)  # the last tree's walked rows ride along
+        result = ring.round("tree", [out[-1], *tree.tokens], root_pos, len(tokens), 0, branches)
+        keep = tuple(result.path)
+        accepted += len(keep) - 1
+        out += [t for t in result if t >= 0]
     assert out[:n] == plain
     assert accepted >= 5  # the branches that followed plain decoding were taken

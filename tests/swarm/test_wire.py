@@ -411,3 +411,55 @@ def test_a_result_carries_log_probabilities_and_bad_ones_are_refused():
     too_many = replace(reply, tokens=(4,))
     with pytest.raises(wire.WireError, match="more log-probabilities"):
         wire.decode(wire.encode(too_many, "sw", b"k" * 32), "sw", b"k" * 32)
+
+
+def test_a_tree_round_and_its_result_keep_their_tree_fields():
+    sent = message(parents=(0, 0), keep=(0, 2, 3), head_shape=((0, 0), (0, 1), (1, 0)))
+    got = wire.decode(wire.encode(sent, SWARM, KEY), SWARM, KEY)
+    assert (got.parents, got.keep, got.head_shape) == ((0, 0), (0, 2, 3), sent.head_shape)
+    plain = wire.decode(wire.encode(message(), SWARM, KEY), SWARM, KEY)
+    assert (plain.parents, plain.keep, plain.head_shape) == (None, (), ())
+    result = wire.Message(
+        kind="result",
+        session="s1",
+        tokens=(4, 9, -1),
+        drafts=(3, 5, 8),
+        path=(0, 2),
+        draft_parents=(0, 0, 1),
+        ranks=(1, -1),
+    )
+    back = wire.decode(wire.encode(result, SWARM, KEY), SWARM, KEY)
+    assert (back.path, back.draft_parents, back.ranks) == ((0, 2), (0, 0, 1), (1, -1))
+
+
+@pytest.mark.parametrize(
+    "fields, reason",
+    [
+        ({"parents": [0, 2]}, "not a tree"),  # row 2 comes after draft 1
+        ({"parents": [0]}, "a parent for each"),  # two drafts, one parent
+        ({"parents": [0, 0], "tokens": [1, 5, 6, 7]}, "its root, its drafts"),
+        ({"parents": [0, True]}, "row numbers"),
+        ({"keep": [0, wire.MAX_TREE_ROWS]}, "row numbers"),
+        ({"keep": [-1]}, "row numbers"),
+        ({"keep": list(range(wire.MAX_TREE_ROWS + 1))}, "row numbers"),
+        ({"head_shape": [[0, 0], [0, 0]]}, "not a tree"),  # two children of one rank
+        ({"head_shape": [[0, 9]]}, "not a tree"),  # no such rank
+        ({"head_shape": [[1, 0]]}, "not a tree"),  # a parent after its child
+        ({"head_shape": [[0]]}, "pairs"),
+        ({"head_shape": [[0, 0]] * (wire.MAX_HEAD_DRAFTS + 1)}, "pairs"),
+        ({"draft_parents": [0, 0], "drafts": [3]}, "a parent for each draft"),
+        ({"ranks": [-2]}, "row numbers"),
+    ],
+)
+def test_a_malformed_tree_is_refused(fields, reason):
+    header = {
+        "swarm": SWARM,
+        "kind": "round",
+        "session": "s1",
+        "start_pos": 7,
+        "n_draft": 2,
+        "tokens": [5, 6, 7],
+        **fields,
+    }
+    with pytest.raises(wire.WireError, match=reason):
+        wire.decode(sign(raw(header)), SWARM, KEY)

@@ -1,0 +1,126 @@
+"""Tree rounds end to end in one process: the tail's head proposes trees, the ring verifies them
+in one round each, and the output is plain sampling's for every seed, whatever the tree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specpipe.core.sampling import SamplingParams
+from specpipe.core.tree import DraftTree, TreeShape
+from specpipe.decoding.generation import Generation
+from specpipe.decoding.local_ring import LocalRing
+from specpipe.drafting.head import DraftHead, TailHead, TargetParts
+from specpipe.drafting.length import DraftLength
+from specpipe.drafting.tree_size import TreeSize
+from specpipe.model.resolve import load_stages
+from tests.swarmprocs import write_tiny_model
+
+PROMPT = [5, 17, 42, 8, 23, 61, 9]
+# Root -> (a, b, c); a -> (d, e); d -> f; b -> g.
+WIDE = TreeShape((0, 0, 0, 1, 1, 4, 2), (0, 1, 2, 0, 1, 0, 0))
+
+
+@pytest.fixture(scope="module")
+def ring(tmp_path_factory):
+    model = write_tiny_model(tmp_path_factory.mktemp("trees") / "tiny")
+    stages = load_stages(model, 2, pack=False)
+    torch.manual_seed(0)  # an untrained head: its trees are verified all the same
+    head = DraftHead(stages[-1].cfg.dim, 32)
+    parts = TargetParts.from_stage(stages[-1], stages[0].embed.weight)
+    stages[-1].keep_features = True
+    return LocalRing(stages, TailHead(head, parts))
+
+
+def plain(ring, params, n):
+    return Generation(ring, "plain", PROMPT, params, max_new_tokens=n, draft_k=0).run()
+
+
+def with_trees(ring, params, n, shape=None, session="trees"):
+    generation = Generation(
+        ring,
+        session,
+        PROMPT,
+        params,
+        max_new_tokens=n,
+        draft_k=4,
+        adaptive=True,
+        drafts_from="head",
+        trees=True,
+    )
+    if shape is not None:  # every round asks the head for this tree
+        generation.tree_size.choose = lambda limit=None: shape
+    return generation
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temp=0.0)]
+    + [
+        SamplingParams(temp=t, top_p=p, seed=s, sampler="gumbel")
+        for t, p, s in [(0.7, 0.95, 1), (1.0, 1.0, 2), (1.3, 0.9, 3), (0.8, 1.0, 4)]
+    ],
+)
+def test_tree_rounds_commit_plain_samplings_tokens(ring, params):
+    expected = plain(ring, params, 40)
+    for shape in (WIDE, TreeShape.chain(3), None):
+        generation = with_trees(ring, params, 40, shape)
+        assert generation.run() == expected, shape
+        if shape is WIDE:
+            assert generation.stats.tree_rounds > 10
+            assert generation.stats.rounds < 40  # drafts were taken on the way
+
+
+def test_an_untrained_head_still_gets_its_trees_measured_and_sized(ring):
+    params = SamplingParams(temp=0.0)
+    generation = with_trees(ring, params, 60)
+    assert generation.run() == plain(ring, params, 60)
+    size = generation.tree_size
+    # The ranks came back each round: the estimate moved off the prior.
+    assert size.acceptance(0, 0) != pytest.approx(0.5, abs=1e-3)
+
+
+def test_the_heads_tree_holds_its_chain_as_the_main_branch_and_ranks_are_reported(ring):
+    stages, head = ring.stages, ring.head
+    params = SamplingParams(temp=0.9, top_p=0.95, seed=8, sampler="gumbel")
+    feature = torch.randn(stages[-1].cfg.dim)
+    chain = head.drafts_after(feature, 7, 20, 3, params)
+    tree = head.draft_tree("s", feature, 7, 20, WIDE, params)
+    assert tree.main_branch() == chain and not tree.is_chain
+    assert len({tree.tokens[i] for i, p in enumerate(tree.parents) if p == 0}) == 3
+    # The walk took rank 0, then the rank-1 child under it, then left the tree.
+    walked = [tree.tokens[0], tree.tokens[4], 3]
+    ranks = head.ranks_of("s", 20, 7, walked)
+    assert ranks[:2] == [0, 1] and len(ranks) <= 3
+    assert head.ranks_of("s", 21, 7, walked) == []  # another root: not this tree
+    head.forget("s")
+    assert head.ranks_of("s", 20, 7, walked) == []
+
+
+def test_tree_size_grows_with_acceptance_and_ring_time():
+    def chosen(ranks: list[int], base_s: float, per_row_s: float) -> TreeShape:
+        """The tree for a head whose candidates the target takes by `ranks` (-1: none) at
+        every depth, on a ring whose rounds cost base_s plus per_row_s per draft."""
+        length = DraftLength(6)
+        for sent in (0, 4, 8) * 20:
+            length.observe([], [], sent, base_s + sent * per_row_s)
+        size = TreeSize(6, length)
+        for _ in range(20):
+            for rank in ranks:
+                size.observe([rank] * 6)
+        return size.choose()
+
+    spread = [0] * 6 + [1] * 2 + [2, -1]  # rank 0 60 %, rank 1 20 %, rank 2 10 %
+    slow = chosen(spread, 0.1, 0.001)
+    assert len(slow) >= 12 and max(slow.depths) >= 5 and max(slow.ranks) >= 2
+    fast = chosen(spread, 0.01, 0.004)  # a fast ring whose rows are dear: a smaller tree
+    assert 0 < len(fast) < len(slow)
+    assert chosen([0], 0.1, 0.001) == TreeShape.chain(6)  # a perfect chain needs no siblings
+    assert len(chosen([-1], 0.01, 0.004)) == 0  # plain decoding is faster
+
+
+def test_a_tree_is_cut_to_the_rounds_budget():
+    tree = DraftTree((1, 2, 3, 4, 5), (0, 1, 2, 0, 4))
+    assert tree.within_depth(2) == DraftTree((1, 2, 4, 5), (0, 1, 0, 3))
+    assert tree.within_depth(0) == DraftTree((), ())
+    assert tree.main_branch() == [1, 2, 3]
