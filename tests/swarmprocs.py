@@ -85,8 +85,8 @@ class Swarm:
         self.argv: dict[str, list[str]] = {}
         self.logs: dict[str, Path | None] = {}
 
-    def start_stage(self, host: str, layers: str) -> None:
-        """Start `specpipe worker stage` for `host` (not waiting for it)."""
+    def start_stage(self, host: str, layers: str, *extra: str) -> None:
+        """Start `specpipe worker stage` for `host` (not waiting for it), with `extra` options."""
         argv = [
             *SPECPIPE,
             "worker",
@@ -101,6 +101,7 @@ class Swarm:
             "1",
             "--heartbeat-s",
             "0.5",
+            *extra,
         ]
         self._start(host, argv)
 
