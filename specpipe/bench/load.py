@@ -52,6 +52,9 @@ class JobTiming:
     done_s: float  # from its start to its last round
     rounds: int = 0
     head_rounds: int = 0  # rounds whose drafts the tail's draft head proposed
+    drafted: int = 0  # draft rows sent (a tree's every row)
+    accepted: int = 0  # drafts committed
+    tree_rounds: int = 0  # rounds that carried a draft tree
 
 
 def job_requests(n: int, seed: int) -> list[tuple[str, int]]:
@@ -67,8 +70,10 @@ def run_job(
     max_new_tokens: int,
     adaptive: bool = False,
     drafts_from: str = "both",
+    trees: bool = False,
 ) -> JobTiming:
-    """One job to its end on `ring`, timed; `adaptive` chooses each round's K up to draft_k."""
+    """One job to its end on `ring`, timed; `adaptive` chooses each round's K up to draft_k,
+    `trees` lets the head propose draft trees."""
     generation = Generation(
         ring,
         f"load-{uuid.uuid4().hex[:10]}",
@@ -78,6 +83,7 @@ def run_job(
         draft_k=draft_k,
         adaptive=adaptive,
         drafts_from=drafts_from,
+        trees=trees,
     )
     started = time.perf_counter()
     first = None
@@ -86,7 +92,16 @@ def run_job(
     done = time.perf_counter() - started
     ring.drop(generation.session)
     stats = generation.stats
-    return JobTiming(generation.generated, first or done, done, stats.rounds, stats.head_rounds)
+    return JobTiming(
+        generation.generated,
+        first or done,
+        done,
+        stats.rounds,
+        stats.head_rounds,
+        stats.drafted,
+        stats.accepted,
+        stats.tree_rounds,
+    )
 
 
 def solo_tokens(
@@ -263,6 +278,7 @@ class Method:
     draft_k: int  # 0: plain decoding
     adaptive: bool = False  # choose each round's K up to draft_k
     drafts_from: str = "both"  # see `specpipe.decoding.generation.DRAFT_SOURCES`
+    trees: bool = False  # the head proposes draft trees (with adaptive)
 
 
 def k_methods(fixed: Sequence[int], max_k: int) -> list[Method]:
@@ -295,9 +311,11 @@ def side_by_side(
     link delay; a kind's prompts are taken in turn, one a repeat. The methods of a (prompt,
     repeat) run back to back with the same sampling parameters
     (`params_for(repeat)`), in an order that rotates, so a machine's drift touches them alike.
-    Per prompt kind and method: tok/s (all its tokens over all its time), tokens per round and
-    the share of rounds the draft head proposed; and whether every method gave plain's tokens."""
-    totals = {(kind, m.name): [0, 0.0, 0, 0] for kind in prompts for m in methods}
+    Per prompt kind and method: tok/s (all its tokens over all its time), tokens per round,
+    the share of rounds the draft head proposed, rows per round (the root and the drafts),
+    accepted depth (drafts committed per round) and the share of rounds that carried a tree;
+    and whether every method gave plain's tokens."""
+    totals = {(kind, m.name): [0, 0.0, 0, 0, 0, 0, 0] for kind in prompts for m in methods}
     exact = True
     with LocalSwarm(model, n_stages, link_delay_ms=delay, draft_head=draft_head) as swarm:
         ring = swarm.ring()
@@ -318,6 +336,7 @@ def side_by_side(
                             tokens,
                             method.adaptive,
                             method.drafts_from,
+                            method.trees,
                         )
                         outputs[method.name] = timing.tokens
                         total = totals[(kind, method.name)]
@@ -325,6 +344,9 @@ def side_by_side(
                         total[1] += timing.done_s
                         total[2] += timing.rounds
                         total[3] += timing.head_rounds
+                        total[4] += timing.drafted
+                        total[5] += timing.accepted
+                        total[6] += timing.tree_rounds
                     same = all(t == outputs[methods[0].name] for t in outputs.values())
                     exact = exact and same
                     log(
@@ -337,11 +359,14 @@ def side_by_side(
     for kind in prompts:
         out[kind] = {}
         for m in methods:
-            n, seconds, rounds, head_rounds = totals[(kind, m.name)]
+            n, seconds, rounds, head_rounds, drafted, accepted, trees = totals[(kind, m.name)]
             out[kind][m.name] = {
                 "tok_s": n / seconds if seconds else 0.0,
                 "tokens_per_round": n / max(rounds, 1),
                 "head_round_share": head_rounds / max(rounds, 1),
+                "rows_per_round": 1 + drafted / max(rounds, 1),
+                "accepted_depth": accepted / max(rounds, 1),
+                "tree_round_share": trees / max(rounds, 1),
             }
     return out, exact
 

@@ -95,40 +95,57 @@ class Attention(nn.Module):
         if seg.ancestors is not None:
             out = self._attend_tree(qk[:H], k, v, seg)
             return out.transpose(0, 1).reshape(P, self.n_heads * self.hd)
-        pos = seg.pos
-        keys, values, first = seg.cache.append(k, v, pos)  # [Hkv, S, hd], position of key 0
+        keys, values, first = seg.cache.append(k, v, seg.pos)  # [Hkv, S, hd], key 0's position
+        out = self._attend_rows(qk[:H], keys, values, first, seg.pos, T)  # [H, P, hd]
+        return out.transpose(0, 1).reshape(P, self.n_heads * self.hd)
+
+    def _attend_rows(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        first: int,
+        pos: int,
+        tokens: int,
+    ) -> torch.Tensor:
+        """Queries [H, P, hd] of consecutive positions pos… (the first `tokens` of them tokens,
+        the rest padding) over a cache's keys and values [Hkv, S, hd] -> [H, P, hd]."""
         if self.row_stable and keys.shape[1] < MIN_KEYS:  # padded keys lie in the future: masked
             keys, values = padded(keys, MIN_KEYS), padded(values, MIN_KEYS)
         # One token that sees every key needs no mask (padding rows may see what they like).
-        masked = T > 1 or self.window is not None or first + keys.shape[1] > pos + T
+        masked = tokens > 1 or self.window is not None or first + keys.shape[1] > pos + tokens
         # Long prompts attend in chunks of queries, so the scores never outgrow [H, C, S].
         chunks = [
-            self._attend(qk[:H, i : i + QUERY_CHUNK], keys, values, first, pos + i, masked)
-            for i in range(0, P, QUERY_CHUNK)
+            self._attend(q[:, i : i + QUERY_CHUNK], keys, values, first, pos + i, masked)
+            for i in range(0, q.shape[1], QUERY_CHUNK)
         ]
-        out = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)  # [H, P, hd]
-        return out.transpose(0, 1).reshape(P, self.n_heads * self.hd)
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
 
     def _attend_tree(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segment
     ) -> torch.Tensor:
         """A draft tree's rows, q [H, P, hd] with k, v [Hkv, T, hd] -> [H, P, hd]: each token
-        row over the prefix and its own ancestors, those keys gathered in order from the root,
-        so that the keys a row sees lie exactly as a plain step's at its position would. The
-        rows' keys wait in the cache for the accepted path (`LayerCache.keep`)."""
-        prefix_k, prefix_v, first = seg.cache.prefix(seg.pos)
-        seg.cache.pending = (k, v, seg.pos)
-        outs = []
-        for r in range(q.shape[1]):
-            path = list(seg.ancestors[r] if r < seg.tokens else (0,))  # padding: as the root
-            keys = torch.cat([prefix_k, k[:, path]], dim=1)  # [Hkv, S, hd]
-            values = torch.cat([prefix_v, v[:, path]], dim=1)
-            if self.row_stable and keys.shape[1] < MIN_KEYS:
-                keys, values = padded(keys, MIN_KEYS), padded(values, MIN_KEYS)
-            at = seg.pos + len(path) - 1
-            masked = self.window is not None or first + keys.shape[1] > at + 1
-            outs.append(self._attend(q[:, r : r + 1], keys, values, first, at, masked))
-        return torch.cat(outs, dim=1)
+        row over the prefix and its own ancestors, exactly as a plain step at its position
+        would see them. A row's path is written into the cache's buffer after the prefix and
+        attended there, so nothing is copied: the rows off the longest branch one at a time,
+        then the longest branch's rows together, as a chain's verify runs them (it is left in
+        the buffer). The rows' keys also wait apart for the accepted path (`LayerCache.keep`);
+        padding rows are zero."""
+        cache, pos, paths = seg.cache, seg.pos, seg.ancestors
+        cache.pending = (k, v, pos)
+        longest = list(max(paths[: seg.tokens], key=len))
+        out = q.new_zeros(q.shape)
+        on_longest = set(longest)
+        for r in range(seg.tokens):
+            if r in on_longest:
+                continue
+            path = list(paths[r])
+            keys, values, first = cache.append(k[:, path], v[:, path], pos)
+            at = pos + len(path) - 1
+            out[:, r : r + 1] = self._attend_rows(q[:, r : r + 1], keys, values, first, at, 1)
+        keys, values, first = cache.append(k[:, longest], v[:, longest], pos)
+        out[:, longest] = self._attend_rows(q[:, longest], keys, values, first, pos, len(longest))
+        return out
 
     def _attend(
         self,

@@ -59,12 +59,6 @@ class LayerCache:
         n = self.end - self.first
         return self.k[:, :n], self.v[:, :n], self.first
 
-    def prefix(self, pos: int) -> tuple[torch.Tensor, ...]:
-        """The keys, values and `first` of the positions before `pos`, storing nothing."""
-        self.check(pos)
-        n = pos - self.first
-        return self.k[:, :n], self.v[:, :n], self.first
-
     def keep(self, rows: list[int]) -> None:
         """Store the pending tree's `rows` (an accepted path, root first) at its root's position
         on, as if they had been appended one after another."""
