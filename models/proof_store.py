@@ -74,6 +74,7 @@ def _swarm_proof(result: dict, trigger: str) -> Proof:
             "mutant_flagged": result["mutant"]["flagged"],
             "sampler": result["sampler"],
             "drafter": result["drafter"],
+            "draft_trees": result.get("draft_trees", False),
             **({"head": result["head"]} if "head" in result else {}),
         },
     )

@@ -190,6 +190,7 @@ def _generate(
         max_new_tokens=job.max_new_tokens,
         draft_k=job.draft_k,  # the most a round sends: each round's K is chosen
         adaptive=True,
+        trees=True,  # the head's proposals are trees, sized as they pay
         eos_ids=eos,
         resume=resume,  # a re-run continues from what was stored
         should_stop=output.should_stop,

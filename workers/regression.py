@@ -231,6 +231,11 @@ def _method(
     (with the head: for how many speculative draws and rounds it drafted)."""
     if draft_head:
         drafts = "the tail's draft head's drafts K=4 (the n-gram's where it sent none)"
+        if (swarm or {}).get("draft_trees"):
+            drafts = (
+                "the tail's draft head's draft trees: its chain of K=4 and its next candidates "
+                "at the first two positions (the n-gram's chain where it sent none)"
+            )
         head = (swarm or {}).get("head")
         if head is not None:
             drafts += f", head drafted for {head['rounds']}/{head['draws']} draws"

@@ -310,6 +310,7 @@ def generate_locally(request: dict, model_name: str, options: dict, stream: Text
         max_new_tokens=request["max_new_tokens"],
         draft_k=request["draft_k"],  # the most a round sends: each round's K is chosen
         adaptive=True,
+        trees=True,  # the head's proposals are trees, sized as they pay
         eos_ids=target.eos_ids,
         should_stop=output.should_stop,
     )

@@ -348,6 +348,7 @@ class SwarmProofSummary:
     head_rounds: int = 0  # speculative draws the head drafted for
     head_draws: int = 0  # speculative draws in all
     head_acceptance: float = 0.0  # of the head's drafts, the share accepted
+    draft_trees: bool = False  # the head's drafts were trees, not chains
 
     @property
     def passed(self) -> bool:
@@ -395,6 +396,7 @@ class SwarmProofSummary:
             head_rounds=drafted.get("rounds", 0),
             head_draws=drafted.get("draws", 0),
             head_acceptance=drafted.get("acceptance", 0.0),
+            draft_trees=doc.get("draft_trees", False),
         )
 
 
@@ -415,6 +417,8 @@ def format_swarm_summary(summary: SwarmProofSummary, where: str, elapsed: float)
     rows = [("temp / top_p / top_k", f"{s.temp:g} / {s.top_p:g} / {s.top_k}")]
     if s.sampler is not None:
         drafts = "the tail's draft head" if s.drafter == "head" else "the n-gram drafter"
+        if s.drafter == "head" and s.draft_trees:
+            drafts += " (trees)"
         rows.append(("drawn with", f"sampler {s.sampler}, drafts from {drafts}"))
     rows += [
         ("draws per mode per stop", str(s.draws_per_mode_per_stop)),

@@ -34,7 +34,10 @@ rule, which only acts on rejected drafts, its damage does not fade as the head g
 Its pairs are built from live draws (each speculative x0 with the x1 of an independent plain
 draw), so it costs no rounds.
 A tail without a head sends no drafts: the n-gram's proposal after x0 stands in (the argmax
-when it has none), and `head_rounds` says so.
+when it has none), and `head_rounds` says so. With `trees` (the default with the head) round A
+asks the head for a tree (`proof_shape`: its chain and the next candidates at the first two
+positions) and round B verifies that tree, so the law compared and the exact check cover tree
+rounds as jobs run them.
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ from typing import TypeVar
 
 import numpy as np
 
-from specpipe.core.ring import Ring, RoundResult
+from specpipe.core.ring import Branches, Ring, RoundResult
 from specpipe.core.sampling import SamplingParams, check_sampler, committed_tokens, offset_seed
+from specpipe.core.tree import DraftTree, TreeShape
 from specpipe.decoding.generation import Generation
 from specpipe.drafting.ngram import NgramDrafter
 from specpipe.proofs.stats import entropy_bits, total_variation, two_sample_p_value
@@ -80,6 +84,8 @@ class SwarmProofConfig:
     draft_head: bool = False
     # "gumbel" or "icdf"; None: "gumbel" with the draft head, whose drafts share its noise.
     sampler: str | None = None
+    # With the draft head: its drafts are a tree (`proof_shape(draft_k)`), not a chain.
+    trees: bool = True
 
     def __post_init__(self) -> None:
         if self.sampler is None:
@@ -121,25 +127,36 @@ class StopDrawer:
         drafts: Sequence[int] = (),
         params: SamplingParams | None = None,
         head_k: int = 0,
+        shape: TreeShape | None = None,
     ) -> RoundResult:
-        """The result vector of one round at the stop: position len(context); with `head_k`,
-        the tail's draft head's drafts for the positions after it ride on the result."""
+        """The result vector of one round at the stop: position len(context); with `head_k`
+        (or a tree's `shape`), the tail's draft head's drafts for the positions after it ride
+        on the result."""
         self.ring.reseed(self.session, params or self.cfg.params(seed))
         tokens = [self.context[-1], *drafts]
-        return self.ring.round(self.session, tokens, len(self.context) - 1, len(drafts), head_k)
+        start, n = len(self.context) - 1, len(drafts)
+        if shape is None:
+            return self.ring.round(self.session, tokens, start, n, head_k)
+        return self.ring.round(self.session, tokens, start, n, 0, Branches(shape=shape))
 
     def follow(
         self,
         tokens: Sequence[int],
         drafts: Sequence[int] = (),
         params: SamplingParams | None = None,
+        parents: Sequence[int] | None = None,
     ) -> RoundResult:
         """The result vector of a round that commits `tokens` from the stop on and verifies
-        `drafts` after them, under the last draw's parameters unless `params`. It re-sends from
-        the stop, which every cache holds since the last `draw`."""
+        `drafts` after them (a tree under the last of them when `parents` are given), under the
+        last draw's parameters unless `params`. It re-sends from the stop, which every cache
+        holds since the last `draw`."""
         if params is not None:
             self.ring.reseed(self.session, params)
-        return self.ring.round(self.session, [*tokens, *drafts], len(self.context), len(drafts))
+        sent, start = [*tokens, *drafts], len(self.context)
+        if parents is None:
+            return self.ring.round(self.session, sent, start, len(drafts))
+        branches = Branches(parents=tuple(parents))
+        return self.ring.round(self.session, sent, start, len(drafts), 0, branches)
 
     def plain_run(self, seed: int, n: int, after: Sequence[int] = ()) -> list[int]:
         """n tokens drawn plainly under `seed`, one round each: from the stop on, or after the
@@ -337,23 +354,33 @@ def draw_head_stop(ring: Ring, index: int, stop: dict, cfg: SwarmProofConfig, pa
         return argmax_after[x0]
 
     seeds = _stop_seeds(cfg, index, part)
-    spec, head_rounds, drafted, accepted, first_accepted, exact_identical = [], 0, 0, 0, 0, 0
+    shape = proof_shape(cfg.draft_k) if cfg.trees else None
+    spec, exact_identical = [], 0
+    head_rounds = tree_rounds = drafted = accepted = first_accepted = 0
     try:
         plain = [tuple(drawer.plain_run(s, 2)) for s in seeds["plain"]]
         floor = [tuple(drawer.plain_run(s, 2)) for s in seeds["floor"]]
         for s in seeds["spec"]:
-            first = drawer.draw(s, head_k=cfg.draft_k)
-            x0, drafts = first[0], first.drafts[: cfg.draft_k]
-            from_head = bool(drafts)
+            first = drawer.draw(s, head_k=cfg.draft_k, shape=shape)
+            x0, tree = first[0], first.draft_tree
+            from_head = bool(tree.tokens)
             if not from_head:
                 drafts = _fixed_drafts([*context, x0], cfg.draft_k, partial(argmax_after_token, x0))
-            committed = committed_tokens(drafts, drawer.follow([x0], drafts, params=cfg.params(s)))
+                tree = DraftTree.chain(drafts)
+            if tree.is_chain:
+                drafts = list(tree.tokens)
+                result = drawer.follow([x0], drafts, params=cfg.params(s))
+                committed = committed_tokens(drafts, result)
+            else:
+                result = drawer.follow([x0], tree.tokens, cfg.params(s), tree.parents)
+                committed = [t for t in result if t >= 0]
+                tree_rounds += 1
             spec.append((x0, committed[0]))
             if from_head:
                 head_rounds += 1
-                drafted += len(drafts)
+                drafted += len(tree.tokens)
                 accepted += len(committed) - 1
-                first_accepted += committed[0] == drafts[0]
+                first_accepted += len(committed) > 1
             # x0 was a plain draw (its round verified nothing): the check starts after it.
             exact_identical += drawer.plain_run(s, len(committed), after=[x0]) == committed
     finally:
@@ -371,6 +398,7 @@ def draw_head_stop(ring: Ring, index: int, stop: dict, cfg: SwarmProofConfig, pa
         "exact_pairs": len(spec),
         "exact_identical": int(exact_identical),
         "head_rounds": head_rounds,
+        "head_tree_rounds": tree_rounds,
         "head_drafted": drafted,
         "head_accepted": accepted,
         "head_first_accepted": int(first_accepted),
@@ -475,6 +503,8 @@ def run_swarm_proof(
         "draft_k": cfg.draft_k,
         "sampler": cfg.sampler,
         "drafter": cfg.drafter,
+        # The head's drafts were trees (`proof_shape`), not chains.
+        "draft_trees": bool(cfg.draft_head and cfg.trees),
         # What each stop's law is over: the token at the stop, or with the head the pair of
         # tokens at the stop and after it.
         "law": "pair" if cfg.draft_head else "token",
@@ -493,12 +523,22 @@ def run_swarm_proof(
     }
 
 
+def proof_shape(k: int) -> TreeShape:
+    """The tree proof 2's head draws verify: the head's chain of k, its next two candidates at
+    the first position and its next one at the second, where a walk that took a sibling after
+    a miss, or kept the wrong branch, would show."""
+    parents, ranks = list(range(k)), [0] * k
+    parents += [0, 0] + ([1] if k >= 2 else [])
+    ranks += [1, 2] + ([1] if k >= 2 else [])
+    return TreeShape(tuple(parents), tuple(ranks))
+
+
 def _head_summary(rows: list[dict]) -> dict:
     """The draft head's part over every stop: how many speculative draws it drafted for (0: the
     tail has no head, and the n-gram stood in) and how many of its drafts were accepted."""
     total = {
         name: sum(r[f"head_{name}"] for r in rows)
-        for name in ("rounds", "drafted", "accepted", "first_accepted")
+        for name in ("rounds", "tree_rounds", "drafted", "accepted", "first_accepted")
     }
     return {
         **total,

@@ -14,8 +14,9 @@ from tests.engine.toy_stages import WIDTH, ToyStage, toy_stages
 
 PROMPTS = [[3, 7, 1, 9, 3, 7, 1, 9], [5, 6, 7, 8]]
 SMALL = SwarmProofConfig(stops=5, draws=150, temp=1.0, top_p=1.0, generation_tokens=20)
+# The toy stages run chains only: the head's drafts stay chains here (trees: test_tree_rounds).
 WITH_HEAD = SwarmProofConfig(
-    stops=3, draws=120, temp=1.0, top_p=1.0, generation_tokens=16, draft_head=True
+    stops=3, draws=120, temp=1.0, top_p=1.0, generation_tokens=16, draft_head=True, trees=False
 )
 
 

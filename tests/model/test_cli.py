@@ -142,6 +142,7 @@ def test_generate_local_runs_as_a_swarm_job_and_the_head_changes_no_token(
         monkeypatch.setattr(cls, name, counted)
 
     count(drafthead.TailHead, "drafts_after")
+    count(drafthead.TailHead, "draft_tree")
     count(DraftLength, "choose")
     common = [
         "generate",
@@ -167,18 +168,19 @@ def test_generate_local_runs_as_a_swarm_job_and_the_head_changes_no_token(
     plain, _ = run("--no-spec")
     assert len(plain) == 24
     without, counts = run("--draft-k", "4", "--draft-head", "none")
-    assert without == plain and counts["drafts_after"] == 0 and counts["choose"] > 0
+    assert without == plain and counts["draft_tree"] == 0 and counts["choose"] > 0
     # A model the package ships no head for runs without one.
     unshipped, counts = run("--draft-k", "4")
-    assert unshipped == plain and counts["drafts_after"] == 0
+    assert unshipped == plain and counts["draft_tree"] == 0
+    # With a head, it proposes the trees a job's rounds carry (chains are trees of one branch).
     given, counts = run("--draft-k", "4", "--draft-head", str(head))
-    assert given == plain and counts["drafts_after"] > 0
+    assert given == plain and counts["draft_tree"] > 0 and counts["drafts_after"] == 0
     shipped = tmp_path / "drafters"
     shipped.mkdir()
     shutil.copy(head, shipped / f"{tiny.name}.safetensors")
     monkeypatch.setattr(drafthead, "SHIPPED", shipped)
     by_default, counts = run("--draft-k", "4")
-    assert by_default == plain and counts["drafts_after"] > 0
+    assert by_default == plain and counts["draft_tree"] > 0
 
 
 def test_generate_local_refuses_a_head_for_another_model(tiny_and_head, tmp_path):

@@ -124,3 +124,18 @@ def test_a_tree_is_cut_to_the_rounds_budget():
     assert tree.within_depth(2) == DraftTree((1, 2, 4, 5), (0, 1, 0, 3))
     assert tree.within_depth(0) == DraftTree((), ())
     assert tree.main_branch() == [1, 2, 3]
+
+
+def test_proof_2_with_the_heads_trees_passes_and_flags_its_mutant(ring):
+    from specpipe.proofs.swarm import SwarmProofConfig, proof_shape, run_swarm_proof
+
+    cfg = SwarmProofConfig(
+        stops=2, draws=150, temp=1.0, top_p=1.0, generation_tokens=16, draft_head=True
+    )
+    result = run_swarm_proof(ring, [PROMPT, PROMPT[:4]], cfg)
+    assert result["proof_2_on_swarm"]["verdict"] == "PASS", result["reasons"]
+    assert result["draft_trees"] and result["mutant"]["flagged"]
+    assert result["exact_check"] == {"pairs": 300, "identical": 300}
+    head = result["head"]
+    assert head["rounds"] == head["tree_rounds"] == 300
+    assert head["drafted"] == 300 * len(proof_shape(cfg.draft_k))  # temp 1.0: no rank is cut

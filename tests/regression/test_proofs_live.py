@@ -45,7 +45,9 @@ def test_the_nightly_verifies_the_tails_draft_head_on_real_stage_processes(
         assert run.verdict == "pass", [(p.kind, p.verdict, p.summary) for p in run.proofs]
         assert (on_swarm.summary["sampler"], on_swarm.summary["drafter"]) == ("gumbel", "head")
         head = on_swarm.summary["head"]
-        assert head["rounds"] == head["draws"] == 2 * 80 and head["drafted"] == 4 * 2 * 80
+        assert head["rounds"] == head["draws"] == 2 * 80 and head["tree_rounds"] > 0
+        assert 4 * 2 * 80 <= head["drafted"] <= 7 * 2 * 80  # a chain of 4 and up to 3 siblings
+        assert on_swarm.summary["draft_trees"] is True
         assert on_swarm.summary["exact_check"] == {"pairs": 160, "identical": 160}
         assert "sampler gumbel" in run.method and "head drafted for 160/160 draws" in run.method
         generation = run.generation_summary
