@@ -160,7 +160,6 @@ class Generation:
                 result, sent = self._round(cached, drafts, head_k, parents, shape)
                 if parents is None:
                     committed = committed_tokens(drafts, result)
-                    self.keep = ()
                 else:
                     committed = [int(t) for t in result if t >= 0]
                     self.keep = tuple(result.path)
@@ -171,9 +170,8 @@ class Generation:
                 if self.draft_length is not None:
                     seconds = time.perf_counter() - round_started
                     steady = sent == len(drafts) + 1 and self.stats.replays == replays
-                    scored = [] if parents is not None else proposal.main_branch()
-                    self.draft_length.observe(
-                        scored, committed, len(drafts), seconds, steady, source
+                    self._observe_cost(
+                        proposal, parents, drafts, committed, seconds, steady, source
                     )
                 cached = len(self.tokens) + len(committed) - 1
                 for i, token in enumerate(committed):
@@ -196,6 +194,27 @@ class Generation:
                 yield committed
         finally:
             self.stats.seconds = time.perf_counter() - started
+
+    def _observe_cost(
+        self,
+        proposal: DraftTree,
+        parents: tuple[int, ...] | None,
+        drafts: list[int],
+        committed: list[int],
+        seconds: float,
+        steady: bool,
+        source: str,
+    ) -> None:
+        """Tell the draft length (and the tree size) what the round cost and what its proposal
+        would have had accepted. A tree's longest branch is priced as a chain of that many
+        rows; its other rows' time, beyond that, is the tree size's to measure."""
+        longest = max(proposal.depths) if parents is not None else len(drafts)
+        scored = [] if parents is not None else proposal.main_branch()
+        self.draft_length.observe(scored, committed, longest, seconds, steady, source)
+        if self.tree_size is not None and steady:
+            base, per_row = self.draft_length.cost()
+            extra = seconds - (base + longest * per_row)
+            self.tree_size.observe_cost(len(drafts) - longest, extra)
 
     def _propose(self, k: int) -> tuple[DraftTree, bool]:
         """The drafts for this round, at most k deep, and whether the head proposed them: the

@@ -10,13 +10,17 @@ more than the nodes it passes, so a tree T commits on average
 
     E(T) = 1 + Σ_{n in T} P(reach n)
 
-tokens. Each node added costs one row of every stage's forward, cd seconds, on top of the
-round's c0 (`DraftLength.cost`, a line through the rounds' rows and seconds: on a slow ring c0
-is large and rows are nearly free; on a fast, busy one they are not). For each size N the best
-tree is the N nodes most likely to be reached, which a best-first search grows one node at a
-time (a node is never likelier than its parent, so every prefix of the search is a tree), and
-the rule sends the N that maximises E / (c0 + N cd), or no drafts when none beats plain
-decoding by `MARGIN`. This is the rule of EAGLE-2 (Li et al. 2024, "EAGLE-2: Faster Inference
+tokens. Each node on the tree's longest branch costs one row of every stage's forward, cd
+seconds, on top of the round's c0 (`DraftLength.cost`, a line through the rounds' rows and
+seconds: on a slow ring c0 is large and rows are nearly free; on a fast, busy one they are
+not), and each node off it cs: such a row attends alone, and its siblings make the head rank
+more candidates. cs is measured from the tree rounds' time beyond the line, against how many
+rows they had off their longest branch (decaying by `SIDE_COST_DECAY`, pulled toward
+`PRIOR_SIDE_SHARE` of cd while few were measured). For each size N the best tree is the N nodes
+most likely to be reached, which a best-first search grows one node at a time (a node is never
+likelier than its parent, so every prefix of the search is a tree), and the rule sends the N
+that maximises E / (c0 + L cd + (N - L) cs), L the longest branch, or no drafts when none beats
+plain decoding by `MARGIN`. This is the rule of EAGLE-2 (Li et al. 2024, "EAGLE-2: Faster Inference
 of Language Models with Dynamic Draft Trees"), with acceptance measured instead of read off
 the drafter's confidence, and the cost of rows measured on the ring.
 
@@ -38,6 +42,9 @@ ACCEPT_DECAY = 0.97  # per observed node: a depth's estimate weighs roughly its 
 PRIOR = (0.5, 0.1, 0.05, 0.03)  # a(d, r) believed before anything is observed, by rank
 PRIOR_WEIGHT = 2.0  # worth that many observed nodes
 MAX_SLOTS = 32  # drafts in one tree, at most
+SIDE_COST_DECAY = 0.98  # per round: the side rows' cost weighs roughly the last fifty
+PRIOR_SIDE_SHARE = 1.5  # a row off the longest branch, in rows on it, before it is measured
+PRIOR_SIDE_WEIGHT = 16.0  # worth that many side rows (squared) measured
 
 
 class TreeSize:
@@ -54,6 +61,18 @@ class TreeSize:
             [p * PRIOR_WEIGHT for p in PRIOR] + [(1.0 - sum(PRIOR)) * PRIOR_WEIGHT]
             for _ in range(max_depth)
         ]
+        self._side_w = self._side_s = 0.0  # decayed sums: side rows squared, side rows x seconds
+
+    def observe_cost(self, side_rows: int, extra_s: float) -> None:
+        """A steady round's `side_rows` (drafts off its longest branch; 0 for a chain) and its
+        seconds beyond what the draft length's line gives its longest branch."""
+        self._side_w = SIDE_COST_DECAY * self._side_w + side_rows * side_rows
+        self._side_s = SIDE_COST_DECAY * self._side_s + side_rows * extra_s
+
+    def side_cost(self, per_row: float) -> float:
+        """cs: a side row's seconds as measured, given cd (`per_row`) for the prior."""
+        prior = PRIOR_SIDE_WEIGHT * PRIOR_SIDE_SHARE * per_row
+        return max((self._side_s + prior) / (self._side_w + PRIOR_SIDE_WEIGHT), 0.0)
 
     def acceptance(self, depth: int, rank: int) -> float:
         """a(depth, rank) as measured so far."""
@@ -71,6 +90,7 @@ class TreeSize:
     def choose(self, limit: int = MAX_SLOTS) -> TreeShape:
         """The tree to ask the head for: at most `limit` drafts, none when plain is faster."""
         base, per_row = self.length.cost()
+        per_side = self.side_cost(per_row)
         # Candidates: (-P(reach), order, parent row, rank, depth); order keeps ties stable.
         frontier: list[tuple[float, int, int, int, int]] = []
         order = 0
@@ -89,12 +109,15 @@ class TreeSize:
         parents: list[int] = []
         ranks: list[int] = []
         expected, best_n, best = 1.0, 0, (1.0 / base) * (1.0 + MARGIN)
+        longest = 0
         while frontier and len(parents) < min(limit, MAX_SLOTS):
             reach, _, parent, rank, depth = heapq.heappop(frontier)
             parents.append(parent)
             ranks.append(rank)
             expected -= reach
-            rate = expected / (base + len(parents) * per_row)
+            longest = max(longest, depth + 1)
+            side = len(parents) - longest
+            rate = expected / (base + longest * per_row + side * per_side)
             if rate > best:
                 best_n, best = len(parents), rate
             offer(len(parents), depth + 1, -reach)

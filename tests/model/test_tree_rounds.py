@@ -119,6 +119,28 @@ def test_tree_size_grows_with_acceptance_and_ring_time():
     assert len(chosen([-1], 0.01, 0.004)) == 0  # plain decoding is faster
 
 
+def test_rows_off_the_longest_branch_are_priced_as_measured():
+    length = DraftLength(6)
+    for sent in (0, 4, 8) * 20:
+        length.observe([], [], sent, 0.05 + sent * 0.002)
+    base, per_row = length.cost()
+    size = TreeSize(6, length)
+    assert size.side_cost(per_row) == pytest.approx(1.5 * per_row)  # the prior
+    for _ in range(100):
+        size.observe_cost(4, 4 * 0.006)  # side rows cost three times a branch row here
+    assert size.side_cost(per_row) == pytest.approx(0.006, rel=0.05)
+    for _ in range(20):
+        for rank in [0] * 6 + [1] * 2 + [2, -1]:
+            size.observe([rank] * 6)
+    dear = size.choose()
+    cheap = TreeSize(6, length)
+    cheap._counts = size._counts
+    for _ in range(100):
+        cheap.observe_cost(4, 0.0)  # side rows free: a wider tree
+    assert len(cheap.choose()) > len(dear)
+    assert len(dear) - max(dear.depths) < len(cheap.choose()) - max(cheap.choose().depths)
+
+
 def test_a_tree_is_cut_to_the_rounds_budget():
     tree = DraftTree((1, 2, 3, 4, 5), (0, 1, 2, 0, 4))
     assert tree.within_depth(2) == DraftTree((1, 2, 4, 5), (0, 1, 0, 3))
