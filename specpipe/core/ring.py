@@ -60,6 +60,7 @@ class RoundResult(list):
         path: Sequence[int] = (),
         draft_parents: Sequence[int] = (),
         ranks: Sequence[int] = (),
+        batch: int = 1,
     ) -> None:
         super().__init__(ids)
         self.logprobs = list(logprobs)
@@ -70,6 +71,9 @@ class RoundResult(list):
         # among the head's candidates at its node, -1 for none of them (`TreeSize` learns from
         # it), up to the first node the head did not expand.
         self.ranks = [int(r) for r in ranks]
+        # The rounds the tail's forward ran together, this one's included: what a row of this
+        # session's costs the others too.
+        self.batch = max(int(batch), 1)
 
     @property
     def draft_tree(self) -> DraftTree:

@@ -165,8 +165,9 @@ class Generation:
                     self.keep = tuple(result.path)
                     self.stats.tree_rounds += 1
                 self.head_tree = result.draft_tree
-                if self.tree_size is not None and result.ranks:
+                if self.tree_size is not None:
                     self.tree_size.observe(result.ranks)
+                    self.tree_size.observe_batch(result.batch)
                 if self.draft_length is not None:
                     seconds = time.perf_counter() - round_started
                     steady = sent == len(drafts) + 1 and self.stats.replays == replays

@@ -19,10 +19,14 @@ rows they had off their longest branch (decaying by `SIDE_COST_DECAY`, pulled to
 `PRIOR_SIDE_SHARE` of cd while few were measured). For each size N the best tree is the N nodes
 most likely to be reached, which a best-first search grows one node at a time (a node is never
 likelier than its parent, so every prefix of the search is a tree), and the rule sends the N
-that maximises E / (c0 + L cd + (N - L) cs), L the longest branch, or no drafts when none beats
-plain decoding by `MARGIN`. This is the rule of EAGLE-2 (Li et al. 2024, "EAGLE-2: Faster Inference
-of Language Models with Dynamic Draft Trees"), with acceptance measured instead of read off
-the drafter's confidence, and the cost of rows measured on the ring.
+that maximises E / (c0 + B (L cd + (N - L) cs)), L the longest branch, or no drafts when none
+beats plain decoding by `MARGIN`. B is the tail's recent batch (`RoundResult.batch`, decaying by
+`BATCH_DECAY`): with other sessions' rounds in the same forwards, a row slows all of them, so
+on a busy ring trees shrink to what pays for the ring's throughput, not one job's.
+
+This is the rule of EAGLE-2 (Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with
+Dynamic Draft Trees"), with acceptance measured instead of read off the drafter's confidence,
+and the cost of rows measured on the ring.
 
 a(d, r) is counted from each round's ranks (`RoundResult.ranks`: the rank of each committed
 token among the head's candidates at the node the walk was at), decaying by `ACCEPT_DECAY`, from
@@ -45,6 +49,7 @@ MAX_SLOTS = 32  # drafts in one tree, at most
 SIDE_COST_DECAY = 0.98  # per round: the side rows' cost weighs roughly the last fifty
 PRIOR_SIDE_SHARE = 1.5  # a row off the longest branch, in rows on it, before it is measured
 PRIOR_SIDE_WEIGHT = 16.0  # worth that many side rows (squared) measured
+BATCH_DECAY = 0.9  # per round: the tail's batch size weighs roughly the last ten
 
 
 class TreeSize:
@@ -62,6 +67,17 @@ class TreeSize:
             for _ in range(max_depth)
         ]
         self._side_w = self._side_s = 0.0  # decayed sums: side rows squared, side rows x seconds
+        self._batch_w = self._batch_s = 0.0  # decayed sums: rounds, batch sizes
+
+    def observe_batch(self, batch: int) -> None:
+        """A round's batch at the tail: how many sessions' rounds its forward ran together."""
+        self._batch_w = BATCH_DECAY * self._batch_w + 1.0
+        self._batch_s = BATCH_DECAY * self._batch_s + max(batch, 1)
+
+    @property
+    def batch(self) -> float:
+        """The tail's recent batch size (1 before any is known)."""
+        return self._batch_s / self._batch_w if self._batch_w else 1.0
 
     def observe_cost(self, side_rows: int, extra_s: float) -> None:
         """A steady round's `side_rows` (drafts off its longest branch; 0 for a chain) and its
@@ -91,6 +107,9 @@ class TreeSize:
         """The tree to ask the head for: at most `limit` drafts, none when plain is faster."""
         base, per_row = self.length.cost()
         per_side = self.side_cost(per_row)
+        # A row slows every round of the forward it runs in: with others' rounds beside it,
+        # what it costs them counts too (the aggregate's tokens per second, not this job's).
+        per_row, per_side = per_row * self.batch, per_side * self.batch
         # Candidates: (-P(reach), order, parent row, rank, depth); order keeps ties stable.
         frontier: list[tuple[float, int, int, int, int]] = []
         order = 0

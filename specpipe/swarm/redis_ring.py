@@ -288,6 +288,7 @@ class RedisRing:
                     path=reply.path,
                     draft_parents=reply.draft_parents[:wanted],
                     ranks=reply.ranks,
+                    batch=reply.batch or 1,
                 )
             if reply.kind == "gap":
                 self._until_reachable(

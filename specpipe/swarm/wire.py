@@ -90,6 +90,7 @@ POSITION_LIMIT = 2**40
 MAX_ALTERNATIVES = 5  # top log-probabilities per committed token on a result
 MAX_HEAD_DRAFTS = 64  # drafts a round may ask of the tail's draft head for the next round
 MAX_TREE_ROWS = MAX_HEAD_DRAFTS + 1  # a draft tree's rows: its root and its drafts
+MAX_BATCH = 4096  # rounds a result may say its tail ran together
 MAX_LAYER = 2**16  # of a route entry's layer range
 MAX_NAME = 256  # characters of a route entry's host or model
 
@@ -207,6 +208,8 @@ class Message:
     path: tuple[int, ...] = ()
     draft_parents: tuple[int, ...] = ()
     ranks: tuple[int, ...] = ()
+    # result: the rounds of all sessions the tail's forward ran this one with (0: not said)
+    batch: int = 0
     # how long after `seq`'s date the sender still waits for this message to be served
     wait_ms: int = 0
 
@@ -343,6 +346,8 @@ def encode(message: Message, swarm: str, keys: Keyring | bytes | str) -> bytes:
             header[name] = list(getattr(message, name))
     if message.head_shape:
         header["head_shape"] = [list(slot) for slot in message.head_shape]
+    if message.batch:
+        header["batch"] = message.batch
     payload: bytes | memoryview = b""
     if message.tensor is not None:
         tensor = message.tensor.detach()
@@ -501,6 +506,9 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
     ):
         raise WireError("draft ids must be 32-bit non-negative integers")
     tree = _tree_fields(header, len(tokens), n_draft, len(drafts))
+    batch = _field(header, "batch", int, 0)
+    if not 0 <= batch <= MAX_BATCH:
+        raise WireError(f"batch is out of range (0 to {MAX_BATCH})")
     return Message(
         kind=kind,
         session=_field(header, "session", str, ""),
@@ -520,6 +528,7 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
         head_k=head_k,
         drafts=tuple(drafts),
         wait_ms=wait_ms,
+        batch=batch,
         **tree,
     )
 

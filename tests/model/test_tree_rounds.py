@@ -141,6 +141,22 @@ def test_rows_off_the_longest_branch_are_priced_as_measured():
     assert len(dear) - max(dear.depths) < len(cheap.choose()) - max(cheap.choose().depths)
 
 
+def test_a_busy_tail_shrinks_the_tree():
+    length = DraftLength(6)
+    for sent in (0, 4, 8) * 20:
+        length.observe([], [], sent, 0.05 + sent * 0.002)
+    size = TreeSize(6, length)
+    for _ in range(20):
+        for rank in [0] * 6 + [1] * 2 + [2, -1]:
+            size.observe([rank] * 6)
+    alone = size.choose()
+    for _ in range(30):
+        size.observe_batch(8)
+    assert size.batch == pytest.approx(8.0, rel=0.05)
+    busy = size.choose()
+    assert 0 < len(busy) < len(alone)
+
+
 def test_a_tree_is_cut_to_the_rounds_budget():
     tree = DraftTree((1, 2, 3, 4, 5), (0, 1, 2, 0, 4))
     assert tree.within_depth(2) == DraftTree((1, 2, 4, 5), (0, 1, 0, 3))

@@ -171,6 +171,22 @@ def test_a_misrouted_round_in_a_batch_leaves_the_others_to_run(swarm, key, redis
     assert worker.counters["forwards"] == 1
 
 
+def test_a_tails_result_says_how_many_rounds_its_forward_ran(swarm, key, redis_url, tmp_path):
+    worker = tiny_worker(tmp_path, "t", swarm, key, redis_url)
+    worker.batcher.arrivals = gathering.Arrivals(groups=1)  # every session in one group
+    n_layers = worker.stage.cfg.n_layers
+    rounds = []
+    for session in ("a", "b", "c"):
+        worker.handle(signed(worker, wire.Message(kind="reset", session=session, params=RESET)))
+        message = round_message(redis_url, [routed("t", 0, n_layers, "tiny")], rid=session)
+        rounds.append(signed(worker, replace(message, session=session)))
+    worker.handle(*rounds[:2])  # two sessions in one forward
+    worker.handle(rounds[2])  # one alone
+    assert [r.batch for s in ("a", "b") for r in replies(redis_url, swarm, key, s)] == [2, 2]
+    (alone,) = replies(redis_url, swarm, key, "c")
+    assert alone.kind == "result" and alone.batch == 1
+
+
 def test_a_route_that_ends_before_the_tail_is_an_error_reply(make, swarm, key, redis_url):
     worker = make("a", 0, 2)
     deliver(worker, round_message(redis_url, ["a"]))

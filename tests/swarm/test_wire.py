@@ -427,9 +427,11 @@ def test_a_tree_round_and_its_result_keep_their_tree_fields():
         path=(0, 2),
         draft_parents=(0, 0, 1),
         ranks=(1, -1),
+        batch=3,
     )
     back = wire.decode(wire.encode(result, SWARM, KEY), SWARM, KEY)
     assert (back.path, back.draft_parents, back.ranks) == ((0, 2), (0, 0, 1), (1, -1))
+    assert back.batch == 3
 
 
 @pytest.mark.parametrize(
@@ -449,6 +451,8 @@ def test_a_tree_round_and_its_result_keep_their_tree_fields():
         ({"head_shape": [[0, 0]] * (wire.MAX_HEAD_DRAFTS + 1)}, "pairs"),
         ({"draft_parents": [0, 0], "drafts": [3]}, "a parent for each draft"),
         ({"ranks": [-2]}, "row numbers"),
+        ({"batch": -1}, "batch is out of range"),
+        ({"batch": wire.MAX_BATCH + 1}, "batch is out of range"),
     ],
 )
 def test_a_malformed_tree_is_refused(fields, reason):

@@ -83,7 +83,7 @@ class Forward:
             if isinstance(out, BaseException):
                 self.onward.failed(message, out)
             else:
-                self.onward.pass_on(message, out)
+                self.onward.pass_on(message, out, len(ready))
                 self.stats.time_round(time.perf_counter() - started, forward_s)
 
     def inputs(self, message: wire.Message) -> torch.Tensor | None:

@@ -48,11 +48,12 @@ class Onward:
         # Where this stage's rounds went on to last (host, Redis address): the link it measures.
         self.next_hop: tuple[str, str] | None = None
 
-    def pass_on(self, message: wire.Message, out: torch.Tensor) -> None:
-        """The tail samples and replies; any other stage sends the hidden states to the next."""
+    def pass_on(self, message: wire.Message, out: torch.Tensor, batch: int = 1) -> None:
+        """The tail samples and replies; any other stage sends the hidden states to the next.
+        `batch`: the rounds that ran in the forward with this one (the tail says it)."""
         route, hop = message.route, message.hop
         if self.stage.last:
-            kind, fields = self.samplers.sample(message, out, self.host)
+            kind, fields = self.samplers.sample(message, out, self.host, batch)
             self.reply(message, kind, **fields)
         elif hop + 1 >= len(route):
             self.reply(message, "error", reason=f"route ends at {self.host}, not a tail")

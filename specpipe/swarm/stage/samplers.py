@@ -72,9 +72,12 @@ class TailSamplers:
         if self.head is not None:
             self.head.forget(session)
 
-    def sample(self, message: wire.Message, logits: torch.Tensor, host: str) -> tuple[str, dict]:
-        """The reply to a round the tail ran, as (kind, fields): its result, or a gap when the
-        session's parameters were lost, or an error when its drafts cannot be verified."""
+    def sample(
+        self, message: wire.Message, logits: torch.Tensor, host: str, batch: int = 1
+    ) -> tuple[str, dict]:
+        """The reply to a round the tail ran, as (kind, fields): its result (with the `batch`
+        of rounds its forward ran), or a gap when the session's parameters were lost, or an
+        error when its drafts cannot be verified."""
         sampler = self._samplers.get(message.session)
         if sampler is None:
             # The tail restarted and lost the reset; the coordinator re-sends it on a gap.
@@ -105,6 +108,7 @@ class TailSamplers:
             "path": tuple(result.path),
             "draft_parents": tuple(result.draft_parents),
             "ranks": tuple(result.ranks),
+            "batch": min(batch, wire.MAX_BATCH),
         }
 
 
