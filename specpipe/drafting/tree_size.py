@@ -19,10 +19,13 @@ rows they had off their longest branch (decaying by `SIDE_COST_DECAY`, pulled to
 `PRIOR_SIDE_SHARE` of cd while few were measured). For each size N the best tree is the N nodes
 most likely to be reached, which a best-first search grows one node at a time (a node is never
 likelier than its parent, so every prefix of the search is a tree), and the rule sends the N
-that maximises E / (c0 + B (L cd + (N - L) cs)), L the longest branch, or no drafts when none
-beats plain decoding by `MARGIN`. B is the tail's recent batch (`RoundResult.batch`, decaying by
-`BATCH_DECAY`): with other sessions' rounds in the same forwards, a row slows all of them, so
-on a busy ring trees shrink to what pays for the ring's throughput, not one job's.
+that maximises E / (c0 + B (L cd + (N - L) cs)), L the longest branch, when it beats the best
+chain of the head's best candidates by `TREE_MARGIN` (its gain rests on the rarer ranks'
+estimates, and on a fast ring a side row costs about what it gains); else that chain, or no
+drafts when none beats plain decoding by `MARGIN`. B is the tail's recent batch
+(`RoundResult.batch`, decaying by `BATCH_DECAY`): with other sessions' rounds in the same
+forwards, a row slows all of them, so on a busy ring trees shrink to what pays for the ring's
+throughput, not one job's.
 
 This is the rule of EAGLE-2 (Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with
 Dynamic Draft Trees"), with acceptance measured instead of read off the drafter's confidence,
@@ -50,6 +53,7 @@ SIDE_COST_DECAY = 0.98  # per round: the side rows' cost weighs roughly the last
 PRIOR_SIDE_SHARE = 1.5  # a row off the longest branch, in rows on it, before it is measured
 PRIOR_SIDE_WEIGHT = 16.0  # worth that many side rows (squared) measured
 BATCH_DECAY = 0.9  # per round: the tail's batch size weighs roughly the last ten
+TREE_MARGIN = 0.05  # a tree must promise this much over the best chain
 
 
 class TreeSize:
@@ -125,9 +129,13 @@ class TreeSize:
                 order += 1
 
         offer(0, 0, 1.0)
+        plain = (1.0 / base) * (1.0 + MARGIN)
+        chain_k, chain = self._best_chain(base, per_row, plain)
         parents: list[int] = []
         ranks: list[int] = []
-        expected, best_n, best = 1.0, 0, (1.0 / base) * (1.0 + MARGIN)
+        # A tree must promise `TREE_MARGIN` more than the best chain: its gain over it rests on
+        # the rarer ranks' estimates, and on a fast ring a side row costs about what it gains.
+        expected, best_n, best = 1.0, 0, max(plain, chain * (1.0 + TREE_MARGIN))
         longest = 0
         while frontier and len(parents) < min(limit, MAX_SLOTS):
             reach, _, parent, rank, depth = heapq.heappop(frontier)
@@ -140,4 +148,18 @@ class TreeSize:
             if rate > best:
                 best_n, best = len(parents), rate
             offer(len(parents), depth + 1, -reach)
+        if best_n == 0:
+            return TreeShape.chain(chain_k)
         return TreeShape(tuple(parents[:best_n]), tuple(ranks[:best_n]))
+
+    def _best_chain(self, base: float, per_row: float, plain: float) -> tuple[int, float]:
+        """The chain of the head's best candidates that is expected fastest, and its tokens
+        per second: (0, plain's) when none beats plain decoding."""
+        best_k, best, expected, reach = 0, plain, 1.0, 1.0
+        for depth in range(min(self.max_depth, MAX_SLOTS)):
+            reach *= self.acceptance(depth, 0)
+            expected += reach
+            rate = expected / (base + (depth + 1) * per_row)
+            if rate > best:
+                best_k, best = depth + 1, rate
+        return best_k, best
