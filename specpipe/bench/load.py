@@ -455,11 +455,41 @@ def draft_sources(
     drafter and both together, each with adaptive K, against plain decoding: greedy and at
     temp 0.7 / top_p 0.95 (Gumbel sampler), on a grounded and a novel prompt, at each link
     delay (`side_by_side`)."""
+    rows, exact = head_modes(
+        model, n_stages, delays, source_methods(max_k), tokens, seed, repeats, log, draft_head
+    )
+    for row in rows:
+        log(_describe_sources(row))
+    return {
+        "model": open_target(model).name,
+        "stages": n_stages,
+        "tokens": tokens,
+        "max_k": max_k,
+        "repeats": repeats,
+        "identical_to_plain": exact,
+        "runs": rows,
+    }
+
+
+def head_modes(
+    model: str,
+    n_stages: int,
+    delays: Sequence[float],
+    methods: Sequence[Method],
+    tokens: int,
+    seed: int,
+    repeats: int,
+    log: Log,
+    draft_head: str | None = None,
+) -> tuple[list[dict], bool]:
+    """`methods` side by side (plain first) greedy and at temp 0.7 / top_p 0.95 (Gumbel
+    sampler), on a grounded prompt and on novel ones, at each link delay: a row per (delay,
+    mode, kind of prompt) with each method's figures and its tok/s against plain; and whether
+    every method gave plain's tokens."""
     from specpipe.bench.ring_hops import GROUNDED_PROMPT, NOVEL_PROMPT
     from specpipe.drafting.train import EVAL_PROMPTS
 
     target = open_target(model)
-    methods = source_methods(max_k)
     # Novel: prompts the head never read, nor anything about their subjects, one a repeat.
     novel = (NOVEL_PROMPT, *EVAL_PROMPTS)
     prompts = {
@@ -486,25 +516,16 @@ def draft_sources(
             exact = exact and same
             for kind, by_method in measured.items():
                 plain = by_method["plain"]["tok_s"]
-                vs_plain = {n: v["tok_s"] / plain for n, v in by_method.items()}
-                row = {
-                    "hop_delay_ms": delay,
-                    "mode": mode,
-                    "kind": kind,
-                    "methods": by_method,
-                    "vs_plain": vs_plain,
-                }
-                rows.append(row)
-                log(_describe_sources(row))
-    return {
-        "model": target.name,
-        "stages": n_stages,
-        "tokens": tokens,
-        "max_k": max_k,
-        "repeats": repeats,
-        "identical_to_plain": exact,
-        "runs": rows,
-    }
+                rows.append(
+                    {
+                        "hop_delay_ms": delay,
+                        "mode": mode,
+                        "kind": kind,
+                        "methods": by_method,
+                        "vs_plain": {n: v["tok_s"] / plain for n, v in by_method.items()},
+                    }
+                )
+    return rows, exact
 
 
 def _describe_sources(row: dict) -> str:

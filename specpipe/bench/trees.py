@@ -15,8 +15,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from specpipe.bench.load import HEAD_MODES, Log, Method, run_job, side_by_side
-from specpipe.bench.ring_hops import GROUNDED_PROMPT, NOVEL_PROMPT, LocalSwarm
+from specpipe.bench.load import HEAD_MODES, Log, Method, head_modes, run_job
+from specpipe.bench.ring_hops import NOVEL_PROMPT, LocalSwarm
 from specpipe.core.sampling import SamplingParams, offset_seed
 from specpipe.decoding.target import open_target
 from specpipe.drafting.train import EVAL_PROMPTS
@@ -46,53 +46,22 @@ def trees(
     """The whole comparison (see the module docstring)."""
     target = open_target(model)
     methods = tree_methods(max_k)
-    novel = (NOVEL_PROMPT, *EVAL_PROMPTS)  # prompts the head never read
-    prompts = {
-        "grounded": [target.prompt_ids(GROUNDED_PROMPT)],
-        "novel": [target.prompt_ids(p) for p in novel],
-    }
-    rows, together, exact = [], [], True
+    rows, together = [], []
+    exact = True
     for delay in delays:
-        for mode, (temp, top_p) in HEAD_MODES.items():
-            measured, same = side_by_side(
-                model,
-                n_stages,
-                delay,
-                prompts,
-                methods,
-                lambda r, t=temp, p=top_p: SamplingParams(
-                    temp=t, top_p=p, seed=offset_seed(seed, r), sampler="gumbel"
-                ),
-                tokens,
-                repeats,
-                log,
-                draft_head,
-            )
-            exact = exact and same
-            for kind, by_method in measured.items():
-                plain = by_method["plain"]["tok_s"]
-                row = {
-                    "hop_delay_ms": delay,
-                    "mode": mode,
-                    "kind": kind,
-                    "methods": by_method,
-                    "vs_plain": {n: v["tok_s"] / plain for n, v in by_method.items()},
-                    "tree_vs_chain": by_method["tree"]["tok_s"] / by_method["chain"]["tok_s"],
-                }
-                rows.append(row)
-                log(describe(row))
+        found, same = head_modes(
+            model, n_stages, [delay], methods, tokens, seed, repeats, log, draft_head
+        )
+        exact = exact and same
+        for row in found:
+            by_method = row["methods"]
+            row["tree_vs_chain"] = by_method["tree"]["tok_s"] / by_method["chain"]["tok_s"]
+            log(describe(row))
+        rows += found
         if at_once > 1:
+            novel = [target.prompt_ids(p) for p in (NOVEL_PROMPT, *EVAL_PROMPTS)]
             row = jobs_at_once(
-                model,
-                n_stages,
-                delay,
-                prompts["novel"],
-                methods,
-                max_k,
-                tokens,
-                seed,
-                at_once,
-                draft_head,
+                model, n_stages, delay, novel, methods, tokens, seed, at_once, draft_head
             )
             exact = exact and row["identical_to_plain"]
             together.append(row)
@@ -115,7 +84,6 @@ def jobs_at_once(
     delay: float,
     prompts: Sequence[list[int]],
     methods: Sequence[Method],
-    max_k: int,
     tokens: int,
     seed: int,
     n: int,

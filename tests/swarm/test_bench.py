@@ -228,3 +228,49 @@ def test_bench_adaptive_k_fails_when_a_method_commits_other_tokens(tiny, monkeyp
     ]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code != 0 and "differ from plain decoding's" in result.output
+
+
+def test_bench_trees_compares_chains_and_trees_on_real_stages(tiny, tmp_path, monkeypatch):
+    import torch
+
+    from specpipe.drafting.head import DraftHead
+    from specpipe.model.resolve import model_label, open_checkpoint
+
+    cfg = open_checkpoint(tiny).config
+    torch.manual_seed(0)  # an untrained head: its trees are verified all the same
+    head = tmp_path / "head.safetensors"
+    meta = {"model": model_label(str(tiny)), "dim": cfg.dim, "vocab": cfg.vocab_size}
+    DraftHead(cfg.dim, 32).save(head, meta)
+    out = tmp_path / "trees.json"
+    args = ["bench", "trees", "--model", str(tiny), "--head", str(head), "--stages", "2"]
+    args += ["--hop-delay-ms", "0", "--tokens", "16", "--seeds", "1", "--at-once", "2"]
+    result = CliRunner().invoke(cli, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["identical_to_plain"] is True
+    assert [(r["mode"], r["kind"]) for r in doc["runs"]] == [
+        (mode, kind) for mode in ("greedy", "temp 0.7 top_p 0.95") for kind in ("grounded", "novel")
+    ]
+    for row in doc["runs"]:
+        assert set(row["methods"]) == {"plain", "chain", "tree"}
+        tree = row["methods"]["tree"]
+        assert tree["rows_per_round"] >= 1 and 0 <= tree["tree_round_share"] <= 1
+        assert row["tree_vs_chain"] == tree["tok_s"] / row["methods"]["chain"]["tok_s"]
+        assert row["methods"]["chain"]["tree_round_share"] == 0
+    (together,) = doc["at_once"]
+    assert together["jobs"] == 2 and together["identical_to_plain"] is True
+
+    from specpipe.bench import load as loadbench
+
+    real = loadbench.run_job
+
+    def wrong_with_trees(*args, **kwargs):  # a broken method: the check must notice
+        timing = real(*args, **kwargs)
+        if args[7] if len(args) > 7 else kwargs.get("trees"):
+            timing.tokens = [*timing.tokens[:-1], timing.tokens[-1] + 1]
+        return timing
+
+    monkeypatch.setattr(loadbench, "run_job", wrong_with_trees)
+    monkeypatch.setattr("specpipe.bench.trees.run_job", wrong_with_trees)
+    result = CliRunner().invoke(cli, [*args, "--at-once", "0"])
+    assert result.exit_code != 0 and "differ from plain decoding's" in result.output
