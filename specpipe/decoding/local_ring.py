@@ -48,11 +48,9 @@ class LocalRing:
             raise KeyError(f"session {session!r} was never reset")
         x = torch.tensor(list(tokens), dtype=torch.long)
         tail = self.stages[-1]
-        if branches is None:
-            for stage in self.stages[:-1]:
-                x = stage.forward(session, x, start_pos)
-            logits = tail.forward(session, x, start_pos, last_rows=n_draft + 1)
-        else:  # a tree's rows, or rows to keep of the last one: what `forward_many` takes
+        # A tree's rows, or rows to keep of the last one, go as `forward_many` takes them; a
+        # tree the round only asks of the head concerns the tail's head alone.
+        if branches is not None and (branches.parents is not None or branches.keep):
             for stage in self.stages:
                 last_rows = n_draft + 1 if stage is tail else None
                 request = Request(session, x, start_pos, last_rows, branches.parents, branches.keep)
@@ -60,6 +58,10 @@ class LocalRing:
                 if isinstance(x, BaseException):
                     raise x
             logits = x
+        else:
+            for stage in self.stages[:-1]:
+                x = stage.forward(session, x, start_pos)
+            logits = tail.forward(session, x, start_pos, last_rows=n_draft + 1)
         return finish_round(
             tail, session, logits, tokens, start_pos, n_draft, sampler, self.head, head_k, branches
         )
