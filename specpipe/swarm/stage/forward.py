@@ -30,6 +30,7 @@ class Forward:
         serves: Serves | None = None,
     ) -> None:
         self.stage = stage
+        self.batched = isinstance(stage, BatchedStage)  # its forward_many takes draft trees
         self.host = host
         self.stats = stats
         self.onward = onward
@@ -116,7 +117,7 @@ class Forward:
     def _forward_one(self, request: Request) -> torch.Tensor:
         """One request through the stage: as a batch of one where the stage batches (the only
         forward that takes a draft tree), else its plain `forward`."""
-        if isinstance(self.stage, BatchedStage):
+        if self.batched:
             (out,) = self.stage.forward_many([request])
             if isinstance(out, BaseException):
                 raise out
