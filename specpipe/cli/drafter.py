@@ -94,6 +94,17 @@ def drafter() -> None:
     help="Draft only this many tokens, the target's most likely (0: all).",
 )
 @click.option(
+    "--heads",
+    type=click.IntRange(min=0),
+    help="Attention heads over the session's past (0: none, an MLP head; default: one per 64 "
+    "of the model's width).",
+)
+@click.option(
+    "--window",
+    type=click.IntRange(min=1),
+    help="Past pairs the attention sees, and the length of its training windows (default: 128).",
+)
+@click.option(
     "--threads", type=click.IntRange(min=1), default=2, show_default=True, help="Torch threads."
 )
 def train(
@@ -104,6 +115,8 @@ def train(
     seed: int,
     out: Path | None,
     draft_vocab: int,
+    heads: int | None,
+    window: int | None,
     threads: int,
 ) -> None:
     """Train a draft head for MODEL by self-distillation on text the model generates itself.
@@ -117,6 +130,7 @@ def train(
         specpipe drafter train --model default --seed 0
     """
     from specpipe.drafting import train as dt
+    from specpipe.drafting.attention import HEAD_DIM, WINDOW
 
     started = time.perf_counter()
     label, cfg, tokenizer, eos, stage = open_whole_model(model, threads)
@@ -125,18 +139,35 @@ def train(
     generated_s = time.perf_counter() - started
     _log(f"{data.generated} tokens generated in {generated_s:.0f} s; training {steps} steps")
     parts = dt.training_parts(stage)
-    head, losses = dt.train_head(
-        parts, data, steps, batch=batch, seed=seed, draft_vocab=draft_vocab, log=_log
-    )
+    if heads is None:
+        heads = cfg.dim // HEAD_DIM
+    window = window or WINDOW
+    try:
+        head, losses = dt.train_head(
+            parts,
+            data,
+            steps,
+            batch,
+            seed=seed,
+            draft_vocab=draft_vocab,
+            heads=heads,
+            window=window,
+            log=_log,
+        )
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     command = (
         f"specpipe drafter train --model {model} --tokens {tokens} --steps {steps} "
-        f"--batch {batch} --seed {seed} --draft-vocab {draft_vocab}"
+        f"--batch {batch} --seed {seed} --draft-vocab {draft_vocab} --heads {heads} "
+        f"--window {window}"
     )
     meta = {
         "model": label,
         "dim": cfg.dim,
         "vocab": cfg.vocab_size,
         "hidden": head.hidden,
+        "heads": head.heads,
+        "window": head.window,
         "draft_vocab": 0 if head.vocab is None else len(head.vocab),
         "command": command,
         "seed": seed,
@@ -249,7 +280,7 @@ def narrow(
         raise click.ClickException("this head already drafts part of the vocabulary")
     data, described = _generated_data(label, tokenizer, eos, stage, tokens, seed)
     vocab = frequent_tokens(data.top_ids, data.top_probs, cfg.vocab_size, draft_vocab)
-    narrowed = DraftHead(head.dim, head.hidden, vocab)
+    narrowed = DraftHead(head.dim, head.hidden, vocab, head.heads)
     narrowed.load_state_dict(head.state_dict(), strict=True)
     covered = 1.0
     if vocab is not None:  # the share of the target's mass in that text the subset holds

@@ -55,6 +55,11 @@ def finish_round(
     found = RoundResult(result, logprobs, path=path)
     if head is None:
         return found
+    # Each committed token with the feature of the row that drew it: the head's past.
+    kept = tail.features.get(session)
+    if kept is not None:
+        drew = path if path else range(len(committed))
+        head.remember(session, kept[list(drew)], committed, root_pos + 1)
     root = int(tokens[len(tokens) - n_draft - 1])
     found.ranks = head.ranks_of(session, root_pos, root, committed)
     shape = branches.shape if branches is not None else None
@@ -68,5 +73,7 @@ def finish_round(
         tree = head.draft_tree(session, features, committed[-1], token_pos, shape, sampler.params)
         found.drafts, found.draft_parents = list(tree.tokens), list(tree.parents)
     else:
-        found.drafts = head.drafts_after(features, committed[-1], token_pos, head_k, sampler.params)
+        found.drafts = head.drafts_after(
+            session, features, committed[-1], token_pos, head_k, sampler.params
+        )
     return found

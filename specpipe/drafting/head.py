@@ -38,6 +38,7 @@ from torch import nn
 from specpipe.core.coupling import gumbel_draw, gumbel_noise
 from specpipe.core.sampling import SamplingParams, target_probs
 from specpipe.core.tree import MAX_RANK, DraftTree, TreeShape
+from specpipe.drafting.attention import WINDOW, DraftRows, PastAttention, SessionPast
 
 FORMAT = "specpipe-draft-head-1"
 SHIPPED = Path(__file__).resolve().parent / "heads"  # the heads the package ships
@@ -99,11 +100,19 @@ def _rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class DraftHead(nn.Module):
-    """The trainable part: [D] feature + [D] token embedding -> [D] predicted next feature."""
+    """The trainable part: [D] feature + [D] token embedding -> [D] predicted next feature;
+    with `heads` > 0, through an attention layer over the session's past pairs first."""
 
-    def __init__(self, dim: int, hidden: int, vocab: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        vocab: torch.Tensor | None = None,
+        heads: int = 0,
+        window: int = WINDOW,
+    ) -> None:
         super().__init__()
-        self.dim, self.hidden = dim, hidden
+        self.dim, self.hidden, self.heads, self.window = dim, hidden, heads, window
         # The tokens it drafts (the target's most likely ones): reading a few rows of the
         # target's head instead of all V is most of a draft step's cost. None: all of them.
         self.vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long)
@@ -111,25 +120,54 @@ class DraftHead(nn.Module):
         self.w_h = nn.Parameter(torch.ones(dim))  # the scales of the two normed inputs
         self.w_e = nn.Parameter(torch.ones(dim))
         self.fc = nn.Linear(2 * dim, dim, bias=False)
+        self.attention = PastAttention(dim, heads, window) if heads else None
         self.w_x = nn.Parameter(torch.ones(dim))
         self.w_gate_up = nn.Linear(dim, 2 * hidden, bias=False)
         self.w_down = nn.Linear(hidden, dim, bias=False)
         nn.init.zeros_(self.w_down.weight)  # the block starts as the identity around fc
 
-    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        """h [N, D] (pre-norm feature at T-1), e [N, D] (embedding of x_T) -> ĥ_T [N, D]."""
-        x = self.fc(torch.cat([_rms(h) * self.w_h, _rms(e) * self.w_e], dim=-1))  # [N, D]
-        gate, up = self.w_gate_up(_rms(x) * self.w_x).chunk(2, dim=-1)  # [N, I] each
-        return x + self.w_down(F.silu(gate) * up)  # [N, D]
+    def pair(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """h [..., D] (pre-norm feature at T-1), e [..., D] (embedding of x_T) -> x_T [..., D]."""
+        return self.fc(torch.cat([_rms(h) * self.w_h, _rms(e) * self.w_e], dim=-1))
 
-    def step(self, parts: TargetParts, h: torch.Tensor, tokens: torch.Tensor):
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP with its residual: x [..., D] -> ĥ_T [..., D]."""
+        gate, up = self.w_gate_up(_rms(x) * self.w_x).chunk(2, dim=-1)  # [..., I] each
+        return x + self.w_down(F.silu(gate) * up)
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """h [N, D], e [N, D] -> ĥ_T [N, D] for rows that see nothing but themselves."""
+        x = self.pair(h, e)  # [N, D]
+        if self.attention is not None:
+            x, _ = self.attention.attend_rows(x, DraftRows(None, 0))
+        return self.block(x)
+
+    def step(
+        self,
+        parts: TargetParts,
+        h: torch.Tensor,
+        tokens: torch.Tensor,
+        rows: DraftRows | None = None,
+    ):
         """One draft step for N rows: (ĥ [N, D], logits [N, V']) from h [N, D] and ids [N];
-        column c of the logits is token `self.vocab[c]` (all V tokens when vocab is None)."""
-        h_next = self(h.float(), parts.embed(tokens).float())
-        normed = parts.norm(h_next.to(_dtype_of(parts)))  # [N, D]
+        column c of the logits is token `self.vocab[c]` (all V tokens when vocab is None).
+        With an attention layer the rows attend what `rows` says (nothing else when None), and
+        `rows.own` becomes their paths' keys and values, theirs appended."""
+        if self.attention is None or rows is None:
+            h_next = self(h.float(), parts.embed(tokens).float())
+        else:
+            x = self.pair(h.float(), parts.embed(tokens).float())
+            x, rows.own = self.attention.attend_rows(x, rows)
+            h_next = self.block(x)
+        return h_next, self.read(parts, h_next)
+
+    def read(self, parts: TargetParts, h: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V'] of predicted features h [..., D], through the target's norm and
+        head (the rows of this head's vocabulary)."""
+        normed = parts.norm(h.to(_dtype_of(parts)))
         if self.vocab is None:
-            return h_next, parts.head(normed).float()
-        return h_next, F.linear(normed, self._head_rows(parts)).float()  # [N, V']
+            return parts.head(normed).float()
+        return F.linear(normed, self._head_rows(parts)).float()
 
     def _head_rows(self, parts: TargetParts) -> torch.Tensor:
         """The rows of the target's head for this head's vocabulary [V', D], taken once."""
@@ -154,18 +192,22 @@ class DraftHead(nn.Module):
         token_pos: int,
         k: int,
         params: SamplingParams,
+        past: SessionPast | None = None,
     ) -> list[int]:
         """K drafts for the positions after `token` (at absolute position `token_pos`).
 
-        h_last [D] is the target's pre-norm feature at token_pos - 1. Draft j (at token_pos + j)
+        h_last [D] is the target's pre-norm feature at token_pos - 1; `past` the session's
+        committed pairs before token_pos, for a head with attention. Draft j (at token_pos + j)
         is the Gumbel-max draw of the head's distribution with the noise the target draws that
         position with (`specpipe.core.coupling`), or its argmax when greedy: so it agrees with the
         target's own draw as often as the two distributions allow.
         """
         drafts: list[int] = []
         h = h_last.reshape(1, -1)
+        rows = DraftRows(past, token_pos)
         for j in range(1, k + 1):
-            h, logits = self.step(parts, h, torch.tensor([token], device=h.device))
+            rows.position = token_pos + j - 1
+            h, logits = self.step(parts, h, torch.tensor([token], device=h.device), rows)
             token = coupled_draft(logits[0].cpu().numpy(), params, token_pos + j, self.token_ids())
             drafts.append(token)
         return drafts
@@ -179,13 +221,15 @@ class DraftHead(nn.Module):
         token_pos: int,
         shape: TreeShape,
         params: SamplingParams,
+        past: SessionPast | None = None,
     ) -> tuple[DraftTree, dict[tuple[int, ...], list[int]]]:
         """A draft tree of `shape` under `token` (at absolute position `token_pos`), and the
         candidates ranked at each node it expanded, keyed by the node's tokens below the root.
 
-        h_last [D] is the target's pre-norm feature at token_pos - 1. The nodes of one depth
-        step together (one product of the head for all of them); a node's candidates are the
-        tokens its logits rank best under the noise the target draws that position with
+        h_last [D] is the target's pre-norm feature at token_pos - 1; `past` as for `draft`,
+        and a node attends it and the pairs on its own path. The nodes of one depth step
+        together (one product of the head for all of them); a node's candidates are the tokens
+        its logits rank best under the noise the target draws that position with
         (`ranked_candidates`), so rank 0 is `draft`'s token and the others are the next most
         likely to equal the target's draw. A slot whose rank the node lacks (a top-k or top-p
         cut leaves fewer candidates) is left out with everything under it."""
@@ -195,6 +239,9 @@ class DraftHead(nn.Module):
         parents: list[int] = []
         keys: dict[int, tuple[int, ...]] = {0: ()}  # tree row -> its tokens below the root
         features: dict[int, torch.Tensor] = {}  # tree row -> the head's feature predicted there
+        own: dict[
+            int, tuple[torch.Tensor, torch.Tensor]
+        ] = {}  # tree row -> its path's keys, values
         candidates: dict[tuple[int, ...], list[int]] = {}
         node_token = {0: int(token)}
         for depth in range(max(depths, default=0)):
@@ -209,10 +256,16 @@ class DraftHead(nn.Module):
                 [h_last.reshape(-1) if r == 0 else features[parents[r - 1]] for r in expand]
             )
             ids_in = torch.tensor([node_token[r] for r in expand], device=h.device)
-            h_next, logits = self.step(parts, h, ids_in)
+            rows = DraftRows(past, token_pos + depth)
+            if depth and self.attention is not None:
+                paths = [own[parents[r - 1]] for r in expand]
+                rows.own = (torch.stack([k for k, _ in paths]), torch.stack([v for _, v in paths]))
+            h_next, logits = self.step(parts, h, ids_in, rows)
             logits = logits.cpu().numpy()
             for i, r in enumerate(expand):
                 features[r] = h_next[i]
+                if rows.own is not None:
+                    own[r] = (rows.own[0][i], rows.own[1][i])
                 candidates[keys[r]] = ranked_candidates(
                     logits[i], params, token_pos + depth + 1, ids, MAX_RANK
                 )
@@ -240,6 +293,8 @@ class DraftHead(nn.Module):
             "format": FORMAT,
             "dim": str(self.dim),
             "hidden": str(self.hidden),
+            "heads": str(self.heads),
+            "window": str(self.window),
             "meta": json.dumps(meta, sort_keys=True),
         }
         tensors = {
@@ -266,7 +321,9 @@ class DraftHead(nn.Module):
             raise DraftHeadError(f"{path}: not a draft head file (format {header.get('format')!r})")
         try:
             vocab = tensors.pop("vocab", None)
-            head = cls(int(header["dim"]), int(header["hidden"]), vocab)
+            heads = int(header.get("heads", 0))  # heads written before attention have none
+            window = int(header.get("window", WINDOW))
+            head = cls(int(header["dim"]), int(header["hidden"]), vocab, heads, window)
             head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
             meta = json.loads(header["meta"])
         except (KeyError, ValueError, RuntimeError) as exc:
@@ -388,7 +445,8 @@ class TailHead:
     """A draft head at the tail: right after a verify it drafts the next round's tokens from
     the feature of the row that sampled the last committed token, so they travel back with the
     result and drafting costs no hop of its own. For a tree it remembers, per session, the
-    candidates it ranked, to say at the next round which rank the target's tokens had."""
+    candidates it ranked, to say at the next round which rank the target's tokens had; with an
+    attention layer, the keys and values of the session's last committed pairs."""
 
     def __init__(self, head: DraftHead, parts: TargetParts) -> None:
         self.head, self.parts = head, parts
@@ -396,6 +454,7 @@ class TailHead:
             head._head_rows(parts)  # taken now, while the stage's head is still plain
         # session -> (root position, root token, candidates by node) of its last tree
         self._ranked: OrderedDict[str, tuple[int, int, dict]] = OrderedDict()
+        self._past: OrderedDict[str, SessionPast] = OrderedDict()
 
     @classmethod
     def for_stage(
@@ -409,8 +468,30 @@ class TailHead:
         stage.keep_features = True
         return tail
 
+    @torch.inference_mode()
+    def remember(
+        self, session: str, features: torch.Tensor, tokens: Sequence[int], first_pos: int
+    ) -> None:
+        """Tokens the session committed at first_pos …, each with the feature [m, D] of the
+        row before it (the row that sampled it): their pairs join the session's past, which
+        the head's attention sees. A head without attention keeps nothing."""
+        attention = self.head.attention
+        if attention is None or not len(tokens):
+            return
+        ids = torch.tensor([int(t) for t in tokens], device=features.device)
+        x = self.head.pair(features.float(), self.parts.embed(ids).float())
+        self._past[session] = attention.remember(self._past.get(session), x, first_pos)
+        self._past.move_to_end(session)
+        while len(self._past) > MAX_PAST_SESSIONS:
+            self._past.popitem(last=False)
+
+    def _past_before(self, session: str, token_pos: int) -> SessionPast | None:
+        past = self._past.get(session)
+        return None if past is None else past.before(token_pos)
+
     def drafts_after(
         self,
+        session: str,
         feature: torch.Tensor,
         token: int,
         token_pos: int,
@@ -421,7 +502,8 @@ class TailHead:
         row whose `feature` [D] (before the final norm) sampled it."""
         if k <= 0:
             return []
-        return self.head.draft(self.parts, feature, int(token), token_pos, k, params)
+        past = self._past_before(session, token_pos)
+        return self.head.draft(self.parts, feature, int(token), token_pos, k, params, past)
 
     def draft_tree(
         self,
@@ -434,8 +516,9 @@ class TailHead:
     ) -> DraftTree:
         """A tree of `shape` after the last committed `token` (see `DraftHead.draft_tree`); its
         candidates are remembered for `ranks_of` until the session's next tree."""
+        past = self._past_before(session, token_pos)
         tree, candidates = self.head.draft_tree(
-            self.parts, feature, int(token), token_pos, shape, params
+            self.parts, feature, int(token), token_pos, shape, params, past
         )
         self._ranked[session] = (token_pos, int(token), candidates)
         self._ranked.move_to_end(session)
@@ -463,6 +546,11 @@ class TailHead:
     def forget(self, session: str) -> None:
         """Let go of what the head remembers of a session."""
         self._ranked.pop(session, None)
+        self._past.pop(session, None)
 
 
 MAX_RANKED_SESSIONS = 4096  # sessions whose last tree's candidates a tail head remembers
+# Sessions whose past pairs a head with attention keeps (the least recently used goes first,
+# and drafts for it from nothing but the root until it has a past again): for the default
+# model 2 x 128 pairs x 576 floats, 0.6 MB a session.
+MAX_PAST_SESSIONS = 256

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from specpipe.core.coupling import gumbel_draw
 from specpipe.core.ring import Request
 from specpipe.core.sampling import SamplingParams, draw, target_probs, uniform
+from specpipe.drafting.attention import WINDOW, DraftRows, SessionPast
 from specpipe.drafting.head import DraftHead, TargetParts, _rms, coupled_draft, frequent_tokens
 from specpipe.drafting.ngram import NgramDrafter
 from specpipe.model import heap
@@ -364,6 +365,44 @@ def training_parts(stage) -> TargetParts:
     )
 
 
+def _teacher(head: DraftHead, data: Sequences, rows: torch.Tensor):
+    """The target's kept top probabilities at `rows` [...] as (probabilities, head columns)
+    [..., TOP]: with a head on part of the vocabulary, its mass on the head's tokens,
+    renormalised."""
+    teacher, columns = data.top_probs[rows], data.top_ids[rows]
+    if head.vocab is not None:
+        size = int(max(data.top_ids.max(), head.vocab.max())) + 1
+        column_of = torch.full((size,), -1, dtype=torch.long)  # token -> column, or -1
+        column_of[head.vocab] = torch.arange(len(head.vocab))
+        columns = column_of[columns]
+        teacher = torch.where(columns >= 0, teacher, 0.0)
+        columns = columns.clamp(min=0)
+    return teacher / teacher.sum(-1, keepdim=True).clamp(min=1e-9), columns
+
+
+def _step_loss(
+    head: DraftHead,
+    parts: TargetParts,
+    data: Sequences,
+    h: torch.Tensor,
+    rows: torch.Tensor,
+    mask: torch.Tensor | None,
+    feature_weight: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, cross-entropy) of predicted features h [..., D] for the target's rows [...]:
+    cross-entropy to its distribution there plus the feature regression, averaged over the
+    rows `mask` [...] keeps (all when None)."""
+    teacher, columns = _teacher(head, data, rows)
+    log_q = torch.log_softmax(head.read(parts, h), dim=-1).gather(-1, columns)  # [..., TOP]
+    ce = -(teacher * log_q).sum(-1)
+    regression = (_rms(h) - _rms(data.features[rows])).pow(2).mean(-1)
+    if mask is None:
+        return ce.mean() + feature_weight * regression.mean(), ce.mean()
+    count = mask.sum().clamp(min=1)
+    ce, regression = (ce * mask).sum() / count, (regression * mask).sum() / count
+    return ce + feature_weight * regression, ce
+
+
 def distill_loss(
     head: DraftHead,
     parts: TargetParts,
@@ -372,25 +411,53 @@ def distill_loss(
     unroll: int,
     feature_weight: float = 1.0,
 ) -> tuple[torch.Tensor, list[float]]:
-    """The loss on training rows j (each with `unroll` rows after it) and each step's CE."""
+    """The loss of a head without attention on training rows j (each with `unroll` rows
+    after it), and each step's cross-entropy."""
     h = data.features[rows]  # [B, D]: h_j
     loss, ces = torch.zeros(()), []
     for r in range(1, unroll + 1):
         nxt = rows + r
-        h, logits = head.step(parts, h, torch.as_tensor(data.tokens[nxt]))  # ĥ_{j+r}, [B, V']
-        teacher, columns = data.top_probs[nxt], data.top_ids[nxt]  # [B, TOP]
-        if head.vocab is not None:  # the teacher's mass on the head's tokens, renormalised
-            size = int(max(data.top_ids.max(), head.vocab.max())) + 1
-            column_of = torch.full((size,), -1, dtype=torch.long)  # token -> column, or -1
-            column_of[head.vocab] = torch.arange(len(head.vocab))
-            columns = column_of[columns]
-            teacher = torch.where(columns >= 0, teacher, 0.0)
-            columns = columns.clamp(min=0)
-        teacher = teacher / teacher.sum(-1, keepdim=True).clamp(min=1e-9)
-        log_q = torch.log_softmax(logits, dim=-1).gather(1, columns)  # [B, TOP]
-        ce = -(teacher * log_q).sum(-1).mean()
-        regression = (_rms(h) - _rms(data.features[nxt])).pow(2).mean()
-        loss = loss + ce + feature_weight * regression
+        h, _ = head.step(parts, h, torch.as_tensor(data.tokens[nxt]))  # ĥ_{j+r}
+        step_loss, ce = _step_loss(head, parts, data, h, nxt, None, feature_weight)
+        loss = loss + step_loss
+        ces.append(float(ce.detach()))
+    return loss / unroll, ces
+
+
+def window_loss(
+    head: DraftHead,
+    parts: TargetParts,
+    data: Sequences,
+    firsts: torch.Tensor,
+    unroll: int,
+    feature_weight: float = 1.0,
+) -> tuple[torch.Tensor, list[float]]:
+    """The loss of a head with attention on windows of rows from `firsts` [B] to the end of
+    their sequences (at most the head's window of pairs), and each step's cross-entropy.
+
+    Pair i of a window is (h at row f+i, the token at row f+i+1) and predicts row f+i+1; step
+    s runs the head on its own step s-1 features with the tokens one row on, each row seeing
+    the real pairs up to its own and its own earlier steps (`PastAttention.attend_window`)."""
+    attention = head.attention
+    left = torch.as_tensor(data.left[firsts.numpy()])  # [B]: rows after each first
+    length = int(min(attention.window, int(left.max())))
+    offsets = torch.arange(length)
+    rows = (firsts[:, None] + offsets).clamp(max=len(data) - 1)  # [B, L]
+    tokens = torch.as_tensor(data.tokens)
+    h = data.features[rows]  # [B, L, D]
+    loss, ces, real, own = torch.zeros(()), [], None, []
+    for s in range(1, unroll + 1):
+        nxt = (rows + s).clamp(max=len(data) - 1)
+        mask = (offsets[None, :] + s <= left[:, None]).float()  # row f+i+s is in the sequence
+        x = head.pair(h, parts.embed(tokens[nxt]).float())
+        x, kv = attention.attend_window(x, s, real, own)
+        if real is None:
+            real = kv
+        else:
+            own.append(kv)
+        h = head.block(x)
+        step_loss, ce = _step_loss(head, parts, data, h, nxt, mask, feature_weight)
+        loss = loss + step_loss
         ces.append(float(ce.detach()))
     return loss / unroll, ces
 
@@ -405,16 +472,21 @@ def train_head(
     seed: int = 0,
     hidden: int = HEAD_HIDDEN,
     draft_vocab: int = 0,
+    heads: int = 0,
+    window: int = WINDOW,
     log: Log | None = None,
 ) -> tuple[DraftHead, list[float]]:
     """Train a head on `data` for `steps` AdamW steps (cosine decay); the loss per step. With
-    `draft_vocab` > 0 it drafts only that many tokens, those the target gave most mass."""
+    `draft_vocab` > 0 it drafts only that many tokens, those the target gave most mass. With
+    `heads` > 0 it has an attention layer of that many heads over the last `window` pairs, and
+    learns on windows of that many rows, `batch` // `window` of them a step; else on `batch`
+    rows."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     vocab = None
     if draft_vocab > 0 and parts.head_weight is not None:
         vocab = frequent_tokens(data.top_ids, data.top_probs, len(parts.head_weight), draft_vocab)
-    head = DraftHead(data.features.shape[1], hidden, vocab)
+    head = DraftHead(data.features.shape[1], hidden, vocab, heads, window)
     usable = np.flatnonzero(data.left >= unroll)
     if len(usable) == 0:
         raise ValueError(f"no sequence is longer than {unroll + 1} tokens: nothing to train on")
@@ -424,8 +496,13 @@ def train_head(
         for group in opt.param_groups:  # cosine to a tenth, after a short warm-up
             warm = min(1.0, (step + 1) / max(1, steps // 20))
             group["lr"] = lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
-        rows = torch.as_tensor(rng.choice(usable, size=min(batch, len(usable)), replace=False))
-        loss, ces = distill_loss(head, parts, data, rows, unroll)
+        if heads:
+            count = min(max(1, batch // window), len(usable))
+            firsts = torch.as_tensor(rng.choice(usable, size=count, replace=False))
+            loss, ces = window_loss(head, parts, data, firsts, unroll)
+        else:
+            rows = torch.as_tensor(rng.choice(usable, size=min(batch, len(usable)), replace=False))
+            loss, ces = distill_loss(head, parts, data, rows, unroll)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -500,16 +577,27 @@ def head_drafts(
     """Drafts [N, K] from each row j = T-1 (h_{T-1}, and x_T at row j+1) with its sequence's
     seed; the overlap Σ_i min(p_i, q_i) [N] of the head's first draft distribution q with the
     target's p at T+1 (computed from the target's own h_T); and [N] whether the inverse-CDF
-    draws of p and q at the sampler's u_{T+1} would agree."""
+    draws of p and q at the sampler's u_{T+1} would agree. A head with attention sees the
+    real pairs of its sequence before T, as at a tail."""
     h = data.features[rows]  # [N, D]
     tokens = torch.as_tensor(data.tokens[rows + 1])  # [N]: x_T
+    pasts = None if head.attention is None else _pasts(head, parts, data, rows)
     target = parts.head(parts.norm(data.features[rows + 1])).float().numpy()  # [N, V]
     drafts = np.zeros((len(rows), k), dtype=np.int64)
     overlap = np.zeros(len(rows))
     inverse_cdf = np.zeros(len(rows), dtype=bool)
     ids = head.token_ids()
     for j in range(1, k + 1):
-        h, logits = head.step(parts, h, tokens)  # ĥ_{T+j-1}, q for position T+j
+        if pasts is None:
+            h, logits = head.step(parts, h, tokens)  # ĥ_{T+j-1}, q for position T+j
+        else:  # one row at a time: each has a past of its own
+            for row, past in zip(rows, pasts, strict=True):
+                past.position = int(data.positions[row]) + j  # T + j - 1
+            steps = [
+                head.step(parts, h[n : n + 1], tokens[n : n + 1], pasts[n])
+                for n in range(len(rows))
+            ]
+            h, logits = torch.cat([a for a, _ in steps]), torch.cat([b for _, b in steps])
         z = logits.numpy()
         for n, row in enumerate(rows):
             seed, position = int(data.seeds[row]), int(data.positions[row]) + 1 + j
@@ -528,6 +616,35 @@ def head_drafts(
                 inverse_cdf[n] = draw(p, u) == draw(q, u)
         tokens = torch.as_tensor(drafts[:, j - 1])
     return drafts, overlap, inverse_cdf
+
+
+def _pasts(
+    head: DraftHead, parts: TargetParts, data: Sequences, rows: np.ndarray
+) -> list[DraftRows]:
+    """For each round row j = T-1, what its first draft step attends: the head's window of real
+    pairs of its sequence before position T (pair i: the feature at row i, the token at i+1)."""
+    found = []
+    for start in sorted(
+        {int(data.starts[np.searchsorted(data.starts, r, side="right") - 1]) for r in rows}
+    ):
+        end = start + int(data.left[start])  # the sequence's last row
+        pair_rows = torch.arange(start, end)
+        x = head.pair(
+            data.features[pair_rows], parts.embed(torch.as_tensor(data.tokens[pair_rows + 1]))
+        )
+        positions = torch.as_tensor(data.positions[pair_rows] + 1)
+        _, k, v = head.attention.project(x, positions)  # [n, H, hd]
+        found.append((start, k.transpose(0, 1), v.transpose(0, 1)))
+    by_start = {start: (k, v) for start, k, v in found}
+    pasts = []
+    for row in rows:
+        start = int(data.starts[np.searchsorted(data.starts, row, side="right") - 1])
+        k, v = by_start[start]
+        i = int(row) - start  # pairs of rows start … row-1 come before T
+        a = max(0, i - head.attention.window)
+        position = int(data.positions[row]) + 1  # T
+        pasts.append(DraftRows(SessionPast(k[:, a:i], v[:, a:i], position), position))
+    return pasts
 
 
 def ngram_matches(data: Sequences, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -25,8 +25,12 @@ class RecordingHead:
 
     def __init__(self) -> None:
         self.calls = []
+        self.remembered = []
 
-    def drafts_after(self, feature, token, token_pos, k, params):
+    def remember(self, session, features, tokens, first_pos):
+        self.remembered.append((session, features, list(tokens), first_pos))
+
+    def drafts_after(self, session, feature, token, token_pos, k, params):
         self.calls.append((feature, token, token_pos, k, params))
         return [token_pos + i for i in range(k)]
 
@@ -83,6 +87,10 @@ def test_the_head_drafts_from_the_tail_features_after_the_result():
     assert torch.equal(seen, features[1]) and (token, token_pos, k) == (3, 12, 3)
     assert params == sampler.params
     assert result.ranks == [10, 1, 4, 3]  # the head was asked which ranks it had given
+    # Its past: each committed token with the feature of the row that drew it.
+    ((session, drew, tokens, first_pos),) = head.remembered
+    assert session == "s" and torch.equal(drew, features[:2])
+    assert (tokens, first_pos) == ([4, 3], 11)
 
 
 def test_a_tree_round_commits_the_walk_and_the_head_drafts_after_its_last_row():
@@ -101,6 +109,8 @@ def test_a_tree_round_commits_the_walk_and_the_head_drafts_after_its_last_row():
     assert torch.equal(seen, features[3]) and (token, token_pos, asked) == (2, 13, shape)
     assert result.drafts == [13, 14] and result.draft_parents == [0, 0]
     assert result.draft_tree == DraftTree((13, 14), (0, 0))
+    ((_, drew, tokens, first_pos),) = head.remembered  # the rows walked, not the tree's
+    assert torch.equal(drew, features[[0, 2, 3]]) and (tokens, first_pos) == ([4, 6, 2], 11)
 
 
 def test_a_malformed_tree_is_refused():

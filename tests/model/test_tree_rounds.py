@@ -26,7 +26,8 @@ def ring(tmp_path_factory):
     model = write_tiny_model(tmp_path_factory.mktemp("trees") / "tiny")
     stages = load_stages(model, 2, pack=False)
     torch.manual_seed(0)  # an untrained head: its trees are verified all the same
-    head = DraftHead(stages[-1].cfg.dim, 32)
+    head = DraftHead(stages[-1].cfg.dim, 32, heads=2)
+    torch.nn.init.normal_(head.attention.out.weight, std=0.3)  # its past counts
     parts = TargetParts.from_stage(stages[-1], stages[0].embed.weight)
     stages[-1].keep_features = True
     return LocalRing(stages, TailHead(head, parts))
@@ -84,7 +85,7 @@ def test_the_heads_tree_holds_its_chain_as_the_main_branch_and_ranks_are_reporte
     stages, head = ring.stages, ring.head
     params = SamplingParams(temp=0.9, top_p=0.95, seed=8, sampler="gumbel")
     feature = torch.randn(stages[-1].cfg.dim)
-    chain = head.drafts_after(feature, 7, 20, 3, params)
+    chain = head.drafts_after("s", feature, 7, 20, 3, params)
     tree = head.draft_tree("s", feature, 7, 20, WIDE, params)
     assert tree.main_branch() == chain and not tree.is_chain
     assert len({tree.tokens[i] for i, p in enumerate(tree.parents) if p == 0}) == 3
