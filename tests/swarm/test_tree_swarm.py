@@ -34,7 +34,9 @@ def tiny(tmp_path_factory):
     cfg = open_checkpoint(path).config
     torch.manual_seed(0)  # an untrained head: its trees are verified all the same
     meta = {"model": model_label(str(path)), "dim": cfg.dim, "vocab": cfg.vocab_size}
-    DraftHead(cfg.dim, 32).save(path / "head.safetensors", meta)
+    head = DraftHead(cfg.dim, 32, heads=2)  # with attention: the tail keeps each session's past
+    torch.nn.init.normal_(head.attention.out.weight, std=0.3)
+    head.save(path / "head.safetensors", meta)
     return path
 
 
