@@ -60,12 +60,12 @@ def drafter() -> None:
 @click.option(
     "--tokens",
     type=click.IntRange(min=64),
-    default=120_000,
+    default=200_000,
     show_default=True,
     help="Tokens the target generates to train on.",
 )
 @click.option(
-    "--steps", type=click.IntRange(min=1), default=4000, show_default=True, help="Training steps."
+    "--steps", type=click.IntRange(min=1), default=3500, show_default=True, help="Training steps."
 )
 @click.option(
     "--batch",
@@ -102,7 +102,7 @@ def drafter() -> None:
 @click.option(
     "--window",
     type=click.IntRange(min=1),
-    help="Past pairs the attention sees, and the length of its training windows (default: 128).",
+    help="Past pairs the attention sees, and the length of its training windows (default: 16).",
 )
 @click.option(
     "--threads", type=click.IntRange(min=1), default=2, show_default=True, help="Torch threads."

@@ -26,7 +26,9 @@ from torch import nn
 from specpipe.model.rope import apply_rope
 
 HEAD_DIM = 64  # the width of one attention head
-WINDOW = 128  # committed pairs a draft row sees by default: the length of the training windows
+# Committed pairs a draft row sees by default, and the length of the training windows: on the
+# default model 16 drafted as well as an MLP head alone at 30 k tokens, and 128 worse.
+WINDOW = 16
 ROPE_BASE = 10_000.0
 
 

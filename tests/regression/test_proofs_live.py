@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import select
 
+import tests.regression.toy_target  # noqa: F401  (the `toy` target)
 from models.db import make_session_factory
 from models.runs import Run
 from specpipe.cli import cli
