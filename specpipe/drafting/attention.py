@@ -10,7 +10,7 @@ pair of its parent's predicted feature and its token) attends
     the session's committed pairs, the last `window` of them     (shared by every row)
     + the pairs on its own path below them, itself last          (d of them at depth d)
 
-and adds W_o(attention) to x. Training sees the same two parts (`attend_sequence`): step 1's
+and adds W_o(attention) to x. Training sees the same two parts (`attend_window`): step 1's
 row t attends the real pairs up to t; step s's row t (the head unrolled on its own features)
 attends the real pairs up to t and its own pairs of steps 2 … s.
 """
@@ -32,7 +32,8 @@ WINDOW = 16
 ROPE_BASE = 10_000.0
 
 
-def _rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x scaled to unit root mean square over its last dimension (the head's norms, unweighted)."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
@@ -93,7 +94,7 @@ class PastAttention(nn.Module):
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """Queries, keys and values [..., N, H, hd] of pairs x [..., N, D] at `positions` [N]."""
         shape = (*x.shape[:-1], self.heads, self.head_dim)
-        q, k, v = (t.reshape(shape) for t in self.qkv(_rms(x) * self.w_a).chunk(3, dim=-1))
+        q, k, v = (t.reshape(shape) for t in self.qkv(rms(x) * self.w_a).chunk(3, dim=-1))
         cos, sin = (t[:, None, :] for t in _angles(positions, self.head_dim))  # [N, 1, hd]
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 

@@ -3,15 +3,17 @@ predict the next hidden state, and read drafts through the target's own final no
 
 The design is EAGLE's (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
 Uncertainty"): drafting at the feature level, conditioned on the sampled token, with the
-target's frozen LM head turning features into tokens; without EAGLE's attention layer, as
-Medusa's heads (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with
-Multiple Decoding Heads") do without one, so the head keeps no cache and a round's drafting is
-K small matrix products on one row.
+target's frozen LM head turning features into tokens. EAGLE's attention layer over the
+session's past pairs is there when the head has `heads` (`specpipe/drafting/attention.py`; the
+tail keeps each session's keys and values); without it the head is an MLP, as Medusa's heads
+(Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding
+Heads") are, and keeps nothing between rounds.
 
     h      [D]   the target's residual stream before the final norm, at position T-1
                  (the row whose logits sampled x_T)
     e      [D]   the target's embedding of x_T
     x    = fc([rms(h) * w_h ; rms(e) * w_e])                       [2D] -> [D]
+    x   += W_o attention(x; the session's past pairs, the row's own path)    (with heads)
     ĥ    = x + W_down(silu(W_gate x') * W_up x'),  x' = rms(x) * w_x      [D] -> [D]
     q    = softmax(head(norm(ĥ)) / temp) …                          the target's norm and head
     draft y_{T+1} from q, then feed (ĥ, y_{T+1}) back for y_{T+2}, … up to K.
@@ -38,7 +40,7 @@ from torch import nn
 from specpipe.core.coupling import gumbel_draw, gumbel_noise
 from specpipe.core.sampling import SamplingParams, target_probs
 from specpipe.core.tree import MAX_RANK, DraftTree, TreeShape
-from specpipe.drafting.attention import WINDOW, DraftRows, PastAttention, SessionPast
+from specpipe.drafting.attention import WINDOW, DraftRows, PastAttention, SessionPast, rms
 
 FORMAT = "specpipe-draft-head-1"
 SHIPPED = Path(__file__).resolve().parent / "heads"  # the heads the package ships
@@ -95,10 +97,6 @@ def embed_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids.to(table.device), table).to(ids.device)
 
 
-def _rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
 class DraftHead(nn.Module):
     """The trainable part: [D] feature + [D] token embedding -> [D] predicted next feature;
     with `heads` > 0, through an attention layer over the session's past pairs first."""
@@ -128,11 +126,11 @@ class DraftHead(nn.Module):
 
     def pair(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         """h [..., D] (pre-norm feature at T-1), e [..., D] (embedding of x_T) -> x_T [..., D]."""
-        return self.fc(torch.cat([_rms(h) * self.w_h, _rms(e) * self.w_e], dim=-1))
+        return self.fc(torch.cat([rms(h) * self.w_h, rms(e) * self.w_e], dim=-1))
 
     def block(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP with its residual: x [..., D] -> ĥ_T [..., D]."""
-        gate, up = self.w_gate_up(_rms(x) * self.w_x).chunk(2, dim=-1)  # [..., I] each
+        gate, up = self.w_gate_up(rms(x) * self.w_x).chunk(2, dim=-1)  # [..., I] each
         return x + self.w_down(F.silu(gate) * up)
 
     def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -239,9 +237,8 @@ class DraftHead(nn.Module):
         parents: list[int] = []
         keys: dict[int, tuple[int, ...]] = {0: ()}  # tree row -> its tokens below the root
         features: dict[int, torch.Tensor] = {}  # tree row -> the head's feature predicted there
-        own: dict[
-            int, tuple[torch.Tensor, torch.Tensor]
-        ] = {}  # tree row -> its path's keys, values
+        # tree row -> the keys and values of its path's pairs, with an attention layer
+        own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         candidates: dict[tuple[int, ...], list[int]] = {}
         node_token = {0: int(token)}
         for depth in range(max(depths, default=0)):

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from specpipe.core.coupling import gumbel_draw
 from specpipe.core.ring import Request
 from specpipe.core.sampling import SamplingParams, draw, target_probs, uniform
-from specpipe.drafting.attention import WINDOW, DraftRows, SessionPast
-from specpipe.drafting.head import DraftHead, TargetParts, _rms, coupled_draft, frequent_tokens
+from specpipe.drafting.attention import WINDOW, DraftRows, SessionPast, rms
+from specpipe.drafting.head import DraftHead, TargetParts, coupled_draft, frequent_tokens
 from specpipe.drafting.ngram import NgramDrafter
 from specpipe.model import heap
 from specpipe.prompts import DEFAULT_GENERATION_PROMPT, DEFAULT_PROMPTS
@@ -395,7 +395,7 @@ def _step_loss(
     teacher, columns = _teacher(head, data, rows)
     log_q = torch.log_softmax(head.read(parts, h), dim=-1).gather(-1, columns)  # [..., TOP]
     ce = -(teacher * log_q).sum(-1)
-    regression = (_rms(h) - _rms(data.features[rows])).pow(2).mean(-1)
+    regression = (rms(h) - rms(data.features[rows])).pow(2).mean(-1)
     if mask is None:
         return ce.mean() + feature_weight * regression.mean(), ce.mean()
     count = mask.sum().clamp(min=1)
@@ -623,24 +623,19 @@ def _pasts(
 ) -> list[DraftRows]:
     """For each round row j = T-1, what its first draft step attends: the head's window of real
     pairs of its sequence before position T (pair i: the feature at row i, the token at i+1)."""
-    found = []
-    for start in sorted(
-        {int(data.starts[np.searchsorted(data.starts, r, side="right") - 1]) for r in rows}
-    ):
-        end = start + int(data.left[start])  # the sequence's last row
-        pair_rows = torch.arange(start, end)
-        x = head.pair(
-            data.features[pair_rows], parts.embed(torch.as_tensor(data.tokens[pair_rows + 1]))
-        )
-        positions = torch.as_tensor(data.positions[pair_rows] + 1)
-        _, k, v = head.attention.project(x, positions)  # [n, H, hd]
-        found.append((start, k.transpose(0, 1), v.transpose(0, 1)))
-    by_start = {start: (k, v) for start, k, v in found}
+    pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a sequence's first row -> k, v
     pasts = []
     for row in rows:
         start = int(data.starts[np.searchsorted(data.starts, row, side="right") - 1])
-        k, v = by_start[start]
-        i = int(row) - start  # pairs of rows start … row-1 come before T
+        if start not in pairs:  # keys and values [H, n, hd] of all the sequence's pairs
+            pair_rows = torch.arange(start, start + int(data.left[start]))
+            embedded = parts.embed(torch.as_tensor(data.tokens[pair_rows + 1]))
+            x = head.pair(data.features[pair_rows], embedded)
+            positions = torch.as_tensor(data.positions[pair_rows] + 1)
+            _, k, v = head.attention.project(x, positions)
+            pairs[start] = (k.transpose(0, 1), v.transpose(0, 1))
+        k, v = pairs[start]
+        i = int(row) - start  # the pairs of rows start … row-1 come before T
         a = max(0, i - head.attention.window)
         position = int(data.positions[row]) + 1  # T
         pasts.append(DraftRows(SessionPast(k[:, a:i], v[:, a:i], position), position))
