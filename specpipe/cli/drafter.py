@@ -351,7 +351,9 @@ def evaluate(
 
     For temp 0.7 / top_p 0.95 (Gumbel-coupled drafts) and greedy: how often drafts 1..j all
     equal the target's own tokens, the expected tokens per round for K = 1..k, the head's
-    ceiling Σ min(p, q) at draft 1, and the same for the n-gram drafter and for both.
+    ceiling Σ min(p, q) at draft 1, and the same for the n-gram drafter and for both; then the
+    tokens per round of the head's best trees of 4 to 64 drafts and K levels, chosen on half
+    the prompts and scored on the others, and of every tree at once (the ceiling of any tree).
 
     Example:
 
@@ -392,4 +394,10 @@ def evaluate(
                 f"{' '.join(f'{a:.3f}' for a in s['per_position'])}  tokens/round K=1..{draft_k} "
                 f"{' '.join(f'{t:.2f}' for t in s['tokens_per_round'].values())}"
             )
+        trees = scores["head_trees"]
+        _log(
+            f"  head trees of {draft_k} levels, tokens/round by drafts "
+            + " ".join(f"{n}: {t:.2f}" for n, t in trees.items() if n != "any")
+            + f"; any tree: {trees['any']:.2f}"
+        )
     write_json(json_path, result)

@@ -33,8 +33,15 @@ import torch.nn.functional as F
 from specpipe.core.coupling import gumbel_draw
 from specpipe.core.ring import Request
 from specpipe.core.sampling import SamplingParams, draw, target_probs, uniform
+from specpipe.core.tree import MAX_RANK
 from specpipe.drafting.attention import WINDOW, DraftRows, SessionPast, rms
-from specpipe.drafting.head import DraftHead, TargetParts, coupled_draft, frequent_tokens
+from specpipe.drafting.head import (
+    DraftHead,
+    TargetParts,
+    coupled_draft,
+    frequent_tokens,
+    ranked_candidates,
+)
 from specpipe.drafting.ngram import NgramDrafter
 from specpipe.model import heap
 from specpipe.prompts import DEFAULT_GENERATION_PROMPT, DEFAULT_PROMPTS
@@ -588,16 +595,7 @@ def head_drafts(
     inverse_cdf = np.zeros(len(rows), dtype=bool)
     ids = head.token_ids()
     for j in range(1, k + 1):
-        if pasts is None:
-            h, logits = head.step(parts, h, tokens)  # ĥ_{T+j-1}, q for position T+j
-        else:  # one row at a time: each has a past of its own
-            for row, past in zip(rows, pasts, strict=True):
-                past.position = int(data.positions[row]) + j  # T + j - 1
-            steps = [
-                head.step(parts, h[n : n + 1], tokens[n : n + 1], pasts[n])
-                for n in range(len(rows))
-            ]
-            h, logits = torch.cat([a for a, _ in steps]), torch.cat([b for _, b in steps])
+        h, logits = _draft_step(head, parts, data, rows, pasts, h, tokens, j)
         z = logits.numpy()
         for n, row in enumerate(rows):
             seed, position = int(data.seeds[row]), int(data.positions[row]) + 1 + j
@@ -616,6 +614,100 @@ def head_drafts(
                 inverse_cdf[n] = draw(p, u) == draw(q, u)
         tokens = torch.as_tensor(drafts[:, j - 1])
     return drafts, overlap, inverse_cdf
+
+
+def _draft_step(
+    head: DraftHead,
+    parts: TargetParts,
+    data: Sequences,
+    rows: np.ndarray,
+    pasts: list[DraftRows] | None,
+    h: torch.Tensor,
+    tokens: torch.Tensor,
+    j: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft step j of every round row: (ĥ_{T+j-1} [N, D], logits for position T+j [N, V'])
+    from h [N, D] and the tokens at T+j-1 [N]."""
+    if pasts is None:
+        return head.step(parts, h, tokens)
+    for row, past in zip(rows, pasts, strict=True):  # one row at a time: each has its own past
+        past.position = int(data.positions[row]) + j  # T + j - 1
+    steps = [head.step(parts, h[n : n + 1], tokens[n : n + 1], pasts[n]) for n in range(len(rows))]
+    return torch.cat([a for a, _ in steps]), torch.cat([b for _, b in steps])
+
+
+@torch.inference_mode()
+def path_ranks(
+    head: DraftHead,
+    parts: TargetParts,
+    data: Sequences,
+    rows: np.ndarray,
+    depth: int,
+    params: SamplingParams,
+) -> np.ndarray:
+    """[N, depth]: from each round row j = T-1, the walk a tree takes under the coupling,
+    which follows the target's own tokens: at depth d (0-based) the rank of x_{T+1+d} among
+    the head's `MAX_RANK` best candidates (`ranked_candidates`) at the node the walk is at, the
+    head having been fed x_{T+1} … x_{T+d}; -1 where it is not among them, and at every depth
+    after. All zeros through depth d is a chain's drafts 1 … d+1 accepted."""
+    h = data.features[rows]
+    tokens = torch.as_tensor(data.tokens[rows + 1])  # x_T
+    pasts = None if head.attention is None else _pasts(head, parts, data, rows)
+    ranks = np.full((len(rows), depth), -1, dtype=np.int64)
+    alive = np.ones(len(rows), dtype=bool)
+    ids = head.token_ids()
+    for d in range(depth):
+        h, logits = _draft_step(head, parts, data, rows, pasts, h, tokens, d + 1)
+        z = logits.numpy()
+        truth = data.tokens[rows + 2 + d]  # x_{T+1+d}
+        for n in np.flatnonzero(alive):
+            row = int(rows[n])
+            seeded = SamplingParams(params.temp, params.top_p, params.top_k, int(data.seeds[row]))
+            position = int(data.positions[row]) + 2 + d
+            ranked = ranked_candidates(z[n], seeded, position, ids, MAX_RANK)
+            if int(truth[n]) in ranked:
+                ranks[n, d] = ranked.index(int(truth[n]))
+            else:
+                alive[n] = False
+        tokens = torch.as_tensor(truth)  # the walk goes on along the target's tokens
+    return ranks
+
+
+def best_trees(ranks: np.ndarray, halves: np.ndarray, sizes: Sequence[int]) -> dict[str, float]:
+    """Expected tokens per round of the best tree of each size N (drafts) for the walks `ranks`
+    ([N, depth], `path_ranks`): a tree is a set of rank paths closed under prefixes, and a round
+    commits one token more than the nodes its walk passes, so the best tree of N drafts is the
+    N rank paths walked most often. They are chosen on one half of the rounds (`halves`, bool)
+    and scored on the other, then the other way round, averaged: the choice is not scored on
+    the noise it was fitted to. "any" is every tree at once (each node's `MAX_RANK` candidates to
+    the full depth): no tree of this head at this depth commits more."""
+
+    def walked(part: np.ndarray) -> dict[tuple[int, ...], int]:
+        counts: dict[tuple[int, ...], int] = {}
+        for walk in part:
+            for d in range(len(walk)):
+                if walk[d] < 0:
+                    break
+                key = tuple(int(r) for r in walk[: d + 1])
+                counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    folds = [(ranks[halves], ranks[~halves]), (ranks[~halves], ranks[halves])]
+    scores: dict[str, float] = {}
+    for n in sizes:
+        passed = 0  # nodes passed by the walks of the half the tree was not chosen on
+        for chosen_on, scored_on in folds:
+            fitted, seen = walked(chosen_on), walked(scored_on)
+            # A path is walked no more often than its prefix: on a tie the shorter goes first,
+            # so every cut of this order is a tree.
+            tree = sorted(fitted, key=lambda path: (-fitted[path], len(path), path))[:n]
+            passed += sum(seen.get(path, 0) for path in tree)
+        scores[str(n)] = 1.0 + passed / max(len(ranks), 1)
+    scores["any"] = 1.0 + float((np.cumprod(ranks >= 0, axis=1)).sum(axis=1).mean())
+    return scores
+
+
+TREE_SIZES = (4, 8, 16, 32, 64)  # drafts in the trees `evaluate` scores
 
 
 def _pasts(
@@ -672,14 +764,17 @@ def evaluate(
     head: DraftHead, parts: TargetParts, data: Sequences, k: int, params: SamplingParams
 ) -> dict[str, object]:
     """Agreement per draft position for the head, the n-gram drafter and both (the n-gram
-    where it proposes, the head elsewhere), over every generated round start of `data`; and
-    the head's mean overlap Σ min(p, q) at draft 1, the ceiling of any coupling."""
+    where it proposes, the head elsewhere), over every generated round start of `data`; the
+    head's mean overlap Σ min(p, q) at draft 1, the ceiling of any coupling; and the tokens per
+    round of the head's best trees of K levels (`best_trees`), the ceiling of any tree."""
     rows = round_rows(data, k)
     drafts, overlap, inverse_cdf = head_drafts(head, parts, data, rows, k, params)
     truth = np.stack([data.tokens[rows + 1 + j] for j in range(1, k + 1)], axis=1)  # [N, K]
     head_hits = drafts == truth
     ngram_hits, proposed = ngram_matches(data, rows, k)
     both_hits = np.where(proposed[:, None], ngram_hits, head_hits)
+    sequence = np.searchsorted(np.asarray(data.starts), rows, side="right") - 1
+    ranks = path_ranks(head, parts, data, rows, k, params)
     return {
         "rounds": len(rows),
         "head": _score(head_hits).as_dict(),
@@ -688,6 +783,7 @@ def evaluate(
         "ngram": _score(ngram_hits).as_dict(),
         "ngram_proposes": float(proposed.mean()) if len(rows) else 0.0,
         "both": _score(both_hits).as_dict(),
+        "head_trees": best_trees(ranks, sequence % 2 == 0, TREE_SIZES),
     }
 
 

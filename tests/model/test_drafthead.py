@@ -180,6 +180,25 @@ def test_scores_and_the_ngram_drafter_on_known_text():
     assert not proposed[:4].any()
 
 
+def test_the_best_trees_are_the_walks_taken_most_often_scored_on_the_other_half():
+    # Walks of 2 levels: rank at depth 0, then at depth 1 (-1: the walk stopped there).
+    walks = [[0, 0], [0, 1], [1, 0], [0, -1], [-1, -1], [0, 0]]
+    ranks = np.array(walks * 2)
+    halves = np.arange(len(ranks)) < len(walks)  # two identical halves
+    scores = dt.best_trees(ranks, halves, (1, 2, 3, 10))
+    # (0,) is walked 4 times in 6, then (0, 0) 2 times, then (0, 1) and (1,) once each.
+    assert scores["1"] == pytest.approx(1 + 4 / 6)
+    assert scores["2"] == pytest.approx(1 + 6 / 6)
+    assert scores["3"] == pytest.approx(1 + 7 / 6)
+    # Every walked path: as deep as every walk goes, the ceiling of any tree.
+    depth = [2, 2, 2, 1, 0, 2]
+    assert scores["10"] == pytest.approx(scores["any"]) == pytest.approx(1 + np.mean(depth))
+    # Chosen on one half, scored on the other: what the first half never walked scores nothing.
+    other = np.array([[1, 0]] * 3 + [[0, 0]] * 3)
+    split = dt.best_trees(other, np.arange(6) < 3, (1,))
+    assert split["1"] == pytest.approx(1.0)
+
+
 def test_drafter_commands(tmp_path, tiny):
     out = tmp_path / "tiny-head.safetensors"
     result = CliRunner().invoke(

@@ -181,3 +181,24 @@ def test_evaluation_gives_a_head_with_attention_its_sequences_past(stage, data, 
             SamplingParams(temp=0.0),
         )
         assert got.tolist() == expected
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temp=0.0), SamplingParams(0.9, 0.95)])
+def test_a_trees_walk_follows_the_targets_tokens_through_the_heads_candidates(
+    stage, data, trained, params
+):
+    head, _ = trained
+    parts = dt.training_parts(stage)
+    rows = dt.round_rows(data, 3)
+    ranks = dt.path_ranks(head, parts, data, rows, 3, params)
+    # Rank 0 all the way is the chain: its drafts accepted, exactly.
+    drafts, _, _ = dt.head_drafts(head, parts, data, rows, 3, params)
+    truth = np.stack([data.tokens[rows + 1 + j] for j in (1, 2, 3)], axis=1)
+    assert np.array_equal(np.cumprod(ranks == 0, axis=1), np.cumprod(drafts == truth, axis=1))
+    # A walk that stops stays stopped, and the walk takes a sibling somewhere.
+    assert not ((ranks[:, :-1] < 0) & (ranks[:, 1:] >= 0)).any()
+    assert (ranks > 0).any()
+    scores = dt.evaluate(head, parts, data, 3, params)["head_trees"]
+    chain = dt._score(drafts == truth).tokens_per_round(3)
+    assert scores["any"] >= max(v for n, v in scores.items() if n != "any") - 1e-9
+    assert scores["any"] > chain
