@@ -71,9 +71,10 @@ def run_job(
     adaptive: bool = False,
     drafts_from: str = "both",
     trees: bool = False,
+    tree_drafts: int = 0,
 ) -> JobTiming:
     """One job to its end on `ring`, timed; `adaptive` chooses each round's K up to draft_k,
-    `trees` lets the head propose draft trees."""
+    `trees` lets the head propose draft trees (of `tree_drafts` drafts each, when not 0)."""
     generation = Generation(
         ring,
         f"load-{uuid.uuid4().hex[:10]}",
@@ -84,6 +85,7 @@ def run_job(
         adaptive=adaptive,
         drafts_from=drafts_from,
         trees=trees,
+        tree_drafts=tree_drafts,
     )
     started = time.perf_counter()
     first = None
@@ -279,6 +281,7 @@ class Method:
     adaptive: bool = False  # choose each round's K up to draft_k
     drafts_from: str = "both"  # see `specpipe.decoding.generation.DRAFT_SOURCES`
     trees: bool = False  # the head proposes draft trees (with adaptive)
+    tree_drafts: int = 0  # with trees: 0, each tree sized by its cost; N, N drafts every time
 
 
 def k_methods(fixed: Sequence[int], max_k: int) -> list[Method]:
@@ -337,6 +340,7 @@ def side_by_side(
                             method.adaptive,
                             method.drafts_from,
                             method.trees,
+                            method.tree_drafts,
                         )
                         outputs[method.name] = timing.tokens
                         total = totals[(kind, method.name)]

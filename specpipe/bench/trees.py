@@ -7,6 +7,9 @@ sampler), on grounded and novel prompts, one job at a time, at each link delay. 
 tok/s, tokens per round, rows per round, accepted depth and the share of rounds that carried a
 tree. Then `at_once` jobs together, chains and then trees, on the same stages: the aggregate
 tok/s of each. Every job's tokens are checked against plain decoding's.
+
+With `fixed` sizes, trees of that many drafts every round run beside them: what trees commit
+per round where rows are nearly free (a GPU's forward), and what their rows cost here.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ from specpipe.decoding.target import open_target
 from specpipe.drafting.train import EVAL_PROMPTS
 
 
-def tree_methods(max_k: int) -> list[Method]:
-    """Plain decoding, chains and trees, both from the n-gram drafter and the head."""
+def tree_methods(max_k: int, fixed: Sequence[int] = ()) -> list[Method]:
+    """Plain decoding, chains and trees, both from the n-gram drafter and the head; and trees
+    of each `fixed` number of drafts, whatever their rows cost."""
     return [
         Method("plain", 0),
         Method("chain", max_k, True, "both"),
         Method("tree", max_k, True, "both", trees=True),
+        *(Method(f"tree-{n}", max_k, True, "both", True, n) for n in fixed),
     ]
 
 
@@ -42,10 +47,11 @@ def trees(
     at_once: int,
     log: Log,
     draft_head: str | None = None,
+    fixed: Sequence[int] = (),
 ) -> dict:
     """The whole comparison (see the module docstring)."""
     target = open_target(model)
-    methods = tree_methods(max_k)
+    methods = tree_methods(max_k, fixed)
     rows, together = [], []
     exact = True
     for delay in delays:
@@ -114,6 +120,7 @@ def jobs_at_once(
                         method.adaptive,
                         method.drafts_from,
                         method.trees,
+                        method.tree_drafts,
                     )
                 except Exception as exc:  # reported in the row, not raised from a thread
                     done[i] = exc

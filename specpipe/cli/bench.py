@@ -17,6 +17,7 @@ from specpipe.cli.options import (
     sampling_options,
     write_json,
 )
+from specpipe.drafting.tree_size import MAX_SLOTS
 
 
 @click.group(name="bench")
@@ -1024,6 +1025,13 @@ def bench_draft_head(
     show_default=True,
     help="Then this many jobs together, chains and then trees (0 or 1: none).",
 )
+@click.option(
+    "--fixed-tree",
+    "fixed",
+    type=click.IntRange(1, MAX_SLOTS),
+    multiple=True,
+    help="Also trees of this many drafts every round, whatever their rows cost (repeatable).",
+)
 @click.option("--seed", type=SEED, default=1, show_default=True)
 @json_option
 @_model_errors
@@ -1036,6 +1044,7 @@ def bench_trees(
     tokens: int,
     seeds: int,
     at_once: int,
+    fixed: tuple[int, ...],
     seed: int,
     json_path: Path | None,
 ) -> None:
@@ -1043,7 +1052,8 @@ def bench_trees(
     plain, chains and trees (n-gram and head, adaptive), greedy and at temp 0.7 / top_p 0.95,
     grounded and novel prompts, each hop delay; tok/s, tokens per round, rows per round,
     accepted depth, the share of tree rounds; then --at-once jobs together. Every job's tokens
-    are checked against plain decoding's.
+    are checked against plain decoding's. With --fixed-tree N, trees of N drafts every round
+    run beside them: what a tree that size commits where rows are nearly free, and costs here.
 
     Example:
 
@@ -1062,6 +1072,7 @@ def bench_trees(
         at_once,
         click.echo,
         None if head_path is None else str(head_path),
+        fixed,
     )
     write_json(json_path, result)
     if not result["identical_to_plain"]:

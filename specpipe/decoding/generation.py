@@ -93,6 +93,7 @@ class Generation:
         should_stop: Callable[[list[int]], bool] | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
         trees: bool = False,
+        tree_drafts: int = 0,
     ):
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
@@ -117,10 +118,11 @@ class Generation:
         self.head_tree = DraftTree((), ())  # what the head proposed with the last result
         # With `adaptive`, draft_k is the most a round sends; each round's K is chosen.
         self.draft_length = DraftLength(draft_k) if adaptive and draft_k else None
-        # With `trees` too, the head's proposals are trees of the shape measured to pay.
+        # With `trees` too, the head's proposals are trees of the shape measured to pay (or of
+        # `tree_drafts` drafts each, whatever they cost).
         self.tree_size = None
         if trees and self.use_head and self.draft_length is not None:
-            self.tree_size = TreeSize(draft_k, self.draft_length)
+            self.tree_size = TreeSize(draft_k, self.draft_length, tree_drafts)
         self.head_wanted = 0  # drafts the tree asked of the head would have (0: send none)
         self.keep: tuple[int, ...] = ()  # the rows the last tree round walked, for the stages
         # Sees the generated ids after each round (stop strings); the whole round stays committed.

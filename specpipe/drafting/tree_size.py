@@ -35,6 +35,10 @@ a(d, r) is counted from each round's ranks (`RoundResult.ranks`: the rank of eac
 token among the head's candidates at the node the walk was at), decaying by `ACCEPT_DECAY`, from
 a prior worth `PRIOR_WEIGHT` rounds. The choice never changes the output: a tree changes how
 many tokens a round commits, never which.
+
+With `drafts` fixed, every tree is the best-first tree of that many nodes whatever rows cost:
+what a tree of that size commits where rows are nearly free (a GPU's forward), measured on a
+ring where they are not.
 """
 
 from __future__ import annotations
@@ -60,11 +64,12 @@ class TreeSize:
     """One session's draft trees: `choose` before asking the head for one, `observe` after a
     round whose ranks came back."""
 
-    def __init__(self, max_depth: int, length: DraftLength) -> None:
-        if max_depth < 0:
-            raise ValueError("max_depth must be >= 0")
+    def __init__(self, max_depth: int, length: DraftLength, drafts: int = 0) -> None:
+        if max_depth < 0 or not 0 <= drafts <= MAX_SLOTS:
+            raise ValueError(f"max_depth must be >= 0 and drafts within 0 … {MAX_SLOTS}")
         self.max_depth = max_depth
         self.length = length  # whose cost line prices a row
+        self.drafts = drafts  # 0: each tree's size chosen by its cost; N: always N drafts
         # counts[d][r]: decayed times the walk took rank r at depth d; the last entry: no rank.
         self._counts = [
             [p * PRIOR_WEIGHT for p in PRIOR] + [(1.0 - sum(PRIOR)) * PRIOR_WEIGHT]
@@ -137,7 +142,7 @@ class TreeSize:
         # the rarer ranks' estimates, and on a fast ring a side row costs about what it gains.
         expected, best_n, best = 1.0, 0, max(plain, chain * (1.0 + TREE_MARGIN))
         longest = 0
-        while frontier and len(parents) < min(limit, MAX_SLOTS):
+        while frontier and len(parents) < min(limit, self.drafts or MAX_SLOTS):
             reach, _, parent, rank, depth = heapq.heappop(frontier)
             parents.append(parent)
             ranks.append(rank)
@@ -148,6 +153,8 @@ class TreeSize:
             if rate > best:
                 best_n, best = len(parents), rate
             offer(len(parents), depth + 1, -reach)
+        if self.drafts:
+            best_n = len(parents)
         if best_n == 0:
             return TreeShape.chain(chain_k)
         return TreeShape(tuple(parents[:best_n]), tuple(ranks[:best_n]))

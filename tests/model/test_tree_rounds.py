@@ -158,6 +158,23 @@ def test_a_busy_tail_shrinks_the_tree():
     assert 0 < len(busy) < len(alone)
 
 
+def test_a_fixed_size_sends_that_many_drafts_whatever_they_cost():
+    length = DraftLength(6)
+    for sent in (0, 4, 8) * 20:
+        length.observe([], [], sent, 0.01 + sent * 0.004)  # rows dear: few or none pay
+    sized, fixed = TreeSize(6, length), TreeSize(6, length, drafts=24)
+    for size in (sized, fixed):
+        for _ in range(20):
+            for rank in [0] * 6 + [1] * 2 + [2, -1]:
+                size.observe([rank] * 6)
+    tree = fixed.choose()
+    assert len(tree) == 24 > len(sized.choose())
+    assert max(tree.ranks) >= 1 and max(tree.depths) <= 6
+    assert len(TreeSize(1, length, drafts=24).choose()) == 4  # one level: its 4 candidates
+    with pytest.raises(ValueError):
+        TreeSize(6, length, drafts=33)
+
+
 def test_a_tree_is_cut_to_the_rounds_budget():
     tree = DraftTree((1, 2, 3, 4, 5), (0, 1, 2, 0, 4))
     assert tree.within_depth(2) == DraftTree((1, 2, 4, 5), (0, 1, 0, 3))

@@ -244,15 +244,17 @@ def test_bench_trees_compares_chains_and_trees_on_real_stages(tiny, tmp_path, mo
     out = tmp_path / "trees.json"
     args = ["bench", "trees", "--model", str(tiny), "--head", str(head), "--stages", "2"]
     args += ["--hop-delay-ms", "0", "--tokens", "16", "--seeds", "1", "--at-once", "2"]
-    result = CliRunner().invoke(cli, [*args, "--json", str(out)])
+    result = CliRunner().invoke(cli, [*args, "--fixed-tree", "12", "--json", str(out)])
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
     assert doc["identical_to_plain"] is True
     assert [(r["mode"], r["kind"]) for r in doc["runs"]] == [
         (mode, kind) for mode in ("greedy", "temp 0.7 top_p 0.95") for kind in ("grounded", "novel")
     ]
+    # Trees of 12 drafts whatever they cost: the head's rounds carry 13 rows.
+    assert max(r["methods"]["tree-12"]["rows_per_round"] for r in doc["runs"]) > 6
     for row in doc["runs"]:
-        assert set(row["methods"]) == {"plain", "chain", "tree"}
+        assert set(row["methods"]) == {"plain", "chain", "tree", "tree-12"}
         tree = row["methods"]["tree"]
         assert tree["rows_per_round"] >= 1 and 0 <= tree["tree_round_share"] <= 1
         assert row["tree_vs_chain"] == tree["tok_s"] / row["methods"]["chain"]["tok_s"]
