@@ -212,12 +212,19 @@ class Generation:
         would have had accepted. A tree's longest branch is priced as a chain of that many
         rows; its other rows' time, beyond that, is the tree size's to measure."""
         longest = max(proposal.depths) if parents is not None else len(drafts)
+        side = len(drafts) - longest
         scored = [] if parents is not None else proposal.main_branch()
-        self.draft_length.observe(scored, committed, longest, seconds, steady, source)
+        line_seconds = seconds
+        if self.tree_size is not None and side:
+            # The line sees the round without its side rows, at what they are measured to
+            # cost: else their time would count twice, in the line and in the side rows' cost.
+            line_seconds -= side * self.tree_size.side_cost(self.draft_length.cost()[1])
+        self.draft_length.observe(
+            scored, committed, longest, max(line_seconds, 0.0), steady, source
+        )
         if self.tree_size is not None and steady:
             base, per_row = self.draft_length.cost()
-            extra = seconds - (base + longest * per_row)
-            self.tree_size.observe_cost(len(drafts) - longest, extra)
+            self.tree_size.observe_cost(side, seconds - (base + longest * per_row))
 
     def _propose(self, k: int) -> tuple[DraftTree, bool]:
         """The drafts for this round, at most k deep, and whether the head proposed them: the

@@ -175,6 +175,23 @@ def test_a_fixed_size_sends_that_many_drafts_whatever_they_cost():
         TreeSize(6, length, drafts=33)
 
 
+def test_a_trees_side_rows_are_priced_once(ring):
+    generation = with_trees(ring, SamplingParams(temp=0.0), 8)
+    tree = DraftTree((1, 2, 3, 4, 5, 6), (0, 1, 2, 0, 1, 0))  # longest branch 3, 3 rows off it
+    base, per_row, per_side = 0.05, 0.002, 0.006
+    for _ in range(60):
+        for k in (0, 2, 4):
+            chain = DraftTree.chain([1] * k)
+            generation._observe_cost(chain, None, [1] * k, [1], base + k * per_row, True, "head")
+        seconds = base + 3 * per_row + 3 * per_side
+        generation._observe_cost(tree, tree.parents, [*tree.tokens], [1], seconds, True, "head")
+    got_base, got_per_row = generation.draft_length.cost()
+    # The rounds' line is the longest branch's alone: the side rows are not in it as well.
+    assert got_base == pytest.approx(base, rel=0.05)
+    assert got_per_row == pytest.approx(per_row, rel=0.1)
+    assert generation.tree_size.side_cost(got_per_row) == pytest.approx(per_side, rel=0.1)
+
+
 def test_a_tree_is_cut_to_the_rounds_budget():
     tree = DraftTree((1, 2, 3, 4, 5), (0, 1, 2, 0, 4))
     assert tree.within_depth(2) == DraftTree((1, 2, 4, 5), (0, 1, 0, 3))
