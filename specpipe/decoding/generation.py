@@ -5,7 +5,9 @@ fastest (at most `draft_k`); the committed tokens are the same whatever it sends
 too, the tail's draft head proposes a draft tree each round, shaped by
 `specpipe/drafting/tree_size.py` (at most `draft_k` deep), which the next round carries when
 the root alone is uncached (else its main branch, as a chain); the stages keep the branch the
-tail walked when the round after it names it (`core.ring.Branches.keep`).
+tail walked when the round after it names it (`core.ring.Branches.keep`). Where both the
+n-gram drafter and the head offer drafts, the one whose drafts are measured likelier to be
+accepted goes out (each source's offer is scored every round, sent or not).
 
 The same loop runs over a `LocalRing` (one process) and a `RedisRing` (the swarm). Positions
 are absolute: after a round the stages' caches hold every position sent; the next round starts
@@ -125,6 +127,7 @@ class Generation:
             self.tree_size = TreeSize(draft_k, self.draft_length, tree_drafts)
         self.head_wanted = 0  # drafts the tree asked of the head would have (0: send none)
         self.keep: tuple[int, ...] = ()  # the rows the last tree round walked, for the stages
+        self.offers: dict[str, list[int]] = {}  # this round's proposal of each drafts source
         # Sees the generated ids after each round (stop strings); the whole round stays committed.
         self.should_stop = should_stop
         self.stats = GenerationStats()
@@ -213,41 +216,59 @@ class Generation:
         rows; its other rows' time, beyond that, is the tree size's to measure."""
         longest = max(proposal.depths) if parents is not None else len(drafts)
         side = len(drafts) - longest
-        scored = [] if parents is not None else proposal.main_branch()
+        for offered_by, offer in self.offers.items():  # sent or not, each source is scored
+            self.draft_length.score(offer, committed, offered_by)
         line_seconds = seconds
         if self.tree_size is not None and side:
             # The line sees the round without its side rows, at what they are measured to
             # cost: else their time would count twice, in the line and in the side rows' cost.
             line_seconds -= side * self.tree_size.side_cost(self.draft_length.cost()[1])
-        self.draft_length.observe(
-            scored, committed, longest, max(line_seconds, 0.0), steady, source
-        )
+        self.draft_length.observe([], committed, longest, max(line_seconds, 0.0), steady, source)
         if self.tree_size is not None and steady:
             base, per_row = self.draft_length.cost()
             self.tree_size.observe_cost(side, seconds - (base + longest * per_row))
 
+    def _ngram_leads(self) -> bool:
+        """Whether the n-gram's drafts go first where it has a match: always without adaptive
+        draft lengths or a head; else while its drafts are measured at least as likely
+        accepted as the head's (in copied text nine in ten; in novel text its rare matches
+        are mostly wrong, and the head's proposal is the better one)."""
+        if self.draft_length is None or not self.use_head:
+            return True
+        return self.draft_length.leads("ngram", "head")
+
     def _propose(self, k: int) -> tuple[DraftTree, bool]:
         """The drafts for this round, at most k deep, and whether the head proposed them: the
-        n-gram's chain where it has a match (it copies whole passages), else what the head sent
-        with the last result (a chain, or a tree)."""
+        n-gram's chain where it has a match and leads (`_ngram_leads`), else what the head
+        sent with the last result (a chain, or a tree), else the n-gram's chain. What each
+        source offered is kept in `offers`, to be scored against what the round commits."""
         none = DraftTree((), ())
+        self.offers = {}
         if k <= 0:
             return none, False
-        if self.use_ngram:
-            proposal = self.drafter.propose(k)
-            if proposal:
-                return DraftTree.chain(proposal), False
+        ngram = self.drafter.propose(k) if self.use_ngram else []
+        head = none
         if self.use_head and self.head_tree.tokens and self.head_wanted:
-            return self.head_tree.within_depth(k), True
-        return none, False
+            head = self.head_tree.within_depth(k)
+        if ngram:
+            self.offers["ngram"] = ngram
+        if head.tokens:
+            self.offers["head"] = head.main_branch()
+        if ngram and (not head.tokens or self._ngram_leads()):
+            return DraftTree.chain(ngram), False
+        return head, bool(head.tokens)
 
     def _ask_head(self, drafts: list[int], from_head: bool) -> tuple[TreeShape | None, int]:
         """What to ask of the tail's head for the next round, whose steps cost the tail's time:
-        nothing while the n-gram drafter has a match (in copied text it goes on matching); else
-        the tree `TreeSize` chooses, or as many drafts in a chain as the draft length would
-        send; and at least one, so that the head's acceptance is still measured."""
+        nothing while the n-gram drafter's chain goes out and leads (in copied text it goes on
+        matching); else the tree `TreeSize` chooses, or as many drafts in a chain as the draft
+        length would send; and at least one, so that the head's acceptance is still measured."""
         self.head_wanted = 0
-        if not self.use_head or self.draft_k == 0 or (drafts and not from_head):
+        if (
+            not self.use_head
+            or self.draft_k == 0
+            or (drafts and not from_head and self._ngram_leads())
+        ):
             return None, 0
         if self.tree_size is not None:
             shape = self.tree_size.choose()

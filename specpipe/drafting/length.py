@@ -96,6 +96,27 @@ class DraftLength:
         base = max(mean_y - slope * mean_x, 1e-3 * mean_y, 1e-9)
         return base, slope
 
+    def score(self, proposal: Sequence[int], committed: Sequence[int], source: str) -> None:
+        """Count a proposal of `source` at a round's first position against the tokens the
+        round `committed`, whether it was sent or not: the committed tokens do not depend on
+        the drafts, so its leading matches are the drafts that would have been accepted."""
+        if not proposal or not committed:
+            return
+        counts = self._counts_of(source)
+        counts[0] *= ACCEPT_DECAY
+        counts[1] *= ACCEPT_DECAY
+        compared = min(len(proposal), len(committed))
+        matched = 0
+        while matched < compared and proposal[matched] == committed[matched]:
+            matched += 1
+        counts[0] += matched
+        if matched < compared:
+            counts[1] += 1
+
+    def leads(self, source: str, other: str) -> bool:
+        """Whether `source`'s drafts are measured at least as likely accepted as `other`'s."""
+        return self.acceptance(source) >= self.acceptance(other)
+
     def choose(self, available: int, source: str = "ngram") -> int:
         """The K to send this round, when `source` has `available` drafts to offer."""
         limit = min(self.max_k, available)
@@ -124,17 +145,7 @@ class DraftLength:
         tokens the round `committed`, how many drafts were `sent` and the round's `seconds`.
         `steady` is False for a round that carried more than one committed token (the prefill,
         a replay), whose time says nothing of a draft's cost."""
-        if proposal and committed:
-            counts = self._counts_of(source)
-            counts[0] *= ACCEPT_DECAY
-            counts[1] *= ACCEPT_DECAY
-            compared = min(len(proposal), len(committed))
-            matched = 0
-            while matched < compared and proposal[matched] == committed[matched]:
-                matched += 1
-            counts[0] += matched
-            if matched < compared:
-                counts[1] += 1
+        self.score(proposal, committed, source)
         if steady and seconds > 0:
             self._w = COST_DECAY * self._w + 1.0
             self._sx = COST_DECAY * self._sx + sent

@@ -236,3 +236,50 @@ def test_a_stage_that_keeps_losing_its_cache_ends_the_generation():
     ring = LocalRing([RestartingStage(first, *range(8, 200)), tail])
     with pytest.raises(GapError):
         generate(params, draft_k=4, ring=ring, prefill_chunk=4)
+
+
+def test_the_source_measured_likelier_to_be_accepted_goes_first():
+    from specpipe.core.tree import DraftTree
+
+    gen = Generation(
+        LocalRing(toy_stages()),
+        "s",
+        PROMPT,
+        SamplingParams(temp=0.0),
+        max_new_tokens=8,
+        draft_k=3,
+        adaptive=True,
+    )
+    gen.drafter.propose = lambda k: [5] * k  # the n-gram has a match every round
+    gen.head_tree, gen.head_wanted = DraftTree.chain([6, 6, 6]), 3
+    length = gen.draft_length
+    for _ in range(10):  # the n-gram's drafts miss, the head's are taken
+        length.score([5, 5, 5], [1, 2, 3, 4], "ngram")
+        length.score([1, 2, 3], [1, 2, 3, 4], "head")
+    proposal, from_head = gen._propose(3)
+    assert from_head and proposal.tokens == (6, 6, 6)
+    assert gen.offers == {"ngram": [5, 5, 5], "head": [6, 6, 6]}
+    # The head is asked for the next round even while the n-gram's chain goes out.
+    assert gen._ask_head([5, 5, 5], from_head=False)[1] > 0
+    for _ in range(30):  # text that copies: now the n-gram leads
+        length.score([1, 2, 3], [1, 2, 3, 4], "ngram")
+        length.score([6, 6, 6], [1, 2, 3, 4], "head")
+    proposal, from_head = gen._propose(3)
+    assert not from_head and proposal.tokens == (5, 5, 5)
+    assert gen._ask_head([5, 5, 5], from_head=False) == (None, 0)
+    # Without adaptive lengths there is nothing measured: the n-gram's match goes first.
+    fixed = Generation(
+        LocalRing(toy_stages()), "s", PROMPT, SamplingParams(temp=0.0), max_new_tokens=8, draft_k=3
+    )
+    fixed.drafter.propose = lambda k: [5] * k
+    fixed.head_tree, fixed.head_wanted = DraftTree.chain([6, 6, 6]), 3
+    assert fixed._propose(3) == (DraftTree.chain([5, 5, 5]), False)
+
+
+@pytest.mark.parametrize("temp", [0.0, 0.9])
+def test_a_run_with_both_sources_scored_each_round_equals_plain(temp):
+    params = SamplingParams(temp=temp, seed=4, sampler="gumbel")
+    plain, _ = generate(params, draft_k=0)
+    ring = HeadRing(toy_stages(), token=1)
+    spec, stats = generate(params, draft_k=3, ring=ring, adaptive=True)
+    assert spec == plain and stats.rounds < len(plain)
