@@ -32,7 +32,7 @@ def tree_methods(max_k: int, fixed: Sequence[int] = ()) -> list[Method]:
         Method("plain", 0),
         Method("chain", max_k, True, "both"),
         Method("tree", max_k, True, "both", trees=True),
-        *(Method(f"tree-{n}", max_k, True, "both", True, n) for n in fixed),
+        *(Method(f"tree-{n}", max_k, True, "both", trees=True, tree_drafts=n) for n in fixed),
     ]
 
 

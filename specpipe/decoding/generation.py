@@ -176,9 +176,7 @@ class Generation:
                 if self.draft_length is not None:
                     seconds = time.perf_counter() - round_started
                     steady = sent == len(drafts) + 1 and self.stats.replays == replays
-                    self._observe_cost(
-                        proposal, parents, drafts, committed, seconds, steady, source
-                    )
+                    self._observe_cost(proposal, parents, drafts, committed, seconds, steady)
                 cached = len(self.tokens) + len(committed) - 1
                 for i, token in enumerate(committed):
                     if token in self.eos_ids:
@@ -209,7 +207,6 @@ class Generation:
         committed: list[int],
         seconds: float,
         steady: bool,
-        source: str,
     ) -> None:
         """Tell the draft length (and the tree size) what the round cost and what its proposal
         would have had accepted. A tree's longest branch is priced as a chain of that many
@@ -223,7 +220,7 @@ class Generation:
             # The line sees the round without its side rows, at what they are measured to
             # cost: else their time would count twice, in the line and in the side rows' cost.
             line_seconds -= side * self.tree_size.side_cost(self.draft_length.cost()[1])
-        self.draft_length.observe([], committed, longest, max(line_seconds, 0.0), steady, source)
+        self.draft_length.observe_cost(longest, max(line_seconds, 0.0), steady)
         if self.tree_size is not None and steady:
             base, per_row = self.draft_length.cost()
             self.tree_size.observe_cost(side, seconds - (base + longest * per_row))

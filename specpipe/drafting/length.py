@@ -146,6 +146,11 @@ class DraftLength:
         `steady` is False for a round that carried more than one committed token (the prefill,
         a replay), whose time says nothing of a draft's cost."""
         self.score(proposal, committed, source)
+        self.observe_cost(sent, seconds, steady)
+
+    def observe_cost(self, sent: int, seconds: float, steady: bool = True) -> None:
+        """A round's point on the cost line: `sent` drafts, `seconds`; none from a round that
+        was not `steady` (see `observe`)."""
         if steady and seconds > 0:
             self._w = COST_DECAY * self._w + 1.0
             self._sx = COST_DECAY * self._sx + sent

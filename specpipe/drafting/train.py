@@ -692,16 +692,17 @@ def best_trees(ranks: np.ndarray, halves: np.ndarray, sizes: Sequence[int]) -> d
                 counts[key] = counts.get(key, 0) + 1
         return counts
 
-    folds = [(ranks[halves], ranks[~halves]), (ranks[~halves], ranks[halves])]
+    first, second = walked(ranks[halves]), walked(ranks[~halves])
+    folds = []  # (paths best first as one half walked them, how often the other half did)
+    for fitted, seen in ((first, second), (second, first)):
+        # A path is walked no more often than its prefix: on a tie the shorter goes first, so
+        # every cut of this order is a tree.
+        order = sorted(fitted, key=lambda path: (-fitted[path], len(path), path))
+        folds.append((order, seen))
     scores: dict[str, float] = {}
     for n in sizes:
-        passed = 0  # nodes passed by the walks of the half the tree was not chosen on
-        for chosen_on, scored_on in folds:
-            fitted, seen = walked(chosen_on), walked(scored_on)
-            # A path is walked no more often than its prefix: on a tie the shorter goes first,
-            # so every cut of this order is a tree.
-            tree = sorted(fitted, key=lambda path: (-fitted[path], len(path), path))[:n]
-            passed += sum(seen.get(path, 0) for path in tree)
+        # Nodes passed by the walks of the half each tree was not chosen on.
+        passed = sum(seen.get(path, 0) for order, seen in folds for path in order[:n])
         scores[str(n)] = 1.0 + passed / max(len(ranks), 1)
     scores["any"] = 1.0 + float((np.cumprod(ranks >= 0, axis=1)).sum(axis=1).mean())
     return scores

@@ -182,9 +182,9 @@ def test_a_trees_side_rows_are_priced_once(ring):
     for _ in range(60):
         for k in (0, 2, 4):
             chain = DraftTree.chain([1] * k)
-            generation._observe_cost(chain, None, [1] * k, [1], base + k * per_row, True, "head")
+            generation._observe_cost(chain, None, [1] * k, [1], base + k * per_row, True)
         seconds = base + 3 * per_row + 3 * per_side
-        generation._observe_cost(tree, tree.parents, [*tree.tokens], [1], seconds, True, "head")
+        generation._observe_cost(tree, tree.parents, [*tree.tokens], [1], seconds, True)
     got_base, got_per_row = generation.draft_length.cost()
     # The rounds' line is the longest branch's alone: the side rows are not in it as well.
     assert got_base == pytest.approx(base, rel=0.05)
