@@ -17,6 +17,7 @@ import logging
 import redis
 from celery import shared_task
 from celery.signals import worker_ready
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from specpipe.decoding.target import open_target
@@ -47,48 +48,68 @@ def open_default_model(**_) -> None:
 
 @shared_task(name=GENERATE_TASK, bind=True, base=DbTask, ignore_result=True)
 def generate(self, job_id: int) -> str | None:
-    """Celery task: run a job over the swarm the inventory describes.
+    """Celery task: run jobs over the swarm the inventory describes, one after another, until
+    no queued job is left that another coordinator does not hold.
 
-    The delivery of a queued job is a turn rather than that job's own: it runs the queued job
-    whose turn it is (`fair_order`), which may be another user's. Every queued job has one
-    delivery, and each delivery runs one queued job while any is left, so every job runs once,
-    and a user with many jobs waiting does not keep another's single job waiting behind them.
-    The delivery of a running job (beat resuming it) runs that job, or, when another
-    coordinator holds it, takes a turn like the others: no delivery is wasted while a job waits."""
+    A delivery is a turn rather than its job's own: it runs the queued job whose turn it is
+    (`fair_order`), which may be another user's, then the next, so a user with many jobs
+    waiting does not keep another's single job waiting behind them. Every queued job has a
+    delivery, and a delivery ends only when it finds no queued job it can take, so a queued job
+    is never left without one: a delivery whose job another coordinator ran or took over meanwhile
+    (a lock that lapsed under load, a duplicate, a job that ended as it was chosen) goes on to
+    the next job instead of ending with that job's turn unused. The delivery of a running job
+    (beat resuming it) runs that job first, or, when another coordinator holds it, takes turns
+    like the others."""
     session: Session = self.session
     job, outcome = pending(session, job_id)
-    # A running job's own delivery (beat resuming it) runs that job; any other delivery (of a
-    # queued job, or of one another delivery's turn already ran) takes the next turn.
     own = [job_id] if job is not None and job.status == "running" else []
-    candidates = own + fair_order(session)
-    if not candidates:
-        return outcome if job is None else job.status
+    outcome = outcome if job is None else job.status
     settings = Settings.from_env()
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
+    tried: set[int] = set()  # each job once per delivery: one it took and lost is another's now
     try:
-        chosen = lock_first_through_outage(client, settings.swarm, candidates, REDIS_OUTAGE_S)
-    except redis.RedisError as exc:
-        # The jobs are left as they are, not failed: beat sends them again once Redis is back
-        # (a queued job the broker no longer holds, a running job whose lock lapsed).
-        client.close()
-        where = redact_url(settings.redis_url)
-        log.warning("delivery of job %s: cannot reach Redis at %s (%s)", job_id, where, exc)
-        return outcome if job is None else job.status
-    if chosen is None:
-        # Worth a warning when the job itself is running: two deliveries of one running job.
-        say = log.warning if own else log.info
-        say("delivery of job %s: every job it could run is taken; it is done", job_id)
-        client.close()
-        return outcome if job is None else job.status
-    job_id, keeper = chosen
-    try:
-        job, outcome = pending(session, job_id)
-        if job is None:
-            return outcome
-        return job_run.run_on_swarm(session, job, settings, keeper)
+        while True:
+            candidates = [i for i in own + next_turns(session) if i not in tried]
+            if not candidates:
+                break
+            try:
+                chosen = lock_first_through_outage(
+                    client, settings.swarm, candidates, REDIS_OUTAGE_S
+                )
+            except redis.RedisError as exc:
+                # The jobs are left as they are, not failed: beat sends them again once Redis is
+                # back (a queued job the broker no longer holds, a running job whose lock lapsed).
+                where = redact_url(settings.redis_url)
+                log.warning("delivery of job %s: cannot reach Redis at %s (%s)", job_id, where, exc)
+                break
+            if chosen is None:
+                # Worth a warning when the job itself is running: two deliveries of one running job.
+                say = log.warning if own else log.info
+                say("delivery of job %s: every job it could run is taken; it is done", job_id)
+                break
+            chosen_id, keeper = chosen
+            tried.add(chosen_id)
+            own = []
+            try:
+                job, outcome = pending(session, chosen_id)
+                if job is not None:
+                    outcome = job_run.run_on_swarm(session, job, settings, keeper)
+            finally:
+                keeper.stop()
     finally:
-        keeper.stop()
         client.close()
+    return outcome
+
+
+def next_turns(session: Session) -> list[int]:
+    """`fair_order`, or none while the store cannot be read: the queued jobs are left to beat,
+    which sends a queued job whose delivery is gone again."""
+    try:
+        return fair_order(session)
+    except OperationalError as exc:
+        log.warning("cannot read the queued jobs (%s); beat sends them again", exc)
+        session.rollback()
+        return []
 
 
 @shared_task(name=RESUME_STALLED_TASK, bind=True, base=DbTask, ignore_result=True)

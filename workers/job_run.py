@@ -88,8 +88,9 @@ def run_job(
 ) -> str | None:
     """Run (or resume) one job to its end and return its status; None when there is no job.
 
-    `keep_alive` is called every round (it refreshes the job's lock); when it returns False
-    another coordinator owns the job, and this one stops without touching it further. Every
+    `keep_alive` is called before the job starts and every round (it says whether this
+    coordinator still holds the job's lock); when it returns False another coordinator owns the
+    job, and this one stops without touching it further. Every
     write is fenced (`workers.attempt`): an attempt that a newer one superseded (its lock lost
     in a registry outage) stops at its next write without making it, and returns the job's
     status as it is then. `admit` (see `workers.room.Admit`) waits, the job still queued, until
@@ -125,7 +126,17 @@ def run_job(
                 if job.cancel_requested:
                     return finish(session, attempt, "cancelled")
                 return job.status
-        attempt = attempt.start(session, len(prompt_ids))
+        if keep_alive is not None and not keep_alive():
+            # Its lock lapsed while it got ready, and another coordinator took the job: that
+            # one runs it. Starting here too would only race it.
+            log.warning(
+                "job %s: lost its lock before it started; another coordinator runs it", job.id
+            )
+            return job.status
+        # The lock's holder starts the job over whichever attempt started it since it was read:
+        # one that lost the lock meanwhile stops at its next write, instead of this one.
+        session.refresh(job, ["attempts"])
+        attempt = Attempt.seen(job).start(session, len(prompt_ids))
         # What this attempt resumes from: the row as it was when no older attempt could write.
         session.refresh(job)
         if job.run is None:

@@ -355,6 +355,48 @@ def test_a_job_whose_coordinator_keeps_dying_ends_after_three_attempts(db_url):
     assert job.error == "gave up after 3 attempts: its coordinator stopped each time"
 
 
+def test_the_holder_of_a_lapsed_lock_runs_the_job_its_first_holder_started(db_url):
+    """Under load a queued job's lock lapsed and a second delivery took it, having read the job
+    before the first holder (its lock gone, not yet told) started it and ran a round: the second
+    holder's start, fenced by the attempt it had read, matched no row, and both left the job
+    running with nobody running it. The holder starts it over whichever attempt started it."""
+    job_id = add_job(db_url, temp=0.9, seed=7, max_new_tokens=30)
+    sessions = make_session_factory(db_url)
+    checks = iter([True, True, False])  # the first holder learns it lost the lock after 2 rounds
+
+    def first_holder_runs_meanwhile(job, ring, need):
+        assert run_job(sessions, job_id, local_ring, ToyCodec(), {EOS}, lambda: next(checks))
+        partial = load(db_url, job_id)
+        assert (partial.status, partial.attempts, partial.generated_tokens > 0) == (
+            "running",
+            1,
+            True,
+        )
+        return lambda: None  # its room
+
+    with sessions() as session:
+        status = job_run.run_job(
+            session,
+            job_id,
+            local_ring,
+            ToyCodec(),
+            {EOS},
+            lambda: True,
+            first_holder_runs_meanwhile,
+        )
+    job = load(db_url, job_id)
+    assert (status, job.status, job.attempts) == ("done", "done", 2)
+    assert job.output_ids == undisturbed(job)
+
+
+def test_a_holder_that_lost_the_lock_before_the_start_leaves_the_job_to_the_new_one(db_url):
+    job_id = add_job(db_url)
+    sessions = make_session_factory(db_url)
+    assert run_job(sessions, job_id, local_ring, ToyCodec(), {EOS}, lambda: False) == "queued"
+    job = load(db_url, job_id)
+    assert (job.status, job.attempts, job.generated_tokens) == ("queued", 0, 0)
+
+
 class NulCodec(ToyCodec):
     """Decodes some ids to NUL (as real tokenizers do for one of theirs), some to a backslash
     followed by 0, and some to a backslash: what an escape must tell apart."""
@@ -460,7 +502,50 @@ def test_a_delivery_runs_the_job_whose_turn_it_is(db_url, monkeypatch):
     )
     monkeypatch.setenv("DATABASE_URL", db_url)
     coordinator.generate.apply(args=[ids[1]])
-    assert ran == [ids[2]]
+    assert ran == [ids[2], ids[1]]  # bob's turn first, then alice's: none is left after
+
+
+def test_a_delivery_whose_job_another_took_over_runs_the_next_queued_job(
+    db_url, redis_url, swarm, monkeypatch
+):
+    """Four jobs submitted together once left one queued for good: a job's lock lapsed on a
+    loaded machine before its run started, a second delivery took that job and ran it, and the
+    first delivery ended with it, so the job whose delivery the second one was had none left.
+    A delivery goes on until it finds no queued job it can take."""
+    import threading
+
+    import redis as redis_client
+
+    first, second = add_job(db_url), add_job(db_url)
+    monkeypatch.setenv("DATABASE_URL", db_url)
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("SPECPIPE_SWARM", swarm)
+    ran: list[tuple[str, int]] = []
+
+    def run_on_swarm(session, job, settings, keeper):
+        ran.append((threading.current_thread().name, job.id))
+        if job.id == first and threading.current_thread().name == "first":
+            # The lock lapses; the second job's delivery finds the first job free and runs it.
+            client = redis_client.Redis.from_url(redis_url)
+            client.delete(job_lock.lock_key(swarm, first))
+            client.close()
+            other = threading.Thread(
+                target=coordinator.generate.apply, args=([second],), name="second"
+            )
+            other.start()
+            other.join(30)
+            return "running"  # superseded: the other attempt ended it
+        with make_session_factory(db_url)() as other:
+            other.get(Job, job.id).status = "done"
+            other.commit()
+        return "done"
+
+    monkeypatch.setattr(job_run, "run_on_swarm", run_on_swarm)
+    delivery = threading.Thread(target=coordinator.generate.apply, args=([first],), name="first")
+    delivery.start()
+    delivery.join(60)
+    assert [job_id for _, job_id in ran] == [first, first, second], ran
+    assert [load(db_url, i).status for i in (first, second)] == ["done", "done"]
 
 
 def test_a_store_outage_leaves_the_job_running_to_be_resumed_identically(db_url):
