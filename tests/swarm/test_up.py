@@ -18,6 +18,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from specpipe.cli import cli
+from specpipe.ops import redis_server
 from specpipe.ops.redis_server import free_port
 from specpipe.swarm import inventory, trust
 from tests.swarmprocs import ROOT, SPECPIPE, write_tiny_model
@@ -281,6 +282,8 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
         log.flush()
         output = (tmp_path / "up.log").read_text()
         assert password not in output and "Redis redis://specpipe:***@127.0.0.1:" in output
+        build = redis_server.describe(redis_server.find_binary())
+        assert f"specpipe up: runs {build} on loopback" in output  # which Redis, at the start
         assert data_password not in output
         assert "no permissions" not in output  # the ACL let every process do its work
     finally:
