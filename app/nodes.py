@@ -78,7 +78,7 @@ def live_inventory() -> tuple[int | None, inventory.RingLatency | None]:
         return None, None
     finally:
         client.close()
-    ring = inventory.measured_ring(found.nodes)
+    ring = inventory.measured_ring(found.nodes, found.now)
     if ring is None:
         return found.ignored, None
     stats = streams.read_stages_stats(

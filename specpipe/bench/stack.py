@@ -177,12 +177,13 @@ class Stack:
         """Online stage hosts and their layer ranges, as the inventory has them."""
         client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=2, socket_timeout=2)
         try:
-            nodes = inventory.load(client, self.swarm, trust.home_keyring(self.home))
+            found = inventory.read(client, self.swarm, trust.home_keyring(self.home))
         except redis.RedisError:
             return {}
         finally:
             client.close()
-        return {n.host: (n.layer_start, n.layer_end) for n in nodes if n.status() == "online"}
+        online = [n for n in found.nodes if n.status(found.now) == "online"]
+        return {n.host: (n.layer_start, n.layer_end) for n in online}
 
     def healthy(self) -> bool:
         """Whether the web app answers /healthz."""

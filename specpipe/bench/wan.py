@@ -54,10 +54,10 @@ def ring_latency_now(settings: Settings) -> inventory.RingLatency | None:
     """The latency the lab's stages measured, with their timings from their own Redis."""
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=5)
     try:
-        nodes = inventory.load(client, settings.swarm, trust.keyring(settings))
+        found = inventory.read(client, settings.swarm, trust.keyring(settings))
     finally:
         client.close()
-    ring = inventory.measured_ring(nodes)
+    ring = inventory.measured_ring(found.nodes, found.now)
     if ring is None:
         return None
     stats = streams.read_stages_stats(

@@ -353,7 +353,7 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
     try:
         client.ping()
         keys = trust.keyring(config) if config.accepted_swarm_keys else None
-        nodes = inventory.load(client, swarm, keys) if keys else []
+        found = inventory.read(client, swarm, keys) if keys else None
     except redis.RedisError as exc:
         raise click.ClickException(
             f"no swarm running: cannot reach Redis at {redact_url(url)} ({exc}); {hint}"
@@ -365,7 +365,7 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
             "no swarm running here: no swarm key; set SPECPIPE_SWARM_KEY, "
             "or start one with `specpipe up`"
         )
-    if not any(n.status() == "online" for n in nodes):
+    if found is None or not any(n.status(found.now) == "online" for n in found.nodes):
         raise click.ClickException(
             f"no swarm running: no stage is online in swarm {swarm!r} at {redact_url(url)}; {hint}"
         )

@@ -268,10 +268,10 @@ def join(
         raise click.ClickException(f"cannot read the inventory: {exc}") from None
     finally:
         client.close()
-    nodes = found.nodes
+    nodes, now = found.nodes, found.now
     check_admitted(host_name, keys, found.roster)
     # A name whose heartbeat lapsed (that host died) may be taken again.
-    taken = [n for n in nodes if n.host == host_name and not n.lapsed()]
+    taken = [n for n in nodes if n.host == host_name and not n.lapsed(now)]
     if taken:
         raise click.ClickException(
             f"a host named {host_name!r} already serves layers {taken[0].layers}: pass --host"
@@ -284,7 +284,7 @@ def join(
             dialer=Dialer.for_settings(config, registry_url),
         )
         load = {host: int(stats.get("processed", 0)) for host, stats in found.items() if stats}
-        start, end, why = inventory.choose_layers(nodes, n_layers, label, load)
+        start, end, why = inventory.choose_layers(nodes, n_layers, label, load, now)
     else:
         start, end = layers
         if end > n_layers:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict
 
 import click
@@ -28,7 +27,10 @@ import click
     "count of ignored records.",
 )
 def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
-    """List every stage host: role, layers, status by heartbeat, Redis, geo, GPU.
+    """List every stage host: role, layers, status by heartbeat, Redis, geo, GPU, clock.
+
+    Heartbeats are dated, and judged, on the registry's clock (swarm time); CLOCK is how far
+    each host's own clock is off it (`clock_offset_s` in JSON: the registry's less the host's).
 
     Records are signed with the swarm key (SPECPIPE_SWARM_KEY, else the one `specpipe up`
     keeps); unsigned, forged, malformed or future-dated ones are left out and counted. Passwords
@@ -85,8 +87,8 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     lossy = inventory.lossy_hosts(found.nodes)
     if lossy:
         click.echo(f"warning: {inventory.lossy_warning(lossy)}", err=True)
-    records = _records(found.nodes, swarm)
-    latency = _latency(found.nodes, {r["host"]: r["stats"] for r in records})
+    records = _records(found.nodes, swarm, found.now)
+    latency = _latency(found.nodes, {r["host"]: r["stats"] for r in records}, found.now)
     if as_json:
         ring = latency.as_dict() if latency else None
         click.echo(
@@ -96,7 +98,9 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
             )
         )
         return
-    lines = inventory.table(found.nodes) if found.nodes else [f"no nodes in swarm {swarm!r}"]
+    lines = (
+        inventory.table(found.nodes, found.now) if found.nodes else [f"no nodes in swarm {swarm!r}"]
+    )
     for line in lines:
         click.echo(line)
     if latency:
@@ -106,20 +110,21 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
         click.echo(inventory.ignored_note(found.ignored))
 
 
-def _latency(found: list, stats: dict):
-    """The latency of the ring routing builds now (None before its stages measured it)."""
+def _latency(found: list, stats: dict, now: float):
+    """The latency of the ring routing builds at `now` (swarm time; None before its stages
+    measured it)."""
     from specpipe.swarm import inventory
 
-    ring = inventory.measured_ring(found)
+    ring = inventory.measured_ring(found, now)
     return inventory.ring_latency(ring, stats) if ring else None
 
 
-def _records(found: list, swarm: str) -> list[dict]:
-    """The nodes in ring order as JSON-ready dicts, each with its status and stage stats."""
+def _records(found: list, swarm: str, now: float) -> list[dict]:
+    """The nodes in ring order as JSON-ready dicts, each with its status at `now` (swarm time)
+    and stage stats."""
     from specpipe.swarm import inventory, streams
     from specpipe.swarm.redact import redact_url
 
-    now = time.time()
     nodes = inventory.with_roles(found)
     stats = streams.read_stages_stats([(n.host, n.redis_url) for n in nodes], swarm)
     return [

@@ -366,9 +366,11 @@ CONNECTION_COMMANDS = (
     "client|id",
 )
 # What another host's stage does on the registry, and nothing more: its node record in the
-# inventory (publish, read, remove) and its replies to the coordinators' reply streams.
+# inventory (publish, read, remove), its replies to the coordinators' reply streams, and the
+# registry's clock, which every host's times are judged on (`swarm.clock`).
 REMOTE_COMMANDS = (
     *CONNECTION_COMMANDS,
+    "time",
     "hset",
     "hget",
     "hmget",

@@ -273,21 +273,22 @@ def drop_quietly(ring: Ring, session: str) -> None:
 
 def served_layers(settings: Settings) -> dict[str, tuple[int, int]]:
     """Each stage host's layer range as the swarm's inventory has it now."""
-    return {n.host: (n.layer_start, n.layer_end) for n in _inventory_now(settings)}
+    return {n.host: (n.layer_start, n.layer_end) for n in _inventory_now(settings).nodes}
 
 
 def lost_with_spare(settings: Settings, model: str, n_layers: int) -> Callable[[tuple], list[str]]:
     """For a CheckedRing: the hosts of a route that the inventory no longer vouches for
     (`inventory.lost_hops`), when the online stages still cover the model without them; none
-    while there is no spare (the job then waits for the stage to come back)."""
+    while there is no spare (the job then waits for the stage to come back). Judged in swarm
+    time, as the inventory is read."""
 
     def lost(route: tuple) -> list[str]:
-        nodes, now = _inventory_now(settings, timeout_s=2), time.time()
-        gone = inventory.lost_hops(route, nodes, now)
+        found = _inventory_now(settings, timeout_s=2)
+        gone = inventory.lost_hops(route, found.nodes, found.now)
         if not gone:
             return []
         try:
-            inventory.route(nodes, n_layers, model=model, now=now, avoid=gone)
+            inventory.route(found.nodes, n_layers, model=model, now=found.now, avoid=gone)
         except RouteError:
             return []
         return gone
@@ -295,11 +296,11 @@ def lost_with_spare(settings: Settings, model: str, n_layers: int) -> Callable[[
     return lost
 
 
-def _inventory_now(settings: Settings, timeout_s: float = 5) -> list[NodeInfo]:
+def _inventory_now(settings: Settings, timeout_s: float = 5) -> inventory.Inventory:
     client = redis.Redis.from_url(
         settings.redis_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
     )
     try:
-        return inventory.load(client, settings.swarm, trust.keyring(settings))
+        return inventory.read(client, settings.swarm, trust.keyring(settings))
     finally:
         client.close()

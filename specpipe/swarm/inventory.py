@@ -12,6 +12,11 @@ Several hosts may serve the same range (spares): the route takes the healthiest,
 heartbeat has not *lapsed* (missed `LAPSE_BEATS` of the beats it promised, `heartbeat_s`), the
 freshest among those; a coordinator whose route has a lapsed hop re-routes around it.
 
+Every heartbeat is dated, and every age judged, in swarm time: the registry Redis's clock as
+each process estimates it (`specpipe.swarm.clock`), never a host's own, so a stage whose clock
+is off by any amount is neither taken for dead nor kept alive past its death. A record stamped
+on the registry's clock also says how far its host's own is off it (`clock_offset_s`).
+
 Records are signed. With host identities (a keyring that pins the coordinator's key,
 `specpipe.swarm.identity`) each value is `ed25519:<signature hex> <record JSON>`, signed by the
 host's own key over the swarm's name and the record's exact bytes, and a reader believes it only
@@ -20,8 +25,8 @@ host can write another's record, and a revoked host's record is ignored from the
 Without them each value is `<HMAC-SHA256 hex> <record JSON>`, the tag computed with the swarm
 key. `read` checks the signature (the tag in constant time) before it parses anything, and
 ignores, and counts, every record that is unsigned, forged, of a host not admitted, filed under
-another host's name, malformed, or dated more than `MAX_SKEW_S` in the future (such a record
-would win every route as the freshest replica). Routing never raises on a bad record.
+another host's name, malformed, or dated more than `MAX_AHEAD_S` ahead of swarm time (such a
+record would win every route as the freshest replica). Routing never raises on a bad record.
 Public IP and geo label come from configuration; nothing here asks the internet.
 A node whose worker runs with the test-only `SPECPIPE_TEST_LOSSY_TAIL=1` says so in its record
 (`test_lossy_tail`), so a leaked variable shows wherever the inventory does.
@@ -44,12 +49,15 @@ import redis
 from specpipe import __version__
 from specpipe.settings import TEST_LOSSY_TAIL_VAR
 from specpipe.swarm import identity
+from specpipe.swarm.clock import SwarmClock
 from specpipe.swarm.redact import has_credentials, redact_url
 from specpipe.swarm.wire import Keyring
 
 ONLINE_S = 30.0
 STALE_S = 120.0
-MAX_SKEW_S = 30.0  # a heartbeat further ahead of this host's clock is not believed
+# A heartbeat dated further ahead of swarm time is not believed: more than the error of the
+# writer's estimate of the registry's clock and the reader's together.
+MAX_AHEAD_S = 2.0
 # A node that missed this many of its beats (and at least LAPSE_MIN_S) is taken for dead by a
 # coordinator with a spare at hand; its stage heartbeats from a thread of its own, so a long
 # forward does not hold a beat up.
@@ -113,6 +121,9 @@ class NodeInfo:
     kv_budget_tokens: int = (
         0  # tokens of KV cache across sessions (specpipe/swarm/kvbudget.py); 0: none
     )
+    # The registry's clock less the host's own, as the host measured it (`SwarmClock.offset_s`):
+    # its heartbeat is dated on the registry's clock whatever this is.
+    clock_offset_s: float = 0.0
 
     @property
     def layers(self) -> str:
@@ -120,7 +131,7 @@ class NodeInfo:
         return f"{self.layer_start}:{self.layer_end}"
 
     def status(self, now: float | None = None) -> str:
-        """online / stale / offline by the age of the last heartbeat."""
+        """online / stale / offline by the age of the last heartbeat at `now` (swarm time)."""
         return heartbeat_status((time.time() if now is None else now) - self.last_heartbeat)
 
     def lapse_s(self) -> float:
@@ -128,7 +139,8 @@ class NodeInfo:
         return max(LAPSE_BEATS * self.heartbeat_s, LAPSE_MIN_S)
 
     def lapsed(self, now: float | None = None) -> bool:
-        """Whether the node has missed LAPSE_BEATS of its promised heartbeats."""
+        """Whether the node has missed LAPSE_BEATS of its promised heartbeats at `now` (swarm
+        time)."""
         return (time.time() if now is None else now) - self.last_heartbeat > self.lapse_s()
 
     def to_json(self) -> str:
@@ -281,7 +293,8 @@ def verify_record(
 ) -> NodeInfo:
     """The node a stored value describes; ValueError when it is unsigned (by none of `keys`;
     with `roster`, by anything but the key the roster admits `host` under), forged, filed under
-    another host, malformed, carries credentials, or dated more than MAX_SKEW_S after `now`."""
+    another host, malformed, carries credentials, or dated more than MAX_AHEAD_S after `now`
+    (swarm time)."""
     raw = value if isinstance(value, bytes) else value.encode()
     tag, _, record = raw.partition(b" ")
     if roster is not None:
@@ -304,7 +317,7 @@ def verify_record(
         raise ValueError("node record carries credentials")
     if node.host != host:
         raise ValueError("node record filed under another host")
-    if node.last_heartbeat > now + MAX_SKEW_S:
+    if node.last_heartbeat > now + MAX_AHEAD_S:
         raise ValueError("node record dated in the future")
     return node
 
@@ -316,11 +329,12 @@ def publish(
     key: bytes | str | Keyring,
     now: float | None = None,
 ) -> NodeInfo:
-    """Record (or refresh) a node, signed (`sign_record`), with the current time as its
-    heartbeat. ValueError for a record whose address carries credentials."""
+    """Record (or refresh) a node, signed (`sign_record`), with `now` as its heartbeat: swarm
+    time (None: the registry's clock, sampled now). ValueError for a record whose address
+    carries credentials."""
     if has_credentials(node.redis_url):
         raise ValueError(f"{node.host}'s record would carry its Redis credentials")
-    node = replace(node, last_heartbeat=time.time() if now is None else now)
+    node = replace(node, last_heartbeat=SwarmClock(client).now() if now is None else now)
     client.hset(nodes_key(swarm), node.host, sign_record(node.to_json(), swarm, key))
     return node
 
@@ -332,32 +346,36 @@ def remove(client: redis.Redis, swarm: str, host: str) -> None:
 
 @dataclass(frozen=True)
 class Inventory:
-    """The nodes whose records verified, in ring order, and how many records were ignored."""
+    """The nodes whose records verified, in ring order, how many records were ignored, and
+    the swarm time they were judged at (what their status and lapses are judged at too)."""
 
     nodes: list[NodeInfo]
     ignored: int  # unsigned, forged, not admitted, malformed or future-dated records
     roster: identity.Roster | None = None  # the admitted hosts, with host identities
+    now: float = 0.0
 
 
 def read(client: redis.Redis, swarm: str, keys: Keys | None, now: float | None = None) -> Inventory:
     """Every verified node, in ring order (by first layer), and the count of ignored records.
     `keys`: the swarm key, every key a rotation still accepts, or a keyring; one that pins the
-    coordinator's key reads the roster too and believes only what admitted hosts signed."""
+    coordinator's key reads the roster too and believes only what admitted hosts signed. `now`
+    is swarm time; None: the registry's clock, sampled once the records are read."""
     accepted = _keys(keys)
     coordinator = keys.coordinator if isinstance(keys, Keyring) else None
-    now = time.time() if now is None else now
     roster = None
     if coordinator is not None:
         roster, _ = identity.read_roster(client, swarm, coordinator)
+    records = client.hgetall(nodes_key(swarm))
+    now = SwarmClock(client).now() if now is None else now
     nodes, ignored = [], 0
-    for host, value in client.hgetall(nodes_key(swarm)).items():
+    for host, value in records.items():
         try:
             name = host.decode(errors="replace")
             nodes.append(verify_record(name, value, swarm, accepted, now, roster))
         except (ValueError, TypeError):
             ignored += 1
     ordered = sorted(nodes, key=lambda n: (n.layer_start, n.layer_end, n.host))
-    return Inventory(ordered, ignored, roster)
+    return Inventory(ordered, ignored, roster, now)
 
 
 def load(
@@ -454,9 +472,16 @@ def _link(node: NodeInfo) -> str:
     return f"rtt {node.next_hop_rtt_ms:.2f} ms{delay}"
 
 
+def _clock(node: NodeInfo) -> str:
+    """How far the host's own clock is off the registry's, as the host measured it."""
+    off = -node.clock_offset_s
+    return f"{off:+.1f} s" if abs(off) >= 0.05 else "in step"
+
+
 def table(nodes: list[NodeInfo], now: float | None = None) -> list[str]:
-    """The inventory as aligned text lines, in ring order (what `specpipe nodes` prints). When
-    a node runs the test-only lossy tail a last column, WARNING, marks it."""
+    """The inventory as aligned text lines, in ring order (what `specpipe nodes` prints), with
+    ages at `now` (swarm time). CLOCK is the host's own clock less the registry's. When a node
+    runs the test-only lossy tail a last column, WARNING, marks it."""
     now = time.time() if now is None else now
     ordered = with_roles(nodes)
     warn = bool(lossy_hosts(ordered))
@@ -473,6 +498,7 @@ def table(nodes: list[NodeInfo], now: float | None = None) -> list[str]:
         "MEM",
         "NEXT HOP",
         "LINK",
+        "CLOCK",
     )
     rows = [(*header, "WARNING") if warn else header]
     for n in ordered:
@@ -491,6 +517,7 @@ def table(nodes: list[NodeInfo], now: float | None = None) -> list[str]:
                 f"{n.memory_bytes / 2**30:.1f} GiB",
                 n.next_hop or "-",
                 _link(n),
+                _clock(n),
                 *(["TEST LOSSY TAIL" if n.test_lossy_tail else "-"] if warn else []),
             )
         )

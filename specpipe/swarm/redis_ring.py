@@ -10,8 +10,10 @@ sequence number (a reply to any of its ids will do) a bounded number of times be
 with a `RingError`. Every message the ring sends carries a sequence number larger than the last,
 which is how stages tell a replay from a fresh message; a reply counts only if it is addressed
 to this session's reply stream, comes from a stage of the route and answers one of the round's
-ids: anything else is dropped and counted. A `gap` reply re-sends the session's reset to every
-stage and raises `GapError`, so the caller's replay from position 0 finds the tail with its
+ids: anything else is dropped and counted. A sequence number is swarm time (`swarm.clock`: the
+clock of the reply Redis, which is the registry the stages reply to), so a stage judges how old
+a round is whatever either host's own clock says. A `gap` reply re-sends the session's reset to
+every stage and raises `GapError`, so the caller's replay from position 0 finds the tail with its
 sampling parameters again. A result is a `RoundResult`, with the tail's log-probabilities when
 the session's parameters asked for them. A `misrouted` reply (a hop serves other layers or
 another model than the route has it for: the route was built from a stale inventory record)
@@ -37,6 +39,7 @@ from specpipe.core.ring import Branches, GapError, RoundResult
 from specpipe.core.sampling import SamplingParams, TokenLogprob
 from specpipe.settings import DEFAULT_HEARTBEAT_S, Settings
 from specpipe.swarm import identity, inventory, streams, trust, wire
+from specpipe.swarm.clock import SwarmClock
 from specpipe.swarm.dialing import Dialer
 from specpipe.swarm.inventory import NodeInfo
 from specpipe.swarm.redact import redact_text, redact_url
@@ -96,6 +99,7 @@ class RedisRing:
         watch_after_s: float = WATCH_AFTER_S,
         dialer: Dialer | None = None,
         registry_url: str | None = None,
+        clock: SwarmClock | None = None,
     ) -> None:
         if not route:
             raise ValueError("a ring needs at least one stage")
@@ -119,6 +123,8 @@ class RedisRing:
         self._params: dict[str, SamplingParams] = {}
         self._cursor: dict[str, bytes | str] = {}  # last reply entry id read, per session
         self._seq = 0  # the last sequence number sent, for any session
+        # Swarm time, for sequence numbers: the reply Redis's clock (shared with twins).
+        self.clock = clock or SwarmClock(self.connections.get(reply_url))
         self.dropped_replies = 0  # replies refused: stale, replayed, redirected or forged
         # Asked while a round is late: a reason when a hop of the route is gone for good.
         self.watchdog = watchdog
@@ -159,7 +165,7 @@ class RedisRing:
         except ValueError as exc:  # a pinned key or the coordinator's own that cannot be read
             raise RingError(str(exc)) from None
         found = _inventory_through_outage(keys, settings.swarm, registry, outage_s)
-        route = inventory.route(found.nodes, n_layers, model=model, avoid=avoid)
+        route = inventory.route(found.nodes, n_layers, model=model, now=found.now, avoid=avoid)
         keys = keys.with_roster(found.roster)
         reply = reply_url or registry
         dialer = Dialer.for_settings(settings, registry, reply)
@@ -338,6 +344,7 @@ class RedisRing:
             watch_after_s=self.watch_after_s,
             dialer=self.connections.dialer,
             registry_url=self.registry_url,
+            clock=self.clock,
         )
 
     @contextmanager
@@ -417,7 +424,7 @@ class RedisRing:
             raise HopLostError(reason)
 
     def _next_seq(self) -> int:
-        self._seq = wire.next_seq(self._seq)
+        self._seq = wire.next_seq(self._seq, self.clock.now())
         return self._seq
 
     def _wait(

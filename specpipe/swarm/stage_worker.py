@@ -42,6 +42,7 @@ from specpipe.core.ring import BatchedStage, Stage
 from specpipe.model import heap
 from specpipe.settings import DEFAULT_HEARTBEAT_S, TEST_LOSSY_TAIL_VAR
 from specpipe.swarm import inventory, streams, wire
+from specpipe.swarm.clock import SwarmClock
 from specpipe.swarm.dialing import Dialer
 from specpipe.swarm.redact import without_credentials
 from specpipe.swarm.stage import budget
@@ -67,6 +68,9 @@ log = logging.getLogger("specpipe.stage")
 # otherwise (a stage of the default model serving three users' jobs held about 35 MiB more), and
 # a trim after much was freed holds the serving loop for tens of milliseconds.
 HEAP_TRIM_S = 10.0
+# The registry's clock is read on a client of its own that gives up this soon: a registry slow
+# to answer holds a sample (on whichever thread takes it) that long at most.
+CLOCK_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -134,14 +138,30 @@ class StageWorker:
         self.stage_keys = StageKeys(config.keys, host, config.reload_keys)
         self.stats = StageStats(self.client, swarm, host)
         self.activity = Activity()
+        # Swarm time, what heartbeats are dated and messages judged in.
+        self.clock = SwarmClock(
+            redis.Redis.from_url(
+                dialer.url(config.registry),
+                socket_timeout=CLOCK_TIMEOUT_S,
+                socket_connect_timeout=CLOCK_TIMEOUT_S,
+            )
+        )
         self.admission = Admission(
-            swarm, host, self.stage_keys, config.max_message_bytes, self.stats, self.activity
+            swarm,
+            host,
+            self.stage_keys,
+            config.max_message_bytes,
+            self.stats,
+            self.activity,
+            self.clock,
         )
         self.batcher = Batcher(self.consumer, self._admit, isinstance(stage, BatchedStage))
         self.samplers = TailSamplers(stage, config.tail_sampling, self.stats, head)
         replies = Replies(swarm, host, self.stage_keys, config.registry)
         self.outbox = Outbox(self._link(replies))
-        self.directory = Directory(self.connections.get(config.registry), swarm, self.stage_keys)
+        self.directory = Directory(
+            self.connections.get(config.registry), swarm, self.stage_keys, self.clock
+        )
         self.directory.refresh()  # the roster, before the first message is read
         self.admission.refresh_roster = self.directory.refresh
         self.onward = Onward(
@@ -179,6 +199,7 @@ class StageWorker:
             lambda: self.onward.next_hop,
             dialer,
             self.directory,
+            self.clock,
         )
         self._next_housekeeping = 0.0
         self.heap = heap.Trimmer(HEAP_TRIM_S)
@@ -386,3 +407,4 @@ def run(
             except redis.RedisError:
                 pass
         worker.connections.close()
+        worker.clock.client.close()

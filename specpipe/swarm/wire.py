@@ -38,7 +38,8 @@ the payload is the tensor's bytes, nothing else. `decode` checks the size limits
 the message (which checks its tag) before it parses anything of the header; then the dtype
 whitelist and the shape-versus-byte-count before it reads the payload. A receiver passes
 its own stream, so a message copied into another stream is refused; freshness (the sequence
-number's date against the wait the message carries, `is_fresh`) is the receiver's to check.
+number's date against the wait the message carries, both in swarm time, `is_fresh`) is the
+receiver's to check.
 No pickle, no code from the wire.
 """
 
@@ -103,11 +104,12 @@ STAGE_KINDS = frozenset({"round", "reset", "reseed", "drop"})
 REPLY_KINDS = frozenset({"result", "gap", "error", "misrouted", "unreachable"})
 KINDS = STAGE_KINDS | REPLY_KINDS
 COORDINATOR = identity.COORDINATOR  # the sender of what a coordinator sends; a stage: its host
-# A sequence number is the sender's clock in microseconds (bumped to stay strictly increasing),
-# so it also dates the message. Each message carries how long its sender waits for it
-# (`wait_ms`: a round's share of work, its tries); a receiver refuses one read later than that
-# after its date, give or take the hosts' clock difference, or dated further ahead than that.
-CLOCK_SLACK_S = 120.0
+# A sequence number is swarm time in microseconds (`specpipe.swarm.clock`: the registry's clock
+# as the sender estimates it; bumped to stay strictly increasing), so it also dates the message.
+# Each message carries how long its sender waits for it (`wait_ms`: a round's share of work, its
+# tries); a receiver refuses one read later than that after its date, or dated in the future,
+# give or take CLOCK_SLACK_S for the error of the two ends' estimates and the link's jitter.
+CLOCK_SLACK_S = 5.0
 MAX_WAIT_MS = 6 * 3600 * 1000
 
 DTYPES: dict[str, torch.dtype] = {
@@ -220,16 +222,17 @@ class Message:
 
 
 def next_seq(last: int, now: float | None = None) -> int:
-    """A sequence number after `last`: the clock in microseconds, or `last + 1` if that is not
-    larger (two messages in one microsecond, or a clock stepped back)."""
+    """A sequence number after `last`: `now` (swarm time; None: this host's clock) in
+    microseconds, or `last + 1` if that is not larger (two messages in one microsecond, or a
+    clock stepped back)."""
     clock = int((time.time() if now is None else now) * 1_000_000)
     return max(last + 1, clock)
 
 
 def is_fresh(message: Message, now: float | None = None) -> bool:
     """Whether `message` is read while its sender still waits for it: no later than its
-    `wait_ms` after the date its sequence number carries, and not dated in the future, each
-    give or take `CLOCK_SLACK_S` for the difference between the two hosts' clocks."""
+    `wait_ms` after the date its sequence number carries, and not dated in the future, at `now`
+    (swarm time; None: this host's clock), each give or take `CLOCK_SLACK_S`."""
     age_s = (time.time() if now is None else now) - message.seq / 1_000_000
     return -CLOCK_SLACK_S <= age_s <= message.wait_ms / 1000 + CLOCK_SLACK_S
 

@@ -180,3 +180,20 @@ def test_nodes_show_each_hops_measured_link_once_the_ring_has_carried_rounds(
     assert latency["ceiling_tok_s"] == pytest.approx(1000 / latency["ring_ms"], rel=1e-3)
     text = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm]).output
     assert "h0 -> h1: forward" in text and "latency ceiling" in text
+
+
+def test_nodes_shows_how_far_each_hosts_clock_is_off_the_registrys(swarm, redis_url, key):
+    client = redis.Redis.from_url(redis_url)
+    # A host whose clock runs 20 s fast measured the registry's 20 s behind its own.
+    inventory.publish(client, swarm, NodeInfo("wa", 0, 2, redis_url, clock_offset_s=-20.0), key)
+    inventory.publish(client, swarm, NodeInfo("nj", 2, 4, redis_url), key)
+    client.close()
+    result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm])
+    assert result.exit_code == 0, result.output
+    header, wa, nj = result.output.splitlines()[:3]
+    assert header.split()[-1] == "CLOCK"
+    assert wa.split()[:4] == ["wa", "stage0", "0:2", "online"] and wa.endswith("+20.0 s")
+    assert nj.endswith("in step")
+    result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, "--json"])
+    offsets = {n["host"]: n["clock_offset_s"] for n in json.loads(result.output)["nodes"]}
+    assert offsets == {"wa": -20.0, "nj": 0.0}

@@ -4,9 +4,10 @@ A message is accepted when it is sealed with a key of the swarm's keyring (and, 
 identities, signed by its sender's own key), addressed to this stage's stream, from the sender
 its place on the route names (the coordinator for the first hop
 and the controls, else the previous hop), with a fresh sequence number larger than any this
-stage has seen for the session. Anything else (malformed, oversized, unsigned, redirected,
-replayed or stale) is dropped and counted, and the session goes on as if it never came; a
-re-sent round carries a new number, so a coordinator may re-send safely.
+stage has seen for the session (its date judged in swarm time, the stage's estimate of the
+registry's clock, `specpipe.swarm.clock`). Anything else (malformed, oversized, unsigned,
+redirected, replayed or stale) is dropped and counted, and the session goes on as if it never
+came; a re-sent round carries a new number, so a coordinator may re-send safely.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from specpipe.swarm import streams, wire
+from specpipe.swarm.clock import SwarmClock
 from specpipe.swarm.stage.activity import Activity, remember
 from specpipe.swarm.stage.counters import StageStats
 from specpipe.swarm.stage.keys import StageKeys
@@ -36,6 +38,7 @@ class Admission:
         max_message_bytes: int,
         stats: StageStats,
         activity: Activity,
+        clock: SwarmClock,
     ) -> None:
         self.swarm, self.host = swarm, host
         self.stream = streams.stage_key(swarm, host)
@@ -43,6 +46,7 @@ class Admission:
         self.max_message_bytes = max_message_bytes
         self.stats = stats
         self.activity = activity
+        self.clock = clock
         self.last_seq: OrderedDict[str, int] = OrderedDict()  # kept after a session ends
         # Reads the inventory and its roster again (the stage's directory), when set.
         self.refresh_roster: Callable[[], None] | None = None
@@ -97,7 +101,7 @@ class Admission:
             self.stats.drop(f"a {message.kind!r} from {message.sender!r}, expected {expected!r}")
             return False
         last = self.last_seq.get(message.session, 0)
-        if message.seq <= last or not wire.is_fresh(message):
+        if message.seq <= last or not wire.is_fresh(message, self.clock.now()):
             self.stats.count("replayed")
             log.warning(
                 "%s: dropped a replayed or stale %r of session %s",

@@ -15,6 +15,7 @@ import logging
 import redis
 
 from specpipe.swarm import inventory
+from specpipe.swarm.clock import SwarmClock
 from specpipe.swarm.stage.keys import StageKeys
 
 log = logging.getLogger("specpipe.stage")
@@ -23,14 +24,18 @@ log = logging.getLogger("specpipe.stage")
 class Directory:
     """Host name to Redis address, from the inventory on the stage's registry."""
 
-    def __init__(self, registry: redis.Redis, swarm: str, keys: StageKeys) -> None:
-        self.registry, self.swarm, self.keys = registry, swarm, keys
+    def __init__(
+        self, registry: redis.Redis, swarm: str, keys: StageKeys, clock: SwarmClock
+    ) -> None:
+        self.registry, self.swarm, self.keys, self.clock = registry, swarm, keys, clock
         self._addresses: dict[str, str] = {}
 
     def refresh(self, registry: redis.Redis | None = None) -> None:
         """Read the inventory again (on `registry`, another thread's client, when given)."""
         try:
-            found = inventory.read(registry or self.registry, self.swarm, self.keys.ring)
+            found = inventory.read(
+                registry or self.registry, self.swarm, self.keys.ring, now=self.clock.now()
+            )
         except redis.RedisError as exc:
             log.warning("cannot read the inventory: %s", exc)
             return

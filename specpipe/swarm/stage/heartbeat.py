@@ -7,7 +7,8 @@ that stops coming for a dead stage, so a long forward must not hold a beat up. N
 round trip to the next hop: a host cut off mid-round answers no PING until the socket times out,
 seconds in which this stage's own record would lapse and take the stage out of its routes. So
 the next hop is timed on a second thread, and each beat publishes the latest timing it has.
-The record is published from here only."""
+The record is published from here only, dated in swarm time (the stage's `SwarmClock`: the
+registry's clock, whatever this host's says) and carrying how far this host's clock is off it."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from dataclasses import replace
 import redis
 
 from specpipe.swarm import inventory, streams
+from specpipe.swarm.clock import SwarmClock
 from specpipe.swarm.dialing import Dialer
 from specpipe.swarm.stage.counters import StageStats
 from specpipe.swarm.stage.directory import Directory
@@ -44,6 +46,7 @@ class Heartbeat:
         next_hop: Callable[[], tuple[str, str] | None],
         dialer: Dialer,
         directory: Directory,
+        clock: SwarmClock,
     ) -> None:
         self.node = node
         self.host = host
@@ -55,6 +58,7 @@ class Heartbeat:
         self.next_hop = next_hop  # (host, Redis address) the stage's rounds went on to last
         self.dialer = dialer
         self.directory = directory
+        self.clock = clock
 
     @contextlib.contextmanager
     def beating(self) -> Iterator[None]:
@@ -123,8 +127,9 @@ class Heartbeat:
 
     def publish(self, registry: redis.Redis) -> None:
         """Publish this node's signed record now."""
+        node = replace(self.node, clock_offset_s=round(self.clock.offset_s, 3))
         try:
-            inventory.publish(registry, self.swarm, self.node, self.keys.ring)
+            inventory.publish(registry, self.swarm, node, self.keys.ring, now=self.clock.now())
         except redis.RedisError as exc:
             log.warning("%s: heartbeat failed: %s", self.host, exc)
 
