@@ -48,6 +48,10 @@ from specpipe.swarm.redact import redact_text, redact_url
 # whole generation after a gap, takes the stages longer than one decode step.
 PER_TOKEN_S = 0.05
 RECONNECT_S = 1.0  # pause before sending a round again after a connection error
+# What a Redis on the way gets over by itself: restarting, unreachable for a while, or full (it
+# refuses writes until trimmed streams and ended sessions free its memory). A round or a control
+# waits these out, as long as it would wait for a reply; any other refusal fails it at once.
+PASSING = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError)
 ROUND_TIMEOUT_S = 30.0  # a round's wait for its reply (and for a restarting Redis), before its work
 WATCH_AFTER_S = 0.5  # a round this late asks its watchdog whether a hop is gone…
 WATCH_EVERY_S = 0.25  # …and again this often while it waits
@@ -270,7 +274,7 @@ class RedisRing:
                 else:
                     self.connections.link(first.redis_url).call(*send, resend=True)
                     reply = self._wait(session, round_ids, wait_s)
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except PASSING as exc:
                 problem = f"Redis unavailable: {exc}"
                 self._watch()
                 time.sleep(RECONNECT_S)
@@ -387,17 +391,19 @@ class RedisRing:
                 where = f"{hop.host}'s Redis at {redact_url(hop.redis_url)}"
                 if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
                     raise redis.ConnectionError(f"cannot reach {where}: {exc}") from None
+                if isinstance(exc, redis.exceptions.OutOfMemoryError):
+                    raise redis.exceptions.OutOfMemoryError(f"{where} is full: {exc}") from None
                 raise RingError(f"{where} refused: {exc}") from None
 
     def _until_reachable(self, step, *args) -> None:
         """`step(*args)`, again after a pause while a Redis on the way is unreachable
-        (restarting), for as long as a round would wait; then a RingError. Other Redis errors
-        at once."""
+        (restarting) or full, for as long as a round would wait; then a RingError. Other Redis
+        errors at once."""
         give_up_at = time.monotonic() + self.round_wait_s(0)
         while True:
             try:
                 return step(*args)
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except PASSING as exc:
                 if time.monotonic() >= give_up_at:
                     raise RingError(redact_text(str(exc))) from None
                 time.sleep(RECONNECT_S)

@@ -435,6 +435,37 @@ def test_a_round_nobody_answers_is_resent_then_fails(swarm, key, redis_url):
     ring.close()
 
 
+def test_a_full_redis_on_the_way_is_waited_out_like_a_restarting_one(swarm, key):
+    """A job that started while a stage host's Redis refused writes (full) failed at once with
+    the refusal; it waits, as for a Redis that restarts, until the memory is freed."""
+    from specpipe.ops.redis_server import RedisServer
+
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        used = int(client.info("memory")["used_memory"])
+        client.config_set("maxmemory", used + 2**20)
+        junk = 0
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            while junk < 64:
+                client.set(f"junk:{junk}", b"x" * 2**16)
+                junk += 1
+        freed = threading.Timer(1.0, lambda: client.delete(*(f"junk:{i}" for i in range(junk))))
+        ring = RedisRing(
+            [wire.Hop("h", server.url, 0, 4, "toy")], swarm, key, server.url, timeout_s=3.0
+        )
+        started = time.monotonic()
+        freed.start()
+        try:
+            ring.reset("s", PARAMS)  # before, RingError: "h's Redis ... refused: OOM ..."
+        finally:
+            freed.join()
+        assert time.monotonic() - started >= 0.9  # it waited for the room
+        entries = client.xrange(streams.stage_key(swarm, "h"))
+        assert [wire.decode(f[streams.FIELD], swarm, key).kind for _, f in entries] == ["reset"]
+        ring.close()
+        client.close()
+
+
 def test_a_ring_needs_every_layer_served(stages, ring_settings, redis_url):
     stages.start("a", "0:2", redis_url)
     with pytest.raises(RouteError, match="no online stage serves layers 2:4"):
