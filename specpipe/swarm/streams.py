@@ -119,13 +119,14 @@ class Link:
         Raises what redis-py raises: ConnectionError, TimeoutError, or ResponseError for an
         error reply. After any of them the connection is dropped (a reply may be left unread)
         and the next call opens a new one. With `resend`, for commands that may safely run
-        twice, a connection kept from before (its Redis may have restarted since) that fails
-        is replaced at once and the commands sent again."""
+        twice, a connection kept from before that fails or times out (its Redis restarted since,
+        or a long cut left its socket dead with a full send buffer) is replaced at once and the
+        commands sent again."""
         packed = b"".join(pack_command(command) for command in commands)
         if resend and self._connection is not None:
             try:
                 return self._send(packed, len(commands))
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.TimeoutError):
                 pass  # the old connection is dropped: go on with a new one
         return self._send(packed, len(commands))
 

@@ -116,6 +116,35 @@ def test_a_link_reconnects_after_its_connection_is_killed(swarm, redis_url):
     client.close()
 
 
+def test_a_send_whose_kept_connection_times_out_goes_out_on_a_new_one(
+    swarm, redis_url, monkeypatch
+):
+    """A host back from a link cut longer than its socket's patience writes into a dead socket
+    with a full buffer: the write times out. A send goes out again on a new connection at once,
+    instead of failing the round and blaming the next hop for being unreachable."""
+    client = redis.Redis.from_url(redis_url)
+    key = streams.stage_key(swarm, "h")
+    link = streams.Link(client)
+    streams.send(link, key, b"before")
+    dead = link._connection._sock
+
+    class FullBuffer:
+        """The kept socket as a long cut leaves it: every write waits out its timeout."""
+
+        def sendall(self, data):
+            raise TimeoutError("timed out")
+
+        def __getattr__(self, name):
+            return getattr(dead, name)
+
+    monkeypatch.setattr(link._connection, "_sock", FullBuffer())
+    streams.send(link, key, b"after")
+    assert [fields[streams.FIELD] for _, fields in client.xrange(key)] == [b"before", b"after"]
+    assert link._connection._sock is not dead
+    link.close()
+    client.close()
+
+
 def test_an_error_reply_leaves_a_link_usable(swarm, redis_url):
     client = redis.Redis.from_url(redis_url)
     key = streams.stage_key(swarm, "h")
