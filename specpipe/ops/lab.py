@@ -448,7 +448,8 @@ class Lab:
         self, host: Host, name: str, argv: Sequence[str], env: dict[str, str] | None = None
     ) -> int:
         """Run `argv` in `host`'s namespace with the lab's environment (and `env`); its output
-        goes to logs/<host>-<name>.log. Returns its pid."""
+        goes to logs/<host>-<name>.log. Returns its pid. The argv is recorded too (`argv`):
+        a process may rewrite its own command line (Redis does), and a restart needs it."""
         log_path = self.home / "logs" / f"{host.name}-{name}.log"
         with open(log_path, "a") as log:
             process = subprocess.Popen(
@@ -460,6 +461,7 @@ class Lab:
                 start_new_session=True,
             )
         self.state["processes"][f"{host.name}-{name}"] = process.pid
+        self.state.setdefault("argv", {})[f"{host.name}-{name}"] = list(argv)
         self._save()
         return process.pid
 
