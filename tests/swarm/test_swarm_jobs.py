@@ -208,9 +208,12 @@ def in_background(*args: str) -> tuple[threading.Thread, dict]:
 def test_jobs_submitted_together_run_at_once_each_as_it_would_alone(tiny, env, swarm):
     """The coordinator runs several sessions through the ring at once; a job's tokens are the
     ones it gets alone, whatever runs beside it."""
-    # Long enough that a busy machine cannot finish one before the coordinator starts the last.
-    requests = [dict(temp=0.8, seed=20 + i, max_new_tokens=200) for i in range(4)]
+    # Long enough that a busy machine cannot finish one before the coordinator starts the last:
+    # seeds whose jobs run to their budget (seed 20's met its EOS after 23 tokens, and on a
+    # loaded machine ended before the fourth job started).
+    requests = [dict(temp=0.8, seed=seed, max_new_tokens=200) for seed in (24, 25, 26, 28)]
     alone = [local(tiny, **kw, draft_k=0)["tokens"] for kw in requests]
+    assert [len(tokens) for tokens in alone] == [200] * 4
     submitter = Submitter.connect(swarm.redis_url, str(tiny), job_limits())
     with make_session_factory(env)() as session:
         ids = [
