@@ -90,10 +90,10 @@ def run_job(
 
     `keep_alive` is called before the job starts and every round (it says whether this
     coordinator still holds the job's lock); when it returns False another coordinator owns the
-    job, and this one stops without touching it further. Every
-    write is fenced (`workers.attempt`): an attempt that a newer one superseded (its lock lost
-    in a registry outage) stops at its next write without making it, and returns the job's
-    status as it is then. `admit` (see `workers.room.Admit`) waits, the job still queued, until
+    job, and this one stops without touching it further. Every write is fenced
+    (`workers.attempt`): an attempt that a newer one superseded (its lock lost in a registry
+    outage) stops at its next write without making it, and returns the job's status as it is
+    then. `admit` (see `workers.room.Admit`) waits, the job still queued, until
     its stages have room for its cache; the room goes back when the job ends, however it ends."""
     eos = set(eos_ids)
     job, outcome = pending(session, job_id)
