@@ -30,6 +30,8 @@ timezone = "UTC"
 worker_prefetch_multiplier = 1
 task_acks_late = True
 task_reject_on_worker_lost = True
+# Celery's consumer, but one that survives its broker Redis dying while jobs run.
+worker_consumer = "workers.consumer:Consumer"
 
 task_default_queue = COORDINATOR_QUEUE
 task_routes = {

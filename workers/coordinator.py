@@ -13,6 +13,8 @@ queued jobs the broker lost (`workers/broker.py`).
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 
 import redis
 from celery import shared_task
@@ -34,6 +36,8 @@ from workers.turns import fair_order
 log = logging.getLogger("specpipe.coordinator")
 
 REDIS_OUTAGE_S = 30.0  # how long a delivery waits for a restarting Redis before leaving its job
+STARTS_PER_DELIVERY = 3  # how often a delivery takes one job it could not start…
+RESTART_PAUSE_S = 1.0  # …and how long it waits before taking it again
 
 
 @worker_ready.connect
@@ -59,17 +63,23 @@ def generate(self, job_id: int) -> str | None:
     (a lock that lapsed under load, a duplicate, a job that ended as it was chosen) goes on to
     the next job instead of ending with that job's turn unused. The delivery of a running job
     (beat resuming it) runs that job first, or, when another coordinator holds it, takes turns
-    like the others."""
+    like the others.
+
+    A job the delivery took and could not start (the store refused the start's write: locked
+    by a busy writer, or away) is still queued with nobody to run it; the delivery tries it
+    again after a pause, up to `STARTS_PER_DELIVERY` times, rather than leave it for beat."""
     session: Session = self.session
     job, outcome = pending(session, job_id)
     own = [job_id] if job is not None and job.status == "running" else []
     outcome = outcome if job is None else job.status
     settings = Settings.from_env()
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
-    tried: set[int] = set()  # each job once per delivery: one it took and lost is another's now
+    # A job it took is taken again only while it is still queued and free: one it lost is
+    # another's (its lock held), one it ran is not queued any more.
+    tries: Counter[int] = Counter()
     try:
         while True:
-            candidates = [i for i in own + next_turns(session) if i not in tried]
+            candidates = [i for i in own + next_turns(session) if tries[i] < STARTS_PER_DELIVERY]
             if not candidates:
                 break
             try:
@@ -88,7 +98,10 @@ def generate(self, job_id: int) -> str | None:
                 say("delivery of job %s: every job it could run is taken; it is done", job_id)
                 break
             chosen_id, keeper = chosen
-            tried.add(chosen_id)
+            if tries[chosen_id]:
+                log.warning("job %s: not started by this delivery; trying again", chosen_id)
+                time.sleep(RESTART_PAUSE_S)
+            tries[chosen_id] += 1
             own = []
             try:
                 job, outcome = pending(session, chosen_id)

@@ -41,7 +41,13 @@ from specpipe.core.stopping import GenerationText
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.target import Target, context_error, open_target
 from specpipe.settings import Settings
-from specpipe.swarm.failover import CheckedRing, drop_quietly, lost_with_spare, served_layers
+from specpipe.swarm.failover import (
+    CheckedRing,
+    drop_quietly,
+    lost_with_spare,
+    restarted_stages,
+    served_layers,
+)
 from specpipe.swarm.inventory import RouteError
 from specpipe.swarm.kvbudget import Reservations
 from specpipe.swarm.redact import one_line_reason
@@ -246,7 +252,9 @@ def run_on_swarm(session: Session, job: Job, settings: Settings, keeper: LockKee
 
     def make_ring(_job: Job) -> CheckedRing:
         lost = lost_with_spare(settings, target.name, target.n_layers)
-        return CheckedRing(build_ring, lambda: served_layers(settings), lost)
+        return CheckedRing(
+            build_ring, lambda: served_layers(settings), lost, restarted_stages(settings)
+        )
 
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=5)
     admit = room_keeper(

@@ -44,7 +44,10 @@ class CheckedRing:
     hop: its Redis gone with its host, cut off, or full); the ring goes around that host at
     once when the inventory has a route without it, even while it still heartbeats, else waits
     up to the route's lapse time for the inventory to say which hop died. Without a spare
-    nothing changes: the round waits, and a restarted stage answers gap.
+    nothing changes: the round waits for the stage to come back. A stage whose process started
+    again (a new `incarnation` in its record, `restarted_hops`) lost the round in flight with
+    its caches, so the ring is built again from the inventory at once and the job replays on it
+    (a `GapError`), instead of waiting out the round; a round sent to it later answers gap.
 
     A stage that restarted has lost its caches and answers gap, and the job replays its tokens
     from position 0. If the stage came back serving other layers than the ring's route has it
@@ -69,9 +72,11 @@ class CheckedRing:
         build: Callable[..., WatchedRing],
         layers_now: Callable[[], dict[str, tuple[int, int]]],
         lost_hops: Callable[[tuple], list[str]] | None = None,
+        restarted_hops: Callable[[tuple], list[str]] | None = None,
     ) -> None:
         # `build()` makes the ring; `build(avoid=hosts)` one around those hosts (failover).
         self.build, self.layers_now, self.lost_hops = build, layers_now, lost_hops
+        self.restarted_hops = restarted_hops
         self.ring: WatchedRing | None = self._watched(build())
         self.rebuilt = 0
         self.failovers = 0
@@ -127,7 +132,11 @@ class CheckedRing:
         except StaleRouteError:
             raise
         except HopLostError as exc:
-            self._fail_over(session, self._lost() or [], str(exc))
+            lost = self._lost()
+            if not lost and self._restarted():
+                self._rebuild(session, one_line_reason(str(exc)))
+                raise GapError(f"a stage of the route restarted: {exc}") from None
+            self._fail_over(session, lost, str(exc))
             raise GapError(f"re-routed around a lost stage: {exc}") from None
         except GapError:
             if self._route_changed():
@@ -160,9 +169,9 @@ class CheckedRing:
             self.ring.close()
 
     def _watched(self, ring: WatchedRing) -> WatchedRing:
-        """`ring`, whose late rounds ask whether a hop of its route is lost (when there is a
-        way to tell)."""
-        if self.lost_hops is not None:
+        """`ring`, whose late rounds ask whether a hop of its route is lost or restarted (when
+        there is a way to tell)."""
+        if self.lost_hops is not None or self.restarted_hops is not None:
             ring.watchdog = self._lost_reason
         return ring
 
@@ -176,9 +185,24 @@ class CheckedRing:
             log.warning("cannot check the route's stages: %s", exc)
             return []
 
+    def _restarted(self) -> list[str]:
+        """The hosts of the route whose stage process started again since the ring was built."""
+        if self.restarted_hops is None:
+            return []
+        try:
+            return self.restarted_hops(self.route)
+        except redis.RedisError as exc:  # cannot tell: keep waiting
+            log.warning("cannot check the route's stages: %s", exc)
+            return []
+
     def _lost_reason(self) -> str | None:
         lost = self._lost()
-        return f"{', '.join(lost)} stopped heartbeating" if lost else None
+        if lost:
+            return f"{', '.join(lost)} stopped heartbeating"
+        restarted = self._restarted()
+        if restarted:
+            return f"{', '.join(restarted)} restarted, and the round in flight with it"
+        return None
 
     def _await_lost(self) -> list[str]:
         """The lost hosts of the route, waiting for as long as a dead hop takes to lapse."""
@@ -294,6 +318,17 @@ def lost_with_spare(settings: Settings, model: str, n_layers: int) -> Callable[[
         return gone
 
     return lost
+
+
+def restarted_stages(settings: Settings) -> Callable[[tuple], list[str]]:
+    """For a CheckedRing: the hosts of a route whose stage process the inventory shows started
+    again since the route was read (`inventory.restarted_hops`), spare or not."""
+
+    def restarted(route: tuple) -> list[str]:
+        hops = [hop for hop in route if isinstance(hop, NodeInfo)]
+        return inventory.restarted_hops(hops, _inventory_now(settings, timeout_s=2).nodes)
+
+    return restarted
 
 
 def _inventory_now(settings: Settings, timeout_s: float = 5) -> inventory.Inventory:

@@ -124,6 +124,9 @@ class NodeInfo:
     # The registry's clock less the host's own, as the host measured it (`SwarmClock.offset_s`):
     # its heartbeat is dated on the registry's clock whatever this is.
     clock_offset_s: float = 0.0
+    # Drawn afresh each time the stage process starts: a record with another one than a route
+    # holds is a process that restarted since, with none of the route's sessions in its caches.
+    incarnation: str = ""
 
     @property
     def layers(self) -> str:
@@ -543,6 +546,19 @@ def lost_hops(
         ):
             lost.append(hop.host)
     return lost
+
+
+def restarted_hops(hops: Sequence[NodeInfo], nodes: list[NodeInfo]) -> list[str]:
+    """The hosts of a route (`hops`, as routed) whose stage process the inventory `nodes` shows
+    started again since the route was read: a round in flight there was lost with the old
+    process, and no reply to it will come."""
+    current = {n.host: n for n in nodes}
+    restarted = []
+    for hop in hops:
+        node = current.get(hop.host)
+        if node is not None and node.incarnation and node.incarnation != hop.incarnation:
+            restarted.append(hop.host)
+    return restarted
 
 
 def choose_layers(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import secrets
 import signal
 import threading
 import time
@@ -187,6 +188,7 @@ class StageWorker:
                 kv_budget_tokens=self.kv_budget_tokens,
                 heartbeat_s=config.heartbeat_s,
                 link_delay_ms=config.link_delay_s * 1000,
+                incarnation=secrets.token_hex(8),
             )
         self.heartbeat = Heartbeat(
             node,

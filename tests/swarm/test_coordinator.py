@@ -88,6 +88,18 @@ def undisturbed(job: Job) -> list[int]:
     ).run()
 
 
+def runs_to_the_end(ran: list[int]):
+    """A `run_on_swarm` that records the job's id and ends it done, as a whole run does."""
+
+    def run_on_swarm(session, job, settings, keeper) -> str:
+        ran.append(job.id)
+        job.status = "done"
+        session.commit()
+        return "done"
+
+    return run_on_swarm
+
+
 class DyingRing:
     """A ring whose coordinator process dies (SystemExit) after `rounds` rounds."""
 
@@ -497,9 +509,7 @@ def test_a_delivery_runs_the_job_whose_turn_it_is(db_url, monkeypatch):
         session.commit()
         ids = (first.id, third.id, his.id)
     ran = []
-    monkeypatch.setattr(
-        job_run, "run_on_swarm", lambda session, job, settings, keeper: ran.append(job.id)
-    )
+    monkeypatch.setattr(job_run, "run_on_swarm", runs_to_the_end(ran))
     monkeypatch.setenv("DATABASE_URL", db_url)
     coordinator.generate.apply(args=[ids[1]])
     assert ran == [ids[2], ids[1]]  # bob's turn first, then alice's: none is left after
@@ -546,6 +556,60 @@ def test_a_delivery_whose_job_another_took_over_runs_the_next_queued_job(
     delivery.join(60)
     assert [job_id for _, job_id in ran] == [first, first, second], ran
     assert [load(db_url, i).status for i in (first, second)] == ["done", "done"]
+
+
+def test_a_job_whose_start_the_store_refused_is_started_again_by_its_delivery(
+    db_url, redis_url, swarm, monkeypatch
+):
+    """A start write the store refused (its lock held by writers committing rounds on a loaded
+    machine) once left the job queued with its delivery gone: it started only when another
+    delivery ended its own job, or beat sent it again 30 s later. The delivery takes it again."""
+    from sqlalchemy.exc import OperationalError
+
+    from workers.attempt import Attempt
+
+    job_id = add_job(db_url, temp=0.9, max_new_tokens=20)
+    monkeypatch.setenv("DATABASE_URL", db_url)
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("SPECPIPE_SWARM", swarm)
+    monkeypatch.setattr(coordinator, "RESTART_PAUSE_S", 0.01)
+    start, refused = Attempt.start, []
+
+    def refused_once(self, session, prompt_tokens):
+        if not refused:
+            refused.append(self.job_id)
+            raise OperationalError("UPDATE jobs", {}, Exception("database is locked"))
+        return start(self, session, prompt_tokens)
+
+    def run_on_swarm(session, job, settings, keeper):
+        return job_run.run_job(session, job.id, local_ring, ToyCodec(), {EOS}, keeper.owned)
+
+    monkeypatch.setattr(Attempt, "start", refused_once)
+    monkeypatch.setattr(job_run, "run_on_swarm", run_on_swarm)
+    coordinator.generate.apply(args=[job_id])
+    job = load(db_url, job_id)
+    assert refused == [job_id]
+    assert job.status == "done" and job.attempts == 1
+    assert job.output_ids == undisturbed(job)
+
+
+def test_a_delivery_takes_a_job_it_cannot_start_a_bounded_number_of_times(
+    db_url, redis_url, swarm, monkeypatch
+):
+    """A store that refuses every start leaves the job queued for beat after a few tries,
+    rather than keeping the delivery busy with it forever."""
+    job_id = add_job(db_url)
+    monkeypatch.setenv("DATABASE_URL", db_url)
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("SPECPIPE_SWARM", swarm)
+    monkeypatch.setattr(coordinator, "RESTART_PAUSE_S", 0.01)
+    taken = []
+    monkeypatch.setattr(
+        job_run, "run_on_swarm", lambda session, job, settings, keeper: taken.append(job.id)
+    )
+    coordinator.generate.apply(args=[job_id])
+    assert taken == [job_id] * coordinator.STARTS_PER_DELIVERY
+    assert load(db_url, job_id).status == "queued"
 
 
 def test_a_store_outage_leaves_the_job_running_to_be_resumed_identically(db_url):
@@ -690,6 +754,41 @@ def test_a_lost_hop_with_a_spare_fails_over_and_the_job_ends_undisturbed(db_url,
     assert avoided == [set(), {"h1"}] and spare.rounds > 0
     assert first.watchdog is not None  # the ring's late rounds ask the inventory
     assert first.dropped_on == ["h0"]  # the session is dropped on the survivors only
+
+
+def test_a_hop_restarted_without_a_spare_is_replayed_on_at_once(db_url):
+    """A stage without a spare killed and started again mid-round: the round in flight died
+    with the old process, so waiting for its reply would cost the job a whole round's wait.
+    Its new incarnation in the inventory says so; the ring is built again at once and the job
+    replays on the same hosts, ending as it would undisturbed."""
+    from dataclasses import replace
+
+    job_id = add_job(db_url, temp=0.9, draft_k=3, max_new_tokens=30)
+    before = [replace(hop, incarnation="a0") for hop in routed((0, 2), (2, 4))]
+    after = [before[0], replace(before[1], incarnation="b1")]
+    first, again = LosingRing(before, lose_at=4), LosingRing(after)
+    built, asked = [], []
+
+    def build(avoid=frozenset()):
+        built.append(set(avoid))
+        return first if len(built) == 1 else again
+
+    def restarted(route):
+        asked.append([hop.incarnation for hop in route])
+        return [hop.host for hop in route if hop.incarnation == "a0" and hop.host == "h1"]
+
+    checked = []
+
+    def make(_job):
+        checked.append(CheckedRing(build, lambda: {}, lambda route: [], restarted))
+        return checked[-1]
+
+    assert run_job(make_session_factory(db_url), job_id, make, ToyCodec(), {EOS}) == "done"
+    job = load(db_url, job_id)
+    assert job.output_ids == undisturbed(job)
+    assert built == [set(), set()] and again.rounds > 0  # the same hosts, nothing avoided
+    assert checked[0].rebuilt == 1 and checked[0].failovers == 0
+    assert asked[0] == ["a0", "a0"]
 
 
 class UnreachableRing(LosingRing):
@@ -918,9 +1017,7 @@ def test_a_delivery_whose_job_another_turn_ran_runs_the_next_queued_job(db_url, 
         session.commit()
         ids = (hers.id, his.id)
     ran = []
-    monkeypatch.setattr(
-        job_run, "run_on_swarm", lambda session, job, settings, keeper: ran.append(job.id)
-    )
+    monkeypatch.setattr(job_run, "run_on_swarm", runs_to_the_end(ran))
     monkeypatch.setenv("DATABASE_URL", db_url)
     coordinator.generate.apply(args=[ids[1]])
     assert ran == [ids[0]]
@@ -955,9 +1052,7 @@ def test_a_job_whose_row_cannot_be_read_is_set_aside_and_the_next_runs(
         spoiled, his = gen_job(session, owner=alice).id, gen_job(session, owner=bob).id
     _spoil(db_url, spoiled, column, stored)
     ran = []
-    monkeypatch.setattr(
-        job_run, "run_on_swarm", lambda session, job, settings, keeper: ran.append(job.id)
-    )
+    monkeypatch.setattr(job_run, "run_on_swarm", runs_to_the_end(ran))
     monkeypatch.setenv("DATABASE_URL", db_url)
     coordinator.generate.apply(args=[spoiled])
     assert ran == [his]
@@ -967,9 +1062,11 @@ def test_a_job_whose_row_cannot_be_read_is_set_aside_and_the_next_runs(
         ).one()
         assert status == "failed"
         assert "its stored row cannot be read" in error and "set aside" in error
-        assert turns.fair_order(session) == [his]  # the stand-in run left bob's job queued
+        assert turns.fair_order(session) == []
+        later = gen_job(session, owner=bob).id
+        assert turns.fair_order(session) == [later]
     coordinator.generate.apply(args=[spoiled])  # a second delivery of it takes the next turn
-    assert ran == [his, his]
+    assert ran == [his, later]
 
 
 def test_start_times_that_cannot_be_read_do_not_stop_the_turns(db_url):

@@ -105,6 +105,23 @@ def test_a_route_avoids_the_hosts_it_is_told_to_or_names_what_is_left_uncovered(
         route(nodes, 4, now=NOW, avoid={"t1", "t2"})
 
 
+def test_restarted_hops_are_those_whose_record_has_another_incarnation():
+    from dataclasses import replace
+
+    hops = [replace(node(h, i, i + 1), incarnation="old") for i, h in enumerate("abcd")]
+    now = [
+        hops[0],  # the same process
+        replace(hops[1], incarnation="new"),  # started again
+        replace(hops[2], incarnation=""),  # a record from a version without incarnations
+    ]  # d is gone: lost, not restarted
+    assert inventory.restarted_hops(hops, now) == ["b"]
+    record = NodeInfo.from_json(now[1].to_json())
+    assert record.incarnation == "new"
+    older = json.loads(now[1].to_json())
+    del older["incarnation"]
+    assert NodeInfo.from_json(json.dumps(older)).incarnation == ""
+
+
 def test_lost_hops_are_the_lapsed_the_departed_and_the_resplit():
     hops = route([node("a", 0, 1), node("b", 1, 2), node("c", 2, 3), node("d", 3, 4)], 4, now=NOW)
     now = [
