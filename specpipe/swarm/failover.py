@@ -19,6 +19,7 @@ from specpipe.swarm import inventory, trust
 from specpipe.swarm.inventory import NodeInfo, RouteError
 from specpipe.swarm.redact import one_line_reason
 from specpipe.swarm.redis_ring import (
+    ROUND_TIMEOUT_S,
     HopLostError,
     HopUnreachableError,
     RingError,
@@ -30,6 +31,7 @@ log = logging.getLogger("specpipe.coordinator")  # it runs in the coordinator, l
 FAILOVER_WAIT_S = 10.0  # the longest a failed round waits to learn which hop died
 STALE_WAIT_S = 5.0  # the longest a refused round waits for the inventory to change
 MAX_REFUSALS = 3  # refused rounds in a row that fail the round
+UNREACHABLE_PAUSE_S = 0.5  # between tries of a round whose next hop refused it, no way around
 
 
 class CheckedRing:
@@ -43,7 +45,10 @@ class CheckedRing:
     not pass a round on answers `unreachable` at once (`HopUnreachableError`, naming the next
     hop: its Redis gone with its host, cut off, or full); the ring goes around that host at
     once when the inventory has a route without it, even while it still heartbeats, else waits
-    up to the route's lapse time for the inventory to say which hop died. Without a spare
+    up to the route's lapse time for the inventory to say which hop died; with no hop dead and no
+    way around (its Redis full, or cut off from the hop before), the round goes out again every
+    `UNREACHABLE_PAUSE_S` for as long as a round waits for its reply (`ROUND_TIMEOUT_S`), then
+    fails with the stage's reason. Without a spare
     nothing changes: the round waits for the stage to come back. A stage whose process started
     again (a new `incarnation` in its record, `restarted_hops`) lost the round in flight with
     its caches, so the ring is built again from the inventory at once and the job replays on it
@@ -105,9 +110,20 @@ class CheckedRing:
         head_k: int = 0,
         branches: Branches | None = None,
     ) -> RoundResult:
+        refused_since = None  # when a next hop with no way around it first refused the round
         while True:
             try:
                 result = self._round(session, tokens, start_pos, n_draft, head_k, branches)
+            except HopUnreachableError as exc:
+                now = time.monotonic()
+                refused_since = refused_since or now
+                if now - refused_since >= ROUND_TIMEOUT_S:
+                    raise
+                log.warning(
+                    "session %s: %s; sending the round again", session, one_line_reason(exc)
+                )
+                time.sleep(UNREACHABLE_PAUSE_S)
+                continue
             except StaleRouteError as exc:
                 self._reroute_stale(session, exc)
                 params = self._params.get(session)

@@ -793,13 +793,17 @@ def test_a_hop_restarted_without_a_spare_is_replayed_on_at_once(db_url):
 
 class UnreachableRing(LosingRing):
     """A routed toy ring whose round `lose_at` finds h1 unreachable from h0 (its Redis full,
-    or cut off from h0 only), while h1 still heartbeats."""
+    or cut off from h0 only), while h1 still heartbeats: `refusals` times in a row."""
+
+    def __init__(self, route, lose_at: int, refusals: int = 1) -> None:
+        super().__init__(route, lose_at)
+        self.refusals, self.refused = refusals, 0
 
     def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
         from specpipe.swarm.redis_ring import HopUnreachableError
 
-        if self.rounds + 1 == self.lose_at:
-            self.rounds += 1
+        if self.rounds + 1 == self.lose_at and self.refused < self.refusals:
+            self.refused += 1
             raise HopUnreachableError("round failed: h0: cannot pass the round to h1: OOM", "h1")
         return super().round(session, tokens, start_pos, n_draft, head_k, branches)
 
@@ -828,8 +832,10 @@ def test_an_unreachable_hop_without_a_spare_fails_the_job_with_the_reason(db_url
     from specpipe.swarm.inventory import RouteError
 
     monkeypatch.setattr(failover, "FAILOVER_WAIT_S", 0.5)
+    monkeypatch.setattr(failover, "ROUND_TIMEOUT_S", 1.5)  # how long it is sent again
+    monkeypatch.setattr(failover, "UNREACHABLE_PAUSE_S", 0.1)
     job_id = add_job(db_url, max_new_tokens=30)
-    ring = UnreachableRing(routed((0, 2), (2, 4)), lose_at=2)
+    ring = UnreachableRing(routed((0, 2), (2, 4)), lose_at=2, refusals=1000)
 
     def build(avoid=frozenset()):
         if avoid:
@@ -841,6 +847,30 @@ def test_an_unreachable_hop_without_a_spare_fails_the_job_with_the_reason(db_url
 
     assert run_job(make_session_factory(db_url), job_id, make, ToyCodec(), {EOS}) == "failed"
     assert "cannot pass the round to h1: OOM" in load(db_url, job_id).error
+    assert ring.refused >= 2  # sent again while the outage lasted, then failed
+
+
+def test_an_unreachable_hop_without_a_spare_is_waited_out(db_url, monkeypatch):
+    """A next hop whose Redis is full for a while, with no way around it: the round goes out
+    again until it passes, and the job ends as it would undisturbed (it failed at once)."""
+    from specpipe.swarm.inventory import RouteError
+
+    monkeypatch.setattr(failover, "FAILOVER_WAIT_S", 0.2)
+    monkeypatch.setattr(failover, "UNREACHABLE_PAUSE_S", 0.05)
+    job_id = add_job(db_url, temp=0.9, draft_k=3, max_new_tokens=30)
+    ring = UnreachableRing(routed((0, 2), (2, 4)), lose_at=3, refusals=4)
+
+    def build(avoid=frozenset()):
+        if avoid:
+            raise RouteError("no online stage serves layers 2:4")
+        return ring
+
+    def make(_job):
+        return CheckedRing(build, lambda: {}, lambda route: [])
+
+    assert run_job(make_session_factory(db_url), job_id, make, ToyCodec(), {EOS}) == "done"
+    job = load(db_url, job_id)
+    assert ring.refused == 4 and job.output_ids == undisturbed(job)
 
 
 def test_without_a_spare_a_ring_error_still_fails_the_job_with_it(db_url, monkeypatch):
