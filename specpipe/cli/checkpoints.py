@@ -120,3 +120,45 @@ def model_synth(
         f"wrote {made.path}: {like} layers {a}:{b}, {made.tensors} tensors, "
         f"{_gib(made.bytes)} in {made.shards} shard(s)"
     )
+
+
+@model.command(name="synth-head")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--like",
+    type=click.Choice(RELEASED_LAYOUTS),
+    required=True,
+    help="The released model whose EAGLE-3 heads' shapes to copy.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["eagle", "speculators"]),
+    required=True,
+    help="The published format: EAGLE / ModelOpt, or speculators.",
+)
+@click.option(
+    "--intermediate",
+    type=click.IntRange(min=1),
+    default=2880,
+    show_default=True,
+    help="The head's MLP width (SpecForge's gpt-oss heads: 17280).",
+)
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random weights.")
+def model_synth_head(out: Path, like: str, fmt: str, intermediate: int, seed: int) -> None:
+    """Write an EAGLE-3 draft head of a released model's shapes, in a published format, with
+    random weights to OUT: its config.json and model.safetensors, as released heads lay them
+    out (no download).
+
+    Example:
+
+        specpipe model synth-head --like gpt-oss-120b --format eagle /tmp/oss-head
+    """
+    from specpipe.drafting.eagle3_synth import synthesize_head
+
+    try:
+        folder = synthesize_head(like, out, fmt, seed, intermediate)
+    except OSError as e:
+        raise ModelInputError(f"cannot write {out}: {e.strerror}") from None
+    size = sum(p.stat().st_size for p in folder.iterdir())
+    click.echo(f"wrote {folder}: an EAGLE-3 head for {like} ({fmt} format), {_gib(size)}")

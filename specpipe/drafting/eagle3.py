@@ -1,0 +1,200 @@
+"""An EAGLE-3 draft head, built as the published heads for gpt-oss are (Li et al. 2025,
+"EAGLE-3: Scaling up Inference Acceleration of Large Language Models via Training-Time Test").
+
+The head reads the target's hidden states at three depths ("taps": the states entering layers
+t1, t2, t3, `Eagle3Config.taps`) and one Llama decoder layer whose attention and MLP see the
+token's embedding beside the fused features:
+
+    taps   [T, 3·Ht]  the target's taps at the committed positions 0 … T-1
+    g    = fc(input_norm(taps))                      [3·Ht] -> [H]
+                                                     (input_norm: norm_before_fc, or one per tap)
+    e    = input_layernorm(embed(x_{t+1}))           the token sampled after position t
+    h    = hidden_norm(g)
+    a    = o_proj(attention(W_qkv [e ; h]))          [2·H] wide in; causal over the session's rows,
+                                                     RoPE at the row's position (the head's own)
+    r    = (h if norm_before_residual else g) + a
+    out  = r + down(silu(gate(r')) * up(r')),  r' = post_attention_layernorm(r)
+    logits = lm_head(norm(out))                      [H] -> [V_draft] (the target's head if none)
+    token  = draft id + d2t[draft id]                the draft vocabulary's ids in the target's
+
+Drafting deeper than one token feeds `out` back as `g` (no fc; the normed `norm(out)` when
+`norm_output`) with the drafted token's embedding, at the next position, the chain's rows
+attending to the committed rows and to each other. The head keeps its keys and values per
+session, as the target keeps its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specpipe.model.config import ModelConfig
+from specpipe.model.layers import RMSNorm
+from specpipe.model.rope import Rotary, apply_rope
+
+
+def default_taps(n_layers: int) -> tuple[int, int, int]:
+    """The layers EAGLE-3 taps when a head does not say: the states entering layers 2, L//2
+    and L-3 (gpt-oss-120b: 2, 18, 33)."""
+    return (2, n_layers // 2, n_layers - 3)
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """The numbers of one EAGLE-3 head. `taps` are indices into the target's hidden states as
+    transformers counts them: k is the state entering layer k (0 the embeddings, L the last
+    layer's output before the final norm)."""
+
+    hidden: int  # H: the head's width, the target's too for every published head
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    draft_vocab: int  # columns of lm_head (the target's vocabulary when it has none)
+    target_vocab: int
+    taps: tuple[int, ...]
+    target_hidden: int = 0  # each tap's width; 0: `hidden`
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_positions: int = 131072
+    norm_before_fc: bool = False  # an RMSNorm over the concatenated taps before fc…
+    fc_norm: bool = False  # …or one over each tap (the two are exclusive)
+    norm_before_residual: bool = False  # the residual is hidden_norm(g), not g
+    norm_output: bool = False  # a deeper step is fed norm(out), not out
+    has_lm_head: bool = True  # False: the target's own head reads the head's features
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)  # what it was read from
+
+    @property
+    def tap_width(self) -> int:
+        return self.target_hidden or self.hidden
+
+    def layer_config(self) -> ModelConfig:
+        """The decoder layer's settings as a Llama config (its RoPE, its norms)."""
+        return ModelConfig(
+            arch="llama",
+            vocab_size=self.target_vocab,
+            dim=self.hidden,
+            n_layers=1,
+            n_heads=self.heads,
+            n_kv_heads=self.kv_heads,
+            intermediate_size=self.intermediate,
+            head_dim=self.head_dim,
+            norm_eps=self.norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_positions,
+        )
+
+
+@dataclass
+class HeadCache:
+    """One session's keys and values in the head's layer: [kv_heads, S, head_dim] each."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[1]
+
+    def upto(self, n: int) -> HeadCache:
+        """The first n rows (the committed ones, when drafts were appended after them)."""
+        return HeadCache(self.k[:, :n], self.v[:, :n])
+
+
+class Eagle3Head(nn.Module):
+    """The head's weights and its forward pass; names follow the published checkpoints."""
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        H, hd = cfg.hidden, cfg.head_dim
+        self.cfg = cfg
+        fused = len(cfg.taps) * cfg.tap_width
+        if cfg.norm_before_fc and cfg.fc_norm:
+            raise ValueError("a head norms its taps together or one by one, not both")
+        self.input_norm = RMSNorm(fused, cfg.norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(
+            [RMSNorm(cfg.tap_width, cfg.norm_eps) for _ in cfg.taps] if cfg.fc_norm else []
+        )
+        self.fc = nn.Linear(fused, H, bias=False)
+        self.input_layernorm = RMSNorm(H, cfg.norm_eps)  # on the token's embedding
+        self.hidden_norm = RMSNorm(H, cfg.norm_eps)  # on the features
+        self.q_proj = nn.Linear(2 * H, cfg.heads * hd, bias=False)
+        self.k_proj = nn.Linear(2 * H, cfg.kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(2 * H, cfg.kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.heads * hd, H, bias=False)
+        self.post_attention_layernorm = RMSNorm(H, cfg.norm_eps)
+        self.gate_proj = nn.Linear(H, cfg.intermediate, bias=False)
+        self.up_proj = nn.Linear(H, cfg.intermediate, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate, H, bias=False)
+        self.norm = RMSNorm(H, cfg.norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab, bias=False) if cfg.has_lm_head else None
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab, dtype=torch.long))
+        self.rotary = Rotary(cfg.layer_config())
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """The target's taps [T, 3·Ht] (concatenated in `cfg.taps` order) -> features [T, H]."""
+        if self.input_norm is not None:
+            taps = self.input_norm(taps)
+        elif len(self.fc_norm):
+            parts = taps.split(self.cfg.tap_width, dim=-1)
+            normed = [norm(part) for norm, part in zip(self.fc_norm, parts, strict=True)]
+            taps = torch.cat(normed, dim=-1)
+        return self.fc(taps)
+
+    def forward(
+        self,
+        g: torch.Tensor,
+        embeds: torch.Tensor,
+        start_pos: int,
+        past: HeadCache | None = None,
+    ) -> tuple[torch.Tensor, HeadCache]:
+        """One pass of the decoder layer over T rows at positions start_pos …: features g [T, H]
+        and the embeddings of the tokens that follow them [T, H] -> the layer's output [T, H]
+        and the cache with these rows appended. Row i attends to `past` and rows 0 … i."""
+        cfg, T = self.cfg, g.shape[0]
+        h = self.hidden_norm(g)
+        x = torch.cat([self.input_layernorm(embeds), h], dim=-1)  # [T, 2H]
+        q = self.q_proj(x).view(T, cfg.heads, cfg.head_dim).transpose(0, 1)  # [nh, T, hd]
+        k = self.k_proj(x).view(T, cfg.kv_heads, cfg.head_dim).transpose(0, 1)  # [nkv, T, hd]
+        v = self.v_proj(x).view(T, cfg.kv_heads, cfg.head_dim).transpose(0, 1)
+        cos, sin = self.rotary(start_pos, T, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if past is not None:
+            k, v = torch.cat([past.k, k], dim=1), torch.cat([past.v, v], dim=1)
+        cache = HeadCache(k, v)
+        S = k.shape[1]  # rows attended to: the past's, then these
+        group = cfg.heads // cfg.kv_heads
+        keys, values = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        # Row i (absolute S - T + i) sees every key up to its own.
+        mask = torch.ones(T, S, dtype=torch.bool, device=g.device).tril(S - T)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [nh, T, hd]
+        a = self.o_proj(attn.transpose(0, 1).reshape(T, cfg.heads * cfg.head_dim))
+        r = (h if cfg.norm_before_residual else g) + a
+        m = self.post_attention_layernorm(r)
+        out = r + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+        return out, cache
+
+    def logits(self, out: torch.Tensor, target_head=None) -> torch.Tensor:
+        """Draft logits [T, V_draft] of the layer's output: its own norm, then its lm_head (or
+        the target's head, `target_head`, for a head that has none)."""
+        normed = self.norm(out)
+        if self.lm_head is not None:
+            return self.lm_head(normed)
+        if target_head is None:
+            raise ValueError("this head reads its features through the target's head")
+        return target_head(normed)
+
+    def feed_back(self, out: torch.Tensor) -> torch.Tensor:
+        """What a deeper step takes as its features: the output, or its normed form."""
+        return self.norm(out) if self.cfg.norm_output else out
+
+    def token_ids(self) -> np.ndarray:
+        """The target's token id of each draft column: column c is token c + d2t[c]."""
+        return (torch.arange(self.cfg.draft_vocab) + self.d2t.cpu()).numpy()
