@@ -28,18 +28,11 @@ from specpipe.drafting.eagle3_format import load_eagle3
 from specpipe.drafting.eagle3_synth import head_config, head_tensors
 from specpipe.drafting.head import DraftHeadError
 from specpipe.model.synth import LIKE
+from tests.harmony_checkpoint import tiny_like
 
 YARN = LIKE["gpt-oss-120b"]["rope_scaling"]
 # A model of gpt-oss's kind at a small size: its head is 64 wide, 4 query heads of 16, 2 KV.
-SMALL = {
-    **LIKE["gpt-oss-120b"],
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_hidden_layers": 12,
-    "vocab_size": 500,
-}
+SMALL = tiny_like(n_layers=12, vocab_size=500)
 
 
 @pytest.fixture(autouse=True)

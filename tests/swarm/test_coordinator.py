@@ -808,6 +808,18 @@ class UnreachableRing(LosingRing):
         return super().round(session, tokens, start_pos, n_draft, head_k, branches)
 
 
+def without_a_spare(ring):
+    """A job's `make_ring` for a CheckedRing over `ring` whose hop h1 has no spare."""
+    from specpipe.swarm.inventory import RouteError
+
+    def build(avoid=frozenset()):
+        if avoid:
+            raise RouteError("no online stage serves layers 2:4")
+        return ring
+
+    return lambda _job: CheckedRing(build, lambda: {}, lambda route: [])
+
+
 def test_an_unreachable_hop_still_heartbeating_is_gone_around_at_once(db_url, monkeypatch):
     monkeypatch.setattr(failover, "FAILOVER_WAIT_S", 0.5)  # h1 never lapses here
     job_id = add_job(db_url, temp=0.9, draft_k=3, max_new_tokens=30)
@@ -829,21 +841,13 @@ def test_an_unreachable_hop_still_heartbeating_is_gone_around_at_once(db_url, mo
 
 
 def test_an_unreachable_hop_without_a_spare_fails_the_job_with_the_reason(db_url, monkeypatch):
-    from specpipe.swarm.inventory import RouteError
 
     monkeypatch.setattr(failover, "FAILOVER_WAIT_S", 0.5)
     monkeypatch.setattr(failover, "ROUND_TIMEOUT_S", 1.5)  # how long it is sent again
     monkeypatch.setattr(failover, "UNREACHABLE_PAUSE_S", 0.1)
     job_id = add_job(db_url, max_new_tokens=30)
     ring = UnreachableRing(routed((0, 2), (2, 4)), lose_at=2, refusals=1000)
-
-    def build(avoid=frozenset()):
-        if avoid:
-            raise RouteError("no online stage serves layers 2:4")
-        return ring
-
-    def make(_job):
-        return CheckedRing(build, lambda: {}, lambda route: [])
+    make = without_a_spare(ring)
 
     assert run_job(make_session_factory(db_url), job_id, make, ToyCodec(), {EOS}) == "failed"
     assert "cannot pass the round to h1: OOM" in load(db_url, job_id).error
@@ -853,20 +857,12 @@ def test_an_unreachable_hop_without_a_spare_fails_the_job_with_the_reason(db_url
 def test_an_unreachable_hop_without_a_spare_is_waited_out(db_url, monkeypatch):
     """A next hop whose Redis is full for a while, with no way around it: the round goes out
     again until it passes, and the job ends as it would undisturbed (it failed at once)."""
-    from specpipe.swarm.inventory import RouteError
 
     monkeypatch.setattr(failover, "FAILOVER_WAIT_S", 0.2)
     monkeypatch.setattr(failover, "UNREACHABLE_PAUSE_S", 0.05)
     job_id = add_job(db_url, temp=0.9, draft_k=3, max_new_tokens=30)
     ring = UnreachableRing(routed((0, 2), (2, 4)), lose_at=3, refusals=4)
-
-    def build(avoid=frozenset()):
-        if avoid:
-            raise RouteError("no online stage serves layers 2:4")
-        return ring
-
-    def make(_job):
-        return CheckedRing(build, lambda: {}, lambda route: [])
+    make = without_a_spare(ring)
 
     assert run_job(make_session_factory(db_url), job_id, make, ToyCodec(), {EOS}) == "done"
     job = load(db_url, job_id)
