@@ -171,6 +171,11 @@ def load_eagle3(
     missing = [n for n in want if n not in tensors and n != "d2t"]
     if missing:
         raise DraftHeadError(f"the head has no {missing[0]!r} tensor")
+    if "d2t" not in tensors and cfg.draft_vocab != cfg.target_vocab:
+        raise DraftHeadError(
+            f"the head drafts {cfg.draft_vocab} of the model's {cfg.target_vocab} tokens "
+            "but has no d2t to say which"
+        )
     for name, tensor in tensors.items():
         if name not in want:
             raise DraftHeadError(f"the head's {name!r} does not belong to its config")

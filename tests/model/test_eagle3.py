@@ -209,6 +209,9 @@ def test_malformed_heads_are_refused_in_one_line(tmp_path):
     save_file(without, tmp_path / "model.safetensors")
     with pytest.raises(DraftHeadError, match="no 'fc.weight' tensor"):
         load_eagle3(tmp_path, 64, 500, 12)
+    save_file({k: v for k, v in tensors.items() if k != "d2t"}, tmp_path / "model.safetensors")
+    with pytest.raises(DraftHeadError, match="drafts 200 of the model's 500 tokens but has no d2t"):
+        load_eagle3(tmp_path, 64, 500, 12)
     bad_d2t = dict(tensors, d2t=tensors["d2t"] + 1000)
     save_file(bad_d2t, tmp_path / "model.safetensors")
     with pytest.raises(DraftHeadError, match="d2t maps drafts past the model's 500 tokens"):
