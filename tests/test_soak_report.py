@@ -324,6 +324,7 @@ def test_the_fault_summary_has_its_jobs_and_p50_and_max_times_per_kind_and_side(
         "on_serving_host": 2,
         "serving_stall_s_p50": 3.5,
         "serving_stall_s_max": 5.0,
+        "alone_stall_s_max": 5.0,
         "takeover_s_p50": 1.8,
         "takeover_s_max": 2.0,
     }
@@ -352,6 +353,11 @@ def test_a_link_cut_with_a_spare_fails_the_soak_when_it_cost_a_running_job_too_m
     assert problems(jobs, [], rows(3.4), cut_stall_s=4.0) == []
     assert problems(jobs, [], rows(40.0, spare=False)) == []  # nothing to go to: no bound
     assert problems(jobs, [], rows(None)) == []
+    overlapped = Injected(kind, "h2", 5.0, 1.0, 6.0, stall_s=12.0, spare=True, overlaps="x on h0")
+    alone = Injected(kind, "h2", 5.0, 30.0, 35.0, stall_s=1.5, spare=True)
+    both = summarise_faults([overlapped, alone])
+    assert both[label]["stall_s_max"] == 12.0 and both[label]["alone_stall_s_max"] == 1.5
+    assert problems(jobs, [], both) == []  # the overlapping fault's cost is its own
 
 
 def test_a_process_that_died_of_a_fault_that_did_not_kill_it_fails_the_soak():
@@ -463,7 +469,7 @@ def test_the_report_has_a_row_per_kind_and_side_in_both_tables_with_reasons_unde
     assert rows == [
         ["link-cut-90s/no-spare", "1", "no", "2", "1", "0", "1", "0", "0"],
         ["failed", "(1):", "HopUnreachableError:", "h1"],
-        ["overlapped:", "redis-stall", "on", "h3"],
+        ["overlapped:", "redis-stall", "on", "h3;", "stall", "max", "without:", "-"],
         ["link-cut-90s/spare", "1", "yes", "1", "1", "0", "0", "0", "0"],
         ["oom-stage/spare", "0", "yes", "0", "0", "0", "0", "0", "0"],
         ["not", "injected:", "RuntimeError:", "no", "cgroup"],
