@@ -211,10 +211,14 @@ class Submitter:
             args=[job_id],
             queue=self.queue,
             retry=True,
-            retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.5},
+            retry_policy=ENQUEUE_RETRY,
         )
         return result.id
 
+
+# A broker that is restarting (refusing connections, then loading its append-only file for a
+# few seconds) is waited out, 4.5 s in all; one down for longer fails the job at once after.
+ENQUEUE_RETRY = {"max_retries": 6, "interval_start": 0, "interval_step": 0.5, "interval_max": 1.0}
 
 _TARGETS: dict[str, Target | None] = {}
 _TARGETS_LOCK = threading.Lock()

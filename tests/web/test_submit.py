@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
+import redis
 from sqlalchemy import func, select
 
 from models.jobs import Job
+from specpipe.ops.redis_server import RedisServer, free_port
 from tests.web.conftest import csrf_token
 
 GOOD = {
@@ -220,3 +223,24 @@ def test_queue_down_marks_job_failed_no_500(app, client, session):
     assert "was saved but not queued" in client.get(response.headers["Location"]).get_data(
         as_text=True
     )
+
+
+def test_a_broker_that_is_restarting_is_waited_out(app, client, session):
+    submitter = app.extensions["specpipe.submitter"]
+    port = free_port()
+    submitter.client.conf.broker_url = f"redis://127.0.0.1:{port}/0"
+    broker = RedisServer(port=port)
+    late = threading.Timer(1.0, broker.start)  # up a second after the submission began
+    late.start()
+    try:
+        response = post_form(client)
+        late.join()
+        assert response.status_code == 302
+        job = session.scalars(select(Job)).one()
+        assert job.status == "queued" and job.error is None
+        queued = redis.Redis.from_url(broker.url)
+        assert queued.llen(submitter.queue) == 1
+        queued.close()
+    finally:
+        late.cancel()
+        broker.stop()
