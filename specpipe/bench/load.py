@@ -27,6 +27,7 @@ from specpipe.core.sampling import SamplingParams, offset_seed
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.local_ring import LocalRing
 from specpipe.decoding.target import open_target
+from specpipe.drafting.sources import named_sources
 
 PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -83,7 +84,7 @@ def run_job(
         max_new_tokens=max_new_tokens,
         draft_k=draft_k,
         adaptive=adaptive,
-        drafts_from=drafts_from,
+        sources=named_sources(drafts_from, params),
         trees=trees,
         tree_drafts=tree_drafts,
     )
@@ -279,7 +280,7 @@ class Method:
     name: str
     draft_k: int  # 0: plain decoding
     adaptive: bool = False  # choose each round's K up to draft_k
-    drafts_from: str = "both"  # see `specpipe.decoding.generation.DRAFT_SOURCES`
+    drafts_from: str = "both"  # see `specpipe.drafting.sources.DRAFT_SOURCES`
     trees: bool = False  # the head proposes draft trees (with adaptive)
     tree_drafts: int = 0  # with trees: 0, each tree sized by its cost; N, N drafts every time
 

@@ -1,13 +1,15 @@
 """The generation loop: draft, one round through the ring, the equality accept loop, commit.
 
-With `adaptive`, each round sends the number of drafts `specpipe/drafting/length.py` expects to be
-fastest (at most `draft_k`); the committed tokens are the same whatever it sends. With `trees`
-too, the tail's draft head proposes a draft tree each round, shaped by
-`specpipe/drafting/tree_size.py` (at most `draft_k` deep), which the next round carries when
-the root alone is uncached (else its main branch, as a chain); the stages keep the branch the
-tail walked when the round after it names it (`core.ring.Branches.keep`). Where both the
-n-gram drafter and the head offer drafts, the one whose drafts are measured likelier to be
-accepted goes out (each source's offer is scored every round, sent or not).
+Drafts come from the generation's draft sources (`specpipe/drafting/sources.py`): the n-gram
+drafter here, the tail's drafter with each round's result, or both. With `adaptive`, each round
+sends the number of drafts `specpipe/drafting/length.py` expects to be fastest (at most
+`draft_k`); the committed tokens are the same whatever it sends. With `trees` too, the tail's
+drafter proposes a draft tree each round, shaped by `specpipe/drafting/tree_size.py` (at most
+`draft_k` deep), which the next round carries when the root alone is uncached (else its main
+branch, as a chain); the stages keep the branch the tail walked when the round after it names
+it (`core.ring.Branches.keep`). Where several sources offer drafts, the one whose drafts are
+measured likelier to be accepted goes out (each source's offer is scored every round, sent or
+not), the first listed on a tie.
 
 The same loop runs over a `LocalRing` (one process) and a `RedisRing` (the swarm). Positions
 are absolute: after a round the stages' caches hold every position sent; the next round starts
@@ -36,12 +38,9 @@ from specpipe.core.ring import Branches, GapError, Ring, RoundResult
 from specpipe.core.sampling import SamplingParams, TokenLogprob, committed_tokens
 from specpipe.core.tree import DraftTree, TreeShape
 from specpipe.drafting.length import DraftLength
-from specpipe.drafting.ngram import NgramDrafter
+from specpipe.drafting.sources import NO_DRAFTS, DraftSource, TailSource, named_sources
 from specpipe.drafting.tree_size import TreeSize
 
-# Where a round's drafts come from: the n-gram drafter, the tail's draft head, or the n-gram
-# where it has a match and the head elsewhere.
-DRAFT_SOURCES = ("ngram", "head", "both")
 # The most tokens one round carries of a long prefix: a few hundred milliseconds of a stage's
 # time on the default model, and few enough round trips that a long prompt pays little for them.
 PREFILL_CHUNK = 512
@@ -57,7 +56,7 @@ class GenerationStats:
     accepted: int = 0  # of those, how many were committed
     generated: int = 0  # new tokens committed
     replays: int = 0  # prefix replays after a gap
-    head_rounds: int = 0  # rounds whose drafts the tail's draft head proposed
+    head_rounds: int = 0  # rounds whose drafts the tail's drafter proposed
     tree_rounds: int = 0  # rounds that carried a draft tree (more than one branch)
     seconds: float = 0.0
 
@@ -89,8 +88,7 @@ class Generation:
         draft_k: int = 4,
         adaptive: bool = False,
         eos_ids: Iterable[int] = (),
-        drafter: NgramDrafter | None = None,
-        drafts_from: str = "both",
+        sources: Sequence[DraftSource] | None = None,
         resume: Sequence[int] = (),
         should_stop: Callable[[list[int]], bool] | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
@@ -101,33 +99,27 @@ class Generation:
             raise ValueError("the prompt has no tokens")
         if max_new_tokens < 0 or draft_k < 0 or prefill_chunk < 0:
             raise ValueError("max_new_tokens, draft_k and prefill_chunk must be >= 0")
-        if drafts_from not in DRAFT_SOURCES:
-            raise ValueError(f"drafts_from must be one of {', '.join(DRAFT_SOURCES)}")
         self.ring, self.session, self.params = ring, session, params
         self.max_new_tokens, self.draft_k = max_new_tokens, draft_k
         self.eos_ids = set(eos_ids)
         self.prefill_chunk = prefill_chunk  # 0: a prefix goes in one round, however long
         self.tokens = list(prompt_ids) + list(resume)  # everything committed, prompt included
         self.n_prompt = len(prompt_ids)
-        self.drafter = drafter or NgramDrafter()
-        self.drafter.extend(self.tokens)
-        self.use_ngram = drafts_from in ("ngram", "both")
-        # The tail's draft head drafts in the target's own noise (Gumbel-max), so at a sampling
-        # temperature its drafts only agree with the target's draws under that sampler.
-        self.use_head = drafts_from in ("head", "both") and (
-            params.temp <= 0 or params.sampler == "gumbel"
-        )
-        self.head_tree = DraftTree((), ())  # what the head proposed with the last result
+        # By default the n-gram's drafts, and the tail's drafter's where its drafts can agree.
+        self.sources = list(named_sources("both", params) if sources is None else sources)
+        for source in self.sources:
+            source.learn(self.tokens, None)
+        # The tail's drafter, asked each round for the next one's drafts (at most one).
+        self.tail = next((s for s in self.sources if isinstance(s, TailSource)), None)
         # With `adaptive`, draft_k is the most a round sends; each round's K is chosen.
         self.draft_length = DraftLength(draft_k) if adaptive and draft_k else None
-        # With `trees` too, the head's proposals are trees of the shape measured to pay (or of
+        # With `trees` too, the tail's proposals are trees of the shape measured to pay (or of
         # `tree_drafts` drafts each, whatever they cost).
         self.tree_size = None
-        if trees and self.use_head and self.draft_length is not None:
+        if trees and self.tail is not None and self.draft_length is not None:
             self.tree_size = TreeSize(draft_k, self.draft_length, tree_drafts)
-        self.head_wanted = 0  # drafts the tree asked of the head would have (0: send none)
         self.keep: tuple[int, ...] = ()  # the rows the last tree round walked, for the stages
-        self.offers: dict[str, list[int]] = {}  # this round's proposal of each drafts source
+        self.offers: dict[str, DraftTree] = {}  # this round's proposal of each draft source
         # Sees the generated ids after each round (stop strings); the whole round stays committed.
         self.should_stop = should_stop
         self.stats = GenerationStats()
@@ -150,18 +142,22 @@ class Generation:
         try:
             while not self.finished and len(self.generated) < self.max_new_tokens:
                 budget = self.max_new_tokens - len(self.generated)
-                proposal, from_head = self._propose(min(self.draft_k, budget - 1))
-                source = "head" if from_head else "ngram"
+                proposal, source = self._propose(min(self.draft_k, budget - 1))
+                from_tail = source is not None and source.at_tail
                 parents = None
                 if not proposal.is_chain:
                     drafts, parents = list(proposal.tokens), proposal.parents  # a tree round
                 else:
                     drafts = proposal.main_branch()
-                    if self.draft_length is not None and not (from_head and self.tree_size):
-                        drafts = drafts[: self.draft_length.choose(len(drafts), source)]
+                    if (
+                        source
+                        and self.draft_length is not None
+                        and not (from_tail and self.tree_size)
+                    ):
+                        drafts = drafts[: self.draft_length.choose(len(drafts), source.name)]
                 replays = self.stats.replays
                 round_started = time.perf_counter()
-                shape, head_k = self._ask_head(drafts, from_head)
+                shape, head_k = self._ask_tail(source if drafts else None)
                 result, sent = self._round(cached, drafts, head_k, parents, shape)
                 if parents is None:
                     committed = committed_tokens(drafts, result)
@@ -169,7 +165,6 @@ class Generation:
                     committed = [int(t) for t in result if t >= 0]
                     self.keep = tuple(result.path)
                     self.stats.tree_rounds += 1
-                self.head_tree = result.draft_tree
                 if self.tree_size is not None:
                     self.tree_size.observe(result.ranks)
                     self.tree_size.observe_batch(result.batch)
@@ -184,11 +179,12 @@ class Generation:
                         break
                 self.tokens += committed
                 self.logprobs += result.logprobs[: len(committed)]
-                self.drafter.extend(committed)
+                for each in self.sources:
+                    each.learn(committed, result)
                 if self.should_stop is not None and self.should_stop(self.generated):
                     self.finished = True
                 self.stats.rounds += 1
-                self.stats.head_rounds += bool(drafts) and from_head
+                self.stats.head_rounds += bool(drafts) and from_tail
                 self.stats.drafted += len(drafts)
                 self.stats.accepted += (
                     len(committed) - 1 if parents else _leading_matches(committed, drafts)
@@ -198,6 +194,9 @@ class Generation:
                 yield committed
         finally:
             self.stats.seconds = time.perf_counter() - started
+            if self.finished or len(self.generated) >= self.max_new_tokens:
+                for source in self.sources:
+                    source.forget()
 
     def _observe_cost(
         self,
@@ -214,7 +213,7 @@ class Generation:
         longest = max(proposal.depths) if parents is not None else len(drafts)
         side = len(drafts) - longest
         for offered_by, offer in self.offers.items():  # sent or not, each source is scored
-            self.draft_length.score(offer, committed, offered_by)
+            self.draft_length.score(offer.main_branch(), committed, offered_by)
         line_seconds = seconds
         if self.tree_size is not None and side:
             # The line sees the round without its side rows, at what they are measured to
@@ -225,57 +224,59 @@ class Generation:
             base, per_row = self.draft_length.cost()
             self.tree_size.observe_cost(side, seconds - (base + longest * per_row))
 
-    def _ngram_leads(self) -> bool:
-        """Whether the n-gram's drafts go first where it has a match: always without adaptive
-        draft lengths or a head; else while its drafts are measured at least as likely
-        accepted as the head's (in copied text nine in ten; in novel text its rare matches
-        are mostly wrong, and the head's proposal is the better one)."""
-        if self.draft_length is None or not self.use_head:
+    def _leads(self, source: DraftSource, other: DraftSource) -> bool:
+        """Whether `source`'s drafts go before `other`'s: always without adaptive draft lengths
+        (nothing is measured; the first listed goes first); else while its drafts are measured
+        at least as likely accepted (in copied text the n-gram's nine in ten; in novel text its
+        rare matches are mostly wrong, and the tail's drafter's proposal is the better one)."""
+        if self.draft_length is None:
             return True
-        return self.draft_length.leads("ngram", "head")
+        return self.draft_length.leads(source.name, other.name)
 
-    def _propose(self, k: int) -> tuple[DraftTree, bool]:
-        """The drafts for this round, at most k deep, and whether the head proposed them: the
-        n-gram's chain where it has a match and leads (`_ngram_leads`), else what the head
-        sent with the last result (a chain, or a tree), else the n-gram's chain. What each
-        source offered is kept in `offers`, to be scored against what the round commits."""
-        none = DraftTree((), ())
+    def _propose(self, k: int) -> tuple[DraftTree, DraftSource | None]:
+        """The drafts for this round, at most k deep, and the source that proposed them: of the
+        sources that offer any, the first that leads all the others (`_leads`), else the last.
+        What each source offered is kept in `offers`, to be scored against what the round
+        commits."""
         self.offers = {}
         if k <= 0:
-            return none, False
-        ngram = self.drafter.propose(k) if self.use_ngram else []
-        head = none
-        if self.use_head and self.head_tree.tokens and self.head_wanted:
-            head = self.head_tree.within_depth(k)
-        if ngram:
-            self.offers["ngram"] = ngram
-        if head.tokens:
-            self.offers["head"] = head.main_branch()
-        if ngram and (not head.tokens or self._ngram_leads()):
-            return DraftTree.chain(ngram), False
-        return head, bool(head.tokens)
+            return NO_DRAFTS, None
+        offering = []
+        for source in self.sources:
+            offer = source.propose(k)
+            if offer.tokens:
+                self.offers[source.name] = offer
+                offering.append(source)
+        for source in offering:
+            if all(self._leads(source, other) for other in offering if other is not source):
+                return self.offers[source.name], source
+        if not offering:
+            return NO_DRAFTS, None
+        return self.offers[offering[-1].name], offering[-1]
 
-    def _ask_head(self, drafts: list[int], from_head: bool) -> tuple[TreeShape | None, int]:
-        """What to ask of the tail's head for the next round, whose steps cost the tail's time:
-        nothing while the n-gram drafter's chain goes out and leads (in copied text it goes on
-        matching); else the tree `TreeSize` chooses, or as many drafts in a chain as the draft
-        length would send; and at least one, so that the head's acceptance is still measured."""
-        self.head_wanted = 0
-        if (
-            not self.use_head
-            or self.draft_k == 0
-            or (drafts and not from_head and self._ngram_leads())
+    def _ask_tail(self, chosen: DraftSource | None) -> tuple[TreeShape | None, int]:
+        """What to ask of the tail's drafter for the next round, whose steps cost the tail's
+        time: nothing while another source's drafts go out and lead it (in copied text the
+        n-gram goes on matching); else the tree `TreeSize` chooses, or as many drafts in a chain
+        as the draft length would send; and at least one, so that the tail's acceptance is
+        still measured."""
+        tail = self.tail
+        if tail is None:
+            return None, 0
+        tail.ask(0)
+        if self.draft_k == 0 or (
+            chosen is not None and not chosen.at_tail and self._leads(chosen, tail)
         ):
             return None, 0
         if self.tree_size is not None:
             shape = self.tree_size.choose()
-            self.head_wanted = len(shape)
+            tail.ask(len(shape))
             return (shape if len(shape) else TreeShape.chain(1)), 0
-        self.head_wanted = self.draft_k
         if self.draft_length is None:
+            tail.ask(self.draft_k)
             return None, self.draft_k
-        self.head_wanted = self.draft_length.choose(self.draft_k, "head")
-        return None, max(1, self.head_wanted)
+        tail.ask(self.draft_length.choose(self.draft_k, tail.name))
+        return None, max(1, tail.wanted)
 
     def _round(
         self,

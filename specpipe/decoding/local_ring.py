@@ -11,7 +11,7 @@ from specpipe.core.coupling import sampler_for
 from specpipe.core.ring import Branches, Request, RoundResult, Stage
 from specpipe.core.sampling import Sampler, SamplingParams
 from specpipe.decoding.tail import finish_round
-from specpipe.drafting.head import TailHead
+from specpipe.drafting.sources import TailDrafter
 
 
 class LocalRing:
@@ -19,7 +19,7 @@ class LocalRing:
 
     route: tuple = ()  # no hosts: a round never leaves this process
 
-    def __init__(self, stages: Sequence[Stage], head: TailHead | None = None):
+    def __init__(self, stages: Sequence[Stage], head: TailDrafter | None = None):
         if not stages or not stages[0].first or not stages[-1].last:
             raise ValueError("a ring needs stages from the embeddings (first) to the head (last)")
         self.stages = list(stages)

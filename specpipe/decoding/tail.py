@@ -14,7 +14,7 @@ from specpipe.core.sampling import Sampler
 from specpipe.core.tree import DraftTree
 
 if TYPE_CHECKING:
-    from specpipe.drafting.head import TailHead
+    from specpipe.drafting.sources import TailDrafter
 
 
 def finish_round(
@@ -25,7 +25,7 @@ def finish_round(
     start_pos: int,
     n_draft: int,
     sampler: Sampler,
-    head: TailHead | None = None,
+    head: TailDrafter | None = None,
     head_k: int = 0,
     branches: Branches | None = None,
 ) -> RoundResult:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from specpipe.core.ring import Ring
 from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.generation import Generation
+from specpipe.drafting.sources import named_sources
 
 
 def _one(
@@ -34,7 +35,7 @@ def _one(
         max_new_tokens=max_new_tokens,
         draft_k=draft_k,
         eos_ids=eos_ids,
-        drafts_from=drafts_from,
+        sources=named_sources(drafts_from, params),
     )
     try:
         tokens = gen.run()

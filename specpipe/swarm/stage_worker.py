@@ -62,7 +62,7 @@ from specpipe.swarm.stage.samplers import TailSamplers, TailSampling
 from specpipe.swarm.stage.sending import Link, Outbox, Replies, Sender
 
 if TYPE_CHECKING:
-    from specpipe.drafting.head import TailHead
+    from specpipe.drafting.sources import TailDrafter
 
 log = logging.getLogger("specpipe.stage")
 # What ended sessions' caches freed goes back to the system at most this often: glibc keeps it
@@ -117,7 +117,7 @@ class StageWorker:
         stage: Stage,
         config: WorkerConfig,
         node: inventory.NodeInfo | None = None,
-        head: TailHead | None = None,
+        head: TailDrafter | None = None,
     ) -> None:
         self.stage = stage
         self.config = config
@@ -383,7 +383,7 @@ def run(
     stage: Stage,
     config: WorkerConfig,
     node: inventory.NodeInfo | None = None,
-    head: TailHead | None = None,
+    head: TailDrafter | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM, then leave the inventory cleanly."""
     release_load_memory()

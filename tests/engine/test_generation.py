@@ -5,14 +5,16 @@ import pytest
 
 from specpipe.core.ring import GapError, RoundResult
 from specpipe.core.sampling import SamplingParams
+from specpipe.core.tree import DraftTree
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.local_ring import LocalRing
+from specpipe.drafting.sources import NgramSource, TailSource, named_sources
 from tests.engine.toy_stages import VOCAB, toy_stages
 
 PROMPT = [3, 7, 1, 9, 3, 7, 1, 9, 3, 7, 1, 9, 3, 7]
 
 
-def generate(params, draft_k, max_new=40, ring=None, **kwargs):
+def generate(params, draft_k, max_new=40, ring=None, drafts_from="both", **kwargs):
     gen = Generation(
         ring or LocalRing(toy_stages()),
         "s",
@@ -20,6 +22,7 @@ def generate(params, draft_k, max_new=40, ring=None, **kwargs):
         params,
         max_new_tokens=max_new,
         draft_k=draft_k,
+        sources=named_sources(drafts_from, params),
         **kwargs,
     )
     return gen.run(), gen.stats
@@ -238,9 +241,16 @@ def test_a_stage_that_keeps_losing_its_cache_ends_the_generation():
         generate(params, draft_k=4, ring=ring, prefill_chunk=4)
 
 
-def test_the_source_measured_likelier_to_be_accepted_goes_first():
-    from specpipe.core.tree import DraftTree
+class Matching(NgramSource):
+    """An n-gram that has a match every round: fives."""
 
+    def propose(self, k):
+        return DraftTree.chain([5] * k)
+
+
+def offering(drafts, adaptive=True):
+    """A generation whose n-gram matches every round and whose tail sent back `drafts`."""
+    ngram, tail = Matching(), TailSource()
     gen = Generation(
         LocalRing(toy_stages()),
         "s",
@@ -248,32 +258,57 @@ def test_the_source_measured_likelier_to_be_accepted_goes_first():
         SamplingParams(temp=0.0),
         max_new_tokens=8,
         draft_k=3,
-        adaptive=True,
+        adaptive=adaptive,
+        sources=[ngram, tail],
     )
-    gen.drafter.propose = lambda k: [5] * k  # the n-gram has a match every round
-    gen.head_tree, gen.head_wanted = DraftTree.chain([6, 6, 6]), 3
+    tail.proposal, tail.wanted = DraftTree.chain(drafts), len(drafts)
+    return gen, ngram, tail
+
+
+def test_the_source_measured_likelier_to_be_accepted_goes_first():
+    gen, ngram, tail = offering([6, 6, 6])
     length = gen.draft_length
-    for _ in range(10):  # the n-gram's drafts miss, the head's are taken
+    for _ in range(10):  # the n-gram's drafts miss, the tail's are taken
         length.score([5, 5, 5], [1, 2, 3, 4], "ngram")
         length.score([1, 2, 3], [1, 2, 3, 4], "head")
-    proposal, from_head = gen._propose(3)
-    assert from_head and proposal.tokens == (6, 6, 6)
-    assert gen.offers == {"ngram": [5, 5, 5], "head": [6, 6, 6]}
-    # The head is asked for the next round even while the n-gram's chain goes out.
-    assert gen._ask_head([5, 5, 5], from_head=False)[1] > 0
+    proposal, source = gen._propose(3)
+    assert source is tail and proposal.tokens == (6, 6, 6)
+    assert {name: t.main_branch() for name, t in gen.offers.items()} == {
+        "ngram": [5, 5, 5],
+        "head": [6, 6, 6],
+    }
+    # The tail is asked for the next round even while the n-gram's chain goes out.
+    assert gen._ask_tail(ngram)[1] > 0 and tail.wanted > 0
     for _ in range(30):  # text that copies: now the n-gram leads
         length.score([1, 2, 3], [1, 2, 3, 4], "ngram")
         length.score([6, 6, 6], [1, 2, 3, 4], "head")
-    proposal, from_head = gen._propose(3)
-    assert not from_head and proposal.tokens == (5, 5, 5)
-    assert gen._ask_head([5, 5, 5], from_head=False) == (None, 0)
-    # Without adaptive lengths there is nothing measured: the n-gram's match goes first.
-    fixed = Generation(
-        LocalRing(toy_stages()), "s", PROMPT, SamplingParams(temp=0.0), max_new_tokens=8, draft_k=3
+    proposal, source = gen._propose(3)
+    assert source is ngram and proposal.tokens == (5, 5, 5)
+    assert gen._ask_tail(ngram) == (None, 0) and tail.wanted == 0
+    assert gen._propose(3) == (DraftTree.chain([5, 5, 5]), ngram)  # the tail offers nothing now
+    # Without adaptive lengths there is nothing measured: the first source's match goes first.
+    fixed, ngram, _ = offering([6, 6, 6], adaptive=False)
+    assert fixed._propose(3) == (DraftTree.chain([5, 5, 5]), ngram)
+
+
+def test_each_source_learns_every_commit_and_forgets_the_session_at_the_end():
+    params = SamplingParams(temp=0.0)
+    ngram, tail = NgramSource(), TailSource()
+    gen = Generation(
+        HeadRing(toy_stages(), token=1),
+        "s",
+        PROMPT,
+        params,
+        max_new_tokens=12,
+        draft_k=3,
+        sources=[ngram, tail],
     )
-    fixed.drafter.propose = lambda k: [5] * k
-    fixed.head_tree, fixed.head_wanted = DraftTree.chain([6, 6, 6]), 3
-    assert fixed._propose(3) == (DraftTree.chain([5, 5, 5]), False)
+    seen = []
+    for _ in gen.rounds():
+        seen.append(list(ngram.drafter.tokens))
+    assert seen[-1] == PROMPT + gen.generated  # the prompt first, then every round's tokens
+    assert len(gen.generated) == 12
+    assert ngram.drafter.tokens == [] and tail.proposal.tokens == () and tail.wanted == 0
 
 
 @pytest.mark.parametrize("temp", [0.0, 0.9])

@@ -9,6 +9,7 @@ from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.local_ring import LocalRing
 from specpipe.drafting.head import TailHead
+from specpipe.drafting.sources import DraftSource, TailDrafter, named_sources
 from specpipe.model.resolve import load_tokenizer, model_label, open_checkpoint
 from specpipe.model.stage import load_stage
 
@@ -30,8 +31,9 @@ def ring_parts():
 def _generate(ring_parts, params, drafts_from: str, draft_k: int, head: bool = True):
     stages, tail_head, prompt_ids = ring_parts
     ring = LocalRing(stages, tail_head if head else None)
+    sources = named_sources(drafts_from, params)
     generation = Generation(
-        ring, "s", prompt_ids, params, max_new_tokens=40, draft_k=draft_k, drafts_from=drafts_from
+        ring, "s", prompt_ids, params, max_new_tokens=40, draft_k=draft_k, sources=sources
     )
     return generation.run(), generation.stats
 
@@ -50,6 +52,16 @@ def test_head_drafts_are_accepted_and_change_no_token(ring_parts, params):
     # A ring without a head sends no drafts back: the same tokens, one per round.
     alone, alone_stats = _generate(ring_parts, params, "head", 4, head=False)
     assert alone == plain and alone_stats.drafted == 0
+
+
+def test_the_head_is_a_drafter_at_the_tail_and_named_sources_are_draft_sources(ring_parts):
+    assert isinstance(ring_parts[1], TailDrafter)
+    for name in ("ngram", "head", "both"):
+        sources = named_sources(name, SamplingParams(temp=0.0))
+        assert sources and all(isinstance(s, DraftSource) for s in sources)
+    assert [s.name for s in named_sources("both", SamplingParams(temp=0.0))] == ["ngram", "head"]
+    with pytest.raises(ValueError, match="drafts_from must be one of"):
+        named_sources("eagle", SamplingParams(temp=0.0))
 
 
 def test_the_inverse_cdf_sampler_at_a_temperature_asks_nothing_of_the_head(ring_parts):

@@ -12,6 +12,7 @@ from specpipe.decoding.generation import Generation
 from specpipe.decoding.local_ring import LocalRing
 from specpipe.drafting.head import DraftHead, TailHead, TargetParts
 from specpipe.drafting.length import DraftLength
+from specpipe.drafting.sources import named_sources
 from specpipe.drafting.tree_size import TreeSize
 from specpipe.model.resolve import load_stages
 from tests.swarmprocs import write_tiny_model
@@ -46,7 +47,7 @@ def with_trees(ring, params, n, shape=None, session="trees"):
         max_new_tokens=n,
         draft_k=4,
         adaptive=True,
-        drafts_from="head",
+        sources=named_sources("head", params),
         trees=True,
     )
     if shape is not None:  # every round asks the head for this tree

@@ -16,6 +16,7 @@ from specpipe.core.tree import TreeShape
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.target import open_target
 from specpipe.drafting.head import DraftHead
+from specpipe.drafting.sources import named_sources
 from specpipe.model.resolve import model_label, open_checkpoint
 from specpipe.settings import Settings
 from specpipe.swarm import streams
@@ -66,7 +67,7 @@ def tree_run(ring, session, params, n):
         max_new_tokens=n,
         draft_k=4,
         adaptive=True,
-        drafts_from="head",
+        sources=named_sources("head", params),
         trees=True,
     )
     generation.tree_size.choose = lambda limit=None: WIDE  # a wide tree every round

@@ -24,7 +24,7 @@ from specpipe.swarm.stage.activity import remember
 from specpipe.swarm.stage.counters import StageStats
 
 if TYPE_CHECKING:
-    from specpipe.drafting.head import TailHead
+    from specpipe.drafting.sources import TailDrafter
 
 MAX_SESSIONS = 4096  # sessions whose sampling parameters are kept
 
@@ -46,7 +46,7 @@ class TailSamplers:
         stage: Stage,
         sampling: TailSampling,
         stats: StageStats,
-        head: TailHead | None = None,
+        head: TailDrafter | None = None,
     ) -> None:
         self.stage = stage
         self.sampling = sampling
