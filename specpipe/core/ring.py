@@ -167,6 +167,18 @@ class FeatureStage(Stage, Protocol):
     features: dict[str, torch.Tensor]
 
 
+class TappedStage(Stage, Protocol):
+    """A stage that keeps, per session, the hidden states entering `tap_layers` for every row
+    of its last round: what an EAGLE-3 head drafts from."""
+
+    tap_layers: frozenset[int]
+
+    def carry_taps(self, session: str, before: torch.Tensor | None) -> torch.Tensor | None:
+        """`before` (the earlier stages' taps of the round, [T, j x D]) with this stage's
+        beside them."""
+        ...
+
+
 class Hop(Protocol):
     """One stage on a route: its host, the Redis holding its input stream, and what it is
     routed for (layers `layer_start:layer_end` of `model`), which it checks at every round."""

@@ -23,7 +23,12 @@ class LocalRing:
         if not stages or not stages[0].first or not stages[-1].last:
             raise ValueError("a ring needs stages from the embeddings (first) to the head (last)")
         self.stages = list(stages)
-        self.head = head  # the tail's draft head (see `drafthead.load_with_head`), if any
+        self.head = head  # the tail's drafter (see `drafthead.load_with_head`), if any
+        # A drafter that reads taps has every stage keep those of its layers for each round
+        # (`core.ring.TappedStage`).
+        self.tapping = head is not None and bool(head.taps)
+        for stage in self.stages if self.tapping else ():
+            stage.tap_layers = frozenset(head.taps)
         self.samplers: dict[str, Sampler] = {}
 
     def reset(self, session: str, params: SamplingParams) -> None:
@@ -48,6 +53,7 @@ class LocalRing:
             raise KeyError(f"session {session!r} was never reset")
         x = torch.tensor(list(tokens), dtype=torch.long)
         tail = self.stages[-1]
+        taps = None  # the round's taps so far, every stage's beside the earlier ones'
         # A tree's rows, or rows to keep of the last one, go as `forward_many` takes them; a
         # tree the round only asks of the head concerns the tail's head alone.
         if branches is not None and (branches.parents is not None or branches.keep):
@@ -57,11 +63,16 @@ class LocalRing:
                 (x,) = stage.forward_many([request])
                 if isinstance(x, BaseException):
                     raise x
+                taps = stage.carry_taps(session, taps) if self.tapping else None
             logits = x
         else:
             for stage in self.stages[:-1]:
                 x = stage.forward(session, x, start_pos)
+                taps = stage.carry_taps(session, taps) if self.tapping else None
             logits = tail.forward(session, x, start_pos, last_rows=n_draft + 1)
+            taps = tail.carry_taps(session, taps) if self.tapping else None
+        if taps is not None:
+            tail.features[session] = taps  # what the drafter drafts from: every row's taps
         return finish_round(
             tail, session, logits, tokens, start_pos, n_draft, sampler, self.head, head_k, branches
         )

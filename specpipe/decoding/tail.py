@@ -55,9 +55,16 @@ def finish_round(
     found = RoundResult(result, logprobs, path=path)
     if head is None:
         return found
-    # Each committed token with the feature of the row that drew it: the head's past.
+    # Each committed token with the feature of the row that drew it: the head's past. Where
+    # the tail kept more rows than the verify's (every row's taps, for an EAGLE-3 head), the
+    # rows before the root drew the round's own tokens after them.
     kept = tail.features.get(session)
     if kept is not None:
+        before = kept.shape[0] - (n_draft + 1)
+        if before > 0:
+            first = len(tokens) - n_draft - before  # the token the first of them drew
+            head.remember(session, kept[:before], tokens[first : first + before], start_pos + first)
+            kept = kept[before:]
         drew = path if path else range(len(committed))
         head.remember(session, kept[list(drew)], committed, root_pos + 1)
     root = int(tokens[len(tokens) - n_draft - 1])
@@ -67,7 +74,7 @@ def finish_round(
         return found
     # The last committed token was drawn from `feature_row`, whose feature sits one position
     # before that token's.
-    features = tail.features[session][feature_row]
+    features = kept[feature_row]
     token_pos = root_pos + len(committed)
     if shape is not None:
         tree = head.draft_tree(session, features, committed[-1], token_pos, shape, sampler.params)

@@ -37,10 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpipe.core.coupling import gumbel_draw, gumbel_noise
-from specpipe.core.sampling import SamplingParams, target_probs
-from specpipe.core.tree import MAX_RANK, DraftTree, TreeShape
+from specpipe.core.sampling import SamplingParams
+from specpipe.core.tree import DraftTree, TreeShape
 from specpipe.drafting.attention import WINDOW, DraftRows, PastAttention, SessionPast, rms
+from specpipe.drafting.coupled import coupled_draft
+from specpipe.drafting.tree_growth import RankedTrees, grow_tree
 
 FORMAT = "specpipe-draft-head-1"
 SHIPPED = Path(__file__).resolve().parent / "heads"  # the heads the package ships
@@ -222,63 +223,30 @@ class DraftHead(nn.Module):
         past: SessionPast | None = None,
     ) -> tuple[DraftTree, dict[tuple[int, ...], list[int]]]:
         """A draft tree of `shape` under `token` (at absolute position `token_pos`), and the
-        candidates ranked at each node it expanded, keyed by the node's tokens below the root.
+        candidates ranked at each node it expanded, keyed by the node's tokens below the root
+        (`tree_growth.grow_tree`). h_last [D] is the target's pre-norm feature at token_pos - 1;
+        `past` as for `draft`, and a node attends it and the pairs on its own path. A node's
+        state is its predicted feature and, with an attention layer, its path's keys and
+        values."""
 
-        h_last [D] is the target's pre-norm feature at token_pos - 1; `past` as for `draft`,
-        and a node attends it and the pairs on its own path. The nodes of one depth step
-        together (one product of the head for all of them); a node's candidates are the tokens
-        its logits rank best under the noise the target draws that position with
-        (`ranked_candidates`), so rank 0 is `draft`'s token and the others are the next most
-        likely to equal the target's draw. A slot whose rank the node lacks (a top-k or top-p
-        cut leaves fewer candidates) is left out with everything under it."""
-        depths, ids = shape.depths, self.token_ids()
-        row_of = {0: 0}  # shape row -> tree row, for the rows kept
-        tokens: list[int] = []
-        parents: list[int] = []
-        keys: dict[int, tuple[int, ...]] = {0: ()}  # tree row -> its tokens below the root
-        features: dict[int, torch.Tensor] = {}  # tree row -> the head's feature predicted there
-        # tree row -> the keys and values of its path's pairs, with an attention layer
-        own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        candidates: dict[tuple[int, ...], list[int]] = {}
-        node_token = {0: int(token)}
-        for depth in range(max(depths, default=0)):
-            # Every kept row at this depth with a child in the shape steps now.
-            expand = sorted(
-                {row_of[p] for p in shape.parents if p in row_of and depths[p] == depth}
-            )
-            if not expand:
-                break
-            # A node steps from its parent's predicted feature (the root: the target's own).
-            h = torch.stack(
-                [h_last.reshape(-1) if r == 0 else features[parents[r - 1]] for r in expand]
-            )
-            ids_in = torch.tensor([node_token[r] for r in expand], device=h.device)
+        def step(states: list, ids: list[int], depth: int):
+            # One product of the head for every node of this depth.
+            h = torch.stack([feature for feature, _ in states])
             rows = DraftRows(past, token_pos + depth)
             if depth and self.attention is not None:
-                paths = [own[parents[r - 1]] for r in expand]
-                rows.own = (torch.stack([k for k, _ in paths]), torch.stack([v for _, v in paths]))
-            h_next, logits = self.step(parts, h, ids_in, rows)
-            logits = logits.cpu().numpy()
-            for i, r in enumerate(expand):
-                features[r] = h_next[i]
-                if rows.own is not None:
-                    own[r] = (rows.own[0][i], rows.own[1][i])
-                candidates[keys[r]] = ranked_candidates(
-                    logits[i], params, token_pos + depth + 1, ids, MAX_RANK
+                rows.own = (
+                    torch.stack([own[0] for _, own in states]),
+                    torch.stack([own[1] for _, own in states]),
                 )
-            for slot, (parent, rank) in enumerate(zip(shape.parents, shape.ranks, strict=True)):
-                if depths[slot + 1] != depth + 1 or parent not in row_of:
-                    continue
-                ranked = candidates[keys[row_of[parent]]]
-                if rank >= len(ranked):
-                    continue
-                row = len(tokens) + 1
-                row_of[slot + 1] = row
-                tokens.append(ranked[rank])
-                parents.append(row_of[parent])
-                node_token[row] = ranked[rank]
-                keys[row] = (*keys[row_of[parent]], ranked[rank])
-        return DraftTree(tuple(tokens), tuple(parents)), candidates
+            h_next, logits = self.step(parts, h, torch.tensor(ids, device=h.device), rows)
+            after = [
+                (h_next[i], None if rows.own is None else (rows.own[0][i], rows.own[1][i]))
+                for i in range(len(ids))
+            ]
+            return after, logits.cpu().numpy()
+
+        root = (h_last.reshape(-1), None)
+        return grow_tree(shape, token, token_pos, params, self.token_ids(), root, step)
 
     # -- files ------------------------------------------------------------------------------
 
@@ -341,41 +309,6 @@ def check_fits(meta: dict[str, object], model: str, dim: int, vocab: int) -> Non
             f"the head was trained for model {got[0]!r} (dim {got[1]}, vocab {got[2]}), "
             f"not {model!r} (dim {dim}, vocab {vocab})"
         )
-
-
-def coupled_draft(
-    logits: np.ndarray, params: SamplingParams, position: int, ids: np.ndarray | None = None
-) -> int:
-    """The drafter's token at `position` from its logits [V'] (column c is token ids[c], or c):
-    argmax when greedy, else the Gumbel-max draw of its distribution under the target's
-    sampling parameters and the target's noise for those tokens."""
-    if params.temp <= 0:
-        best = int(np.argmax(logits))
-        return best if ids is None else int(ids[best])
-    q = target_probs(logits, params.temp, params.top_p, params.top_k)
-    return gumbel_draw(q, params.seed, position, ids)
-
-
-def ranked_candidates(
-    logits: np.ndarray, params: SamplingParams, position: int, ids: np.ndarray | None, n: int
-) -> list[int]:
-    """The drafter's best `n` tokens at `position` from its logits [V'] (column c is token
-    ids[c], or c), best first: by logit when greedy, else by the Gumbel-max score log q + g
-    under the target's noise, over the tokens q keeps. The first is `coupled_draft`'s token."""
-    if params.temp <= 0:
-        scores = np.asarray(logits, dtype=np.float64)
-        columns = np.arange(len(scores))
-    else:
-        q = target_probs(logits, params.temp, params.top_p, params.top_k)
-        columns = np.flatnonzero(q > 0)
-        tokens = columns if ids is None else np.asarray(ids)[columns]
-        scores = np.log(q[columns]) + gumbel_noise(params.seed, position, tokens)
-    n = min(n, len(scores))
-    top = np.argpartition(-scores, n - 1)[:n] if n < len(scores) else np.arange(len(scores))
-    # Best first; on a tie the lower column, as `coupled_draft`'s argmax picks it.
-    best = top[np.lexsort((columns[top], -scores[top]))]
-    chosen = columns[best]
-    return [int(c) if ids is None else int(ids[c]) for c in chosen]
 
 
 def frequent_tokens(top_ids: torch.Tensor, top_probs: torch.Tensor, vocab: int, n: int):
@@ -445,12 +378,13 @@ class TailHead:
     candidates it ranked, to say at the next round which rank the target's tokens had; with an
     attention layer, the keys and values of the session's last committed pairs."""
 
+    taps: tuple[int, ...] = ()  # it drafts from the tail's own features
+
     def __init__(self, head: DraftHead, parts: TargetParts) -> None:
         self.head, self.parts = head, parts
         if head.vocab is not None:
             head._head_rows(parts)  # taken now, while the stage's head is still plain
-        # session -> (root position, root token, candidates by node) of its last tree
-        self._ranked: OrderedDict[str, tuple[int, int, dict]] = OrderedDict()
+        self.ranked = RankedTrees(MAX_RANKED_SESSIONS)
         self._past: OrderedDict[str, SessionPast] = OrderedDict()
 
     @classmethod
@@ -517,32 +451,18 @@ class TailHead:
         tree, candidates = self.head.draft_tree(
             self.parts, feature, int(token), token_pos, shape, params, past
         )
-        self._ranked[session] = (token_pos, int(token), candidates)
-        self._ranked.move_to_end(session)
-        while len(self._ranked) > MAX_RANKED_SESSIONS:
-            self._ranked.popitem(last=False)
+        self.ranked.keep(session, token_pos, token, candidates)
         return tree
 
     def ranks_of(
         self, session: str, root_pos: int, root: int, committed: Sequence[int]
     ) -> list[int]:
-        """After a round from `root` at `root_pos` committed `committed`: if the head's last
-        tree grew from that root, the rank of each committed token among its candidates at the
-        node the walk was at (-1: none of them), up to the first node it did not expand."""
-        last = self._ranked.get(session)
-        if last is None or last[:2] != (root_pos, int(root)):
-            return []
-        candidates, ranks = last[2], []
-        for depth, token in enumerate(committed):
-            ranked = candidates.get(tuple(int(t) for t in committed[:depth]))
-            if ranked is None:
-                break
-            ranks.append(ranked.index(token) if token in ranked else -1)
-        return ranks
+        """The ranks of the committed tokens in the session's last tree (`RankedTrees`)."""
+        return self.ranked.ranks_of(session, root_pos, root, committed)
 
     def forget(self, session: str) -> None:
         """Let go of what the head remembers of a session."""
-        self._ranked.pop(session, None)
+        self.ranked.forget(session)
         self._past.pop(session, None)
 
 

@@ -124,6 +124,10 @@ def named_sources(name: str, params: SamplingParams) -> list[DraftSource]:
 class TailDrafter(Protocol):
     """A drafter at the tail, for every session the stage serves (see the module's docstring)."""
 
+    # The target's layers whose incoming hidden states it drafts from, every row's, side by
+    # side (`StageModel.tap_layers`); none: the tail's own rows before the final norm.
+    taps: tuple[int, ...]
+
     def remember(
         self, session: str, features: torch.Tensor, tokens: Sequence[int], first_pos: int
     ) -> None:

@@ -49,6 +49,12 @@ class StageModel(nn.Module):
         # (the features the head drafts from), until its next round replaces them.
         self.keep_features = False
         self.features: dict[str, torch.Tensor] = {}
+        # The layers whose incoming hidden states an EAGLE-3 head reads ("taps", counted as
+        # transformers counts hidden states: k enters layer k, n_layers is the last layer's
+        # output before the final norm). This stage keeps, for each session's last round, the
+        # taps in its range for every row, side by side: [T, taps here x D] (`carry_taps`).
+        self.tap_layers: frozenset[int] = frozenset()
+        self.tapped: dict[str, torch.Tensor] = {}
         # A step of fewer rows than the products need runs padded from the first layer to the
         # last, rather than padding and slicing around each product (mixtures of experts route
         # every row, so they pad per product instead).
@@ -135,15 +141,25 @@ class StageModel(nn.Module):
                 cos, sin = cos[depths], sin[depths]
             segments.append((P, T, cos, sin, req.start_pos, paths))
         x = xs[0] if len(xs) == 1 else torch.cat(xs)  # [sum of P, D]
+        taps = self.taps_here()
+        snaps = []  # the hidden state entering each tapped layer, every session's rows
         for layer_index, layer in enumerate(self.layers):
+            if self.start + layer_index in taps:
+                snaps.append(x)
             parts = [
                 Segment(P, T, cos, sin, cache.layers[layer_index], pos, paths)
                 for (P, T, cos, sin, pos, paths), cache in zip(segments, caches, strict=True)
             ]
             x = layer.forward_many(x, parts)
+        if self.end in taps:  # the last layer's output (the tail's only)
+            snaps.append(x)
         start, kept = 0, []
         for i, cache, (P, T, _, _, pos, paths) in zip(rows, caches, segments, strict=True):
             h = x[start : start + T]
+            if snaps:
+                self.tapped[requests[i].session] = torch.cat(
+                    [snap[start : start + T] for snap in snaps], dim=-1
+                )  # [T, taps here x D]
             start += P
             # A tree's rows wait for its accepted path (`keep_path`); the cache ends at its root.
             cache.length = pos + T if paths is None else pos
@@ -164,6 +180,19 @@ class StageModel(nn.Module):
             outs[i] = logits[start : start + h.shape[0]]  # [rows kept, V]
             start += h.shape[0]
         return outs
+
+    def taps_here(self) -> list[int]:
+        """The tapped layers this stage holds the states of, in order."""
+        last = self.cfg.n_layers if self.last else self.end - 1
+        return sorted(k for k in self.tap_layers if self.start <= k <= last)
+
+    def carry_taps(self, session: str, before: torch.Tensor | None) -> torch.Tensor | None:
+        """The taps of the session's last round so far: `before` (the earlier stages', [T, j x
+        D]) with this stage's beside them, which it lets go of."""
+        own = self.tapped.pop(session, None)
+        if own is None or before is None:
+            return before if own is None else own
+        return torch.cat([before, own], dim=-1)
 
     @torch.inference_mode()
     def keep_path(self, session: str, rows: Sequence[int]) -> None:
@@ -234,6 +263,7 @@ class StageModel(nn.Module):
         """Forget a session's cache."""
         self.sessions.pop(session, None)
         self.features.pop(session, None)
+        self.tapped.pop(session, None)
 
     def held_tokens(self) -> dict[str, int]:
         """The positions each session's cache holds now."""

@@ -384,7 +384,7 @@ def head_tree(
     """The tree `DraftHead.draft_tree` assembles for `shape` from the head's own ranking
     (`ranked_candidates`) of the drafter's logits after each row's prefix, the root's children
     holding the tokens at position `start`."""
-    from specpipe.drafting.head import ranked_candidates  # torch: only this check needs it
+    from specpipe.drafting.coupled import ranked_candidates
 
     row_of, tokens, parents = {0: 0}, [], []
     prefixes: dict[int, tuple[int, ...]] = {0: ()}  # tree row → its drafts below the root

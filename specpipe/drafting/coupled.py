@@ -1,0 +1,51 @@
+"""A drafter's tokens under the target's own noise (the Gumbel coupling, `core.coupling`).
+
+A drafter whose distribution is close to the target's drafts the token the target will draw as
+often as the two allow when it draws with the noise the target draws that position with:
+greedy, its argmax; sampled, the Gumbel-max draw of its distribution under the target's
+temperature, top-p and top-k. Its columns may be part of the target's vocabulary only (`ids`:
+column c is token ids[c]): the noise is the target's for those tokens, and a token outside
+them is simply never drafted. Whatever it drafts, the verify commits the target's own draw.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specpipe.core.coupling import gumbel_draw, gumbel_noise
+from specpipe.core.sampling import SamplingParams, target_probs
+
+
+def coupled_draft(
+    logits: np.ndarray, params: SamplingParams, position: int, ids: np.ndarray | None = None
+) -> int:
+    """The drafter's token at `position` from its logits [V'] (column c is token ids[c], or c):
+    argmax when greedy, else the Gumbel-max draw of its distribution under the target's
+    sampling parameters and the target's noise for those tokens."""
+    if params.temp <= 0:
+        best = int(np.argmax(logits))
+        return best if ids is None else int(ids[best])
+    q = target_probs(logits, params.temp, params.top_p, params.top_k)
+    return gumbel_draw(q, params.seed, position, ids)
+
+
+def ranked_candidates(
+    logits: np.ndarray, params: SamplingParams, position: int, ids: np.ndarray | None, n: int
+) -> list[int]:
+    """The drafter's best `n` tokens at `position` from its logits [V'] (column c is token
+    ids[c], or c), best first: by logit when greedy, else by the Gumbel-max score log q + g
+    under the target's noise, over the tokens q keeps. The first is `coupled_draft`'s token."""
+    if params.temp <= 0:
+        scores = np.asarray(logits, dtype=np.float64)
+        columns = np.arange(len(scores))
+    else:
+        q = target_probs(logits, params.temp, params.top_p, params.top_k)
+        columns = np.flatnonzero(q > 0)
+        tokens = columns if ids is None else np.asarray(ids)[columns]
+        scores = np.log(q[columns]) + gumbel_noise(params.seed, position, tokens)
+    n = min(n, len(scores))
+    top = np.argpartition(-scores, n - 1)[:n] if n < len(scores) else np.arange(len(scores))
+    # Best first; on a tie the lower column, as `coupled_draft`'s argmax picks it.
+    best = top[np.lexsort((columns[top], -scores[top]))]
+    chosen = columns[best]
+    return [int(c) if ids is None else int(ids[c]) for c in chosen]

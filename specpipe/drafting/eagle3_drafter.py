@@ -1,0 +1,171 @@
+"""An EAGLE-3 head drafting at the tail: a `TailDrafter` over the target's taps.
+
+Each round the tail hands it the taps of the round's rows (`StageModel.tap_layers`: the hidden
+states entering the head's three layers, side by side, [rows, 3·Ht]). Row t's taps pair with
+the token at t + 1, and the pair runs through the head's decoder layer at position t; its keys
+and values join the session's cache, which holds one row per position from the session's first
+remembered position on, and is cut back to a round's start before the round's rows join it (a
+rejected draft's row never stays). Drafting from the last committed token at `token_pos`:
+
+    g    = fc(taps at token_pos - 1)              the root's features, from the target
+    out  = layer(g, embed(token), token_pos - 1)  attending the session's cache before it
+    d1   = coupled draw of lm_head(norm(out))     in the target's noise at token_pos + 1
+    then g = out (or norm(out)), token = d1, one position on, for d2, d3, …
+
+A tree grows the same way from each node's parent (`tree_growth.grow_tree`), every node
+attending the session's cache and its own path. The head's columns are its draft vocabulary:
+column c drafts target token c + d2t[c] (`Eagle3Head.token_ids`). Whatever it drafts, the tail's
+verify commits the target's own draw, so the committed tokens are plain sampling's.
+
+One row of a prompt longer than a prefill chunk is paired with the token the chunk's round
+sampled and dropped, not the prompt's next token, as the tail cannot tell such a round from one
+whose token is kept; the head then sees one wrong pair per 512 prompt tokens, which costs
+acceptance only.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specpipe.core.sampling import SamplingParams
+from specpipe.core.tree import DraftTree, TreeShape
+from specpipe.drafting.coupled import coupled_draft
+from specpipe.drafting.eagle3 import Eagle3Head, HeadCache
+from specpipe.drafting.head import DraftHeadError, TargetParts
+from specpipe.drafting.tree_growth import RankedTrees, grow_tree
+
+MAX_SESSIONS = 256  # sessions whose cache the head keeps (the least recently used goes first)
+MAX_RANKED_SESSIONS = 4096  # sessions whose last tree's candidates it remembers
+
+
+@dataclass
+class SessionRows:
+    """A session's rows in the head's layer: positions first, first + 1, …"""
+
+    first: int
+    cache: HeadCache
+
+    def before(self, position: int) -> HeadCache | None:
+        """The rows at positions before `position` (None: none)."""
+        n = position - self.first
+        if n <= 0:
+            return None
+        return self.cache if n >= self.cache.length else self.cache.upto(n)
+
+
+class Eagle3Drafter:
+    """A released (or synthesized) EAGLE-3 head at the tail, for every session it serves."""
+
+    def __init__(self, head: Eagle3Head, parts: TargetParts) -> None:
+        if list(head.cfg.taps) != sorted(set(head.cfg.taps)):
+            # The stages keep their taps in the ring's order: the head must read them so.
+            raise DraftHeadError(f"the head's taps {list(head.cfg.taps)} are not in layer order")
+        self.head, self.parts = head, parts
+        self.ids = head.token_ids()
+        self._rows: OrderedDict[str, SessionRows] = OrderedDict()
+        self.ranked = RankedTrees(MAX_RANKED_SESSIONS)
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """The target's layers whose incoming states it reads, in layer order."""
+        return self.head.cfg.taps
+
+    def _embed(self, ids: Sequence[int]) -> torch.Tensor:
+        tokens = torch.tensor([int(t) for t in ids], dtype=torch.long)
+        return self.parts.embed(tokens).float()
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.head.logits(out, self.parts.head).float()
+
+    @torch.inference_mode()
+    def remember(
+        self, session: str, features: torch.Tensor, tokens: Sequence[int], first_pos: int
+    ) -> None:
+        """Tokens the session committed at first_pos …, each with the taps [m, 3·Ht] of the row
+        before it: their rows join the session's cache, anything at or after them cut."""
+        if not len(tokens):
+            return
+        position = first_pos - 1  # the first row's own position
+        known = self._rows.get(session)
+        past = None
+        if known is not None and known.first <= position <= known.first + known.cache.length:
+            past = known.before(position)
+        first = known.first if past is not None else position
+        g = self.head.fuse(features.float())  # [m, H]
+        _, cache = self.head(g, self._embed(tokens), position, past)
+        self._rows[session] = SessionRows(first, cache)
+        self._rows.move_to_end(session)
+        while len(self._rows) > MAX_SESSIONS:
+            self._rows.popitem(last=False)
+
+    def _past_before(self, session: str, position: int) -> HeadCache | None:
+        known = self._rows.get(session)
+        return None if known is None else known.before(position)
+
+    @torch.inference_mode()
+    def drafts_after(
+        self,
+        session: str,
+        feature: torch.Tensor,
+        token: int,
+        token_pos: int,
+        k: int,
+        params: SamplingParams,
+    ) -> list[int]:
+        """K drafts in a chain after the last committed `token` at `token_pos`, from the taps
+        [3·Ht] of the row before it."""
+        drafts: list[int] = []
+        position = token_pos - 1
+        past = self._past_before(session, position)
+        g = self.head.fuse(feature.reshape(1, -1).float())
+        for j in range(1, k + 1):
+            out, past = self.head(g, self._embed([token]), position, past)
+            token = coupled_draft(self._logits(out)[0].numpy(), params, token_pos + j, self.ids)
+            drafts.append(token)
+            g, position = self.head.feed_back(out), position + 1
+        return drafts
+
+    @torch.inference_mode()
+    def draft_tree(
+        self,
+        session: str,
+        feature: torch.Tensor,
+        token: int,
+        token_pos: int,
+        shape: TreeShape,
+        params: SamplingParams,
+    ) -> DraftTree:
+        """A tree of `shape` after the last committed `token`; its candidates are remembered
+        for `ranks_of` until the session's next tree. A node's state is the features it is fed
+        and the cache along its path (the session's rows, then its ancestors')."""
+
+        def step(states: list, ids: list[int], depth: int):
+            after, logits = [], []
+            for (g, past), node in zip(states, ids, strict=True):
+                out, cache = self.head(g, self._embed([node]), token_pos - 1 + depth, past)
+                after.append((self.head.feed_back(out), cache))
+                logits.append(self._logits(out)[0])
+            return after, torch.stack(logits).numpy()
+
+        root = (
+            self.head.fuse(feature.reshape(1, -1).float()),
+            self._past_before(session, token_pos - 1),
+        )
+        tree, candidates = grow_tree(shape, token, token_pos, params, self.ids, root, step)
+        self.ranked.keep(session, token_pos, token, candidates)
+        return tree
+
+    def ranks_of(
+        self, session: str, root_pos: int, root: int, committed: Sequence[int]
+    ) -> list[int]:
+        """The ranks of the committed tokens in the session's last tree (`RankedTrees`)."""
+        return self.ranked.ranks_of(session, root_pos, root, committed)
+
+    def forget(self, session: str) -> None:
+        """Let go of what the head keeps of a session."""
+        self._rows.pop(session, None)
+        self.ranked.forget(session)

@@ -1,0 +1,189 @@
+"""An EAGLE-3 head drafting at the tail of a one-process ring: the stages keep the states entering
+its tapped layers, the head drafts from them, and the committed tokens stay plain sampling's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specpipe.core.sampling import SamplingParams
+from specpipe.core.tree import TreeShape
+from specpipe.decoding.generation import Generation
+from specpipe.decoding.local_ring import LocalRing
+from specpipe.drafting.eagle3 import Eagle3Config, Eagle3Head
+from specpipe.drafting.eagle3_drafter import Eagle3Drafter
+from specpipe.drafting.head import DraftHeadError, TargetParts
+from specpipe.drafting.sources import TailDrafter, named_sources
+from specpipe.model.resolve import load_stages, open_checkpoint
+from specpipe.model.stage import load_stage
+from tests.swarmprocs import write_tiny_model
+
+PROMPT = [5, 17, 42, 8, 23, 61, 9, 5, 17, 30]
+TAPS = (1, 2, 4)  # of the tiny model's 4 layers: 4 is the last layer's output
+GREEDY = SamplingParams(temp=0.0)
+SAMPLED = SamplingParams(temp=0.8, top_p=0.95, seed=7, sampler="gumbel")
+WIDE = TreeShape((0, 0, 0, 1, 1, 4, 2), (0, 1, 2, 0, 1, 0, 0))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("eagle3") / "tiny")
+
+
+def head_for(stages, seed: int = 0, draft_vocab: int | None = None) -> Eagle3Head:
+    """A random head of the model's width, reading TAPS."""
+    cfg = stages[-1].cfg
+    vocab = draft_vocab or cfg.vocab_size
+    head = Eagle3Head(
+        Eagle3Config(
+            hidden=cfg.dim,
+            heads=cfg.n_heads,
+            kv_heads=cfg.n_kv_heads,
+            head_dim=cfg.head_dim,
+            intermediate=48,
+            draft_vocab=vocab,
+            target_vocab=cfg.vocab_size,
+            taps=TAPS,
+            norm_eps=cfg.norm_eps,
+        )
+    )
+    torch.manual_seed(seed)
+    for name, weight in head.named_parameters():
+        if "norm" not in name:
+            torch.nn.init.normal_(weight, std=0.05)
+    if vocab < cfg.vocab_size:  # every other token: column c drafts token 2c
+        head.d2t.copy_(torch.arange(vocab))
+    return head
+
+
+def ring_with(stages, head: Eagle3Head) -> LocalRing:
+    parts = TargetParts.from_stage(stages[-1], stages[0].embed.weight)
+    return LocalRing(stages, Eagle3Drafter(head, parts))
+
+
+def run(ring, params, n=30, draft_k=3, trees=False, session="s"):
+    generation = Generation(
+        ring,
+        session,
+        PROMPT,
+        params,
+        max_new_tokens=n,
+        draft_k=draft_k,
+        adaptive=trees,
+        trees=trees,
+        sources=named_sources("head", params),
+    )
+    if trees:
+        generation.tree_size.choose = lambda limit=None: WIDE
+    tokens = generation.run()
+    ring.drop(session)
+    return tokens, generation.stats
+
+
+def test_the_stages_keep_the_states_entering_the_tapped_layers(model):
+    stages = load_stages(model, 2, pack=False)  # layers 0:2 and 2:4
+    ring = ring_with(stages, head_for(stages))
+    assert isinstance(ring.head, TailDrafter)
+    ring.reset("s", GREEDY)
+    ring.round("s", PROMPT, 0, 0)
+    taps = stages[-1].features["s"]  # [T, 3 x D]
+    D = stages[-1].cfg.dim
+    assert taps.shape == (len(PROMPT), 3 * D)
+    ids = torch.tensor(PROMPT)
+    checkpoint = open_checkpoint(model)
+    for i, layer in enumerate(TAPS[:2]):  # entering layer k: the output of layers 0 … k-1
+        upto = load_stage(checkpoint, 0, layer, pack=False)
+        expected = upto.forward("r", ids, 0)
+        assert torch.allclose(taps[:, i * D : (i + 1) * D], expected, atol=1e-5), layer
+    whole = load_stage(checkpoint, 0, 4, pack=False)  # the last layer's output, before the norm
+    whole.keep_features = True
+    whole.forward("r", ids, 0, last_rows=len(PROMPT))
+    assert torch.allclose(taps[:, 2 * D :], whole.features["r"], atol=1e-5)
+    # Nothing is kept where no drafter reads taps.
+    plain = LocalRing(load_stages(model, 2, pack=False))
+    plain.reset("s", GREEDY)
+    plain.round("s", PROMPT, 0, 0)
+    assert all(not stage.tapped and not stage.tap_layers for stage in plain.stages)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "gumbel"])
+@pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
+@pytest.mark.parametrize("draft_vocab", [None, 40], ids=["whole-vocab", "part-vocab"])
+def test_spec_equals_plain_whatever_a_random_head_drafts(model, params, trees, draft_vocab):
+    stages = load_stages(model, 2, pack=False)
+    ring = ring_with(stages, head_for(stages, seed=3, draft_vocab=draft_vocab))
+    plain, _ = run(ring, params, draft_k=0)
+    spec, stats = run(ring, params, trees=trees)
+    assert spec == plain and stats.head_rounds > 0
+    if trees:
+        assert stats.tree_rounds > 0
+    if draft_vocab:
+        drafted = ring.head.ids
+        assert set(drafted.tolist()) == set(range(0, 2 * draft_vocab, 2))
+
+
+def test_the_sessions_cache_after_its_rounds_is_the_one_built_at_once(model):
+    # Each round's rows join the cache where they stand, cut back to their start: a replay
+    # from position 0 after a stage lost the session (it restarted) builds it again, and
+    # whatever happened on the way it ends as the committed tokens' rows, built in one go.
+    stages = load_stages(model, 2, pack=False)
+    head = head_for(stages, seed=5)
+    ring = ring_with(stages, head)
+    generation = Generation(
+        ring, "s", PROMPT, SAMPLED, max_new_tokens=25, sources=named_sources("head", SAMPLED)
+    )
+    for i, _ in enumerate(generation.rounds()):
+        if i == 4:
+            stages[0].drop("s")  # the next round finds a gap and replays from position 0
+    assert generation.stats.replays == 1 and generation.stats.accepted > 0
+    tokens = PROMPT + generation.generated
+    # The taps of every committed position, in one round on fresh stages.
+    fresh = load_stages(model, 2, pack=False)
+    once = ring_with(fresh, head)
+    once.reset("o", SAMPLED)
+    once.round("o", tokens, 0, 0)
+    taps = fresh[-1].features["o"]
+    n = len(tokens)
+    built = Eagle3Drafter(head, once.head.parts)
+    built.remember("o", taps[: n - 2], tokens[1 : n - 1], 1)  # rows 0 … n-3
+    kept = ring.head._rows["s"]
+    assert kept.first == 0
+    cut = kept.before(n - 2)
+    assert cut.length == n - 2
+    assert torch.allclose(cut.k, built._rows["o"].cache.k, atol=1e-4)
+    assert torch.allclose(cut.v, built._rows["o"].cache.v, atol=1e-4)
+    # And both draft the same after the last token.
+    after = ring.head.drafts_after("s", taps[n - 2], tokens[-1], n - 1, 4, SAMPLED)
+    assert after == built.drafts_after("o", taps[n - 2], tokens[-1], n - 1, 4, SAMPLED)
+
+
+def test_a_greedy_chain_is_the_heads_equations_step_by_step(model):
+    stages = load_stages(model, 2, pack=False)
+    head = head_for(stages, seed=9, draft_vocab=40)
+    ring = ring_with(stages, head)
+    ring.reset("s", GREEDY)
+    ring.round("s", PROMPT, 0, 0)
+    taps, n = stages[-1].features["s"], len(PROMPT)
+    drafter = ring.head
+    drafter.remember("s", taps[: n - 2], PROMPT[1 : n - 1], 1)
+    drafts = drafter.drafts_after("s", taps[n - 2], PROMPT[-1], n - 1, 3, GREEDY)
+    # Written out: the committed rows 0 … n-3 in one pass, then a row at a time.
+    embed = drafter.parts.embed
+    with torch.no_grad():
+        _, past = head(head.fuse(taps[: n - 2]), embed(torch.tensor(PROMPT[1 : n - 1])), 0)
+        g, token, expected = head.fuse(taps[n - 2 : n - 1]), PROMPT[-1], []
+        for position in range(n - 2, n + 1):
+            out, past = head(g, embed(torch.tensor([token])), position, past)
+            column = int(head.lm_head(head.norm(out))[0].argmax())
+            token = column + int(head.d2t[column])  # the draft vocabulary's id in the target's
+            expected.append(token)
+            g = out  # fed back as it is (norm_output off)
+    assert drafts == expected and all(t % 2 == 0 for t in drafts)
+
+
+def test_a_head_whose_taps_are_out_of_layer_order_is_refused(model):
+    stages = load_stages(model, 2, pack=False)
+    head = head_for(stages)
+    head.cfg = Eagle3Config(**{**head.cfg.__dict__, "taps": (2, 1, 4)})
+    with pytest.raises(DraftHeadError, match="not in layer order"):
+        ring_with(stages, head)
