@@ -184,7 +184,8 @@ def finished(text: str, harmony: bool) -> tuple[str, str]:
     "--draft-head",
     default=None,
     metavar="PATH|none",
-    help="With --local, the tail's draft head [default: the one shipped for the model, if any].",
+    help="With --local, the tail's draft head: a head file of ours, or a folder holding a "
+    "released EAGLE-3 head [default: the one shipped for the model, if any].",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def generate(

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -35,6 +36,7 @@ from specpipe.core.sampling import SamplingParams
 from specpipe.core.tree import DraftTree, TreeShape
 from specpipe.drafting.coupled import coupled_draft
 from specpipe.drafting.eagle3 import Eagle3Head, HeadCache
+from specpipe.drafting.eagle3_format import load_eagle3
 from specpipe.drafting.head import DraftHeadError, TargetParts
 from specpipe.drafting.tree_growth import RankedTrees, grow_tree
 
@@ -68,6 +70,17 @@ class Eagle3Drafter:
         self.ids = head.token_ids()
         self._rows: OrderedDict[str, SessionRows] = OrderedDict()
         self.ranked = RankedTrees(MAX_RANKED_SESSIONS)
+
+    @classmethod
+    def for_stage(
+        cls, stage, path: str | Path, embed_weight: torch.Tensor | None = None
+    ) -> Eagle3Drafter:
+        """The released head in folder `path` on `stage`, a tail whose weights are not packed
+        yet (`embed_weight`: the embedding table, unless the tail holds it); DraftHeadError, in
+        one line, for a head that does not fit the model."""
+        cfg = stage.cfg
+        head = load_eagle3(path, cfg.dim, cfg.vocab_size, cfg.n_layers)
+        return cls(head.to(stage.device), TargetParts.from_stage(stage, embed_weight))
 
     @property
     def taps(self) -> tuple[int, ...]:

@@ -31,6 +31,12 @@ def head_config(
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r}: one of {', '.join(FORMATS)}")
     taps = list(default_taps(model["num_hidden_layers"]))
+    # The RoPE as the released heads write it; transformers 5 writes a model's as one dict.
+    rope = dict(model.get("rope_parameters") or {})
+    rope_theta = model.get("rope_theta", rope.pop("rope_theta", 10000.0))
+    rope_scaling = model.get(
+        "rope_scaling", rope if rope.get("rope_type", "default") != "default" else None
+    )
     layer = {
         "model_type": "llama",
         "hidden_size": model["hidden_size"],
@@ -40,8 +46,8 @@ def head_config(
         "intermediate_size": intermediate,
         "num_hidden_layers": 1,
         "rms_norm_eps": model["rms_norm_eps"],
-        "rope_theta": model["rope_theta"],
-        "rope_scaling": model["rope_scaling"],
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
         "max_position_embeddings": model["max_position_embeddings"],
         "vocab_size": model["vocab_size"],
         "hidden_act": "silu",

@@ -41,6 +41,7 @@ from specpipe.core.sampling import SamplingParams
 from specpipe.core.tree import DraftTree, TreeShape
 from specpipe.drafting.attention import WINDOW, DraftRows, PastAttention, SessionPast, rms
 from specpipe.drafting.coupled import coupled_draft
+from specpipe.drafting.sources import TailDrafter
 from specpipe.drafting.tree_growth import RankedTrees, grow_tree
 
 FORMAT = "specpipe-draft-head-1"
@@ -334,9 +335,10 @@ def load_with_head(
     label: str,
     checkpoint=None,
     pack: bool = True,
-) -> tuple[list, TailHead | None]:
-    """The stages `load(**options)` gives, and the draft head on their tail as a stage worker
-    holds it: the head at `path`, none for "none", else the one the package ships for the model
+) -> tuple[list, TailDrafter | None]:
+    """The stages `load(**options)` gives, and the drafter on their tail as a stage worker
+    holds it: the head at `path` (a folder: a released EAGLE-3 head, `Eagle3Drafter`; a file:
+    a head of ours, `TailHead`), none for "none", else the one the package ships for the model
     `label` if there is one; None too when no stage is the tail.
 
     The head takes the tail's plain head weight, so with a head the stages load unpacked
@@ -351,7 +353,12 @@ def load_with_head(
         embed_weight = None
         if tail.embed is None and not tail.cfg.tie_word_embeddings:
             embed_weight = _embedding(stages[0], tail, checkpoint)
-        head = TailHead.for_stage(tail, path, label, embed_weight)
+        if path is not None and Path(path).is_dir():
+            from specpipe.drafting.eagle3_drafter import Eagle3Drafter
+
+            head = Eagle3Drafter.for_stage(tail, path, embed_weight)
+        else:
+            head = TailHead.for_stage(tail, path, label, embed_weight)
     for stage in stages:
         if pack:
             stage.pack()

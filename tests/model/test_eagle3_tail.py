@@ -3,15 +3,22 @@ its tapped layers, the head drafts from them, and the committed tokens stay plai
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
 
+from specpipe.cli import cli
 from specpipe.core.sampling import SamplingParams
 from specpipe.core.tree import TreeShape
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.local_ring import LocalRing
+from specpipe.decoding.target import open_target
 from specpipe.drafting.eagle3 import Eagle3Config, Eagle3Head
 from specpipe.drafting.eagle3_drafter import Eagle3Drafter
+from specpipe.drafting.eagle3_synth import head_config, head_tensors
 from specpipe.drafting.head import DraftHeadError, TargetParts
 from specpipe.drafting.sources import TailDrafter, named_sources
 from specpipe.model.resolve import load_stages, open_checkpoint
@@ -187,3 +194,28 @@ def test_a_head_whose_taps_are_out_of_layer_order_is_refused(model):
     head.cfg = Eagle3Config(**{**head.cfg.__dict__, "taps": (2, 1, 4)})
     with pytest.raises(DraftHeadError, match="not in layer order"):
         ring_with(stages, head)
+
+
+@pytest.mark.parametrize("fmt", ["eagle", "speculators"])
+def test_a_released_head_folder_drafts_on_a_local_ring(model, tmp_path, fmt):
+    config = head_config(json.loads((model / "config.json").read_text()), fmt, 48, 50)
+    taps = {"eagle": "eagle_config", "speculators": None}[fmt]
+    where = config[taps] if taps else config
+    where["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
+    folder = tmp_path / fmt
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(head_tensors(config, fmt, seed=2), folder / "model.safetensors")
+    ring = open_target(str(model)).local_ring(2, draft_head=str(folder))
+    assert isinstance(ring.head, Eagle3Drafter)
+    # An EAGLE-format head whose first tap is 1 counts layers' outputs (SpecForge's heads).
+    assert ring.head.taps == ((2, 3, 4) if fmt == "eagle" else (1, 2, 3))
+    for params in (GREEDY, SAMPLED):
+        plain, _ = run(ring, params, draft_k=0)
+        spec, stats = run(ring, params)
+        assert spec == plain and stats.head_rounds > 0
+    result = CliRunner().invoke(
+        cli,
+        ["generate", "--local", "Hello there", "--model", str(model), "--draft-head", str(folder)],
+    )
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
