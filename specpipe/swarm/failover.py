@@ -48,8 +48,9 @@ class CheckedRing:
     up to the route's lapse time for the inventory to say which hop died; with no hop dead and no
     way around (its Redis full, or cut off from the hop before), the round goes out again every
     `UNREACHABLE_PAUSE_S` for as long as a round waits for its reply (`ROUND_TIMEOUT_S`), then
-    fails with the stage's reason. Without a spare
-    nothing changes: the round waits for the stage to come back. A stage whose process started
+    fails with the stage's reason. A reset (a job starting, or replaying) whose hop's Redis
+    does not answer asks the watchdog too, and goes around a lost hop before the first round.
+    Without a spare nothing changes: the round waits for the stage to come back. A stage whose process started
     again (a new `incarnation` in its record, `restarted_hops`) lost the round in flight with
     its caches, so the ring is built again from the inventory at once and the job replays on it
     (a `GapError`), instead of waiting out the round; a round sent to it later answers gap.
@@ -94,7 +95,20 @@ class CheckedRing:
         return tuple(self.ring.route) if self.ring is not None else ()
 
     def reset(self, session: str, params: SamplingParams) -> None:
-        self.ring.reset(session, params)
+        """Reset the session on every hop; a hop lost while its Redis does not answer (a job
+        starting, or replaying, as a stage's link goes down) is gone around as a round's is,
+        and the session reset on the new ring."""
+        try:
+            self.ring.reset(session, params)
+        except HopLostError as exc:
+            self._around_lost(session, str(exc))
+            self.ring.reset(session, params)
+        except RingError as exc:
+            lost = self._await_lost()
+            if not lost:
+                raise
+            self._fail_over(session, lost, str(exc))
+            self.ring.reset(session, params)
         self._params[session] = params
 
     def reseed(self, session: str, params: SamplingParams) -> None:
@@ -148,12 +162,7 @@ class CheckedRing:
         except StaleRouteError:
             raise
         except HopLostError as exc:
-            lost = self._lost()
-            if not lost and self._restarted():
-                self._rebuild(session, one_line_reason(str(exc)))
-                raise GapError(f"a stage of the route restarted: {exc}") from None
-            self._fail_over(session, lost, str(exc))
-            raise GapError(f"re-routed around a lost stage: {exc}") from None
+            raise GapError(f"{self._around_lost(session, str(exc))}: {exc}") from None
         except GapError:
             if self._route_changed():
                 self._rebuild(session, "a stage serves other layers now")
@@ -174,6 +183,16 @@ class CheckedRing:
                 raise
             self._fail_over(session, lost, str(exc))
             raise GapError(f"re-routed around a lost stage: {exc}") from None
+
+    def _around_lost(self, session: str, why: str) -> str:
+        """After the watchdog said a hop is gone: the ring built again on the same hosts when
+        a stage restarted, else around the lost ones; what was done."""
+        lost = self._lost()
+        if not lost and self._restarted():
+            self._rebuild(session, one_line_reason(why))
+            return "a stage of the route restarted"
+        self._fail_over(session, lost, why)
+        return "re-routed around a lost stage"
 
     def drop(self, session: str) -> None:
         self._params.pop(session, None)

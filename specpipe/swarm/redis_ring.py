@@ -406,6 +406,7 @@ class RedisRing:
             except PASSING as exc:
                 if time.monotonic() >= give_up_at:
                     raise RingError(redact_text(str(exc))) from None
+                self._watch()  # a hop the inventory says is gone: no use waiting for its Redis
                 time.sleep(RECONNECT_S)
             except redis.RedisError as exc:
                 raise RingError(f"Redis refused: {redact_text(str(exc))}") from None

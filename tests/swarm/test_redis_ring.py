@@ -490,6 +490,28 @@ def test_an_unreachable_first_stage_is_a_clear_ring_error(swarm, key, redis_url)
     ring.close()
 
 
+def test_a_reset_stops_waiting_for_a_hops_redis_once_the_watchdog_says_it_is_gone(
+    swarm, key, redis_url
+):
+    from specpipe.ops.redis_server import free_port
+    from specpipe.swarm.redis_ring import HopLostError
+
+    gone = f"redis://127.0.0.1:{free_port()}/0"
+    route = [wire.Hop("h", redis_url, 0, 2, "toy"), wire.Hop("cut", gone, 2, 4, "toy")]
+    asked = []
+
+    def watchdog():
+        asked.append(time.monotonic())
+        return "cut stopped heartbeating" if len(asked) >= 2 else None
+
+    ring = RedisRing(route, swarm, key, redis_url, timeout_s=30, watchdog=watchdog)
+    started = time.monotonic()
+    with pytest.raises(HopLostError, match="cut stopped heartbeating"):
+        ring.reset("s", PARAMS)  # not the 30 s a restarting Redis is waited for
+    assert len(asked) == 2 and time.monotonic() - started < 10
+    ring.close()
+
+
 def test_ring_refuses_bad_rounds_and_parameters(swarm, key, redis_url):
     ring = RedisRing([wire.Hop("h", redis_url, 0, 4, "toy")], swarm, key, redis_url)
     with pytest.raises(RingError, match="not reset"):
