@@ -50,10 +50,11 @@ class CheckedRing:
     `UNREACHABLE_PAUSE_S` for as long as a round waits for its reply (`ROUND_TIMEOUT_S`), then
     fails with the stage's reason. A reset (a job starting, or replaying) whose hop's Redis
     does not answer asks the watchdog too, and goes around a lost hop before the first round.
-    Without a spare nothing changes: the round waits for the stage to come back. A stage whose process started
-    again (a new `incarnation` in its record, `restarted_hops`) lost the round in flight with
-    its caches, so the ring is built again from the inventory at once and the job replays on it
-    (a `GapError`), instead of waiting out the round; a round sent to it later answers gap.
+    Without a spare nothing changes: the round waits for the stage to come back. A stage whose
+    process started again (a new `incarnation` in its record, `restarted_hops`) lost the round
+    in flight with its caches, so the ring is built again from the inventory at once and the
+    job replays on it (a `GapError`), instead of waiting out the round; a round sent to it
+    later answers gap.
 
     A stage that restarted has lost its caches and answers gap, and the job replays its tokens
     from position 0. If the stage came back serving other layers than the ring's route has it
