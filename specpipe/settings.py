@@ -113,8 +113,8 @@ COORDINATOR_KEY_FILE = "coordinator_key"
 COORDINATOR_PUB_FILE = "coordinator.pub"
 ROSTERS_DIR = "rosters"
 # Seconds between a stage's heartbeats (`worker stage --heartbeat-s`): a coordinator with a
-# spare for a stage's layers re-routes after three missed beats.
-DEFAULT_HEARTBEAT_S = 0.5
+# spare for a stage's layers re-routes once a second has passed without one (`inventory.lapsed`).
+DEFAULT_HEARTBEAT_S = 0.25
 
 
 def swarm_file() -> dict:

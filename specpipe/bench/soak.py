@@ -166,7 +166,7 @@ JUNK_BYTES = 64 * 1024
 OOM_MARGIN = 8 * 2**20  # the cap on a stage's memory cgroup: this much above what it holds
 SKEW_TOLERANCE_S = 1.0  # how far a probe's clock may be from the skew it was given
 RECOVER_WAIT_S = 120.0
-SERVING_WINDOW_S = 3 * DEFAULT_HEARTBEAT_S  # how far back a stage's rounds tell it is serving
+SERVING_WINDOW_S = 1.5  # how far back a stage's rounds tell it is serving
 
 
 # --- the schedule ------------------------------------------------------------------------

@@ -37,7 +37,7 @@ import redis
 from specpipe.core.coupling import sampler_for
 from specpipe.core.ring import Branches, GapError, RoundResult
 from specpipe.core.sampling import SamplingParams, TokenLogprob
-from specpipe.settings import DEFAULT_HEARTBEAT_S, Settings
+from specpipe.settings import Settings
 from specpipe.swarm import identity, inventory, streams, trust, wire
 from specpipe.swarm.clock import SwarmClock
 from specpipe.swarm.dialing import Dialer
@@ -55,8 +55,9 @@ PASSING = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemo
 ROUND_TIMEOUT_S = 30.0  # a round's wait for its reply (and for a restarting Redis), before its work
 WATCH_AFTER_S = 0.5  # a round this late asks its watchdog whether a hop is gone…
 WATCH_EVERY_S = 0.25  # …and again this often while it waits
-# With host identities, a ring reads the roster again at most this often: a stage's heartbeat.
-ROSTER_EVERY_S = DEFAULT_HEARTBEAT_S
+# With host identities, a ring reads the roster again at most this often (a host admitted just
+# now is believed within it).
+ROSTER_EVERY_S = 0.5
 
 
 class RingError(RuntimeError):

@@ -69,6 +69,7 @@ log = logging.getLogger("specpipe.stage")
 # otherwise (a stage of the default model serving three users' jobs held about 35 MiB more), and
 # a trim after much was freed holds the serving loop for tens of milliseconds.
 HEAP_TRIM_S = 10.0
+HOUSEKEEPING_S = 0.5  # between the serving loop's rounds of housekeeping (`housekeeping`)
 # The registry's clock is read on a client of its own that gives up this soon: a registry slow
 # to answer holds a sample (on whichever thread takes it) that long at most.
 CLOCK_TIMEOUT_S = 2.0
@@ -273,14 +274,14 @@ class StageWorker:
         self._process(self._admit(list(entries)), self.batcher.size())
 
     def housekeeping(self) -> None:
-        """Every `heartbeat_s`, on the serving loop (it touches the caches): forget idle
+        """Every `HOUSEKEEPING_S`, on the serving loop (it touches the caches): forget idle
         sessions, keep within the KV budget, reload the keys (a rotation may have changed
         them) and give what ended sessions freed back to the system. The record and counters
         are the heartbeat thread's."""
         now = time.monotonic()
         if now < self._next_housekeeping:
             return
-        self._next_housekeeping = now + self.config.heartbeat_s
+        self._next_housekeeping = now + HOUSEKEEPING_S
         self.forget_idle_sessions(now)
         self.keep_within_budget(now)
         self.stage_keys.reload()

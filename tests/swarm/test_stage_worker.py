@@ -271,18 +271,18 @@ def test_what_ended_sessions_freed_goes_back_to_the_system_at_most_every_few_sec
         deliver(tail, wire.Message(kind="reset", session=session, params=RESET))
         deliver(tail, round_message(redis_url, ["t"], tokens=(1, 2), rid=f"{session}-1"))
     deliver(tail, wire.Message(kind="drop", session="a"))
-    clock.now += stage_worker.DEFAULT_HEARTBEAT_S
+    clock.now += stage_worker.HOUSEKEEPING_S
     tail.housekeeping()
     assert trims == [clock.now]
     deliver(tail, wire.Message(kind="drop", session="b"))
-    clock.now += stage_worker.DEFAULT_HEARTBEAT_S
+    clock.now += stage_worker.HOUSEKEEPING_S
     tail.housekeeping()  # freed again, but trimmed too recently
     assert len(trims) == 1
     clock.now += stage_worker.HEAP_TRIM_S
     tail.housekeeping()
     clock.now += stage_worker.HEAP_TRIM_S
     tail.housekeeping()  # nothing freed since
-    first = 1000.0 + stage_worker.DEFAULT_HEARTBEAT_S
+    first = 1000.0 + stage_worker.HOUSEKEEPING_S
     assert trims == [first, clock.now - stage_worker.HEAP_TRIM_S]
 
 
