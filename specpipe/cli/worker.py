@@ -3,7 +3,6 @@ lane, or beat)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
@@ -79,8 +78,8 @@ def worker() -> None:
     "--draft-head",
     default=None,
     metavar="PATH|none",
-    help="The tail's draft head file [default: the one shipped for the model, if any]. "
-    "A released EAGLE-3 head (a folder) runs with `generate --local` only, for now.",
+    help="The tail's draft head: a head file of ours, or a folder holding a released EAGLE-3 "
+    "head [default: the one shipped for the model, if any].",
 )
 def worker_stage(
     host: str,
@@ -166,11 +165,6 @@ def serve_stage(
         settings.kv_budget_tokens()
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    if draft_head not in (None, "none") and Path(draft_head).is_dir():
-        raise ModelInputError(
-            "an EAGLE-3 head drafts from the states of layers all along the ring, which stages "
-            "do not send each other yet: run it with `specpipe generate --local`"
-        )
     for url in {redis_url, registry_url or redis_url}:
         check_reachable(url, "Redis")
     if threads:

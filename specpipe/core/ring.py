@@ -94,6 +94,9 @@ class Branches:
 
     parents: tuple[int, ...] | None = None
     keep: tuple[int, ...] = ()
+    # The layers whose incoming hidden states the tail's drafter reads (an EAGLE-3 head's
+    # taps): a stage keeps those in its range for every row (`TappedStage`). (): none.
+    taps: tuple[int, ...] = ()
     shape: TreeShape | None = None
 
 
@@ -167,11 +170,16 @@ class FeatureStage(Stage, Protocol):
     features: dict[str, torch.Tensor]
 
 
-class TappedStage(Stage, Protocol):
-    """A stage that keeps, per session, the hidden states entering `tap_layers` for every row
-    of its last round: what an EAGLE-3 head drafts from."""
+class TappedStage(BatchedStage, Protocol):
+    """A stage that keeps, per session, the hidden states entering the layers its last round
+    asked for (`Request.taps`) for every row: what an EAGLE-3 head drafts from."""
 
-    tap_layers: frozenset[int]
+    def split_taps(
+        self, inputs: torch.Tensor, taps: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the previous stage sent, [T, (1 + j) x D], as the round's rows [T, D] and the
+        earlier stages' taps [T, j x D] (None: none); ValueError for the wrong width."""
+        ...
 
     def carry_taps(self, session: str, before: torch.Tensor | None) -> torch.Tensor | None:
         """`before` (the earlier stages' taps of the round, [T, j x D]) with this stage's

@@ -24,11 +24,9 @@ class LocalRing:
             raise ValueError("a ring needs stages from the embeddings (first) to the head (last)")
         self.stages = list(stages)
         self.head = head  # the tail's drafter (see `drafthead.load_with_head`), if any
-        # A drafter that reads taps has every stage keep those of its layers for each round
+        # A drafter that reads taps has every round ask the stages for them
         # (`core.ring.TappedStage`).
-        self.tapping = head is not None and bool(head.taps)
-        for stage in self.stages if self.tapping else ():
-            stage.tap_layers = frozenset(head.taps)
+        self.taps = tuple(head.taps) if head is not None else ()
         self.samplers: dict[str, Sampler] = {}
 
     def reset(self, session: str, params: SamplingParams) -> None:
@@ -56,21 +54,22 @@ class LocalRing:
         taps = None  # the round's taps so far, every stage's beside the earlier ones'
         # A tree's rows, or rows to keep of the last one, go as `forward_many` takes them; a
         # tree the round only asks of the head concerns the tail's head alone.
-        if branches is not None and (branches.parents is not None or branches.keep):
+        tree = branches is not None and (branches.parents is not None or branches.keep)
+        if tree or self.taps:
+            parents, keep = (branches.parents, branches.keep) if tree else (None, ())
             for stage in self.stages:
                 last_rows = n_draft + 1 if stage is tail else None
-                request = Request(session, x, start_pos, last_rows, branches.parents, branches.keep)
+                request = Request(session, x, start_pos, last_rows, parents, keep, self.taps)
                 (x,) = stage.forward_many([request])
                 if isinstance(x, BaseException):
                     raise x
-                taps = stage.carry_taps(session, taps) if self.tapping else None
+                if self.taps:
+                    taps = stage.carry_taps(session, taps)
             logits = x
         else:
             for stage in self.stages[:-1]:
                 x = stage.forward(session, x, start_pos)
-                taps = stage.carry_taps(session, taps) if self.tapping else None
             logits = tail.forward(session, x, start_pos, last_rows=n_draft + 1)
-            taps = tail.carry_taps(session, taps) if self.tapping else None
         if taps is not None:
             tail.features[session] = taps  # what the drafter drafts from: every row's taps
         return finish_round(

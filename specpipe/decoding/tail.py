@@ -70,8 +70,8 @@ def finish_round(
     root = int(tokens[len(tokens) - n_draft - 1])
     found.ranks = head.ranks_of(session, root_pos, root, committed)
     shape = branches.shape if branches is not None else None
-    if shape is None and head_k <= 0:
-        return found
+    if (shape is None and head_k <= 0) or kept is None:
+        return found  # nothing asked, or nothing to draft from (a round without its taps)
     # The last committed token was drawn from `feature_row`, whose feature sits one position
     # before that token's.
     features = kept[feature_row]

@@ -49,11 +49,9 @@ class StageModel(nn.Module):
         # (the features the head drafts from), until its next round replaces them.
         self.keep_features = False
         self.features: dict[str, torch.Tensor] = {}
-        # The layers whose incoming hidden states an EAGLE-3 head reads ("taps", counted as
-        # transformers counts hidden states: k enters layer k, n_layers is the last layer's
-        # output before the final norm). This stage keeps, for each session's last round, the
-        # taps in its range for every row, side by side: [T, taps here x D] (`carry_taps`).
-        self.tap_layers: frozenset[int] = frozenset()
+        # For each session whose last round asked for taps (`Request.taps`), the states
+        # entering the asked layers in its range, every row's, side by side: [T, taps here x D]
+        # (`carry_taps`).
         self.tapped: dict[str, torch.Tensor] = {}
         # A step of fewer rows than the products need runs padded from the first layer to the
         # last, rather than padding and slicing around each product (mixtures of experts route
@@ -141,24 +139,26 @@ class StageModel(nn.Module):
                 cos, sin = cos[depths], sin[depths]
             segments.append((P, T, cos, sin, req.start_pos, paths))
         x = xs[0] if len(xs) == 1 else torch.cat(xs)  # [sum of P, D]
-        taps = self.taps_here()
-        snaps = []  # the hidden state entering each tapped layer, every session's rows
+        # The hidden state entering each layer any of these rounds taps, every session's rows.
+        wanted = sorted({k for i in rows for k in self.taps_here(requests[i].taps)})
+        snaps: dict[int, torch.Tensor] = {}
         for layer_index, layer in enumerate(self.layers):
-            if self.start + layer_index in taps:
-                snaps.append(x)
+            if self.start + layer_index in wanted:
+                snaps[self.start + layer_index] = x
             parts = [
                 Segment(P, T, cos, sin, cache.layers[layer_index], pos, paths)
                 for (P, T, cos, sin, pos, paths), cache in zip(segments, caches, strict=True)
             ]
             x = layer.forward_many(x, parts)
-        if self.end in taps:  # the last layer's output (the tail's only)
-            snaps.append(x)
+        if self.end in wanted:  # the last layer's output (the tail's only)
+            snaps[self.end] = x
         start, kept = 0, []
         for i, cache, (P, T, _, _, pos, paths) in zip(rows, caches, segments, strict=True):
             h = x[start : start + T]
-            if snaps:
+            taps = self.taps_here(requests[i].taps)
+            if taps:
                 self.tapped[requests[i].session] = torch.cat(
-                    [snap[start : start + T] for snap in snaps], dim=-1
+                    [snaps[k][start : start + T] for k in taps], dim=-1
                 )  # [T, taps here x D]
             start += P
             # A tree's rows wait for its accepted path (`keep_path`); the cache ends at its root.
@@ -181,10 +181,30 @@ class StageModel(nn.Module):
             start += h.shape[0]
         return outs
 
-    def taps_here(self) -> list[int]:
-        """The tapped layers this stage holds the states of, in order."""
+    def taps_here(self, taps: Sequence[int]) -> list[int]:
+        """Of the tapped layers `taps` (counted as transformers counts hidden states: k enters
+        layer k, n_layers is the last layer's output before the final norm), those whose states
+        this stage holds, in order."""
         last = self.cfg.n_layers if self.last else self.end - 1
-        return sorted(k for k in self.tap_layers if self.start <= k <= last)
+        return sorted(k for k in set(taps) if self.start <= k <= last)
+
+    def split_taps(
+        self, inputs: torch.Tensor, taps: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A round's input rows [T, D] and the taps the stages before this one kept, [T, j x D]
+        (None: none), from what the previous stage sent: its hidden states, then the states
+        entering each tapped layer before this stage's first. ValueError when the width says
+        otherwise."""
+        carried = sum(1 for k in set(taps) if k < self.start)
+        D = self.cfg.dim
+        if inputs.dim() != 2 or inputs.shape[1] != D * (1 + carried):
+            raise ValueError(
+                f"a round tapping {carried} layer(s) before this stage needs {D * (1 + carried)}"
+                f" columns, got {tuple(inputs.shape)}"
+            )
+        if not carried:
+            return inputs, None
+        return inputs[:, :D], inputs[:, D:]
 
     def carry_taps(self, session: str, before: torch.Tensor | None) -> torch.Tensor | None:
         """The taps of the session's last round so far: `before` (the earlier stages', [T, j x

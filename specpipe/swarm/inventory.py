@@ -127,6 +127,9 @@ class NodeInfo:
     # Drawn afresh each time the stage process starts: a record with another one than a route
     # holds is a process that restarted since, with none of the route's sessions in its caches.
     incarnation: str = ""
+    # A tail's: the layers whose incoming hidden states its drafter reads, as "2,18,33" (an
+    # EAGLE-3 head's taps; "": none). Every round through this tail asks the stages for them.
+    draft_taps: str = ""
 
     @property
     def layers(self) -> str:
@@ -145,6 +148,15 @@ class NodeInfo:
         """Whether the node has missed LAPSE_BEATS of its promised heartbeats at `now` (swarm
         time)."""
         return (time.time() if now is None else now) - self.last_heartbeat > self.lapse_s()
+
+    def tap_layers(self) -> tuple[int, ...]:
+        """`draft_taps` as layer numbers; () when it holds none, or anything but increasing
+        layer numbers."""
+        try:
+            taps = tuple(int(k) for k in self.draft_taps.split(",")) if self.draft_taps else ()
+        except ValueError:
+            return ()
+        return taps if list(taps) == sorted(set(taps)) and all(k >= 0 for k in taps) else ()
 
     def to_json(self) -> str:
         """The record as JSON, in the one canonical encoding that is signed."""
@@ -190,6 +202,11 @@ def _well_formed(node: NodeInfo) -> bool:
     except ValueError:
         return False
     return True
+
+
+def taps_text(taps: Sequence[int]) -> str:
+    """Layer numbers as a record's `draft_taps` holds them."""
+    return ",".join(str(int(k)) for k in taps)
 
 
 def lossy_hosts(nodes: list[NodeInfo]) -> list[str]:

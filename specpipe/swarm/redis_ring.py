@@ -105,6 +105,7 @@ class RedisRing:
         dialer: Dialer | None = None,
         registry_url: str | None = None,
         clock: SwarmClock | None = None,
+        taps: Sequence[int] | None = None,
     ) -> None:
         if not route:
             raise ValueError("a ring needs at least one stage")
@@ -138,6 +139,12 @@ class RedisRing:
         # believed no longer, so its replies are dropped and the job goes around it.
         self.registry_url = registry_url
         self._roster_due = time.monotonic() + ROSTER_EVERY_S
+        # The layers every round asks the stages to tap for the tail's drafter: what its record
+        # says it reads (an EAGLE-3 head's), unless given.
+        tail = self.route[-1]
+        if taps is None and isinstance(tail, NodeInfo):
+            taps = tail.tap_layers()
+        self.taps = tuple(taps or ())
 
     @classmethod
     def from_inventory(
@@ -231,6 +238,7 @@ class RedisRing:
             tokens=tuple(int(t) for t in tokens),
             route=self._hops_on_wire,
             head_k=min(int(head_k), wire.MAX_HEAD_DRAFTS),
+            taps=self.taps,
         )
         if branches is not None:
             shape = branches.shape

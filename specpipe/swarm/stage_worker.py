@@ -190,6 +190,7 @@ class StageWorker:
                 heartbeat_s=config.heartbeat_s,
                 link_delay_ms=config.link_delay_s * 1000,
                 incarnation=secrets.token_hex(8),
+                draft_taps=inventory.taps_text(head.taps if head is not None else ()),
             )
         self.heartbeat = Heartbeat(
             node,

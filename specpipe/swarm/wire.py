@@ -92,6 +92,8 @@ MAX_ALTERNATIVES = 5  # top log-probabilities per committed token on a result
 MAX_HEAD_DRAFTS = 64  # drafts a round may ask of the tail's draft head for the next round
 MAX_TREE_ROWS = MAX_HEAD_DRAFTS + 1  # a draft tree's rows: its root and its drafts
 MAX_BATCH = 4096  # rounds a result may say its tail ran together
+MAX_TAPS = 8  # layers a round may ask the stages to tap for the tail's drafter
+LAYER_LIMIT = 4096  # a tapped layer's number is below this
 MAX_LAYER = 2**16  # of a route entry's layer range
 MAX_NAME = 256  # characters of a route entry's host or model
 
@@ -212,6 +214,10 @@ class Message:
     ranks: tuple[int, ...] = ()
     # result: the rounds of all sessions the tail's forward ran this one with (0: not said)
     batch: int = 0
+    # round: the layers whose incoming hidden states the tail's drafter reads (an EAGLE-3
+    # head's taps, in order); the tensor a stage passes on holds the round's hidden states,
+    # then the states entering each of these layers before the next stage's first, side by side
+    taps: tuple[int, ...] = ()
     # how long after `seq`'s date the sender still waits for this message to be served
     wait_ms: int = 0
 
@@ -351,6 +357,8 @@ def encode(message: Message, swarm: str, keys: Keyring | bytes | str) -> bytes:
         header["head_shape"] = [list(slot) for slot in message.head_shape]
     if message.batch:
         header["batch"] = message.batch
+    if message.taps:  # only where a drafter reads them: other rounds pay nothing
+        header["taps"] = list(message.taps)
     payload: bytes | memoryview = b""
     if message.tensor is not None:
         tensor = message.tensor.detach()
@@ -512,6 +520,14 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
     batch = _field(header, "batch", int, 0)
     if not 0 <= batch <= MAX_BATCH:
         raise WireError(f"batch is out of range (0 to {MAX_BATCH})")
+    taps = _field(header, "taps", list, [])
+    if (
+        len(taps) > MAX_TAPS
+        or not all(isinstance(k, int) and not isinstance(k, bool) for k in taps)
+        or any(not 0 <= k < LAYER_LIMIT for k in taps)
+        or list(taps) != sorted(set(taps))
+    ):
+        raise WireError(f"taps must be at most {MAX_TAPS} layer numbers in increasing order")
     return Message(
         kind=kind,
         session=_field(header, "session", str, ""),
@@ -532,6 +548,7 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
         drafts=tuple(drafts),
         wait_ms=wait_ms,
         batch=batch,
+        taps=tuple(taps),
         **tree,
     )
 

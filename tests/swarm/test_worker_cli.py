@@ -35,10 +35,9 @@ def clean_env(monkeypatch, tmp_path, swarm, redis_url):
         (["--layers", "0:2", "--redis", DEAD], 1, f"cannot reach Redis at {DEAD}"),
         (["--layers", "0:2", "--model", "/nonexistent"], 2, "/nonexistent: no such file"),
         (["--layers", "0:99"], 2, "layer range [0, 99) is out of range (the model has 30)"),
-        (["--layers", "0:2", "--draft-head", "."], 2, "do not send each other yet"),
     ],
     # Named, not numbered by their values: DEAD's port differs between test workers.
-    ids=["reversed", "not-a-range", "dead-redis", "no-model", "out-of-range", "eagle3-head"],
+    ids=["reversed", "not-a-range", "dead-redis", "no-model", "out-of-range"],
 )
 def test_stage_bad_input_is_one_line(clean_env, swarm, redis_url, args, code, message):
     result = CliRunner().invoke(cli, ["worker", "stage", "--host", "h", *args])

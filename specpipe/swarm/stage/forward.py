@@ -106,12 +106,25 @@ class Forward:
         if message.tensor is None or message.tensor.dim() != 2:
             self.stats.drop(f"round {message.round_id!r} carries no hidden states")
             return None
-        return message.tensor
+        if not message.taps:
+            return message.tensor
+        try:  # the hidden states first, then the earlier stages' taps (`Onward.with_taps`)
+            rows, _ = self.stage.split_taps(message.tensor, message.taps)
+        except (AttributeError, ValueError) as exc:
+            self.stats.drop(f"round {message.round_id!r}: {exc}")
+            return None
+        return rows
 
     def _request(self, message: wire.Message, inputs: torch.Tensor) -> Request:
         last_rows = message.n_draft + 1 if self.stage.last else None
         return Request(
-            message.session, inputs, message.start_pos, last_rows, message.parents, message.keep
+            message.session,
+            inputs,
+            message.start_pos,
+            last_rows,
+            message.parents,
+            message.keep,
+            message.taps,
         )
 
     def _forward_one(self, request: Request) -> torch.Tensor:

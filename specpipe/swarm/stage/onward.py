@@ -52,7 +52,9 @@ class Onward:
         """The tail samples and replies; any other stage sends the hidden states to the next.
         `batch`: the rounds that ran in the forward with this one (the tail says it)."""
         route, hop = message.route, message.hop
+        taps = self.with_taps(message)
         if self.stage.last:
+            self._features(message.session, taps)
             kind, fields = self.samplers.sample(message, out, self.host, batch)
             self.reply(message, kind, **fields)
         elif hop + 1 >= len(route):
@@ -66,6 +68,8 @@ class Onward:
                 self.reply(message, "unreachable", reason=reason)
                 return
             stream = streams.stage_key(self.swarm, nxt)
+            if taps is not None:
+                out = torch.cat([out, taps.to(out.dtype)], dim=-1)  # [T, (1 + j) x D]
             passed_on = replace(message, tensor=out, hop=hop + 1, to=stream, sender=self.host)
             try:
                 data = wire.encode(passed_on, self.swarm, self.keys.ring)
@@ -75,6 +79,27 @@ class Onward:
             self.next_hop = (nxt, address)
             what = f"pass the round to {nxt}"
             self.outbox.put(Outgoing(address, stream, data, message, what))
+
+    def with_taps(self, message: wire.Message) -> torch.Tensor | None:
+        """The round's taps so far, for a round that asks for them: those the earlier stages
+        sent after the hidden states, then this stage's own (`StageModel.carry_taps`)."""
+        if not message.taps:
+            return None
+        carried = None
+        if not self.stage.first and message.tensor is not None:
+            _, carried = self.stage.split_taps(message.tensor, message.taps)
+        return self.stage.carry_taps(message.session, carried)
+
+    def _features(self, session: str, taps: torch.Tensor | None) -> None:
+        """What the tail's drafter drafts from, where it reads taps: this round's, or nothing
+        (a round that carried none leaves no stale rows behind)."""
+        head = self.samplers.head
+        if head is None or not head.taps:
+            return
+        if taps is None:
+            self.stage.features.pop(session, None)
+        else:
+            self.stage.features[session] = taps
 
     def failed(self, message: wire.Message, exc: BaseException) -> None:
         """The round could not run here: a gap reply for a lost cache, else an error reply."""
