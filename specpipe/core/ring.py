@@ -94,9 +94,6 @@ class Branches:
 
     parents: tuple[int, ...] | None = None
     keep: tuple[int, ...] = ()
-    # The layers whose incoming hidden states the tail's drafter reads (an EAGLE-3 head's
-    # taps): a stage keeps those in its range for every row (`TappedStage`). (): none.
-    taps: tuple[int, ...] = ()
     shape: TreeShape | None = None
 
 
@@ -115,6 +112,9 @@ class Request:
     # The rows of the session's last tree that its tail walked (root first): stored before this
     # round runs, where it starts right after them (`Branches.keep`).
     keep: tuple[int, ...] = ()
+    # The layers whose incoming hidden states the tail's drafter reads (an EAGLE-3 head's
+    # taps): a stage keeps those in its range for every row (`TappedStage`). (): none.
+    taps: tuple[int, ...] = ()
 
 
 class Stage(Protocol):

@@ -219,3 +219,20 @@ def test_a_released_head_folder_drafts_on_a_local_ring(model, tmp_path, fmt):
         ["generate", "--local", "Hello there", "--model", str(model), "--draft-head", str(folder)],
     )
     assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+
+
+def test_a_stage_splits_what_the_stage_before_sent_by_the_taps_below_it(model):
+    first, middle, tail = (
+        load_stage(open_checkpoint(model), a, b) for a, b in ((0, 1), (1, 3), (3, 4))
+    )
+    D = tail.cfg.dim
+    sent = torch.randn(5, 3 * D)  # the hidden states, then the states entering layers 1 and 2
+    rows, carried = tail.split_taps(sent, TAPS)
+    assert torch.equal(rows, sent[:, :D]) and torch.equal(carried, sent[:, D:])
+    rows, carried = middle.split_taps(sent[:, :D], TAPS)  # nothing is tapped below layer 1
+    assert carried is None and torch.equal(rows, sent[:, :D])
+    for stage, wrong in ((tail, sent[:, : 2 * D]), (tail, sent[:, :D]), (middle, sent)):
+        with pytest.raises(ValueError, match="columns"):
+            stage.split_taps(wrong, TAPS)
+    assert first.taps_here(TAPS) == [] and middle.taps_here(TAPS) == [1, 2]
+    assert tail.taps_here(TAPS) == [4]

@@ -434,6 +434,14 @@ def test_a_tree_round_and_its_result_keep_their_tree_fields():
     assert back.batch == 3
 
 
+def test_a_round_that_asks_for_taps_says_which_and_others_say_nothing():
+    tapped = wire.decode(wire.encode(message(taps=(2, 18, 33)), SWARM, KEY), SWARM, KEY)
+    assert tapped.taps == (2, 18, 33)
+    plain = wire.encode(message(), SWARM, KEY)
+    assert wire.decode(plain, SWARM, KEY).taps == ()
+    assert b"taps" not in opened(plain)  # nothing extra where no drafter reads them
+
+
 @pytest.mark.parametrize(
     "fields, reason",
     [
@@ -453,6 +461,13 @@ def test_a_tree_round_and_its_result_keep_their_tree_fields():
         ({"ranks": [-2]}, "row numbers"),
         ({"batch": -1}, "batch is out of range"),
         ({"batch": wire.MAX_BATCH + 1}, "batch is out of range"),
+        ({"taps": [18, 2]}, "taps must be"),  # not in layer order
+        ({"taps": [2, 2]}, "taps must be"),
+        ({"taps": [-1]}, "taps must be"),
+        ({"taps": [wire.LAYER_LIMIT]}, "taps must be"),
+        ({"taps": [True]}, "taps must be"),
+        ({"taps": list(range(wire.MAX_TAPS + 1))}, "taps must be"),
+        ({"taps": "2,18"}, "wrong type"),
     ],
 )
 def test_a_malformed_tree_is_refused(fields, reason):
