@@ -23,6 +23,7 @@ from specpipe.drafting.head import DraftHeadError, TargetParts
 from specpipe.drafting.sources import TailDrafter, named_sources
 from specpipe.model.resolve import load_stages, open_checkpoint
 from specpipe.model.stage import load_stage
+from tests.drafting import head_generation
 from tests.swarmprocs import write_tiny_model
 
 PROMPT = [5, 17, 42, 8, 23, 61, 9, 5, 17, 30]
@@ -69,19 +70,9 @@ def ring_with(stages, head: Eagle3Head) -> LocalRing:
 
 
 def run(ring, params, n=30, draft_k=3, trees=False, session="s"):
-    generation = Generation(
-        ring,
-        session,
-        PROMPT,
-        params,
-        max_new_tokens=n,
-        draft_k=draft_k,
-        adaptive=trees,
-        trees=trees,
-        sources=named_sources("head", params),
+    generation = head_generation(
+        ring, session, PROMPT, params, n, draft_k, tree=WIDE if trees else None
     )
-    if trees:
-        generation.tree_size.choose = lambda limit=None: WIDE
     tokens = generation.run()
     ring.drop(session)
     return tokens, generation.stats

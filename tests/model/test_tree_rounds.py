@@ -12,9 +12,9 @@ from specpipe.decoding.generation import Generation
 from specpipe.decoding.local_ring import LocalRing
 from specpipe.drafting.head import DraftHead, TailHead, TargetParts
 from specpipe.drafting.length import DraftLength
-from specpipe.drafting.sources import named_sources
 from specpipe.drafting.tree_size import TreeSize
 from specpipe.model.resolve import load_stages
+from tests.drafting import head_generation
 from tests.swarmprocs import write_tiny_model
 
 PROMPT = [5, 17, 42, 8, 23, 61, 9]
@@ -39,20 +39,7 @@ def plain(ring, params, n):
 
 
 def with_trees(ring, params, n, shape=None, session="trees"):
-    generation = Generation(
-        ring,
-        session,
-        PROMPT,
-        params,
-        max_new_tokens=n,
-        draft_k=4,
-        adaptive=True,
-        sources=named_sources("head", params),
-        trees=True,
-    )
-    if shape is not None:  # every round asks the head for this tree
-        generation.tree_size.choose = lambda limit=None: shape
-    return generation
+    return head_generation(ring, session, PROMPT, params, n, tree=shape, trees=True)
 
 
 @pytest.mark.parametrize(

@@ -734,10 +734,26 @@ class LosingRing(GappyRing):
         self.ring.drop(session)
 
 
-@pytest.mark.parametrize("error", [False, True], ids=["watchdog", "pass-on-error"])
-def test_a_lost_hop_with_a_spare_fails_over_and_the_job_ends_undisturbed(db_url, error):
+class CutAtReset(LosingRing):
+    """A routed toy ring whose h1 is cut off as a job starts: the reset finds h1's Redis not
+    answering, and the watchdog says h1 is gone (with `error`, the reset's wait runs out)."""
+
+    def reset(self, session, params):
+        from specpipe.swarm.redis_ring import HopLostError, RingError
+
+        if self.error:
+            raise RingError("cannot reach h1's Redis at redis://x: Timeout connecting to server")
+        raise HopLostError(self.watchdog() or "the watchdog saw nothing")
+
+
+@pytest.mark.parametrize("when", ["round", "reset"], ids=["mid-job", "as-it-starts"])
+@pytest.mark.parametrize("error", [False, True], ids=["watchdog", "its-redis-error"])
+def test_a_lost_hop_with_a_spare_fails_over_and_the_job_ends_undisturbed(db_url, error, when):
     job_id = add_job(db_url, temp=0.9, draft_k=3, max_new_tokens=30)
-    first = LosingRing(routed((0, 2), (2, 4)), lose_at=4, error=error)
+    if when == "round":
+        first = LosingRing(routed((0, 2), (2, 4)), lose_at=4, error=error)
+    else:  # lost as the job starts: its reset finds h1 gone
+        first = CutAtReset(routed((0, 2), (2, 4)), error=error)
     spare = LosingRing([*routed((0, 2)), NodeInfo("h1b", 2, 4, "redis://x")])
     avoided = []
 
@@ -754,38 +770,7 @@ def test_a_lost_hop_with_a_spare_fails_over_and_the_job_ends_undisturbed(db_url,
     assert avoided == [set(), {"h1"}] and spare.rounds > 0
     assert first.watchdog is not None  # the ring's late rounds ask the inventory
     assert first.dropped_on == ["h0"]  # the session is dropped on the survivors only
-
-
-class CutAtReset(LosingRing):
-    """A routed toy ring whose h1 is cut off as a job starts: the reset finds h1's Redis not
-    answering, and the watchdog says h1 is gone (with `error`, the reset's wait runs out)."""
-
-    def reset(self, session, params):
-        from specpipe.swarm.redis_ring import HopLostError, RingError
-
-        if self.error:
-            raise RingError("cannot reach h1's Redis at redis://x: Timeout connecting to server")
-        raise HopLostError(self.watchdog() or "the watchdog saw nothing")
-
-
-@pytest.mark.parametrize("error", [False, True], ids=["watchdog", "reset-timed-out"])
-def test_a_hop_lost_as_a_job_starts_is_gone_around_before_its_first_round(db_url, error):
-    job_id = add_job(db_url, temp=0.9, draft_k=3, max_new_tokens=30)
-    first = CutAtReset(routed((0, 2), (2, 4)), error=error)
-    spare = LosingRing([*routed((0, 2)), NodeInfo("h1b", 2, 4, "redis://x")])
-    avoided = []
-
-    def build(avoid=frozenset()):
-        avoided.append(set(avoid))
-        return spare if avoid else first
-
-    def make(_job):
-        return CheckedRing(build, lambda: {}, lambda route: ["h1"])
-
-    assert run_job(make_session_factory(db_url), job_id, make, ToyCodec(), {EOS}) == "done"
-    job = load(db_url, job_id)
-    assert job.output_ids == undisturbed(job)
-    assert avoided == [set(), {"h1"}] and first.rounds == 0 and spare.rounds > 0
+    assert (first.rounds == 0) == (when == "reset")
 
 
 def test_a_hop_restarted_without_a_spare_is_replayed_on_at_once(db_url):

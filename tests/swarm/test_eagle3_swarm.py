@@ -18,12 +18,12 @@ from specpipe.core.tree import TreeShape
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.target import open_target
 from specpipe.drafting.eagle3_synth import head_config, head_tensors
-from specpipe.drafting.sources import named_sources
 from specpipe.model.resolve import model_label
 from specpipe.settings import Settings
 from specpipe.swarm import inventory, streams
 from specpipe.swarm.failover import CheckedRing, lost_with_spare, served_layers
 from specpipe.swarm.redis_ring import RedisRing
+from tests.drafting import head_generation
 from tests.swarmprocs import Swarm, write_tiny_model
 
 PROMPT = [5, 17, 42, 8, 23, 61, 9, 5, 17, 30]
@@ -67,20 +67,7 @@ def local_plain(tiny, params, n):
 
 
 def spec_run(ring, session, params, n, trees=False):
-    generation = Generation(
-        ring,
-        session,
-        PROMPT,
-        params,
-        max_new_tokens=n,
-        draft_k=4,
-        adaptive=trees,
-        trees=trees,
-        sources=named_sources("head", params),
-    )
-    if trees:
-        generation.tree_size.choose = lambda limit=None: WIDE
-    return generation
+    return head_generation(ring, session, PROMPT, params, n, tree=WIDE if trees else None)
 
 
 @pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])

@@ -16,11 +16,11 @@ from specpipe.core.tree import TreeShape
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.target import open_target
 from specpipe.drafting.head import DraftHead
-from specpipe.drafting.sources import named_sources
 from specpipe.model.resolve import model_label, open_checkpoint
 from specpipe.settings import Settings
 from specpipe.swarm import streams
 from specpipe.swarm.redis_ring import RedisRing
+from tests.drafting import head_generation
 from tests.swarmprocs import Swarm, write_tiny_model
 from tests.waiting import wait_until
 
@@ -59,19 +59,7 @@ def local_plain(tiny, params, n):
 
 
 def tree_run(ring, session, params, n):
-    generation = Generation(
-        ring,
-        session,
-        PROMPT,
-        params,
-        max_new_tokens=n,
-        draft_k=4,
-        adaptive=True,
-        sources=named_sources("head", params),
-        trees=True,
-    )
-    generation.tree_size.choose = lambda limit=None: WIDE  # a wide tree every round
-    return generation
+    return head_generation(ring, session, PROMPT, params, n, tree=WIDE)  # a wide tree a round
 
 
 def ring_of(swarm, tiny) -> RedisRing:
