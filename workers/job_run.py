@@ -248,6 +248,9 @@ def run_on_swarm(session: Session, job: Job, settings: Settings, keeper: LockKee
             settings, target.name, target.n_layers, avoid=avoid, outage_s=ROUND_TIMEOUT_S
         )
         sync_inventory(session, list(ring.route))  # the run's snapshot is the ring as it is now
+        # At once: a write left open until the round after the replay would hold SQLite's
+        # write lock that long, and every other job's round (and failover) would wait on it.
+        session.commit()
         return ring
 
     def make_ring(_job: Job) -> CheckedRing:
