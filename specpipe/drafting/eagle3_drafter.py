@@ -37,7 +37,7 @@ from specpipe.core.tree import DraftTree, TreeShape
 from specpipe.drafting.coupled import coupled_draft
 from specpipe.drafting.eagle3 import Eagle3Head, HeadCache
 from specpipe.drafting.eagle3_format import load_eagle3
-from specpipe.drafting.head import DraftHeadError, TargetParts
+from specpipe.drafting.target_parts import DraftHeadError, TargetParts
 from specpipe.drafting.tree_growth import RankedTrees, grow_tree
 
 MAX_SESSIONS = 256  # sessions whose cache the head keeps (the least recently used goes first)

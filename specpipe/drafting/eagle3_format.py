@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 
 from specpipe.drafting.eagle3 import Eagle3Config, Eagle3Head, default_taps
-from specpipe.drafting.head import DraftHeadError
+from specpipe.drafting.target_parts import DraftHeadError
 
 FORMATS = ("eagle", "speculators")
 SKIPPED = ("t2d", "embed_tokens.weight", "verifier_lm_head.weight")

@@ -143,7 +143,7 @@ def test_generate_local_runs_as_a_swarm_job_and_the_head_changes_no_token(
 
     count(drafthead.TailHead, "drafts_after")
     count(drafthead.TailHead, "draft_tree")
-    count(DraftLength, "choose")
+    count(DraftLength, "observe_cost")  # adaptive: every round's cost is measured
     common = [
         "generate",
         "--local",
@@ -168,7 +168,7 @@ def test_generate_local_runs_as_a_swarm_job_and_the_head_changes_no_token(
     plain, _ = run("--no-spec")
     assert len(plain) == 24
     without, counts = run("--draft-k", "4", "--draft-head", "none")
-    assert without == plain and counts["draft_tree"] == 0 and counts["choose"] > 0
+    assert without == plain and counts["draft_tree"] == 0 and counts["observe_cost"] > 0
     # A model the package ships no head for runs without one.
     unshipped, counts = run("--draft-k", "4")
     assert unshipped == plain and counts["draft_tree"] == 0
