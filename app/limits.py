@@ -67,6 +67,9 @@ def init_app(app: Flask) -> None:
         headers_enabled=False,  # Retry-After is set on a 429 only (app.errors)
         # A Redis that stops answering must not stop the app: count in memory until it is back.
         in_memory_fallback_enabled=True,
+        # A request whose count was under way in Redis as another request's failure switched
+        # to memory is let through uncounted (and logged), not answered 500.
+        swallow_errors=True,
     )
     submissions = limiter.shared_limit(
         lambda: app.config["SUBMIT_RATE"], scope="submit", key_func=_user_key, methods=["POST"]

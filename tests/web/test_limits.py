@@ -74,6 +74,25 @@ def test_submission_rate_shared_by_form_and_api_in_redis(make_app, session, queu
     assert other.post("/", data={**FORM, "csrf_token": csrf_token(other)}).status_code == 302
 
 
+def test_a_limit_store_that_fails_as_another_request_gave_up_on_it_answers_no_500(
+    make_app, session, queue, alice
+):
+    # Two requests at once while the Redis stalls: the first to fail switches the limits to
+    # memory; the other's count, under way in Redis, fails after that.
+    app = make_app(SUBMIT_RATE="30/minute")
+    limiter = app.extensions["specpipe.limiter"]
+    api = Api(app.test_client(), create_token(session, "alice-ci", alice))
+    session.commit()
+
+    def stalled(*args, **kwargs):
+        limiter._storage_dead = True  # the other request's failure, just before this one's
+        raise redis.exceptions.TimeoutError("Timeout reading from socket")
+
+    limiter._limiter.hit = stalled
+    assert api.post("/jobs", json={"prompt": "during the stall"}).status_code == 201
+    assert jobs_stored(session) == 1
+
+
 def test_active_jobs_cap_on_the_api(make_app, session, queue, alice):
     app = make_app(MAX_ACTIVE_JOBS=2)
     api = Api(app.test_client(), create_token(session, "alice-ci", alice))
