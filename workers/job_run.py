@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Callable, Iterable
 from typing import Protocol, TypeVar
 
@@ -119,14 +120,17 @@ def run_job(
     ring_session = f"job-{job.id}-{secrets.token_hex(4)}"
     ring = None
     release: Callable[[], None] | None = None
+    took = StartTimes()
     try:
         ring = make_ring(job)
+        took.mark("ring")
         prompt_ids = job_prompt_ids(codec, job)
         reason = context_error_of(codec, len(prompt_ids), job.max_new_tokens)
         if reason is not None:
             return finish(session, attempt, "failed", reason)
         if admit is not None:
             release = admit(job, ring, len(prompt_ids) + job.max_new_tokens)
+            took.mark("room")
             if release is None:  # cancelled while it waited, or another coordinator has it
                 session.refresh(job, ["cancel_requested", "status"])
                 if job.cancel_requested:
@@ -143,6 +147,8 @@ def run_job(
         # one that lost the lock meanwhile stops at its next write, instead of this one.
         session.refresh(job, ["attempts"])
         attempt = Attempt.seen(job).start(session, len(prompt_ids))
+        took.mark("store")
+        took.report(job.id)
         # What this attempt resumes from: the row as it was when no older attempt could write.
         session.refresh(job)
         if job.run is None:
@@ -170,6 +176,28 @@ def run_job(
             drop_quietly(ring, ring_session)
         if release is not None:
             release_quietly(release)
+
+
+class StartTimes:
+    """How long each step of a job's start took, reported when the start was slow: a job that
+    waits for room says so itself, but a slow ring or store otherwise goes unnoticed."""
+
+    SLOW_S = 2.0
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+        self.steps: dict[str, float] = {}
+
+    def mark(self, step: str) -> None:
+        now = time.monotonic()
+        self.steps[step] = now - self.last
+        self.last = now
+
+    def report(self, job_id: int) -> None:
+        total = sum(self.steps.values())
+        if total >= self.SLOW_S:
+            parts = ", ".join(f"{step} {s:.1f} s" for step, s in self.steps.items())
+            log.warning("job %s took %.1f s to start (%s)", job_id, total, parts)
 
 
 def _generate(

@@ -158,28 +158,70 @@ class Eagle3Head(nn.Module):
         """One pass of the decoder layer over T rows at positions start_pos …: features g [T, H]
         and the embeddings of the tokens that follow them [T, H] -> the layer's output [T, H]
         and the cache with these rows appended. Row i attends to `past` and rows 0 … i."""
+        T = g.shape[0]
+        h, q, k, v = self._project(g, embeds, *self.rotary(start_pos, T, g.dtype))
+        if past is not None:
+            k, v = torch.cat([past.k, k], dim=1), torch.cat([past.v, v], dim=1)
+        S = k.shape[1]  # rows attended to: the past's, then these
+        # Row i (absolute S - T + i) sees every key up to its own.
+        mask = torch.ones(T, S, dtype=torch.bool, device=g.device).tril(S - T)
+        return self._attend_and_mix(g, h, q, k, v, mask), HeadCache(k, v)
+
+    def tree_step(
+        self,
+        g: torch.Tensor,
+        embeds: torch.Tensor,
+        position: int,
+        context: HeadCache | None,
+        visible: torch.Tensor,
+    ) -> tuple[torch.Tensor, HeadCache]:
+        """One depth of a draft tree in one pass: N nodes, all at `position`, with features
+        g [N, H] and their tokens' embeddings [N, H] -> the layer's output [N, H] and the
+        nodes' own rows [kv_heads, N, head_dim]. `context` holds the S rows a node may attend
+        (the session's, then the tree's so far); node i sees row j where visible[i, j]
+        ([N, S] bool), and itself, not its siblings."""
+        N = g.shape[0]
+        h, q, k, v = self._project(g, embeds, *self.rotary(position, 1, g.dtype))
+        own = torch.eye(N, dtype=torch.bool, device=g.device)
+        keys, values, mask = k, v, own
+        if context is not None:
+            keys = torch.cat([context.k, k], dim=1)
+            values = torch.cat([context.v, v], dim=1)
+            mask = torch.cat([visible, own], dim=1)  # [N, S + N]
+        return self._attend_and_mix(g, h, q, keys, values, mask), HeadCache(k, v)
+
+    def _project(
+        self, g: torch.Tensor, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """hidden_norm(g) [T, H], and the rows' queries [nh, T, hd], keys and values
+        [nkv, T, hd] from [input_layernorm(embeds); hidden_norm(g)], rotated by cos/sin."""
         cfg, T = self.cfg, g.shape[0]
         h = self.hidden_norm(g)
         x = torch.cat([self.input_layernorm(embeds), h], dim=-1)  # [T, 2H]
         q = self.q_proj(x).view(T, cfg.heads, cfg.head_dim).transpose(0, 1)  # [nh, T, hd]
         k = self.k_proj(x).view(T, cfg.kv_heads, cfg.head_dim).transpose(0, 1)  # [nkv, T, hd]
         v = self.v_proj(x).view(T, cfg.kv_heads, cfg.head_dim).transpose(0, 1)
-        cos, sin = self.rotary(start_pos, T, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if past is not None:
-            k, v = torch.cat([past.k, k], dim=1), torch.cat([past.v, v], dim=1)
-        cache = HeadCache(k, v)
-        S = k.shape[1]  # rows attended to: the past's, then these
+        return h, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _attend_and_mix(
+        self,
+        g: torch.Tensor,
+        h: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """The rest of the layer: attention of q over the keys `mask` [T, S] allows, o_proj,
+        the residual, the MLP -> out [T, H]."""
+        cfg, T = self.cfg, g.shape[0]
         group = cfg.heads // cfg.kv_heads
         keys, values = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        # Row i (absolute S - T + i) sees every key up to its own.
-        mask = torch.ones(T, S, dtype=torch.bool, device=g.device).tril(S - T)
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [nh, T, hd]
         a = self.o_proj(attn.transpose(0, 1).reshape(T, cfg.heads * cfg.head_dim))
         r = (h if cfg.norm_before_residual else g) + a
         m = self.post_attention_layernorm(r)
-        out = r + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
-        return out, cache
+        return r + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
 
     def logits(self, out: torch.Tensor, target_head=None) -> torch.Tensor:
         """Draft logits [T, V_draft] of the layer's output: its own norm, then its lm_head (or

@@ -12,10 +12,11 @@ rejected draft's row never stays). Drafting from the last committed token at `to
     d1   = coupled draw of lm_head(norm(out))     in the target's noise at token_pos + 1
     then g = out (or norm(out)), token = d1, one position on, for d2, d3, …
 
-A tree grows the same way from each node's parent (`tree_growth.grow_tree`), every node
-attending the session's cache and its own path. The head's columns are its draft vocabulary:
-column c drafts target token c + d2t[c] (`Eagle3Head.token_ids`). Whatever it drafts, the tail's
-verify commits the target's own draw, so the committed tokens are plain sampling's.
+A tree grows the same way from each node's parent (`tree_growth.grow_tree`), the nodes of one
+depth in one pass, every node attending the session's cache and its own path. The head's columns
+are its draft vocabulary: column c drafts target token c + d2t[c] (`Eagle3Head.token_ids`).
+Whatever it drafts, the tail's verify commits the target's own draw, so the committed tokens are
+plain sampling's.
 
 One row of a prompt longer than a prefill chunk is paired with the token the chunk's round
 sampled and dropped, not the prompt's next token, as the tail cannot tell such a round from one
@@ -57,6 +58,35 @@ class SessionRows:
         if n <= 0:
             return None
         return self.cache if n >= self.cache.length else self.cache.upto(n)
+
+
+class TreeRows:
+    """The rows a tree's nodes may attend while it grows: the session's, then the nodes' own,
+    in the order they stepped (a node's path is the indices of its ancestors' rows and its own
+    among the latter)."""
+
+    def __init__(self, past: HeadCache | None, device: torch.device) -> None:
+        self.context, self.device = past, device
+        self.n_past = 0 if past is None else past.length
+
+    def visible(self, paths: list[tuple[int, ...]]) -> torch.Tensor:
+        """[N, rows so far] bool: each node sees the session's rows and its own path's."""
+        n_rows = 0 if self.context is None else self.context.length
+        mask = torch.zeros(len(paths), n_rows, dtype=torch.bool, device=self.device)
+        mask[:, : self.n_past] = True
+        for i, path in enumerate(paths):
+            mask[i, [self.n_past + j for j in path]] = True
+        return mask
+
+    def add(self, own: HeadCache) -> int:
+        """Append a depth's rows; the tree index of the first."""
+        first = 0 if self.context is None else self.context.length - self.n_past
+        if self.context is None:
+            self.context = own
+        else:
+            k = torch.cat([self.context.k, own.k], dim=1)
+            self.context = HeadCache(k, torch.cat([self.context.v, own.v], dim=1))
+        return first
 
 
 class Eagle3Drafter:
@@ -153,21 +183,23 @@ class Eagle3Drafter:
         params: SamplingParams,
     ) -> DraftTree:
         """A tree of `shape` after the last committed `token`; its candidates are remembered
-        for `ranks_of` until the session's next tree. A node's state is the features it is fed
-        and the cache along its path (the session's rows, then its ancestors')."""
+        for `ranks_of` until the session's next tree. The nodes of one depth step together
+        (`Eagle3Head.tree_step`): each attends the session's rows and the rows of its own path,
+        which is a node's state beside the features it is fed."""
+        rows = TreeRows(self._past_before(session, token_pos - 1), feature.device)
 
         def step(states: list, ids: list[int], depth: int):
-            after, logits = [], []
-            for (g, past), node in zip(states, ids, strict=True):
-                out, cache = self.head(g, self._embed([node]), token_pos - 1 + depth, past)
-                after.append((self.head.feed_back(out), cache))
-                logits.append(self._logits(out)[0])
-            return after, torch.stack(logits).numpy()
+            g = torch.stack([features for features, _ in states])  # [N, H]
+            paths = [path for _, path in states]
+            out, own = self.head.tree_step(
+                g, self._embed(ids), token_pos - 1 + depth, rows.context, rows.visible(paths)
+            )
+            first = rows.add(own)
+            fed = self.head.feed_back(out)
+            after = [(fed[i], (*path, first + i)) for i, path in enumerate(paths)]
+            return after, self._logits(out).numpy()
 
-        root = (
-            self.head.fuse(feature.reshape(1, -1).float()),
-            self._past_before(session, token_pos - 1),
-        )
+        root = (self.head.fuse(feature.reshape(1, -1).float())[0], ())
         tree, candidates = grow_tree(shape, token, token_pos, params, self.ids, root, step)
         self.ranked.keep(session, token_pos, token, candidates)
         return tree

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from specpipe.drafting.eagle3 import default_taps
 from specpipe.drafting.eagle3_format import FORMATS
+from specpipe.model.config import ModelConfig
 from specpipe.model.synth import LIKE
 
 DRAFT_VOCAB = 32000
@@ -76,6 +77,23 @@ def head_config(
             "use_aux_hidden_state": True,
             "norm_before_fc": True,
         },
+    }
+
+
+def model_fields(cfg: ModelConfig) -> dict:
+    """The config.json fields `head_config` reads, from a loaded model's config (a GGUF file
+    has no config.json)."""
+    return {
+        "num_hidden_layers": cfg.n_layers,
+        "hidden_size": cfg.dim,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
     }
 
 

@@ -12,12 +12,13 @@ from safetensors.torch import save_file
 
 from specpipe.cli import cli
 from specpipe.core.sampling import SamplingParams
-from specpipe.core.tree import TreeShape
+from specpipe.core.tree import MAX_RANK, TreeShape
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.local_ring import LocalRing
 from specpipe.decoding.target import open_target
+from specpipe.drafting.coupled import ranked_candidates
 from specpipe.drafting.eagle3 import Eagle3Config, Eagle3Head
-from specpipe.drafting.eagle3_drafter import Eagle3Drafter
+from specpipe.drafting.eagle3_drafter import Eagle3Drafter, TreeRows
 from specpipe.drafting.eagle3_synth import head_config, head_tensors
 from specpipe.drafting.head import DraftHeadError, TargetParts
 from specpipe.drafting.sources import TailDrafter, named_sources
@@ -177,6 +178,66 @@ def test_a_greedy_chain_is_the_heads_equations_step_by_step(model):
             expected.append(token)
             g = out  # fed back as it is (norm_output off)
     assert drafts == expected and all(t % 2 == 0 for t in drafts)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_each_node_of_a_tree_ranks_what_its_path_drafted_a_row_at_a_time_would(model, params):
+    """A tree's depth steps in one pass (each node seeing the session's rows and its own path's,
+    not its siblings'); written out, each node is its path run through the head one row at a
+    time, and its candidates are those of that row's logits."""
+    stages = load_stages(model, 2, pack=False)
+    head = head_for(stages, seed=4, draft_vocab=40)
+    ring = ring_with(stages, head)
+    ring.reset("s", params)
+    ring.round("s", PROMPT, 0, 0)
+    taps, n = stages[-1].features["s"], len(PROMPT)
+    drafter = ring.head
+    drafter.remember("s", taps[: n - 2], PROMPT[1 : n - 1], 1)
+    tree = drafter.draft_tree("s", taps[n - 2], PROMPT[-1], n - 1, WIDE, params)
+    _, _, candidates = drafter.ranked._last["s"]
+    assert len(tree.tokens) == len(WIDE.parents) and max(map(len, candidates)) == 2
+    embed = drafter.parts.embed
+    for path, ranked in candidates.items():
+        with torch.no_grad():
+            _, past = head(head.fuse(taps[: n - 2]), embed(torch.tensor(PROMPT[1 : n - 1])), 0)
+            g, position = head.fuse(taps[n - 2 : n - 1]), n - 2
+            for token in (PROMPT[-1], *path):
+                out, past = head(g, embed(torch.tensor([token])), position, past)
+                g, position = head.feed_back(out), position + 1
+            logits = head.logits(out)[0].numpy()
+        depth = len(path)
+        assert ranked == ranked_candidates(logits, params, n + depth, drafter.ids, MAX_RANK), path
+
+
+def test_a_depth_of_a_tree_in_one_pass_is_each_nodes_path_a_row_at_a_time(model):
+    """Two branches of two nodes: each node's output equals its path run row by row, so it sees
+    the session's rows and its ancestors', never a sibling's or a cousin's."""
+    stages = load_stages(model, 2, pack=False)
+    head = head_for(stages, seed=5)
+    torch.manual_seed(0)
+    H, P = head.cfg.hidden, 6
+    taps = torch.randn(P + 1, 3 * H)
+    embed = torch.randn(5, H)  # the root's token, a and b (depth 1), a's child and b's
+    with torch.no_grad():
+        _, past = head(head.fuse(taps[:P]), torch.randn(P, H), 0)  # the session's rows
+        rows = TreeRows(past, torch.device("cpu"))
+        root = head.fuse(taps[P:])
+        out0, own = head.tree_step(root, embed[:1], P, rows.context, rows.visible([()]))
+        rows.add(own)
+        g1 = out0.repeat(2, 1)
+        out1, own = head.tree_step(g1, embed[1:3], P + 1, rows.context, rows.visible([(0,)] * 2))
+        rows.add(own)
+        visible = rows.visible([(0, 1), (0, 2)])
+        out2, _ = head.tree_step(out1, embed[3:5], P + 2, rows.context, visible)
+        for branch in (0, 1):
+            g, cache, outs = root, past, []
+            for depth, row in enumerate((0, 1 + branch, 3 + branch)):
+                out, cache = head(g, embed[row : row + 1], P + depth, cache)
+                outs.append(out[0])
+                g = out
+            assert torch.allclose(outs[0], out0[0], atol=1e-5)
+            assert torch.allclose(outs[1], out1[branch], atol=1e-5)
+            assert torch.allclose(outs[2], out2[branch], atol=1e-5)
 
 
 def test_a_head_whose_taps_are_out_of_layer_order_is_refused(model):

@@ -230,7 +230,11 @@ def test_jobs_submitted_together_run_at_once_each_as_it_would_alone(tiny, env, s
     assert [job.status for job in jobs] == ["done"] * 4, [job.error for job in jobs]
     assert [job.output_ids for job in jobs] == alone
     # They ran at the same time: each had started before any had finished.
-    assert max(job.started_at for job in jobs) < min(job.finished_at for job in jobs)
+    times = {
+        job.id: (f"{job.started_at:%H:%M:%S.%f}", f"{job.finished_at:%H:%M:%S.%f}") for job in jobs
+    }
+    log = swarm.logs["coordinator"].read_text()[-3000:]
+    assert max(job.started_at for job in jobs) < min(job.finished_at for job in jobs), (times, log)
 
 
 def test_a_stage_killed_mid_job_is_restarted_and_the_output_is_unchanged(tiny, env, swarm):
