@@ -35,17 +35,38 @@ def ranked_candidates(
     """The drafter's best `n` tokens at `position` from its logits [V'] (column c is token
     ids[c], or c), best first: by logit when greedy, else by the Gumbel-max score log q + g
     under the target's noise, over the tokens q keeps. The first is `coupled_draft`'s token."""
+    return ranked_at(np.asarray(logits)[None, :], params, position, ids, n)[0]
+
+
+def ranked_at(
+    logits: np.ndarray, params: SamplingParams, position: int, ids: np.ndarray | None, n: int
+) -> list[list[int]]:
+    """`ranked_candidates` of each row of logits [N, V'], all drafting one `position` (the
+    nodes of one depth of a tree): the noise of the tokens any row keeps is drawn once."""
+    logits = np.asarray(logits)
     if params.temp <= 0:
-        scores = np.asarray(logits, dtype=np.float64)
+        return [_best(np.asarray(row, dtype=np.float64), None, ids, n) for row in logits]
+    q = target_probs(logits, params.temp, params.top_p, params.top_k)  # [N, V']
+    kept_any = np.flatnonzero((q > 0).any(axis=0))
+    tokens = kept_any if ids is None else np.asarray(ids)[kept_any]
+    noise = np.zeros(q.shape[1])
+    noise[kept_any] = gumbel_noise(params.seed, position, tokens)
+    ranked = []
+    for row in q:
+        columns = np.flatnonzero(row > 0)
+        ranked.append(_best(np.log(row[columns]) + noise[columns], columns, ids, n))
+    return ranked
+
+
+def _best(
+    scores: np.ndarray, columns: np.ndarray | None, ids: np.ndarray | None, n: int
+) -> list[int]:
+    """The tokens of the `n` best `scores` (of `columns`, or of every column), best first; on a
+    tie the lower column, as `coupled_draft`'s argmax picks it."""
+    if columns is None:
         columns = np.arange(len(scores))
-    else:
-        q = target_probs(logits, params.temp, params.top_p, params.top_k)
-        columns = np.flatnonzero(q > 0)
-        tokens = columns if ids is None else np.asarray(ids)[columns]
-        scores = np.log(q[columns]) + gumbel_noise(params.seed, position, tokens)
     n = min(n, len(scores))
     top = np.argpartition(-scores, n - 1)[:n] if n < len(scores) else np.arange(len(scores))
-    # Best first; on a tie the lower column, as `coupled_draft`'s argmax picks it.
     best = top[np.lexsort((columns[top], -scores[top]))]
     chosen = columns[best]
     return [int(c) if ids is None else int(ids[c]) for c in chosen]

@@ -139,7 +139,7 @@ class Eagle3Drafter:
             past = known.before(position)
         first = known.first if past is not None else position
         g = self.head.fuse(features.float())  # [m, H]
-        _, cache = self.head(g, self._embed(tokens), position, past)
+        cache = self.head.rows(g, self._embed(tokens), position, past)
         self._rows[session] = SessionRows(first, cache)
         self._rows.move_to_end(session)
         while len(self._rows) > MAX_SESSIONS:

@@ -2,7 +2,7 @@
 
 Every head drafts a tree the same way: the nodes of one depth step together, each from its
 parent's state (the root: the target's), and a node's candidates are the tokens its logits rank
-best under the noise the target draws that position with (`ranked_candidates`), so rank 0 is
+best under the noise the target draws that position with (`ranked_at`), so rank 0 is
 the chain's draft and the others are the next most likely to equal the target's draw. A slot
 whose rank its node lacks (a top-k or top-p cut leaves fewer candidates) is left out with
 everything under it. What a state is (a predicted feature, the keys and values along the path)
@@ -19,7 +19,7 @@ import numpy as np
 
 from specpipe.core.sampling import SamplingParams
 from specpipe.core.tree import MAX_RANK, DraftTree, TreeShape
-from specpipe.drafting.coupled import ranked_candidates
+from specpipe.drafting.coupled import ranked_at
 
 # (the states of the nodes to expand, the tokens they stand for, their depth) ->
 # (each node's state after its step, which its children start from; logits [N, V'])
@@ -53,11 +53,10 @@ def grow_tree(
             break
         states = [root_state if r == 0 else after[parents[r - 1]] for r in expand]
         stepped, logits = step(states, [node_token[r] for r in expand], depth)
+        ranked = ranked_at(logits, params, token_pos + depth + 1, ids, MAX_RANK)
         for i, r in enumerate(expand):
             after[r] = stepped[i]
-            candidates[keys[r]] = ranked_candidates(
-                logits[i], params, token_pos + depth + 1, ids, MAX_RANK
-            )
+            candidates[keys[r]] = ranked[i]
         _add_children(shape, depth, row_of, keys, candidates, tokens, parents, node_token)
     return DraftTree(tuple(tokens), tuple(parents)), candidates
 

@@ -240,6 +240,18 @@ def test_a_depth_of_a_tree_in_one_pass_is_each_nodes_path_a_row_at_a_time(model)
             assert torch.allclose(outs[2], out2[branch], atol=1e-5)
 
 
+def test_the_rows_a_session_keeps_are_the_cache_of_a_whole_pass(model):
+    stages = load_stages(model, 2, pack=False)
+    head = head_for(stages, seed=6)
+    g, embeds = torch.randn(7, head.cfg.hidden), torch.randn(7, head.cfg.hidden)
+    with torch.no_grad():
+        _, whole = head(g, embeds, 3)
+        _, first = head(g[:4], embeds[:4], 3)
+        kept = head.rows(g[4:], embeds[4:], 7, first)
+    assert torch.allclose(kept.k, whole.k, atol=1e-6) and torch.allclose(kept.v, whole.v, atol=1e-6)
+    assert kept.length == 7
+
+
 def test_a_head_whose_taps_are_out_of_layer_order_is_refused(model):
     stages = load_stages(model, 2, pack=False)
     head = head_for(stages)
