@@ -226,8 +226,11 @@ class Eagle3Head(nn.Module):
         the residual, the MLP -> out [T, H]."""
         cfg, T = self.cfg, g.shape[0]
         group = cfg.heads // cfg.kv_heads
-        keys, values = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [nh, T, hd]
+        # Query head i reads KV head i // group: the group's queries go as one KV head's rows
+        # [nkv, group·T, hd], so the keys are read where they are instead of copied per head.
+        q = q.reshape(cfg.kv_heads, group * T, cfg.head_dim)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(group, 1))
+        attn = attn.view(cfg.heads, T, cfg.head_dim)  # [nh, T, hd]
         a = self.o_proj(attn.transpose(0, 1).reshape(T, cfg.heads * cfg.head_dim))
         r = (h if cfg.norm_before_residual else g) + a
         m = self.post_attention_layernorm(r)

@@ -300,3 +300,34 @@ def test_a_stage_splits_what_the_stage_before_sent_by_the_taps_below_it(model):
             stage.split_taps(wrong, TAPS)
     assert first.taps_here(TAPS) == [] and middle.taps_here(TAPS) == [1, 2]
     assert tail.taps_here(TAPS) == [4]
+
+
+def test_each_query_head_reads_its_own_kv_head():
+    """Six query heads over two KV heads: heads 0-2 read KV head 0, heads 3-5 KV head 1, as
+    copying each KV head for its queries does."""
+    cfg = Eagle3Config(
+        hidden=96,
+        heads=6,
+        kv_heads=2,
+        head_dim=16,
+        intermediate=64,
+        draft_vocab=50,
+        target_vocab=100,
+        taps=(1, 2, 3),
+    )
+    torch.manual_seed(0)
+    head = Eagle3Head(cfg)
+    for name, weight in head.named_parameters():
+        if "norm" not in name:
+            torch.nn.init.normal_(weight, std=0.1)
+    g, embeds = torch.randn(5, 96), torch.randn(5, 96)
+    with torch.no_grad():
+        out, _ = head(g, embeds, 3)
+        h, q, k, v = head._project(g, embeds, *head.rotary(3, 5, g.dtype))
+        copied = (k.repeat_interleave(3, 0), v.repeat_interleave(3, 0))
+        mask = torch.ones(5, 5, dtype=torch.bool).tril()
+        attn = torch.nn.functional.scaled_dot_product_attention(q, *copied, attn_mask=mask)
+        r = g + head.o_proj(attn.transpose(0, 1).reshape(5, 96))
+        m = head.post_attention_layernorm(r)
+        want = r + head.down_proj(torch.nn.functional.silu(head.gate_proj(m)) * head.up_proj(m))
+    assert torch.allclose(out, want, atol=1e-5)
