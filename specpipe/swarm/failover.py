@@ -105,10 +105,7 @@ class CheckedRing:
             self._around_lost(session, str(exc))
             self.ring.reset(session, params)
         except RingError as exc:
-            lost = self._await_lost()
-            if not lost:
-                raise
-            self._fail_over(session, lost, str(exc))
+            self._fail_over_once_lost(session, exc)
             self.ring.reset(session, params)
         self._params[session] = params
 
@@ -173,17 +170,20 @@ class CheckedRing:
             # go around it at once where the inventory has a route without it.
             if exc.host and self._fail_over_if_routed(session, exc.host, str(exc)):
                 raise GapError(f"re-routed around an unreachable stage: {exc}") from None
-            lost = self._await_lost()
-            if not lost:
-                raise
-            self._fail_over(session, lost, str(exc))
+            self._fail_over_once_lost(session, exc)
             raise GapError(f"re-routed around a lost stage: {exc}") from None
         except RingError as exc:
-            lost = self._await_lost()
-            if not lost:
-                raise
-            self._fail_over(session, lost, str(exc))
+            self._fail_over_once_lost(session, exc)
             raise GapError(f"re-routed around a lost stage: {exc}") from None
+
+    def _fail_over_once_lost(self, session: str, exc: RingError) -> None:
+        """After a failure the ring could not say whose it was: wait for the watchdog to name
+        the lost stages and route around them; `exc` raised again when none is lost (the
+        failure was not a stage's)."""
+        lost = self._await_lost()
+        if not lost:
+            raise exc
+        self._fail_over(session, lost, str(exc))
 
     def _around_lost(self, session: str, why: str) -> str:
         """After the watchdog said a hop is gone: the ring built again on the same hosts when
