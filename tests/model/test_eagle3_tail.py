@@ -156,15 +156,21 @@ def test_the_sessions_cache_after_its_rounds_is_the_one_built_at_once(model):
     assert after == built.drafts_after("o", taps[n - 2], tokens[-1], n - 1, 4, SAMPLED)
 
 
-def test_a_greedy_chain_is_the_heads_equations_step_by_step(model):
+def primed(model, seed: int, params: SamplingParams):
+    """A head (draft vocabulary of 40) on a ring that ran PROMPT in session "s", its drafter
+    remembering the prompt's committed rows but the last: (head, drafter, taps, len(PROMPT))."""
     stages = load_stages(model, 2, pack=False)
-    head = head_for(stages, seed=9, draft_vocab=40)
+    head = head_for(stages, seed=seed, draft_vocab=40)
     ring = ring_with(stages, head)
-    ring.reset("s", GREEDY)
+    ring.reset("s", params)
     ring.round("s", PROMPT, 0, 0)
     taps, n = stages[-1].features["s"], len(PROMPT)
-    drafter = ring.head
-    drafter.remember("s", taps[: n - 2], PROMPT[1 : n - 1], 1)
+    ring.head.remember("s", taps[: n - 2], PROMPT[1 : n - 1], 1)
+    return head, ring.head, taps, n
+
+
+def test_a_greedy_chain_is_the_heads_equations_step_by_step(model):
+    head, drafter, taps, n = primed(model, 9, GREEDY)
     drafts = drafter.drafts_after("s", taps[n - 2], PROMPT[-1], n - 1, 3, GREEDY)
     # Written out: the committed rows 0 … n-3 in one pass, then a row at a time.
     embed = drafter.parts.embed
@@ -185,14 +191,7 @@ def test_each_node_of_a_tree_ranks_what_its_path_drafted_a_row_at_a_time_would(m
     """A tree's depth steps in one pass (each node seeing the session's rows and its own path's,
     not its siblings'); written out, each node is its path run through the head one row at a
     time, and its candidates are those of that row's logits."""
-    stages = load_stages(model, 2, pack=False)
-    head = head_for(stages, seed=4, draft_vocab=40)
-    ring = ring_with(stages, head)
-    ring.reset("s", params)
-    ring.round("s", PROMPT, 0, 0)
-    taps, n = stages[-1].features["s"], len(PROMPT)
-    drafter = ring.head
-    drafter.remember("s", taps[: n - 2], PROMPT[1 : n - 1], 1)
+    head, drafter, taps, n = primed(model, 4, params)
     tree = drafter.draft_tree("s", taps[n - 2], PROMPT[-1], n - 1, WIDE, params)
     _, _, candidates = drafter.ranked._last["s"]
     assert len(tree.tokens) == len(WIDE.parents) and max(map(len, candidates)) == 2
