@@ -167,14 +167,11 @@ class Eagle3Head(nn.Module):
         mask = torch.ones(T, S, dtype=torch.bool, device=g.device).tril(S - T)
         return self._attend_and_mix(g, h, q, k, v, mask), HeadCache(k, v)
 
-    def rows(
-        self, g: torch.Tensor, embeds: torch.Tensor, start_pos: int, past: HeadCache | None = None
-    ) -> HeadCache:
-        """The cache `forward` returns, without the rest of its pass: only the rows' keys and
-        values join it (what the session keeps of committed rows; their outputs are unused)."""
+    def rows(self, g: torch.Tensor, embeds: torch.Tensor, start_pos: int) -> HeadCache:
+        """The keys and values `forward` gives T rows at positions start_pos …, without the rest
+        of its pass: what a session keeps of its committed rows. A row's own input and position
+        make them; the rows before it do not."""
         _, _, k, v = self._project(g, embeds, *self.rotary(start_pos, g.shape[0], g.dtype))
-        if past is not None:
-            k, v = torch.cat([past.k, k], dim=1), torch.cat([past.v, v], dim=1)
         return HeadCache(k, v)
 
     def tree_step(

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,52 +39,53 @@ from specpipe.drafting.eagle3 import Eagle3Head, HeadCache
 from specpipe.drafting.eagle3_format import load_eagle3
 from specpipe.drafting.target_parts import DraftHeadError, TargetParts
 from specpipe.drafting.tree_growth import RankedTrees, grow_tree
+from specpipe.model.kvcache import LayerCache
 
 MAX_SESSIONS = 256  # sessions whose cache the head keeps (the least recently used goes first)
 MAX_RANKED_SESSIONS = 4096  # sessions whose last tree's candidates it remembers
 
 
-@dataclass
-class SessionRows:
-    """A session's rows in the head's layer: positions first, first + 1, …"""
-
-    first: int
-    cache: HeadCache
-
-    def before(self, position: int) -> HeadCache | None:
-        """The rows at positions before `position` (None: none)."""
-        n = position - self.first
-        if n <= 0:
-            return None
-        return self.cache if n >= self.cache.length else self.cache.upto(n)
-
-
 class TreeRows:
     """The rows a tree's nodes may attend while it grows: the session's, then the nodes' own,
     in the order they stepped (a node's path is the indices of its ancestors' rows and its own
-    among the latter)."""
+    among the latter). The session's rows are copied once, into a buffer with room for the
+    tree's `capacity` rows, and each depth's rows are written after them."""
 
-    def __init__(self, past: HeadCache | None, device: torch.device) -> None:
-        self.context, self.device = past, device
-        self.n_past = 0 if past is None else past.length
+    def __init__(self, past: HeadCache | None, capacity: int, device: torch.device) -> None:
+        self.past, self.capacity, self.device = past, capacity, device
+        self.n_past = self.filled = 0 if past is None else past.length
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def context(self) -> HeadCache | None:
+        """Every row so far: [kv_heads, rows, head_dim] keys and values."""
+        if self.k is None:
+            return self.past
+        return HeadCache(self.k[:, : self.filled], self.v[:, : self.filled])
 
     def visible(self, paths: list[tuple[int, ...]]) -> torch.Tensor:
         """[N, rows so far] bool: each node sees the session's rows and its own path's."""
-        n_rows = 0 if self.context is None else self.context.length
-        mask = torch.zeros(len(paths), n_rows, dtype=torch.bool, device=self.device)
+        mask = torch.zeros(len(paths), self.filled, dtype=torch.bool, device=self.device)
         mask[:, : self.n_past] = True
         for i, path in enumerate(paths):
             mask[i, [self.n_past + j for j in path]] = True
         return mask
 
     def add(self, own: HeadCache) -> int:
-        """Append a depth's rows; the tree index of the first."""
-        first = 0 if self.context is None else self.context.length - self.n_past
-        if self.context is None:
-            self.context = own
-        else:
-            k = torch.cat([self.context.k, own.k], dim=1)
-            self.context = HeadCache(k, torch.cat([self.context.v, own.v], dim=1))
+        """Write a depth's rows after the others; the tree index of the first."""
+        if self.k is None:
+            kv_heads, _, head_dim = own.k.shape
+            self.k = own.k.new_empty(kv_heads, self.n_past + self.capacity, head_dim)
+            self.v = torch.empty_like(self.k)
+            if self.past is not None:
+                self.k[:, : self.n_past], self.v[:, : self.n_past] = self.past.k, self.past.v
+        first, n = self.filled - self.n_past, own.length
+        if first + n > self.capacity:
+            raise ValueError(f"a tree of {self.capacity} rows has no room for {first + n}")
+        self.k[:, self.filled : self.filled + n] = own.k
+        self.v[:, self.filled : self.filled + n] = own.v
+        self.filled += n
         return first
 
 
@@ -98,7 +98,7 @@ class Eagle3Drafter:
             raise DraftHeadError(f"the head's taps {list(head.cfg.taps)} are not in layer order")
         self.head, self.parts = head, parts
         self.ids = head.token_ids()
-        self._rows: OrderedDict[str, SessionRows] = OrderedDict()
+        self._rows: OrderedDict[str, LayerCache] = OrderedDict()  # from each one's first
         self.ranked = RankedTrees(MAX_RANKED_SESSIONS)
 
     @classmethod
@@ -133,21 +133,25 @@ class Eagle3Drafter:
         if not len(tokens):
             return
         position = first_pos - 1  # the first row's own position
-        known = self._rows.get(session)
-        past = None
-        if known is not None and known.first <= position <= known.first + known.cache.length:
-            past = known.before(position)
-        first = known.first if past is not None else position
         g = self.head.fuse(features.float())  # [m, H]
-        cache = self.head.rows(g, self._embed(tokens), position, past)
-        self._rows[session] = SessionRows(first, cache)
+        new = self.head.rows(g, self._embed(tokens), position)
+        rows = self._rows.get(session)
+        if rows is None or not rows.first <= position <= rows.end:  # a gap: start again there
+            kv_heads, _, head_dim = new.k.shape
+            rows = LayerCache(kv_heads, head_dim, new.k.dtype, new.k.device, first=position)
+        rows.append(new.k, new.v, position)  # what was at or after `position` is cut
+        self._rows[session] = rows
         self._rows.move_to_end(session)
         while len(self._rows) > MAX_SESSIONS:
             self._rows.popitem(last=False)
 
     def _past_before(self, session: str, position: int) -> HeadCache | None:
-        known = self._rows.get(session)
-        return None if known is None else known.before(position)
+        """The session's rows at positions before `position` (None: none)."""
+        rows = self._rows.get(session)
+        if rows is None:
+            return None
+        n = min(position, rows.end) - rows.first
+        return HeadCache(rows.k[:, :n], rows.v[:, :n]) if n > 0 else None
 
     @torch.inference_mode()
     def drafts_after(
@@ -186,7 +190,8 @@ class Eagle3Drafter:
         for `ranks_of` until the session's next tree. The nodes of one depth step together
         (`Eagle3Head.tree_step`): each attends the session's rows and the rows of its own path,
         which is a node's state beside the features it is fed."""
-        rows = TreeRows(self._past_before(session, token_pos - 1), feature.device)
+        past = self._past_before(session, token_pos - 1)
+        rows = TreeRows(past, len(shape.parents) + 1, feature.device)
 
         def step(states: list, ids: list[int], depth: int):
             g = torch.stack([features for features, _ in states])  # [N, H]

@@ -33,12 +33,13 @@ class LayerCache:
         device: torch.device | str,
         window: int | None = None,
         capacity: int = 256,
+        first: int = 0,
     ) -> None:
         self.window = window
         self.k = torch.empty(n_kv, capacity, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
-        self.first = 0  # absolute position held in slot 0
-        self.end = 0  # one past the last absolute position held
+        self.first = first  # absolute position held in slot 0
+        self.end = first  # one past the last absolute position held
         # A draft tree's keys and values [Hkv, R, hd] and its root's position, held apart until
         # the rows of its accepted path are known (`keep`).
         self.pending: tuple[torch.Tensor, torch.Tensor, int] | None = None

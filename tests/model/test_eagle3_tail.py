@@ -145,12 +145,11 @@ def test_the_sessions_cache_after_its_rounds_is_the_one_built_at_once(model):
     n = len(tokens)
     built = Eagle3Drafter(head, once.head.parts)
     built.remember("o", taps[: n - 2], tokens[1 : n - 1], 1)  # rows 0 … n-3
-    kept = ring.head._rows["s"]
-    assert kept.first == 0
-    cut = kept.before(n - 2)
-    assert cut.length == n - 2
-    assert torch.allclose(cut.k, built._rows["o"].cache.k, atol=1e-4)
-    assert torch.allclose(cut.v, built._rows["o"].cache.v, atol=1e-4)
+    assert ring.head._rows["s"].first == 0
+    cut, whole = ring.head._past_before("s", n - 2), built._past_before("o", n - 2)
+    assert cut.length == whole.length == n - 2
+    assert torch.allclose(cut.k, whole.k, atol=1e-4)
+    assert torch.allclose(cut.v, whole.v, atol=1e-4)
     # And both draft the same after the last token.
     after = ring.head.drafts_after("s", taps[n - 2], tokens[-1], n - 1, 4, SAMPLED)
     assert after == built.drafts_after("o", taps[n - 2], tokens[-1], n - 1, 4, SAMPLED)
@@ -219,7 +218,7 @@ def test_a_depth_of_a_tree_in_one_pass_is_each_nodes_path_a_row_at_a_time(model)
     embed = torch.randn(5, H)  # the root's token, a and b (depth 1), a's child and b's
     with torch.no_grad():
         _, past = head(head.fuse(taps[:P]), torch.randn(P, H), 0)  # the session's rows
-        rows = TreeRows(past, torch.device("cpu"))
+        rows = TreeRows(past, 5, torch.device("cpu"))
         root = head.fuse(taps[P:])
         out0, own = head.tree_step(root, embed[:1], P, rows.context, rows.visible([()]))
         rows.add(own)
@@ -245,10 +244,10 @@ def test_the_rows_a_session_keeps_are_the_cache_of_a_whole_pass(model):
     g, embeds = torch.randn(7, head.cfg.hidden), torch.randn(7, head.cfg.hidden)
     with torch.no_grad():
         _, whole = head(g, embeds, 3)
-        _, first = head(g[:4], embeds[:4], 3)
-        kept = head.rows(g[4:], embeds[4:], 7, first)
-    assert torch.allclose(kept.k, whole.k, atol=1e-6) and torch.allclose(kept.v, whole.v, atol=1e-6)
-    assert kept.length == 7
+        kept = head.rows(g[4:], embeds[4:], 7)
+    assert kept.length == 3
+    assert torch.allclose(kept.k, whole.k[:, 4:], atol=1e-6)
+    assert torch.allclose(kept.v, whole.v[:, 4:], atol=1e-6)
 
 
 def test_a_head_whose_taps_are_out_of_layer_order_is_refused(model):
