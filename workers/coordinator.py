@@ -61,7 +61,9 @@ def generate(self, job_id: int) -> str | None:
     delivery, and a delivery ends only when it finds no queued job it can take, so a queued job
     is never left without one: a delivery whose job another coordinator ran or took over meanwhile
     (a lock that lapsed under load, a duplicate, a job that ended as it was chosen) goes on to
-    the next job instead of ending with that job's turn unused. The delivery of a running job
+    the next job instead of ending with that job's turn unused, and one that finds every job it
+    read taken reads the queue again before it ends (a job queued meanwhile may be the one whose
+    delivery took the job this delivery read). The delivery of a running job
     (beat resuming it) runs that job first, or, when another coordinator holds it, takes turns
     like the others.
 
@@ -93,6 +95,11 @@ def generate(self, job_id: int) -> str | None:
                 log.warning("delivery of job %s: cannot reach Redis at %s (%s)", job_id, where, exc)
                 break
             if chosen is None:
+                # Jobs queued since the list was read may have no delivery left: the one of the
+                # job that another took, meanwhile, may have taken one of them instead of its own.
+                if set(next_turns(session)) - set(candidates):
+                    own = []
+                    continue
                 # Worth a warning when the job itself is running: two deliveries of one running job.
                 say = log.warning if own else log.info
                 say("delivery of job %s: every job it could run is taken; it is done", job_id)

@@ -2,10 +2,10 @@
 
 Each round the tail hands it the taps of the round's rows (`StageModel.tap_layers`: the hidden
 states entering the head's three layers, side by side, [rows, 3·Ht]). Row t's taps pair with
-the token at t + 1, and the pair runs through the head's decoder layer at position t; its keys
-and values join the session's cache, which holds one row per position from the session's first
-remembered position on, and is cut back to a round's start before the round's rows join it (a
-rejected draft's row never stays). Drafting from the last committed token at `token_pos`:
+the token at t + 1, and the pair's keys and values (all a committed row leaves behind: the
+head's `rows`) join the session's cache, a `LayerCache` holding one row per position from the
+session's first remembered position on, cut back to a round's start as the round's rows join it
+(a rejected draft's row never stays). Drafting from the last committed token at `token_pos`:
 
     g    = fc(taps at token_pos - 1)              the root's features, from the target
     out  = layer(g, embed(token), token_pos - 1)  attending the session's cache before it

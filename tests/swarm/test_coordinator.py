@@ -1048,6 +1048,41 @@ def test_malformed_broker_entries_are_skipped_and_the_rest_still_read(db_url, se
         client.close()
 
 
+def test_a_delivery_that_finds_what_it_read_taken_runs_a_job_queued_since(
+    db_url, redis_url, swarm, monkeypatch
+):
+    """Four jobs submitted together once ran three at a time: the delivery of job 2 read the
+    queue as [1, 2], the delivery of job 3 took job 2 meanwhile, and job 4's took job 3; job 2's
+    delivery found both it had read taken and ended, and job 4 waited for a job to finish. A
+    delivery reads the queue again before it ends."""
+    import redis as redis_client
+
+    first, second = add_job(db_url), add_job(db_url)
+    monkeypatch.setenv("DATABASE_URL", db_url)
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("SPECPIPE_SWARM", swarm)
+    client = redis_client.Redis.from_url(redis_url)
+    client.set(job_lock.lock_key(swarm, first), "another delivery", px=60_000)
+    later: list[int] = []
+    real = coordinator.lock_first_through_outage
+
+    def lock_first(redis, swarm_name, candidates, outage_s):
+        if not later:  # between this delivery's read and its lock: job 2 taken, job 3 queued
+            client.set(job_lock.lock_key(swarm, second), "another delivery", px=60_000)
+            later.append(add_job(db_url))
+        return real(redis, swarm_name, candidates, outage_s)
+
+    ran = []
+    monkeypatch.setattr(coordinator, "lock_first_through_outage", lock_first)
+    monkeypatch.setattr(job_run, "run_on_swarm", runs_to_the_end(ran))
+    try:
+        coordinator.generate.apply(args=[second])
+    finally:
+        client.delete(*(job_lock.lock_key(swarm, i) for i in (first, second)))
+        client.close()
+    assert ran == later
+
+
 def test_a_delivery_whose_job_another_turn_ran_runs_the_next_queued_job(db_url, monkeypatch):
     """Alice's delivery ran bob's job (his turn); bob's delivery then finds his job done and
     runs alice's, which would otherwise wait for beat without a delivery."""
