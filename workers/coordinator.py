@@ -97,7 +97,8 @@ def generate(self, job_id: int) -> str | None:
             if chosen is None:
                 # Jobs queued since the list was read may have no delivery left: the one of the
                 # job that another took, meanwhile, may have taken one of them instead of its own.
-                if set(next_turns(session)) - set(candidates):
+                fresh = {i for i in next_turns(session) if tries[i] < STARTS_PER_DELIVERY}
+                if fresh - set(candidates):
                     own = []
                     continue
                 # Worth a warning when the job itself is running: two deliveries of one running job.

@@ -597,8 +597,13 @@ def test_a_delivery_takes_a_job_it_cannot_start_a_bounded_number_of_times(
     db_url, redis_url, swarm, monkeypatch
 ):
     """A store that refuses every start leaves the job queued for beat after a few tries,
-    rather than keeping the delivery busy with it forever."""
-    job_id = add_job(db_url)
+    rather than keeping the delivery busy with it forever, also while another queued job is
+    taken by someone else (the queue read again then holds nothing this delivery may try)."""
+    import threading
+
+    import redis as redis_client
+
+    job_id, other = add_job(db_url), add_job(db_url)
     monkeypatch.setenv("DATABASE_URL", db_url)
     monkeypatch.setenv("REDIS_URL", redis_url)
     monkeypatch.setenv("SPECPIPE_SWARM", swarm)
@@ -607,7 +612,16 @@ def test_a_delivery_takes_a_job_it_cannot_start_a_bounded_number_of_times(
     monkeypatch.setattr(
         job_run, "run_on_swarm", lambda session, job, settings, keeper: taken.append(job.id)
     )
-    coordinator.generate.apply(args=[job_id])
+    client = redis_client.Redis.from_url(redis_url)
+    client.set(job_lock.lock_key(swarm, other), "another delivery", px=60_000)
+    delivery = threading.Thread(target=coordinator.generate.apply, args=([job_id],), daemon=True)
+    try:
+        delivery.start()
+        delivery.join(30)
+        assert not delivery.is_alive(), "the delivery never ended"
+    finally:
+        client.delete(job_lock.lock_key(swarm, other))
+        client.close()
     assert taken == [job_id] * coordinator.STARTS_PER_DELIVERY
     assert load(db_url, job_id).status == "queued"
 
