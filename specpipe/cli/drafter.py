@@ -45,6 +45,21 @@ def load_head(head_path: Path | None, label: str, cfg):
         raise click.ClickException(str(exc)) from None
 
 
+def _eagle3_drafter(folder: Path, cfg, parts):
+    """The EAGLE-3 head in `folder` as the tail drafts with it, and what it records of its
+    training; a one-line ClickException when it cannot be used."""
+    from specpipe.drafting.eagle3_drafter import Eagle3Drafter
+    from specpipe.drafting.eagle3_format import load_eagle3
+    from specpipe.drafting.head import DraftHeadError
+    from specpipe.drafting.train_eagle3 import head_meta
+
+    try:
+        head = load_eagle3(folder, cfg.dim, cfg.vocab_size, cfg.n_layers)
+        return Eagle3Drafter(head, parts), head_meta(folder)
+    except (DraftHeadError, OSError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 def _log(line: str) -> None:
     click.echo(line)
     sys.stdout.flush()
@@ -105,6 +120,12 @@ def drafter() -> None:
     help="Past pairs the attention sees, and the length of its training windows (default: 16).",
 )
 @click.option(
+    "--eagle3",
+    is_flag=True,
+    help="Train an EAGLE-3 head (a folder in the speculators format) by training-time test: "
+    "--batch then counts the positions of the whole sequences a step takes.",
+)
+@click.option(
     "--threads", type=click.IntRange(min=1), default=2, show_default=True, help="Torch threads."
 )
 def train(
@@ -117,23 +138,46 @@ def train(
     draft_vocab: int,
     heads: int | None,
     window: int | None,
+    eagle3: bool,
     threads: int,
 ) -> None:
     """Train a draft head for MODEL by self-distillation on text the model generates itself.
 
     The target continues the project's own prompts (sampled at temperatures 0.7 … 1.0 with
     Gumbel draws), and the head learns to predict the target's distribution at each position
-    from the previous position's feature and the sampled token. Nothing is downloaded.
+    from the previous position's feature and the sampled token. Nothing is downloaded. With
+    --eagle3, an EAGLE-3 head learns the same from the states entering three of the target's
+    layers, drafting several tokens deep in training as it does at the tail.
 
     Example:
 
         specpipe drafter train --model default --seed 0
+        specpipe drafter train --model default --eagle3 --out head-eagle3
     """
     from specpipe.drafting import train as dt
     from specpipe.drafting.attention import HEAD_DIM, WINDOW
 
+    if eagle3 and (heads is not None or window is not None):
+        raise click.UsageError("--heads and --window shape today's head, not an EAGLE-3 head")
     started = time.perf_counter()
     label, cfg, tokenizer, eos, stage = open_whole_model(model, threads)
+    if eagle3:
+        _train_eagle3(
+            model,
+            label,
+            cfg,
+            tokenizer,
+            eos,
+            stage,
+            tokens,
+            steps,
+            batch,
+            seed,
+            out,
+            draft_vocab,
+            started,
+        )
+        return
     out = out or Path(f"{label}.safetensors")
     data, described = _generated_data(label, tokenizer, eos, stage, tokens, seed)
     generated_s = time.perf_counter() - started
@@ -180,9 +224,60 @@ def train(
     _log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {meta['train_seconds']} s")
 
 
-def _generated_data(label: str, tokenizer, eos, stage, tokens: int, seed: int):
+def _train_eagle3(
+    model: str,
+    label: str,
+    cfg,
+    tokenizer,
+    eos,
+    stage,
+    tokens: int,
+    steps: int,
+    batch: int,
+    seed: int,
+    out: Path | None,
+    draft_vocab: int,
+    started: float,
+) -> None:
+    """`drafter train --eagle3`: an EAGLE-3 head for the model, written as a folder."""
+    from specpipe.drafting import train as dt
+    from specpipe.drafting import train_eagle3 as e3
+
+    out = out or Path(f"{label}-eagle3")
+    settings = e3.head_settings(cfg, draft_vocab)
+    data, described = _generated_data(label, tokenizer, eos, stage, tokens, seed, settings.taps)
+    generated_s = time.perf_counter() - started
+    sequences = max(1, -(-batch // (dt.CONTINUATION_TOKENS + 1)))
+    _log(
+        f"{data.generated} tokens generated in {generated_s:.0f} s; training {steps} steps of "
+        f"{sequences} sequences, {e3.TTT_STEPS} draft depths each"
+    )
+    try:
+        head, losses = e3.train_eagle3(
+            settings, dt.training_parts(stage), data, steps, sequences, seed=seed, log=_log
+        )
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    meta = {
+        "model": label,
+        "command": f"specpipe drafter train --model {model} --eagle3 --tokens {tokens} "
+        f"--steps {steps} --batch {batch} --seed {seed} --draft-vocab {draft_vocab}",
+        "seed": seed,
+        "data": described,
+        "loss_first": losses[0],
+        "loss_last_25": sum(losses[-25:]) / len(losses[-25:]),
+        "train_seconds": round(time.perf_counter() - started),
+    }
+    e3.save_head(head, cfg, out, meta)
+    _log(f"wrote {out}/ in {meta['train_seconds']} s")
+
+
+def _generated_data(
+    label: str, tokenizer, eos, stage, tokens: int, seed: int, taps: tuple[int, ...] = ()
+):
     """What a head learns from: the target's continuations of the project's own prompts, about
-    `tokens` of them at temperatures 0.7 … 1.0, and a line saying so for the head's metadata."""
+    `tokens` of them at temperatures 0.7 … 1.0 (with the states entering the layers `taps`),
+    and a line saying so for the head's metadata."""
     import numpy as np
 
     from specpipe.core.sampling import offset_seed
@@ -203,7 +298,7 @@ def _generated_data(label: str, tokenizer, eos, stage, tokens: int, seed: int):
         f"{label}: generating {n_jobs} continuations of up to {max_new} tokens "
         f"({len(dt.TRAIN_PROMPTS)} prompts, temperatures {temps}, top_p 0.95)"
     )
-    data = dt.generate(stage, jobs, 0.95, max_new, eos_ids=eos, log=_log)
+    data = dt.generate(stage, jobs, 0.95, max_new, eos_ids=eos, log=_log, taps=taps)
     described = (
         f"{data.generated} tokens the target generated from "
         f"{min(n_jobs, len(prompts))} of the {len(dt.TRAIN_PROMPTS)} TRAIN_PROMPTS of "
@@ -308,8 +403,8 @@ def narrow(
 @click.option(
     "--head",
     "head_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="The head file (default: the one shipped for the model).",
+    type=click.Path(path_type=Path),
+    help="The head file, or an EAGLE-3 head's folder (default: the one shipped for the model).",
 )
 @model_option("The target model.")
 @click.option(
@@ -361,13 +456,26 @@ def evaluate(
     """
     from specpipe.core.sampling import SamplingParams, offset_seed
     from specpipe.drafting import train as dt
+    from specpipe.drafting import train_eagle3 as e3
     from specpipe.drafting.head import shipped_head
 
     label, cfg, tokenizer, eos, stage = open_whole_model(model, threads)
-    head, meta = load_head(head_path, label, cfg)
     parts = dt.training_parts(stage)
+    if head_path is not None and head_path.is_dir():
+        drafter, meta = _eagle3_drafter(head_path, cfg, parts)
+        taps = drafter.taps
+
+        def scored(data, params):
+            return e3.evaluate_eagle3(drafter, data, draft_k, params)
+
+    else:
+        head, meta = load_head(head_path, label, cfg)
+        head_path, taps = head_path or shipped_head(label), ()
+
+        def scored(data, params):
+            return dt.evaluate(head, parts, data, draft_k, params)
+
     prompts = [tokenizer.prompt_ids(p) for p in dt.EVAL_PROMPTS]
-    head_path = head_path or shipped_head(label)
     result: dict[str, object] = {
         "model": label,
         "head": str(head_path),
@@ -377,16 +485,17 @@ def evaluate(
     }
     for mode, temp, top_p in (("temp 0.7 top_p 0.95", 0.7, 0.95), ("greedy", 0.0, 1.0)):
         jobs = [dt.Continuation(ids, offset_seed(seed, i), temp) for i, ids in enumerate(prompts)]
-        data = dt.generate(stage, jobs, top_p, tokens, eos_ids=eos)
-        scores = dt.evaluate(head, parts, data, draft_k, SamplingParams(temp, top_p, 0, 0))
+        data = dt.generate(stage, jobs, top_p, tokens, eos_ids=eos, taps=taps)
+        scores = scored(data, SamplingParams(temp, top_p, 0, 0))
         result["modes"][mode] = scores
         _log(f"{mode}: {scores['rounds']} rounds on {len(prompts)} held-out prompts")
-        _log(
-            f"  draft 1: head ceiling Σ min(p, q) {scores['head_ceiling_draft_1']:.3f}, "
-            f"Gumbel agreement {scores['head']['accepted_through'][0]:.3f}, inverse-CDF "
-            f"agreement {scores['head_inverse_cdf_draft_1']:.3f}; n-gram proposes at "
-            f"{scores['ngram_proposes']:.0%} of rounds"
-        )
+        if "head_ceiling_draft_1" in scores:
+            _log(
+                f"  draft 1: head ceiling Σ min(p, q) {scores['head_ceiling_draft_1']:.3f}, "
+                f"Gumbel agreement {scores['head']['accepted_through'][0]:.3f}, inverse-CDF "
+                f"agreement {scores['head_inverse_cdf_draft_1']:.3f}; n-gram proposes at "
+                f"{scores['ngram_proposes']:.0%} of rounds"
+            )
         for name in ("head", "ngram", "both"):
             s = scores[name]
             _log(

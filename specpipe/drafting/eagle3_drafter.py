@@ -117,11 +117,13 @@ class Eagle3Drafter:
         """The target's layers whose incoming states it reads, in layer order."""
         return self.head.cfg.taps
 
-    def _embed(self, ids: Sequence[int]) -> torch.Tensor:
+    def embed(self, ids: Sequence[int]) -> torch.Tensor:
+        """The target's embeddings of `ids` [N, H]."""
         tokens = torch.tensor([int(t) for t in ids], dtype=torch.long)
         return self.parts.embed(tokens).float()
 
-    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's draft logits [N, V_draft] of the layer's output [N, H]."""
         return self.head.logits(out, self.parts.head).float()
 
     @torch.inference_mode()
@@ -134,7 +136,7 @@ class Eagle3Drafter:
             return
         position = first_pos - 1  # the first row's own position
         g = self.head.fuse(features.float())  # [m, H]
-        new = self.head.rows(g, self._embed(tokens), position)
+        new = self.head.rows(g, self.embed(tokens), position)
         rows = self._rows.get(session)
         if rows is None or not rows.first <= position <= rows.end:  # a gap: start again there
             kv_heads, _, head_dim = new.k.shape
@@ -145,7 +147,7 @@ class Eagle3Drafter:
         while len(self._rows) > MAX_SESSIONS:
             self._rows.popitem(last=False)
 
-    def _past_before(self, session: str, position: int) -> HeadCache | None:
+    def past_before(self, session: str, position: int) -> HeadCache | None:
         """The session's rows at positions before `position` (None: none)."""
         rows = self._rows.get(session)
         if rows is None:
@@ -167,11 +169,11 @@ class Eagle3Drafter:
         [3·Ht] of the row before it."""
         drafts: list[int] = []
         position = token_pos - 1
-        past = self._past_before(session, position)
+        past = self.past_before(session, position)
         g = self.head.fuse(feature.reshape(1, -1).float())
         for j in range(1, k + 1):
-            out, past = self.head(g, self._embed([token]), position, past)
-            token = coupled_draft(self._logits(out)[0].numpy(), params, token_pos + j, self.ids)
+            out, past = self.head(g, self.embed([token]), position, past)
+            token = coupled_draft(self.logits(out)[0].numpy(), params, token_pos + j, self.ids)
             drafts.append(token)
             g, position = self.head.feed_back(out), position + 1
         return drafts
@@ -190,19 +192,19 @@ class Eagle3Drafter:
         for `ranks_of` until the session's next tree. The nodes of one depth step together
         (`Eagle3Head.tree_step`): each attends the session's rows and the rows of its own path,
         which is a node's state beside the features it is fed."""
-        past = self._past_before(session, token_pos - 1)
+        past = self.past_before(session, token_pos - 1)
         rows = TreeRows(past, len(shape.parents) + 1, feature.device)
 
         def step(states: list, ids: list[int], depth: int):
             g = torch.stack([features for features, _ in states])  # [N, H]
             paths = [path for _, path in states]
             out, own = self.head.tree_step(
-                g, self._embed(ids), token_pos - 1 + depth, rows.context, rows.visible(paths)
+                g, self.embed(ids), token_pos - 1 + depth, rows.context, rows.visible(paths)
             )
             first = rows.add(own)
             fed = self.head.feed_back(out)
             after = [(fed[i], (*path, first + i)) for i, path in enumerate(paths)]
-            return after, self._logits(out).numpy()
+            return after, self.logits(out).numpy()
 
         root = (self.head.fuse(feature.reshape(1, -1).float())[0], ())
         tree, candidates = grow_tree(shape, token, token_pos, params, self.ids, root, step)

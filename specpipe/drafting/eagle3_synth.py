@@ -12,6 +12,7 @@ The draft vocabulary is a seeded sample of the model's tokens, always with the l
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -26,12 +27,17 @@ DRAFT_VOCAB = 32000
 
 
 def head_config(
-    model: dict, fmt: str, intermediate: int = 2880, draft_vocab: int = DRAFT_VOCAB
+    model: dict,
+    fmt: str,
+    intermediate: int = 2880,
+    draft_vocab: int = DRAFT_VOCAB,
+    taps: Sequence[int] | None = None,
 ) -> dict:
-    """The config.json of a head in format `fmt` for the model whose config.json is `model`."""
+    """The config.json of a head in format `fmt` for the model whose config.json is `model`,
+    tapping `taps` (default: `default_taps`), written as the format counts them."""
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r}: one of {', '.join(FORMATS)}")
-    taps = list(default_taps(model["num_hidden_layers"]))
+    taps = list(taps or default_taps(model["num_hidden_layers"]))
     # The RoPE as the released heads write it; transformers 5 writes a model's as one dict.
     rope = dict(model.get("rope_parameters") or {})
     rope_theta = model.get("rope_theta", rope.pop("rope_theta", 10000.0))
@@ -141,12 +147,19 @@ def head_tensors(config: dict, fmt: str, seed: int = 0) -> dict[str, torch.Tenso
 
 
 def synthesize_head(
-    like: str, out: str | Path, fmt: str, seed: int = 0, intermediate: int = 2880
+    like: str,
+    out: str | Path,
+    fmt: str,
+    seed: int = 0,
+    intermediate: int = 2880,
+    taps: Sequence[int] | None = None,
 ) -> Path:
-    """Write a head for the released model `like` in format `fmt` to the folder `out`."""
+    """Write a head for the released model `like` in format `fmt` to the folder `out` (tapping
+    `taps`, default the released heads' `default_taps`)."""
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
-    config = head_config({**LIKE[like], "_name_or_path": f"openai/{like}"}, fmt, intermediate)
+    model = {**LIKE[like], "_name_or_path": f"openai/{like}"}
+    config = head_config(model, fmt, intermediate, taps=taps)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(head_tensors(config, fmt, seed), folder / "model.safetensors")
     return folder

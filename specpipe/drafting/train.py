@@ -226,6 +226,9 @@ class Sequences:
     seeds: np.ndarray  # [M] uint64: the seed its sequence was sampled with (any 64-bit seed)
     starts: list[int] = field(default_factory=list)  # the first row of each sequence
     prompts: list[list[int]] = field(default_factory=list)  # each sequence's prompt
+    # The states entering the layers an EAGLE-3 head taps, side by side [M, taps x D], float16;
+    # None unless asked for (`generate`'s `taps`).
+    taps: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -246,6 +249,7 @@ class _Session:
     features: list[torch.Tensor] = field(default_factory=list)
     top_ids: list[torch.Tensor] = field(default_factory=list)
     top_probs: list[torch.Tensor] = field(default_factory=list)
+    taps: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -265,10 +269,12 @@ def generate(
     width: int = 48,
     eos_ids: Sequence[int] = (),
     log: Log | None = None,
+    taps: tuple[int, ...] = (),
 ) -> Sequences:
     """Continue each job's prompt on `stage` (the whole model) by max_new tokens or to EOS,
     with Gumbel draws at its seed and temp; up to `width` sessions in each forward. Keeps each
-    position's pre-norm feature and the target's top probabilities."""
+    position's pre-norm feature and the target's top probabilities, and with `taps` the states
+    entering those layers (an EAGLE-3 head's)."""
     captured: list[torch.Tensor] = []
     hook = stage.norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
     queue = [
@@ -284,9 +290,14 @@ def generate(
                 active.append(queue.pop())
             # A new session sends its prompt and keeps only the last row; the others their token.
             requests = [
-                Request(s.name, torch.tensor(s.prompt), 0, 1)
+                Request(s.name, torch.tensor(s.prompt), 0, 1, taps=taps)
                 if not s.tokens
-                else Request(s.name, torch.tensor(s.tokens[-1:]), len(s.prompt) + len(s.tokens) - 2)
+                else Request(
+                    s.name,
+                    torch.tensor(s.tokens[-1:]),
+                    len(s.prompt) + len(s.tokens) - 2,
+                    taps=taps,
+                )
                 for s in active
             ]
             captured.clear()
@@ -299,6 +310,8 @@ def generate(
                 if not s.tokens:
                     s.tokens.append(s.prompt[-1])
                 s.features.append(row[None].float().clone())
+                if taps:  # the round's last row: the prompt's last token, or the token sent
+                    s.taps.append(stage.tapped.pop(s.name)[-1:].to(torch.float16))
                 top = torch.softmax(logits.float(), dim=-1).topk(TEACHER_TOP, dim=-1)  # temp 1
                 s.top_ids.append(top.indices)
                 s.top_probs.append(top.values)
@@ -347,6 +360,7 @@ def _flatten(sessions: Sequence[_Session]) -> Sequences:
         seeds=np.array(seeds, dtype=np.uint64),
         starts=starts,
         prompts=[s.prompt for s in sessions],
+        taps=torch.cat([t for s in sessions for t in s.taps]) if sessions[0].taps else None,
     )
 
 
@@ -367,19 +381,19 @@ def training_parts(stage) -> TargetParts:
     )
 
 
-def _teacher(head: DraftHead, data: Sequences, rows: torch.Tensor):
+def teacher(vocab: torch.Tensor | None, data: Sequences, rows: torch.Tensor):
     """The target's kept top probabilities at `rows` [...] as (probabilities, head columns)
-    [..., TOP]: with a head on part of the vocabulary, its mass on the head's tokens,
-    renormalised."""
-    teacher, columns = data.top_probs[rows], data.top_ids[rows]
-    if head.vocab is not None:
-        size = int(max(data.top_ids.max(), head.vocab.max())) + 1
+    [..., TOP]: for a head drafting only the tokens `vocab` (sorted ids; None: all), its mass
+    on them, renormalised."""
+    probs, columns = data.top_probs[rows], data.top_ids[rows]
+    if vocab is not None:
+        size = int(max(data.top_ids.max(), vocab.max())) + 1
         column_of = torch.full((size,), -1, dtype=torch.long)  # token -> column, or -1
-        column_of[head.vocab] = torch.arange(len(head.vocab))
+        column_of[vocab] = torch.arange(len(vocab))
         columns = column_of[columns]
-        teacher = torch.where(columns >= 0, teacher, 0.0)
+        probs = torch.where(columns >= 0, probs, 0.0)
         columns = columns.clamp(min=0)
-    return teacher / teacher.sum(-1, keepdim=True).clamp(min=1e-9), columns
+    return probs / probs.sum(-1, keepdim=True).clamp(min=1e-9), columns
 
 
 def _step_loss(
@@ -394,9 +408,9 @@ def _step_loss(
     """(loss, cross-entropy) of predicted features h [..., D] for the target's rows [...]:
     cross-entropy to its distribution there plus the feature regression, averaged over the
     rows `mask` [...] keeps (all when None)."""
-    teacher, columns = _teacher(head, data, rows)
+    target, columns = teacher(head.vocab, data, rows)
     log_q = torch.log_softmax(head.read(parts, h), dim=-1).gather(-1, columns)  # [..., TOP]
-    ce = -(teacher * log_q).sum(-1)
+    ce = -(target * log_q).sum(-1)
     regression = (rms(h) - rms(data.features[rows])).pow(2).mean(-1)
     if mask is None:
         return ce.mean() + feature_weight * regression.mean(), ce.mean()
@@ -550,7 +564,7 @@ class DrafterScore:
         }
 
 
-def _score(matches: np.ndarray) -> DrafterScore:
+def score(matches: np.ndarray) -> DrafterScore:
     """matches [N, K] bool: draft j of round n equals the target's token."""
     through = np.cumprod(matches, axis=1).mean(axis=0) if len(matches) else np.zeros(0)
     return DrafterScore([float(a) for a in through], len(matches))
@@ -773,12 +787,12 @@ def evaluate(
     ranks = path_ranks(head, parts, data, rows, k, params)
     return {
         "rounds": len(rows),
-        "head": _score(head_hits).as_dict(),
+        "head": score(head_hits).as_dict(),
         "head_ceiling_draft_1": float(overlap.mean()) if len(rows) else 0.0,
         "head_inverse_cdf_draft_1": float(inverse_cdf.mean()) if len(rows) else 0.0,
-        "ngram": _score(ngram_hits).as_dict(),
+        "ngram": score(ngram_hits).as_dict(),
         "ngram_proposes": float(proposed.mean()) if len(rows) else 0.0,
-        "both": _score(both_hits).as_dict(),
+        "both": score(both_hits).as_dict(),
         "head_trees": best_trees(ranks, sequence % 2 == 0, TREE_SIZES),
     }
 

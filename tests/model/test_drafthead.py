@@ -154,7 +154,7 @@ def test_the_default_models_head_is_a_few_megabytes():
 
 def test_scores_and_the_ngram_drafter_on_known_text():
     matches = np.array([[1, 1, 0], [1, 0, 1], [0, 1, 1], [1, 1, 1]], dtype=bool)
-    score = dt._score(matches)
+    score = dt.score(matches)
     assert score.accepted == [0.75, 0.5, 0.25]
     assert score.per_position == [0.75, 2 / 3, 0.5]
     assert score.tokens_per_round(1) == 1.75 and score.tokens_per_round(3) == 2.5

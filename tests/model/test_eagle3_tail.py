@@ -146,7 +146,7 @@ def test_the_sessions_cache_after_its_rounds_is_the_one_built_at_once(model):
     built = Eagle3Drafter(head, once.head.parts)
     built.remember("o", taps[: n - 2], tokens[1 : n - 1], 1)  # rows 0 … n-3
     assert ring.head._rows["s"].first == 0
-    cut, whole = ring.head._past_before("s", n - 2), built._past_before("o", n - 2)
+    cut, whole = ring.head.past_before("s", n - 2), built.past_before("o", n - 2)
     assert cut.length == whole.length == n - 2
     assert torch.allclose(cut.k, whole.k, atol=1e-4)
     assert torch.allclose(cut.v, whole.v, atol=1e-4)

@@ -199,6 +199,6 @@ def test_a_trees_walk_follows_the_targets_tokens_through_the_heads_candidates(
     assert not ((ranks[:, :-1] < 0) & (ranks[:, 1:] >= 0)).any()
     assert (ranks > 0).any()
     scores = dt.evaluate(head, parts, data, 3, params)["head_trees"]
-    chain = dt._score(drafts == truth).tokens_per_round(3)
+    chain = dt.score(drafts == truth).tokens_per_round(3)
     assert scores["any"] >= max(v for n, v in scores.items() if n != "any") - 1e-9
     assert scores["any"] > chain
