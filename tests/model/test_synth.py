@@ -7,6 +7,7 @@ takes its tensors by name and shape, and gives the logits our stages give."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,6 +208,10 @@ def test_bench_stage_memory_measures_each_range_and_its_room_on_a_card(tmp_path,
     assert small.exit_code == 1 and "DOES NOT FIT" in small.output
 
 
+def told_mode(report: Path, name: str) -> dict:
+    return next(m for m in json.loads(report.read_text())["modes"] if m["mode"] == name)
+
+
 def test_the_reference_cost_model_adds_up_a_round_and_measures_a_layer_when_not_told(
     tmp_path, monkeypatch
 ):
@@ -223,17 +228,39 @@ def test_the_reference_cost_model_adds_up_a_round_and_measures_a_layer_when_not_
     told = CliRunner().invoke(
         cli,
         ["bench", "reference", "--forward-ms", "1=40,5=50", "--spec-tokens-per-round", "2"]
-        + ["--handling-ms", "2", "--json", str(out)],
+        + ["--handling-ms", "2", "--eagle3-drafts", "4", "--eagle3-tokens-per-round", "2"]
+        + ["--mbit-s", "0", "--json", str(out)],
     )
     assert told.exit_code == 0, told.output
-    assert json.loads(out.read_text())["modes"] == result["modes"]
+    plain_and_spec, eagle3 = json.loads(out.read_text())["modes"][:2], told_mode(out, "eagle3")
+    assert plain_and_spec == result["modes"]
     assert "-> 8.02 tok/s" in told.output and "24.1 tok/s at 1 token per round" in told.output
+    # Bytes free, the taps cost nothing: the EAGLE-3 round is today's round at the same rows.
+    assert eagle3["ring_ms"] == spec["ring_ms"] and eagle3["sending_ms"] == 0
+    # At a bandwidth each stage's hop sends its sealed message, the taps' blocks after the rows:
+    # gpt-oss-120b's taps 2, 18, 33 ride 1, 1 and 2 of the three stage hops, 5,760 bytes a row
+    # each (bf16), so 5 rows add 4 x 5 x 5,760 bytes, 1.84 ms at 100 Mbit/s.
+    modes.append(reference.Mode("eagle3", 2.0, 5, (2, 18, 33)))
+    sent = reference.predict({1: 40.0, 5: 50.0}, modes, handling_ms=2.0, mbit_s=100.0)
+    plain, spec, eagle3 = sent["modes"]
+    assert 3 * 5760 * 8 / 1e5 < plain["sending_ms"] < 3 * 6500 * 8 / 1e5  # and a header
+    assert abs(eagle3["sending_ms"] - spec["sending_ms"] - 4 * 5 * 5760 * 8 / 1e5) < 0.01
+    assert abs(eagle3["ring_ms"] - spec["ring_ms"] - 4 * 5 * 5760 * 8 / 1e5) < 0.02
+    assert eagle3["tok_s"] < spec["tok_s"]  # the same tokens a round, a longer round
+    # Rows between those given are on the line between them; rows past them: one line.
+    between = CliRunner().invoke(
+        cli, ["bench", "reference", "--forward-ms", "1=40,5=50", "--json", str(out)]
+    )
+    assert between.exit_code == 0 and "([4] rows interpolated)" in between.output
+    assert told_mode(out, "eagle3")["forward_ms"] == 4 * 47.5
+    short = CliRunner().invoke(cli, ["bench", "reference", "--forward-ms", "1=40,4=50"])
+    assert short.exit_code == 2 and "no time for [5] rows" in short.output
     # Not told: one layer of the model's layout is made and timed here (tiny sizes in a test).
     monkeypatch.setitem(synth.LIKE, "gpt-oss-120b", tiny_like(n_layers=36))
     timed = CliRunner().invoke(cli, ["bench", "reference", "--draft-k", "2"])
     assert timed.exit_code == 0, timed.output
     assert "one real-shape layer timed here × 9: 1 row(s)" in timed.output
-    assert "3 rows:" in timed.output
+    assert "3 rows:" in timed.output and "eagle3: 2.41 tokens/round, 4 rows" in timed.output
 
 
 def test_the_gpu_check_runs_its_stage_and_ring_here_on_the_cpu_at_tiny_sizes(tmp_path, monkeypatch):
