@@ -506,22 +506,39 @@ def train_head(
     usable = np.flatnonzero(data.left >= unroll)
     if len(usable) == 0:
         raise ValueError(f"no sequence is longer than {unroll + 1} tokens: nothing to train on")
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
-    losses, started = [], time.perf_counter()
-    for step in range(steps):
-        for group in opt.param_groups:  # cosine to a tenth, after a short warm-up
-            warm = min(1.0, (step + 1) / max(1, steps // 20))
-            group["lr"] = lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
+
+    def step_loss() -> tuple[torch.Tensor, list[float]]:
         if heads:
             count = min(max(1, batch // window), len(usable))
             firsts = torch.as_tensor(rng.choice(usable, size=count, replace=False))
-            loss, ces = window_loss(head, parts, data, firsts, unroll)
-        else:
-            rows = torch.as_tensor(rng.choice(usable, size=min(batch, len(usable)), replace=False))
-            loss, ces = distill_loss(head, parts, data, rows, unroll)
+            return window_loss(head, parts, data, firsts, unroll)
+        rows = torch.as_tensor(rng.choice(usable, size=min(batch, len(usable)), replace=False))
+        return distill_loss(head, parts, data, rows, unroll)
+
+    losses = fit(head, steps, lr, step_loss, log)
+    return head.eval(), losses
+
+
+def fit(
+    model: torch.nn.Module,
+    steps: int,
+    lr: float,
+    step_loss: Callable[[], tuple[torch.Tensor, list[float]]],
+    log: Log | None = None,
+) -> list[float]:
+    """Train `model` for `steps` AdamW steps on the loss `step_loss()` draws a batch for (with
+    each draft step's cross-entropy): cosine decay to a tenth of `lr` after a short warm-up,
+    gradients clipped at 1. The loss per step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses, started = [], time.perf_counter()
+    for step in range(steps):
+        for group in opt.param_groups:
+            warm = min(1.0, (step + 1) / max(1, steps // 20))
+            group["lr"] = lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
+        loss, ces = step_loss()
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(float(loss.detach()))
         if log and (step % 25 == 0 or step == steps - 1):
@@ -530,7 +547,7 @@ def train_head(
                 f"  step {step + 1}/{steps}: loss {np.mean(losses[-25:]):.3f}, cross-entropy per "
                 f"draft step {', '.join(f'{c:.2f}' for c in ces)} ({spent:.0f} s)"
             )
-    return head.eval(), losses
+    return losses
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +50,7 @@ from specpipe.drafting.train import (
     Log,
     Sequences,
     best_trees,
+    fit,
     ngram_matches,
     round_rows,
     score,
@@ -211,25 +211,12 @@ def train_eagle3(
     usable = [s for s in data.starts if data.left[s] >= 2]
     if not usable:
         raise ValueError("no sequence is longer than 2 tokens: nothing to train on")
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
-    losses, started = [], time.perf_counter()
-    for step in range(steps):
-        for group in opt.param_groups:  # cosine to a tenth, after a short warm-up
-            warm = min(1.0, (step + 1) / max(1, steps // 20))
-            group["lr"] = lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
+
+    def step_loss() -> tuple[torch.Tensor, list[float]]:
         picked = rng.choice(len(usable), size=min(sequences, len(usable)), replace=False)
-        loss, ces = ttt_loss(head, parts, data, [usable[i] for i in picked], ttt_steps)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        losses.append(float(loss.detach()))
-        if log and (step % 25 == 0 or step == steps - 1):
-            spent = time.perf_counter() - started
-            log(
-                f"  step {step + 1}/{steps}: loss {np.mean(losses[-25:]):.3f}, cross-entropy per "
-                f"draft depth {', '.join(f'{c:.2f}' for c in ces)} ({spent:.0f} s)"
-            )
+        return ttt_loss(head, parts, data, [usable[i] for i in picked], ttt_steps)
+
+    losses = fit(head, steps, lr, step_loss, log)
     return head.eval(), losses
 
 
