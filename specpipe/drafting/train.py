@@ -797,16 +797,28 @@ def evaluate(
     rows = round_rows(data, k)
     drafts, overlap, inverse_cdf = head_drafts(head, parts, data, rows, k, params)
     truth = np.stack([data.tokens[rows + 1 + j] for j in range(1, k + 1)], axis=1)  # [N, K]
-    head_hits = drafts == truth
+    ranks = path_ranks(head, parts, data, rows, k, params)
+    return {
+        **round_scores(data, rows, drafts == truth, ranks),
+        "head_ceiling_draft_1": float(overlap.mean()) if len(rows) else 0.0,
+        "head_inverse_cdf_draft_1": float(inverse_cdf.mean()) if len(rows) else 0.0,
+    }
+
+
+def round_scores(
+    data: Sequences, rows: np.ndarray, head_hits: np.ndarray, ranks: np.ndarray
+) -> dict[str, object]:
+    """What any head scores on the rounds `rows` of `data`, from its hits [N, K] (draft j
+    equals the target's token) and its walks' ranks [N, K] (`path_ranks`): agreement per draft
+    position for the head, the n-gram drafter and both (the n-gram where it proposes, the head
+    elsewhere), and the tokens per round of the head's best trees."""
+    k = head_hits.shape[1]
     ngram_hits, proposed = ngram_matches(data, rows, k)
     both_hits = np.where(proposed[:, None], ngram_hits, head_hits)
     sequence = np.searchsorted(np.asarray(data.starts), rows, side="right") - 1
-    ranks = path_ranks(head, parts, data, rows, k, params)
     return {
         "rounds": len(rows),
         "head": score(head_hits).as_dict(),
-        "head_ceiling_draft_1": float(overlap.mean()) if len(rows) else 0.0,
-        "head_inverse_cdf_draft_1": float(inverse_cdf.mean()) if len(rows) else 0.0,
         "ngram": score(ngram_hits).as_dict(),
         "ngram_proposes": float(proposed.mean()) if len(rows) else 0.0,
         "both": score(both_hits).as_dict(),

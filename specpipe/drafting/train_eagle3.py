@@ -46,14 +46,11 @@ from specpipe.drafting.eagle3_synth import head_config, model_fields
 from specpipe.drafting.head import frequent_tokens
 from specpipe.drafting.target_parts import TargetParts
 from specpipe.drafting.train import (
-    TREE_SIZES,
     Log,
     Sequences,
-    best_trees,
     fit,
-    ngram_matches,
     round_rows,
-    score,
+    round_scores,
     teacher,
 )
 from specpipe.model.config import ModelConfig
@@ -301,15 +298,4 @@ def evaluate_eagle3(
     head's best trees of K levels."""
     rows = round_rows(data, k)
     ranks = walk_ranks(drafter, data, rows, k, params)
-    head_hits = ranks == 0  # the coupled draft, along the target's tokens
-    ngram_hits, proposed = ngram_matches(data, rows, k)
-    both_hits = np.where(proposed[:, None], ngram_hits, head_hits)
-    sequence = np.searchsorted(np.asarray(data.starts), rows, side="right") - 1
-    return {
-        "rounds": len(rows),
-        "head": score(head_hits).as_dict(),
-        "ngram": score(ngram_hits).as_dict(),
-        "ngram_proposes": float(proposed.mean()) if len(rows) else 0.0,
-        "both": score(both_hits).as_dict(),
-        "head_trees": best_trees(ranks, sequence % 2 == 0, TREE_SIZES),
-    }
+    return round_scores(data, rows, ranks == 0, ranks)  # rank 0: the coupled draft
