@@ -6,7 +6,9 @@ user or password. The credentials are the dialling process's own: a URL it was c
 user and password, and any other address as the peer user with the swarm's data-plane password
 (`settings.redis_password`), which every stage host's Redis accepts for that user and which
 reaches there only what another host does (`specpipe.ops.redis_server.PEER_COMMANDS`). Without
-a data-plane password an address is dialled without one.
+a data-plane password an address is dialled without one. A password is never sent in clear: a
+plain `redis://` address other than loopback (a host joined with `--insecure-no-tls`) is dialled
+without it, and its Redis refuses the link, which the dialling process logs once, with why.
 
 How another host's server is checked is the dialling process's own too: of the options an
 address carries (its query), only the database is kept, and a `rediss://` address is verified
@@ -17,9 +19,11 @@ server is verified against the system's CAs, which never signed it: it is refuse
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from urllib.parse import parse_qsl, quote, urlencode
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
 from specpipe import settings
 from specpipe.swarm.redact import without_credentials
@@ -27,6 +31,9 @@ from specpipe.swarm.redact import without_credentials
 REDIS_USER = "specpipe"  # a locked-down swarm Redis's own user, for its host's processes
 PEER_USER = "specpipe-peer"  # the user other hosts dial a stage host's Redis as
 ADDRESS_OPTIONS = ("db",)  # all that another host's address may say about how it is dialled
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()  # the clear hosts already logged as dialled without a password
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,9 @@ class Dialer:
             return address
         if not self.password:
             return self._checked(address)
+        if not carries_secrets_safely(bare):
+            _warn_clear(bare)
+            return self._checked(bare)
         auth = f"{quote(self.username, safe='')}:{quote(self.password, safe='')}@"
         start = bare.index("//") + 2
         return self._checked(bare[:start] + auth + bare[start:])
@@ -78,3 +88,31 @@ class Dialer:
         if base.startswith("rediss://") and self.ca:
             options.append(("ssl_ca_certs", self.ca))
         return f"{base}?{urlencode(options, quote_via=quote, safe='/')}" if options else base
+
+
+def carries_secrets_safely(address: str) -> bool:
+    """Whether a password may travel to `address`: over TLS (`rediss://`), a unix socket, or
+    plain `redis://` to loopback, where it never leaves the machine."""
+    scheme = address.partition("://")[0].lower()
+    if scheme in ("rediss", "unix"):
+        return True
+    host = urlsplit(address).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _warn_clear(address: str) -> None:
+    address = f"redis://{urlsplit(address).netloc}"
+    if address in _warned:
+        return
+    _warned.add(address)
+    log.warning(
+        "dialling %s without the data-plane password: it would travel in clear (plain redis:// "
+        "to another machine); that host's Redis refuses the link until it serves TLS "
+        "(`specpipe join` without --insecure-no-tls)",
+        address,
+    )

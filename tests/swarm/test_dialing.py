@@ -23,7 +23,8 @@ def test_own_urls_are_dialled_as_configured_and_others_as_the_peer_user():
     assert dialer.url(without_credentials(SOCKET)) == SOCKET
     assert dialer.url(OWN) == OWN
     peer = "specpipe-peer:data%20pw%2F1@"
-    assert dialer.url("redis://10.0.0.2:6379/0") == f"redis://{peer}10.0.0.2:6379/0"
+    assert dialer.url("rediss://10.0.0.2:6379/0") == f"rediss://{peer}10.0.0.2:6379/0"
+    assert dialer.url("redis://127.0.0.1:6390/0") == f"redis://{peer}127.0.0.1:6390/0"
     assert dialer.url("unix:///other.sock?db=0") == f"unix://{peer}/other.sock?db=0"
     assert PEER_USER == "specpipe-peer" != REDIS_USER
     assert "data pw" not in repr(dialer)
@@ -55,8 +56,8 @@ def test_another_hosts_tls_server_is_verified_against_this_hosts_own_ca():
         Dialer.configured([], "pw").url(PEER_RECORD) == "rediss://specpipe-peer:pw@10.0.0.2:6379/0"
     )
     # Of a plain address's options only its database is kept.
-    assert dialer.url("redis://10.0.0.2:6379/0?socket_timeout=0.001&db=3") == (
-        "redis://specpipe-peer:pw@10.0.0.2:6379/0?db=3"
+    assert dialer.url("rediss://10.0.0.2:6379/0?socket_timeout=0.001&db=3") == (
+        f"rediss://specpipe-peer:pw@10.0.0.2:6379/0?db=3&{mine}"
     )
     assert dialer.url(without_credentials(OWN)) == OWN  # its own URLs: as configured
 
@@ -72,3 +73,22 @@ def test_a_process_verifies_with_the_ca_of_its_own_tls_folder(tmp_path, monkeypa
     assert Dialer.from_env().ca == str(tmp_path / "instance" / "tls" / "ca.pem")
     monkeypatch.setenv("SPECPIPE_TLS_DIR", str(tmp_path / "elsewhere"))
     assert Dialer.from_env().ca is None
+
+
+def test_a_password_never_travels_in_clear_to_another_machine(caplog):
+    """On main a host joined with --insecure-no-tls made every other host send it the
+    data-plane password in clear."""
+    dialer = Dialer.configured([OWN], "data-pw")
+    for clear in ("redis://10.0.0.9:6379/0", "redis://stage.example.org:6379/0?db=2"):
+        url = dialer.url(clear)
+        assert not has_credentials(url) and "data-pw" not in url
+    assert dialer.url("redis://10.0.0.9:6379/0?db=1") == "redis://10.0.0.9:6379/0?db=1"
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if "without the data-plane password" in r.getMessage()
+    ]
+    assert len(warned) == 2 and "redis://10.0.0.9:6379 " in warned[0]  # once per host
+    assert all("data-pw" not in line for line in warned)
+    for safe in ("redis://localhost:6379/0", "redis://[::1]:6379/0", "redis://127.0.0.2:6379"):
+        assert "specpipe-peer:data-pw@" in dialer.url(safe)
