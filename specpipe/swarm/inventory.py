@@ -8,9 +8,11 @@ Every stage worker publishes a `NodeInfo` as JSON into the hash `specpipe:{swarm
 swarm's registry Redis and refreshes it (its heartbeat) while it runs. A node is *online* when
 its last heartbeat is at most 30 s old, *stale* up to 120 s, *offline* after that. `route`
 builds a ring from the online nodes: stages that cover every layer exactly once, in order.
-Several hosts may serve the same range (spares): the route takes the healthiest, one whose
-heartbeat has not *lapsed* (missed `LAPSE_BEATS` of the beats it promised, `heartbeat_s`), the
-freshest among those; a coordinator whose route has a lapsed hop re-routes around it.
+Several hosts may serve the same range (spares): the route takes one whose heartbeat has not
+*lapsed* (missed `LAPSE_BEATS` of the beats it promised, `heartbeat_s`), the first of those by
+host name; a coordinator whose route has a lapsed hop re-routes around it. How fresh a record
+says it is never decides between live replicas: that is the one thing a host writes about
+itself, and a spare that dated its record ahead would win every route through its range.
 
 Every heartbeat is dated, and every age judged, in swarm time: the registry Redis's clock as
 each process estimates it (`specpipe.swarm.clock`), never a host's own, so a stage whose clock
@@ -26,7 +28,7 @@ Without them each value is `<HMAC-SHA256 hex> <record JSON>`, the tag computed w
 key. `read` checks the signature (the tag in constant time) before it parses anything, and
 ignores, and counts, every record that is unsigned, forged, of a host not admitted, filed under
 another host's name, malformed, or dated more than `MAX_AHEAD_S` ahead of swarm time (such a
-record would win every route as the freshest replica). Routing never raises on a bad record.
+record would stay alive past its host's death). Routing never raises on a bad record.
 Public IP and geo label come from configuration; nothing here asks the internet.
 A node whose worker runs with the test-only `SPECPIPE_TEST_LOSSY_TAIL=1` says so in its record
 (`test_lossy_tail`), so a leaked variable shows wherever the inventory does.
@@ -424,9 +426,9 @@ def route(
     """The ring: online stages covering layers 0:n_layers exactly once, in order, none of the
     hosts in `avoid`.
 
-    Where several hosts serve the same range the healthiest wins: one whose heartbeat has not
-    lapsed, the freshest among those. Raises RouteError naming the first layers no online stage
-    serves."""
+    Where several hosts serve the same range, one whose heartbeat has not lapsed wins, the
+    first by host name among those (never the freshest record: a host dates its own). Raises
+    RouteError naming the first layers no online stage serves."""
     if n_layers <= 0:
         raise RouteError(f"a model needs at least one layer, got {n_layers}")
     now = time.time() if now is None else now
@@ -440,7 +442,7 @@ def route(
         and n.host not in avoid
     ]
     by_start: dict[int, list[NodeInfo]] = {}
-    for node in sorted(usable, key=lambda n: (n.lapsed(now), -n.last_heartbeat)):
+    for node in sorted(usable, key=lambda n: (n.lapsed(now), n.host)):
         by_start.setdefault(node.layer_start, []).append(node)
 
     # Depth-first over layer boundaries; `dead` remembers boundaries no route can finish from.

@@ -83,9 +83,14 @@ def test_dead_end_is_backtracked():
     assert [n.host for n in route(nodes, 8, now=NOW)] == ["a", "b"]
 
 
-def test_freshest_of_two_replicas_wins():
-    nodes = [node("old", 0, 2, age=20), node("new", 0, 2, age=1), node("t", 2, 4)]
-    assert [n.host for n in route(nodes, 4, now=NOW)] == ["new", "t"]
+def test_between_live_replicas_a_records_freshness_decides_nothing():
+    """On main the freshest record won: a spare that dated its record ahead (up to the 2 s
+    allowed) took every round through its range, every user's prompt or output with it."""
+    for ages in ((20, 1), (1, 20), (0, 0)):
+        nodes = [node("b-spare", 0, 2, age=ages[0]), node("a-first", 0, 2, age=ages[1])]
+        assert [n.host for n in route([*nodes, node("t", 2, 4)], 4, now=NOW)] == ["a-first", "t"]
+    ahead = [node("a-first", 0, 2, age=9), node("b-spare", 0, 2, age=-1.9), node("t", 2, 4)]
+    assert [n.host for n in route(ahead, 4, now=NOW)] == ["a-first", "t"]
 
 
 def test_a_lapsed_replica_loses_to_a_healthy_one_even_a_less_fresh_one():
@@ -98,7 +103,7 @@ def test_a_lapsed_replica_loses_to_a_healthy_one_even_a_less_fresh_one():
 
 
 def test_a_route_avoids_the_hosts_it_is_told_to_or_names_what_is_left_uncovered():
-    nodes = [node("a", 0, 2), node("t1", 2, 4, age=1), node("t2", 2, 4, age=2)]
+    nodes = [node("a", 0, 2), node("t1", 2, 4, age=2), node("t2", 2, 4, age=1)]
     assert [n.host for n in route(nodes, 4, now=NOW)] == ["a", "t1"]
     assert [n.host for n in route(nodes, 4, now=NOW, avoid={"t1"})] == ["a", "t2"]
     with pytest.raises(RouteError, match="layers 2:4"):
