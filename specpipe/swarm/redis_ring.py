@@ -114,6 +114,7 @@ class RedisRing:
         self.route = tuple(route)
         self._hops_on_wire = tuple(wire.RouteEntry.of(hop) for hop in self.route)
         self._hosts = frozenset(hop.host for hop in self.route)  # who may reply
+        self._tail = self.route[-1].host  # the one stage whose word ends a round
         self.swarm = swarm
         self.keys = wire.keyring(keys)
         self.reply_url = reply_url
@@ -478,7 +479,9 @@ class RedisRing:
     ) -> wire.Message | None:
         """The reply in `data` if it is one of this round's; else count it and return None.
         A reply to an earlier round of this ring is late, not hostile, but is dropped all the
-        same: its round was already answered."""
+        same: its round was already answered. Only the tail verifies, so a `result` from any
+        other stage of the route is a forgery (with host identities its sender is proven, and
+        a middle stage could otherwise answer rounds it never passed on)."""
         try:
             reply = wire.decode(data, self.swarm, self.keys, to=key)
         except wire.WireError:
@@ -488,6 +491,7 @@ class RedisRing:
             or reply.session != session
             or reply.round_id not in round_ids
             or reply.sender not in self._hosts
+            or (reply.kind == "result" and reply.sender != self._tail)
         ):
             self.dropped_replies += 1
             return None

@@ -277,3 +277,55 @@ def test_a_tail_revoked_mid_job_is_gone_around_with_the_same_tokens(identified, 
     assert 0 < stall_s < FAILOVER_BOUND_S, stall_s
     hosts = " -> ".join(hop.host for hop in ring.route)
     print(f"revoked {tail}: the next round {stall_s:.2f} s after the revocation, via {hosts}")
+
+
+def test_only_the_tail_ends_a_round(identified, swarm, redis_url):
+    """On main a middle stage could answer the rounds it passed on with a `result` of its own
+    (signed as itself, with identities): the coordinator took it as the tail's verdict."""
+    import signal
+    import threading
+
+    from tests.swarm.test_attacks import Tap
+
+    stages, settings, home = identified
+    stages.start("a", "0:2", redis_url)
+    stages.start("b", "2:4", redis_url)
+    ring = RedisRing.from_inventory(settings, "toy", 4, timeout_s=20)
+    ring.reset("s", PARAMS)
+    committed, _ = drive(ring, "s", rounds=2, k=3)
+    a_key = identity.load_private(home / "host_keys" / "a.key")
+    pin = identity.public_key((home / COORDINATOR_PUB_FILE).read_text())
+    as_a = wire.Keyring([settings.swarm_key], signer=Signer("a", a_key), coordinator=pin)
+    to_a = streams.stage_key(swarm, "a")
+    tap = Tap(redis_url, to_a)
+    stages.procs["b"].send_signal(signal.SIGSTOP)  # the tail's answer comes only once a lied
+    got: list = []
+    driver = threading.Thread(
+        target=lambda: got.append(drive(ring, "s", rounds=1, k=3, committed=list(committed)))
+    )
+    try:
+        driver.start()
+        wait_until(lambda: tap.seen, 20, "the round to pass through a")
+        passed = wire.decode(tap.seen[0], swarm, as_a, to=to_a)
+        forged = wire.Message(
+            kind="result",
+            session="s",
+            round_id=passed.round_id,
+            seq=wire.next_seq(0),
+            to=streams.reply_key(swarm, "s"),
+            sender="a",
+            tokens=(7,) * len(passed.tokens),
+            wait_ms=5000,
+        )
+        client = redis.Redis.from_url(redis_url)
+        before = ring.dropped_replies
+        client.xadd(forged.to, {streams.FIELD: wire.encode(forged, swarm, as_a)})
+        wait_until(lambda: ring.dropped_replies > before, 20, "the forged result to be dropped")
+        client.close()
+    finally:
+        stages.procs["b"].send_signal(signal.SIGCONT)
+        tap.close()
+    driver.join(30)
+    assert got and got[0][0] == reference([(0, 2), (2, 4)], rounds=3, k=3)[0]
+    ring.drop("s")
+    ring.close()
