@@ -43,8 +43,10 @@ class CheckedRing:
     ring is built again without those hosts and the job replays on the spare at once (a
     `GapError` to the generation loop), without waiting for the dead host. A stage that could
     not pass a round on answers `unreachable` at once (`HopUnreachableError`, naming the next
-    hop: its Redis gone with its host, cut off, or full); the ring goes around that host at
-    once when the inventory has a route without it, even while it still heartbeats, else waits
+    hop: its Redis gone with its host, cut off, or full); the ring checks the claim by writing
+    to that Redis itself, and goes around that host at once when the inventory has a route
+    without it, even while it still heartbeats (around the stage that made the claim too when
+    the check found the Redis writable: one stage's word never moves another's traffic), else waits
     up to the route's lapse time for the inventory to say which hop died; with no hop dead and no
     way around (its Redis full, or cut off from the hop before), the round goes out again every
     `UNREACHABLE_PAUSE_S` for as long as a round waits for its reply (`ROUND_TIMEOUT_S`), then
@@ -166,9 +168,10 @@ class CheckedRing:
                 self._rebuild(session, "a stage serves other layers now")
             raise
         except HopUnreachableError as exc:
-            # Its host may still heartbeat (its Redis full, or cut off from this hop only):
-            # go around it at once where the inventory has a route without it.
-            if exc.host and self._fail_over_if_routed(session, exc.host, str(exc)):
+            # Its host may still heartbeat (its Redis full, or cut off from this hop only): go
+            # around it at once where the inventory has a route without it, and without the
+            # stage that said so too when this coordinator can write to that host's Redis.
+            if exc.host and self._fail_over_if_routed(session, exc.blamed, str(exc)):
                 raise GapError(f"re-routed around an unreachable stage: {exc}") from None
             self._fail_over_once_lost(session, exc)
             raise GapError(f"re-routed around a lost stage: {exc}") from None
@@ -252,10 +255,10 @@ class CheckedRing:
                 return lost
             time.sleep(0.25)
 
-    def _fail_over_if_routed(self, session: str, host: str, why: str) -> bool:
-        """Fail over around `host` when a route without it exists; whether it did."""
+    def _fail_over_if_routed(self, session: str, hosts: list[str], why: str) -> bool:
+        """Fail over around `hosts` when a route without them exists; whether it did."""
         try:
-            self._fail_over(session, [host], why)
+            self._fail_over(session, hosts, why)
         except RouteError:
             return False
         return True

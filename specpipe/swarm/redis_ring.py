@@ -58,6 +58,9 @@ WATCH_EVERY_S = 0.25  # …and again this often while it waits
 # With host identities, a ring reads the roster again at most this often (a host admitted just
 # now is believed within it).
 ROSTER_EVERY_S = 0.5
+# How long checking a stage's word that its next hop's Redis is unreachable may take: a cut-off
+# host is as gone to this check as to the stage.
+PROBE_TIMEOUT_S = 1.0
 
 
 class RingError(RuntimeError):
@@ -69,12 +72,25 @@ class HopLostError(RingError):
 
 
 class HopUnreachableError(RingError):
-    """A stage could not pass the round on to the next hop (`host`): that host's Redis refused
-    or did not answer (a cut link, a Redis full or gone), or the inventory does not list it."""
+    """A stage (`reporter`) could not pass the round on to the next hop (`host`): that host's
+    Redis refused or did not answer (a cut link, a Redis full or gone), or the inventory does
+    not list it. `confirmed`: this coordinator could not write to that Redis either; else it
+    is one stage's word against another's."""
 
-    def __init__(self, message: str, host: str = "") -> None:
+    def __init__(
+        self, message: str, host: str = "", reporter: str = "", confirmed: bool = True
+    ) -> None:
         super().__init__(message)
-        self.host = host
+        self.host, self.reporter, self.confirmed = host, reporter, confirmed
+
+    @property
+    def blamed(self) -> list[str]:
+        """The hosts a failover leaves out: the hop, when the claim is confirmed (or no stage
+        made it); else the stage that made it too, so no stage can move a hop's traffic
+        elsewhere by its word alone."""
+        if self.confirmed or not self.reporter:
+            return [self.host]
+        return [self.reporter, self.host]
 
 
 class StaleRouteError(RingError):
@@ -321,11 +337,35 @@ class RedisRing:
                 hosts = [hop.host for hop in self.route]
                 after = hosts.index(reply.sender) + 1 if reply.sender in hosts else len(hosts)
                 unreachable = hosts[after] if after < len(hosts) else ""
-                raise HopUnreachableError(f"round failed: {reply.reason}", unreachable)
+                confirmed = not unreachable or not self.writes_reach(unreachable)
+                raise HopUnreachableError(
+                    f"round failed: {reply.reason}", unreachable, reply.sender, confirmed
+                )
             raise RingError(f"round failed: {reply.reason or reply.kind}")
         route = " -> ".join(h.host for h in self.route)
         waited = time.monotonic() - started
         raise RingError(f"round failed after {waited:.1f} s ({problem}; route {route})")
+
+    def writes_reach(self, host: str) -> bool:
+        """Whether this process can write to the Redis of `host` (a hop of the route) itself:
+        it rings the stage's bell, which costs the stage one idle wake. How a stage's word that
+        it could not is checked before its next hop is left out."""
+        hop = next(hop for hop in self.route if hop.host == host)
+        client = redis.Redis.from_url(
+            self.connections.dialer.url(hop.redis_url),
+            socket_timeout=PROBE_TIMEOUT_S,
+            socket_connect_timeout=PROBE_TIMEOUT_S,
+        )
+        try:
+            pipe = client.pipeline(transaction=False)
+            for command in streams.bell_commands(streams.stage_key(self.swarm, host)):
+                pipe.execute_command(*command)
+            pipe.execute()
+            return True
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
 
     def round_wait_s(self, n_tokens: int) -> float:
         """How long a round of `n_tokens` tokens waits for its reply before it is sent again:
