@@ -119,9 +119,8 @@ def cancel_job(job_id: int):
     job, error = _job_or_404(job_id)
     if error:
         return error
-    if job.finished:
+    if not job.request_cancel():
         return json_error(409, f"job {job_id} has already finished ({job.status})")
-    job.request_cancel()
     get_session().commit()
     return jsonify(job.to_dict())
 

@@ -225,12 +225,11 @@ def room_wait(job: Job) -> dict | None:
 def cancel(job_id: int):
     """Ask the coordinator to stop the job at its next round."""
     job = _get_job(job_id)
-    if job.finished:
-        flash(f"Job {job.id} has already finished ({job.status}).", "info")
-    else:
-        job.request_cancel()
+    if job.request_cancel():
         get_session().commit()
         flash(f"Cancel requested for job {job.id}.", "info")
+    else:
+        flash(f"Job {job.id} has already finished ({job.status}).", "info")
     return redirect(url_for("jobs.detail", job_id=job.id))
 
 

@@ -377,8 +377,7 @@ def job_updates(
 def _cancel(session: Session, job_id: int) -> None:
     session.rollback()
     job = session.get(Job, job_id, populate_existing=True)
-    if job is not None and not job.finished:
-        job.request_cancel()
+    if job is not None and job.request_cancel():
         session.commit()
 
 

@@ -21,10 +21,12 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    case,
     false,
     text,
+    update,
 )
-from sqlalchemy.orm import Mapped, mapped_column, relationship
+from sqlalchemy.orm import Mapped, mapped_column, object_session, relationship
 
 from models.db import Base, NulSafeText, Uint64, iso_utc, utcnow
 from models.users import User
@@ -137,14 +139,26 @@ class Job(Base):
         """How the prompt is fed and what else the output carries: what a re-run must keep."""
         return {"raw_prompt": self.raw_prompt, "messages": self.messages, "logprobs": self.logprobs}
 
-    def request_cancel(self) -> None:
-        """Ask for a cooperative stop: a queued job ends now, a running one at its next round."""
-        if self.finished:
-            return
-        self.cancel_requested = True
-        if self.status == "queued":
-            self.status = "cancelled"
-            self.finished_at = utcnow()
+    def request_cancel(self) -> bool:
+        """Ask for a cooperative stop: a queued job ends now, a running one at its next round.
+
+        One conditional UPDATE, fenced like every other write to a job: it matches only while
+        the row is still unfinished, so a job that finished since it was read keeps its end.
+        The row is re-read either way; whether the cancel took. The caller commits."""
+        session = object_session(self)
+        queued = Job.status == "queued"
+        matched = session.execute(
+            update(Job)
+            .where(Job.id == self.id, Job.status.in_(ACTIVE_STATUSES))
+            .values(
+                cancel_requested=True,
+                status=case((queued, "cancelled"), else_=Job.status),
+                finished_at=case((queued, utcnow()), else_=Job.finished_at),
+            )
+            .execution_options(synchronize_session=False)
+        ).rowcount
+        session.refresh(self)
+        return matched == 1
 
     def record_progress(
         self,

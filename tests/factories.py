@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from models.db import utcnow
+from models.db import make_session_factory, utcnow
 from models.jobs import Job
 from models.nodes import upsert_node
 from models.runs import Proof, ProofCase, Run, start_run
@@ -174,3 +174,11 @@ def gen_proof_run(session, kind: str = "proof", passed: bool = True) -> Run:
     run.proofs.extend([local, swarm, generation])
     session.commit()
     return run
+
+
+def finish_elsewhere(db_url: str, job_id: int, status: str = "done") -> None:
+    """End job `job_id` from a session of its own, as a coordinator in another process does."""
+    with make_session_factory(db_url)() as other:
+        job = other.get(Job, job_id)
+        job.status, job.finished_at = status, utcnow()
+        other.commit()

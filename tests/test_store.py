@@ -18,7 +18,7 @@ from models.runs import start_run
 from models.tokens import ApiToken, check_token, create_token, revoke_token
 from models.user_deletion import delete_user
 from models.users import BUILTIN_ADMIN, User, authenticate, first_password
-from tests.factories import gen_job, gen_node, gen_proof_run, gen_ring, gen_user
+from tests.factories import finish_elsewhere, gen_job, gen_node, gen_proof_run, gen_ring, gen_user
 
 BEFORE_STOP_STRINGS = "dc866fa56549"  # the revision before jobs had stop strings
 BEFORE_LOSSY_FLAG = "bf4314513ebb"  # the revision before nodes recorded the test lossy tail
@@ -146,11 +146,27 @@ def test_cancel_queued_ends_now_running_waits(db_session):
     queued = gen_job(db_session)
     running = gen_job(db_session, status="running")
     done = gen_job(db_session, status="done")
-    for job in (queued, running, done):
-        job.request_cancel()
+    assert [job.request_cancel() for job in (queued, running, done)] == [True, True, False]
+    assert queued.finished_at is not None and running.finished_at is None
     assert (queued.status, queued.cancel_requested) == ("cancelled", True)
     assert (running.status, running.cancel_requested) == ("running", True)
     assert (done.status, done.cancel_requested) == ("done", False)
+
+
+@pytest.mark.parametrize("status", ["queued", "running"])
+def test_a_cancel_never_undoes_an_end_stored_since_the_read(db_session, db_url, status):
+    job = gen_job(db_session, status=status)
+    assert db_session.get(Job, job.id).status == status  # read here, then ended elsewhere
+    finish_elsewhere(db_url, job.id)
+    assert job.request_cancel() is False
+    db_session.commit()
+    db_session.expire_all()
+    stored = db_session.get(Job, job.id)
+    assert (stored.status, stored.cancel_requested, stored.finished_at is not None) == (
+        "done",
+        False,
+        True,
+    )
 
 
 def test_record_progress(db_session):

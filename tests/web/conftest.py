@@ -24,6 +24,7 @@ from models.tokens import create_token
 from models.users import User, builtin_admin
 from specpipe.settings import redis_url
 from specpipe.swarm.kvbudget import Reservations
+from tests.factories import finish_elsewhere
 from workers.names import GENERATE_TASK
 
 
@@ -159,9 +160,28 @@ def session(db_url):
 @pytest.fixture
 def api_token(session) -> str:
     """A fresh active API token's plaintext."""
-    token = create_token(session, f"test-{uuid.uuid4().hex[:6]}")
+    token = create_token(session, f"test-{uuid.uuid4().hex[:6]}", builtin_admin(session))
     session.commit()
     return token
+
+
+@pytest.fixture
+def finished_after_load(monkeypatch, db_url):
+    """Make a loader in `module` end the job it loads, from another session, before it returns:
+    a job that finishes between a request's read and its write."""
+
+    def patch(module, loader: str) -> None:
+        original = getattr(module, loader)
+
+        def load_then_finish(*args, **kwargs):
+            loaded = original(*args, **kwargs)
+            job = loaded[0] if isinstance(loaded, tuple) else loaded
+            finish_elsewhere(db_url, job.id)
+            return loaded
+
+        monkeypatch.setattr(module, loader, load_then_finish)
+
+    return patch
 
 
 class Api:

@@ -228,6 +228,21 @@ def test_cancel(api, session):
     assert api.post("/jobs/99999/cancel").status_code == 404
 
 
+@pytest.mark.parametrize("status", ["queued", "running"])
+def test_a_cancel_leaves_a_job_that_finished_since_the_read_done(
+    api, session, finished_after_load, status
+):
+    import app.api
+
+    job = gen_job(session, status=status)
+    finished_after_load(app.api, "_job_or_404")
+    response = api.post(f"/jobs/{job.id}/cancel")
+    assert response.status_code == 409 and "already finished (done)" in response.get_json()["error"]
+    session.expire_all()
+    stored = session.get(Job, job.id)
+    assert (stored.status, stored.cancel_requested) == ("done", False)
+
+
 def test_nodes(api, session):
     gen_ring(session, 3)
     nodes = api.get("/nodes").get_json()["nodes"]

@@ -22,6 +22,7 @@ from models.jobs import Job
 from models.tokens import create_token
 from models.users import create_user
 from specpipe.settings import JOB_DEFAULTS
+from tests.factories import finish_elsewhere, gen_job
 
 MODEL = "tiny-test"  # the test app's model (tests/web/conftest.py)
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "temperature": 0}
@@ -375,6 +376,28 @@ def test_a_failed_job_is_an_error(app, db_url, session, api_token):
     error = assert_openai_error(post(client, "/v1/completions", api_token, RAW), 500)
     thread.join()
     assert "no stage serves 2-4" in error["message"] and error["type"] == "server_error"
+
+
+@pytest.mark.parametrize("status", ["queued", "running"])
+def test_leaving_never_cancels_a_job_that_finished_since_the_read(
+    db_url, session, monkeypatch, status
+):
+    from app.openai_api import _cancel
+
+    job_id = gen_job(session, status=status).id
+    with make_session_factory(db_url)() as reader:
+        original = reader.get
+
+        def get_then_finish(*args, **kwargs):
+            loaded = original(*args, **kwargs)
+            finish_elsewhere(db_url, job_id)
+            return loaded
+
+        monkeypatch.setattr(reader, "get", get_then_finish)
+        _cancel(reader, job_id)
+    session.expire_all()
+    stored = session.get(Job, job_id)
+    assert (stored.status, stored.cancel_requested) == ("done", False)
 
 
 def test_limits_answer_429_with_retry_after(make_app, session, api_token, queue):

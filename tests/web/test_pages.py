@@ -197,6 +197,23 @@ def test_cancel_from_page(client, session, queue):
     assert session.get(Job, job.id).cancel_requested is True
 
 
+@pytest.mark.parametrize("status", ["queued", "running"])
+def test_a_cancel_from_the_page_leaves_a_job_that_finished_since_the_read_done(
+    client, session, finished_after_load, status
+):
+    import app.jobs
+
+    job = gen_job(session, status=status)
+    finished_after_load(app.jobs, "_get_job")
+    response = client.post(f"/jobs/{job.id}/cancel", data={"csrf_token": csrf_token(client)})
+    assert response.status_code == 302
+    page = client.get(response.headers["Location"]).get_data(as_text=True)
+    assert "has already finished (done)" in page and "Cancel requested" not in page
+    session.expire_all()
+    stored = session.get(Job, job.id)
+    assert (stored.status, stored.cancel_requested) == ("done", False)
+
+
 def test_rerun_with_same_seed(client, session, queue):
     job = gen_job(
         session,
