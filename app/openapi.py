@@ -177,7 +177,9 @@ def _id_parameter(name: str) -> dict:
 
 def document(limits: JobLimits) -> dict:
     """The OpenAPI document for an app with these job limits."""
-    unauthorised = _error("No valid API token (`Authorization: Bearer <token>`).")
+    unauthorised = _error(
+        "No valid API token (`Authorization: Bearer <token>`): none, unknown, revoked or expired."
+    )
     listing = [
         {"name": "status", "in": "query", "schema": {"type": "string", "enum": list(JOB_STATUSES)}},
         {"name": "q", "in": "query", "schema": {"type": "string"}},

@@ -1,21 +1,26 @@
 """API tokens: made by `specpipe token create`, shown once, stored only as a SHA-256 hash.
 
-Each token belongs to a user, and the API acts as that user; a token made without one belongs
-to the built-in admin."""
+Each token belongs to the user it was made for, and the API acts as that user. A token may
+expire (`expires_at`); it stops opening the API then, as when it is revoked.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import DateTime, ForeignKey, Integer, String, select
 from sqlalchemy.orm import Mapped, Session, mapped_column, relationship
 
-from models.db import Base, utcnow
-from models.users import User, builtin_admin
+from models.db import Base, as_utc, utcnow
+from models.users import User
 
 TOKEN_PREFIX = "sp_"
+MAX_LIFETIME = timedelta(days=3650)
+_LIFETIME = re.compile(r"([0-9]{1,7})([mhd])")
+_UNITS = {"m": "minutes", "h": "hours", "d": "days"}
 
 
 def hash_token(token: str) -> str:
@@ -34,23 +39,42 @@ class ApiToken(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
     user: Mapped[User] = relationship()
 
     @property
+    def expired(self) -> bool:
+        """Whether the token's lifetime has run out."""
+        return self.expires_at is not None and as_utc(self.expires_at) <= utcnow()
+
+    @property
     def active(self) -> bool:
-        """Whether the token still opens the API."""
-        return self.revoked_at is None
+        """Whether the token still opens the API: neither revoked nor expired."""
+        return self.revoked_at is None and not self.expired
 
 
-def create_token(session: Session, name: str, user: User | None = None) -> str:
-    """Make a token called `name` for `user` (else the built-in admin) and return its only
-    plaintext copy; the caller commits."""
+def parse_lifetime(text: str) -> timedelta:
+    """A token's lifetime from `90m`, `12h` or `30d` (up to ten years); ValueError otherwise."""
+    match = _LIFETIME.fullmatch(text.strip())
+    if match is None or int(match[1]) == 0:
+        raise ValueError(f"must be minutes, hours or days, as 90m, 12h or 30d; got {text!r}")
+    lifetime = timedelta(**{_UNITS[match[2]]: int(match[1])})
+    if lifetime > MAX_LIFETIME:
+        raise ValueError(f"must be at most {MAX_LIFETIME.days}d; got {text!r}")
+    return lifetime
+
+
+def create_token(session: Session, name: str, user: User, lifetime: timedelta | None = None) -> str:
+    """Make a token called `name` for `user`, expiring after `lifetime` (never when None), and
+    return its only plaintext copy; the caller commits."""
     if session.scalar(select(ApiToken).where(ApiToken.name == name)) is not None:
         raise ValueError(f"a token named {name!r} already exists")
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    owner = user or builtin_admin(session)
-    session.add(ApiToken(name=name, token_hash=hash_token(token), user_id=owner.id))
+    expires_at = utcnow() + lifetime if lifetime is not None else None
+    session.add(
+        ApiToken(name=name, token_hash=hash_token(token), user_id=user.id, expires_at=expires_at)
+    )
     session.flush()
     return token
 

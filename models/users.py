@@ -3,7 +3,7 @@
 Passwords are stored only as werkzeug's salted scrypt hashes. A user without a hash cannot log
 in until `specpipe user passwd` gives it a password. The built-in admin (`admin`) owns
 everything that was stored before users existed, and everything submitted without an owner
-(`specpipe generate`, tokens made without `--user`); the migration creates it without a password.
+(`specpipe generate`); the migration creates it without a password.
 """
 
 from __future__ import annotations

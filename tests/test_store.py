@@ -15,9 +15,9 @@ from models.migrate import current, downgrade, heads, upgrade
 from models.nodes import Node, upsert_node
 from models.records import PROOF_1_FIELDS, PROOF_2_FIELDS, run_record
 from models.runs import start_run
-from models.tokens import ApiToken, check_token, create_token, revoke_token
+from models.tokens import ApiToken, check_token, create_token, parse_lifetime, revoke_token
 from models.user_deletion import delete_user
-from models.users import BUILTIN_ADMIN, User, authenticate, first_password
+from models.users import BUILTIN_ADMIN, User, authenticate, builtin_admin, first_password
 from tests.factories import finish_elsewhere, gen_job, gen_node, gen_proof_run, gen_ring, gen_user
 
 BEFORE_STOP_STRINGS = "dc866fa56549"  # the revision before jobs had stop strings
@@ -277,7 +277,7 @@ def test_run_record_schema(db_session):
 
 
 def test_tokens_hashed_checked_revoked(db_session):
-    plaintext = create_token(db_session, "ci")
+    plaintext = create_token(db_session, "ci", builtin_admin(db_session))
     db_session.commit()
     from models.tokens import ApiToken
 
@@ -286,12 +286,40 @@ def test_tokens_hashed_checked_revoked(db_session):
     assert check_token(db_session, plaintext).name == "ci"
     assert check_token(db_session, plaintext + "x") is None
     with pytest.raises(ValueError, match="already exists"):
-        create_token(db_session, "ci")
+        create_token(db_session, "ci", builtin_admin(db_session))
     revoke_token(db_session, "ci")
     db_session.commit()
     assert check_token(db_session, plaintext) is None
     with pytest.raises(LookupError):
         revoke_token(db_session, "nope")
+
+
+def test_an_expired_token_is_refused(db_session):
+    admin = builtin_admin(db_session)
+    lasting = create_token(db_session, "lasting", admin)
+    brief = create_token(db_session, "brief", admin, timedelta(minutes=90))
+    db_session.commit()
+    assert check_token(db_session, brief).name == "brief"
+    row = db_session.scalar(select(ApiToken).where(ApiToken.name == "brief"))
+    row.expires_at = utcnow() - timedelta(seconds=1)
+    db_session.commit()
+    db_session.expire_all()  # read back from the store, as a later request would
+    assert check_token(db_session, brief) is None
+    assert check_token(db_session, lasting).name == "lasting"
+
+
+@pytest.mark.parametrize(
+    ("text", "lifetime"),
+    [("90m", timedelta(minutes=90)), ("12h", timedelta(hours=12)), (" 30d", timedelta(days=30))],
+)
+def test_token_lifetimes_read(text, lifetime):
+    assert parse_lifetime(text) == lifetime
+
+
+@pytest.mark.parametrize("text", ["", "30", "0m", "1w", "1.5h", "+3d", "3651d", "9999999d"])
+def test_token_lifetimes_refused(text):
+    with pytest.raises(ValueError, match="must be"):
+        parse_lifetime(text)
 
 
 def test_history_indexes_exist(database_url):

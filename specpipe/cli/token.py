@@ -1,7 +1,9 @@
 """`specpipe token`: API tokens, shown once at creation and stored only hashed. Each belongs to
-a user, whom the API acts as."""
+the user it names, whom the API acts as, and may expire (`--expires`)."""
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import click
 
@@ -16,20 +18,40 @@ def token(ctx: click.Context) -> None:
         ctx.invoke(token_list)
 
 
+def _lifetime(ctx: click.Context, param: click.Parameter, value: str | None):
+    """`--expires` as a timedelta, or a one-line usage error."""
+    from models.tokens import parse_lifetime
+
+    if value is None:
+        return None
+    try:
+        return parse_lifetime(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 @token.command(name="create")
 @click.argument("name")
 @click.option(
     "--user",
     "owner",
     metavar="USER",
-    help="The user the API acts as with this token (default: the built-in admin).",
+    required=True,
+    help="The user the API acts as with this token.",
 )
-def token_create(name: str, owner: str | None) -> None:
-    """Create a token called NAME and print it once.
+@click.option(
+    "--expires",
+    "lifetime",
+    metavar="AGE",
+    callback=_lifetime,
+    help="Stop accepting the token after AGE: minutes, hours or days (90m, 12h, 30d).",
+)
+def token_create(name: str, owner: str, lifetime: timedelta | None) -> None:
+    """Create a token called NAME for USER and print it once.
 
     Example:
 
-        specpipe token create ci --user alice
+        specpipe token create ci --user alice --expires 30d
     """
     from models.tokens import create_token
     from models.users import find_user
@@ -39,12 +61,10 @@ def token_create(name: str, owner: str | None) -> None:
         raise click.BadParameter("must be 1 to 100 characters", param_hint="NAME")
     with store_session() as session:
         try:
-            user = None
-            if owner is not None:
-                user = find_user(session, owner)
-                if user is None:
-                    raise click.ClickException(f"no user named {owner!r}")
-            plaintext = create_token(session, name, user)
+            user = find_user(session, owner)
+            if user is None:
+                raise click.ClickException(f"no user named {owner!r}")
+            plaintext = create_token(session, name, user, lifetime)
             session.commit()
         except click.ClickException:
             raise
@@ -56,9 +76,24 @@ def token_create(name: str, owner: str | None) -> None:
     click.echo("Store it now: it is not shown again.", err=True)
 
 
+def _state(row) -> str:
+    if row.revoked_at:
+        return "revoked"
+    return "expired" if row.expired else "active"
+
+
+def _expiry(row) -> str:
+    from models.db import as_utc
+
+    if row.expires_at is None:
+        return "never expires"
+    when = f"{as_utc(row.expires_at):%Y-%m-%d %H:%M} UTC"
+    return f"expired {when}" if row.expired else f"expires {when}"
+
+
 @token.command(name="list")
 def token_list() -> None:
-    """List tokens: name, owner, created, last used, and whether revoked."""
+    """List tokens: name, state (active, revoked, expired), owner, created, last used, expiry."""
     from sqlalchemy import select
 
     from models.db import as_utc
@@ -71,10 +106,10 @@ def token_list() -> None:
             raise store_error("read tokens", exc) from exc
         for row in rows:
             used = as_utc(row.last_used_at)
-            state = "revoked" if row.revoked_at else "active"
             last = f"{used:%Y-%m-%d %H:%M} UTC" if used else "never used"
             created = f"created {as_utc(row.created_at):%Y-%m-%d}"
-            click.echo(f"{row.name}\t{state}\t{row.user.name}\t{created}\t{last}")
+            fields = (row.name, _state(row), row.user.name, created, last, _expiry(row))
+            click.echo("\t".join(fields))
 
 
 @token.command(name="revoke")

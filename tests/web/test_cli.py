@@ -18,7 +18,7 @@ def runner(monkeypatch, db_url, tmp_path):
 
 
 def test_token_create_list_revoke(runner, app, client):
-    created = runner.invoke(token, ["create", "ci"])
+    created = runner.invoke(token, ["create", "ci", "--user", "admin"])
     assert created.exit_code == 0, created.output
     plaintext = created.stdout.strip().splitlines()[0]
     assert plaintext.startswith("sp_") and len(plaintext) > 40
@@ -28,7 +28,7 @@ def test_token_create_list_revoke(runner, app, client):
     listed = runner.invoke(token, ["list"])
     assert "ci\tactive" in listed.stdout and plaintext not in listed.stdout
 
-    again = runner.invoke(token, ["create", "ci"])
+    again = runner.invoke(token, ["create", "ci", "--user", "admin"])
     assert again.exit_code == 1 and "already exists" in again.output
     assert "Traceback" not in again.output
 
@@ -41,7 +41,7 @@ def test_token_create_list_revoke(runner, app, client):
 
 
 def test_token_name_checked(runner):
-    result = runner.invoke(token, ["create", "   "])
+    result = runner.invoke(token, ["create", "   ", "--user", "admin"])
     assert result.exit_code == 2 and "must be 1 to 100 characters" in result.output
 
 

@@ -11,6 +11,7 @@ from sqlalchemy import func, select
 
 from models.jobs import Job
 from models.tokens import create_token
+from models.users import builtin_admin
 from specpipe.settings import JobLimits, redis_url
 from tests.factories import gen_job, gen_proof_run, gen_user
 from tests.web.conftest import Api, as_user, csrf_token
@@ -108,7 +109,7 @@ def test_active_jobs_cap_on_the_api(make_app, session, queue, alice):
     assert api.post(f"/jobs/{first}/cancel").status_code == 200  # and a cancel makes room
     assert api.post("/jobs", json={"prompt": "c"}).status_code == 201
     # Nor do her jobs count against another user.
-    admin_api = Api(app.test_client(), create_token(session, "admin-ci"))
+    admin_api = Api(app.test_client(), create_token(session, "admin-ci", builtin_admin(session)))
     session.commit()
     assert admin_api.post("/jobs", json={"prompt": "d"}).status_code == 201
 

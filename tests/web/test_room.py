@@ -153,7 +153,7 @@ def test_a_redis_that_does_not_answer_is_no_wait_not_an_error(
     app = make_app(REDIS_URL=dead_redis_url)
     client = as_user(app.test_client(), admin)
     job = gen_job(session)
-    api = Api(client, create_token(session, "admin-room"))
+    api = Api(client, create_token(session, "admin-room", admin))
     session.commit()
     progress = client.get(f"/jobs/{job.id}/progress")
     assert progress.status_code == 200 and progress.get_json()["waiting_for_room"] is None

@@ -3,9 +3,14 @@ database, and the first password `specpipe web` gives the built-in admin."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from click.testing import CliRunner
+from sqlalchemy import func, select
 
+from models.db import as_utc, utcnow
+from models.tokens import ApiToken
 from models.users import authenticate, find_user
 from specpipe.cli import cli
 from tests.factories import gen_job
@@ -101,12 +106,43 @@ def test_token_for_a_user(runner, session, client):
     assert api.post("/jobs", json={"prompt": "hi"}).get_json()["owner"] == "alice"
     assert "alice-ci\tactive\talice" in runner.invoke(cli, ["token", "list"]).stdout
 
-    plain = runner.invoke(cli, ["token", "create", "old-script"])
-    api = Api(client, plain.stdout.strip().splitlines()[0])
-    assert api.post("/jobs", json={"prompt": "hi"}).get_json()["owner"] == "admin"
-
     missing = runner.invoke(cli, ["token", "create", "x", "--user", "nobody"])
     assert missing.exit_code == 1 and "no user named 'nobody'" in missing.output
+
+
+def test_a_token_must_name_its_user(runner, session):
+    plain = runner.invoke(cli, ["token", "create", "old-script"])
+    assert plain.exit_code == 2 and "Missing option '--user'" in plain.output
+    assert "Traceback" not in plain.output
+    assert session.scalar(select(func.count()).select_from(ApiToken)) == 0
+
+
+def test_a_token_that_expires(runner, session, client):
+    runner.invoke(cli, ["user", "create", "alice"], input=PASSWORD + "\n")
+    made = runner.invoke(cli, ["token", "create", "ci", "--user", "alice", "--expires", "12h"])
+    assert made.exit_code == 0, made.output
+    api = Api(client, made.stdout.strip().splitlines()[0])
+    assert api.get("/jobs").status_code == 200
+    row = session.scalar(select(ApiToken).where(ApiToken.name == "ci"))
+    left = as_utc(row.expires_at) - utcnow()
+    assert timedelta(hours=11, minutes=59) < left <= timedelta(hours=12)
+    when = f"{as_utc(row.expires_at):%Y-%m-%d %H:%M} UTC"
+    assert runner.invoke(cli, ["token", "list"]).stdout.split("\t")[1] == "active"
+    assert f"\texpires {when}" in runner.invoke(cli, ["token", "list"]).stdout
+
+    row.expires_at = utcnow() - timedelta(seconds=1)  # its lifetime ran out
+    session.commit()
+    assert api.get("/jobs").status_code == 401
+    listed = runner.invoke(cli, ["token", "list"]).stdout
+    assert listed.startswith("ci\texpired\talice") and "\texpired " in listed
+
+
+@pytest.mark.parametrize("age", ["30", "30x", "0d", "-1d", "1.5h", "d", "30 days", "3651d"])
+def test_a_bad_expiry_is_refused(runner, session, admin, age):
+    made = runner.invoke(cli, ["token", "create", "ci", "--user", "admin", "--expires", age])
+    assert made.exit_code == 2 and "Invalid value for '--expires'" in made.output
+    assert "Traceback" not in made.output
+    assert session.scalar(select(func.count()).select_from(ApiToken)) == 0
 
 
 def test_first_password_for_a_fresh_install(runner, session, tmp_path):
