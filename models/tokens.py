@@ -1,7 +1,8 @@
 """API tokens: made by `specpipe token create`, shown once, stored only as a SHA-256 hash.
 
 Each token belongs to the user it was made for, and the API acts as that user. A token may
-expire (`expires_at`); it stops opening the API then, as when it is revoked.
+expire (`expires_at`); it stops opening the API then, as when it is revoked. A user's tokens
+are revoked when its password changes (`models.accounts`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import re
 import secrets
 from datetime import datetime, timedelta
 
-from sqlalchemy import DateTime, ForeignKey, Integer, String, select
+from sqlalchemy import DateTime, ForeignKey, Integer, String, select, update
 from sqlalchemy.orm import Mapped, Session, mapped_column, relationship
 
 from models.db import Base, as_utc, utcnow
@@ -87,6 +88,17 @@ def revoke_token(session: Session, name: str) -> ApiToken:
     if row.revoked_at is None:
         row.revoked_at = utcnow()
     return row
+
+
+def revoke_user_tokens(session: Session, user: User) -> int:
+    """Revoke every active token of `user` in one UPDATE; how many. The caller commits."""
+    result = session.execute(
+        update(ApiToken)
+        .where(ApiToken.user_id == user.id, ApiToken.revoked_at.is_(None))
+        .values(revoked_at=utcnow())
+        .execution_options(synchronize_session="fetch")
+    )
+    return result.rowcount
 
 
 def check_token(session: Session, token: str) -> ApiToken | None:

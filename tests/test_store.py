@@ -10,6 +10,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import MetaData, Table, inspect, select
 
 from models import Base, Job
+from models.accounts import change_password
 from models.db import UINT64_MAX, get_engine, make_session_factory, utcnow
 from models.migrate import current, downgrade, heads, upgrade
 from models.nodes import Node, upsert_node
@@ -320,6 +321,23 @@ def test_token_lifetimes_read(text, lifetime):
 def test_token_lifetimes_refused(text):
     with pytest.raises(ValueError, match="must be"):
         parse_lifetime(text)
+
+
+def test_a_new_password_revokes_only_that_users_tokens(db_session):
+    alice, bob = gen_user(db_session, "alice", "correct horse"), gen_user(db_session, "bob")
+    mine = [create_token(db_session, f"alice-{i}", alice) for i in range(2)]
+    revoke_token(db_session, "alice-1")
+    theirs = create_token(db_session, "bob-ci", bob)
+    db_session.commit()
+    with pytest.raises(ValueError):
+        change_password(db_session, alice, "short")
+    assert check_token(db_session, mine[0]) is not None
+    assert change_password(db_session, alice, "a different horse") == 1  # one was still active
+    db_session.commit()
+    db_session.expire_all()
+    assert [check_token(db_session, t) for t in mine] == [None, None]
+    assert check_token(db_session, theirs).name == "bob-ci"
+    assert authenticate(db_session, "alice", "a different horse") == alice
 
 
 def test_history_indexes_exist(database_url):

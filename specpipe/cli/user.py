@@ -94,7 +94,9 @@ def user_list() -> None:
 @user.command(name="passwd")
 @click.argument("name")
 def user_passwd(name: str) -> None:
-    """Set NAME's password (read as for `create`); its open sessions end."""
+    """Set NAME's password (read as for `create`); its open sessions end and its API tokens
+    are revoked."""
+    from models.accounts import change_password
     from models.users import BUILTIN_ADMIN, find_user
     from specpipe.settings import admin_password_file
 
@@ -105,11 +107,12 @@ def user_passwd(name: str) -> None:
             raise store_error("read users", exc) from None
         if row is None:
             raise click.ClickException(f"no user named {name!r}")
-        row.set_password(_checked_password())
+        revoked = change_password(session, row, _checked_password())
         session.commit()
     if row.name == BUILTIN_ADMIN:
         admin_password_file().unlink(missing_ok=True)  # the generated one no longer works
-    click.echo(f"password set for {name}")
+    tokens = f"; {revoked} API token{'s' if revoked != 1 else ''} revoked" if revoked else ""
+    click.echo(f"password set for {name}{tokens}")
 
 
 @user.command(name="delete")

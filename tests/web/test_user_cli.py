@@ -145,6 +145,26 @@ def test_a_bad_expiry_is_refused(runner, session, admin, age):
     assert session.scalar(select(func.count()).select_from(ApiToken)) == 0
 
 
+def test_a_new_password_revokes_the_users_tokens(runner, session, client):
+    for name in ("alice", "bob"):
+        runner.invoke(cli, ["user", "create", name], input=PASSWORD + "\n")
+    made = {
+        name: runner.invoke(cli, ["token", "create", f"{name}-ci", "--user", name]).stdout
+        for name in ("alice", "bob")
+    }
+    apis = {name: Api(client, out.strip().splitlines()[0]) for name, out in made.items()}
+    assert all(api.get("/jobs").status_code == 200 for api in apis.values())
+
+    bad = runner.invoke(cli, ["user", "passwd", "alice"], input="short\n")
+    assert bad.exit_code == 1 and apis["alice"].get("/jobs").status_code == 200  # no change
+
+    changed = runner.invoke(cli, ["user", "passwd", "alice"], input="another long secret\n")
+    assert changed.exit_code == 0 and "1 API token revoked" in changed.output
+    assert apis["alice"].get("/jobs").status_code == 401
+    assert apis["bob"].get("/jobs").status_code == 200  # another user's are left alone
+    assert "alice-ci\trevoked\talice" in runner.invoke(cli, ["token", "list"]).stdout
+
+
 def test_first_password_for_a_fresh_install(runner, session, tmp_path):
     from specpipe.cli.web import first_login
 
