@@ -1,9 +1,10 @@
 """Rate limits (Flask-Limiter), counted in the swarm's Redis so every web process shares them.
 
 Job submissions per user (`SUBMIT_RATE`: the form, a re-run, the API and the OpenAI-compatible
-completions draw on one allowance), and failed logins twice over: per client address
-(`LOGIN_RATE`), so one address cannot lock everyone out, and per account name posted
-(`LOGIN_ACCOUNT_RATE`), so one account cannot be guessed at from many addresses. Behind a
+completions draw on one allowance), and failed logins twice over, both at the client's address:
+per address (`LOGIN_RATE`), whatever the names posted, and per account name posted from that
+address (`LOGIN_ACCOUNT_RATE`). Neither counts one account's failures across addresses: then a
+stranger posting wrong passwords for a name would lock its owner out everywhere. Behind a
 trusted proxy the client address is the forwarded one (`app.proxy`). A request over a limit is
 answered 429 with `Retry-After` (`app.errors`). The cap on a user's queued and running jobs is
 not a rate: the submission path checks it (`workers.submission`).
@@ -42,10 +43,12 @@ def _user_key() -> str:
     return f"user-{g.user.id}"
 
 
-def _account_key() -> str:
-    # Hashed: the posted name is anything a client sends, of any length.
+def _account_at_address_key() -> str:
+    # Hashed: the posted name is anything a client sends, of any length. The address is part
+    # of the key, so failures from one address never refuse the account's owner at another.
     name = request.form.get("username", "")
-    return "account-" + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    material = f"{get_remote_address()}\0{name}".encode("utf-8", "surrogatepass")
+    return "account-" + hashlib.sha256(material).hexdigest()[:32]
 
 
 def failed_login(response: Response) -> bool:
@@ -85,8 +88,8 @@ def init_app(app: Flask) -> None:
     )
     by_account = limiter.shared_limit(
         lambda: app.config["LOGIN_ACCOUNT_RATE"],
-        scope="login-account",
-        key_func=_account_key,
+        scope="login-account-address",
+        key_func=_account_at_address_key,
         methods=["POST"],
         deduct_when=failed_login,
     )

@@ -480,8 +480,8 @@ def login_rate() -> str:
 
 
 def login_account_rate() -> str:
-    """`SPECPIPE_LOGIN_ACCOUNT_RATE` (20/hour): failed logins for one account name, from any
-    address, so that no account can be guessed at from many addresses."""
+    """`SPECPIPE_LOGIN_ACCOUNT_RATE` (20/hour): failed logins for one account name from one
+    client address. Counted per address, so a stranger cannot lock the account's owner out."""
     return _env_rate("SPECPIPE_LOGIN_ACCOUNT_RATE", "20/hour")
 
 

@@ -199,8 +199,30 @@ def test_login_attempts_rate_limited(make_app, session, alice):
     assert client.get("/history").status_code == 302
     other = app.test_client()  # the same address, with a fresh session: still limited
     assert log_in(other, "alice", PASSWORD).status_code == 429
-    other.environ_base["REMOTE_ADDR"] = "198.51.100.7"  # another address is not
-    assert log_in(other, "alice", PASSWORD).status_code == 302
+    assert log_in(from_address(app, "198.51.100.7"), "alice", PASSWORD).status_code == 302
+
+
+def from_address(app, address: str):
+    """A test client whose requests come from `address`."""
+    client = app.test_client()
+    client.environ_base["REMOTE_ADDR"] = address
+    return client
+
+
+@pytest.mark.parametrize(
+    ("address_rate", "account_rate"),
+    [("100/minute", "3/hour"), ("3/minute", "3/hour"), ("3/minute", "100/hour")],
+)
+def test_a_stranger_cannot_lock_a_user_out(make_app, session, alice, address_rate, account_rate):
+    app = make_app(LOGIN_RATE=address_rate, LOGIN_ACCOUNT_RATE=account_rate)
+    stranger = from_address(app, "203.0.113.9")
+    for _ in range(3):
+        assert log_in(stranger, "alice", "wrong password").status_code == 400
+    refused = log_in(stranger, "alice", PASSWORD)  # even the right password, at that address
+    assert refused.status_code == 429 and 1 <= int(refused.headers["Retry-After"]) <= 3600
+    # A fresh session from the same address is refused too; the owner at theirs is not.
+    assert log_in(from_address(app, "203.0.113.9"), "alice", "wrong password").status_code == 429
+    assert log_in(from_address(app, "198.51.100.7"), "alice", PASSWORD).status_code == 302
 
 
 def test_login_limits_are_shared_through_the_locked_down_redis_of_up(make_app, session, alice):
