@@ -7,7 +7,7 @@ started).
 
 from celery.schedules import crontab
 
-from specpipe.settings import nightly_schedule
+from specpipe.settings import nightly_schedule, swarm_timezone
 from workers.names import (
     COORDINATOR_QUEUE,
     GENERATE_TASK,
@@ -24,7 +24,8 @@ accept_content = ["json"]
 
 broker_connection_retry_on_startup = True
 task_ignore_result = True
-timezone = "UTC"
+# The nightly's crontab is read in the swarm's time zone, the one its night keys are dated in.
+timezone = swarm_timezone().key
 
 # One job at a time per coordinator process; a job whose worker dies is taken up again.
 worker_prefetch_multiplier = 1

@@ -12,6 +12,7 @@ import re
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from specpipe.core.stopping import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
@@ -550,12 +551,26 @@ def default_model() -> str:
     return os.environ.get("SPECPIPE_MODEL") or swarm_file().get("model") or DEFAULT_MODEL
 
 
+def swarm_timezone() -> ZoneInfo:
+    """`SPECPIPE_TIMEZONE` (UTC): the swarm's time zone, an IANA name such as Europe/Berlin.
+    Beat fires the nightly at `SPECPIPE_NIGHTLY` there, and a night's key is its date there."""
+    value = (os.environ.get("SPECPIPE_TIMEZONE") or "UTC").strip()
+    try:
+        return ZoneInfo(value)
+    except (ValueError, ZoneInfoNotFoundError):
+        raise ValueError(
+            f"SPECPIPE_TIMEZONE must be an IANA time zone such as UTC or Europe/Berlin, "
+            f"got {value!r}"
+        ) from None
+
+
 def nightly_schedule() -> tuple[str, str]:
-    """(minute, hour) in UTC of the nightly regression: `SPECPIPE_NIGHTLY` as "HH:MM"."""
+    """(minute, hour) of the nightly regression in the swarm's time zone (`swarm_timezone`):
+    `SPECPIPE_NIGHTLY` as "HH:MM"."""
     value = os.environ.get("SPECPIPE_NIGHTLY") or "03:00"
     hour, _, minute = value.partition(":")
     if not (hour.isdigit() and minute.isdigit() and int(hour) < 24 and int(minute) < 60):
-        raise ValueError(f"SPECPIPE_NIGHTLY must be HH:MM in UTC, got {value!r}")
+        raise ValueError(f"SPECPIPE_NIGHTLY must be HH:MM (in SPECPIPE_TIMEZONE), got {value!r}")
     return str(int(minute)), str(int(hour))
 
 

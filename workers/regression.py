@@ -8,13 +8,16 @@ of kind `nightly`: seed, proofs, a snapshot of the ring it ran on, the project's
 verdict. A proof that cannot run (no ring, no model) is stored as an `error` proof, so a broken
 swarm fails the nightly rather than skipping it.
 
-Two schedulers firing at once run it once: a run takes a Redis lock on its key (the UTC date for
-beat's runs, a fresh key for `specpipe regression run`) and refreshes it while it works, and
+Two schedulers firing at once run it once: a run takes a Redis lock on its key (the date in the
+swarm's time zone, `SPECPIPE_TIMEZONE`, for beat's runs, a fresh key for `specpipe regression
+run`) and refreshes it while it works, and
 stores its run under the key (`Run.night`) before it lets go. The verdict lives only in the
 store: a worker holding the lock runs the key unless the store has its run, and `specpipe
 regression run` waits for that run, so nothing written into the broker fakes a pass or marks a
 night done. A worker killed mid-run lets its lock lapse within `LOCK_TTL_S`, so the broker's
-redelivery of the task runs the night after all.
+redelivery of the task runs the night after all. A night's key must be today's: one for another
+date (queued ahead by whoever can write to the broker) is refused before it claims anything, so
+it cannot store that night's run early and make the real one skip.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import logging
 import os
 import socket
 import subprocess
-from datetime import date
+from datetime import date, datetime
 from pathlib import Path
 
 import redis
@@ -40,11 +43,17 @@ from specpipe.prompts import DEFAULT_GENERATION_PROMPT, DEFAULT_PROMPTS
 from specpipe.proofs.local import LocalProofConfig, run_local_proof
 from specpipe.proofs.outputs import run_generation_proof
 from specpipe.proofs.swarm import SwarmProofConfig, run_swarm_proof
-from specpipe.settings import PROOF_IN_FLIGHT, Settings, default_model, nightly_sizes
+from specpipe.settings import (
+    PROOF_IN_FLIGHT,
+    Settings,
+    default_model,
+    nightly_sizes,
+    swarm_timezone,
+)
 from specpipe.swarm import inventory
 from specpipe.swarm.redis_ring import RedisRing, RingError
 from workers.locks import LockKeeper
-from workers.names import NIGHTLY_TASK
+from workers.names import MANUAL_KEY, NIGHT_KEY, NIGHTLY_TASK, night_key
 from workers.node_sync import sync_inventory
 
 log = logging.getLogger("specpipe.regression")
@@ -113,6 +122,24 @@ def project_commit() -> str:
     except (OSError, subprocess.SubprocessError):
         described = ""
     return described or f"v{__version__}"
+
+
+def swarm_today(now: datetime | None = None) -> date:
+    """The date in the swarm's time zone now (or at `now`): the night beat's run answers."""
+    return (now or utcnow()).astimezone(swarm_timezone()).date()
+
+
+def key_refusal(key: object, today: date) -> str | None:
+    """Why the nightly must not run `key` on `today`, else None: a night's key must be today's
+    (`night_key`), anything else a manual run's (`manual_key`)."""
+    tonight = night_key(today)
+    if not isinstance(key, str):
+        return f"the key is not a string (tonight's is {tonight})"
+    if key == tonight or MANUAL_KEY.fullmatch(key):
+        return None
+    if NIGHT_KEY.fullmatch(key):
+        return f"{key} is not tonight's key ({tonight} in {swarm_timezone().key})"
+    return f"{key[:80]!r} is neither tonight's key ({tonight}) nor a manual run's"
 
 
 def nightly_seed(day: date) -> int:
@@ -259,10 +286,15 @@ def _method(
 
 @shared_task(name=NIGHTLY_TASK, bind=True)
 def nightly(self, key: str | None = None) -> dict:
-    """Celery task: the nightly regression once per key (default: tonight's UTC date)."""
+    """Celery task: the nightly regression once per key (default: tonight's, dated in the
+    swarm's time zone); a key for another night is refused and claims nothing."""
+    today = swarm_today()
+    key = key or night_key(today)
+    refusal = key_refusal(key, today)
+    if refusal is not None:
+        log.warning("nightly refused: %s", refusal)
+        return {"key": str(key)[:80], "refused": refusal}
     settings = Settings.from_env()
-    today = utcnow().date()
-    key = key or f"night-{today.isoformat()}"
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
     holder = f"{socket.gethostname()}:{os.getpid()}"
     keeper = None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 
 import click
 
@@ -42,11 +41,11 @@ def regression_run(timeout: float) -> None:
     from specpipe.settings import Settings
     from specpipe.swarm.redact import redact_url
     from workers.celery_app import celery
-    from workers.names import NIGHTLY_QUEUE, NIGHTLY_TASK
+    from workers.names import NIGHTLY_QUEUE, NIGHTLY_TASK, manual_key
 
     settings = Settings.from_env()
     url = settings.redis_url
-    key = f"manual-{uuid.uuid4().hex[:12]}"
+    key = manual_key()
     client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=5)
     try:
         client.ping()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import subprocess
 import sys
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import func, select
@@ -24,8 +25,14 @@ from tests.regression.conftest import PLUMBING_SIZES, ROOT, SMALL_SIZES, STAGES
 from tests.regression.toy_target import toy_target
 from tests.waiting import wait_until
 from tests.web.conftest import as_user
-from workers.names import COORDINATOR_QUEUE, GENERATE_TASK, NIGHTLY_QUEUE, NIGHTLY_TASK
-from workers.regression import attempts_key, run_nightly
+from workers.names import (
+    COORDINATOR_QUEUE,
+    GENERATE_TASK,
+    NIGHTLY_QUEUE,
+    NIGHTLY_TASK,
+    night_key,
+)
+from workers.regression import attempts_key, run_nightly, swarm_today
 
 
 def nightly_runs(db_url: str) -> list[Run]:
@@ -68,6 +75,32 @@ def test_the_beat_schedule_names_a_registered_task():
     for entry in celery.conf.beat_schedule.values():  # every scheduled task is routed
         lane = NIGHTLY_QUEUE if entry["task"] == NIGHTLY_TASK else COORDINATOR_QUEUE
         assert celery.conf.task_routes[entry["task"]] == {"queue": lane}
+
+
+def test_beat_fires_the_nightly_at_its_time_in_the_swarms_time_zone(monkeypatch):
+    from celery import Celery
+    from celery.beat import ScheduleEntry
+
+    import celery_config
+
+    monkeypatch.setenv("SPECPIPE_TIMEZONE", "Asia/Tokyo")
+    monkeypatch.setenv("SPECPIPE_NIGHTLY", "00:30")
+    try:
+        importlib.reload(celery_config)  # it reads the settings once, as beat does at its start
+        app = Celery(set_as_current=False)
+        app.config_from_object(celery_config)
+        spec = app.conf.beat_schedule["nightly-lossless-regression"]
+        entry = ScheduleEntry(name="nightly", task=spec["task"], schedule=spec["schedule"], app=app)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(celery_config)
+    last = datetime(2026, 12, 7, 16, 0, tzinfo=UTC)  # just after 00:30 on Dec 8 in Tokyo
+    fires = datetime(2026, 12, 8, 15, 30, tzinfo=UTC)  # 00:30 on Dec 9 in Tokyo
+    for now, due in ((fires - timedelta(minutes=1), False), (fires, True)):
+        entry.schedule.nowfun = lambda now=now: now
+        assert entry.schedule.is_due(last).is_due is due
+    monkeypatch.setenv("SPECPIPE_TIMEZONE", "Asia/Tokyo")
+    assert night_key(swarm_today(fires)) == "night-2026-12-09"  # the key the task takes then
 
 
 @pytest.mark.slow
@@ -246,7 +279,8 @@ def test_two_schedulers_firing_at_once_store_one_run(live_swarm, monkeypatch):
     enqueue(live_swarm, monkeypatch)
 
     def both_attempts() -> tuple[bytes, list[bytes]] | None:
-        # The night's key is its UTC date (the day before, if midnight passed since enqueuing).
+        # The night's key is its date in the swarm's time zone, UTC here (the day before, if
+        # midnight passed since enqueuing).
         today = utcnow().date()
         for day in (today - timedelta(days=1), today):
             key = attempts_key(live_swarm.name, f"night-{day.isoformat()}")
