@@ -231,7 +231,7 @@ def read_roster(
     """The swarm's roster from the registry, and whether what the registry holds was believed:
     one the pinned coordinator key signed, not older than the newest seen here. When the
     registry holds none, or one that is not believed, the newest seen here (or an empty one)."""
-    value = client.get(roster_key(swarm))
+    value = stored_roster(client, swarm)
     pinned = (swarm, coordinator.public_bytes_raw())
     with _newest_lock:
         newest = _newest.get(pinned)
@@ -245,6 +245,15 @@ def read_roster(
             return newest, False
         _newest[pinned] = roster
         return roster, True
+
+
+def stored_roster(client: redis.Redis, swarm: str) -> bytes | None:
+    """What the registry holds under the roster's key; None for nothing, or for a key of
+    another type put there (host 0 deletes it and publishes the roster again)."""
+    try:
+        return client.get(roster_key(swarm))
+    except redis.ResponseError:
+        return None
 
 
 def publish_roster(client: redis.Redis, roster: Roster, coordinator: Signer) -> None:

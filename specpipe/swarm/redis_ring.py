@@ -26,6 +26,7 @@ with `HopLostError`, so the caller can re-route to a spare instead of waiting ou
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -41,11 +42,13 @@ from specpipe.settings import Settings
 from specpipe.swarm import identity, inventory, streams, trust, wire
 from specpipe.swarm.clock import SwarmClock
 from specpipe.swarm.dialing import Dialer
-from specpipe.swarm.inventory import NodeInfo
+from specpipe.swarm.inventory import NodeInfo, RouteError
 from specpipe.swarm.redact import redact_text, redact_url
 
 # What a round's wait grows by for each token it carries: a long prefill, or the replay of a
 # whole generation after a gap, takes the stages longer than one decode step.
+log = logging.getLogger("specpipe.coordinator")  # it runs in the coordinator
+
 PER_TOKEN_S = 0.05
 RECONNECT_S = 1.0  # pause before sending a round again after a connection error
 # What a Redis on the way gets over by itself: restarting, unreachable for a while, or full (it
@@ -61,6 +64,8 @@ ROSTER_EVERY_S = 0.5
 # How long checking a stage's word that its next hop's Redis is unreachable may take: a cut-off
 # host is as gone to this check as to the stage.
 PROBE_TIMEOUT_S = 1.0
+REPAIR_PAUSE_S = 0.3  # after deleting a registry key of the wrong type: about one stage beat
+REPAIR_WAIT_S = 3.0  # how long a ring's build waits for the stages to beat into a mended registry
 
 
 class RingError(RuntimeError):
@@ -193,8 +198,15 @@ class RedisRing:
             keys = trust.keyring(settings, wire.COORDINATOR)
         except ValueError as exc:  # a pinned key or the coordinator's own that cannot be read
             raise RingError(str(exc)) from None
-        found = _inventory_through_outage(keys, settings.swarm, registry, outage_s)
-        route = inventory.route(found.nodes, n_layers, model=model, now=found.now, avoid=avoid)
+        found, route = _routed_through_outage(
+            keys,
+            settings.swarm,
+            registry,
+            outage_s,
+            lambda found: inventory.route(
+                found.nodes, n_layers, model=model, now=found.now, avoid=avoid
+            ),
+        )
         keys = keys.with_roster(found.roster)
         reply = reply_url or registry
         dialer = Dialer.for_settings(settings, registry, reply)
@@ -506,7 +518,17 @@ class RedisRing:
             if self.watchdog is not None:
                 block_ms = max(1, min(block_ms, int((watch_at - now) * 1000) + 1))
             read = ("XREAD", "BLOCK", block_ms, "STREAMS", key, cursor)
-            entries = link.call(*send, read)[-1]
+            try:
+                entries = link.call(*send, read)[-1]
+            except redis.ResponseError as exc:
+                if not inventory.wrong_type(exc):
+                    raise
+                # A key of another type where the session's replies go: the tail's could not
+                # be written. It is this coordinator's key: deleted, and the round sent again.
+                self.connections.get(self.reply_url).delete(key)
+                self._cursor.pop(session, None)
+                self.dropped_replies += 1
+                return None
             send = ()
             for entry_id, data in streams.stream_entries(entries):
                 self._cursor[session] = entry_id
@@ -538,29 +560,46 @@ class RedisRing:
         return reply
 
 
-def _inventory_through_outage(
-    keys: wire.Keyring, swarm: str, registry: str, outage_s: float
-) -> inventory.Inventory:
-    """The registry's verified inventory, read again after a pause while the registry is
-    unreachable (restarting, loading its file) for up to `outage_s`, as a round waits for a
-    restarting Redis; then, or on any other Redis error, a RingError."""
+def _routed_through_outage(
+    keys: wire.Keyring,
+    swarm: str,
+    registry: str,
+    outage_s: float,
+    route_of: Callable[[inventory.Inventory], list[NodeInfo]],
+) -> tuple[inventory.Inventory, list[NodeInfo]]:
+    """The registry's verified inventory and `route_of` it, read again after a pause while the
+    registry is unreachable (restarting, loading its file) for up to `outage_s`, as a round
+    waits for a restarting Redis. A registry key of the wrong type (a host's doing) is deleted
+    here, and read again for up to `REPAIR_WAIT_S` while the stages beat into the mended
+    registry. Then, or on any other Redis error, a RingError; a RouteError once no wait is left.
+    """
     give_up_at = time.monotonic() + outage_s
+    mended_until = 0.0  # while the stages beat into a registry mended here
     client = redis.Redis.from_url(registry, socket_connect_timeout=5, socket_timeout=5)
+
+    def failed(exc: Exception) -> RingError:
+        why = redact_text(str(exc))
+        return RingError(f"cannot read the inventory at {redact_url(registry)}: {why}")
+
     try:
         while True:
             try:
-                return inventory.read(client, swarm, keys)
+                found = inventory.read(client, swarm, keys)
+                return found, route_of(found)
+            except RouteError:
+                if time.monotonic() >= mended_until:
+                    raise
+                time.sleep(REPAIR_PAUSE_S)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if time.monotonic() >= give_up_at:
-                    where = redact_url(registry)
-                    raise RingError(
-                        f"cannot read the inventory at {where}: {redact_text(str(exc))}"
-                    ) from None
+                    raise failed(exc) from None
                 time.sleep(RECONNECT_S)
             except redis.RedisError as exc:
-                where = redact_url(registry)
-                raise RingError(
-                    f"cannot read the inventory at {where}: {redact_text(str(exc))}"
-                ) from None
+                if not inventory.wrong_type(exc) or 0 < mended_until <= time.monotonic():
+                    raise failed(exc) from None
+                deleted = inventory.repair_registry(client, swarm)
+                log.warning("the registry held %s of the wrong type: deleted", deleted)
+                mended_until = mended_until or time.monotonic() + REPAIR_WAIT_S
+                time.sleep(REPAIR_PAUSE_S)
     finally:
         client.close()

@@ -8,14 +8,17 @@ import signal
 import subprocess
 import sys
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import redis
 
+from specpipe.ops import roster
 from specpipe.ops.redis_server import RedisServer
 from specpipe.ops.supervisor import terminate_all
-from specpipe.settings import Settings
+from specpipe.settings import COORDINATOR_PUB_FILE, Settings
+from specpipe.swarm import trust
 from tests.swarmprocs import wait_heartbeats
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,4 +138,22 @@ def stages(swarm, key, redis_url):
     """Start toy stages with `stages.start(host, "A:B", redis_url)`; all stop afterwards."""
     group = Stages(swarm, key, redis_url)
     yield group
+    group.stop()
+
+
+@pytest.fixture
+def identified(tmp_path, swarm, key, redis_url, ring_settings):
+    """Host 0's instance folder (the coordinator key, the roster of a, b, spares a2 and b2) and toy
+    stage processes that sign with their own keys from it and pin the coordinator's."""
+    client = redis.Redis.from_url(redis_url)
+    home = tmp_path / "instance"
+    roster.admit_own_hosts(client, swarm, ["a", "a2", "b", "b2"], home)
+    client.close()
+    pin = (home / COORDINATOR_PUB_FILE).read_text().strip()
+    settings = replace(
+        ring_settings.for_swarm(redis_url, swarm, key, coordinator_public_key=pin), home=home
+    )
+    env = {"SPECPIPE_HOME": str(home)}
+    group = Stages(swarm, key, redis_url, env=env, keys=trust.keyring(settings))
+    yield group, settings, home
     group.stop()

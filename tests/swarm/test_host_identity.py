@@ -14,14 +14,11 @@ import pytest
 import redis
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from specpipe.core.ring import GapError
 from specpipe.ops import roster
-from specpipe.settings import COORDINATOR_PUB_FILE
 from specpipe.swarm import identity, inventory, streams, trust, wire
 from specpipe.swarm.identity import COORDINATOR, Roster, Signer
 from specpipe.swarm.inventory import NodeInfo
 from specpipe.swarm.redis_ring import ROSTER_EVERY_S, RedisRing
-from tests.swarm.conftest import Stages
 from tests.swarm.test_redis_ring import PARAMS, drive, reference
 from tests.waiting import wait_until
 
@@ -177,24 +174,6 @@ def test_a_host_cannot_write_another_hosts_record_and_a_revoked_one_is_ignored(h
         client.close()
 
 
-@pytest.fixture
-def identified(tmp_path, swarm, key, redis_url, ring_settings):
-    """Host 0's instance folder (the coordinator key, the roster of a, b, spares a2 and b2) and toy
-    stage processes that sign with their own keys from it and pin the coordinator's."""
-    client = redis.Redis.from_url(redis_url)
-    home = tmp_path / "instance"
-    roster.admit_own_hosts(client, swarm, ["a", "a2", "b", "b2"], home)
-    client.close()
-    pin = (home / COORDINATOR_PUB_FILE).read_text().strip()
-    settings = replace(
-        ring_settings.for_swarm(redis_url, swarm, key, coordinator_public_key=pin), home=home
-    )
-    env = {"SPECPIPE_HOME": str(home)}
-    group = Stages(swarm, key, redis_url, env=env, keys=trust.keyring(settings))
-    yield group, settings, home
-    group.stop()
-
-
 def test_on_stage_processes_a_revoked_host_drops_out_of_routing_and_a_forged_control_is_dropped(
     identified, swarm, redis_url
 ):
@@ -278,119 +257,3 @@ def test_a_tail_revoked_mid_job_is_gone_around_with_the_same_tokens(identified, 
     assert 0 < stall_s < FAILOVER_BOUND_S, stall_s
     hosts = " -> ".join(hop.host for hop in ring.route)
     print(f"revoked {tail}: the next round {stall_s:.2f} s after the revocation, via {hosts}")
-
-
-def forge_reply(swarm, home, settings, passed: wire.Message, **fields) -> bytes:
-    """A reply to the round `passed` as stage a signs it, with `fields`."""
-    a_key = identity.load_private(home / "host_keys" / "a.key")
-    pin = identity.public_key((home / COORDINATOR_PUB_FILE).read_text())
-    as_a = wire.Keyring([settings.swarm_key], signer=Signer("a", a_key), coordinator=pin)
-    reply = wire.Message(
-        session=passed.session,
-        round_id=passed.round_id,
-        seq=wire.next_seq(0),
-        to=streams.reply_key(swarm, passed.session),
-        sender="a",
-        wait_ms=5000,
-        **fields,
-    )
-    return wire.encode(reply, swarm, as_a)
-
-
-def lie_during_a_round(stages, ring, swarm, home, settings, redis_url, committed, read, **lie):
-    """Drive one round of `ring` while b is stopped and a answers it with the reply `lie`;
-    once `read()` says the ring read it, b goes on; the round's outcome (committed ids, or the
-    exception)."""
-    import signal
-    import threading
-
-    from tests.swarm.test_attacks import Tap
-
-    pin = identity.public_key((home / COORDINATOR_PUB_FILE).read_text())
-    reader = wire.Keyring([settings.swarm_key], coordinator=pin)
-    first = ring.route[0].host
-    tap = Tap(redis_url, streams.stage_key(swarm, first))
-    stages.procs["b"].send_signal(signal.SIGSTOP)
-    outcome: list = []
-
-    def one_round():
-        try:
-            outcome.append(drive(ring, "s", rounds=1, k=3, committed=list(committed))[0])
-        except Exception as exc:
-            outcome.append(exc)
-
-    driver = threading.Thread(target=one_round)
-    try:
-        driver.start()
-        wait_until(lambda: tap.seen, 20, "the round to pass through the first stage")
-        passed = wire.decode(tap.seen[0], swarm, reader, to=streams.stage_key(swarm, first))
-        client = redis.Redis.from_url(redis_url)
-        client.xadd(
-            streams.reply_key(swarm, "s"),
-            {streams.FIELD: forge_reply(swarm, home, settings, passed, **lie)},
-        )
-        client.close()
-        wait_until(read, 20, "the lie to be read")
-    finally:
-        stages.procs["b"].send_signal(signal.SIGCONT)
-        tap.close()
-    driver.join(60)
-    return outcome[0]
-
-
-def test_a_stages_word_alone_does_not_move_its_next_hops_traffic(
-    identified, swarm, redis_url, monkeypatch, caplog
-):
-    """On main a stage that answered `unreachable` for a healthy next hop sent that hop's
-    rounds, every user's, to a spare at once (one it may run itself). Now the coordinator
-    writes to that hop's Redis itself first: it answers, so the claim costs its maker its own
-    place too, and with no way around both nothing moves."""
-    import logging
-
-    from specpipe.swarm import failover
-    from tests.swarm.test_failover import checked_ring
-
-    caplog.set_level(logging.WARNING, logger="specpipe.coordinator")
-    monkeypatch.setattr(failover, "FAILOVER_WAIT_S", 1.0)
-    stages, settings, home = identified
-    for host, layers in (("a", "0:2"), ("b", "2:4"), ("b2", "2:4")):
-        stages.start(host, layers, redis_url, wait=False)
-    stages.wait_ready(["a", "b", "b2"])
-    ring = checked_ring(settings, "toy", 4)
-    assert [hop.host for hop in ring.route] == ["a", "b"]
-    ring.reset("s", PARAMS)
-    committed, _ = drive(ring, "s", rounds=2, k=3)
-    lie = dict(kind="unreachable", reason="cannot pass the round to b: (a lie)")
-    read = lambda: "round failed: cannot pass" in caplog.text  # noqa: E731
-    got = lie_during_a_round(stages, ring, swarm, home, settings, redis_url, committed, read, **lie)
-    assert got == reference([(0, 2), (2, 4)], rounds=3, k=3)[0]
-    assert [hop.host for hop in ring.route] == ["a", "b"] and ring.failovers == 0
-
-    # With a spare for a as well, the claim moves both: a is left out with b.
-    stages.start("a2", "0:2", redis_url)
-    caplog.clear()
-    gap = lie_during_a_round(stages, ring, swarm, home, settings, redis_url, got, read, **lie)
-    assert isinstance(gap, GapError) and ring.failovers == 1
-    assert [hop.host for hop in ring.route] == ["a2", "b2"]
-    ring.reset("s", PARAMS)  # the job replays from position 0 on the new route
-    assert drive(ring, "s", rounds=4, k=3)[0] == reference([(0, 2), (2, 4)], rounds=4, k=3)[0]
-    ring.drop("s")
-    ring.close()
-
-
-def test_only_the_tail_ends_a_round(identified, swarm, redis_url):
-    """On main a middle stage could answer the rounds it passed on with a `result` of its own
-    (signed as itself, with identities): the coordinator took it as the tail's verdict."""
-    stages, settings, home = identified
-    stages.start("a", "0:2", redis_url)
-    stages.start("b", "2:4", redis_url)
-    ring = RedisRing.from_inventory(settings, "toy", 4, timeout_s=20)
-    ring.reset("s", PARAMS)
-    committed, _ = drive(ring, "s", rounds=2, k=3)
-    before = ring.dropped_replies
-    read = lambda: ring.dropped_replies > before  # noqa: E731
-    lie = dict(kind="result", tokens=(7, 7, 7, 7))  # the round's token and its 3 drafts
-    got = lie_during_a_round(stages, ring, swarm, home, settings, redis_url, committed, read, **lie)
-    assert got == reference([(0, 2), (2, 4)], rounds=3, k=3)[0]
-    ring.drop("s")
-    ring.close()

@@ -1,0 +1,196 @@
+"""One admitted host acting against the others: each attack it can make from where it stands
+(its own key, the swarm key, its place on a route, the registry's remote user), against real
+stage processes on a real Redis. Every other session ends with exactly the tokens it would
+have had, and nothing is lost or stuck."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import redis
+
+from specpipe.core.ring import GapError
+from specpipe.ops import roster
+from specpipe.settings import COORDINATOR_PUB_FILE
+from specpipe.swarm import failover, identity, inventory, streams, wire
+from specpipe.swarm.identity import Signer
+from specpipe.swarm.redis_ring import RedisRing
+from tests.swarm.test_attacks import Tap
+from tests.swarm.test_failover import checked_ring
+from tests.swarm.test_redis_ring import PARAMS, drive, reference
+from tests.waiting import wait_until
+
+BOUNDS = [(0, 2), (2, 4)]
+
+
+def forge_reply(swarm, home, settings, passed: wire.Message, **fields) -> bytes:
+    """A reply to the round `passed` as stage a signs it, with `fields`."""
+    a_key = identity.load_private(home / "host_keys" / "a.key")
+    pin = identity.public_key((home / COORDINATOR_PUB_FILE).read_text())
+    as_a = wire.Keyring([settings.swarm_key], signer=Signer("a", a_key), coordinator=pin)
+    reply = wire.Message(
+        session=passed.session,
+        round_id=passed.round_id,
+        seq=wire.next_seq(0),
+        to=streams.reply_key(swarm, passed.session),
+        sender="a",
+        wait_ms=5000,
+        **fields,
+    )
+    return wire.encode(reply, swarm, as_a)
+
+
+def lie_during_a_round(stages, ring, swarm, home, settings, redis_url, committed, read, **lie):
+    """Drive one round of `ring` while b is stopped and a answers it with the reply `lie`;
+    once `read()` says the ring read it, b goes on; the round's outcome (committed ids, or the
+    exception)."""
+    pin = identity.public_key((home / COORDINATOR_PUB_FILE).read_text())
+    reader = wire.Keyring([settings.swarm_key], coordinator=pin)
+    first = ring.route[0].host
+    tap = Tap(redis_url, streams.stage_key(swarm, first))
+    stages.procs["b"].send_signal(signal.SIGSTOP)
+    outcome: list = []
+
+    def one_round():
+        try:
+            outcome.append(drive(ring, "s", rounds=1, k=3, committed=list(committed))[0])
+        except Exception as exc:
+            outcome.append(exc)
+
+    driver = threading.Thread(target=one_round)
+    try:
+        driver.start()
+        wait_until(lambda: tap.seen, 20, "the round to pass through the first stage")
+        passed = wire.decode(tap.seen[0], swarm, reader, to=streams.stage_key(swarm, first))
+        client = redis.Redis.from_url(redis_url)
+        client.xadd(
+            streams.reply_key(swarm, "s"),
+            {streams.FIELD: forge_reply(swarm, home, settings, passed, **lie)},
+        )
+        client.close()
+        wait_until(read, 20, "the lie to be read")
+    finally:
+        stages.procs["b"].send_signal(signal.SIGCONT)
+        tap.close()
+    driver.join(60)
+    return outcome[0]
+
+
+def test_a_stages_word_alone_does_not_move_its_next_hops_traffic(
+    identified, swarm, redis_url, monkeypatch, caplog
+):
+    """On main a stage that answered `unreachable` for a healthy next hop sent that hop's
+    rounds, every user's, to a spare at once (one it may run itself). Now the coordinator
+    writes to that hop's Redis itself first: it answers, so the claim costs its maker its own
+    place too, and with no way around both nothing moves."""
+    caplog.set_level(logging.WARNING, logger="specpipe.coordinator")
+    monkeypatch.setattr(failover, "FAILOVER_WAIT_S", 1.0)
+    stages, settings, home = identified
+    for host, layers in (("a", "0:2"), ("b", "2:4"), ("b2", "2:4")):
+        stages.start(host, layers, redis_url, wait=False)
+    stages.wait_ready(["a", "b", "b2"])
+    ring = checked_ring(settings, "toy", 4)
+    assert [hop.host for hop in ring.route] == ["a", "b"]
+    ring.reset("s", PARAMS)
+    committed, _ = drive(ring, "s", rounds=2, k=3)
+    lie = dict(kind="unreachable", reason="cannot pass the round to b: (a lie)")
+    read = lambda: "round failed: cannot pass" in caplog.text  # noqa: E731
+    got = lie_during_a_round(stages, ring, swarm, home, settings, redis_url, committed, read, **lie)
+    assert got == reference([(0, 2), (2, 4)], rounds=3, k=3)[0]
+    assert [hop.host for hop in ring.route] == ["a", "b"] and ring.failovers == 0
+
+    # With a spare for a as well, the claim moves both: a is left out with b.
+    stages.start("a2", "0:2", redis_url)
+    caplog.clear()
+    gap = lie_during_a_round(stages, ring, swarm, home, settings, redis_url, got, read, **lie)
+    assert isinstance(gap, GapError) and ring.failovers == 1
+    assert [hop.host for hop in ring.route] == ["a2", "b2"]
+    ring.reset("s", PARAMS)  # the job replays from position 0 on the new route
+    assert drive(ring, "s", rounds=4, k=3)[0] == reference([(0, 2), (2, 4)], rounds=4, k=3)[0]
+    ring.drop("s")
+    ring.close()
+
+
+def test_only_the_tail_ends_a_round(identified, swarm, redis_url):
+    """On main a middle stage could answer the rounds it passed on with a `result` of its own
+    (signed as itself, with identities): the coordinator took it as the tail's verdict."""
+    stages, settings, home = identified
+    stages.start("a", "0:2", redis_url)
+    stages.start("b", "2:4", redis_url)
+    ring = RedisRing.from_inventory(settings, "toy", 4, timeout_s=20)
+    ring.reset("s", PARAMS)
+    committed, _ = drive(ring, "s", rounds=2, k=3)
+    before = ring.dropped_replies
+    read = lambda: ring.dropped_replies > before  # noqa: E731
+    lie = dict(kind="result", tokens=(7, 7, 7, 7))  # the round's token and its 3 drafts
+    got = lie_during_a_round(stages, ring, swarm, home, settings, redis_url, committed, read, **lie)
+    assert got == reference([(0, 2), (2, 4)], rounds=3, k=3)[0]
+    ring.drop("s")
+    ring.close()
+
+
+def retyped(client: redis.Redis, key: str) -> None:
+    """What any stage host's registry user could do on main: `EXPIRE key 0`, then `XADD`
+    under its name, so the key holds a stream where a hash or a string belongs."""
+    client.expire(key, 0)
+    client.xadd(key, {"by": "a hostile host"})
+
+
+def test_registry_keys_of_the_wrong_type_stop_no_job(identified, swarm, redis_url):
+    """On main the inventory or the roster turned into a stream failed every heartbeat and
+    every read with WRONGTYPE: every new job failed with a RingError, a session whose reply
+    key was turned into a string failed at its next round, and `specpipe host admit` could
+    not mend the roster because it read it first."""
+    from specpipe.decoding.generation import Generation
+    from tests.swarm.test_redis_ring import PROMPT, ReferenceRing
+
+    stages, settings, home = identified
+    for host, layers in (("a", "0:2"), ("b", "2:4")):
+        stages.start(host, layers, redis_url, wait=False)
+    stages.wait_ready(["a", "b"])
+    options = dict(max_new_tokens=40, draft_k=3)
+    expected = Generation(ReferenceRing(BOUNDS), "l", PROMPT * 2, PARAMS, **options).run()
+    client = redis.Redis.from_url(redis_url)
+    nodes, roster_key = inventory.nodes_key(swarm), identity.roster_key(swarm)
+
+    # Mid-job: the job goes on, on the addresses and the roster its processes hold.
+    ring = checked_ring(settings, "toy", 4)
+    run = Generation(ring, "s1", PROMPT * 2, PARAMS, **options)
+    for i, _ in enumerate(run.rounds()):
+        if i == 2:
+            retyped(client, nodes)
+            retyped(client, roster_key)
+    ring.close()
+    assert run.generated == expected
+
+    # A new job on the damaged registry, its reply key made a hash mid-job: the coordinator
+    # deletes what is not of its type and goes on (once the stages beat again, for the
+    # inventory; sending the round again, for the reply key).
+    retyped(client, nodes)
+    ring = checked_ring(settings, "toy", 4)
+    assert [hop.host for hop in ring.route] == ["a", "b"]
+    assert client.type(nodes) == b"hash"
+    run = Generation(ring, "s2", PROMPT * 2, PARAMS, **options)
+    for i, _ in enumerate(run.rounds()):
+        if i == 2:
+            replies = streams.reply_key(swarm, "s2")
+            client.expire(replies, 0)
+            client.hset(replies, "by", "a hostile host")
+    assert run.generated == expected
+    assert ring.ring.dropped_replies >= 1
+    ring.close()
+
+    # Host 0's beat puts the roster back from its own copy, and admitting works on a damaged
+    # roster too.
+    retyped(client, roster_key)
+    assert roster.repair(client, swarm, home) == [roster_key]
+    pin = identity.public_key((home / COORDINATOR_PUB_FILE).read_text())
+    believed, fresh = identity.read_roster(client, swarm, pin)
+    assert fresh and {"a", "b"} <= set(believed.hosts)
+    retyped(client, roster_key)
+    newcomer = Signer("c", identity.Ed25519PrivateKey.generate())
+    assert "c" in roster.admit(client, swarm, "c", newcomer.public_hex, home).hosts
+    assert identity.read_roster(client, swarm, pin)[0].hosts.keys() >= {"a", "b", "c"}
+    client.close()
