@@ -3,8 +3,9 @@
 Every page needs a logged-in user except `/login`, `/healthz`, `/metrics` (a token, or a loopback
 client while no proxy is configured: `app.ops`) and the static files; the JSON API has its
 bearer tokens instead (`app.api`). A user is remembered in Flask's signed session cookie by id
-and a fingerprint of the password hash, so changing a password or deleting the user ends its
-sessions. The OpenAI-compatible API under /v1 takes the same bearer tokens (`app.openai_api`).
+and a fingerprint of the password hash and the disabled state, so changing a password,
+disabling or deleting the user ends its sessions at their next request. The OpenAI-compatible
+API under /v1 takes the same bearer tokens (`app.openai_api`).
 `g.user` is the user a request acts as: the session's on pages, the token's owner in the API.
 """
 
@@ -65,7 +66,7 @@ def load_user() -> None:
         return
     user = get_session().get(User, user_id)
     if user is None or session.get("auth") != user.session_check:
-        session.clear()  # the user is gone or its password changed
+        session.clear()  # the user is gone, disabled, or its password changed
         return
     g.user = user
 

@@ -2,7 +2,8 @@
 
 Each token belongs to the user it was made for, and the API acts as that user. A token may
 expire (`expires_at`); it stops opening the API then, as when it is revoked. A user's tokens
-are revoked when its password changes (`models.accounts`).
+are revoked when its password changes or it is disabled (`models.accounts`), and no token of
+a disabled user opens the API even if it was not.
 """
 
 from __future__ import annotations
@@ -102,9 +103,10 @@ def revoke_user_tokens(session: Session, user: User) -> int:
 
 
 def check_token(session: Session, token: str) -> ApiToken | None:
-    """The active token matching `token`, with its last use updated, else None."""
+    """The active token of an enabled user matching `token`, with its last use updated, else
+    None."""
     row = session.scalar(select(ApiToken).where(ApiToken.token_hash == hash_token(token)))
-    if row is None or not row.active:
+    if row is None or not row.active or row.user.disabled:
         return None
     row.last_used_at = utcnow()
     return row

@@ -3,7 +3,8 @@
 Passwords are stored only as werkzeug's salted scrypt hashes. A user without a hash cannot log
 in until `specpipe user passwd` gives it a password. The built-in admin (`admin`) owns
 everything that was stored before users existed, and everything submitted without an owner
-(`specpipe generate`); the migration creates it without a password.
+(`specpipe generate`); the migration creates it without a password. A disabled user
+(`disabled_at` set) can neither log in nor keep a session (`models.accounts` disables).
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ class User(Base):
     password_hash: Mapped[str | None] = mapped_column(String(255))
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    disabled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    @property
+    def disabled(self) -> bool:
+        """Whether the user is shut out of the pages and the API."""
+        return self.disabled_at is not None
 
     @property
     def has_password(self) -> bool:
@@ -63,10 +70,13 @@ class User(Base):
 
     @property
     def session_check(self) -> str:
-        """A short fingerprint of the password hash, kept in the login session: a session
-        from before the password changed no longer matches and is logged out."""
-        material = f"{self.id}:{self.password_hash or ''}".encode()
-        return hashlib.sha256(material).hexdigest()[:16]
+        """A short fingerprint of the password hash and the disabled state, kept in the login
+        session: a session from before the password changed, or of a disabled user, no longer
+        matches and is logged out."""
+        material = f"{self.id}:{self.password_hash or ''}"
+        if self.disabled:  # only then, so the sessions of enabled users stay as they were
+            material += ":disabled"
+        return hashlib.sha256(material.encode()).hexdigest()[:16]
 
     def can_see(self, owner_id: int) -> bool:
         """Whether this user may see and act on what `owner_id` owns."""
@@ -125,12 +135,13 @@ def create_user(session: Session, name: str, password: str | None, is_admin: boo
 
 
 def authenticate(session: Session, name: str, password: str) -> User | None:
-    """The user whose name and password these are, else None (in about the same time)."""
+    """The enabled user whose name and password these are, else None (in about the same time,
+    so the answer does not tell whether the name exists or is disabled)."""
     user = find_user(session, name)
     if user is None:
         check_password_hash(_dummy_hash(), password)
         return None
-    return user if user.check_password(password) else None
+    return user if user.check_password(password) and not user.disabled else None
 
 
 def first_password(session: Session, password: str) -> bool:

@@ -10,7 +10,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import MetaData, Table, inspect, select
 
 from models import Base, Job
-from models.accounts import change_password
+from models.accounts import change_password, disable_user, enable_user
 from models.db import UINT64_MAX, get_engine, make_session_factory, utcnow
 from models.migrate import current, downgrade, heads, upgrade
 from models.nodes import Node, upsert_node
@@ -27,6 +27,7 @@ BEFORE_ACCEPTED_DRAFTS = "ea3906a109e3"  # the revision before jobs.accepted_dra
 BEFORE_NUL_SAFE_TEXT = "3c7e1d52a9f0"  # the revision before output text was stored escaped
 BEFORE_USERS = "5d1f0c2b7e4a"  # the revision before users, and owners of jobs and tokens
 BEFORE_STARTS_SINCE_PROGRESS = "e6a2c4d8f1b3"  # the revision before jobs counted those starts
+BEFORE_DISABLED_AT = "a8c4e6f0b2d3"  # the revision before users could be disabled
 TABLES = {"jobs", "runs", "proofs", "proof_cases", "nodes", "run_nodes", "api_tokens", "users"}
 
 
@@ -340,6 +341,66 @@ def test_a_new_password_revokes_only_that_users_tokens(db_session):
     assert authenticate(db_session, "alice", "a different horse") == alice
 
 
+def test_disabling_refuses_login_and_revokes_tokens_for_good(db_session):
+    alice, bob = gen_user(db_session, "alice", "correct horse"), gen_user(db_session, "bob")
+    mine = [create_token(db_session, f"alice-{i}", alice) for i in range(2)]
+    theirs = create_token(db_session, "bob-ci", bob)
+    db_session.commit()
+    assert disable_user(db_session, alice) == 2
+    db_session.commit()
+    db_session.expire_all()
+    assert alice.disabled and authenticate(db_session, "alice", "correct horse") is None
+    assert [check_token(db_session, t) for t in mine] == [None, None]
+    assert check_token(db_session, theirs).name == "bob-ci"
+    with pytest.raises(ValueError, match="'alice' is already disabled"):
+        disable_user(db_session, alice)
+
+    enable_user(db_session, alice)
+    db_session.commit()
+    db_session.expire_all()
+    assert not alice.disabled and authenticate(db_session, "alice", "correct horse") == alice
+    assert [check_token(db_session, t) for t in mine] == [None, None]  # still revoked
+    with pytest.raises(ValueError, match="'alice' is not disabled"):
+        enable_user(db_session, alice)
+
+
+def test_a_disabled_users_token_is_refused_even_if_not_revoked(db_session):
+    alice = gen_user(db_session, "alice")
+    token = create_token(db_session, "alice-ci", alice)
+    alice.disabled_at = utcnow()  # as if its tokens were not revoked with it
+    db_session.commit()
+    db_session.expire_all()
+    assert check_token(db_session, token) is None
+    assert db_session.scalar(select(ApiToken)).revoked_at is None
+    alice.disabled_at = None
+    db_session.commit()
+    assert check_token(db_session, token).name == "alice-ci"
+
+
+def test_the_last_enabled_admin_cannot_be_disabled(db_session):
+    admin, root = builtin_admin(db_session), gen_user(db_session, "root", is_admin=True)
+    assert disable_user(db_session, admin) == 0  # root is still an enabled admin
+    db_session.commit()
+    with pytest.raises(ValueError, match="'root' is the last enabled admin"):
+        disable_user(db_session, root)
+    db_session.rollback()
+    db_session.expire_all()
+    assert not root.disabled and admin.disabled
+    enable_user(db_session, admin)
+    disable_user(db_session, root)
+    db_session.commit()
+    assert root.disabled and not admin.disabled
+
+
+def test_session_check_changes_while_disabled(db_session):
+    alice = gen_user(db_session, "alice", "correct horse")
+    before = alice.session_check
+    disable_user(db_session, alice)
+    assert alice.session_check != before
+    enable_user(db_session, alice)
+    assert alice.session_check == before
+
+
 def test_history_indexes_exist(database_url):
     names = {ix["name"] for ix in inspect(get_engine(database_url)).get_indexes("jobs")}
     assert {"ix_jobs_created_at", "ix_jobs_status_created_at"} <= names
@@ -460,6 +521,18 @@ def test_jobs_from_before_starts_since_progress_have_made_none(fresh_database_ur
         assert (job.attempts, job.starts_since_progress) == (2, 0)
     downgrade(url, BEFORE_STARTS_SINCE_PROGRESS)
     assert "starts_since_progress" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
+
+
+def test_users_from_before_disabled_at_are_enabled(fresh_database_url):
+    url = fresh_database_url
+    upgrade(url, BEFORE_DISABLED_AT)
+    upgrade(url)
+    with make_session_factory(url)() as session:
+        admin = session.scalars(select(User)).one()
+        assert admin.name == BUILTIN_ADMIN and admin.disabled_at is None and not admin.disabled
+    downgrade(url, BEFORE_DISABLED_AT)
+    columns = {c["name"] for c in inspect(get_engine(url)).get_columns("users")}
+    assert "disabled_at" not in columns and "password_hash" in columns
 
 
 def test_users_passwords_and_deletion(db_session):
