@@ -34,6 +34,23 @@ def _checked_password() -> str:
         raise click.ClickException(f"the password {exc}") from None
 
 
+def _existing_user(session, name: str):
+    """The user called `name`, else a one-line error."""
+    from models.users import find_user
+
+    try:
+        row = find_user(session, name)
+    except Exception as exc:  # e.g. the database is not migrated
+        raise store_error("read users", exc) from None
+    if row is None:
+        raise click.ClickException(f"no user named {name!r}")
+    return row
+
+
+def _tokens_revoked(count: int) -> str:
+    return f"{count} API token{'s' if count != 1 else ''} revoked"
+
+
 @click.group(name="user", invoke_without_command=True)
 @click.pass_context
 def user(ctx: click.Context) -> None:
@@ -74,7 +91,8 @@ def user_create(name: str, admin: bool) -> None:
 
 @user.command(name="list")
 def user_list() -> None:
-    """List users: name, role, created, and whether they can log in."""
+    """List users: name, role, enabled or disabled (since when), created, and whether they
+    can log in."""
     from sqlalchemy import select
 
     from models.db import as_utc
@@ -87,8 +105,10 @@ def user_list() -> None:
             raise store_error("read users", exc) from None
         for row in rows:
             role = "admin" if row.is_admin else "user"
+            state = f"disabled {as_utc(row.disabled_at):%Y-%m-%d}" if row.disabled else "enabled"
+            created = f"created {as_utc(row.created_at):%Y-%m-%d}"
             login = "" if row.has_password else "\tno password (specpipe user passwd)"
-            click.echo(f"{row.name}\t{role}\tcreated {as_utc(row.created_at):%Y-%m-%d}{login}")
+            click.echo(f"{row.name}\t{role}\t{state}\t{created}{login}")
 
 
 @user.command(name="passwd")
@@ -97,22 +117,52 @@ def user_passwd(name: str) -> None:
     """Set NAME's password (read as for `create`); its open sessions end and its API tokens
     are revoked."""
     from models.accounts import change_password
-    from models.users import BUILTIN_ADMIN, find_user
+    from models.users import BUILTIN_ADMIN
     from specpipe.settings import admin_password_file
 
     with store_session() as session:
-        try:
-            row = find_user(session, name)
-        except Exception as exc:  # e.g. the database is not migrated
-            raise store_error("read users", exc) from None
-        if row is None:
-            raise click.ClickException(f"no user named {name!r}")
+        row = _existing_user(session, name)
         revoked = change_password(session, row, _checked_password())
         session.commit()
     if row.name == BUILTIN_ADMIN:
         admin_password_file().unlink(missing_ok=True)  # the generated one no longer works
-    tokens = f"; {revoked} API token{'s' if revoked != 1 else ''} revoked" if revoked else ""
+    tokens = f"; {_tokens_revoked(revoked)}" if revoked else ""
     click.echo(f"password set for {name}{tokens}")
+
+
+@user.command(name="disable")
+@click.argument("name")
+def user_disable(name: str) -> None:
+    """Disable NAME: it can no longer log in, its open sessions end at their next request, and
+    its API tokens are revoked for good (`enable` does not bring them back). Its queued and
+    running jobs go on. The last enabled admin cannot be disabled."""
+    from models.accounts import disable_user
+
+    with store_session() as session:
+        row = _existing_user(session, name)
+        try:
+            revoked = disable_user(session, row)
+            session.commit()
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
+    click.echo(f"disabled {name}; {_tokens_revoked(revoked)} (enabling does not restore them)")
+
+
+@user.command(name="enable")
+@click.argument("name")
+def user_enable(name: str) -> None:
+    """Let NAME log in again. Its API tokens revoked when it was disabled stay revoked: make new
+    ones with `specpipe token create`."""
+    from models.accounts import enable_user
+
+    with store_session() as session:
+        row = _existing_user(session, name)
+        try:
+            enable_user(session, row)
+            session.commit()
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
+    click.echo(f"enabled {name}; its revoked API tokens stay revoked (specpipe token create)")
 
 
 @user.command(name="delete")

@@ -68,6 +68,12 @@ def test_create_list_passwd_delete(runner, session, anon):
         (["passwd", "nobody"], PASSWORD, "no user named 'nobody'"),
         (["delete", "nobody"], "", "no user named 'nobody'"),
         (["delete", "admin"], "", "'admin' is built in"),
+        (["disable"], "", "Missing argument 'NAME'"),
+        (["disable", "nobody"], "", "no user named 'nobody'"),
+        (["disable", "bad name"], "", "no user named 'bad name'"),
+        (["enable", "nobody"], "", "no user named 'nobody'"),
+        (["disable", "admin"], "", "'admin' is the last enabled admin"),
+        (["enable", "admin"], "", "'admin' is not disabled"),
     ],
 )
 def test_bad_input_is_one_line(runner, session, admin, args, stdin, message):
@@ -163,6 +169,57 @@ def test_a_new_password_revokes_the_users_tokens(runner, session, client):
     assert apis["alice"].get("/jobs").status_code == 401
     assert apis["bob"].get("/jobs").status_code == 200  # another user's are left alone
     assert "alice-ci\trevoked\talice" in runner.invoke(cli, ["token", "list"]).stdout
+
+
+def test_disable_then_enable(runner, session, app, anon, client):
+    runner.invoke(cli, ["user", "create", "alice"], input=PASSWORD + "\n")
+    made = runner.invoke(cli, ["token", "create", "alice-ci", "--user", "alice"])
+    api = Api(client, made.stdout.strip().splitlines()[0])
+    assert api.get("/jobs").status_code == 200
+    assert log_in(anon, "alice", PASSWORD).status_code == 302
+    assert anon.get("/history").status_code == 200
+
+    disabled = runner.invoke(cli, ["user", "disable", "alice"])
+    assert disabled.exit_code == 0, disabled.output
+    assert "disabled alice; 1 API token revoked (enabling does not restore them)" in disabled.output
+    assert anon.get("/history").status_code == 302  # the open session ended
+    assert api.get("/jobs").status_code == 401
+    refused = log_in(app.test_client(), "alice", PASSWORD)
+    assert refused.status_code == 400  # as for a wrong password: nothing says it exists
+    assert "Wrong user name or password." in refused.get_data(as_text=True)
+    session.expire_all()
+    since = f"{as_utc(find_user(session, 'alice').disabled_at):%Y-%m-%d}"
+    listed = runner.invoke(cli, ["user", "list"]).stdout
+    assert f"alice\tuser\tdisabled {since}\tcreated " in listed
+
+    enabled = runner.invoke(cli, ["user", "enable", "alice"])
+    assert enabled.exit_code == 0 and "enabled alice" in enabled.output
+    assert "revoked API tokens stay revoked" in enabled.output
+    assert api.get("/jobs").status_code == 401  # tokens stay revoked
+    assert "alice-ci\trevoked\talice" in runner.invoke(cli, ["token", "list"]).stdout
+    assert log_in(anon, "alice", PASSWORD).status_code == 302
+    assert anon.get("/history").status_code == 200
+    assert "alice\tuser\tenabled\tcreated " in runner.invoke(cli, ["user", "list"]).stdout
+
+
+def test_disabling_twice_or_the_last_admin_changes_nothing(runner, session, admin):
+    runner.invoke(cli, ["user", "create", "alice"], input=PASSWORD + "\n")
+    assert runner.invoke(cli, ["user", "disable", "alice"]).exit_code == 0
+    session.expire_all()
+    first = find_user(session, "alice").disabled_at
+    again = runner.invoke(cli, ["user", "disable", "alice"])
+    assert again.exit_code == 1 and "Error: 'alice' is already disabled" in again.output
+    last = runner.invoke(cli, ["user", "disable", "admin"])
+    assert last.exit_code == 1 and "'admin' is the last enabled admin" in last.output
+    session.expire_all()
+    assert find_user(session, "alice").disabled_at == first and first is not None
+    assert not find_user(session, "admin").disabled
+
+    runner.invoke(cli, ["user", "create", "root", "--admin"], input=PASSWORD + "\n")
+    other = runner.invoke(cli, ["user", "disable", "admin"])  # root is an enabled admin
+    assert other.exit_code == 0 and "disabled admin; 0 API tokens revoked" in other.output
+    session.expire_all()
+    assert find_user(session, "admin").disabled and not find_user(session, "root").disabled
 
 
 def test_first_password_for_a_fresh_install(runner, session, tmp_path):
