@@ -7,7 +7,7 @@ import pytest
 
 from models.users import User
 from tests.factories import gen_user
-from tests.web.conftest import as_user, csrf_token, log_in
+from tests.web.conftest import Api, as_user, csrf_token, log_in
 
 PASSWORD = "a long enough secret"
 
@@ -184,6 +184,39 @@ def test_deleted_user_is_logged_out(anon, session, alice):
     delete_user(session, "alice")
     session.commit()
     assert anon.get("/history").status_code == 302
+
+
+def test_disabled_user_is_logged_out_and_refused(anon, session, alice):
+    from models.accounts import disable_user, enable_user
+
+    as_user(anon, alice)
+    assert anon.get("/history").status_code == 200
+    disable_user(session, alice)
+    session.commit()
+    assert anon.get("/history").status_code == 302  # at its next request
+    refused = log_in(anon, "alice", PASSWORD)
+    assert refused.status_code == 400  # answered as a wrong password, not "disabled"
+    html = refused.get_data(as_text=True)
+    assert "Wrong user name or password." in html and "disabled" not in html.lower()
+    assert anon.get("/history").status_code == 302
+    enable_user(session, alice)
+    session.commit()
+    assert log_in(anon, "alice", PASSWORD).status_code == 302
+    assert anon.get("/history").status_code == 200
+
+
+def test_a_disabled_users_token_gets_401(anon, session, alice):
+    from models.db import utcnow
+    from models.tokens import create_token
+
+    api = Api(anon, create_token(session, "alice-ci", alice))
+    session.commit()
+    assert api.get("/jobs").status_code == 200
+    assert anon.get("/v1/models", headers=api.headers).status_code == 200
+    alice.disabled_at = utcnow()  # disabled without its tokens being revoked
+    session.commit()
+    assert api.get("/jobs").status_code == 401
+    assert anon.get("/v1/models", headers=api.headers).status_code == 401
 
 
 def test_login_attempts_rate_limited(make_app, session, alice):
