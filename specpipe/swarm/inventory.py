@@ -14,6 +14,10 @@ host name; a coordinator whose route has a lapsed hop re-routes around it. How f
 says it is never decides between live replicas: that is the one thing a host writes about
 itself, and a spare that dated its record ahead would win every route through its range.
 
+A record's date is its host's word, which can only count against it: `read` believes a
+heartbeat no later than it first read the record as stored now, so a record dated ahead is no
+fresher than its reading, and one that stopped changing ages on the reader's clock.
+
 Every heartbeat is dated, and every age judged, in swarm time: the registry Redis's clock as
 each process estimates it (`specpipe.swarm.clock`), never a host's own, so a stage whose clock
 is off by any amount is neither taken for dead nor kept alive past its death. A record stamped
@@ -418,11 +422,30 @@ def read(client: redis.Redis, swarm: str, keys: Keys | None, now: float | None =
     for host, value in records.items():
         try:
             name = host.decode(errors="replace")
-            nodes.append(verify_record(name, value, swarm, accepted, now, roster))
+            node = verify_record(name, value, swarm, accepted, now, roster)
         except (ValueError, TypeError):
             ignored += 1
+            continue
+        nodes.append(replace(node, last_heartbeat=_observed(swarm, name, value, node, now)))
     ordered = sorted(nodes, key=lambda n: (n.layer_start, n.layer_end, n.host))
     return Inventory(ordered, ignored, roster, now)
+
+
+# What this process last saw of each host's record: a digest of the stored value, and when
+# (swarm time) it first read that value.
+_seen: dict[tuple[str, str], tuple[bytes, float]] = {}
+
+
+def _observed(swarm: str, host: str, value: bytes, node: NodeInfo, now: float) -> float:
+    """When `node`'s heartbeat is believed: its own date, but never later than the first read
+    here of the record as it is stored now. A host's clock can only count against it: a
+    record dated ahead is as fresh as when it was read, and one left unchanged ages on the
+    reader's swarm time whatever date it bears."""
+    digest = hashlib.sha256(value).digest()
+    last = _seen.get((swarm, host))
+    if last is None or last[0] != digest or last[1] > now:
+        last = _seen[(swarm, host)] = (digest, now)
+    return min(node.last_heartbeat, last[1])
 
 
 def load(

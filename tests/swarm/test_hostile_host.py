@@ -14,7 +14,7 @@ import redis
 from specpipe.core.ring import GapError
 from specpipe.ops import roster
 from specpipe.settings import COORDINATOR_PUB_FILE
-from specpipe.swarm import failover, identity, inventory, streams, wire
+from specpipe.swarm import failover, identity, inventory, streams, trust, wire
 from specpipe.swarm.identity import Signer
 from specpipe.swarm.redis_ring import RedisRing
 from tests.swarm.test_attacks import Tap
@@ -193,4 +193,38 @@ def test_registry_keys_of_the_wrong_type_stop_no_job(identified, swarm, redis_ur
     newcomer = Signer("c", identity.Ed25519PrivateKey.generate())
     assert "c" in roster.admit(client, swarm, "c", newcomer.public_hex, home).hosts
     assert identity.read_roster(client, swarm, pin)[0].hosts.keys() >= {"a", "b", "c"}
+    client.close()
+
+
+def test_a_hosts_own_messages_played_back_change_nothing(identified, swarm, redis_url):
+    """Stage a keeps what it signed and sent (its rounds to b, its copies of the coordinator's
+    rounds) and plays all of it back later, twice: b refuses every one as a replay, and the
+    session ends with the tokens of an undisturbed run."""
+    from tests.swarm.test_redis_ring import caught_up, stats, two_heartbeats_later
+
+    stages, settings, home = identified
+    stages.start("a", "0:2", redis_url)
+    stages.start("b", "2:4", redis_url)
+    ring = RedisRing.from_inventory(settings, "toy", 4, timeout_s=20)
+    to_b = streams.stage_key(swarm, "b")
+    tap = Tap(redis_url, to_b)
+    ring.reset("s", PARAMS)
+    committed, _ = drive(ring, "s", rounds=2, k=3)
+    tap.close()
+    client = redis.Redis.from_url(redis_url)
+    wait_until(lambda: caught_up(client, swarm, "b"), 10, "b to be idle")
+    two_heartbeats_later(redis_url, swarm, trust.keyring(settings), "b")
+    before = stats(redis_url, swarm, "b").get("replayed", 0)
+    for data in tap.seen * 2:
+        streams.send(client, to_b, data)
+    played = 2 * len(tap.seen)
+    wait_until(
+        lambda: stats(redis_url, swarm, "b").get("replayed", 0) >= before + played,
+        20,
+        f"{played} replays refused",
+    )
+    got, _ = drive(ring, "s", rounds=2, k=3, committed=committed)
+    assert got == reference(BOUNDS, rounds=4, k=3)[0]
+    ring.drop("s")
+    ring.close()
     client.close()

@@ -113,6 +113,26 @@ def test_a_heartbeat_a_little_ahead_is_the_clock_estimates_error_and_kept(swarm,
     client.close()
 
 
+def test_a_hosts_own_date_only_counts_against_it(swarm, redis_url):
+    """On main a record dated ahead (within the 2 s allowed) was that much fresher, and kept
+    a host that died alive that much longer; now a record is never fresher than its first
+    reading, and one that stopped changing ages on the reader's clock."""
+    client = redis.Redis.from_url(redis_url)
+    now = time.time()
+    inventory.publish(client, swarm, good("a", 0, 4, redis_url), KEY, now=now + 1.9)
+    (first,) = inventory.load(client, swarm, KEY, now=now)
+    assert first.last_heartbeat == now  # as fresh as it was read, not 1.9 s more
+    later = now + 3.0
+    (unchanged,) = inventory.load(client, swarm, KEY, now=later)
+    assert unchanged.last_heartbeat == now and unchanged.lapsed(later) == (3.0 > first.lapse_s())
+    assert later - unchanged.last_heartbeat == pytest.approx(3.0)
+    # A new beat is read as new: dated by the host when that is earlier than its reading.
+    inventory.publish(client, swarm, good("a", 0, 4, redis_url), KEY, now=later - 0.5)
+    (beat,) = inventory.load(client, swarm, KEY, now=later)
+    assert beat.last_heartbeat == later - 0.5
+    client.close()
+
+
 def test_a_key_is_required_to_sign_and_to_read(swarm, redis_url):
     client = redis.Redis.from_url(redis_url)
     with pytest.raises(ValueError, match="swarm key"):
