@@ -33,6 +33,7 @@ def disable_user(session: Session, user: User) -> int:
     if user.is_admin and _enabled_admin_ids(session) == [user.id]:
         raise ValueError(f"{user.name!r} is the last enabled admin: enable or create another")
     user.disabled_at = utcnow()
+    user.session_epoch = (user.session_epoch or 0) + 1
     session.flush()
     return revoke_user_tokens(session, user)
 
@@ -43,6 +44,7 @@ def enable_user(session: Session, user: User) -> None:
     if not user.disabled:
         raise ValueError(f"{user.name!r} is not disabled")
     user.disabled_at = None
+    user.session_epoch = (user.session_epoch or 0) + 1  # a cookie from before stays dead
     session.flush()
 
 

@@ -46,6 +46,9 @@ class User(Base):
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     disabled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Bumped to end every login session of the user (disabling and enabling it): the sessions'
+    # fingerprint carries it, so a cookie from before an enable does not come back to life.
+    session_epoch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     @property
     def disabled(self) -> bool:
@@ -70,12 +73,15 @@ class User(Base):
 
     @property
     def session_check(self) -> str:
-        """A short fingerprint of the password hash and the disabled state, kept in the login
-        session: a session from before the password changed, or of a disabled user, no longer
-        matches and is logged out."""
+        """A short fingerprint of the password hash, the disabled state and the session epoch,
+        kept in the login session: a session from before the password changed, of a disabled
+        user, or from before the user was disabled (and enabled again) no longer matches and is
+        logged out."""
         material = f"{self.id}:{self.password_hash or ''}"
         if self.disabled:  # only then, so the sessions of enabled users stay as they were
             material += ":disabled"
+        if self.session_epoch:  # likewise: sessions from before the column stay valid
+            material += f":{self.session_epoch}"
         return hashlib.sha256(material.encode()).hexdigest()[:16]
 
     def can_see(self, owner_id: int) -> bool:

@@ -178,6 +178,8 @@ def test_disable_then_enable(runner, session, app, anon, client):
     assert api.get("/jobs").status_code == 200
     assert log_in(anon, "alice", PASSWORD).status_code == 302
     assert anon.get("/history").status_code == 200
+    idle = app.test_client()  # logged in before the disable, and quiet until after the enable
+    assert log_in(idle, "alice", PASSWORD).status_code == 302
 
     disabled = runner.invoke(cli, ["user", "disable", "alice"])
     assert disabled.exit_code == 0, disabled.output
@@ -197,6 +199,7 @@ def test_disable_then_enable(runner, session, app, anon, client):
     assert "revoked API tokens stay revoked" in enabled.output
     assert api.get("/jobs").status_code == 401  # tokens stay revoked
     assert "alice-ci\trevoked\talice" in runner.invoke(cli, ["token", "list"]).stdout
+    assert idle.get("/history").status_code == 302  # its session ended with the disable
     assert log_in(anon, "alice", PASSWORD).status_code == 302
     assert anon.get("/history").status_code == 200
     assert "alice\tuser\tenabled\tcreated " in runner.invoke(cli, ["user", "list"]).stdout
