@@ -98,8 +98,9 @@ def drafter() -> None:
 )
 @click.option(
     "--out",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Where to write the head (default: MODEL.safetensors here).",
+    type=click.Path(path_type=Path),
+    help="Where to write the head: a file (default: MODEL.safetensors here), or with --eagle3 a "
+    "folder (default: MODEL-eagle3 here).",
 )
 @click.option(
     "--draft-vocab",
@@ -159,6 +160,9 @@ def train(
 
     if eagle3 and (heads is not None or window is not None):
         raise click.UsageError("--heads and --window shape today's head, not an EAGLE-3 head")
+    if out is not None and (out.is_file() if eagle3 else out.is_dir()):
+        wanted = "a folder" if eagle3 else "a file"
+        raise click.BadParameter(f"{out} exists and is not {wanted}", param_hint="--out")
     started = time.perf_counter()
     label, cfg, tokenizer, eos, stage = open_whole_model(model, threads)
     if eagle3:

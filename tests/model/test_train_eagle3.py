@@ -210,3 +210,14 @@ def test_drafter_train_and_eval_an_eagle3_head(tmp_path, tiny):
     )
     assert result.exit_code == 2 and "--heads and --window" in result.output
     assert not (tmp_path / "x").exists()
+    # Trained again into its folder (on main click refused an existing folder for --out), and
+    # never into a file.
+    again = [*args[:5], "1", *args[6:], "--seed", "3"]
+    result = CliRunner().invoke(cli, ["drafter", "train", "--eagle3", *again, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert e3.head_meta(out)["seed"] == 3
+    (tmp_path / "a-file").write_text("")
+    result = CliRunner().invoke(
+        cli, ["drafter", "train", "--eagle3", *args, "--out", str(tmp_path / "a-file")]
+    )
+    assert result.exit_code == 2 and "exists and is not a folder" in result.output
