@@ -415,6 +415,13 @@ def roster_path(swarm: str, home: Path | None = None) -> Path:
     return (home or instance_dir()) / ROSTERS_DIR / swarm
 
 
+def insecure_clear_passwords() -> bool:
+    """`SPECPIPE_INSECURE_CLEAR_PASSWORDS=1`: dial another machine's plain `redis://` address
+    with the data-plane password all the same, in clear (for a test lab's links inside one
+    machine). Off, such an address is dialled without it (`specpipe.swarm.dialing`)."""
+    return os.environ.get("SPECPIPE_INSECURE_CLEAR_PASSWORDS") == "1"
+
+
 def accept_backported_redis() -> bool:
     """`SPECPIPE_ACCEPT_BACKPORTED_REDIS=1` (as `specpipe join --accept-backported-redis`): the
     operator vouches that this host's redis-server, older than the releases that fixed the Lua

@@ -8,7 +8,9 @@ user and password, and any other address as the peer user with the swarm's data-
 reaches there only what another host does (`specpipe.ops.redis_server.PEER_COMMANDS`). Without
 a data-plane password an address is dialled without one. A password is never sent in clear: a
 plain `redis://` address other than loopback (a host joined with `--insecure-no-tls`) is dialled
-without it, and its Redis refuses the link, which the dialling process logs once, with why.
+without it, and its Redis refuses the link, which the dialling process logs once, with why
+(unless `SPECPIPE_INSECURE_CLEAR_PASSWORDS=1` says out loud to send it all the same, as a test
+lab does for its plain links inside one machine).
 
 How another host's server is checked is the dialling process's own too: of the options an
 address carries (its query), only the database is kept, and a `rediss://` address is verified
@@ -44,6 +46,8 @@ class Dialer:
     password: str | None = field(default=None, repr=False)  # the swarm's data-plane password
     username: str = PEER_USER
     ca: str | None = None  # this host's copy of the swarm CA's certificate
+    # Send the password over plain redis:// to another machine too (a test lab's own links).
+    clear: bool = field(default_factory=settings.insecure_clear_passwords)
 
     @classmethod
     def configured(
@@ -73,7 +77,7 @@ class Dialer:
             return address
         if not self.password:
             return self._checked(address)
-        if not carries_secrets_safely(bare):
+        if not self.clear and not carries_secrets_safely(bare):
             _warn_clear(bare)
             return self._checked(bare)
         auth = f"{quote(self.username, safe='')}:{quote(self.password, safe='')}@"

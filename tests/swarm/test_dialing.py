@@ -75,9 +75,10 @@ def test_a_process_verifies_with_the_ca_of_its_own_tls_folder(tmp_path, monkeypa
     assert Dialer.from_env().ca is None
 
 
-def test_a_password_never_travels_in_clear_to_another_machine(caplog):
+def test_a_password_never_travels_in_clear_to_another_machine(caplog, monkeypatch):
     """On main a host joined with --insecure-no-tls made every other host send it the
     data-plane password in clear."""
+    monkeypatch.delenv("SPECPIPE_INSECURE_CLEAR_PASSWORDS", raising=False)
     dialer = Dialer.configured([OWN], "data-pw")
     for clear in ("redis://10.0.0.9:6379/0", "redis://stage.example.org:6379/0?db=2"):
         url = dialer.url(clear)
@@ -92,3 +93,12 @@ def test_a_password_never_travels_in_clear_to_another_machine(caplog):
     assert all("data-pw" not in line for line in warned)
     for safe in ("redis://localhost:6379/0", "redis://[::1]:6379/0", "redis://127.0.0.2:6379"):
         assert "specpipe-peer:data-pw@" in dialer.url(safe)
+
+
+def test_clear_passwords_only_when_said_out_loud(monkeypatch):
+    monkeypatch.setenv("SPECPIPE_INSECURE_CLEAR_PASSWORDS", "1")  # a test lab's plain links
+    assert Dialer.configured([OWN], "pw").url("redis://10.0.0.9:6379/0") == (
+        "redis://specpipe-peer:pw@10.0.0.9:6379/0"
+    )
+    monkeypatch.setenv("SPECPIPE_INSECURE_CLEAR_PASSWORDS", "yes")
+    assert not has_credentials(Dialer.configured([OWN], "pw").url("redis://10.0.0.9:6379/0"))
