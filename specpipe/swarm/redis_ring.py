@@ -45,10 +45,10 @@ from specpipe.swarm.dialing import Dialer
 from specpipe.swarm.inventory import NodeInfo, RouteError
 from specpipe.swarm.redact import redact_text, redact_url
 
-# What a round's wait grows by for each token it carries: a long prefill, or the replay of a
-# whole generation after a gap, takes the stages longer than one decode step.
 log = logging.getLogger("specpipe.coordinator")  # it runs in the coordinator
 
+# What a round's wait grows by for each token it carries: a long prefill, or the replay of a
+# whole generation after a gap, takes the stages longer than one decode step.
 PER_TOKEN_S = 0.05
 RECONNECT_S = 1.0  # pause before sending a round again after a connection error
 # What a Redis on the way gets over by itself: restarting, unreachable for a while, or full (it
@@ -597,7 +597,10 @@ def _routed_through_outage(
             except redis.RedisError as exc:
                 if not inventory.wrong_type(exc) or 0 < mended_until <= time.monotonic():
                     raise failed(exc) from None
-                deleted = inventory.repair_registry(client, swarm)
+                try:
+                    deleted = inventory.repair_registry(client, swarm)
+                except redis.RedisError:
+                    raise failed(exc) from None
                 log.warning("the registry held %s of the wrong type: deleted", deleted)
                 mended_until = mended_until or time.monotonic() + REPAIR_WAIT_S
                 time.sleep(REPAIR_PAUSE_S)
