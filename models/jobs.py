@@ -10,6 +10,7 @@ for the committed tokens' log-probabilities (with that many alternatives, 0 … 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Protocol
 
 from sqlalchemy import (
     Boolean,
@@ -30,10 +31,34 @@ from sqlalchemy.orm import Mapped, mapped_column, object_session, relationship
 
 from models.db import Base, NulSafeText, Uint64, iso_utc, utcnow
 from models.users import User
+from specpipe.core.sampling import SamplingParams
 
 JOB_STATUSES = ("queued", "running", "done", "failed", "cancelled")
 FINISHED_STATUSES = ("done", "failed", "cancelled")
 ACTIVE_STATUSES = ("queued", "running")
+
+
+class SamplingRequest(Protocol):
+    """What a job's sampling parameters are read from: a stored `Job`, or a plan of one."""
+
+    temp: float
+    top_p: float
+    top_k: int
+    seed: int
+    logprobs: int | None
+    sampler: str
+
+
+def sampling_params(job: SamplingRequest) -> SamplingParams:
+    """The parameters the tail samples a job's tokens with."""
+    return SamplingParams(
+        temp=job.temp,
+        top_p=job.top_p,
+        top_k=job.top_k,
+        seed=job.seed,
+        logprobs=job.logprobs,
+        sampler=job.sampler,
+    )
 
 
 class Job(Base):

@@ -34,10 +34,10 @@ from sqlalchemy.orm import Session
 
 from models import Job
 from models.db import utcnow
-from models.jobs import ACTIVE_STATUSES
+from models.jobs import ACTIVE_STATUSES, sampling_params
 from models.runs import Run, start_run
 from specpipe.core.ring import GapError, Ring
-from specpipe.core.sampling import SamplingParams, TokenLogprob
+from specpipe.core.sampling import TokenLogprob
 from specpipe.core.stopping import GenerationText
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.target import Target, context_error, open_target
@@ -212,14 +212,7 @@ def _generate(
     keep_alive: Callable[[], bool] | None,
 ) -> str | None:
     """The job's rounds, each stored as it ends, until it is done, cancelled or taken over."""
-    params = SamplingParams(
-        temp=job.temp,
-        top_p=job.top_p,
-        top_k=job.top_k,
-        seed=job.seed,
-        logprobs=job.logprobs,
-        sampler=job.sampler,
-    )
+    params = sampling_params(job)
     stored_logprobs = list(job.output_logprobs or [])[: len(job.output_ids or [])]
     resume = list(job.output_ids or [])
     accepted = list(job.accepted_drafts or [])

@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from sqlalchemy.engine import make_url
 
@@ -80,6 +81,8 @@ class JobPlan:
     top_k: int = 0
     draft_k: int = 4
     sampler: str = JOB_DEFAULTS["sampler"]
+    # The plans never ask for log-probabilities; not a field, so a plan's record stays as it was.
+    logprobs: ClassVar[None] = None
 
     def params(self) -> dict:
         """The request as `Submitter.submit` takes it."""
@@ -139,22 +142,15 @@ class References:
         self._done: dict[JobPlan, Reference] = {}
 
     def get(self, plan: JobPlan) -> Reference:
-        from specpipe.core.sampling import SamplingParams
+        from models.jobs import sampling_params
         from specpipe.decoding.generation import Generation
 
         if plan not in self._done:
-            params = SamplingParams(
-                temp=plan.temp,
-                top_p=plan.top_p,
-                top_k=plan.top_k,
-                seed=plan.seed,
-                sampler=plan.sampler,
-            )
             run = Generation(
                 self.ring,
                 f"ref-{plan.seed}",
                 self.target.prompt_ids(plan.prompt),
-                params,
+                sampling_params(plan),
                 max_new_tokens=plan.max_new_tokens,
                 draft_k=plan.draft_k,
                 eos_ids=self.target.eos_ids,
