@@ -188,8 +188,9 @@ class TappedStage(BatchedStage, Protocol):
 
 
 class Hop(Protocol):
-    """One stage on a route: its host, the Redis holding its input stream, and what it is
-    routed for (layers `layer_start:layer_end` of `model`), which it checks at every round."""
+    """One stage on a route: its host, the Redis holding its input stream, what it is routed
+    for (layers `layer_start:layer_end` of `model`), which it checks at every round, and the
+    tokens of KV cache it holds across sessions (`kv_budget_tokens`, 0: no budget known)."""
 
     @property
     def host(self) -> str: ...
@@ -205,6 +206,9 @@ class Hop(Protocol):
 
     @property
     def model(self) -> str: ...
+
+    @property
+    def kv_budget_tokens(self) -> int: ...
 
 
 class Ring(Protocol):

@@ -28,6 +28,7 @@ from typing import Protocol
 
 import redis
 
+from specpipe.core.ring import Hop
 from specpipe.swarm.inventory import meminfo_bytes
 
 MEMORY_SHARE = 0.5  # of the memory available at start that a stage's caches may take
@@ -139,40 +140,41 @@ class Reservations:
 
     def reserve(
         self,
-        route: Sequence,
+        route: Sequence[Hop],
         name: str,
         need: int,
         holder: str,
         attempt: str,
     ) -> Full | None:
-        """Reserve `need` tokens on every hop of `route` (nodes with `host` and
-        `kv_budget_tokens`) for job `name`, while key `holder` exists; None when done, else
-        the stage that is full now (nothing is reserved). NeverFits when a hop's budget is
-        smaller than `need`."""
+        """Reserve `need` tokens on every hop of `route` for job `name`, up to each hop's
+        `kv_budget_tokens`, while key `holder` exists; None when done, else the stage that is
+        full now (nothing is reserved). NeverFits when a hop's budget is smaller than `need`."""
         check_fits(route, need)
         over = self._run_reserve(route, name, need, holder, attempt, force=False)
         return over[0] if over else None
 
-    def take(self, route: Sequence, name: str, need: int, holder: str, attempt: str) -> list[Full]:
+    def take(
+        self, route: Sequence[Hop], name: str, need: int, holder: str, attempt: str
+    ) -> list[Full]:
         """Reserve `need` tokens on every hop of `route` for job `name` at once, as `reserve`
         does, but even where that goes over a budget: for a job already running there, which
         cannot wait for room. Returns the stages it overflowed, with what they held before."""
         return self._run_reserve(route, name, need, holder, attempt, force=True)
 
     def _run_reserve(
-        self, route: Sequence, name: str, need: int, holder: str, attempt: str, force: bool
+        self, route: Sequence[Hop], name: str, need: int, holder: str, attempt: str, force: bool
     ) -> list[Full]:
         if not route:
             return []
         keys = [reservations_key(self.swarm, hop.host) for hop in route]
-        budgets = [int(getattr(hop, "kv_budget_tokens", 0) or 0) for hop in route]
+        budgets = [hop.kv_budget_tokens for hop in route]
         flat = self._reserve(keys=keys, args=[need, name, holder, attempt, int(force), *budgets])
         return [
             Full(route[int(i) - 1].host, int(used), budgets[int(i) - 1])
             for i, used in zip(flat[::2], flat[1::2], strict=True)
         ]
 
-    def release(self, route: Sequence, name: str, attempt: str) -> None:
+    def release(self, route: Sequence[Hop], name: str, attempt: str) -> None:
         """Give back the room attempt `attempt` of job `name` reserved on `route`."""
         keys = [reservations_key(self.swarm, hop.host) for hop in route]
         if keys:
@@ -236,13 +238,13 @@ class Room:
     the job runs (a failover, a stage serving other layers)."""
 
     reservations: Reservations
-    route: list
+    route: list[Hop]
     name: str
     need: int
     holder: str
     attempt: str
 
-    def follow(self, route: Sequence) -> list[Full]:
+    def follow(self, route: Sequence[Hop]) -> list[Full]:
         """Move the room onto `route`: taken at once on the hosts new to it, even over their
         budget (the job already runs there; the stages it overflowed are returned), and given
         back on the hosts that left it. On a redis.RedisError the room counts as held on both
@@ -281,10 +283,10 @@ def waiting_for_room(client: redis.Redis, swarm: str, job: JobLike) -> dict | No
     return Reservations(client, swarm).waiting_for(room_name(job.id))
 
 
-def check_fits(route: Sequence, need: int) -> None:
+def check_fits(route: Sequence[Hop], need: int) -> None:
     """NeverFits, naming the stage, when some hop of `route` has a budget below `need`."""
     for hop in route:
-        budget = int(getattr(hop, "kv_budget_tokens", 0) or 0)
+        budget = hop.kv_budget_tokens
         if 0 < budget < need:
             raise NeverFits(
                 f"the job needs {need} tokens of KV cache (prompt + max_new_tokens), more than "

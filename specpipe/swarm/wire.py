@@ -149,13 +149,16 @@ class UnknownSenderError(WireError):
 class Hop:
     """One stage on a route as a coordinator knows it: its host name, the address of the Redis
     that holds its input stream, and what it is routed for (layers `layer_start:layer_end` of
-    `model`). All but the address goes on the wire, as a `RouteEntry`."""
+    `model`), with the tokens of KV cache it holds (0: no budget known). Its host, layers and
+    model go on the wire, as a `RouteEntry`; the address and the budget stay with the
+    coordinator."""
 
     host: str
     redis_url: str
     layer_start: int
     layer_end: int
     model: str
+    kv_budget_tokens: int = 0
 
 
 @dataclass(frozen=True)
