@@ -27,7 +27,6 @@ import copy
 import logging
 import math
 import re
-import secrets
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from sqlalchemy.orm import Session
 from models.db import utcnow
 from models.jobs import ACTIVE_STATUSES, Job
 from models.users import User, builtin_admin
-from specpipe.core.sampling import MAX_SEED, MAX_SEED_TEXT, SAMPLERS
+from specpipe.core.sampling import MAX_SEED, MAX_SEED_TEXT, SAMPLERS, random_seed
 from specpipe.core.stopping import check_stop_strings
 from specpipe.decoding.target import Target, context_error, open_target
 from specpipe.settings import JOB_DEFAULTS, JobLimits
@@ -165,7 +164,7 @@ class Submitter:
             temp=params["temp"],
             top_p=params["top_p"],
             top_k=params["top_k"],
-            seed=secrets.randbits(64) if seed is None else seed,
+            seed=random_seed() if seed is None else seed,
             seed_was_random=seed is None,
             draft_k=params["draft_k"],
             stop=list(params.get("stop") or []),

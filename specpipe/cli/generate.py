@@ -10,7 +10,6 @@ shows its reasoning on stderr and its answer on stdout, as they are written.
 from __future__ import annotations
 
 import json
-import secrets
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -19,7 +18,7 @@ import click
 
 from specpipe.cli.checkpoints import ModelInputError
 from specpipe.cli.options import SEED, compute_options, model_option, sampling_options
-from specpipe.core.sampling import SAMPLERS
+from specpipe.core.sampling import SAMPLERS, random_seed
 from specpipe.core.stopping import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -295,7 +294,7 @@ def generate_locally(request: dict, model_name: str, options: dict, stream: Text
         prompt_ids = target.prompt_ids(request["prompt"], raw=options["raw"])
     except ValueError as e:
         raise ModelInputError(str(e)) from None
-    seed = secrets.randbits(64) if request["seed"] is None else request["seed"]
+    seed = random_seed() if request["seed"] is None else request["seed"]
     output = GenerationText(target.decode, target.eos_ids, request["stop"])
     run = Generation(
         ring,

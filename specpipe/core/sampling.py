@@ -24,6 +24,7 @@ in, so a row's numbers do not depend on its neighbours.
 from __future__ import annotations
 
 import numbers
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -83,6 +84,11 @@ def check_seed(seed: int) -> None:
         or not 0 <= seed <= MAX_SEED
     ):
         raise ValueError(f"seed must be an integer in 0 … {MAX_SEED_TEXT}, got {seed!r}")
+
+
+def random_seed() -> int:
+    """A seed drawn at random, for a request that gave none: any of 0 … MAX_SEED."""
+    return secrets.randbits(64)
 
 
 def offset_seed(seed: int, offset: int) -> int:
