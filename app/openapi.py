@@ -1,14 +1,17 @@
 """The OpenAPI 3.0 document of `/api/v1`, served at `/api/v1/openapi.json`.
 
-Written by hand next to the API it describes; the test suite drives every operation with
-Schemathesis against it (no 5xx, every response matching its schema), so the two cannot drift
-apart unnoticed.
+Written by hand next to the API it describes, but for a node's schema, read from the store's
+columns; the test suite drives every operation with Schemathesis against it (no 5xx, every
+response matching its schema), so the two cannot drift apart unnoticed.
 """
 
 from __future__ import annotations
 
+from sqlalchemy import Boolean, Column, Integer
+
 from app.history import MAX_PAGE, SORTS
 from models.jobs import JOB_STATUSES
+from models.nodes import NODE_FIELDS, Node
 from specpipe import __version__
 from specpipe.core.sampling import MAX_SEED, SAMPLERS
 from specpipe.settings import JobLimits
@@ -138,20 +141,34 @@ _JOB = {
     },
 }
 
-_NODE = {
-    "type": "object",
-    "required": ["host", "status"],
-    "properties": {
-        "host": {"type": "string"},
-        "status": {"type": "string", "enum": ["online", "stale", "offline"]},
-        "role": _NULLABLE_TEXT,
-        "layer_start": _NULLABLE_INT,
-        "layer_end": _NULLABLE_INT,
-        "redis_url": _NULLABLE_TEXT,
-        "last_heartbeat": _NULLABLE_TEXT,
-        "test_lossy_tail": {"type": "boolean"},
-    },
-}
+
+def _column_schema(column: Column) -> dict:
+    """How the JSON API writes a value of `column`: a time as ISO text, null where it may be."""
+    if isinstance(column.type, Boolean):
+        kind = "boolean"
+    elif isinstance(column.type, Integer):
+        kind = "integer"
+    else:  # text, and times as ISO text
+        kind = "string"
+    return {"type": kind, "nullable": True} if column.nullable else {"type": kind}
+
+
+def _node_schema() -> dict:
+    """A node as `Node.to_dict` writes it: its host, its status and the store's columns."""
+    columns = Node.__table__.c
+    return {
+        "type": "object",
+        "required": ["host", "status"],
+        "properties": {
+            "host": {"type": "string"},
+            "status": {"type": "string", "enum": ["online", "stale", "offline"]},
+            **{name: _column_schema(columns[name]) for name in NODE_FIELDS},
+        },
+    }
+
+
+_NODE = _node_schema()
+
 
 _ERROR = {
     "type": "object",

@@ -17,21 +17,6 @@ from models.db import Base, as_utc, iso_utc, utcnow
 from specpipe.swarm.inventory import heartbeat_status
 from specpipe.swarm.redact import redact_url
 
-NODE_FIELDS = (
-    "role",
-    "layer_start",
-    "layer_end",
-    "redis_url",
-    "public_ip",
-    "geo",
-    "gpu_name",
-    "gpu_uuid",
-    "memory_bytes",
-    "software_version",
-    "last_heartbeat",
-    "test_lossy_tail",
-)
-
 
 def role_order(role: str | None) -> tuple[int, int]:
     """Sort key putting stage0, stage1, … before the tail."""
@@ -97,6 +82,16 @@ class RunNode(HostColumns, Base):
     run: Mapped[Run] = relationship(back_populates="node_snapshots")  # noqa: F821
 
 
+# What the store keeps of a node besides its host: the columns of `nodes`. Each is a field of
+# the inventory's record (`NodeInfo`), which holds more than the store keeps; the columns stay
+# written out above, since each needs its type and length (tests/test_store.py checks the two).
+NODE_FIELDS = tuple(name for name in Node.__table__.columns.keys() if name not in ("id", "host"))
+# What a run's snapshot copies of each node: the columns both tables have.
+SNAPSHOT_FIELDS = tuple(
+    name for name in RunNode.__table__.columns.keys() if name != "id" and name in Node.__table__.c
+)
+
+
 def upsert_node(session: Session, host: str, **fields) -> Node:
     """Insert or update the node `host` with `fields`; the caller commits."""
     unknown = set(fields) - set(NODE_FIELDS)
@@ -145,19 +140,7 @@ def ring_nodes(session: Session) -> list[Node]:
 def snapshot_nodes(session: Session, run) -> list[RunNode]:
     """Copy the current inventory, in ring order, onto `run`; the caller commits."""
     copied = [
-        RunNode(
-            position=i,
-            host=n.host,
-            role=n.role,
-            layer_start=n.layer_start,
-            layer_end=n.layer_end,
-            public_ip=n.public_ip,
-            geo=n.geo,
-            gpu_name=n.gpu_name,
-            gpu_uuid=n.gpu_uuid,
-            memory_bytes=n.memory_bytes,
-            software_version=n.software_version,
-        )
+        RunNode(position=i, **{name: getattr(n, name) for name in SNAPSHOT_FIELDS})
         for i, n in enumerate(ring_nodes(session))
     ]
     run.node_snapshots = copied

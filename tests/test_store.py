@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from datetime import timedelta
 
 import pytest
@@ -13,12 +14,13 @@ from models import Base, Job
 from models.accounts import change_password, disable_user, enable_user
 from models.db import UINT64_MAX, get_engine, make_session_factory, utcnow
 from models.migrate import current, downgrade, heads, upgrade
-from models.nodes import Node, upsert_node
+from models.nodes import NODE_FIELDS, SNAPSHOT_FIELDS, Node, RunNode, upsert_node
 from models.records import PROOF_1_FIELDS, PROOF_2_FIELDS, run_record
 from models.runs import start_run
 from models.tokens import ApiToken, check_token, create_token, parse_lifetime, revoke_token
 from models.user_deletion import delete_user
 from models.users import BUILTIN_ADMIN, User, authenticate, builtin_admin, first_password
+from specpipe.swarm.inventory import NodeInfo
 from tests.factories import finish_elsewhere, gen_job, gen_node, gen_proof_run, gen_ring, gen_user
 
 BEFORE_STOP_STRINGS = "dc866fa56549"  # the revision before jobs had stop strings
@@ -238,6 +240,27 @@ def test_run_snapshot_is_frozen(db_session):
     db_session.commit()
     assert [n.role for n in run.node_snapshots] == ["stage0", "stage1", "stage2", "tail"]
     assert run.node_snapshots[0].geo == "WA"
+
+
+def test_the_store_keeps_fields_of_the_inventory_record():
+    record = {f.name for f in fields(NodeInfo)}
+    assert set(NODE_FIELDS) <= record
+    assert set(SNAPSHOT_FIELDS) <= record
+    assert set(SNAPSHOT_FIELDS) - {"host"} <= set(NODE_FIELDS)
+
+
+def test_a_run_snapshot_copies_every_column_it_shares_with_the_node(db_session):
+    gen_node(db_session, "h1", public_ip="10.0.0.1", geo="WA", gpu_name="RTX 4090", gpu_uuid="u")
+    upsert_node(db_session, "h1", memory_bytes=2**40, software_version="1.2.3")
+    node = db_session.scalars(select(Node)).one()
+    run = start_run(db_session, model="tiny-test")
+    db_session.commit()
+    [copy] = run.node_snapshots
+    shared = set(RunNode.__table__.columns.keys()) & set(Node.__table__.columns.keys()) - {"id"}
+    assert {name: getattr(copy, name) for name in shared} == {
+        name: getattr(node, name) for name in shared
+    }
+    assert None not in {getattr(copy, name) for name in shared}
 
 
 def test_run_record_schema(db_session):

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 def sync_inventory(session: Session, nodes: list[inventory.NodeInfo]) -> int:
     """Upsert every node's record; return how many were written. The caller commits."""
     for node in inventory.with_roles(nodes):
-        fields = {name: getattr(node, name) for name in NODE_FIELDS if hasattr(node, name)}
+        fields = {name: getattr(node, name) for name in NODE_FIELDS}
         fields["last_heartbeat"] = datetime.fromtimestamp(node.last_heartbeat, UTC)
         fields["redis_url"] = redact_url(node.redis_url)  # the store never holds a password
         if node.gpu_name == "cpu" and node.cpu_model:

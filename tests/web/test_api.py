@@ -6,6 +6,7 @@ import pytest
 from sqlalchemy import func, select
 
 from models.jobs import Job
+from models.nodes import Node
 from models.tokens import revoke_token
 from tests.factories import gen_job, gen_node, gen_proof_run, gen_ring
 
@@ -249,6 +250,17 @@ def test_nodes(api, session):
     assert [n["role"] for n in nodes] == ["stage0", "stage1", "tail"]
     assert nodes[0]["status"] == "online" and nodes[0]["last_heartbeat"].endswith("Z")
     assert [n["test_lossy_tail"] for n in nodes] == [False, False, False]
+
+
+def test_a_node_has_the_fields_the_document_lists_and_they_are_the_stores_columns(
+    api, client, session
+):
+    gen_ring(session, 1)
+    [node] = api.get("/nodes").get_json()["nodes"]
+    document = client.get("/api/v1/openapi.json").get_json()
+    documented = set(document["components"]["schemas"]["Node"]["properties"])
+    assert set(node) == documented
+    assert documented - {"status"} == set(Node.__table__.columns.keys()) - {"id"}
 
 
 def test_nodes_say_which_runs_the_test_lossy_tail(api, session):
