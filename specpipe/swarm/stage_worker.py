@@ -157,7 +157,7 @@ class StageWorker:
             self.activity,
             self.clock,
         )
-        self.batcher = Batcher(self.consumer, self._admit, isinstance(stage, BatchedStage))
+        self.batcher = Batcher(self.consumer, self.admit, isinstance(stage, BatchedStage))
         self.samplers = TailSamplers(stage, config.tail_sampling, self.stats, head)
         replies = Replies(swarm, host, self.stage_keys, config.registry)
         self.outbox = Outbox(self._link(replies))
@@ -261,18 +261,12 @@ class StageWorker:
         """Read what waits in the stream (waiting up to `block_ms`), gather the rounds due with
         it, act on all of it and acknowledge it."""
         entries = self.consumer.read(MAX_BATCH, block_ms=self.config.block_ms)
-        messages = self._admit([data for _, data in entries])
+        messages = self.admit([data for _, data in entries])
         size = self.batcher.size()
         entries += self.batcher.gather(messages, size)
         self.admission.count_dead_letters(self.consumer)
-        self._process(messages, size)
+        self.process(messages, size)
         self.consumer.ack(entry_id for entry_id, _ in entries)
-
-    def handle(self, *entries: bytes | None) -> None:
-        """Act on `entries` as if one read of the stream had returned them (admitted, batched
-        and answered as `serve_once` does them), without the stream: no wait for other
-        sessions' rounds, no ack. For tests that hand a stage its messages directly."""
-        self._process(self._admit(list(entries)), self.batcher.size())
 
     def housekeeping(self) -> None:
         """Every `HOUSEKEEPING_S`, on the serving loop (it touches the caches): forget idle
@@ -320,13 +314,15 @@ class StageWorker:
         """Write the counters where `specpipe nodes` and the tests can read them."""
         self.stats.flush()
 
-    def _admit(self, entries: list[bytes | None]) -> list[wire.Message]:
+    def admit(self, entries: list[bytes | None]) -> list[wire.Message]:
+        """The messages of read `entries` to act on, noted for batching; the rest are counted
+        and dropped."""
         admitted = (self._safely(self.admission.admit, data) for data in entries)
         messages = [message for message in admitted if message is not None]
         self.batcher.note(messages)
         return messages
 
-    def _process(self, messages: list[wire.Message], size: int) -> None:
+    def process(self, messages: list[wire.Message], size: int) -> None:
         """Act on admitted messages in order, in batches (`Batcher.batches`); what a batch sends
         goes out when it ends, one write per destination."""
         for batch in self.batcher.batches(messages, size):

@@ -14,6 +14,7 @@ from specpipe.swarm.stage import activity, routing
 from specpipe.swarm.stage.delayed_link import DelayedLink
 from specpipe.swarm.stage.sending import Sender
 from specpipe.swarm.stage_worker import StageWorker, WorkerConfig
+from tests.swarm.handling import handle
 from tests.swarm.toy_stage import ToyConfig, ToyStage
 from tests.waiting import wait_until
 
@@ -45,7 +46,7 @@ def signed(worker: StageWorker, message: wire.Message, **fields) -> bytes:
 
 
 def deliver(worker: StageWorker, message: wire.Message, **fields) -> None:
-    worker.handle(signed(worker, message, **fields))
+    handle(worker, signed(worker, message, **fields))
 
 
 def replies(redis_url, swarm, key, session="s"):
@@ -118,7 +119,7 @@ def test_misrouted_and_misplaced_messages_are_dropped(make, swarm, key, redis_ur
     deliver(worker, wire.Message(kind="result", session="s"))
     deliver(worker, wire.Message(kind="reset", session="s", params={"temp": 1}))
     deliver(worker, round_message(redis_url, ["a"], tokens=()))
-    worker.handle(None)
+    handle(worker, None)
     assert worker.counters["dropped"] == 5
     assert worker.counters["processed"] == 0
     client = redis.Redis.from_url(redis_url)
@@ -158,12 +159,12 @@ def test_a_misrouted_round_in_a_batch_leaves_the_others_to_run(swarm, key, redis
     worker.forward.serves = routing.Serves("tiny", 0, n_layers)
     rounds = []
     for session, end in (("s", n_layers), ("u", n_layers - 1)):
-        worker.handle(signed(worker, wire.Message(kind="reset", session=session, params=RESET)))
+        handle(worker, signed(worker, wire.Message(kind="reset", session=session, params=RESET)))
         message = replace(
             round_message(redis_url, [routed("t", 0, end, "tiny")], rid=session), session=session
         )
         rounds.append(signed(worker, message))
-    worker.handle(*rounds)
+    handle(worker, *rounds)
     (result,) = replies(redis_url, swarm, key, "s")
     (refused,) = replies(redis_url, swarm, key, "u")
     assert (result.kind, refused.kind) == ("result", "misrouted")
@@ -177,11 +178,11 @@ def test_a_tails_result_says_how_many_rounds_its_forward_ran(swarm, key, redis_u
     n_layers = worker.stage.cfg.n_layers
     rounds = []
     for session in ("a", "b", "c"):
-        worker.handle(signed(worker, wire.Message(kind="reset", session=session, params=RESET)))
+        handle(worker, signed(worker, wire.Message(kind="reset", session=session, params=RESET)))
         message = round_message(redis_url, [routed("t", 0, n_layers, "tiny")], rid=session)
         rounds.append(signed(worker, replace(message, session=session)))
-    worker.handle(*rounds[:2])  # two sessions in one forward
-    worker.handle(rounds[2])  # one alone
+    handle(worker, *rounds[:2])  # two sessions in one forward
+    handle(worker, rounds[2])  # one alone
     assert [r.batch for s in ("a", "b") for r in replies(redis_url, swarm, key, s)] == [2, 2]
     (alone,) = replies(redis_url, swarm, key, "c")
     assert alone.kind == "result" and alone.batch == 1
@@ -303,11 +304,11 @@ def test_a_replayed_message_is_dropped_and_the_session_goes_on(make, redis_url, 
     tail = make("t", 0, 4)
     reset = signed(tail, wire.Message(kind="reset", session="s", params=RESET))
     first = signed(tail, round_message(redis_url, ["t"], tokens=(1, 2, 3), rid="r1"))
-    tail.handle(reset)
-    tail.handle(first)
+    handle(tail, reset)
+    handle(tail, first)
     # An attacker replays the reset and the first round: both are refused, nothing is redone.
-    tail.handle(reset)
-    tail.handle(first)
+    handle(tail, reset)
+    handle(tail, first)
     deliver(tail, round_message(redis_url, ["t"], tokens=(4,), rid="r2", start_pos=3))
     assert tail.counters["replayed"] == 2 and tail.counters["processed"] == 2
     assert [r.kind for r in replies(redis_url, swarm, key)] == ["result", "result"]
@@ -319,10 +320,10 @@ def test_a_replay_after_a_drop_is_still_a_replay(make, redis_url):
     reset = signed(tail, wire.Message(kind="reset", session="s", params=RESET))
     first = signed(tail, round_message(redis_url, ["t"], tokens=(1, 2, 3)))
     for data in (reset, first):
-        tail.handle(data)
+        handle(tail, data)
     deliver(tail, wire.Message(kind="drop", session="s"))
     for data in (reset, first):
-        tail.handle(data)
+        handle(tail, data)
     assert tail.counters["replayed"] == 2 and tail.counters["processed"] == 1
     assert "s" not in tail.stage.caches
 
@@ -377,7 +378,7 @@ def test_a_signed_reset_with_impossible_numbers_is_dropped(make, params):
 def test_whatever_handling_raises_is_counted_and_serving_goes_on(make, redis_url, monkeypatch):
     tail = make("t", 0, 4)
     monkeypatch.setattr(tail.forward, "round", lambda message: 1 / 0)
-    tail.handle(signed(tail, round_message(redis_url, ["t"])))
+    handle(tail, signed(tail, round_message(redis_url, ["t"])))
     assert tail.counters["errors"] == 1
 
 
@@ -385,7 +386,7 @@ def test_counters_survive_another_writer_replacing_their_hash(make, swarm, redis
     worker = make("a", 0, 2)
     client = redis.Redis.from_url(redis_url)
     client.set(streams.stats_key(swarm, "a"), "not a hash")
-    worker.handle(None)  # counted as a drop: the write meets WRONGTYPE
+    handle(worker, None)  # counted as a drop: the write meets WRONGTYPE
     worker.flush_counters()
     assert streams.read_stats(client, swarm, "a")["dropped"] == 1
     client.close()
@@ -407,10 +408,10 @@ def test_a_rotated_key_is_picked_up_when_a_message_names_it(swarm, redis_url):
         sender=wire.COORDINATOR,
         seq=wire.next_seq(0),
     )
-    tail.handle(wire.encode(message, swarm, new))
+    handle(tail, wire.encode(message, swarm, new))
     assert "s" in tail.samplers and tail.keys.current == new
     stranger = replace(message, seq=wire.next_seq(message.seq), session="x")
-    tail.handle(wire.encode(stranger, swarm, b"z" * 32))  # no reload makes this one known
+    handle(tail, wire.encode(stranger, swarm, b"z" * 32))  # no reload makes this one known
     assert "x" not in tail.samplers and tail.counters["dropped"] == 1
 
 
@@ -438,9 +439,9 @@ def test_rounds_of_several_sessions_in_one_read_run_as_one_forward(swarm, key, r
         message = round_message(redis_url, [worker.config.host], tokens=tokens, n_draft=1)
         return signed(worker, replace(message, session=session))
 
-    together.handle(*[prefill(together, s, t) for s, t in sessions.items()])
+    handle(together, *[prefill(together, s, t) for s, t in sessions.items()])
     for session, tokens in sessions.items():
-        alone.handle(prefill(alone, session, tokens))
+        handle(alone, prefill(alone, session, tokens))
     for session in sessions:
         got = [r.tokens for r in replies(redis_url, swarm, key, session)]
         assert len(got) == 2 and got[0] == got[1], session  # together's reply, then alone's
@@ -481,22 +482,26 @@ def test_a_session_dropped_in_the_middle_of_a_batch_leaves_the_others_exact(
     for worker in (together, alone):
         for session in prompts:
             deliver(worker, wire.Message(kind="reset", session=session, params=RESET))
-    together.handle(*[round_of(together, s, p, 0, 0) for s, p in prompts.items()])
-    together.handle(
+    handle(together, *[round_of(together, s, p, 0, 0) for s, p in prompts.items()])
+    handle(
+        together,
         round_of(together, "s1", steps["s1"], 5, 2),
         round_of(together, "s2", steps["s2"], 2, 0),
         drop(together, "s2"),  # its job was cancelled
         round_of(together, "s3", steps["s3"], 4, 1),
     )
     for session in ("s1", "s3"):
-        alone.handle(round_of(alone, session, prompts[session], 0, 0))
-        alone.handle(
-            round_of(alone, session, steps[session], len(prompts[session]), len(steps[session]) - 1)
+        handle(alone, round_of(alone, session, prompts[session], 0, 0))
+        handle(
+            alone,
+            round_of(
+                alone, session, steps[session], len(prompts[session]), len(steps[session]) - 1
+            ),
         )
         got = [r.tokens for r in replies(redis_url, swarm, key, session)]
         assert len(got) == 4 and got[:2] == got[2:], session  # together's two, then alone's
     assert "s2" not in together.stage.sessions
-    together.handle(round_of(together, "s2", (3,), 3, 0))
+    handle(together, round_of(together, "s2", (3,), 3, 0))
     assert [r.kind for r in replies(redis_url, swarm, key, "s2")] == ["result", "result", "gap"]
 
 
@@ -515,7 +520,7 @@ def test_over_its_kv_budget_a_stage_forgets_the_sessions_idle_longest(
     for session in ("old", "older", "new"):
         deliver(worker, wire.Message(kind="reset", session=session, params=RESET))
         message = round_message(redis_url, ["t"], tokens=(1, 2, 3, 4, 5))
-        worker.handle(signed(worker, replace(message, session=session)))
+        handle(worker, signed(worker, replace(message, session=session)))
     assert worker.stage.held_tokens() == {"old": 5, "older": 5, "new": 5}
     now = time.monotonic()
     worker.activity.last_used.update(older=now - 100, old=now - 50, new=now - 1)
@@ -524,7 +529,7 @@ def test_over_its_kv_budget_a_stage_forgets_the_sessions_idle_longest(
     worker.activity.last_used.update(old=now - 1)
     deliver(worker, wire.Message(kind="reset", session="more", params=RESET))
     message = round_message(redis_url, ["t"], tokens=(1, 2, 3, 4, 5))
-    worker.handle(signed(worker, replace(message, session="more")))
+    handle(worker, signed(worker, replace(message, session="more")))
     # 15 tokens, but every session was busy a moment ago: none is forgotten.
     assert worker.keep_within_budget(now) == []
 
@@ -557,11 +562,12 @@ def test_a_batch_passes_its_rounds_on_in_one_write(swarm, key, redis_url, tmp_pa
         "call",
         lambda self, *commands, **kw: writes.append(commands) or call(self, *commands, **kw),
     )
-    first.handle(
+    handle(
+        first,
         *[
             signed(first, replace(round_message(redis_url, ["a", "b"], tokens=t), session=s))
             for s, t in sessions.items()
-        ]
+        ],
     )
     assert len(writes) == 1  # the three rounds and one bell, in that order
     assert [c[0] for c in writes[0]] == ["XADD", "XADD", "XADD", "LPUSH", "LTRIM"]
@@ -584,7 +590,7 @@ def test_a_stage_waits_for_a_round_due_now_and_runs_both_in_one_forward(
         message = round_message(redis_url, route, tokens=tokens, start_pos=start_pos)
         return signed(tail, replace(message, session=session))
 
-    tail.handle(round_of("s1", (1, 2, 3), 0), round_of("s2", (4, 5), 0))
+    handle(tail, round_of("s1", (1, 2, 3), 0), round_of("s2", (4, 5), 0))
     now = time.monotonic()
     tail.batcher.arrivals = gathering.Arrivals()
     # Four sessions came round every 0.1 s: the next ones are due now, in two groups of two.
@@ -632,11 +638,12 @@ def test_a_read_of_more_than_a_group_runs_as_two_forwards(swarm, key, redis_url,
     sessions = {"s1": (1, 2, 3), "s2": (4, 5), "s3": (6,), "s4": (7, 8, 9)}
     for session in sessions:
         deliver(tail, wire.Message(kind="reset", session=session, params=RESET))
-    tail.handle(
+    handle(
+        tail,
         *[
             signed(tail, replace(round_message(redis_url, ["t"], tokens=t), session=s))
             for s, t in sessions.items()
-        ]
+        ],
     )
     assert (tail.counters["processed"], tail.counters["forwards"]) == (4, 2)
 
