@@ -196,8 +196,9 @@ class StageCollector(Collector):
 
     @staticmethod
     def _stats() -> dict[str, dict[str, float]]:
-        keys = reading_keyring()
-        if keys is None:
+        try:
+            keys = reading_keyring()
+        except ValueError:  # no swarm key, or no pinned coordinator key: no stage is believed
             return {}
         swarm = current_app.config["SWARM"]
         client = redis.Redis.from_url(

@@ -15,6 +15,7 @@ from models.nodes import Node, ring_nodes
 from specpipe.swarm import inventory, streams
 from specpipe.swarm.inventory import lossy_warning
 from specpipe.swarm.trust import reading_keyring
+from specpipe.swarm.wire import Keyring
 
 bp = Blueprint("nodes", __name__, url_prefix="/nodes")
 
@@ -64,13 +65,19 @@ def quick_redis(url: str) -> redis.Redis:
     )
 
 
-def live_inventory() -> tuple[int | None, inventory.RingLatency | None]:
+def live_keys() -> tuple[Keyring | None, str | None]:
+    """The keyring the live inventory is read with, or None and the one line saying why this
+    process has none (no swarm key, no pinned coordinator key): the page says it."""
+    try:
+        return reading_keyring(), None
+    except ValueError as exc:
+        return None, f"The live inventory is not read: {exc}."
+
+
+def live_inventory(keys: Keyring) -> tuple[int | None, inventory.RingLatency | None]:
     """From the live inventory: how many records fail to verify (None when it cannot be read)
     and the ring's latency, with each stage's timings from its own Redis (None until the
     stages have measured their links)."""
-    keys = reading_keyring()
-    if keys is None:
-        return None, None
     client = quick_redis(current_app.config["REDIS_URL"])
     try:
         found = inventory.read(client, current_app.config["SWARM"], keys)
@@ -99,7 +106,8 @@ def index():
         counts[node.status(now)] += 1
     ends = [n.layer_end for n in nodes if n.layer_end is not None]
     lossy = [n.host for n in nodes if n.test_lossy_tail]
-    ignored, latency = live_inventory()
+    keys, unread = live_keys()
+    ignored, latency = live_inventory(keys) if keys else (None, None)
     return render_template(
         "nodes/index.html",
         nodes=nodes,
@@ -112,4 +120,5 @@ def index():
         lossy_warning=lossy_warning(lossy) if lossy else None,
         ignored=ignored,
         latency=latency,
+        unread=unread,
     )

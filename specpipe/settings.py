@@ -46,8 +46,14 @@ class Settings:
     # This host's copy of the swarm CA, which other hosts' TLS Redis must verify against.
     tls_ca: str | None = None
     # The coordinator's public key this host pins (hex): every host's own key is then checked
-    # against the roster the coordinator signs. None: every swarm key holder is trusted alike.
+    # against the roster the coordinator signs. None: no process starts, unless the operator
+    # opted out (`insecure_shared_key`).
     coordinator_public_key: str | None = None
+    # `SPECPIPE_INSECURE_SHARED_KEY=1`: without a pinned coordinator key, trust every holder of
+    # the swarm key alike (the shared-key mode) rather than refuse to start.
+    insecure_shared_key: bool = False
+    # This host's TLS folder (`tls_dir`), where it keeps its copy of `coordinator.pub`.
+    tls_dir: Path | None = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -62,6 +68,8 @@ class Settings:
             redis_password=redis_password(),
             tls_ca=swarm_ca(),
             coordinator_public_key=coordinator_public_key(),
+            insecure_shared_key=insecure_shared_key(),
+            tls_dir=tls_dir(),
         )
 
     @property
@@ -75,9 +83,11 @@ class Settings:
         swarm: str,
         swarm_key: str | bytes,
         coordinator_public_key: str | None = None,
+        insecure_shared_key: bool = False,
     ) -> Settings:
         """These settings pointed at another swarm (a benchmark's or a test's own), which pins
-        `coordinator_public_key` (None: its swarm key holders are trusted alike)."""
+        `coordinator_public_key`, or else trusts its swarm key holders alike when
+        `insecure_shared_key` says so (`specpipe.swarm.trust.keyring` refuses otherwise)."""
         key = swarm_key.decode() if isinstance(swarm_key, bytes) else swarm_key
         return replace(
             self,
@@ -86,6 +96,7 @@ class Settings:
             swarm_key=key,
             old_swarm_keys=(),
             coordinator_public_key=coordinator_public_key,
+            insecure_shared_key=insecure_shared_key,
         )
 
 
@@ -405,6 +416,13 @@ def coordinator_public_key() -> str | None:
         if path.is_file():
             return path.read_text().strip()
     return None
+
+
+def insecure_shared_key() -> bool:
+    """`SPECPIPE_INSECURE_SHARED_KEY=1` (as `specpipe join --insecure-shared-key`): the operator
+    lets this host's processes run without a pinned coordinator key, trusting every holder of the
+    swarm key alike (each warns at start); unset, they refuse to start without one."""
+    return os.environ.get("SPECPIPE_INSECURE_SHARED_KEY") == "1"
 
 
 def roster_path(swarm: str, home: Path | None = None) -> Path:

@@ -346,13 +346,16 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
 
     config = settings.Settings.from_env()
     url, swarm = config.redis_url, config.swarm
+    try:  # a swarm key, and the coordinator key pinned (or the opt-out), before anything else
+        keys = trust.keyring(config) if config.accepted_swarm_keys else None
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     submitter = Submitter.connect(url, model or settings.default_model(), settings.job_limits())
     request = checked_request(request, submitter.check_context)
     hint = "start one with `specpipe up`, or set REDIS_URL"
     client = redis.Redis.from_url(url, socket_connect_timeout=3)
     try:
         client.ping()
-        keys = trust.keyring(config) if config.accepted_swarm_keys else None
         found = inventory.read(client, swarm, keys) if keys else None
     except redis.RedisError as exc:
         raise click.ClickException(

@@ -2,8 +2,9 @@
 
 The Redis it starts speaks TLS only, with the certificate `specpipe ca issue` made for this
 host (its TLS folder: `redis.pem`, `redis.key`, `ca.pem`); without one it refuses, unless the
-operator opts out out loud (`--insecure-no-tls`); and it refuses to serve on a host that pins
-no coordinator key unless the operator opts out as loudly (`--insecure-shared-key`).
+operator opts out out loud (`--insecure-no-tls`); and, as every swarm process does
+(`specpipe.swarm.trust.check_pinned`), it refuses to serve on a host that pins no coordinator
+key unless the operator opts out as loudly (`--insecure-shared-key`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import click
 
 from specpipe.cli.checkpoints import ModelInputError
 from specpipe.cli.options import compute_options, layer_range
-from specpipe.cli.worker import check_reachable, configure_logging, serve_stage
+from specpipe.cli.worker import check_reachable, configure_logging, serve_stage, swarm_keyring
 
 if TYPE_CHECKING:
     from specpipe.ops.redis_server import TlsFiles
+    from specpipe.settings import Settings
 
 log = logging.getLogger("specpipe.join")
 
@@ -149,7 +151,6 @@ def check_link(redis_url: str | None, tls: TlsFiles | None, address: str, port: 
 @click.option(
     "--insecure-shared-key",
     is_flag=True,
-    envvar="SPECPIPE_INSECURE_SHARED_KEY",
     help="Serve on a host that pins no coordinator key: every holder of the swarm key may "
     "speak here as the coordinator or as any host (a warning at every start; also "
     "SPECPIPE_INSECURE_SHARED_KEY=1).",
@@ -225,7 +226,7 @@ def join(
     from specpipe.model.errors import ModelError
     from specpipe.model.resolve import model_label, open_checkpoint
     from specpipe.ops.redis_server import RedisServer, RedisUnavailable
-    from specpipe.swarm import inventory, streams, trust
+    from specpipe.swarm import inventory, streams
     from specpipe.swarm.dialing import Dialer
     from specpipe.swarm.redact import redact_url
 
@@ -240,6 +241,11 @@ def join(
         raise click.ClickException("no registry: pass --registry URL or set SPECPIPE_REGISTRY_URL")
     redis_url = redis_url or settings.configured_redis_url()
     folder = tls_dir.resolve() if tls_dir else settings.tls_dir()
+    config = replace(
+        config,
+        tls_dir=folder,
+        insecure_shared_key=config.insecure_shared_key or insecure_shared_key,
+    )
     if tls_dir is not None:  # this host verifies the others against the CA copy there
         ca_copy = folder / settings.CA_CERT_FILE
         config = replace(config, tls_ca=str(ca_copy) if ca_copy.is_file() else None)
@@ -249,7 +255,8 @@ def join(
     tls = None
     if redis_url is None and not insecure_no_tls:
         tls = tls_files(folder)
-    check_pinned(config.coordinator_public_key, folder, insecure_shared_key)
+    configure_logging()
+    check_pinned(config)
     check_reachable(registry_url, "the registry")
     try:
         n_layers = open_checkpoint(model_name).config.n_layers
@@ -257,10 +264,7 @@ def join(
     except ModelError as exc:
         raise ModelInputError(str(exc)) from None
     host_name = host_name or socket.gethostname().split(".")[0]
-    try:
-        keys = trust.keyring(config, host_name)  # this host's own key, made on first use
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
+    keys = swarm_keyring(config, host_name)  # this host's own key, made on first use
     client = redis.Redis.from_url(registry_url, socket_connect_timeout=5, socket_timeout=5)
     try:
         found = inventory.read(client, config.swarm, keys)
@@ -292,7 +296,6 @@ def join(
         why = "as asked"
     address = address or address_towards(registry_url)
     server = None
-    configure_logging()
     check_link(redis_url, tls, address, port)
     if redis_url is None:
         # Its own user's password stays here; the other hosts dial it with the data-plane one.
@@ -334,22 +337,16 @@ def join(
             server.stop()
 
 
-def check_pinned(coordinator: str | None, folder: Path, shared_key: bool) -> None:
-    """A one-line ClickException when this host pins no coordinator key, unless the operator
-    opted out with `shared_key` (then a warning at every start)."""
-    if coordinator is not None:
-        return
-    if not shared_key:
-        raise click.ClickException(
-            f"this host pins no coordinator key: copy host 0's coordinator.pub into {folder} "
-            "(`specpipe host init` makes it there), or pass --insecure-shared-key"
-        )
-    logging.getLogger("specpipe.join").warning(
-        "this host pins no coordinator key (coordinator.pub in %s): every holder of the "
-        "swarm key can speak here as the coordinator or as any host; copy host 0's "
-        "coordinator.pub there",
-        folder,
-    )
+def check_pinned(config: Settings) -> None:
+    """Before anything is read or made: the refusal every swarm process gives on a host that
+    pins no coordinator key without the opt-out (`trust.check_pinned`), as a one-line
+    ClickException."""
+    from specpipe.swarm import identity, trust
+
+    try:
+        trust.check_pinned(config)
+    except identity.IdentityError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def check_admitted(host_name: str, keys, roster) -> None:

@@ -87,6 +87,7 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
 
     home.mkdir(mode=0o700, parents=True, exist_ok=True)  # it holds the secrets
     settings.ensure_swarm_key()  # the children read it here, so `specpipe key rotate` reaches them
+    pin = _coordinator_pin()
     secret_key = settings.ensure_secret_key()
     database_url = settings.database_url()
     try:
@@ -121,6 +122,9 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
         "SECRET_KEY": secret_key,
         "DATABASE_URL": database_url,
         "SPECPIPE_HOME": str(home),
+        # Every child pins this swarm's coordinator key, whatever TLS folder or pin the
+        # environment `up` was started in names: without one, none would start.
+        "SPECPIPE_COORDINATOR_PUB": pin,
         "SPECPIPE_MODEL": model_name,
         "PYTHONUNBUFFERED": "1",
     }
@@ -209,6 +213,17 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
             state_file.unlink(missing_ok=True)
             processes_file.unlink(missing_ok=True)
         click.echo("specpipe up: stopped")
+
+
+def _coordinator_pin() -> str:
+    """The public key of the coordinator key `up` keeps in its instance folder (made there on
+    first start, with `coordinator.pub` beside it); a file that cannot be read is one line."""
+    from specpipe.ops import roster
+
+    try:
+        return roster.init_coordinator().public_hex
+    except ValueError as exc:  # names the file, never what it holds
+        raise click.ClickException(f"cannot read the coordinator's key: {exc}") from None
 
 
 def _admit_own_hosts(redis_url: str, swarm: str, hosts: list[str]) -> bool:

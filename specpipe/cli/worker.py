@@ -165,6 +165,8 @@ def serve_stage(
         settings.kv_budget_tokens()
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
+    configure_logging()
+    keys = swarm_keyring(config, host)  # refused here, before anything is loaded or started
     for url in {redis_url, registry_url or redis_url}:
         check_reachable(url, "Redis")
     if threads:
@@ -180,7 +182,6 @@ def serve_stage(
         (stage,), head = load_with_head(load, draft_head, label, checkpoint)
     except (ModelError, DraftHeadError) as exc:
         raise ModelInputError(str(exc)) from None
-    configure_logging()
     node = inventory.NodeInfo(
         host=host,
         layer_start=start,
@@ -197,8 +198,8 @@ def serve_stage(
         WorkerConfig(
             host=host,
             swarm=config.swarm,
-            keys=_keyring(config, host),
-            reload_keys=lambda: _keyring(settings.Settings.from_env(), host),
+            keys=keys,
+            reload_keys=lambda: _reloaded_keyring(config, host),
             redis_url=redis_url,
             registry_url=registry_url,
             heartbeat_s=heartbeat_s,
@@ -225,13 +226,14 @@ def worker_coordinator(queue: str | None, loglevel: str) -> None:
         REDIS_URL=redis://127.0.0.1:6379/0 specpipe worker coordinator
     """
     from specpipe import settings
+    from specpipe.swarm.identity import COORDINATOR
     from workers.names import COORDINATOR_QUEUE
 
     try:
         sessions = settings.max_sessions()
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    celery = _celery_app()
+    celery = _celery_app(signer=COORDINATOR)
     queue = queue or COORDINATOR_QUEUE
     # Threads: a job spends its time waiting on the ring, and the jobs share one tokenizer.
     celery.worker_main(
@@ -262,9 +264,10 @@ def worker_nightly(loglevel: str) -> None:
 
         REDIS_URL=redis://127.0.0.1:6379/0 specpipe worker nightly
     """
+    from specpipe.swarm.identity import COORDINATOR
     from workers.names import NIGHTLY_QUEUE
 
-    celery = _celery_app()
+    celery = _celery_app(signer=COORDINATOR)
     celery.worker_main(
         [
             "worker",
@@ -298,9 +301,13 @@ def worker_beat(loglevel: str) -> None:
     celery.start(["beat", "-s", str(home / "celerybeat-schedule"), f"--loglevel={loglevel}"])
 
 
-def _celery_app():
+def _celery_app(signer: str | None = None):
+    """The Celery app, once this process's keys pass (`swarm_keyring`, signing as `signer`) and
+    its broker answers."""
     from specpipe import settings
 
+    configure_logging()
+    swarm_keyring(settings.Settings.from_env(), signer)
     check_reachable(settings.redis_url(), "the broker Redis")
     from workers.celery_app import celery
 
@@ -342,8 +349,25 @@ def tail_sampling() -> TailSampling:
     return TailSampling(LossySampler.from_params, lossy=True)
 
 
-def _keyring(config: Settings, host: str) -> Keyring:
-    """The keyring stage `host` seals and signs with (`specpipe.swarm.trust`)."""
+def swarm_keyring(config: Settings, signer: str | None = None) -> Keyring:
+    """`trust.keyring` (signing as `signer`), what a swarm process starts with: its refusal (no
+    swarm key, no pinned coordinator key without the opt-out) a one-line ClickException."""
     from specpipe.swarm import trust
 
-    return trust.keyring(config, host)
+    try:
+        return trust.keyring(config, signer)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _reloaded_keyring(config: Settings, host: str) -> Keyring:
+    """Stage `host`'s keyring with the swarm keys as they are now (a rotation may have changed
+    them), pinning what `config` pins."""
+    from dataclasses import replace
+
+    from specpipe import settings
+    from specpipe.swarm import trust
+
+    fresh = settings.Settings.from_env()
+    keys = replace(config, swarm_key=fresh.swarm_key, old_swarm_keys=fresh.old_swarm_keys)
+    return trust.keyring(keys, host)

@@ -185,6 +185,9 @@ class Lab:
             "SPECPIPE_INSECURE_CLEAR_PASSWORDS": "1",
         }
         env.pop("SPECPIPE_SWARM_KEY", None)  # the lab's own key, from its folder
+        # And the lab's own pin, which `start` writes there: every process refuses to start
+        # without one, and one from this machine's environment would be another swarm's.
+        env.pop("SPECPIPE_COORDINATOR_PUB", None)
         if host is not None:
             env["REDIS_URL"] = host.redis_url
             if not host.redis_url:  # an idle host: no Redis until one is started there

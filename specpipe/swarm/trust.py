@@ -1,28 +1,37 @@
 """The keyring a process of this host seals, signs and believes with, from its settings.
 
-One place turns the settings into a `wire.Keyring`: the swarm keys, and where the host pins
-the coordinator's public key, the identities (`specpipe.swarm.identity`): a stage signs as its
-host with its own key (made on first use), the coordinator's processes with the coordinator key
-that host 0 holds. The roster comes later, from the registry, with the inventory
-(`inventory.read`).
+One place turns the settings into a `wire.Keyring`: the swarm keys and the identities
+(`specpipe.swarm.identity`): a stage signs as its host with its own key (made on first use), the
+coordinator's processes with the coordinator key that host 0 holds. The roster comes later, from
+the registry, with the inventory (`inventory.read`).
+
+It is also the one place that fails closed: settings that pin no coordinator key give no
+keyring (`check_pinned`), unless the operator opted out out loud.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
 from pathlib import Path
 
 from specpipe import settings as settings_module
 from specpipe.settings import Settings
 from specpipe.swarm import identity, wire
 
+log = logging.getLogger("specpipe.trust")
+_warned = False  # the opt-out's warning is given once per process, not at every keyring
+
 
 def keyring(settings: Settings, signer: str | None = None) -> wire.Keyring:
     """`settings`' keyring, signing as `signer` (a host's name, or `identity.COORDINATOR`; None:
-    it only reads and verifies). WireError without a swarm key; IdentityError when the pinned
-    coordinator key cannot be read, or the coordinator signs on a host without its key."""
+    it only reads and verifies). WireError without a swarm key; IdentityError when no
+    coordinator key is pinned (`check_pinned`) or it cannot be read, or the coordinator signs on
+    a host without its key."""
     if not settings.accepted_swarm_keys:
         raise wire.WireError("no swarm key: set SPECPIPE_SWARM_KEY")
-    if settings.coordinator_public_key is None:
+    check_pinned(settings)
+    if settings.coordinator_public_key is None:  # the operator opted out
         return wire.Keyring(settings.accepted_swarm_keys)
     return wire.Keyring(
         settings.accepted_swarm_keys,
@@ -31,13 +40,45 @@ def keyring(settings: Settings, signer: str | None = None) -> wire.Keyring:
     )
 
 
+def check_pinned(settings: Settings) -> None:
+    """Nothing when `settings` pin the coordinator's key. Without one, IdentityError: one line
+    saying where to put it; unless the operator opted out (`insecure_shared_key`), and then a
+    warning, once per process, of what that lets every holder of the swarm key do."""
+    if settings.coordinator_public_key is not None:
+        return
+    folder = settings.tls_dir or settings.home / settings_module.TLS_DIR
+    if not settings.insecure_shared_key:
+        raise identity.IdentityError(
+            f"this host pins no coordinator key: copy host 0's coordinator.pub into {folder} "
+            f"or {settings.home} (`specpipe host init` on host 0 makes it), or set "
+            "SPECPIPE_INSECURE_SHARED_KEY=1 to trust every holder of the swarm key alike"
+        )
+    global _warned
+    if not _warned:
+        _warned = True
+        log.warning(
+            "this host pins no coordinator key (SPECPIPE_INSECURE_SHARED_KEY=1): every holder "
+            "of the swarm key can speak here as the coordinator or as any host, and write any "
+            "host's inventory record; copy host 0's coordinator.pub into %s to end it",
+            folder,
+        )
+
+
 def home_keyring(home: Path) -> wire.Keyring:
     """The verifying keyring of the swarm whose instance folder is `home` (`specpipe up`'s, a
-    lab's): the keys of its key file, and its pinned coordinator key when it has one."""
+    lab's): the keys of its key file and the coordinator key pinned there, under `keyring`'s
+    rule (this process's opt-out, if any, applies)."""
     keys = settings_module.key_file_keys(home / settings_module.SWARM_KEY_FILE)
     pin = home / settings_module.COORDINATOR_PUB_FILE
-    coordinator = identity.public_key(pin.read_text()) if pin.is_file() else None
-    return wire.Keyring(keys, coordinator=coordinator)
+    config = replace(
+        Settings.from_env(),
+        home=home,
+        tls_dir=None,
+        swarm_key=keys[0] if keys else None,
+        old_swarm_keys=keys[1:],
+        coordinator_public_key=pin.read_text().strip() if pin.is_file() else None,
+    )
+    return keyring(config)
 
 
 def _signer(name: str | None, home: Path) -> identity.Signer | None:
@@ -55,10 +96,8 @@ def _signer(name: str | None, home: Path) -> identity.Signer | None:
     return identity.Signer(name, identity.ensure_private(path))
 
 
-def reading_keyring() -> wire.Keyring | None:
-    """This process's verifying keyring (`keyring` of its settings, signing nothing); None when
-    it has no swarm key, or its keys or pinned coordinator key cannot be read."""
-    try:
-        return keyring(Settings.from_env())
-    except ValueError:
-        return None
+def reading_keyring() -> wire.Keyring:
+    """This process's verifying keyring (`keyring` of its settings, signing nothing); a
+    ValueError of one line (no secret in it) when it has no swarm key, pins no coordinator key
+    without opting out, or its keys or pinned coordinator key cannot be read."""
+    return keyring(Settings.from_env())
