@@ -73,6 +73,9 @@ class Swarm:
             "REDIS_URL": self.redis_url,
             "SPECPIPE_SWARM": self.name,
             "SPECPIPE_SWARM_KEY": self.key,
+            # The swarm pins no coordinator key: its processes run in the shared-key mode,
+            # which only its opt-out allows.
+            "SPECPIPE_INSECURE_SHARED_KEY": "1",
             "SPECPIPE_MODEL": "toy",
             "OMP_NUM_THREADS": "1",
             **extra,

@@ -74,6 +74,8 @@ def test_a_ring_with_a_test_lossy_tail_is_a_warning_line(
     swarm = f"p{uuid.uuid4().hex[:10]}"
     monkeypatch.setenv("SPECPIPE_SWARM", swarm)
     monkeypatch.setenv("SPECPIPE_SWARM_KEY", "k" * 32)
+    # No coordinator key pinned: the shared-key mode, opted into out loud.
+    monkeypatch.setenv("SPECPIPE_INSECURE_SHARED_KEY", "1")
     monkeypatch.setenv("SPECPIPE_MODEL", "toy")
     monkeypatch.setenv("REDIS_URL", redis_url_for_cli)
     client = redis.Redis.from_url(redis_url_for_cli)

@@ -12,7 +12,8 @@ SIZES = {**nightly_sizes(), "local_draws": 40_000, "sampler_trials": 400}
 
 def nobody(redis_url: str) -> Settings:
     """A swarm with no stage at all."""
-    return Settings.from_env().for_swarm(redis_url, "nobody", "k")
+    # No coordinator key pinned: the shared-key mode, opted into out loud.
+    return Settings.from_env().for_swarm(redis_url, "nobody", "k", insecure_shared_key=True)
 
 
 def test_no_online_stage_is_an_error_run_naming_the_layers(db_session, private_redis):

@@ -250,7 +250,10 @@ def test_a_stage_flagged_lossy_fails_the_night_even_when_the_proofs_pass(live_sw
     for name, value in SMALL_SIZES.items():
         monkeypatch.setenv(name, value)
     sizes = nightly_sizes()
-    swarm = Settings.from_env().for_swarm(live_swarm.redis_url, live_swarm.name, live_swarm.key)
+    # No coordinator key pinned: the shared-key mode, opted into out loud.
+    swarm = Settings.from_env().for_swarm(
+        live_swarm.redis_url, live_swarm.name, live_swarm.key, insecure_shared_key=True
+    )
     with make_session_factory(live_swarm.db_url)() as session:
         run = run_nightly(session, toy_target(), swarm, sizes["seed"], sizes)
         assert run.verdict == "error", [(p.kind, p.summary.get("reasons")) for p in run.proofs]

@@ -39,7 +39,10 @@ def test_the_nightly_verifies_the_tails_draft_head_on_real_stage_processes(
     for name, value in SMALL_SIZES.items():
         monkeypatch.setenv(name, value)
     sizes = {**nightly_sizes(), "stops": 2, "draws": 80}
-    swarm = Settings.from_env().for_swarm(live_swarm.redis_url, live_swarm.name, live_swarm.key)
+    # No coordinator key pinned: the shared-key mode, opted into out loud.
+    swarm = Settings.from_env().for_swarm(
+        live_swarm.redis_url, live_swarm.name, live_swarm.key, insecure_shared_key=True
+    )
     with make_session_factory(live_swarm.db_url)() as session:
         run = run_nightly(session, open_target(tiny), swarm, sizes["seed"], sizes)
         on_swarm = run.proof("on_swarm")

@@ -68,18 +68,26 @@ def key() -> bytes:
 
 @pytest.fixture
 def ring_settings(redis_url, swarm, key) -> Settings:
-    """The settings a coordinator of this test's swarm would read."""
-    return Settings.from_env().for_swarm(redis_url, swarm, key)
+    """The settings a coordinator of this test's swarm would read. The swarm pins no coordinator
+    key: these tests are of the shared-key mode, which runs only behind its opt-out."""
+    return Settings.from_env().for_swarm(redis_url, swarm, key, insecure_shared_key=True)
 
 
 class Stages:
     """Starts toy stage worker processes and stops every one of them at the end."""
 
     def __init__(
-        self, swarm: str, key: bytes, registry: str, env: dict[str, str] | None = None, keys=None
+        self,
+        swarm: str,
+        key: bytes,
+        registry: str,
+        env: dict[str, str] | None = None,
+        keys=None,
+        pinned: bool = False,
     ) -> None:
         self.swarm, self.key, self.registry = swarm, key, registry
         self.env = env or {}  # more of the workers' environment (their host identities)
+        self.pinned = pinned  # whether that environment pins the coordinator's key
         self.keys = keys or key  # what their records are read with
         self.procs: dict[str, subprocess.Popen] = {}
         self.args: dict[str, list[str]] = {}
@@ -127,7 +135,10 @@ class Stages:
 
     def _env(self) -> dict[str, str]:
         key = self.key.decode()
-        return {**os.environ, "SPECPIPE_SWARM_KEY": key, "OMP_NUM_THREADS": "1", **self.env}
+        # A stage that pins no coordinator key runs only in the shared-key mode, out loud.
+        opt_out = {} if self.pinned else {"SPECPIPE_INSECURE_SHARED_KEY": "1"}
+        env = {**os.environ, "SPECPIPE_SWARM_KEY": key, "OMP_NUM_THREADS": "1", **opt_out}
+        return {**env, **self.env}
 
     def stop(self) -> None:
         terminate_all(self.procs.values(), timeout_s=10)
@@ -154,6 +165,6 @@ def identified(tmp_path, swarm, key, redis_url, ring_settings):
         ring_settings.for_swarm(redis_url, swarm, key, coordinator_public_key=pin), home=home
     )
     env = {"SPECPIPE_HOME": str(home)}
-    group = Stages(swarm, key, redis_url, env=env, keys=trust.keyring(settings))
+    group = Stages(swarm, key, redis_url, env=env, keys=trust.keyring(settings), pinned=True)
     yield group, settings, home
     group.stop()

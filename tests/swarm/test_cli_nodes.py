@@ -15,8 +15,10 @@ from specpipe.swarm.redact import without_credentials
 
 @pytest.fixture(autouse=True)
 def swarm_key(monkeypatch, key):
-    """`specpipe nodes` checks every record with the swarm key."""
+    """`specpipe nodes` checks every record with the swarm key (the shared-key mode: these
+    swarms pin no coordinator key, so the command runs only with the opt-out)."""
     monkeypatch.setenv("SPECPIPE_SWARM_KEY", key.decode())
+    monkeypatch.setenv("SPECPIPE_INSECURE_SHARED_KEY", "1")
 
 
 def test_nodes_prints_the_inventory_in_ring_order(swarm, redis_url, key):

@@ -58,7 +58,10 @@ def swarm(tiny, redis_url):
 
 
 def settings_of(swarm) -> Settings:
-    return Settings.from_env().for_swarm(swarm.redis_url, swarm.swarm, swarm.key.encode())
+    # No coordinator key pinned: the shared-key mode, opted into out loud.
+    return Settings.from_env().for_swarm(
+        swarm.redis_url, swarm.swarm, swarm.key.encode(), insecure_shared_key=True
+    )
 
 
 def local_plain(tiny, params, n):

@@ -103,7 +103,8 @@ def test_no_password_in_any_message_record_dead_letter_log_or_file(tmp_path, mon
             Tap(h1_url, [streams.stage_key(swarm, "h1")]),
         ]
 
-        settings = Settings.from_env().for_swarm(registry, swarm, key)
+        # No coordinator key pinned: the shared-key mode, opted into out loud.
+        settings = Settings.from_env().for_swarm(registry, swarm, key, insecure_shared_key=True)
         ring = RedisRing.from_inventory(settings, "toy", 4, timeout_s=20)
         greedy = SamplingParams(temp=0.0)
         expected = Generation(

@@ -364,7 +364,8 @@ def test_a_ring_over_two_hosts_redis_serves_with_what_other_hosts_hold(swarm, ke
         stages.start("near", "0:2", registry, wait=False)
         stages.start("far", "2:4", host1.url, "--registry", host0.remote_url, wait=False)
         stages.wait_ready(["near", "far"])
-        settings = Settings.from_env().for_swarm(registry, swarm, key)
+        # No coordinator key pinned: the shared-key mode, opted into out loud.
+        settings = Settings.from_env().for_swarm(registry, swarm, key, insecure_shared_key=True)
         assert settings.redis_password == DATA_PASSWORD
         ring = RedisRing.from_inventory(settings, "toy", 4, timeout_s=20)
         try:

@@ -698,7 +698,8 @@ def test_a_jobs_ring_waits_out_a_restarting_registry_and_a_command_does_not(
 
     server = RedisServer()
     url = server.url
-    settings = ring_settings.for_swarm(url, swarm, key)
+    # No coordinator key pinned: the shared-key mode, opted into out loud.
+    settings = ring_settings.for_swarm(url, swarm, key, insecure_shared_key=True)
     record = nodes(("a", url, "0:4"))[0]
     with pytest.raises(RingError, match="cannot read the inventory"):
         RedisRing.from_inventory(settings, "toy", 4)  # nothing listens: at once

@@ -157,7 +157,8 @@ def test_the_ring_is_built_from_verified_records_only(swarm, redis_url, key):
     )
     client.hset(inventory.nodes_key(swarm), "m", inventory.sign_record(record, swarm, key))
     client.close()
-    settings = Settings.from_env().for_swarm(redis_url, swarm, key)
+    # No coordinator key pinned: the shared-key mode, opted into out loud.
+    settings = Settings.from_env().for_swarm(redis_url, swarm, key, insecure_shared_key=True)
     ring = RedisRing.from_inventory(settings, "m", 4)
     assert [hop.host for hop in ring.route] == ["a", "b"]
     assert all(hop.redis_url == redis_url for hop in ring.route)

@@ -88,6 +88,8 @@ def env(monkeypatch, swarm, db_url):
     monkeypatch.setenv("REDIS_URL", swarm.redis_url)
     monkeypatch.setenv("SPECPIPE_SWARM", swarm.swarm)
     monkeypatch.setenv("SPECPIPE_SWARM_KEY", swarm.key)
+    # No coordinator key pinned: the shared-key mode, opted into out loud.
+    monkeypatch.setenv("SPECPIPE_INSECURE_SHARED_KEY", "1")
     monkeypatch.setenv("DATABASE_URL", db_url)
     return db_url
 
@@ -334,6 +336,8 @@ def test_no_swarm_running_is_one_line(monkeypatch, db_url, private_redis):
     monkeypatch.setenv("REDIS_URL", private_redis)
     monkeypatch.setenv("SPECPIPE_SWARM", "nobody-here")
     monkeypatch.setenv("SPECPIPE_SWARM_KEY", "a key that verifies nothing here")
+    # No coordinator key pinned: the shared-key mode, opted into out loud.
+    monkeypatch.setenv("SPECPIPE_INSECURE_SHARED_KEY", "1")
     result = CliRunner().invoke(cli, ["generate", "hi"])
     assert result.exit_code == 1
     assert "no swarm running: no stage is online in swarm 'nobody-here'" in result.output

@@ -80,6 +80,8 @@ def test_the_api_answers_400_naming_the_field(tiny_app, admin, api_token, sessio
 def test_the_cli_refuses_it_in_one_line(tiny, fits, monkeypatch, db_url):
     monkeypatch.setenv("DATABASE_URL", db_url)
     monkeypatch.setenv("SPECPIPE_SWARM_KEY", "k" * 32)
+    # No coordinator key pinned: the shared-key mode, opted into out loud.
+    monkeypatch.setenv("SPECPIPE_INSECURE_SHARED_KEY", "1")
     monkeypatch.setenv("SPECPIPE_SWARM", "context-check-nobody")
     args = ["generate", PROMPT, "--model", str(tiny), "--max-new-tokens", str(fits + 1)]
     result = CliRunner().invoke(cli, args)

@@ -418,6 +418,8 @@ def test_metrics_give_each_verified_stage_its_counters_and_batch_size(app, clien
     a stage whose Redis is down is left out, not an error."""
     swarm, key = app.config["SWARM"], "the swarm key"
     monkeypatch.setenv("SPECPIPE_SWARM_KEY", key)
+    # No coordinator key pinned: the shared-key mode, opted into out loud.
+    monkeypatch.setenv("SPECPIPE_INSECURE_SHARED_KEY", "1")
     registry = redis.Redis.from_url(app.config["REDIS_URL"])
     url = app.config["REDIS_URL"]
     try:
