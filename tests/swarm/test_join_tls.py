@@ -16,6 +16,7 @@ from redis.retry import Retry
 from specpipe.cli import cli
 from specpipe.ops import ca
 from specpipe.ops.redis_server import free_port
+from specpipe.swarm import trust
 
 DEAD = f"redis://127.0.0.1:{free_port()}/0"
 REFUSAL = (
@@ -124,10 +125,9 @@ def test_join_starts_its_redis_with_tls_from_the_hosts_tls_folder(registered, ti
 
 
 def link_warnings(caplog) -> list[str]:
-    """What `join` warned of about its links (this test's host pins no coordinator key, which
-    `join` warns of too)."""
-    said = [r.getMessage() for r in caplog.records if r.name == "specpipe.join"]
-    return [line for line in said if not line.startswith("this host pins no coordinator key")]
+    """What `join` warned of about its links (not the opt-out's warning, which is another
+    logger's: this test's host pins no coordinator key)."""
+    return [r.getMessage() for r in caplog.records if r.name == "specpipe.join"]
 
 
 def test_the_opt_out_and_a_plain_redis_elsewhere_warn_at_start(registered, tiny, caplog):
@@ -158,12 +158,26 @@ def test_the_opt_out_and_a_plain_redis_elsewhere_warn_at_start(registered, tiny,
     assert not link_warnings(caplog)
 
 
-def test_a_host_that_pins_no_coordinator_key_is_refused_unless_it_opts_out(joining, tmp_path):
+def test_a_host_that_pins_no_coordinator_key_is_refused_unless_it_opts_out(
+    joining, tmp_path, caplog, monkeypatch
+):
     joining.delenv("SPECPIPE_INSECURE_SHARED_KEY")
     result = CliRunner().invoke(cli, ["join", "--layers", "0:4", "--insecure-no-tls"])
     assert result.exit_code == 1
-    folder = tmp_path / "home" / "tls"
+    folder, home = tmp_path / "home" / "tls", tmp_path / "home"
     assert result.output.strip().splitlines() == [
         f"Error: this host pins no coordinator key: copy host 0's coordinator.pub into {folder} "
-        "(`specpipe host init` makes it there), or pass --insecure-shared-key"
+        f"or {home} (`specpipe host init` on host 0 makes it), or set "
+        "SPECPIPE_INSECURE_SHARED_KEY=1 to trust every holder of the swarm key alike"
     ]
+    assert not home.exists()  # no host key, no password
+    # The flag is the same opt-out as the variable: past the check (to the dead registry),
+    # with the warning of what it means.
+    monkeypatch.setattr(trust, "_warned", False)  # a warning once per process: this test's
+    argv = ["join", "--layers", "0:4", "--insecure-no-tls", "--insecure-shared-key"]
+    with caplog.at_level(logging.WARNING):
+        result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 1 and "cannot reach the registry" in result.output
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "specpipe.trust"]
+    assert warning.startswith("this host pins no coordinator key (SPECPIPE_INSECURE_SHARED_KEY=1)")
+    assert "can speak here as the coordinator or as any host" in warning

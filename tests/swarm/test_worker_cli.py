@@ -1,5 +1,6 @@
 """`specpipe worker …` refuses bad input with one line and changes nothing; a stage worker
-with the test-only lossy tail switched on says so, in its log and in its inventory record."""
+with the test-only lossy tail switched on says so, in its log and in its inventory record, as
+one that pins no coordinator key says it runs in the shared-key mode."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def clean_env(monkeypatch, tmp_path, swarm, redis_url):
     monkeypatch.setenv("SPECPIPE_HOME", str(tmp_path))  # no swarm key kept there
     monkeypatch.setenv("SPECPIPE_SWARM", swarm)
     monkeypatch.setenv("SPECPIPE_SWARM_KEY", "k" * 32)
+    # What these tests try comes after the identity check: they run in the shared-key mode.
+    monkeypatch.setenv("SPECPIPE_INSECURE_SHARED_KEY", "1")
     monkeypatch.setenv("REDIS_URL", redis_url)
     return monkeypatch
 
@@ -111,6 +114,10 @@ def test_a_stage_with_the_test_lossy_tail_warns_at_start_and_flags_its_record(
     log = proc.stderr.read()
     proc.stderr.close()
     assert node.test_lossy_tail is lossy
+    # It pins no coordinator key, out loud: said once, at start (not at each key reload).
+    [shared] = [line for line in log.splitlines() if "SPECPIPE_INSECURE_SHARED_KEY=1" in line]
+    assert " WARNING specpipe.trust this host pins no coordinator key" in shared
+    assert log.index(shared) < log.index("nj: serving")
     warnings = [line for line in log.splitlines() if "SPECPIPE_TEST_LOSSY_TAIL" in line]
     if lossy:
         [line] = warnings

@@ -1,4 +1,5 @@
-"""The nodes page counts the live inventory's records that do not verify."""
+"""The nodes page counts the live inventory's records that do not verify, and says why it
+reads none where it cannot."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ def test_nodes_page_counts_records_that_do_not_verify(app, client, session, monk
     swarm = f"w{uuid.uuid4().hex[:10]}"
     app.config["SWARM"] = swarm
     monkeypatch.setenv("SPECPIPE_SWARM_KEY", "the swarm key")
+    # No coordinator key pinned: the shared-key mode, opted into out loud.
+    monkeypatch.setenv("SPECPIPE_INSECURE_SHARED_KEY", "1")
     gen_ring(session, 2)
     assert 'id="ignored-records"' not in client.get("/nodes/").get_data(as_text=True)
     registry = redis.Redis.from_url(app.config["REDIS_URL"])
@@ -34,6 +37,8 @@ def test_nodes_page_shows_the_rings_latency_once_measured(app, client, session, 
     swarm = f"w{uuid.uuid4().hex[:10]}"
     app.config["SWARM"] = swarm
     monkeypatch.setenv("SPECPIPE_SWARM_KEY", "the swarm key")
+    # No coordinator key pinned: the shared-key mode, opted into out loud.
+    monkeypatch.setenv("SPECPIPE_INSECURE_SHARED_KEY", "1")
     gen_ring(session, 2)
     url = app.config["REDIS_URL"]
     registry = redis.Redis.from_url(url)
@@ -56,3 +61,21 @@ def test_nodes_page_shows_the_rings_latency_once_measured(app, client, session, 
     assert html.split('id="ring-time">', 1)[1].startswith("15.5 ms per round")
     assert html.split('id="latency-ceiling">', 1)[1].startswith("64.5 tok/s")
     assert "wa → nj" in html and "nj → coordinator" in html
+
+
+def test_without_a_pinned_key_the_nodes_page_and_metrics_answer_and_say_why(
+    app, client, session, monkeypatch
+):
+    app.config["SWARM"] = f"w{uuid.uuid4().hex[:10]}"
+    monkeypatch.setenv("SPECPIPE_SWARM_KEY", "s3cret-swarm-key")
+    for name in ("SPECPIPE_INSECURE_SHARED_KEY", "SPECPIPE_COORDINATOR_PUB", "SPECPIPE_TLS_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    gen_ring(session, 2)
+    page = client.get("/nodes/")
+    assert page.status_code == 200
+    html = page.get_data(as_text=True)
+    note = html.split('id="inventory-unread">', 1)[1].split("</div>", 1)[0]
+    assert note.startswith("The live inventory is not read: this host pins no coordinator key")
+    assert "SPECPIPE_INSECURE_SHARED_KEY=1" in note and "s3cret" not in html
+    assert 'id="ring-time"' not in html
+    assert client.get("/metrics").status_code == 200
