@@ -19,9 +19,10 @@ folder (`specpipe host admit|revoke`). Every host pins the coordinator's public 
 
 The swarm key still seals every message (what a Redis holds stays unreadable to it); these
 signatures say which host, among those that hold it, wrote what. A process that pins no
-coordinator key trusts every holder of the swarm key alike, as before per-host keys (a
-`Keyring` without `coordinator`): `specpipe up` and the lab always pin one, and `specpipe join`
-refuses to serve on a host that pins none unless told to (`--insecure-shared-key`).
+coordinator key does not start (`specpipe.swarm.trust.check_pinned`), unless its operator opted
+out out loud (`SPECPIPE_INSECURE_SHARED_KEY=1`): it then trusts every holder of the swarm key
+alike, as before per-host keys (a `Keyring` without `coordinator`). `specpipe up` and the lab
+always pin one.
 """
 
 from __future__ import annotations
