@@ -32,6 +32,9 @@ CLEARED = (
     "SPECPIPE_SWARM",
     "SPECPIPE_MODEL",
     "SPECPIPE_REDIS_PASSWORD",
+    # Its processes pin its own coordinator key: none comes from outside, nor the opt-out.
+    "SPECPIPE_COORDINATOR_PUB",
+    "SPECPIPE_INSECURE_SHARED_KEY",
 )
 
 
@@ -173,9 +176,16 @@ def test_up_runs_a_job_restarts_a_dead_stage_and_leaves_nothing(tmp_path, monkey
                 swarm_user.execute_command(*command)
         swarm_user.close()
         client = redis.Redis.from_url(state["redis_url"])
-        # Host identities: the stages sign as themselves, the coordinator pins its own key.
+        # Host identities: the stages sign as themselves, the coordinator pins its own key, and
+        # so does every child (without a pin none would have started).
         keys = trust.home_keyring(home)
         assert keys.coordinator is not None
+        pin = (home / "coordinator.pub").read_text().strip()
+        for child in up.children():
+            if "redis-server" not in " ".join(child.cmdline()):
+                environ = child.environ()
+                assert environ.get("SPECPIPE_COORDINATOR_PUB") == pin, child.cmdline()
+                assert "SPECPIPE_INSECURE_SHARED_KEY" not in environ
         nodes = inventory.load(client, state["swarm"], keys)
         for name in ("coordinator_key", f"rosters/{state['swarm']}"):
             assert stat.S_IMODE((home / name).stat().st_mode) == 0o600, name
