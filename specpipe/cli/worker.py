@@ -295,9 +295,9 @@ def worker_beat(loglevel: str) -> None:
     """
     from specpipe import settings
 
+    celery = _celery_app()
     home = settings.instance_dir()
     home.mkdir(parents=True, exist_ok=True)
-    celery = _celery_app()
     celery.start(["beat", "-s", str(home / "celerybeat-schedule"), f"--loglevel={loglevel}"])
 
 
