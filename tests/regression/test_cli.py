@@ -15,7 +15,13 @@ from specpipe.cli.proof import open_ring
 from specpipe.swarm import inventory
 from specpipe.swarm.redact import without_credentials
 
-NO_SWARM = {"SPECPIPE_SWARM_KEY": "k" * 32, "SPECPIPE_MODEL": "toy", "REDIS_URL": None}
+# No coordinator key pinned: the shared-key mode, opted into out loud.
+NO_SWARM = {
+    "SPECPIPE_SWARM_KEY": "k" * 32,
+    "SPECPIPE_INSECURE_SHARED_KEY": "1",
+    "SPECPIPE_MODEL": "toy",
+    "REDIS_URL": None,
+}
 
 
 def invoke(*args: str, env: dict | None = None):

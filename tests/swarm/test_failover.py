@@ -152,6 +152,7 @@ def test_a_job_whose_stage_is_killed_goes_on_through_the_spare_identically(
         ("REDIS_URL", spared.redis_url),
         ("SPECPIPE_SWARM", spared.swarm),
         ("SPECPIPE_SWARM_KEY", spared.key),
+        ("SPECPIPE_INSECURE_SHARED_KEY", "1"),  # the test swarm's shared-key mode
         ("DATABASE_URL", db_url),
     ):
         monkeypatch.setenv(name, value)

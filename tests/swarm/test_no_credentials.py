@@ -75,6 +75,8 @@ def test_no_password_in_any_message_record_dead_letter_log_or_file(tmp_path, mon
     env = {
         **os.environ,
         "SPECPIPE_SWARM_KEY": key,
+        # No coordinator key pinned: the shared-key mode, opted into out loud.
+        "SPECPIPE_INSECURE_SHARED_KEY": "1",
         "SPECPIPE_REDIS_PASSWORD": password,
         "OMP_NUM_THREADS": "1",
     }
