@@ -6,7 +6,6 @@ have had, and nothing is lost or stuck."""
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 
 import redis
@@ -42,15 +41,19 @@ def forge_reply(swarm, home, settings, passed: wire.Message, **fields) -> bytes:
     return wire.encode(reply, swarm, as_a)
 
 
-def lie_during_a_round(stages, ring, swarm, home, settings, redis_url, committed, read, **lie):
-    """Drive one round of `ring` while b is stopped and a answers it with the reply `lie`;
-    once `read()` says the ring read it, b goes on; the round's outcome (committed ids, or the
-    exception)."""
+# Stage a takes this long over each round before it passes it on, so the reply
+# it forges reaches the coordinator before the tail's, while every stage heartbeats on.
+LIAR_DELAY = ("--delay-ms", "2500")
+
+
+def lie_during_a_round(ring, swarm, home, settings, redis_url, committed, read, **lie):
+    """Drive one round of `ring` while a, its first stage, answers it with the reply `lie`
+    before it passes the round on; the round's outcome (committed ids, or the exception) once
+    `read()` says the ring read the lie."""
     pin = identity.public_key((home / COORDINATOR_PUB_FILE).read_text())
     reader = wire.Keyring([settings.swarm_key], coordinator=pin)
     first = ring.route[0].host
     tap = Tap(redis_url, streams.stage_key(swarm, first))
-    stages.procs["b"].send_signal(signal.SIGSTOP)
     outcome: list = []
 
     def one_round():
@@ -72,7 +75,6 @@ def lie_during_a_round(stages, ring, swarm, home, settings, redis_url, committed
         client.close()
         wait_until(read, 20, "the lie to be read")
     finally:
-        stages.procs["b"].send_signal(signal.SIGCONT)
         tap.close()
     driver.join(60)
     return outcome[0]
@@ -88,7 +90,8 @@ def test_a_stages_word_alone_does_not_move_its_next_hops_traffic(
     caplog.set_level(logging.WARNING, logger="specpipe.coordinator")
     monkeypatch.setattr(failover, "FAILOVER_WAIT_S", 1.0)
     stages, settings, home = identified
-    for host, layers in (("a", "0:2"), ("b", "2:4"), ("b2", "2:4")):
+    stages.start("a", "0:2", redis_url, *LIAR_DELAY, wait=False)
+    for host, layers in (("b", "2:4"), ("b2", "2:4")):
         stages.start(host, layers, redis_url, wait=False)
     stages.wait_ready(["a", "b", "b2"])
     ring = checked_ring(settings, "toy", 4)
@@ -97,14 +100,14 @@ def test_a_stages_word_alone_does_not_move_its_next_hops_traffic(
     committed, _ = drive(ring, "s", rounds=2, k=3)
     lie = dict(kind="unreachable", reason="cannot pass the round to b: (a lie)")
     read = lambda: "round failed: cannot pass" in caplog.text  # noqa: E731
-    got = lie_during_a_round(stages, ring, swarm, home, settings, redis_url, committed, read, **lie)
+    got = lie_during_a_round(ring, swarm, home, settings, redis_url, committed, read, **lie)
     assert got == reference([(0, 2), (2, 4)], rounds=3, k=3)[0]
     assert [hop.host for hop in ring.route] == ["a", "b"] and ring.failovers == 0
 
     # With a spare for a as well, the claim moves both: a is left out with b.
     stages.start("a2", "0:2", redis_url)
     caplog.clear()
-    gap = lie_during_a_round(stages, ring, swarm, home, settings, redis_url, got, read, **lie)
+    gap = lie_during_a_round(ring, swarm, home, settings, redis_url, got, read, **lie)
     assert isinstance(gap, GapError) and ring.failovers == 1
     assert [hop.host for hop in ring.route] == ["a2", "b2"]
     ring.reset("s", PARAMS)  # the job replays from position 0 on the new route
@@ -117,7 +120,7 @@ def test_only_the_tail_ends_a_round(identified, swarm, redis_url):
     """On main a middle stage could answer the rounds it passed on with a `result` of its own
     (signed as itself, with identities): the coordinator took it as the tail's verdict."""
     stages, settings, home = identified
-    stages.start("a", "0:2", redis_url)
+    stages.start("a", "0:2", redis_url, *LIAR_DELAY)
     stages.start("b", "2:4", redis_url)
     ring = RedisRing.from_inventory(settings, "toy", 4, timeout_s=20)
     ring.reset("s", PARAMS)
@@ -125,7 +128,7 @@ def test_only_the_tail_ends_a_round(identified, swarm, redis_url):
     before = ring.dropped_replies
     read = lambda: ring.dropped_replies > before  # noqa: E731
     lie = dict(kind="result", tokens=(7, 7, 7, 7))  # the round's token and its 3 drafts
-    got = lie_during_a_round(stages, ring, swarm, home, settings, redis_url, committed, read, **lie)
+    got = lie_during_a_round(ring, swarm, home, settings, redis_url, committed, read, **lie)
     assert got == reference([(0, 2), (2, 4)], rounds=3, k=3)[0]
     ring.drop("s")
     ring.close()
