@@ -199,7 +199,9 @@ def test_a_dead_stage_whose_clock_ran_60_s_fast_lapses_after_lapse_s(
     skew(monkeypatch, 0.0)
     found = inventory.read(client, swarm, key)
     (node,) = found.nodes
-    assert abs(node.last_heartbeat - last.last_heartbeat) < 1e-6
+    # Its own date, or the moment it was read where that date ran past it by the estimates'
+    # error: a record is never believed fresher than its reading.
+    assert 0 <= last.last_heartbeat - node.last_heartbeat < 0.01
     assert abs(found.now - node.last_heartbeat) < 0.1  # dated on the registry's clock
     lapse_s = node.lapse_s()
     assert not node.lapsed(node.last_heartbeat + lapse_s - 0.05)
