@@ -28,6 +28,9 @@ from specpipe.core.stopping import (
 from specpipe.model.harmony import Reply, split_reply
 from specpipe.settings import JOB_DEFAULTS
 
+# How long a submission waits for the stages to beat back into a registry it mended.
+MENDED_WAIT_S = 3.0
+
 
 class StopOptionError(click.ClickException):
     """Stop strings that cannot be used: one line, exit status 2."""
@@ -332,6 +335,30 @@ def generate_locally(request: dict, model_name: str, options: dict, stream: Text
     )
 
 
+def _inventory_mended(client, config, keys):
+    """The swarm's inventory, for the check that a swarm runs. A registry key of the wrong type
+    (a host's doing) is mended as beat would (`roster.repair`: deleted, and on host 0 the roster
+    published again), and the inventory read again while the stages beat back in."""
+    import redis
+
+    from specpipe.ops import roster
+    from specpipe.swarm import inventory
+
+    try:
+        return inventory.read(client, config.swarm, keys)
+    except redis.ResponseError as exc:
+        if not inventory.wrong_type(exc):
+            raise
+    roster.repair(client, config.swarm, config.home)
+    give_up_at = time.monotonic() + MENDED_WAIT_S
+    while True:
+        found = inventory.read(client, config.swarm, keys)
+        online = any(n.status(found.now) == "online" for n in found.nodes)
+        if online or time.monotonic() >= give_up_at:
+            return found
+        time.sleep(0.25)
+
+
 def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> tuple[int, Outcome]:
     """Submit a job to the running swarm and stream its text as it is recorded; `request` may
     say how the prompt is fed (`raw_prompt`)."""
@@ -340,7 +367,7 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
     from models.db import make_session_factory
     from models.jobs import Job
     from specpipe import settings
-    from specpipe.swarm import inventory, trust
+    from specpipe.swarm import trust
     from specpipe.swarm.redact import redact_url
     from workers.submission import QueueUnavailable, Submitter
 
@@ -356,7 +383,7 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
     client = redis.Redis.from_url(url, socket_connect_timeout=3)
     try:
         client.ping()
-        found = inventory.read(client, swarm, keys) if keys else None
+        found = _inventory_mended(client, config, keys) if keys else None
     except redis.RedisError as exc:
         raise click.ClickException(
             f"no swarm running: cannot reach Redis at {redact_url(url)} ({exc}); {hint}"

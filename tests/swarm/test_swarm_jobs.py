@@ -23,6 +23,7 @@ from models.runs import Run
 from specpipe.cli import cli
 from specpipe.ops.redis_server import RedisServer, free_port
 from specpipe.settings import job_limits
+from specpipe.swarm import inventory
 from tests.swarmprocs import Swarm, write_tiny_model
 from tests.waiting import wait_until
 from workers.job_lock import lock_key
@@ -184,6 +185,20 @@ def test_a_swarm_job_with_a_stop_string_equals_the_local_run(tiny, env):
     args = [a for a in options(tiny, **kw) if a != "--json"]
     streamed = CliRunner().invoke(cli, ["generate", PROMPT, *args, "--stop", stop])
     assert streamed.exit_code == 0 and streamed.stdout == want + "\n"
+
+
+def test_a_job_is_submitted_over_a_registry_a_host_retyped(tiny, env, swarm):
+    """On main `specpipe generate` answered "no swarm running" (WRONGTYPE) while a host had
+    turned the inventory into a stream, until beat mended it: it mends it itself now."""
+    kw = dict(temp=0.0, max_new_tokens=12)
+    want = generate("--local", "--stages", "2", *options(tiny, **kw))
+    client = redis.Redis.from_url(swarm.redis_url)
+    nodes = inventory.nodes_key(swarm.swarm)
+    client.expire(nodes, 0)
+    client.xadd(nodes, {"by": "a hostile host"})
+    assert generate(*options(tiny, **kw))["tokens"] == want["tokens"]
+    assert client.type(nodes) == b"hash"
+    client.close()
 
 
 def watch(db_url, until, what: str, timeout_s: float = 60.0) -> Job:
