@@ -150,9 +150,21 @@ def save_proof_run(
 
 
 def night_outcome(session: Session, night: str) -> dict | None:
-    """The stored nightly run that answers `night` (key, run_id, name, verdict), None while
-    there is none. This, not anything in Redis, is a night's verdict."""
+    """The stored nightly run that answers `night` (key, run_id, name, verdict, and `failed`:
+    each proof that did not pass, by kind, with its verdict and the error it stored), None
+    while there is none. This, not anything in Redis, is a night's verdict."""
     run = session.scalars(select(Run).where(Run.night == night, Run.kind == "nightly")).first()
     if run is None:
         return None
-    return {"key": night, "run_id": run.id, "name": run.name, "verdict": run.verdict}
+    failed = {
+        p.kind: f"{p.verdict}: {(p.summary or {}).get('error', 'see the run')}"
+        for p in run.proofs
+        if p.verdict != "pass"
+    }
+    return {
+        "key": night,
+        "run_id": run.id,
+        "name": run.name,
+        "verdict": run.verdict,
+        "failed": failed,
+    }

@@ -11,9 +11,8 @@ from celery import shared_task
 from sqlalchemy.orm import Session
 
 from models.nodes import NODE_FIELDS, upsert_node
-from specpipe.ops import roster
 from specpipe.settings import Settings
-from specpipe.swarm import inventory, trust
+from specpipe.swarm import inventory, mending, trust
 from specpipe.swarm.redact import redact_url
 from workers.names import SYNC_NODES_TASK
 
@@ -34,14 +33,12 @@ def sync_inventory(session: Session, nodes: list[inventory.NodeInfo]) -> int:
 
 @shared_task(name=SYNC_NODES_TASK, bind=True)
 def sync(self) -> int:
-    """Celery beat task: put the registry's keys right (`roster.repair`), then read the
+    """Celery beat task: put the registry's keys right (`mending.repair`), then read the
     inventory from the swarm's Redis and store it."""
     settings = Settings.from_env()
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3)
     try:
-        repaired = roster.repair(client, settings.swarm, settings.home)
-        if repaired:
-            log.warning("the registry held %s of the wrong type: deleted", ", ".join(repaired))
+        mending.repair(client, settings.swarm, settings.home)
         nodes = inventory.load(client, settings.swarm, trust.keyring(settings))
     finally:
         client.close()

@@ -28,9 +28,6 @@ from specpipe.core.stopping import (
 from specpipe.model.harmony import Reply, split_reply
 from specpipe.settings import JOB_DEFAULTS
 
-# How long a submission waits for the stages to beat back into a registry it mended.
-MENDED_WAIT_S = 3.0
-
 
 class StopOptionError(click.ClickException):
     """Stop strings that cannot be used: one line, exit status 2."""
@@ -335,28 +332,22 @@ def generate_locally(request: dict, model_name: str, options: dict, stream: Text
     )
 
 
-def _inventory_mended(client, config, keys):
-    """The swarm's inventory, for the check that a swarm runs. A registry key of the wrong type
-    (a host's doing) is mended as beat would (`roster.repair`: deleted, and on host 0 the roster
-    published again), and the inventory read again while the stages beat back in."""
-    import redis
+def _online(client, config, keys):
+    """The swarm's inventory, for the check that a swarm runs: mended first where a host
+    retyped the registry, and read again while its stages beat back in
+    (`mending.read_mended`); None when no stage is online."""
+    from specpipe.swarm import mending
+    from specpipe.swarm.inventory import RouteError
 
-    from specpipe.ops import roster
-    from specpipe.swarm import inventory
+    def some_online(found):
+        if not any(n.status(found.now) == "online" for n in found.nodes):
+            raise RouteError("no stage is online")
+        return found
 
     try:
-        return inventory.read(client, config.swarm, keys)
-    except redis.ResponseError as exc:
-        if not inventory.wrong_type(exc):
-            raise
-    roster.repair(client, config.swarm, config.home)
-    give_up_at = time.monotonic() + MENDED_WAIT_S
-    while True:
-        found = inventory.read(client, config.swarm, keys)
-        online = any(n.status(found.now) == "online" for n in found.nodes)
-        if online or time.monotonic() >= give_up_at:
-            return found
-        time.sleep(0.25)
+        return mending.read_mended(client, config.swarm, keys, some_online, config.home)[1]
+    except RouteError:
+        return None
 
 
 def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> tuple[int, Outcome]:
@@ -383,7 +374,7 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
     client = redis.Redis.from_url(url, socket_connect_timeout=3)
     try:
         client.ping()
-        found = _inventory_mended(client, config, keys) if keys else None
+        found = _online(client, config, keys) if keys else None
     except redis.RedisError as exc:
         raise click.ClickException(
             f"no swarm running: cannot reach Redis at {redact_url(url)} ({exc}); {hint}"
@@ -395,7 +386,7 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
             "no swarm running here: no swarm key; set SPECPIPE_SWARM_KEY, "
             "or start one with `specpipe up`"
         )
-    if found is None or not any(n.status(found.now) == "online" for n in found.nodes):
+    if found is None:
         raise click.ClickException(
             f"no swarm running: no stage is online in swarm {swarm!r} at {redact_url(url)}; {hint}"
         )

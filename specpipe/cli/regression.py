@@ -70,6 +70,8 @@ def regression_run(timeout: float) -> None:
             f"no verdict within {timeout:g} s (is a nightly worker running?)"
         )
     click.echo(f"verdict: {outcome['verdict']}")
+    for kind, why in outcome["failed"].items():
+        click.echo(f"  {kind}: {why}")
     click.echo(outcome["name"])
     if outcome["verdict"] != "pass":
         raise SystemExit(1)

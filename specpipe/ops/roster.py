@@ -16,7 +16,7 @@ from pathlib import Path
 import redis
 
 from specpipe import settings
-from specpipe.swarm import identity, inventory
+from specpipe.swarm import identity
 from specpipe.swarm.identity import Roster, Signer
 
 
@@ -96,18 +96,3 @@ def admit_own_hosts(
         roster = Roster(swarm, roster.version + 1, wanted)
     store(client, roster, signer, home)
     return roster
-
-
-def repair(client: redis.Redis, swarm: str, home: Path | None = None) -> list[str]:
-    """The registry's keys put right on host 0: any of another type deleted
-    (`inventory.repair_registry`), and the roster published again from host 0's copy when the
-    registry lost it (this host holding the coordinator key). The keys deleted."""
-    deleted = inventory.repair_registry(client, swarm)
-    if not settings.coordinator_key_path(home).exists():
-        return deleted
-    signer = coordinator(home)
-    if identity.stored_roster(client, swarm) is None:
-        kept = identity.load_roster_file(settings.roster_path(swarm, home), swarm, signer)
-        if kept.version > 0:
-            identity.publish_roster(client, kept, signer)
-    return deleted

@@ -365,31 +365,6 @@ def publish(
     return node
 
 
-# The registry's keys a stage host may write, and the type each must have.
-REGISTRY_TYPES = {"nodes": "hash", "roster": "string"}
-
-
-def wrong_type(exc: BaseException) -> bool:
-    """Whether `exc` is Redis refusing a command on a key of another type (one a host put
-    there in place of the registry's own)."""
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith("WRONGTYPE")
-
-
-def repair_registry(client: redis.Redis, swarm: str) -> list[str]:
-    """Delete the registry's keys that hold another type than theirs (a stage host's
-    `EXPIRE` and `XADD` can turn the inventory into a stream, which every heartbeat and read
-    then fails on); the stages' next beats write the inventory again. The keys deleted."""
-    keys = {"nodes": nodes_key(swarm), "roster": identity.roster_key(swarm)}
-    deleted = []
-    for name, key in keys.items():
-        found = client.type(key)
-        found = found.decode() if isinstance(found, bytes) else found
-        if found not in ("none", REGISTRY_TYPES[name]):
-            client.delete(key)
-            deleted.append(key)
-    return deleted
-
-
 def remove(client: redis.Redis, swarm: str, host: str) -> None:
     """Take a node out of the inventory (a clean shutdown)."""
     client.hdel(nodes_key(swarm), host)

@@ -39,10 +39,10 @@ from specpipe.core.coupling import sampler_for
 from specpipe.core.ring import Branches, GapError, RoundResult
 from specpipe.core.sampling import SamplingParams, TokenLogprob
 from specpipe.settings import Settings
-from specpipe.swarm import identity, inventory, streams, trust, wire
+from specpipe.swarm import identity, inventory, mending, streams, trust, wire
 from specpipe.swarm.clock import SwarmClock
 from specpipe.swarm.dialing import Dialer
-from specpipe.swarm.inventory import NodeInfo, RouteError
+from specpipe.swarm.inventory import NodeInfo
 from specpipe.swarm.redact import redact_text, redact_url
 
 log = logging.getLogger("specpipe.coordinator")  # it runs in the coordinator
@@ -64,8 +64,6 @@ ROSTER_EVERY_S = 0.5
 # How long checking a stage's word that its next hop's Redis is unreachable may take: a cut-off
 # host is as gone to this check as to the stage.
 PROBE_TIMEOUT_S = 1.0
-REPAIR_PAUSE_S = 0.3  # after deleting a registry key of the wrong type: about one stage beat
-REPAIR_WAIT_S = 3.0  # how long a ring's build waits for the stages to beat into a mended registry
 
 
 class RingError(RuntimeError):
@@ -200,7 +198,7 @@ class RedisRing:
             raise RingError(str(exc)) from None
         found, route = _routed_through_outage(
             keys,
-            settings.swarm,
+            settings,
             registry,
             outage_s,
             lambda found: inventory.route(
@@ -521,7 +519,7 @@ class RedisRing:
             try:
                 entries = link.call(*send, read)[-1]
             except redis.ResponseError as exc:
-                if not inventory.wrong_type(exc):
+                if not mending.wrong_type(exc):
                     raise
                 # A key of another type where the session's replies go: the tail's could not
                 # be written. It is this coordinator's key: deleted, and the round sent again.
@@ -562,19 +560,18 @@ class RedisRing:
 
 def _routed_through_outage(
     keys: wire.Keyring,
-    swarm: str,
+    settings: Settings,
     registry: str,
     outage_s: float,
     route_of: Callable[[inventory.Inventory], list[NodeInfo]],
 ) -> tuple[inventory.Inventory, list[NodeInfo]]:
-    """The registry's verified inventory and `route_of` it, read again after a pause while the
-    registry is unreachable (restarting, loading its file) for up to `outage_s`, as a round
-    waits for a restarting Redis. A registry key of the wrong type (a host's doing) is deleted
-    here, and read again for up to `REPAIR_WAIT_S` while the stages beat into the mended
-    registry. Then, or on any other Redis error, a RingError; a RouteError once no wait is left.
+    """The registry's verified inventory and `route_of` it (`mending.read_mended`: a registry
+    a host retyped is mended, and read again while the stages beat back in), read again after
+    a pause while the registry is unreachable (restarting, loading its file) for up to
+    `outage_s`, as a round waits for a restarting Redis. Then, or on any other Redis error, a
+    RingError; a RouteError once no wait is left.
     """
     give_up_at = time.monotonic() + outage_s
-    mended_until = 0.0  # while the stages beat into a registry mended here
     client = redis.Redis.from_url(registry, socket_connect_timeout=5, socket_timeout=5)
 
     def failed(exc: Exception) -> RingError:
@@ -584,25 +581,12 @@ def _routed_through_outage(
     try:
         while True:
             try:
-                found = inventory.read(client, swarm, keys)
-                return found, route_of(found)
-            except RouteError:
-                if time.monotonic() >= mended_until:
-                    raise
-                time.sleep(REPAIR_PAUSE_S)
+                return mending.read_mended(client, settings.swarm, keys, route_of, settings.home)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if time.monotonic() >= give_up_at:
                     raise failed(exc) from None
                 time.sleep(RECONNECT_S)
             except redis.RedisError as exc:
-                if not inventory.wrong_type(exc) or 0 < mended_until <= time.monotonic():
-                    raise failed(exc) from None
-                try:
-                    deleted = inventory.repair_registry(client, swarm)
-                except redis.RedisError:
-                    raise failed(exc) from None
-                log.warning("the registry held %s of the wrong type: deleted", deleted)
-                mended_until = mended_until or time.monotonic() + REPAIR_WAIT_S
-                time.sleep(REPAIR_PAUSE_S)
+                raise failed(exc) from None
     finally:
         client.close()

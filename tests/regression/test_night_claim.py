@@ -13,7 +13,7 @@ import redis
 
 from models.db import utcnow
 from models.proof_store import night_outcome
-from models.runs import Run
+from models.runs import Proof, Run
 from tests.waiting import wait_until
 from workers import regression
 from workers.names import NIGHTLY_TASK, manual_key, night_key
@@ -115,12 +115,17 @@ def test_an_outcome_written_into_redis_does_not_mark_a_night_done(client, claim,
     assert keeper is not None  # the night runs
     keeper.stop()
     assert night_outcome(db_session, key) is None  # and nothing counts as its verdict yet
-    run = store_night(db_session, key, verdict="fail")
+    run = store_night(db_session, key, verdict="error")
+    run.proofs.append(
+        Proof(kind="on_swarm", trigger="nightly", verdict="error", summary={"error": "no ring"})
+    )
+    db_session.commit()
     assert night_outcome(db_session, key) == {
         "key": key,
         "run_id": run.id,
         "name": run.name,
-        "verdict": "fail",
+        "verdict": "error",
+        "failed": {"on_swarm": "error: no ring"},  # what `regression run` prints under it
     }
 
 

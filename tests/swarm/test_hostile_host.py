@@ -13,7 +13,7 @@ import redis
 from specpipe.core.ring import GapError
 from specpipe.ops import roster
 from specpipe.settings import COORDINATOR_PUB_FILE
-from specpipe.swarm import failover, identity, inventory, streams, trust, wire
+from specpipe.swarm import failover, identity, inventory, mending, streams, trust, wire
 from specpipe.swarm.identity import Signer
 from specpipe.swarm.redis_ring import RedisRing
 from tests.swarm.test_attacks import Tap
@@ -188,7 +188,7 @@ def test_registry_keys_of_the_wrong_type_stop_no_job(identified, swarm, redis_ur
     # Host 0's beat puts the roster back from its own copy, and admitting works on a damaged
     # roster too.
     retyped(client, roster_key)
-    assert roster.repair(client, swarm, home) == [roster_key]
+    assert mending.repair(client, swarm, home) == [roster_key]
     pin = identity.public_key((home / COORDINATOR_PUB_FILE).read_text())
     believed, fresh = identity.read_roster(client, swarm, pin)
     assert fresh and {"a", "b"} <= set(believed.hosts)
