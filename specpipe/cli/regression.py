@@ -27,7 +27,8 @@ def regression_run(timeout: float) -> None:
 
     Enqueues `workers.regression.nightly` on the `nightly` queue (its worker, `specpipe worker
     nightly`, must be running; `specpipe up` runs one), waits for the run to be stored and
-    prints its verdict, read from the store (DATABASE_URL); the last line is the run id.
+    prints its verdict, read from the store (DATABASE_URL); the last line is the run id. Each
+    proof that did not pass is named on stderr, with its error.
     Exits 0 on pass, 1 otherwise.
 
     Example:
@@ -71,7 +72,7 @@ def regression_run(timeout: float) -> None:
         )
     click.echo(f"verdict: {outcome['verdict']}")
     for kind, why in outcome["failed"].items():
-        click.echo(f"  {kind}: {why}")
+        click.echo(f"  {kind}: {why}", err=True)
     click.echo(outcome["name"])
     if outcome["verdict"] != "pass":
         raise SystemExit(1)

@@ -201,6 +201,7 @@ def test_a_verdict_faked_in_the_broker_is_not_reported_and_the_night_runs(live_s
     assert command.returncode == 1, out + err
     [run] = nightly_runs(live_swarm.db_url)
     assert out.strip().splitlines()[-2:] == ["verdict: fail", run.name]
+    assert "on_swarm: error: SPECPIPE_TEST_LOSSY_TAIL=1 is set" in err  # why, on stderr
     assert run.night == key and run.verdict == "fail"
     assert [
         a.split()[-1] for a in live_swarm.client.lrange(attempts_key(live_swarm.name, key), 0, -1)
