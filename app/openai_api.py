@@ -29,7 +29,7 @@ from models.nodes import ring_nodes
 from specpipe import __version__
 from specpipe.core.sampling import MAX_TOP_LOGPROBS
 from specpipe.core.stopping import GenerationText, hold_back_stop_prefix
-from specpipe.model.harmony import Reply, split_reply
+from specpipe.transformer.harmony import Reply, split_reply
 from workers.submission import JobRequestError, QueueUnavailable, TooManyActiveJobs
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")

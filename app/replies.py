@@ -1,6 +1,6 @@
 """A job's reply as its reader sees it: gpt-oss's reasoning and answer apart.
 
-gpt-oss writes its chat replies in harmony's channels (`specpipe.model.harmony`): reasoning in
+gpt-oss writes its chat replies in harmony's channels (`specpipe.transformer.harmony`): reasoning in
 `analysis`, the answer in `final`. A job keeps the reply as generated, markers and all; the job
 page, the jobs API and the OpenAI API give the two apart, as OpenAI-compatible servers do.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from models.jobs import Job
 from specpipe.decoding.target import Target, open_target
-from specpipe.model.harmony import Reply, split_reply
+from specpipe.transformer.harmony import Reply, split_reply
 
 
 def job_target(job: Job) -> Target | None:

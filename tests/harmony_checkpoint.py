@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specpipe.model import synth
+from specpipe.transformer import synth
 
 VOCAB = 201088
 SPECIALS = {

@@ -19,7 +19,7 @@ ENGINE = (
     "specpipe.core",
     "specpipe.prompts",
     "specpipe.settings",
-    "specpipe.model",
+    "specpipe.transformer",
     "specpipe.drafting",
     "specpipe.decoding",
     "specpipe.proofs",
@@ -31,31 +31,31 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "specpipe.core": (),
     "specpipe.prompts": (),
     "specpipe.settings": ("specpipe.core",),
-    "specpipe.model": ("specpipe.core", "specpipe.settings"),
+    "specpipe.transformer": ("specpipe.core", "specpipe.settings"),
     "specpipe.drafting": (
         "specpipe.core",
         "specpipe.settings",
         "specpipe.prompts",
-        "specpipe.model",
+        "specpipe.transformer",
     ),
     "specpipe.decoding": (
         "specpipe.core",
         "specpipe.settings",
-        "specpipe.model",
+        "specpipe.transformer",
         "specpipe.drafting",
     ),
     "specpipe.proofs": (
         "specpipe.core",
         "specpipe.settings",
         "specpipe.prompts",
-        "specpipe.model",
+        "specpipe.transformer",
         "specpipe.drafting",
         "specpipe.decoding",
     ),
     "specpipe.swarm": (
         "specpipe.core",
         "specpipe.settings",
-        "specpipe.model",
+        "specpipe.transformer",
         "specpipe.drafting",
         "specpipe.decoding",
     ),
@@ -173,7 +173,10 @@ def test_no_import_circles():
 
 @pytest.mark.parametrize(
     "module, target",
-    [("specpipe.swarm.wire", "models.jobs"), ("specpipe.model.stage", "specpipe.swarm.streams")],
+    [
+        ("specpipe.swarm.wire", "models.jobs"),
+        ("specpipe.transformer.layer_range", "specpipe.swarm.streams"),
+    ],
 )
 def test_the_check_sees_a_forbidden_arrow(module, target, monkeypatch):
     monkeypatch.setitem(GRAPH, module, GRAPH[module] | {target})

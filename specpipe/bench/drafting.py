@@ -45,7 +45,7 @@ def write_eagle3_head(model: str, folder: Path, draft_vocab: int) -> Path:
     from safetensors.torch import save_file
 
     from specpipe.drafting.eagle3_synth import head_config, head_tensors, model_fields
-    from specpipe.model.resolve import open_checkpoint
+    from specpipe.transformer.resolve import open_checkpoint
 
     cfg = open_checkpoint(model).config
     vocab = min(draft_vocab, cfg.vocab_size)

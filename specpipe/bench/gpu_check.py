@@ -10,9 +10,9 @@
    4.6 and the latency ceiling, 1000 / (the links' delays + the four forwards measured in the
    run), and the share of the ceiling reached.
 
-The weights are `specpipe.model.synth`'s random ones, made on the device (`SynthSource`), so the
-check needs no 61 GiB of files. On a CPU it runs too (`--device cpu`, slowly), which is how the
-suite checks it, at tiny sizes.
+The weights are `specpipe.transformer.synth`'s random ones, made on the device
+(`SynthSource`), so the check needs no 61 GiB of files. On a CPU it runs too (`--device
+cpu`, slowly), which is how the suite checks it, at tiny sizes.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from specpipe.core.ring import Request
 from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.local_ring import LocalRing
-from specpipe.model.stage import StageModel, load_stage
-from specpipe.model.synth import SynthSource
+from specpipe.transformer.layer_range import StageModel, load_stage
+from specpipe.transformer.synth import SynthSource
 
 CONTEXT = 64  # positions already cached when a forward is timed
 ROWS = (1, 2, 4, 8, 16)

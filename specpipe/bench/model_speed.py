@@ -21,9 +21,9 @@ import torch
 from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.local_ring import LocalRing
-from specpipe.model.checkpoint import hf_name_map
-from specpipe.model.resolve import load_tokenizer, open_checkpoint
-from specpipe.model.stage import StageModel, load_stage
+from specpipe.transformer.checkpoint import hf_name_map
+from specpipe.transformer.layer_range import StageModel, load_stage
+from specpipe.transformer.resolve import load_tokenizer, open_checkpoint
 
 STORY = "Write a short story about a robot who learns to paint."
 GROUNDED = (

@@ -24,8 +24,8 @@ TOLERANCE = 1e-4  # the tiny fixtures' absolute tolerance on float32 logits
 
 
 def _ours(path: Path, n_layers: int, ids: torch.Tensor, steps: int) -> tuple:
-    from specpipe.model.resolve import open_checkpoint
-    from specpipe.model.stage import load_stage
+    from specpipe.transformer.layer_range import load_stage
+    from specpipe.transformer.resolve import open_checkpoint
 
     stage = load_stage(open_checkpoint(path), 0, n_layers)  # float32
     logits = stage.forward("p", ids, 0)
@@ -81,8 +81,8 @@ def _theirs(path: Path, ids: torch.Tensor, steps: int) -> tuple:
 
 def run(like: str = "gpt-oss-20b", n_layers: int = 2, tokens: int = 12, steps: int = 8) -> dict:
     """Make the cut model, run both, compare; the checkpoint is removed after."""
-    from specpipe.model.config import ModelConfig
-    from specpipe.model.synth import synthesize
+    from specpipe.transformer.config import ModelConfig
+    from specpipe.transformer.synth import synthesize
 
     root = Path(tempfile.mkdtemp(prefix="parity-"))
     try:

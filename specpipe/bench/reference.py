@@ -8,9 +8,10 @@ round's rows, its handling (checking, decoding, signing, sending on) and its lin
 round commits `tokens_per_round` tokens, so tok/s = tokens_per_round × 1000 / ring ms.
 
 The forward of a stage comes from a GPU's measurement when given (`forward_ms`), else from this
-machine: one layer of gpt-oss-120b at its real shapes (`specpipe.model.synth`, random weights),
-loaded as a stage, its forward timed at each row count and multiplied by the stage's 9 layers
-(every layer has the same shapes; at short contexts full and sliding attention cost the same).
+machine: one layer of gpt-oss-120b at its real shapes (`specpipe.transformer.synth`, random
+weights), loaded as a stage, its forward timed at each row count and multiplied by the
+stage's 9 layers (every layer has the same shapes; at short contexts full and sliding
+attention cost the same).
 The handling per hop is `bench ring`'s measurement on this machine. With a bandwidth
 (`mbit_s`), each link onward also takes the time its sealed round message takes to send: the
 round's hidden states and, for an EAGLE-3 head's mode, the tap blocks the hop carries
@@ -139,9 +140,9 @@ def measure_layer_forward(
 
     import torch
 
-    from specpipe.model.resolve import open_checkpoint
-    from specpipe.model.stage import load_stage
-    from specpipe.model.synth import LIKE, synthesize
+    from specpipe.transformer.layer_range import load_stage
+    from specpipe.transformer.resolve import open_checkpoint
+    from specpipe.transformer.synth import LIKE, synthesize
 
     middle = LIKE[like]["num_hidden_layers"] // 2 + 1  # a full-attention layer, no embedding
     root = Path(tempfile.mkdtemp(prefix="reference-"))

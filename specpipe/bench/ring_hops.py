@@ -40,13 +40,13 @@ from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.local_ring import LocalRing
 from specpipe.decoding.target import open_target
-from specpipe.model.resolve import even_split
 from specpipe.ops import roster
 from specpipe.ops.redis_server import RedisServer
 from specpipe.ops.supervisor import terminate_all
 from specpipe.settings import COORDINATOR_PUB_FILE, Settings
 from specpipe.swarm import inventory, streams, trust
 from specpipe.swarm.redis_ring import RedisRing
+from specpipe.transformer.resolve import even_split
 
 GROUNDED_PROMPT = (
     "Repeat the following text exactly, word for word:\n\n"

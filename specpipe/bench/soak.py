@@ -1,6 +1,6 @@
 """`specpipe bench soak`: users on the JSON API of a WAN lab for a while, under a chaos schedule.
 
-The lab (`specpipe/ops/lab.py`) has five hosts: four serve the model's layers in four even
+The lab (`specpipe/ops/lab_hosts.py`) has five hosts: four serve the model's layers in four even
 ranges, each with its outgoing link delayed by its share of the reference geography (one way
 11, 8, 3.4 and 19 ms), and a spare, h4, serves a copy of h2's range with h2's delay, so a job
 has somewhere to go when h2 fails. h1 and h3 have no copy. Host 0 also runs the registry and
@@ -103,7 +103,7 @@ import redis
 
 from specpipe.bench import api_load
 from specpipe.bench.wan import REFERENCE_DELAYS_MS
-from specpipe.ops.lab import PREFIX, Host, Lab
+from specpipe.ops.lab_hosts import PREFIX, Host, Lab
 from specpipe.ops.redis_server import answers
 from specpipe.ops.supervisor import process_alive
 from specpipe.settings import DEFAULT_HEARTBEAT_S
@@ -988,7 +988,7 @@ def problems(
 def bring_up(home: Path, model: str, delays: Sequence[float], log: Log) -> Lab:
     """The lab of four stages and h2's spare, its store migrated, serving `model`."""
     from models import migrate as migrations
-    from specpipe.model.resolve import even_split, open_checkpoint
+    from specpipe.transformer.resolve import even_split, open_checkpoint
 
     layers = even_split(open_checkpoint(model).config.n_layers, STAGES)
     the_lab = Lab(home)

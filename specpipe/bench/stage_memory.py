@@ -1,6 +1,6 @@
 """What one stage of a real-size model holds: gpt-oss-120b at its shapes, range by range.
 
-For each layer range: make the range's checkpoint (`specpipe.model.synth`, random weights, the
+For each layer range: make the range's checkpoint (`specpipe.transformer.synth`, random weights, the
 release's layout), load it in a child process as a stage worker on a GPU would (bf16, MXFP4
 experts kept packed, weights not packed for the CPU), the tail with its draft head, and measure:
 
@@ -51,8 +51,8 @@ def _unique_bytes(tensors) -> int:
 def measure_load(path: str, start: int, end: int, dtype: str, draft_head: bool) -> dict:
     """Load layers [start, end) of the checkpoint at `path` here and say what it holds."""
     from specpipe.drafting.head import DraftHead, load_with_head
-    from specpipe.model.resolve import model_label, open_checkpoint
-    from specpipe.model.stage import load_stage
+    from specpipe.transformer.layer_range import load_stage
+    from specpipe.transformer.resolve import model_label, open_checkpoint
 
     torch.set_num_threads(1)
     checkpoint = open_checkpoint(path)
@@ -137,8 +137,8 @@ def run(
 ) -> dict:
     """Make, load and measure each range in turn (each checkpoint removed after, unless
     `keep`); the report as a dict."""
-    from specpipe.model import synth
-    from specpipe.model.synth import synthesize
+    from specpipe.transformer import synth
+    from specpipe.transformer.synth import synthesize
 
     root = Path(workdir or tempfile.mkdtemp(prefix="stage-memory-"))
     n_layers = synth.LIKE[like]["num_hidden_layers"]

@@ -36,7 +36,7 @@ def shapes() -> list[Shape]:
     """The default model on CPU stages (float32), and gpt-oss-120b as the reference run splits
     it, 4 × 9 layers, bf16, with the released heads' default taps."""
     from specpipe.drafting.eagle3 import default_taps
-    from specpipe.model.resolve import open_checkpoint
+    from specpipe.transformer.resolve import open_checkpoint
 
     cfg = open_checkpoint("default").config
     return [
@@ -47,7 +47,7 @@ def shapes() -> list[Shape]:
 
 def hop_blocks(shape: Shape) -> list[int]:
     """Per hop from stage i to stage i + 1: the tap blocks it carries after the hidden states."""
-    from specpipe.model.resolve import even_split
+    from specpipe.transformer.resolve import even_split
 
     ranges = even_split(shape.n_layers, shape.stages)
     return [sum(1 for k in shape.taps if k < end) for _, end in ranges[:-1]]

@@ -1,6 +1,6 @@
 """`specpipe bench wan`: speculative against plain on the lab with a geography's link delays.
 
-The lab (`specpipe/ops/lab.py`) puts each stage on a network stack of its own, and each stage
+The lab (`specpipe/ops/lab_hosts.py`) puts each stage on a network stack of its own, and each stage
 delays its outgoing link by its share of the geography (the reference run's WA → MN → NC → NJ
 and back: one way 11, 8, 3.4 and 19 ms). The ring is built from the lab's inventory, as a
 coordinator builds it; for each prompt (input-grounded, open-ended) and temperature it runs the
@@ -24,7 +24,7 @@ import redis
 from specpipe.bench.ring_hops import GROUNDED_PROMPT, NOVEL_PROMPT, Timed, timed_generation
 from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.target import open_target
-from specpipe.ops.lab import Lab
+from specpipe.ops.lab_hosts import Lab
 from specpipe.settings import COORDINATOR_PUB_FILE, SWARM_KEY_FILE, Settings
 from specpipe.swarm import inventory, streams, trust
 from specpipe.swarm.dialing import Dialer

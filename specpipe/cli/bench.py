@@ -181,7 +181,7 @@ def bench_ring(
         f"{o['slower_forwards_per_hop_ms']:.2f} ms from forwards slower in separate processes, "
         f"{o['transport_per_hop_ms']:.2f} ms transport and message handling"
     )
-    from specpipe.model.resolve import open_checkpoint
+    from specpipe.transformer.resolve import open_checkpoint
 
     result["wire"] = ringbench.wire_costs(open_checkpoint(model).config.dim)
     for rows, us in result["wire"].items():
@@ -654,7 +654,7 @@ def bench_soak(
 
     from specpipe.bench import soak as soakbench
     from specpipe.cli.lab import link_delays
-    from specpipe.ops.lab import LabError, check_can_run
+    from specpipe.ops.lab_hosts import LabError, check_can_run
 
     ms = link_delays(None, None, delays)
     if len(ms) != soakbench.STAGES:
@@ -1109,7 +1109,7 @@ def bench_trees(
 
         specpipe bench trees --hop-delay-ms 0 --hop-delay-ms 25
     """
-    from specpipe.bench.trees import trees
+    from specpipe.bench.draft_trees import trees
 
     result = trees(
         model,

@@ -52,7 +52,7 @@ def ca_init(ca_dir: Path | None, days: int | None, force: bool) -> None:
 
         specpipe ca init
     """
-    from specpipe.ops import ca as authority
+    from specpipe.ops import certificates as authority
 
     directory = _ca_dir(ca_dir)
     try:
@@ -118,7 +118,7 @@ def ca_issue(
         specpipe ca issue --address 203.0.113.20 --name mn
     """
     from specpipe import settings
-    from specpipe.ops import ca as authority
+    from specpipe.ops import certificates as authority
 
     for address in addresses:
         try:

@@ -45,9 +45,9 @@ def model_info(model_name: str, stages: int, as_json: bool) -> None:
 
         specpipe model info default --stages 4
     """
-    from specpipe.model.errors import ModelError
-    from specpipe.model.info import model_info as info_of
-    from specpipe.model.resolve import open_checkpoint
+    from specpipe.transformer.errors import ModelError
+    from specpipe.transformer.info import model_info as info_of
+    from specpipe.transformer.resolve import open_checkpoint
 
     try:
         checkpoint = open_checkpoint(model_name)
@@ -106,8 +106,8 @@ def model_synth(
 
         specpipe model synth --like gpt-oss-20b --layers 0:1 /tmp/one-layer
     """
-    from specpipe.model.errors import ModelError
-    from specpipe.model.synth import synthesize
+    from specpipe.transformer.errors import ModelError
+    from specpipe.transformer.synth import synthesize
 
     try:
         made = synthesize(like, out, layers, seed, embedding=with_embedding)

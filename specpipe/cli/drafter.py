@@ -15,8 +15,13 @@ def open_whole_model(model: str, threads: int):
     """(label, config, tokenizer, end-of-sequence ids, the whole model as one stage)."""
     import torch
 
-    from specpipe.model.errors import ModelError
-    from specpipe.model.resolve import load_stage, load_tokenizer, model_label, open_checkpoint
+    from specpipe.transformer.errors import ModelError
+    from specpipe.transformer.resolve import (
+        load_stage,
+        load_tokenizer,
+        model_label,
+        open_checkpoint,
+    )
 
     torch.set_num_threads(threads)
     try:
@@ -156,7 +161,7 @@ def train(
         specpipe drafter train --model default --eagle3 --out head-eagle3
     """
     from specpipe.drafting import train as dt
-    from specpipe.drafting.attention import HEAD_DIM, WINDOW
+    from specpipe.drafting.head_attention import HEAD_DIM, WINDOW
 
     if eagle3 and (heads is not None or window is not None):
         raise click.UsageError("--heads and --window shape today's head, not an EAGLE-3 head")

@@ -25,8 +25,8 @@ from specpipe.core.stopping import (
     check_stop_strings,
     hold_back_stop_prefix,
 )
-from specpipe.model.harmony import Reply, split_reply
 from specpipe.settings import JOB_DEFAULTS
+from specpipe.transformer.harmony import Reply, split_reply
 
 
 class StopOptionError(click.ClickException):

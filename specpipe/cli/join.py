@@ -47,7 +47,7 @@ def address_towards(url: str) -> str:
 def tls_files(folder: Path) -> TlsFiles:
     """This host's TLS files in `folder`; a one-line ClickException naming what is missing and
     how to make it."""
-    from specpipe.ops.ca import host_files
+    from specpipe.ops.certificates import host_files
 
     files = host_files(folder)
     missing = [path.name for path in (files.cert, files.key, files.ca) if not path.is_file()]
@@ -79,7 +79,7 @@ def check_link(redis_url: str | None, tls: TlsFiles | None, address: str, port: 
     """Before serving: with the operator's Redis at `redis_url`, a warning when it is in clear;
     else, for the one started on `address`:`port`, a warning when it is without TLS, or a
     one-line ClickException unless the certificate in `tls` fits `address`."""
-    from specpipe.ops.ca import CaError, check_host_files
+    from specpipe.ops.certificates import CaError, check_host_files
 
     if redis_url is not None:
         warn_if_in_clear(redis_url)  # the operator's Redis, their choice
@@ -223,12 +223,12 @@ def join(
     import redis
 
     from specpipe import settings
-    from specpipe.model.errors import ModelError
-    from specpipe.model.resolve import model_label, open_checkpoint
     from specpipe.ops.redis_server import RedisServer, RedisUnavailable
     from specpipe.swarm import inventory, streams
     from specpipe.swarm.dialing import Dialer
     from specpipe.swarm.redact import redact_url
+    from specpipe.transformer.errors import ModelError
+    from specpipe.transformer.resolve import model_label, open_checkpoint
 
     model_name = model_name or settings.default_model()
     config = settings.Settings.from_env()

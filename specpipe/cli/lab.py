@@ -115,10 +115,10 @@ def bring_up(home: Path, hosts: int, idle: int, model_name: str, delays: list[fl
     """Bring up a lab in `home` serving `model_name` on `hosts` hosts, its store migrated;
     (the Lab, the layer ranges). One-line ClickExceptions, with nothing left up, on failure."""
     from models import migrate as migrations
-    from specpipe.model.errors import ModelError
-    from specpipe.model.resolve import even_split, open_checkpoint
-    from specpipe.ops.lab import Lab, LabError, check_can_run
+    from specpipe.ops.lab_hosts import Lab, LabError, check_can_run
     from specpipe.ops.redis_server import RedisUnavailable
+    from specpipe.transformer.errors import ModelError
+    from specpipe.transformer.resolve import even_split, open_checkpoint
 
     try:
         check_can_run()
@@ -153,7 +153,7 @@ def lab_down(home: Path | None) -> None:
 
         specpipe lab down
     """
-    from specpipe.ops.lab import Lab, LabError, check_can_run
+    from specpipe.ops.lab_hosts import Lab, LabError, check_can_run
     from specpipe.ops.redis_server import RedisUnavailable
 
     try:
@@ -179,7 +179,7 @@ def lab_exec(host: str, command: tuple[str, ...], home: Path | None) -> None:
     """
     import subprocess
 
-    from specpipe.ops.lab import Lab
+    from specpipe.ops.lab_hosts import Lab
 
     the_lab = Lab(_home(home))
     found = [h for h in the_lab.hosts() if h.name == host]

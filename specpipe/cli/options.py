@@ -13,7 +13,8 @@ from specpipe.core.sampling import MAX_SEED
 
 # Every --seed takes what the sampler, the web form, the APIs and the store take.
 SEED = click.IntRange(0, MAX_SEED)
-# The released models whose layout `specpipe.model.synth` copies (its `LIKE`), without loading it.
+# The released models whose layout `specpipe.transformer.synth` copies (its `LIKE`), without
+# loading it.
 RELEASED_LAYOUTS = ("gpt-oss-120b", "gpt-oss-20b")
 
 

@@ -64,11 +64,11 @@ def up(stages: int, model_name: str, port: int, dtype: str, status_every: float)
     """
     from models import migrate as migrations
     from specpipe import settings
-    from specpipe.model.errors import ModelError
-    from specpipe.model.resolve import even_split, open_checkpoint
     from specpipe.ops.redis_server import RedisServer, RedisUnavailable, check_redis, describe
     from specpipe.ops.supervisor import ProcessSpec, Supervisor, process_alive
     from specpipe.swarm.redact import redact_url
+    from specpipe.transformer.errors import ModelError
+    from specpipe.transformer.resolve import even_split, open_checkpoint
 
     home = settings.instance_dir()
     state_file = home / settings.SWARM_FILE

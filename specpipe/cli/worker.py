@@ -150,11 +150,11 @@ def serve_stage(
 
     from specpipe import settings
     from specpipe.drafting.head import DraftHeadError, load_with_head
-    from specpipe.model.errors import ModelError
-    from specpipe.model.resolve import model_label, open_checkpoint
-    from specpipe.model.stage import load_stage
     from specpipe.swarm import inventory
-    from specpipe.swarm.stage_worker import WorkerConfig, run
+    from specpipe.swarm.stage.worker import WorkerConfig, run
+    from specpipe.transformer.errors import ModelError
+    from specpipe.transformer.layer_range import load_stage
+    from specpipe.transformer.resolve import model_label, open_checkpoint
 
     config = config or settings.Settings.from_env()
     if not config.swarm_key:

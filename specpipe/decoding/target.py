@@ -1,10 +1,11 @@
 """The target model as a ring's callers see it: tokenizer, end-of-sequence ids, layer count.
 
 The coordinator, the proofs, the nightly regression, `generate --local` and the benchmarks all
-open their model with `open_target(name)`. It reads a checkpoint through `specpipe.model.resolve`
-(once per name and process: a coordinator runs many jobs on one model); other kinds of model (a
-deployment's own, or the test suite's toy transformer) register an opener by name with
-`register_target`. `Target.local_ring` runs the model in one process as the swarm runs it.
+open their model with `open_target(name)`. It reads a checkpoint through
+`specpipe.transformer.resolve` (once per name and process: a coordinator runs many jobs on
+one model); other kinds of model (a deployment's own, or the test suite's toy transformer)
+register an opener by name with `register_target`. `Target.local_ring` runs the model in one
+process as the swarm runs it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from functools import lru_cache, partial
 from specpipe.core.ring import Stage
 from specpipe.decoding.local_ring import LocalRing
 from specpipe.drafting.head import load_with_head
-from specpipe.model.harmony import STOP_MARKERS, speaks_harmony
+from specpipe.transformer.harmony import STOP_MARKERS, speaks_harmony
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ _OPENING = threading.Lock()
 @lru_cache(maxsize=4)
 def _open_checkpoint(name: str) -> Target:
     try:
-        from specpipe.model.resolve import (
+        from specpipe.transformer.resolve import (
             load_stages,
             load_tokenizer,
             model_label,

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpipe.model.config import ModelConfig
-from specpipe.model.layers import RMSNorm
-from specpipe.model.rope import Rotary, apply_rope
+from specpipe.transformer.config import ModelConfig
+from specpipe.transformer.layers import RMSNorm
+from specpipe.transformer.rope import Rotary, apply_rope
 
 
 def default_taps(n_layers: int) -> tuple[int, int, int]:

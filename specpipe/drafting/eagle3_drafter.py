@@ -39,7 +39,7 @@ from specpipe.drafting.eagle3 import Eagle3Head, HeadCache
 from specpipe.drafting.eagle3_format import load_eagle3
 from specpipe.drafting.target_parts import DraftHeadError, TargetParts
 from specpipe.drafting.tree_growth import RankedTrees, grow_tree
-from specpipe.model.kvcache import LayerCache
+from specpipe.transformer.kvcache import LayerCache
 
 MAX_SESSIONS = 256  # sessions whose cache the head keeps (the least recently used goes first)
 MAX_RANKED_SESSIONS = 4096  # sessions whose last tree's candidates it remembers

@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 
 from specpipe.drafting.eagle3 import default_taps
 from specpipe.drafting.eagle3_format import FORMATS
-from specpipe.model.config import ModelConfig
-from specpipe.model.synth import LIKE
+from specpipe.transformer.config import ModelConfig
+from specpipe.transformer.synth import LIKE
 
 DRAFT_VOCAB = 32000
 

@@ -4,7 +4,7 @@ predict the next hidden state, and read drafts through the target's own final no
 The design is EAGLE's (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
 Uncertainty"): drafting at the feature level, conditioned on the sampled token, with the
 target's frozen LM head turning features into tokens. EAGLE's attention layer over the
-session's past pairs is there when the head has `heads` (`specpipe/drafting/attention.py`; the
+session's past pairs is there when the head has `heads` (`specpipe/drafting/head_attention.py`; the
 tail keeps each session's keys and values); without it the head is an MLP, as Medusa's heads
 (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding
 Heads") are, and keeps nothing between rounds.
@@ -37,8 +37,8 @@ from torch import nn
 
 from specpipe.core.sampling import SamplingParams
 from specpipe.core.tree import DraftTree, TreeShape
-from specpipe.drafting.attention import WINDOW, DraftRows, PastAttention, SessionPast, rms
 from specpipe.drafting.coupled import coupled_draft
+from specpipe.drafting.head_attention import WINDOW, DraftRows, PastAttention, SessionPast, rms
 from specpipe.drafting.sources import TailDrafter
 from specpipe.drafting.target_parts import DraftHeadError, TargetParts
 from specpipe.drafting.tree_growth import RankedTrees, grow_tree
@@ -326,7 +326,7 @@ def _embedding(first, tail, checkpoint) -> torch.Tensor | None:
         return first.embed.weight
     if checkpoint is None:
         return None  # TargetParts.from_stage says what is missing
-    from specpipe.model.stage import load_embedding
+    from specpipe.transformer.layer_range import load_embedding
 
     return load_embedding(checkpoint, tail.dtype).to("cpu")
 

@@ -34,12 +34,12 @@ from specpipe.core.coupling import gumbel_draw
 from specpipe.core.ring import Request
 from specpipe.core.sampling import SamplingParams, draw, target_probs, uniform
 from specpipe.core.tree import MAX_RANK
-from specpipe.drafting.attention import WINDOW, DraftRows, SessionPast, rms
 from specpipe.drafting.coupled import coupled_draft, ranked_candidates
 from specpipe.drafting.head import DraftHead, TargetParts, frequent_tokens
+from specpipe.drafting.head_attention import WINDOW, DraftRows, SessionPast, rms
 from specpipe.drafting.ngram import NgramDrafter
-from specpipe.model import heap
 from specpipe.prompts import DEFAULT_GENERATION_PROMPT, DEFAULT_PROMPTS
+from specpipe.transformer import heap
 
 Log = Callable[[str], None]
 

@@ -53,8 +53,8 @@ from specpipe.drafting.train import (
     round_scores,
     teacher,
 )
-from specpipe.model.config import ModelConfig
-from specpipe.model.rope import apply_rope
+from specpipe.transformer.config import ModelConfig
+from specpipe.transformer.rope import apply_rope
 
 TTT_STEPS = 4  # draft depths trained at once
 SEQUENCES_PER_STEP = 8

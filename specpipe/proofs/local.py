@@ -25,7 +25,7 @@ the target's noise keyed by (seed, position, token):
   accepted whenever p gives it mass, noise keyed by rank), which must fail;
 - exact coupling: `GumbelSampler.accept` commits what `GumbelSampler.sample` draws.
 
-And for draft trees verified by walking them (`specpipe.proofs.trees`, the document's "trees"):
+And for draft trees verified by walking them (`specpipe.proofs.tree_cases`, the document's "trees"):
 the committed law of a tree round against exact enumeration, three lossy walks, and
 `Sampler.accept_tree` committing plain sampling's tokens seed by seed.
 
@@ -56,7 +56,7 @@ from specpipe.core.sampling import (
     verify_coupled,
     verify_residual,
 )
-from specpipe.proofs import trees
+from specpipe.proofs import tree_cases
 from specpipe.proofs.stats import chi_square_p_value, total_variation
 
 Progress = Callable[[int], None]  # called with the number of units of work just finished
@@ -103,7 +103,7 @@ class LocalProofConfig:
     def work_units(self) -> int:
         """How many progress units a run reports: one per case and form, plus the checks."""
         gumbel = self.n_gumbel_cases * (1 + len(GUMBEL_MUTANTS))
-        tree = len(trees.CONFIGS) * len(trees.SHAPES) * (1 + len(trees.MUTANTS)) + 1
+        tree = len(tree_cases.CONFIGS) * len(tree_cases.SHAPES) * (1 + len(tree_cases.MUTANTS)) + 1
         return self.n_cases * (2 + len(MUTANTS)) + gumbel + tree + 5
 
 
@@ -764,7 +764,7 @@ def run_local_proof(cfg: LocalProofConfig, progress: Progress = lambda _: None) 
     reference = reference_grid_seconds(cfg, len(cases) // len(cfg.configs))
     progress(1)
     tree_started = time.perf_counter()
-    tree_part = trees.run_tree_proof(
+    tree_part = tree_cases.run_tree_proof(
         cfg.n_tree_draws, cfg.seed, cfg.gate_tv, cfg.alpha, cfg.tree_exact_trials, progress
     )
     tree_seconds = time.perf_counter() - tree_started

@@ -72,7 +72,7 @@ class GumbelSummary:
 
 @dataclass(frozen=True)
 class TreeSummary:
-    """Proof 1's tree cases: draft trees verified by walking them (`specpipe.proofs.trees`)."""
+    """Proof 1's tree cases: draft trees verified by walking them (`specpipe.proofs.tree_cases`)."""
 
     cases: int  # configs × tree shapes
     cases_failed: int

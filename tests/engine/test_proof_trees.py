@@ -12,7 +12,7 @@ from scipy.stats import binom
 
 from specpipe.core.coupling import gumbel_noise
 from specpipe.core.sampling import Sampler
-from specpipe.proofs import trees
+from specpipe.proofs import tree_cases
 from specpipe.proofs.local import LocalProofConfig, run_local_proof
 from specpipe.proofs.report import LocalProofSummary, format_local_summary
 
@@ -33,7 +33,7 @@ SMALL = dict(
 
 @pytest.fixture(scope="module")
 def result() -> dict:
-    return trees.run_tree_proof(DRAWS, exact_trials=EXACT_TRIALS)
+    return tree_cases.run_tree_proof(DRAWS, exact_trials=EXACT_TRIALS)
 
 
 def failed_cases(result: dict, mutant: str) -> list[str]:
@@ -43,7 +43,7 @@ def failed_cases(result: dict, mutant: str) -> list[str]:
 
 def test_the_honest_cases_pass(result):
     assert result["pass"]
-    assert len(result["cases"]) == len(trees.CONFIGS) * len(trees.SHAPES) == 12
+    assert len(result["cases"]) == len(tree_cases.CONFIGS) * len(tree_cases.SHAPES) == 12
     assert all(case["pass"] for case in result["cases"])
     assert result["worst_tv_over_floor"] <= result["gate"]
     for case in result["cases"]:
@@ -53,7 +53,7 @@ def test_the_honest_cases_pass(result):
             assert case["mean_accepted"] < depth
 
 
-@pytest.mark.parametrize("mutant", list(trees.MUTANTS))
+@pytest.mark.parametrize("mutant", list(tree_cases.MUTANTS))
 def test_each_lossy_walk_is_caught(result, mutant):
     assert failed_cases(result, mutant)
 
@@ -83,24 +83,24 @@ def test_accept_tree_at_the_wrong_position_fails_the_exact_check(monkeypatch):
     monkeypatch.setattr(
         Sampler, "accept_tree", lambda self, z, tree, start: accept_tree(self, z, tree, start + 1)
     )
-    exact = trees.exact_check(0, 48)
+    exact = tree_cases.exact_check(0, 48)
     assert exact["mismatches"] > 24 and exact["walk_mismatches"] > 24
     assert exact["chain_mismatches"] > 0
 
 
 def test_trees_drafted_under_the_wrong_positions_noise_fail_the_exact_check(monkeypatch):
-    draft_trees = trees.draft_trees
+    draft_trees = tree_cases.draft_trees
     monkeypatch.setattr(
-        trees,
+        tree_cases,
         "draft_trees",
         lambda shape, target, noise: draft_trees(shape, target, np.roll(noise, 1, axis=0)),
     )
-    exact = trees.exact_check(0, 48)
+    exact = tree_cases.exact_check(0, 48)
     assert exact["tree_mismatches"] > 24
     assert exact["mismatches"] == 0  # whatever the tree, the walk commits plain sampling's
 
 
-class DraftFavouringWalk(trees.TreeWalk):
+class DraftFavouringWalk(tree_cases.TreeWalk):
     """Lossy: at a drafted row the children's tokens score log 1.5 more than the target gives
     them, so drafts are committed more often than p says."""
 
@@ -114,42 +114,42 @@ class DraftFavouringWalk(trees.TreeWalk):
 
 
 def test_a_lossy_walk_in_place_of_the_real_one_fails_the_law_check():
-    lossy = trees.run_tree_proof(DRAWS, exact_trials=12, walk=DraftFavouringWalk)
+    lossy = tree_cases.run_tree_proof(DRAWS, exact_trials=12, walk=DraftFavouringWalk)
     assert not lossy["pass"]
     assert sum(not case["pass"] for case in lossy["cases"]) >= 6
     assert all(m["caught"] for m in lossy["mutants"])  # the mutants are judged as before
 
 
 def test_the_trees_are_drafted_under_the_targets_noise():
-    seeds, starts = trees.trial_keys(0, 11, 20)
-    noise = trees.noise_banks(seeds, starts)
-    logits, draft_logits = trees.prefix_logits(0)
-    target = trees.PrefixTarget.make((1.0, 1.0, 0), logits, draft_logits)
-    drafted = trees.draft_trees(trees.SHAPES["2 × 2"], target, noise)
+    seeds, starts = tree_cases.trial_keys(0, 11, 20)
+    noise = tree_cases.noise_banks(seeds, starts)
+    logits, draft_logits = tree_cases.prefix_logits(0)
+    target = tree_cases.PrefixTarget.make((1.0, 1.0, 0), logits, draft_logits)
+    drafted = tree_cases.draft_trees(tree_cases.SHAPES["2 × 2"], target, noise)
     for n in range(20):
         tree = drafted.tree(n)
         # The root's children: the drafter's best two by log q + g, g keyed by token id at the
         # root's position, as `core.coupling` keys the target's own draw there.
-        g = gumbel_noise(int(seeds[n]), int(starts[n]), range(trees.VOCAB))
+        g = gumbel_noise(int(seeds[n]), int(starts[n]), range(tree_cases.VOCAB))
         best = np.argsort(-(np.log(target.drafter[0]) + g))
         assert list(tree.tokens[:2]) == list(best[:2])
         # Under the rank-1 child: the drafter after that token, noise one position on.
-        g1 = gumbel_noise(int(seeds[n]), int(starts[n]) + 1, range(trees.VOCAB))
-        after = np.log(target.drafter[trees.prefix_code([tree.tokens[1]])]) + g1
+        g1 = gumbel_noise(int(seeds[n]), int(starts[n]) + 1, range(tree_cases.VOCAB))
+        after = np.log(target.drafter[tree_cases.prefix_code([tree.tokens[1]])]) + g1
         assert list(tree.tokens[4:6]) == list(np.argsort(-after)[:2])
         assert tree.parents == (0, 0, 1, 1, 2, 2)
 
 
 def test_the_sequence_law_is_the_targets_product():
-    logits, draft_logits = trees.prefix_logits(3)
-    target = trees.PrefixTarget.make((1.3, 0.9, 3), logits, draft_logits)
-    law = trees.sequence_law(target, 3)
+    logits, draft_logits = tree_cases.prefix_logits(3)
+    target = tree_cases.PrefixTarget.make((1.3, 0.9, 3), logits, draft_logits)
+    law = tree_cases.sequence_law(target, 3)
     assert law.sum() == pytest.approx(1.0, abs=1e-12)
     x = (4, 0, 2)  # code 4 + 0·5 + 2·25
     p = target.probs
-    expected = p[0, 4] * p[trees.prefix_code([4]), 0] * p[trees.prefix_code([4, 0]), 2]
+    expected = p[0, 4] * p[tree_cases.prefix_code([4]), 0] * p[tree_cases.prefix_code([4, 0]), 2]
     assert law[4 + 2 * 25] == pytest.approx(expected, rel=1e-12)
-    assert trees.sequence_codes(np.array([x])) == [54]
+    assert tree_cases.sequence_codes(np.array([x])) == [54]
     # top-k 3 at every step: at most 3^3 sequences have mass
     assert 0 < np.count_nonzero(law) <= 27
 
@@ -160,13 +160,13 @@ def test_the_tv_floor_is_an_honest_samples_mean_tv():
     mean_abs = [
         (np.abs(np.arange(n + 1) - n * p) * binom.pmf(np.arange(n + 1), n, p)).sum() for p in law
     ]
-    assert trees.expected_tv(law, n) == pytest.approx(sum(mean_abs) / (2 * n), rel=1e-9)
+    assert tree_cases.expected_tv(law, n) == pytest.approx(sum(mean_abs) / (2 * n), rel=1e-9)
     rng = np.random.default_rng(0)
     tvs = [
-        trees.total_variation(np.bincount(rng.choice(5, n, p=law), minlength=5), law)
+        tree_cases.total_variation(np.bincount(rng.choice(5, n, p=law), minlength=5), law)
         for _ in range(4000)
     ]
-    assert np.mean(tvs) == pytest.approx(trees.expected_tv(law, n), rel=0.03)
+    assert np.mean(tvs) == pytest.approx(tree_cases.expected_tv(law, n), rel=0.03)
 
 
 def test_proof_1_carries_the_tree_part_and_fails_with_a_lossy_walk(monkeypatch):
@@ -186,8 +186,8 @@ def test_proof_1_carries_the_tree_part_and_fails_with_a_lossy_walk(monkeypatch):
         for line in lines
     )
 
-    lossy_proof = functools.partial(trees.run_tree_proof, walk=DraftFavouringWalk)
-    monkeypatch.setattr(trees, "run_tree_proof", lossy_proof)
+    lossy_proof = functools.partial(tree_cases.run_tree_proof, walk=DraftFavouringWalk)
+    monkeypatch.setattr(tree_cases, "run_tree_proof", lossy_proof)
     lossy = run_local_proof(LocalProofConfig(**small))
     assert lossy["proof_1_local_math"]["verdict"] == "FAIL" and not lossy["trees"]["pass"]
     assert all(case["pass"] for case in lossy["cases"])  # only the tree part failed

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from specpipe.cli import cli
-from specpipe.ops.lab import Lab
+from specpipe.ops.lab_hosts import Lab
 from tests.swarmprocs import write_tiny_model
 
 

@@ -12,8 +12,8 @@ from dataclasses import replace
 import pytest
 import redis
 
-from specpipe.ops import ca
-from specpipe.ops.lab import Lab
+from specpipe.ops import certificates
+from specpipe.ops.lab_hosts import Lab
 from specpipe.swarm import streams
 from specpipe.swarm.dialing import Dialer
 from specpipe.swarm.redact import without_credentials
@@ -51,7 +51,7 @@ def test_every_host_has_its_own_namespace_address_and_redis(lab):
     assert [h.tls for h in hosts] == [False, True, False]
     assert hosts[1].redis_url.startswith("rediss://specpipe:")
     for host in hosts:  # each host's TLS folder, as `specpipe ca issue` makes it
-        ca.check_host_files(ca.host_files(lab.tls_dir(host)), host.address)
+        certificates.check_host_files(certificates.host_files(lab.tls_dir(host)), host.address)
     # Each Redis listens on its host's address only: not from another host's loopback.
     here = subprocess.run(
         ["ip", "netns", "exec", hosts[0].namespace, "ss", "-ltn"], capture_output=True, text=True

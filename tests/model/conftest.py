@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpipe.model.mxfp4 import mxfp4_quantize
+from specpipe.transformer.mxfp4 import mxfp4_quantize
 
 transformers = pytest.importorskip("transformers")
 

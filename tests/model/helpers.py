@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specpipe.model.stage import StageModel, load_stage
+from specpipe.transformer.layer_range import StageModel, load_stage
 
 
 def load_split(source_factory, sizes: list[int], **kw) -> list[StageModel]:

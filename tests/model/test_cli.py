@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from specpipe.cli import cli
-from specpipe.model.resolve import default_model_path
+from specpipe.transformer.resolve import default_model_path
 from tests.model.test_tokenizer import _write_tokenizer
 
 
@@ -103,7 +103,7 @@ def tiny_and_head(tmp_path_factory):
     import torch
 
     from specpipe.drafting.head import DraftHead
-    from specpipe.model.resolve import model_label, open_checkpoint
+    from specpipe.transformer.resolve import model_label, open_checkpoint
     from tests.swarmprocs import write_tiny_model
 
     home = tmp_path_factory.mktemp("tiny")
@@ -233,7 +233,7 @@ def test_generate_refuses_bad_sampling_options(option):
 def test_generate_local_stop_cuts_the_text_streamed_and_in_json(checkpoints, tmp_path):
     import shutil
 
-    from specpipe.model.resolve import load_tokenizer, open_checkpoint
+    from specpipe.transformer.resolve import load_tokenizer, open_checkpoint
 
     path = shutil.copytree(checkpoints["gptoss"], tmp_path / "g")
     _write_tokenizer(path, 90)

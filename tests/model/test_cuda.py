@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpipe.model.checkpoint import SafetensorsCheckpoint
+from specpipe.transformer.checkpoint import SafetensorsCheckpoint
 from tests.model.conftest import hf_logits
 from tests.model.helpers import load_split, run_split
 

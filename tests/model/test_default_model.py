@@ -7,8 +7,8 @@ import warnings
 import pytest
 import torch
 
-from specpipe.model.resolve import default_model_path, load_tokenizer, open_checkpoint
-from specpipe.model.stage import load_stage
+from specpipe.transformer.layer_range import load_stage
+from specpipe.transformer.resolve import default_model_path, load_tokenizer, open_checkpoint
 from tests.model.helpers import run_split
 
 transformers = pytest.importorskip("transformers")

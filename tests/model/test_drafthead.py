@@ -16,7 +16,7 @@ from specpipe.core.coupling import GumbelSampler, gumbel_draw
 from specpipe.core.sampling import SamplingParams, target_probs
 from specpipe.drafting import train as dt
 from specpipe.drafting.head import DraftHead, DraftHeadError, TargetParts, check_fits
-from specpipe.model.resolve import load_stage, open_checkpoint
+from specpipe.transformer.resolve import load_stage, open_checkpoint
 from tests.swarmprocs import write_tiny_model
 
 TOP_P = 0.9
@@ -336,7 +336,7 @@ def test_drafter_commands(tmp_path, tiny):
 
 def test_the_shipped_head_fits_the_default_model():
     from specpipe.drafting.head import shipped_head
-    from specpipe.model.resolve import model_label
+    from specpipe.transformer.resolve import model_label
 
     label = model_label("default")
     path = shipped_head(label)
@@ -401,7 +401,7 @@ def test_a_tail_apart_from_stage_0_keeps_its_heads_embedding_table_in_host_memor
     """gpt-oss's head is not tied to its embedding, so a tail's draft head needs a table of its
     own; it stays on the CPU, whatever the stage's device, and gathers rows for the ids' device."""
     from specpipe.drafting.head import load_with_head
-    from specpipe.model.stage import load_embedding
+    from specpipe.transformer.layer_range import load_embedding
 
     checkpoint = open_checkpoint(checkpoints["gptoss-mxfp4"])
     cfg = checkpoint.config

@@ -27,7 +27,7 @@ from specpipe.drafting.eagle3 import Eagle3Config, HeadCache, default_taps
 from specpipe.drafting.eagle3_format import load_eagle3
 from specpipe.drafting.eagle3_synth import head_config, head_tensors
 from specpipe.drafting.head import DraftHeadError
-from specpipe.model.synth import LIKE
+from specpipe.transformer.synth import LIKE
 from tests.harmony_checkpoint import tiny_like
 
 YARN = LIKE["gpt-oss-120b"]["rope_scaling"]

@@ -24,8 +24,8 @@ from specpipe.drafting.eagle3_drafter import Eagle3Drafter
 from specpipe.drafting.eagle3_format import FORMATS
 from specpipe.drafting.eagle3_synth import synthesize_head
 from specpipe.drafting.head import load_with_head
-from specpipe.model import synth
-from specpipe.model.resolve import load_stages
+from specpipe.transformer import synth
+from specpipe.transformer.resolve import load_stages
 from tests.drafting import head_generation
 
 pytestmark = pytest.mark.realshape

@@ -22,8 +22,8 @@ from specpipe.drafting.eagle3_drafter import Eagle3Drafter, TreeRows
 from specpipe.drafting.eagle3_synth import head_config, head_tensors
 from specpipe.drafting.head import DraftHeadError, TargetParts
 from specpipe.drafting.sources import TailDrafter, named_sources
-from specpipe.model.resolve import load_stages, open_checkpoint
-from specpipe.model.stage import load_stage
+from specpipe.transformer.layer_range import load_stage
+from specpipe.transformer.resolve import load_stages, open_checkpoint
 from tests.drafting import head_generation
 from tests.swarmprocs import write_tiny_model
 

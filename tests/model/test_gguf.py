@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from specpipe.model.errors import ModelError
-from specpipe.model.gguf import GGUFCheckpoint
-from specpipe.model.resolve import load_tokenizer, open_checkpoint
-from specpipe.model.stage import load_stage
+from specpipe.transformer.errors import ModelError
+from specpipe.transformer.gguf import GGUFCheckpoint
+from specpipe.transformer.layer_range import load_stage
+from specpipe.transformer.resolve import load_tokenizer, open_checkpoint
 from tests.model.conftest import SPLITS, hf_logits, write_llama
 from tests.model.helpers import load_split, run_split
 

@@ -8,7 +8,7 @@ import datetime
 import pytest
 
 from specpipe.decoding.target import open_target
-from specpipe.model.harmony import Reply, speaks_harmony, split_reply
+from specpipe.transformer.harmony import Reply, speaks_harmony, split_reply
 from tests.harmony_checkpoint import write_checkpoint
 
 REPLY = (
@@ -81,7 +81,7 @@ def test_a_gpt_oss_checkpoint_with_the_real_token_layout_is_a_harmony_model(tmp_
 def test_the_default_model_is_not_a_harmony_model():
     target = open_target("default")
     assert not target.harmony
-    from specpipe.model.resolve import load_tokenizer, open_checkpoint
+    from specpipe.transformer.resolve import load_tokenizer, open_checkpoint
 
     assert not speaks_harmony(load_tokenizer(open_checkpoint("default")).token_id)
 

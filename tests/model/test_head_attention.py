@@ -10,9 +10,9 @@ import torch
 
 from specpipe.core.sampling import SamplingParams
 from specpipe.drafting import train as dt
-from specpipe.drafting.attention import WINDOW, DraftRows, PastAttention
 from specpipe.drafting.head import DraftHead, TailHead, TargetParts
-from specpipe.model.resolve import load_stage, open_checkpoint
+from specpipe.drafting.head_attention import WINDOW, DraftRows, PastAttention
+from specpipe.transformer.resolve import load_stage, open_checkpoint
 from tests.swarmprocs import write_tiny_model
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from specpipe.core.ring import GapError
-from specpipe.model import kvcache
-from specpipe.model.kvcache import LayerCache, SessionCache
+from specpipe.transformer import kvcache
+from specpipe.transformer.kvcache import LayerCache, SessionCache
 
 
 def _kv(start: int, n: int) -> torch.Tensor:

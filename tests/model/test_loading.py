@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
-from specpipe.model.checkpoint import SafetensorsCheckpoint, read_safetensors_header
-from specpipe.model.errors import ModelError
-from specpipe.model.stage import load_stage
+from specpipe.transformer.checkpoint import SafetensorsCheckpoint, read_safetensors_header
+from specpipe.transformer.errors import ModelError
+from specpipe.transformer.layer_range import load_stage
 from tests.model.conftest import N_LAYERS, write_gptoss
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpipe.model import synth
-from specpipe.model.config import ModelConfig
-from specpipe.model.resolve import even_split
-from specpipe.model.stage import StageModel
+from specpipe.transformer import synth
+from specpipe.transformer.config import ModelConfig
+from specpipe.transformer.layer_range import StageModel
+from specpipe.transformer.resolve import even_split
 
 GPT_OSS_120B = synth.LIKE["gpt-oss-120b"]  # the published config.json
 
@@ -63,9 +63,9 @@ def _anonymous_mb(code: str) -> dict[str, float]:
 def test_a_stage_process_keeps_its_weights_not_the_parse_of_the_gguf_file():
     got = _anonymous_mb("""
 import gc, torch
-from specpipe.model.resolve import open_checkpoint
-from specpipe.model.stage import load_stage
-from specpipe.swarm.stage_worker import release_load_memory
+from specpipe.transformer.resolve import open_checkpoint
+from specpipe.transformer.layer_range import load_stage
+from specpipe.swarm.stage.worker import release_load_memory
 base = anon()
 stage = load_stage(open_checkpoint("default"), 8, 15)
 gc.collect()
@@ -82,10 +82,10 @@ print(json.dumps({"loaded": loaded - base, "released": anon() - base}))
 
 SERVE_MANY_SHAPES = """
 import os, torch
-from specpipe.model.resolve import open_checkpoint
-from specpipe.model.stage import load_stage
-from specpipe.model import heap
-from specpipe.swarm.stage_worker import release_load_memory
+from specpipe.transformer.resolve import open_checkpoint
+from specpipe.transformer.layer_range import load_stage
+from specpipe.transformer import heap
+from specpipe.swarm.stage.worker import release_load_memory
 torch.set_num_threads(1)
 stage = load_stage(open_checkpoint("default"), 8, 15)
 release_load_memory()

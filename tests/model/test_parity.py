@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpipe.model import attention
-from specpipe.model.checkpoint import SafetensorsCheckpoint
-from specpipe.model.linear import Linear, pack_weight
-from specpipe.model.rope import Rotary
+from specpipe.transformer import attention
+from specpipe.transformer.checkpoint import SafetensorsCheckpoint
+from specpipe.transformer.linear import Linear, pack_weight
+from specpipe.transformer.rope import Rotary
 from tests.model.conftest import SLIDING_WINDOW, SPLITS, hf_logits
 from tests.model.helpers import load_split, run_split
 
@@ -83,7 +83,7 @@ def test_gap_is_reported(checkpoints):
 def test_sliding_window_cache_forgets_old_positions(checkpoints, reference):
     """A long gpt-oss session keeps only window + slack positions in its sliding layers."""
     from specpipe.core.ring import GapError
-    from specpipe.model import kvcache
+    from specpipe.transformer import kvcache
 
     (stage,) = load_split(lambda: SafetensorsCheckpoint(checkpoints["gptoss"]), [4])
     slack, kvcache.SLIDING_SLACK = kvcache.SLIDING_SLACK, 2

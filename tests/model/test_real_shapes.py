@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from specpipe.bench import parity
-from specpipe.model import synth
-from specpipe.model.config import ModelConfig
+from specpipe.transformer import synth
+from specpipe.transformer.config import ModelConfig
 
 pytestmark = pytest.mark.realshape
 

@@ -14,11 +14,11 @@ import torch
 from click.testing import CliRunner
 
 from specpipe.cli import cli
-from specpipe.model import synth
-from specpipe.model.checkpoint import SafetensorsCheckpoint
-from specpipe.model.config import ModelConfig
-from specpipe.model.errors import ModelError
-from specpipe.model.stage import load_stage
+from specpipe.transformer import synth
+from specpipe.transformer.checkpoint import SafetensorsCheckpoint
+from specpipe.transformer.config import ModelConfig
+from specpipe.transformer.errors import ModelError
+from specpipe.transformer.layer_range import load_stage
 from tests.harmony_checkpoint import tiny_like
 
 transformers = pytest.importorskip("transformers")

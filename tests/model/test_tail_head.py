@@ -10,8 +10,8 @@ from specpipe.decoding.generation import Generation
 from specpipe.decoding.local_ring import LocalRing
 from specpipe.drafting.head import TailHead
 from specpipe.drafting.sources import DraftSource, TailDrafter, named_sources
-from specpipe.model.resolve import load_tokenizer, model_label, open_checkpoint
-from specpipe.model.stage import load_stage
+from specpipe.transformer.layer_range import load_stage
+from specpipe.transformer.resolve import load_tokenizer, model_label, open_checkpoint
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from specpipe.model.errors import ModelError
-from specpipe.model.resolve import load_tokenizer, open_checkpoint
+from specpipe.transformer.errors import ModelError
+from specpipe.transformer.resolve import load_tokenizer, open_checkpoint
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"

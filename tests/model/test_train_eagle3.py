@@ -16,7 +16,7 @@ from specpipe.drafting import train as dt
 from specpipe.drafting import train_eagle3 as e3
 from specpipe.drafting.eagle3_drafter import Eagle3Drafter
 from specpipe.drafting.eagle3_format import load_eagle3
-from specpipe.model.resolve import load_stage, open_checkpoint
+from specpipe.transformer.resolve import load_stage, open_checkpoint
 from tests.swarmprocs import write_tiny_model
 
 SAMPLED = SamplingParams(temp=0.8, top_p=0.9)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specpipe.core.ring import GapError, Request
-from specpipe.model.checkpoint import SafetensorsCheckpoint
+from specpipe.transformer.checkpoint import SafetensorsCheckpoint
 from tests.model.helpers import load_split
 
 #        root (the last committed token)

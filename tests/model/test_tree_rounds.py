@@ -13,7 +13,7 @@ from specpipe.decoding.local_ring import LocalRing
 from specpipe.drafting.head import DraftHead, TailHead, TargetParts
 from specpipe.drafting.length import DraftLength
 from specpipe.drafting.tree_size import TreeSize
-from specpipe.model.resolve import load_stages
+from specpipe.transformer.resolve import load_stages
 from tests.drafting import head_generation
 from tests.swarmprocs import write_tiny_model
 

@@ -99,7 +99,7 @@ class Swarm:
         a draft head file for a real model's tail."""
         stages = STAGES
         if model:
-            from specpipe.model.resolve import open_checkpoint
+            from specpipe.transformer.resolve import open_checkpoint
 
             n = open_checkpoint(model).config.n_layers
             stages = (

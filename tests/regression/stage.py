@@ -14,7 +14,7 @@ import os
 
 from specpipe.cli.worker import tail_sampling
 from specpipe.swarm import inventory
-from specpipe.swarm.stage_worker import WorkerConfig, run
+from specpipe.swarm.stage.worker import WorkerConfig, run
 from tests.regression.toy_target import CONFIG
 from tests.swarm.toy_stage import ToyStage
 
@@ -37,7 +37,7 @@ def main() -> None:
         heartbeat_s=0.5,
         tail_sampling=tail_sampling(),  # the lossy one with SPECPIPE_TEST_LOSSY_TAIL=1
     )
-    from specpipe.model.resolve import model_label
+    from specpipe.transformer.resolve import model_label
 
     node = inventory.NodeInfo(
         host=args.host,
@@ -52,8 +52,8 @@ def main() -> None:
     head = None
     if args.model:
         from specpipe.drafting.head import load_with_head
-        from specpipe.model.resolve import open_checkpoint
-        from specpipe.model.stage import load_stage
+        from specpipe.transformer.layer_range import load_stage
+        from specpipe.transformer.resolve import open_checkpoint
 
         checkpoint = open_checkpoint(args.model)
         label = model_label(args.model)

@@ -26,7 +26,7 @@ def test_the_nightly_verifies_the_tails_draft_head_on_real_stage_processes(
 
     from specpipe.decoding.target import open_target
     from specpipe.drafting.head import DraftHead
-    from specpipe.model.resolve import model_label, open_checkpoint
+    from specpipe.transformer.resolve import model_label, open_checkpoint
     from tests.swarmprocs import write_tiny_model
 
     tiny = str(write_tiny_model(tmp_path / "tiny"))

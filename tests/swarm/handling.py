@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specpipe.swarm.stage_worker import StageWorker
+from specpipe.swarm.stage.worker import StageWorker
 
 
 def handle(worker: StageWorker, *entries: bytes | None) -> None:

@@ -234,7 +234,7 @@ def test_bench_trees_compares_chains_and_trees_on_real_stages(tiny, tmp_path, mo
     import torch
 
     from specpipe.drafting.head import DraftHead
-    from specpipe.model.resolve import model_label, open_checkpoint
+    from specpipe.transformer.resolve import model_label, open_checkpoint
 
     cfg = open_checkpoint(tiny).config
     torch.manual_seed(0)  # an untrained head: its trees are verified all the same
@@ -273,6 +273,6 @@ def test_bench_trees_compares_chains_and_trees_on_real_stages(tiny, tmp_path, mo
         return timing
 
     monkeypatch.setattr(loadbench, "run_job", wrong_with_trees)
-    monkeypatch.setattr("specpipe.bench.trees.run_job", wrong_with_trees)
+    monkeypatch.setattr("specpipe.bench.draft_trees.run_job", wrong_with_trees)
     result = CliRunner().invoke(cli, [*args, "--at-once", "0"])
     assert result.exit_code != 0 and "differ from plain decoding's" in result.output

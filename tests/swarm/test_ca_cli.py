@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from specpipe.cli import cli
-from specpipe.ops import ca
+from specpipe.ops import certificates
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def test_ca_init_makes_the_ca_once_and_refuses_a_second_time(home):
     first = invoke("ca", "init")
     assert first.exit_code == 0, first.output
     assert f"swarm CA in {home / 'ca'}" in first.output
-    authority = ca.Authority.in_dir(home / "ca")
+    authority = certificates.Authority.in_dir(home / "ca")
     made = authority.cert.read_bytes()
     assert authority.key.stat().st_mode & 0o777 == 0o600
     assert home.stat().st_mode & 0o777 == 0o700  # the instance folder, made here, too
@@ -59,16 +59,16 @@ def test_ca_issue_writes_a_host_folder_to_copy_to_that_host(home, tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert result.output.startswith(f"mn: redis.pem, redis.key and ca.pem in {out}, valid until")
-    files = ca.host_files(out)
+    files = certificates.host_files(out)
     assert sorted(p.name for p in out.iterdir()) == ["ca.pem", "redis.key", "redis.pem"]
     assert files.key.stat().st_mode & 0o777 == 0o600
-    ca.check_host_files(files, "203.0.113.20")
-    ca.check_host_files(files, "mn.example.org")
+    certificates.check_host_files(files, "203.0.113.20")
+    certificates.check_host_files(files, "mn.example.org")
     assert files.ca.read_bytes() == (tmp_path / "offline" / "ca.pem").read_bytes()
     # By default the folder is the instance folder's issued/NAME, the CA its ca/.
     assert invoke("ca", "init").exit_code == 0
     assert invoke("ca", "issue", "--address", "10.0.0.3").exit_code == 0
-    ca.check_host_files(ca.host_files(home / "issued" / "10.0.0.3"), "10.0.0.3")
+    certificates.check_host_files(certificates.host_files(home / "issued" / "10.0.0.3"), "10.0.0.3")
 
 
 @pytest.mark.parametrize(

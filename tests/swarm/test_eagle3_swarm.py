@@ -18,11 +18,11 @@ from specpipe.core.tree import TreeShape
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.target import open_target
 from specpipe.drafting.eagle3_synth import head_config, head_tensors
-from specpipe.model.resolve import model_label
 from specpipe.settings import Settings
 from specpipe.swarm import inventory, streams
 from specpipe.swarm.failover import CheckedRing, lost_with_spare, served_layers
 from specpipe.swarm.redis_ring import RedisRing
+from specpipe.transformer.resolve import model_label
 from tests.drafting import head_generation
 from tests.swarmprocs import Swarm, write_tiny_model
 

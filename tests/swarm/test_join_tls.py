@@ -14,7 +14,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from specpipe.cli import cli
-from specpipe.ops import ca
+from specpipe.ops import certificates
 from specpipe.ops.redis_server import free_port
 from specpipe.swarm import trust
 
@@ -78,8 +78,8 @@ def registered(joining, redis_url, swarm):
 
 
 def issue_for(tmp_path, *addresses: str):
-    authority = ca.make_ca(tmp_path / "operator" / "ca")
-    return ca.issue(authority, list(addresses), tmp_path / "home" / "tls")
+    authority = certificates.make_ca(tmp_path / "operator" / "ca")
+    return certificates.issue(authority, list(addresses), tmp_path / "home" / "tls")
 
 
 def test_a_certificate_that_does_not_name_this_hosts_address_is_refused(registered, tiny, tmp_path):

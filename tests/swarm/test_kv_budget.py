@@ -12,7 +12,6 @@ import redis
 
 from models import Job
 from models.db import make_session_factory
-from specpipe.model.kvcache import bytes_per_token
 from specpipe.swarm.failover import CheckedRing
 from specpipe.swarm.inventory import NodeInfo
 from specpipe.swarm.kvbudget import (
@@ -23,6 +22,7 @@ from specpipe.swarm.kvbudget import (
     default_budget_tokens,
     room_name,
 )
+from specpipe.transformer.kvcache import bytes_per_token
 from tests.swarm.test_coordinator import (
     EOS,
     GappyRing,

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from specpipe.cli import cli
 from specpipe.core.sampling import committed_tokens
-from specpipe.ops import ca, redis_server
+from specpipe.ops import certificates, redis_server
 from specpipe.ops.redis_server import (
     PEER_USER,
     REMOTE_USER,
@@ -148,11 +148,11 @@ def test_join_refuses_to_start_an_unpatched_redis_for_other_hosts(tmp_path, monk
     assert "must not serve other hosts" in result.output and len(result.output.splitlines()) == 1
 
 
-def issue_tls_folder(tmp_path: Path, address: str) -> ca.TlsFiles:
+def issue_tls_folder(tmp_path: Path, address: str) -> certificates.TlsFiles:
     """The TLS folder `specpipe ca issue` makes for a host at `address`, in its instance folder
     (tmp_path/home)."""
-    authority = ca.make_ca(tmp_path / "operator" / "ca")
-    return ca.issue(authority, [address], tmp_path / "home" / "tls")
+    authority = certificates.make_ca(tmp_path / "operator" / "ca")
+    return certificates.issue(authority, [address], tmp_path / "home" / "tls")
 
 
 SCRIPTS = [

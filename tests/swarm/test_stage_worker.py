@@ -13,7 +13,7 @@ from specpipe.swarm import gathering, inventory, streams, wire
 from specpipe.swarm.stage import activity, routing
 from specpipe.swarm.stage.delayed_link import DelayedLink
 from specpipe.swarm.stage.sending import Sender
-from specpipe.swarm.stage_worker import StageWorker, WorkerConfig
+from specpipe.swarm.stage.worker import StageWorker, WorkerConfig
 from tests.swarm.handling import handle
 from tests.swarm.toy_stage import ToyConfig, ToyStage
 from tests.waiting import wait_until
@@ -258,8 +258,8 @@ def test_sessions_idle_past_the_limit_are_forgotten_and_answer_a_gap(
 def test_what_ended_sessions_freed_goes_back_to_the_system_at_most_every_few_seconds(
     make, redis_url, monkeypatch
 ):
-    from specpipe.model import heap
-    from specpipe.swarm import stage_worker
+    from specpipe.swarm.stage import worker as stage_worker
+    from specpipe.transformer import heap
 
     clock = Clock()
     monkeypatch.setattr(stage_worker, "time", clock)
@@ -417,8 +417,8 @@ def test_a_rotated_key_is_picked_up_when_a_message_names_it(swarm, redis_url):
 
 def test_rounds_of_several_sessions_in_one_read_run_as_one_forward(swarm, key, redis_url, tmp_path):
     """A tail that finds three sessions' rounds waiting answers each as it does alone."""
-    from specpipe.model.resolve import open_checkpoint
-    from specpipe.model.stage import load_stage
+    from specpipe.transformer.layer_range import load_stage
+    from specpipe.transformer.resolve import open_checkpoint
     from tests.swarmprocs import write_tiny_model
 
     source = open_checkpoint(str(write_tiny_model(tmp_path / "tiny")))
@@ -455,8 +455,8 @@ def test_a_session_dropped_in_the_middle_of_a_batch_leaves_the_others_exact(
 ):
     """A job cancelled while others' rounds share its read: its drop splits the batch, the
     others' answers are the ones they get alone, and its cache is gone (a later round: gap)."""
-    from specpipe.model.resolve import open_checkpoint
-    from specpipe.model.stage import load_stage
+    from specpipe.transformer.layer_range import load_stage
+    from specpipe.transformer.resolve import open_checkpoint
     from tests.swarmprocs import write_tiny_model
 
     source = open_checkpoint(str(write_tiny_model(tmp_path / "tiny")))
@@ -508,8 +508,8 @@ def test_a_session_dropped_in_the_middle_of_a_batch_leaves_the_others_exact(
 def test_over_its_kv_budget_a_stage_forgets_the_sessions_idle_longest(
     swarm, key, redis_url, tmp_path, monkeypatch
 ):
-    from specpipe.model.resolve import open_checkpoint
-    from specpipe.model.stage import load_stage
+    from specpipe.transformer.layer_range import load_stage
+    from specpipe.transformer.resolve import open_checkpoint
     from tests.swarmprocs import write_tiny_model
 
     monkeypatch.setenv("SPECPIPE_KV_BUDGET_TOKENS", "12")
@@ -535,8 +535,8 @@ def test_over_its_kv_budget_a_stage_forgets_the_sessions_idle_longest(
 
 
 def tiny_worker(tmp_path, host, swarm, key, redis_url, start=0, end=None) -> StageWorker:
-    from specpipe.model.resolve import open_checkpoint
-    from specpipe.model.stage import load_stage
+    from specpipe.transformer.layer_range import load_stage
+    from specpipe.transformer.resolve import open_checkpoint
     from tests.swarmprocs import write_tiny_model
 
     source = open_checkpoint(str(write_tiny_model(tmp_path / "tiny")))

@@ -16,10 +16,10 @@ from specpipe.core.tree import TreeShape
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.target import open_target
 from specpipe.drafting.head import DraftHead
-from specpipe.model.resolve import model_label, open_checkpoint
 from specpipe.settings import Settings
 from specpipe.swarm import streams
 from specpipe.swarm.redis_ring import RedisRing
+from specpipe.transformer.resolve import model_label, open_checkpoint
 from tests.drafting import head_generation
 from tests.swarmprocs import Swarm, write_tiny_model
 from tests.waiting import wait_until

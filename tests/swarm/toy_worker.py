@@ -11,7 +11,7 @@ import logging
 
 from specpipe import settings
 from specpipe.swarm import inventory, trust
-from specpipe.swarm.stage_worker import WorkerConfig, run
+from specpipe.swarm.stage.worker import WorkerConfig, run
 from tests.swarm.toy_stage import ToyConfig, ToyStage
 
 

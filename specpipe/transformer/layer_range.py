@@ -16,13 +16,13 @@ from torch import nn
 
 from specpipe.core.ring import GapError, Request
 from specpipe.core.tree import ancestor_paths, is_path
-from specpipe.model.attention import Segment
-from specpipe.model.config import ModelConfig
-from specpipe.model.errors import ModelError
-from specpipe.model.kvcache import LayerCache, SessionCache, bytes_per_token
-from specpipe.model.layers import Block, RMSNorm
-from specpipe.model.linear import MIN_ROWS, Linear
-from specpipe.model.rope import Rotary
+from specpipe.transformer.attention import Segment
+from specpipe.transformer.config import ModelConfig
+from specpipe.transformer.errors import ModelError
+from specpipe.transformer.kvcache import LayerCache, SessionCache, bytes_per_token
+from specpipe.transformer.layers import Block, RMSNorm
+from specpipe.transformer.linear import MIN_ROWS, Linear
+from specpipe.transformer.rope import Rotary
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specpipe.model.config import ModelConfig
-from specpipe.model.kvcache import LayerCache
-from specpipe.model.linear import MIN_ROWS, Linear, padded, stable_bmm
-from specpipe.model.rope import apply_rope
+from specpipe.transformer.config import ModelConfig
+from specpipe.transformer.kvcache import LayerCache
+from specpipe.transformer.linear import MIN_ROWS, Linear, padded, stable_bmm
+from specpipe.transformer.rope import apply_rope
 
 MIN_KEYS = 16
 QUERY_CHUNK = 256

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpipe.model.rope import apply_rope
+from specpipe.transformer.rope import apply_rope
 
 HEAD_DIM = 64  # the width of one attention head
 # Committed pairs a draft row sees by default, and the length of the training windows: on the

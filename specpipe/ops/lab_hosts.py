@@ -3,8 +3,8 @@
 `Lab.up` makes a bridge with an address in the root namespace (so this machine reaches every
 host), and per host a namespace joined to it by a veth pair, with its own address, its own
 Redis (host 1's speaks TLS only) and, on the hosts that serve, its own stage worker. The lab
-has a swarm CA of its own (`specpipe.ops.ca`), and every host a TLS folder with a certificate
-for its address and a copy of the CA, as `specpipe ca issue` makes them: every process
+has a swarm CA of its own (`specpipe.ops.certificates`), and every host a TLS folder with a
+certificate for its address and a copy of the CA, as `specpipe ca issue` makes them: every process
 verifies host 1's Redis against its host's copy, and a `join` on a bare host starts a TLS
 Redis with its host's files. Each Redis has its host's own
 user, whose password only that host's processes are given, and the peer user, whose password
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import redis
 
-from specpipe.ops import ca, roster
+from specpipe.ops import certificates, roster
 from specpipe.ops.redis_server import RedisServer, TlsFiles, answers, find_binary
 from specpipe.ops.supervisor import process_alive
 from specpipe.settings import LOCAL_REDIS_PASSWORD_FILE, REDIS_PASSWORD_FILE, TLS_DIR
@@ -111,12 +111,12 @@ def _private(path: Path, text: str) -> None:
         handle.write(text)
 
 
-def make_certificates(directory: Path, address: str, authority: ca.Authority) -> TlsFiles:
+def make_certificates(directory: Path, address: str, authority: certificates.Authority) -> TlsFiles:
     """A host's TLS folder `directory`: a certificate `authority` signed for `address`, its
     key and a copy of the CA's certificate (what `specpipe ca issue` writes)."""
     try:
-        return ca.issue(authority, [address], directory, days=LAB_CA_DAYS, overwrite=True)
-    except (ca.CaError, OSError) as exc:
+        return certificates.issue(authority, [address], directory, days=LAB_CA_DAYS, overwrite=True)
+    except (certificates.CaError, OSError) as exc:
         raise LabError(f"cannot make {address}'s certificate in {directory}: {exc}") from None
 
 
@@ -203,7 +203,7 @@ class Lab:
 
     def ca_cert(self) -> Path:
         """The lab's CA's certificate, which every host's TLS folder holds a copy of."""
-        return ca.Authority.in_dir(self.home / LAB_CA_DIR).cert
+        return certificates.Authority.in_dir(self.home / LAB_CA_DIR).cert
 
     # --- up ------------------------------------------------------------------------------
 
@@ -372,14 +372,14 @@ class Lab:
             if not (self.home / name).exists():
                 _private(self.home / name, secrets.token_hex(16) + "\n")
 
-    def _make_ca(self) -> ca.Authority:
+    def _make_ca(self) -> certificates.Authority:
         """The lab's CA, made afresh, and a copy of its certificate in this machine's TLS
         folder (for the commands run here with the lab's folder as SPECPIPE_HOME)."""
         try:
-            authority = ca.make_ca(
+            authority = certificates.make_ca(
                 self.home / LAB_CA_DIR, name="specpipe lab CA", days=LAB_CA_DAYS, overwrite=True
             )
-        except (ca.CaError, OSError) as exc:
+        except (certificates.CaError, OSError) as exc:
             raise LabError(f"cannot make the lab's CA: {exc}") from None
         here = self.tls_dir()
         here.mkdir(mode=0o700, exist_ok=True)
@@ -409,7 +409,7 @@ class Lab:
             socket_timeout=10,
         )
 
-    def _start_redis(self, index: int, authority: ca.Authority) -> Host:
+    def _start_redis(self, index: int, authority: certificates.Authority) -> Host:
         namespace = f"{PREFIX}-{self.state['id']}-h{index}"
         address = f"{self.state['subnet']}.{index + 1}"
         directory = self.home / f"h{index}"
@@ -441,7 +441,7 @@ class Lab:
         self._wait(lambda: answers(server.url), 20, f"{host.name}'s Redis")
         return host
 
-    def _add_idle(self, index: int, authority: ca.Authority) -> Host:
+    def _add_idle(self, index: int, authority: certificates.Authority) -> Host:
         address = f"{self.state['subnet']}.{index + 1}"
         # Nothing runs there yet; a `join` there starts its Redis with these.
         make_certificates(self.home / f"h{index}" / TLS_DIR, address, authority)

@@ -13,7 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from specpipe.model.errors import ModelError
+from specpipe.transformer.errors import ModelError
 
 CONTROL, USER_DEFINED = 3, 4  # GGUF token types that are added tokens
 # llama.cpp's pre-tokenizer names whose regex splits digits one by one before the GPT-2 regex.

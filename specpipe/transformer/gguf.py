@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from specpipe.model.checkpoint import NameMap, concat_rows
-from specpipe.model.config import ModelConfig
-from specpipe.model.errors import ModelError
+from specpipe.transformer.checkpoint import NameMap, concat_rows
+from specpipe.transformer.config import ModelConfig
+from specpipe.transformer.errors import ModelError
 
 GGUF_MAGIC = b"GGUF"
 # GGUF architecture -> (q/k rows permuted by the converter, q/k/v carry biases)

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from specpipe.model.config import ModelConfig
+from specpipe.transformer.config import ModelConfig
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

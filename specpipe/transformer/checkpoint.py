@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from specpipe.model.config import ModelConfig
-from specpipe.model.errors import ModelError
-from specpipe.model.mxfp4 import mxfp4_dequantize
+from specpipe.transformer.config import ModelConfig
+from specpipe.transformer.errors import ModelError
+from specpipe.transformer.mxfp4 import mxfp4_dequantize
 
 # local parameter name -> (source tensor names, function of those tensors giving the parameter)
 NameMap = dict[str, tuple[tuple[str, ...], Callable[..., torch.Tensor]]]

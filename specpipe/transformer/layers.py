@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpipe.model.attention import Attention, Segment
-from specpipe.model.config import ModelConfig
-from specpipe.model.kvcache import LayerCache
-from specpipe.model.linear import Linear
-from specpipe.model.moe import MoE
+from specpipe.transformer.attention import Attention, Segment
+from specpipe.transformer.config import ModelConfig
+from specpipe.transformer.kvcache import LayerCache
+from specpipe.transformer.linear import Linear
+from specpipe.transformer.moe import MoE
 
 
 class RMSNorm(nn.Module):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specpipe.model.errors import ModelError
+from specpipe.transformer.errors import ModelError
 
 ARCHITECTURES = ("llama", "gpt_oss")
 # model_type values in config.json that run on the Llama code path.

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specpipe.model.checkpoint import NameMap, hf_name_map
-from specpipe.model.config import ModelConfig
-from specpipe.model.errors import ModelError
+from specpipe.transformer.checkpoint import NameMap, hf_name_map
+from specpipe.transformer.config import ModelConfig
+from specpipe.transformer.errors import ModelError
 
 MXFP4_GROUP = 32  # values per E8M0 scale; two 4-bit values per byte
 SHARD_BYTES = 4 * 2**30  # at most this much of tensors per shard file

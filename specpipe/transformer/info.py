@@ -6,7 +6,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from specpipe.model.resolve import Checkpoint, even_split
+from specpipe.transformer.resolve import Checkpoint, even_split
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")
 

@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING
 import redis
 
 from specpipe.core.ring import BatchedStage, Stage
-from specpipe.model import heap
 from specpipe.settings import DEFAULT_HEARTBEAT_S, TEST_LOSSY_TAIL_VAR
 from specpipe.swarm import inventory, streams, wire
 from specpipe.swarm.clock import SwarmClock
@@ -60,6 +59,7 @@ from specpipe.swarm.stage.onward import Onward
 from specpipe.swarm.stage.routing import Serves
 from specpipe.swarm.stage.samplers import TailSamplers, TailSampling
 from specpipe.swarm.stage.sending import Link, Outbox, Replies, Sender
+from specpipe.transformer import heap
 
 if TYPE_CHECKING:
     from specpipe.drafting.sources import TailDrafter

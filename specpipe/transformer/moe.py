@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specpipe.model.config import ModelConfig
-from specpipe.model.linear import Linear, stable_linear
-from specpipe.model.mxfp4 import mxfp4_dequantize
+from specpipe.transformer.config import ModelConfig
+from specpipe.transformer.linear import Linear, stable_linear
+from specpipe.transformer.mxfp4 import mxfp4_dequantize
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
