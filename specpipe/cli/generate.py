@@ -353,72 +353,21 @@ def _online(client, config, keys):
 def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> tuple[int, Outcome]:
     """Submit a job to the running swarm and stream its text as it is recorded; `request` may
     say how the prompt is fed (`raw_prompt`)."""
-    import redis
-
     from models.db import make_session_factory
-    from models.jobs import Job
     from specpipe import settings
-    from specpipe.swarm import trust
-    from specpipe.swarm.redact import redact_url
-    from workers.submission import QueueUnavailable, Submitter
+    from workers.submission import Submitter
 
     config = settings.Settings.from_env()
-    url, swarm = config.redis_url, config.swarm
-    try:  # a swarm key, and the coordinator key pinned (or the opt-out), before anything else
-        keys = trust.keyring(config) if config.accepted_swarm_keys else None
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
-    submitter = Submitter.connect(url, model or settings.default_model(), settings.job_limits())
+    keys = _keyring(config)
+    submitter = Submitter.connect(
+        config.redis_url, model or settings.default_model(), settings.job_limits()
+    )
     request = checked_request(request, submitter.check_context)
-    hint = "start one with `specpipe up`, or set REDIS_URL"
-    client = redis.Redis.from_url(url, socket_connect_timeout=3)
-    try:
-        client.ping()
-        found = _online(client, config, keys) if keys else None
-    except redis.RedisError as exc:
-        raise click.ClickException(
-            f"no swarm running: cannot reach Redis at {redact_url(url)} ({exc}); {hint}"
-        ) from None
-    finally:
-        client.close()
-    if not config.swarm_key:
-        raise click.ClickException(
-            "no swarm running here: no swarm key; set SPECPIPE_SWARM_KEY, "
-            "or start one with `specpipe up`"
-        )
-    if found is None:
-        raise click.ClickException(
-            f"no swarm running: no stage is online in swarm {swarm!r} at {redact_url(url)}; {hint}"
-        )
-
+    _check_swarm_runs(config, keys)
     sessions = make_session_factory(config.database_url)
-    with sessions() as session:
-        try:
-            job = submitter.submit(session, request)
-            job_id, job_model, job_raw = job.id, job.model, job.raw_prompt
-        except QueueUnavailable as exc:
-            raise click.ClickException(f"job {exc.job.id}: {exc}") from None
-        except Exception as exc:  # e.g. a store that was never migrated
-            where = redact_url(config.database_url)
-            raise click.ClickException(f"cannot store the job in {where}: {exc}") from None
+    job_id, job_model, job_raw = _submitted(sessions, submitter, request, config.database_url)
     stream.harmony = not job_raw and _speaks_harmony(job_model)
-    warned, queued_since = False, time.monotonic()
-    try:
-        while True:
-            with sessions() as session:
-                job = session.get(Job, job_id)
-            stream.show(job.output_text or "")
-            if job.finished:
-                break
-            if job.status == "queued" and not warned and time.monotonic() - queued_since > 10:
-                click.echo(f"job {job_id} is still queued: is a coordinator running?", err=True)
-                warned = True
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        with sessions() as session:
-            session.get(Job, job_id).request_cancel()
-            session.commit()
-        raise click.ClickException(f"job {job_id}: cancelled") from None
+    job = _followed(sessions, job_id, stream)
     if job.status != "done":
         raise click.ClickException(f"job {job_id} {job.status}: {job.error or 'no reason given'}")
     stream.finish(job.output_text)
@@ -433,6 +382,88 @@ def generate_on_swarm(request: dict, model: str | None, stream: TextStream) -> t
         reasoning,
     )
     return job_id, outcome
+
+
+NO_SWARM_HINT = "start one with `specpipe up`, or set REDIS_URL"
+
+
+def _keyring(config):
+    """The swarm key, and the coordinator key pinned (or the opt-out), before anything else;
+    None without a swarm key."""
+    from specpipe.swarm import trust
+
+    try:
+        return trust.keyring(config) if config.accepted_swarm_keys else None
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _check_swarm_runs(config, keys) -> None:
+    """One line unless the swarm's Redis answers and a stage of it is online."""
+    import redis
+
+    from specpipe.swarm.redact import redact_url
+
+    url = redact_url(config.redis_url)
+    client = redis.Redis.from_url(config.redis_url, socket_connect_timeout=3)
+    try:
+        client.ping()
+        found = _online(client, config, keys) if keys else None
+    except redis.RedisError as exc:
+        raise click.ClickException(
+            f"no swarm running: cannot reach Redis at {url} ({exc}); {NO_SWARM_HINT}"
+        ) from None
+    finally:
+        client.close()
+    if not config.swarm_key:
+        raise click.ClickException(
+            "no swarm running here: no swarm key; set SPECPIPE_SWARM_KEY, "
+            "or start one with `specpipe up`"
+        )
+    if found is None:
+        raise click.ClickException(
+            f"no swarm running: no stage is online in swarm {config.swarm!r} at {url}; "
+            f"{NO_SWARM_HINT}"
+        )
+
+
+def _submitted(sessions, submitter, request: dict, database_url: str) -> tuple[int, str, bool]:
+    """The job stored and queued: its id, model and whether its prompt is fed raw."""
+    from specpipe.swarm.redact import redact_url
+    from workers.submission import QueueUnavailable
+
+    with sessions() as session:
+        try:
+            job = submitter.submit(session, request)
+            return job.id, job.model, job.raw_prompt
+        except QueueUnavailable as exc:
+            raise click.ClickException(f"job {exc.job.id}: {exc}") from None
+        except Exception as exc:  # e.g. a store that was never migrated
+            where = redact_url(database_url)
+            raise click.ClickException(f"cannot store the job in {where}: {exc}") from None
+
+
+def _followed(sessions, job_id: int, stream: TextStream):
+    """The job once it finished, its text shown as it is recorded; Ctrl-C cancels it."""
+    from models.jobs import Job
+
+    warned, queued_since = False, time.monotonic()
+    try:
+        while True:
+            with sessions() as session:
+                job = session.get(Job, job_id)
+            stream.show(job.output_text or "")
+            if job.finished:
+                return job
+            if job.status == "queued" and not warned and time.monotonic() - queued_since > 10:
+                click.echo(f"job {job_id} is still queued: is a coordinator running?", err=True)
+                warned = True
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        with sessions() as session:
+            session.get(Job, job_id).request_cancel()
+            session.commit()
+        raise click.ClickException(f"job {job_id}: cancelled") from None
 
 
 def _speaks_harmony(model: str) -> bool:
