@@ -1248,6 +1248,48 @@ def outcomes(database_url: str, model: str, job_ids: Sequence[int]) -> list[dict
     return found
 
 
+def warm_up(database_url: str, web_url: str, tokens: int, deadline_s: float) -> None:
+    """One job through the lab's API by a user of its own, which must end done: the stages'
+    caches, the coordinator and the web app are warm before the users come."""
+    warm = api_load.make_users(database_url, 1, prefix="warmup")
+    status, answer = api_load.api(
+        web_url,
+        next(iter(warm.values())),
+        "POST",
+        "/api/v1/jobs",
+        {"prompt": api_load.PROMPTS[0], "max_new_tokens": tokens},
+    )
+    if status != 201:
+        raise RuntimeError(f"the warm-up job was refused: {status} {answer}")
+    warmed = api_load.wait_jobs(database_url, [answer["id"]], deadline_s)[answer["id"]]
+    if warmed["status"] != "done":
+        raise RuntimeError(f"the warm-up job ended {warmed['status']}: {warmed['error']}")
+
+
+def inject_plan(
+    chaos: Chaos,
+    monitor: Monitor,
+    plan: Sequence[Fault],
+    at_least: int,
+    soak_s: float,
+    pause_s: float,
+    log: Log,
+) -> list[Injected]:
+    """The faults of `plan` one after another, each held and healed, a pause between them,
+    until `soak_s` is up (but `at_least` of them whatever the time); then the rest of the
+    soak's time passes without faults."""
+    injected: list[Injected] = []
+    for i, fault in enumerate(plan):
+        if i >= at_least and monitor.now() > soak_s:
+            break
+        injected += inject(chaos, monitor, fault, log)
+        chaos.wait_whole()
+        time.sleep(max(0.0, min(pause_s, soak_s - monitor.now())))
+    while monitor.now() < soak_s:
+        time.sleep(1.0)
+    return injected
+
+
 def run_soak(
     model: str,
     home: Path,
@@ -1282,19 +1324,7 @@ def run_soak(
     try:
         database_url, web_url = lab.state["database_url"], lab.state["web_url"]
         by_user = api_load.make_users(database_url, users, prefix="soak")
-        warm = api_load.make_users(database_url, 1, prefix="warmup")
-        status, answer = api_load.api(
-            web_url,
-            next(iter(warm.values())),
-            "POST",
-            "/api/v1/jobs",
-            {"prompt": api_load.PROMPTS[0], "max_new_tokens": tokens},
-        )
-        if status != 201:
-            raise RuntimeError(f"the warm-up job was refused: {status} {answer}")
-        warmed = api_load.wait_jobs(database_url, [answer["id"]], deadline_s)[answer["id"]]
-        if warmed["status"] != "done":
-            raise RuntimeError(f"the warm-up job ended {warmed['status']}: {warmed['error']}")
+        warm_up(database_url, web_url, tokens, deadline_s)
         monitor = Monitor(database_url, time.monotonic()).start()
         chaos = Chaos(lab, log, faketime, monitor)
         crowd = Users(web_url, by_user, monitor, tokens, jobs_per_user).start()
@@ -1309,14 +1339,7 @@ def run_soak(
         )
         rounds = 1 + int(minutes * 60 / max(pause_s, 1.0))
         plan = schedule(seed, rounds, kinds, hold_s=hold_s, overlap=overlap)
-        for i, fault in enumerate(plan):
-            if i >= len(kinds) and monitor.now() > minutes * 60:
-                break
-            injected += inject(chaos, monitor, fault, log)
-            chaos.wait_whole()
-            time.sleep(max(0.0, min(pause_s, minutes * 60 - monitor.now())))
-        while monitor.now() < minutes * 60:
-            time.sleep(1.0)
+        injected += inject_plan(chaos, monitor, plan, len(kinds), minutes * 60, pause_s, log)
         soak_s = monitor.now()
         log(f"time up at {soak_s:.0f} s: no more jobs; waiting for every job to end")
         crowd.stop(deadline_s)
