@@ -30,7 +30,7 @@ log = logging.getLogger("specpipe.registry")
 
 # How long after a mending the stages are waited for: many beats (DEFAULT_HEARTBEAT_S) even on
 # a loaded host, and well inside a job's patience.
-MEND_WAIT_S = 5.0
+MEND_WAIT_S = 10.0
 MEND_PAUSE_S = 0.25  # between reads while the stages beat back in: about one beat
 
 # The registry's keys a stage host may write, and the type each must have.
