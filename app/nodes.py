@@ -13,7 +13,6 @@ from app.db import get_session
 from models.db import utcnow
 from models.nodes import Node, ring_nodes
 from specpipe.swarm import inventory, streams
-from specpipe.swarm.inventory import lossy_warning
 from specpipe.swarm.trust import reading_keyring
 from specpipe.swarm.wire import Keyring
 
@@ -96,8 +95,7 @@ def live_inventory(keys: Keyring) -> tuple[int | None, inventory.RingLatency | N
 
 @bp.get("/")
 def index():
-    """All nodes in ring order with status and last heartbeat; a node running the test-only
-    lossy tail is flagged, and so is the page."""
+    """All nodes in ring order with status and last heartbeat."""
     nodes = ring_nodes(get_session())
     now = utcnow()
     points = ring_layout(nodes)
@@ -105,7 +103,6 @@ def index():
     for node in nodes:
         counts[node.status(now)] += 1
     ends = [n.layer_end for n in nodes if n.layer_end is not None]
-    lossy = [n.host for n in nodes if n.test_lossy_tail]
     keys, unread = live_keys()
     ignored, latency = live_inventory(keys) if keys else (None, None)
     return render_template(
@@ -117,7 +114,6 @@ def index():
         memory_total=sum(n.memory_bytes or 0 for n in nodes) or None,
         points=points,
         arrows=ring_arrows(points),
-        lossy_warning=lossy_warning(lossy) if lossy else None,
         ignored=ignored,
         latency=latency,
         unread=unread,

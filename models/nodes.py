@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import BigInteger, Boolean, DateTime, ForeignKey, Integer, String, false, select
+from sqlalchemy import BigInteger, Boolean, DateTime, ForeignKey, Integer, String, select
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Mapped, Session, mapped_column, relationship
@@ -48,8 +48,6 @@ class Node(HostColumns, Base):
     host: Mapped[str] = mapped_column(String(255), unique=True)
     redis_url: Mapped[str | None] = mapped_column(String(500))
     last_heartbeat: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), index=True)
-    # Its worker runs with the test-only SPECPIPE_TEST_LOSSY_TAIL=1: the output is NOT lossless.
-    test_lossy_tail: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     def status(self, now: datetime | None = None) -> str:
         """online, stale or offline by the age of the last heartbeat, as the inventory says."""

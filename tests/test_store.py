@@ -24,7 +24,8 @@ from specpipe.swarm.inventory import NodeInfo
 from tests.factories import finish_elsewhere, gen_job, gen_node, gen_proof_run, gen_ring, gen_user
 
 BEFORE_STOP_STRINGS = "dc866fa56549"  # the revision before jobs had stop strings
-BEFORE_LOSSY_FLAG = "bf4314513ebb"  # the revision before nodes recorded the test lossy tail
+LOSSY_FLAG = "ea3906a109e3"  # the revision that gave nodes the test lossy tail's column
+BEFORE_NO_LOSSY_FLAG = "b9d5f7a1c3e4"  # the last revision with that column
 BEFORE_ACCEPTED_DRAFTS = "ea3906a109e3"  # the revision before jobs.accepted_drafts was named so
 BEFORE_NUL_SAFE_TEXT = "3c7e1d52a9f0"  # the revision before output text was stored escaped
 BEFORE_USERS = "5d1f0c2b7e4a"  # the revision before users, and owners of jobs and tokens
@@ -110,24 +111,27 @@ def test_jobs_from_before_stop_strings_read_as_none(fresh_database_url):
     assert "stop" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
 
 
-def test_nodes_from_before_the_lossy_flag_read_as_lossless(fresh_database_url):
+def test_the_lossy_flag_column_is_dropped_and_a_downgrade_brings_it_back(fresh_database_url):
     url = fresh_database_url
-    upgrade(url, BEFORE_LOSSY_FLAG)
+    upgrade(url, LOSSY_FLAG)
     engine = get_engine(url)
     nodes = Table("nodes", MetaData(), autoload_with=engine)
-    assert "test_lossy_tail" not in nodes.c
     with engine.begin() as conn:
-        conn.execute(nodes.insert().values(host="old.example", role="tail"))
+        conn.execute(nodes.insert().values(host="old.example", role="tail", test_lossy_tail=True))
+    upgrade(url, BEFORE_NO_LOSSY_FLAG)
+    assert "test_lossy_tail" in {c["name"] for c in inspect(engine).get_columns("nodes")}
     upgrade(url)
+    assert "test_lossy_tail" not in {c["name"] for c in inspect(engine).get_columns("nodes")}
     with make_session_factory(url)() as session:
         node = session.scalars(select(Node)).one()
-        assert (node.host, node.test_lossy_tail) == ("old.example", False)
-        assert node.to_dict()["test_lossy_tail"] is False
-        node.test_lossy_tail = True
-        session.commit()
-        assert session.scalars(select(Node.test_lossy_tail)).one() is True
-    downgrade(url, BEFORE_LOSSY_FLAG)
-    assert "test_lossy_tail" not in {c["name"] for c in inspect(engine).get_columns("nodes")}
+        assert (node.host, node.role) == ("old.example", "tail")  # the row outlives the column
+        assert "test_lossy_tail" not in node.to_dict()
+    downgrade(url, BEFORE_NO_LOSSY_FLAG)
+    nodes = Table("nodes", MetaData(), autoload_with=engine)
+    with engine.connect() as conn:
+        assert conn.execute(select(nodes.c.host, nodes.c.test_lossy_tail)).all() == [
+            ("old.example", False)
+        ]
 
 
 def test_seed_keeps_every_uint64(db_session):

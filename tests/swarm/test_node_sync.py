@@ -52,25 +52,6 @@ def test_heartbeats_reach_the_nodes_table(redis_url, swarm, db_session, key):
     client.close()
 
 
-def test_the_test_lossy_tail_flag_reaches_the_nodes_table(redis_url, swarm, db_session, key):
-    client = redis.Redis.from_url(redis_url)
-    for host, start, end, lossy in (("wa", 0, 2, False), ("nj", 2, 4, True)):
-        node = inventory.NodeInfo(host, start, end, redis_url, test_lossy_tail=lossy)
-        inventory.publish(client, swarm, node, key)
-    sync_inventory(db_session, inventory.load(client, swarm, key))
-    db_session.commit()
-    assert [(n.host, n.test_lossy_tail) for n in ring_nodes(db_session)] == [
-        ("wa", False),
-        ("nj", True),
-    ]
-    # The variable gone and the worker restarted: its next heartbeat clears the flag.
-    inventory.publish(client, swarm, inventory.NodeInfo("nj", 2, 4, redis_url), key)
-    sync_inventory(db_session, inventory.load(client, swarm, key))
-    db_session.commit()
-    assert [n.test_lossy_tail for n in ring_nodes(db_session)] == [False, False]
-    client.close()
-
-
 def test_the_store_never_holds_a_redis_password(db_session):
     # No record carries a password (`inventory.publish` refuses one); should a node built in
     # code hold one, the store still keeps it hidden.

@@ -8,7 +8,7 @@ from sqlalchemy import func, select
 from models.jobs import Job
 from models.nodes import Node
 from models.tokens import revoke_token
-from tests.factories import gen_job, gen_node, gen_proof_run, gen_ring
+from tests.factories import gen_job, gen_proof_run, gen_ring
 
 GOOD = {
     "prompt": "hello",
@@ -249,7 +249,6 @@ def test_nodes(api, session):
     nodes = api.get("/nodes").get_json()["nodes"]
     assert [n["role"] for n in nodes] == ["stage0", "stage1", "tail"]
     assert nodes[0]["status"] == "online" and nodes[0]["last_heartbeat"].endswith("Z")
-    assert [n["test_lossy_tail"] for n in nodes] == [False, False, False]
 
 
 def test_a_node_has_the_fields_the_document_lists_and_they_are_the_stores_columns(
@@ -261,18 +260,6 @@ def test_a_node_has_the_fields_the_document_lists_and_they_are_the_stores_column
     documented = set(document["components"]["schemas"]["Node"]["properties"])
     assert set(node) == documented
     assert documented - {"status"} == set(Node.__table__.columns.keys()) - {"id"}
-
-
-def test_nodes_say_which_runs_the_test_lossy_tail(api, session):
-    gen_ring(session, 2)
-    gen_node(
-        session, "host1.example", role="tail", layer_start=18, layer_end=36, test_lossy_tail=True
-    )
-    nodes = api.get("/nodes").get_json()["nodes"]
-    assert [(n["host"], n["test_lossy_tail"]) for n in nodes] == [
-        ("host0.example", False),
-        ("host1.example", True),
-    ]
 
 
 def test_runs(api, session):

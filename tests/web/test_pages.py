@@ -270,23 +270,6 @@ def test_nodes_page(client, session):
     assert "24.0 GiB" in html and "GPU-00000003-test" in html
 
 
-def test_nodes_page_flags_a_test_lossy_tail(client, session):
-    gen_ring(session, 3)
-    html = client.get("/nodes/").get_data(as_text=True)
-    assert "TEST LOSSY TAIL" not in html and 'id="lossy-warning"' not in html
-    gen_node(
-        session, "host2.example", role="tail", layer_start=24, layer_end=36, test_lossy_tail=True
-    )
-    html = client.get("/nodes/").get_data(as_text=True)
-    assert html.count('<span class="badge badge-lossy"') == 1
-    row = next(r for r in html.split("<tr>") if "badge-lossy" in r)
-    assert "host2.example" in row and "host1.example" not in row
-    assert html.count('class="ring-node status-online lossy"') == 1
-    warning = html.split('id="lossy-warning">', 1)[1].split("</div>", 1)[0]
-    assert "SPECPIPE_TEST_LOSSY_TAIL=1 is set on host2.example" in warning
-    assert "NOT lossless" in warning
-
-
 def test_run_record_download(client, session):
     gen_ring(session, 2)
     run = gen_proof_run(session)
