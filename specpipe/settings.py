@@ -627,12 +627,3 @@ def nightly_sizes() -> dict[str, int]:
 # The head-on proof under `specpipe up` (4 stages of the default model on 2 CPUs) measured its
 # stops in 186 s with 12, 165 s with 24 and 159 s with 48: larger batches pad fewer rows.
 PROOF_IN_FLIGHT = 48
-
-TEST_LOSSY_TAIL_VAR = "SPECPIPE_TEST_LOSSY_TAIL"
-
-
-def test_lossy_tail() -> bool:
-    """TEST ONLY: `SPECPIPE_TEST_LOSSY_TAIL=1` makes the tail commit biased tokens on rejection,
-    so a test can show the regression catches a lossy swarm. Never set it in production: a stage
-    worker with it set warns at start, and its inventory record carries `test_lossy_tail`."""
-    return os.environ.get(TEST_LOSSY_TAIL_VAR) == "1"

@@ -47,8 +47,9 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     one token per round (multiply by a job's tokens per round); the text output ends with the
     same.
 
-    A node whose worker runs with the test-only SPECPIPE_TEST_LOSSY_TAIL=1 is marked TEST LOSSY
-    TAIL (`test_lossy_tail` in JSON), and a warning naming it goes to stderr: its output is NOT
+    Each node says how its tail samples (`sampler` in JSON): "exact" for the lossless
+    samplers. A node that samples with anything else (a test double) gets a last column,
+    SAMPLER, in the text output, and a warning naming it goes to stderr: its output is NOT
     lossless.
 
     Example:
@@ -84,9 +85,8 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
         raise click.ClickException(f"cannot read the inventory at {where}: {exc}") from None
     finally:
         client.close()
-    lossy = inventory.lossy_hosts(found.nodes)
-    if lossy:
-        click.echo(f"warning: {inventory.lossy_warning(lossy)}", err=True)
+    if warning := inventory.inexact_warning(found.nodes):
+        click.echo(f"warning: {warning}", err=True)
     records = _records(found.nodes, swarm, found.now)
     latency = _latency(found.nodes, {r["host"]: r["stats"] for r in records}, found.now)
     if as_json:

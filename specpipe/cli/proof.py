@@ -265,8 +265,8 @@ def open_ring(redis_option: str | None, local_model: str | None, model: str | No
         raise click.ClickException(str(exc)) from None
     except RouteError as exc:
         raise click.ClickException(f"no complete ring in swarm {settings.swarm!r}: {exc}") from None
-    if lossy := inventory.lossy_hosts(ring.route):
-        click.echo(f"warning: {inventory.lossy_warning(lossy)}", err=True)
+    if warning := inventory.inexact_warning(ring.route):
+        click.echo(f"warning: {warning}", err=True)
     return ring, target, " → ".join(hop.host for hop in ring.route)
 
 

@@ -337,16 +337,12 @@ def check_reachable(url: str, what: str) -> None:
 
 
 def tail_sampling() -> TailSampling:
-    """How this process's tail samples: the lossless samplers, unless `SPECPIPE_TEST_LOSSY_TAIL=1`
-    installs the test-only lossy one (the stage then says so in its log and its record)."""
-    from specpipe import settings
+    """How a stage worker's tail samples: always the exact samplers each session's parameters
+    name. Nothing here swaps them: a test double comes in through `WorkerConfig.tail_sampling`,
+    set by the test's own launcher."""
     from specpipe.swarm.stage.samplers import TailSampling
 
-    if not settings.test_lossy_tail():
-        return TailSampling()
-    from specpipe.proofs.lossy import LossySampler
-
-    return TailSampling(LossySampler.from_params, lossy=True)
+    return TailSampling()
 
 
 def swarm_keyring(config: Settings, signer: str | None = None) -> Keyring:

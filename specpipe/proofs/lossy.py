@@ -1,11 +1,11 @@
 """TEST ONLY: a deliberately lossy verify rule, to show the nightly regression catches one.
 
-A stage worker's tail uses it only when the process installs it, as `specpipe worker stage`
-does when `SPECPIPE_TEST_LOSSY_TAIL=1` (`specpipe.cli.worker.tail_sampling`). On the first
-rejected draft it commits the most likely token other than the draft instead of the target's
-own draw: greedy-biased, so the committed tokens no longer follow the target distribution.
-Plain sampling (no drafts) is untouched, which is what makes speculative and plain runs
-disagree.
+A stage worker's tail uses it only when a test installs it through the worker's configuration
+(`WorkerConfig.tail_sampling`, named "lossy": the stage's record and log then say it does not
+sample exactly); nothing in the product does. On the first rejected draft it commits the most
+likely token other than the draft instead of the target's own draw: greedy-biased, so the
+committed tokens no longer follow the target distribution. Plain sampling (no drafts) is
+untouched, which is what makes speculative and plain runs disagree.
 """
 
 from __future__ import annotations

@@ -34,8 +34,9 @@ ignores, and counts, every record that is unsigned, forged, of a host not admitt
 another host's name, malformed, or dated more than `MAX_AHEAD_S` ahead of swarm time (such a
 record would stay alive past its host's death). Routing never raises on a bad record.
 Public IP and geo label come from configuration; nothing here asks the internet.
-A node whose worker runs with the test-only `SPECPIPE_TEST_LOSSY_TAIL=1` says so in its record
-(`test_lossy_tail`), so a leaked variable shows wherever the inventory does.
+A record says how its stage's tail samples (`sampler`): `EXACT_SAMPLER` for the product's
+lossless samplers, which records from before the field read as; any other (a test double that
+a test installed) shows wherever the inventory does, as output that is NOT lossless.
 """
 
 from __future__ import annotations
@@ -53,12 +54,13 @@ from pathlib import Path
 import redis
 
 from specpipe import __version__
-from specpipe.settings import TEST_LOSSY_TAIL_VAR
 from specpipe.swarm import identity
 from specpipe.swarm.clock import SwarmClock
 from specpipe.swarm.redact import has_credentials, redact_url
 from specpipe.swarm.wire import Keyring
 
+# How a stage whose tail samples with the product's lossless samplers says so in its record.
+EXACT_SAMPLER = "exact"
 ONLINE_S = 30.0
 STALE_S = 120.0
 # A heartbeat dated further ahead of swarm time is not believed: more than the error of the
@@ -123,7 +125,6 @@ class NodeInfo:
     next_hop: str = ""
     next_hop_rtt_ms: float = 0.0
     link_delay_ms: float = 0.0
-    test_lossy_tail: bool = False  # TEST ONLY lossy sampling is on: the output is NOT lossless
     kv_budget_tokens: int = (
         0  # tokens of KV cache across sessions (specpipe/swarm/kvbudget.py); 0: none
     )
@@ -136,6 +137,8 @@ class NodeInfo:
     # A tail's: the layers whose incoming hidden states its drafter reads, as "2,18,33" (an
     # EAGLE-3 head's taps; "": none). Every round through this tail asks the stages for them.
     draft_taps: str = ""
+    # How its tail samples (`TailSampling.name`): any but EXACT_SAMPLER is NOT lossless.
+    sampler: str = EXACT_SAMPLER
 
     @property
     def layers(self) -> str:
@@ -215,17 +218,18 @@ def taps_text(taps: Sequence[int]) -> str:
     return ",".join(str(int(k)) for k in taps)
 
 
-def lossy_hosts(nodes: list[NodeInfo]) -> list[str]:
-    """The hosts among `nodes` whose worker runs with the test-only lossy tail switched on."""
-    return [n.host for n in nodes if n.test_lossy_tail]
+def inexact_nodes(nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
+    """The nodes among `nodes` that sample with anything but the exact samplers."""
+    return [n for n in nodes if n.sampler != EXACT_SAMPLER]
 
 
-def lossy_warning(hosts: list[str]) -> str:
-    """One line saying which hosts run the test-only lossy tail and what that means."""
-    return (
-        f"{TEST_LOSSY_TAIL_VAR}=1 is set on {', '.join(hosts)}: "
-        "test-only lossy sampling, the ring's output is NOT lossless"
-    )
+def inexact_warning(nodes: Sequence[NodeInfo]) -> str:
+    """One line naming the nodes that sample with anything but the exact samplers, and what
+    that means; "" when none does."""
+    if not (inexact := inexact_nodes(nodes)):
+        return ""
+    named = ", ".join(f"{n.host} ({n.sampler!r})" for n in inexact)
+    return f"not the {EXACT_SAMPLER} sampler on {named}: the ring's output is NOT lossless"
 
 
 def cpu_model() -> str:
@@ -526,10 +530,10 @@ def _clock(node: NodeInfo) -> str:
 def table(nodes: list[NodeInfo], now: float | None = None) -> list[str]:
     """The inventory as aligned text lines, in ring order (what `specpipe nodes` prints), with
     ages at `now` (swarm time). CLOCK is the host's own clock less the registry's. When a node
-    runs the test-only lossy tail a last column, WARNING, marks it."""
+    samples with anything but the exact samplers a last column, SAMPLER, names each one's."""
     now = time.time() if now is None else now
     ordered = with_roles(nodes)
-    warn = bool(lossy_hosts(ordered))
+    warn = bool(inexact_nodes(ordered))
     header = (
         "HOST",
         "ROLE",
@@ -545,7 +549,7 @@ def table(nodes: list[NodeInfo], now: float | None = None) -> list[str]:
         "LINK",
         "CLOCK",
     )
-    rows = [(*header, "WARNING") if warn else header]
+    rows = [(*header, "SAMPLER") if warn else header]
     for n in ordered:
         gpu = n.cpu_model if n.gpu_name == "cpu" and n.cpu_model else n.gpu_name
         rows.append(
@@ -563,7 +567,7 @@ def table(nodes: list[NodeInfo], now: float | None = None) -> list[str]:
                 n.next_hop or "-",
                 _link(n),
                 _clock(n),
-                *(["TEST LOSSY TAIL" if n.test_lossy_tail else "-"] if warn else []),
+                *([n.sampler] if warn else []),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

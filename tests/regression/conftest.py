@@ -94,9 +94,9 @@ class Swarm:
         draft_head: str | None = None,
     ) -> None:
         """Both toy stages (or a real model's halves); the tail deliberately lossy when asked
-        (the test-only switch). With `lossy_head` the head's worker has the switch on too:
-        flagged in the inventory, though only a tail's sampling is biased by it. `draft_head`:
-        a draft head file for a real model's tail."""
+        (the lossy test double in its configuration). With `lossy_head` the head's worker is
+        configured with it too: flagged in the inventory, though only a tail's sampling is
+        biased by it. `draft_head`: a draft head file for a real model's tail."""
         stages = STAGES
         if model:
             from specpipe.transformer.resolve import open_checkpoint
@@ -109,7 +109,7 @@ class Swarm:
         for i, (host, layers, geo, ip) in enumerate(stages):
             tail = i == len(STAGES) - 1
             on = lossy_tail if tail else lossy_head and i == 0
-            lossy = {"SPECPIPE_TEST_LOSSY_TAIL": "1"} if on else {}
+            sampler = ["--sampler", "lossy"] if on else []
             head = ["--draft-head", draft_head] if draft_head and tail else []
             self._spawn(
                 [
@@ -130,8 +130,8 @@ class Swarm:
                     ip,
                     *(["--model", model] if model else []),
                     *head,
+                    *sampler,
                 ],
-                **lossy,
             )
         hosts = {s[0] for s in stages}
 

@@ -2,21 +2,30 @@
 transformer's layers, or with `--model` a real checkpoint's.
 
     python -m tests.regression.stage --host h0 --layers 0:2 --redis URL --swarm NAME --geo WA \
-        --public-ip 198.51.100.7 [--model default [--draft-head PATH]]
+        --public-ip 198.51.100.7 [--model default [--draft-head PATH]] [--sampler lossy]
 
 With `--draft-head` a tail of a real checkpoint holds that draft head, as `specpipe worker
-stage --draft-head PATH` loads it.
+stage --draft-head PATH` loads it. With `--sampler lossy` the stage samples with the
+deliberately lossy `LossySampler`, installed through its configuration, so a test can show the
+nightly regression catches it.
 """
 
 import argparse
 import logging
 import os
 
-from specpipe.cli.worker import tail_sampling
+from specpipe.proofs.lossy import LossySampler
 from specpipe.swarm import inventory
+from specpipe.swarm.stage.samplers import TailSampling
 from specpipe.swarm.stage.worker import WorkerConfig, run
 from tests.regression.toy_target import CONFIG
 from tests.swarm.toy_stage import ToyStage
+
+# How a stage's tail may sample: the product's exact samplers, or the lossy test double.
+SAMPLINGS = {
+    "exact": TailSampling(),
+    "lossy": TailSampling(LossySampler.from_params, name="lossy"),
+}
 
 
 def main() -> None:
@@ -25,6 +34,7 @@ def main() -> None:
         parser.add_argument(flag, required=True)
     parser.add_argument("--model")
     parser.add_argument("--draft-head")
+    parser.add_argument("--sampler", choices=sorted(SAMPLINGS), default="exact")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     start, end = (int(x) for x in args.layers.split(":"))
@@ -35,7 +45,7 @@ def main() -> None:
         redis_url=args.redis,
         block_ms=200,
         heartbeat_s=0.5,
-        tail_sampling=tail_sampling(),  # the lossy one with SPECPIPE_TEST_LOSSY_TAIL=1
+        tail_sampling=SAMPLINGS[args.sampler],
     )
     from specpipe.transformer.resolve import model_label
 

@@ -74,7 +74,7 @@ def test_an_empty_inventory_names_the_missing_layers(redis_url_for_cli):
 
 
 @pytest.mark.parametrize("lossy", [True, False])
-def test_a_ring_with_a_test_lossy_tail_is_a_warning_line(
+def test_a_ring_with_a_stage_that_does_not_sample_exactly_is_a_warning_line(
     redis_url_for_cli, monkeypatch, capsys, lossy
 ):
     swarm = f"p{uuid.uuid4().hex[:10]}"
@@ -91,7 +91,7 @@ def test_a_ring_with_a_test_lossy_tail_is_a_warning_line(
             start,
             end,
             without_credentials(redis_url_for_cli),
-            test_lossy_tail=lossy and host == "nj",
+            sampler="lossy" if lossy and host == "nj" else inventory.EXACT_SAMPLER,
         )
         inventory.publish(client, swarm, node, "k" * 32)
     try:
@@ -103,7 +103,7 @@ def test_a_ring_with_a_test_lossy_tail_is_a_warning_line(
     assert where == "wa → nj"
     err = capsys.readouterr().err
     if lossy:
-        assert err.startswith("warning: SPECPIPE_TEST_LOSSY_TAIL=1 is set on nj: ")
+        assert err.startswith("warning: not the exact sampler on nj ('lossy'): ")
         assert "NOT lossless" in err and len(err.splitlines()) == 1
     else:
         assert err == ""

@@ -202,7 +202,7 @@ def test_a_verdict_faked_in_the_broker_is_not_reported_and_the_night_runs(live_s
     assert command.returncode == 1, out + err
     [run] = nightly_runs(live_swarm.db_url)
     assert out.strip().splitlines()[-2:] == ["verdict: fail", run.name]
-    assert "on_swarm: error: SPECPIPE_TEST_LOSSY_TAIL=1 is set" in err  # why, on stderr
+    assert "on_swarm: error: not the exact sampler on nj-1" in err  # why, on stderr
     assert run.night == key and run.verdict == "fail"
     assert [
         a.split()[-1] for a in live_swarm.client.lrange(attempts_key(live_swarm.name, key), 0, -1)
@@ -228,7 +228,7 @@ def test_a_lossy_tail_is_a_failed_run_flagged_on_the_web_and_in_metrics(live_swa
     assert run.proof("generation").verdict == "fail"
     [flagged] = [p for p in run.proofs if p.verdict == "error"]  # the inventory said so too
     assert flagged.kind == "on_swarm"
-    assert flagged.summary["error"].startswith("SPECPIPE_TEST_LOSSY_TAIL=1 is set on nj-1:")
+    assert flagged.summary["error"].startswith("not the exact sampler on nj-1 ('lossy'):")
 
     client = web_client(live_swarm.db_url, live_swarm.redis_url)
     for page in ("/", "/proofs/", "/nodes/"):
@@ -237,7 +237,7 @@ def test_a_lossy_tail_is_a_failed_run_flagged_on_the_web_and_in_metrics(live_swa
         assert run.name in html
     detail = client.get(f"/proofs/{run.id}").get_data(as_text=True)
     assert "badge-fail" in detail and "same-seed draws differ" in detail
-    assert "SPECPIPE_TEST_LOSSY_TAIL=1 is set on nj-1" in detail
+    assert "not the exact sampler on nj-1" in detail and "NOT lossless" in detail
     metrics = client.get("/metrics").get_data(as_text=True).splitlines()
     assert "specpipe_nightly_last_verdict 0.0" in metrics
     assert "specpipe_nightly_failures_total 1.0" in metrics
@@ -245,8 +245,8 @@ def test_a_lossy_tail_is_a_failed_run_flagged_on_the_web_and_in_metrics(live_swa
 
 @pytest.mark.slow
 def test_a_stage_flagged_lossy_fails_the_night_even_when_the_proofs_pass(live_swarm, monkeypatch):
-    # The switch on the head biases nothing (only a tail samples), so the proofs pass: the
-    # inventory's flag alone must keep the night from passing.
+    # The lossy sampler on the head biases nothing (only a tail samples), so the proofs pass:
+    # the inventory's record of it alone must keep the night from passing.
     live_swarm.start_stages(lossy_head=True)
     for name, value in SMALL_SIZES.items():
         monkeypatch.setenv(name, value)
@@ -266,14 +266,11 @@ def test_a_stage_flagged_lossy_fails_the_night_even_when_the_proofs_pass(live_sw
             ("on_swarm", "error"),
         ]
         reason = run.proofs[-1].summary["error"]
-        assert reason.startswith("SPECPIPE_TEST_LOSSY_TAIL=1 is set on wa-1:")
+        assert reason.startswith("not the exact sampler on wa-1 ('lossy'):")
         assert "nj-1" not in reason and "NOT lossless" in reason
         assert [n.host for n in ring_nodes(session)] == ["wa-1", "nj-1"]  # the ring it ran on
     records = inventory.load(live_swarm.client, live_swarm.name, live_swarm.key)
-    assert sorted((n.host, n.test_lossy_tail) for n in records) == [
-        ("nj-1", False),
-        ("wa-1", True),
-    ]
+    assert sorted((n.host, n.sampler) for n in records) == [("nj-1", "exact"), ("wa-1", "lossy")]
 
 
 @pytest.mark.slow

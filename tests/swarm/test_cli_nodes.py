@@ -112,36 +112,36 @@ def test_nodes_needs_the_swarm_key(swarm, redis_url, monkeypatch, tmp_path):
     assert result.exit_code == 1 and "no swarm key" in result.output
 
 
-def test_nodes_flags_a_test_lossy_tail_in_text_and_json(swarm, redis_url, key):
+def test_nodes_flags_a_node_that_does_not_sample_exactly_in_text_and_json(swarm, redis_url, key):
     client = redis.Redis.from_url(redis_url)
-    inventory.publish(client, swarm, NodeInfo("nj", 2, 4, redis_url, test_lossy_tail=True), key)
+    inventory.publish(client, swarm, NodeInfo("nj", 2, 4, redis_url, sampler="lossy"), key)
     inventory.publish(client, swarm, NodeInfo("wa", 0, 2, redis_url), key)
     client.close()
-    warning = "warning: SPECPIPE_TEST_LOSSY_TAIL=1 is set on nj: "
+    warning = "warning: not the exact sampler on nj ('lossy'): "
 
     result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm])
     assert result.exit_code == 0, result.output
     header, wa, nj = result.stdout.splitlines()
-    assert header.split()[-1] == "WARNING"
-    assert nj.split()[0] == "nj" and nj.endswith("TEST LOSSY TAIL")
-    assert wa.split()[0] == "wa" and "LOSSY" not in wa
+    assert header.split()[-1] == "SAMPLER"
+    assert nj.split()[0] == "nj" and nj.split()[-1] == "lossy"
+    assert wa.split()[0] == "wa" and wa.split()[-1] == "exact"
     assert result.stderr.startswith(warning) and "NOT lossless" in result.stderr
 
     result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, "--json"])
     assert result.exit_code == 0, result.output
     records = json.loads(result.stdout)["nodes"]
-    assert [(r["host"], r["test_lossy_tail"]) for r in records] == [("wa", False), ("nj", True)]
+    assert [(r["host"], r["sampler"]) for r in records] == [("wa", "exact"), ("nj", "lossy")]
     assert result.stderr.startswith(warning)
 
 
-def test_nodes_without_a_test_lossy_tail_warn_of_nothing(swarm, redis_url, key):
+def test_nodes_that_sample_exactly_warn_of_nothing(swarm, redis_url, key):
     client = redis.Redis.from_url(redis_url)
     inventory.publish(client, swarm, NodeInfo("wa", 0, 2, redis_url), key)
     client.close()
     for extra in ([], ["--json"]):
         result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm, *extra])
         assert result.exit_code == 0 and result.stderr == ""
-        assert "LOSSY" not in result.stdout
+        assert "SAMPLER" not in result.stdout
 
 
 def test_the_ring_latency_adds_every_stage_and_link_and_gives_the_ceiling():

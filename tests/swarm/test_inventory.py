@@ -213,37 +213,32 @@ def test_records_from_a_newer_version_still_load():
     assert NodeInfo.from_json(text).host == "a"
 
 
-def test_the_test_lossy_tail_flag_round_trips_and_older_records_read_as_lossless():
-    flagged = node("nj", 2, 4, test_lossy_tail=True)
-    assert NodeInfo.from_json(flagged.to_json()).test_lossy_tail is True
-    assert NodeInfo.from_json(node("wa", 0, 2).to_json()).test_lossy_tail is False
+def test_the_sampler_round_trips_and_older_records_read_as_exact():
+    flagged = node("nj", 2, 4, sampler="lossy")
+    assert NodeInfo.from_json(flagged.to_json()).sampler == "lossy"
+    assert NodeInfo.from_json(node("wa", 0, 2).to_json()).sampler == inventory.EXACT_SAMPLER
     older = json.loads(flagged.to_json())
-    del older["test_lossy_tail"]  # a record from before the field
-    assert NodeInfo.from_json(json.dumps(older)).test_lossy_tail is False
+    del older["sampler"]  # a record from before the field
+    assert NodeInfo.from_json(json.dumps(older)).sampler == "exact"
 
 
-def test_lossy_hosts_names_the_flagged_nodes_and_the_warning_the_variable():
-    nodes = [
-        node("wa", 0, 2, test_lossy_tail=True),
-        node("mn", 2, 3),
-        node("nj", 3, 4, test_lossy_tail=True),
-    ]
-    assert inventory.lossy_hosts(nodes) == ["wa", "nj"]
-    assert inventory.lossy_hosts(nodes[1:2]) == []
-    warning = inventory.lossy_warning(["wa", "nj"])
-    assert "SPECPIPE_TEST_LOSSY_TAIL=1" in warning and "wa, nj" in warning
-    assert "NOT lossless" in warning
+def test_the_inexact_nodes_are_named_with_their_samplers_in_one_warning():
+    nodes = [node("wa", 0, 2, sampler="lossy"), node("mn", 2, 3), node("nj", 3, 4, sampler="x")]
+    assert [n.host for n in inventory.inexact_nodes(nodes)] == ["wa", "nj"]
+    assert inventory.inexact_nodes(nodes[1:2]) == []
+    warning = inventory.inexact_warning(nodes)
+    assert warning.startswith("not the exact sampler on wa ('lossy'), nj ('x'): ")
+    assert "NOT lossless" in warning and "mn" not in warning
+    assert inventory.inexact_warning(nodes[1:2]) == ""
 
 
-def test_table_marks_a_test_lossy_tail_in_a_warning_column():
+def test_table_names_the_samplers_in_a_last_column_when_one_is_not_exact():
     plain = inventory.table([node("wa", 0, 2), node("nj", 2, 4)], now=NOW)
-    assert "WARNING" not in plain[0] and "LOSSY" not in "\n".join(plain)
-    header, wa, nj = inventory.table(
-        [node("nj", 2, 4, test_lossy_tail=True), node("wa", 0, 2)], now=NOW
-    )
-    assert header.split()[-1] == "WARNING"
-    assert nj.startswith("nj ") and nj.endswith("TEST LOSSY TAIL")
-    assert wa.startswith("wa ") and wa.split()[-1] == "-"
+    assert "SAMPLER" not in plain[0] and "exact" not in "\n".join(plain)
+    header, wa, nj = inventory.table([node("nj", 2, 4, sampler="lossy"), node("wa", 0, 2)], now=NOW)
+    assert header.split()[-1] == "SAMPLER"
+    assert nj.startswith("nj ") and nj.split()[-1] == "lossy"
+    assert wa.startswith("wa ") and wa.split()[-1] == "exact"
 
 
 def test_table_lists_nodes_in_ring_order_with_status():

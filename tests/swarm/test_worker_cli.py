@@ -1,6 +1,6 @@
 """`specpipe worker …` refuses bad input with one line and changes nothing; a stage worker
-with the test-only lossy tail switched on says so, in its log and in its inventory record, as
-one that pins no coordinator key says it runs in the shared-key mode."""
+records that it samples exactly, and one that pins no coordinator key says it runs in the
+shared-key mode."""
 
 from __future__ import annotations
 
@@ -83,11 +83,8 @@ def tiny(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
 
 
-@pytest.mark.parametrize("lossy", [True, False])
-def test_a_stage_with_the_test_lossy_tail_warns_at_start_and_flags_its_record(
-    tiny, swarm, redis_url, lossy
-):
-    env = swarm_env(redis_url, swarm, "k" * 32, SPECPIPE_TEST_LOSSY_TAIL="1" if lossy else "")
+def test_a_stage_samples_exactly_and_warns_of_the_shared_key_mode_at_start(tiny, swarm, redis_url):
+    env = swarm_env(redis_url, swarm, "k" * 32)
     argv = [
         *SPECPIPE,
         "worker",
@@ -113,16 +110,9 @@ def test_a_stage_with_the_test_lossy_tail_warns_at_start_and_flags_its_record(
         terminate_all([proc], timeout_s=10)
     log = proc.stderr.read()
     proc.stderr.close()
-    assert node.test_lossy_tail is lossy
+    assert node.sampler == inventory.EXACT_SAMPLER
     # It pins no coordinator key, out loud: said once, at start (not at each key reload).
     [shared] = [line for line in log.splitlines() if "SPECPIPE_INSECURE_SHARED_KEY=1" in line]
     assert " WARNING specpipe.trust this host pins no coordinator key" in shared
     assert log.index(shared) < log.index("nj: serving")
-    warnings = [line for line in log.splitlines() if "SPECPIPE_TEST_LOSSY_TAIL" in line]
-    if lossy:
-        [line] = warnings
-        assert " WARNING specpipe.stage nj: SPECPIPE_TEST_LOSSY_TAIL=1 is set" in line
-        assert "NOT lossless" in line
-        assert log.index(line) < log.index("nj: serving")  # at start, before any round
-    else:
-        assert warnings == [] and "nj: serving" in log
+    assert "NOT lossless" not in log

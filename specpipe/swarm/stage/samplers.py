@@ -2,8 +2,8 @@
 verify-and-draft step (`specpipe.decoding.tail`) that turns the tail's logits into the reply.
 
 Which sampler a session's parameters get is the worker's config (`TailSampling`): the lossless
-one they name, unless the process that built the worker installed another, such as the test-only
-lossy one (whose `lossy` then marks the node's record and log)."""
+one they name, unless the process that built the worker installed another (a test double), whose
+name then shows in the node's record and log."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from specpipe.core.sampling import Sampler, SamplingParams
 from specpipe.core.tree import TreeShape
 from specpipe.decoding.tail import finish_round
 from specpipe.swarm import wire
+from specpipe.swarm.inventory import EXACT_SAMPLER
 from specpipe.swarm.stage.activity import remember
 from specpipe.swarm.stage.counters import StageStats
 
@@ -31,11 +32,16 @@ MAX_SESSIONS = 4096  # sessions whose sampling parameters are kept
 
 @dataclass(frozen=True)
 class TailSampling:
-    """The sampler a session's parameters get on this stage; `lossy` says it is NOT lossless
-    (a test double), which the stage then says loudly."""
+    """The sampler a session's parameters get on this stage, and its name: any but
+    `EXACT_SAMPLER` is NOT lossless (a test double), which the stage then says loudly."""
 
     sampler_for: Callable[[SamplingParams], Sampler] = coupling.sampler_for
-    lossy: bool = False
+    name: str = EXACT_SAMPLER
+
+    @property
+    def exact(self) -> bool:
+        """Whether these are the product's lossless samplers."""
+        return self.name == EXACT_SAMPLER
 
 
 class TailSamplers:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import redis
 
 from specpipe.core.ring import BatchedStage, Stage
-from specpipe.settings import DEFAULT_HEARTBEAT_S, TEST_LOSSY_TAIL_VAR
+from specpipe.settings import DEFAULT_HEARTBEAT_S
 from specpipe.swarm import inventory, streams, wire
 from specpipe.swarm.clock import SwarmClock
 from specpipe.swarm.dialing import Dialer
@@ -185,7 +185,7 @@ class StageWorker:
             node = replace(
                 node,
                 redis_url=without_credentials(node.redis_url),  # the dialler brings its own
-                test_lossy_tail=config.tail_sampling.lossy,
+                sampler=config.tail_sampling.name,
                 kv_budget_tokens=self.kv_budget_tokens,
                 heartbeat_s=config.heartbeat_s,
                 link_delay_ms=config.link_delay_s * 1000,
@@ -389,12 +389,11 @@ def run(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     worker = StageWorker(stage, config, node, head)
-    if config.tail_sampling.lossy:
+    if not config.tail_sampling.exact:
         log.warning(
-            "%s: %s=1 is set: test-only lossy sampling, the output is NOT lossless "
-            "(never set it in production)",
+            "%s: samples with %r, not the exact samplers: the output is NOT lossless",
             config.host,
-            TEST_LOSSY_TAIL_VAR,
+            config.tail_sampling.name,
         )
     log.info("%s: serving %s", config.host, worker.stream)
     try:
