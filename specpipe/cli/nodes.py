@@ -56,11 +56,8 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
 
         REDIS_URL=redis://127.0.0.1:6379/0 specpipe nodes --json
     """
-    import redis
-
     from specpipe import settings
-    from specpipe.swarm import inventory, trust, wire
-    from specpipe.swarm.redact import redact_url
+    from specpipe.swarm import inventory
 
     redis_url = (
         redis_url or settings.configured_redis_url() or settings.swarm_file().get("redis_url")
@@ -68,23 +65,7 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     swarm = swarm or settings.swarm_name()
     if not redis_url:
         raise click.ClickException("no swarm Redis: set REDIS_URL or pass --redis")
-    try:
-        keys = trust.keyring(settings.Settings.from_env())
-    except wire.WireError:
-        raise click.ClickException(
-            "no swarm key to check the inventory with: set SPECPIPE_SWARM_KEY "
-            "(or run `specpipe up`, which keeps one)"
-        ) from None
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
-    client = redis.Redis.from_url(redis_url, socket_connect_timeout=3)
-    try:
-        found = inventory.read(client, swarm, keys)
-    except redis.RedisError as exc:
-        where = redact_url(redis_url)
-        raise click.ClickException(f"cannot read the inventory at {where}: {exc}") from None
-    finally:
-        client.close()
+    found = _verified_inventory(redis_url, swarm)
     if warning := inventory.inexact_warning(found.nodes):
         click.echo(f"warning: {warning}", err=True)
     records = _records(found.nodes, swarm, found.now)
@@ -98,16 +79,50 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
             )
         )
         return
+    for line in _text(found, swarm, latency):
+        click.echo(line)
+
+
+def _verified_inventory(redis_url: str, swarm: str):
+    """The swarm's inventory as this host's keyring verifies it; one line when there is no
+    key to check it with or the registry cannot be read."""
+    import redis
+
+    from specpipe import settings
+    from specpipe.swarm import inventory, trust, wire
+    from specpipe.swarm.redact import redact_url
+
+    try:
+        keys = trust.keyring(settings.Settings.from_env())
+    except wire.WireError:
+        raise click.ClickException(
+            "no swarm key to check the inventory with: set SPECPIPE_SWARM_KEY "
+            "(or run `specpipe up`, which keeps one)"
+        ) from None
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    client = redis.Redis.from_url(redis_url, socket_connect_timeout=3)
+    try:
+        return inventory.read(client, swarm, keys)
+    except redis.RedisError as exc:
+        where = redact_url(redis_url)
+        raise click.ClickException(f"cannot read the inventory at {where}: {exc}") from None
+    finally:
+        client.close()
+
+
+def _text(found, swarm: str, latency) -> list[str]:
+    """The table of nodes, the ring's latency under it, and the count of ignored records."""
+    from specpipe.swarm import inventory
+
     lines = (
         inventory.table(found.nodes, found.now) if found.nodes else [f"no nodes in swarm {swarm!r}"]
     )
-    for line in lines:
-        click.echo(line)
     if latency:
-        for line in inventory.latency_lines(latency):
-            click.echo(line)
+        lines += inventory.latency_lines(latency)
     if found.ignored:
-        click.echo(inventory.ignored_note(found.ignored))
+        lines.append(inventory.ignored_note(found.ignored))
+    return lines
 
 
 def _latency(found: list, stats: dict, now: float):
