@@ -80,7 +80,6 @@ def create_app(test_config: dict | None = None) -> Flask:
         metrics,
         nightly,
         nodes,
-        openai_api,
         ops,
         plots,
         proofs,
@@ -91,6 +90,7 @@ def create_app(test_config: dict | None = None) -> Flask:
         waits,
     )
     from app import limits as rate_limits
+    from app.openai import routes as openai_routes
 
     proxy.init_app(app)
     db.init_app(app)
@@ -103,12 +103,12 @@ def create_app(test_config: dict | None = None) -> Flask:
     nightly.init_app(app)
     metrics.init_app(app)
     plots.init_app(app)
-    blueprints = (auth.bp, jobs.bp, proofs.bp, nodes.bp, runs.bp, ops.bp, api.bp, openai_api.bp)
+    blueprints = (auth.bp, jobs.bp, proofs.bp, nodes.bp, runs.bp, ops.bp, api.bp, openai_routes.bp)
     for blueprint in blueprints:
         app.register_blueprint(blueprint)
     rate_limits.init_app(app)  # wraps views, so after the blueprints
     forms.csrf.exempt(api.bp)
-    forms.csrf.exempt(openai_api.bp)
+    forms.csrf.exempt(openai_routes.bp)
     app.jinja_env.globals["site_name"] = "specpipe"
     app.jinja_env.filters.update(forms.FILTERS)
     return app

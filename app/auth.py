@@ -5,7 +5,7 @@ client while no proxy is configured: `app.ops`) and the static files; the JSON A
 bearer tokens instead (`app.api`). A user is remembered in Flask's signed session cookie by id
 and a fingerprint of the password hash and the disabled state, so changing a password,
 disabling or deleting the user ends its sessions at their next request. The OpenAI-compatible
-API under /v1 takes the same bearer tokens (`app.openai_api`).
+API under /v1 takes the same bearer tokens (`app.openai`).
 `g.user` is the user a request acts as: the session's on pages, the token's owner in the API.
 """
 

@@ -39,7 +39,7 @@ def init_app(app: Flask) -> None:
         retry = retry_after_s()
         reason = f"too many requests (at most {exc.description}): try again in {retry} s"
         if _openai():
-            from app.openai_api import error_response
+            from app.openai.errors import error_response
 
             return error_response(429, reason, retry_after=retry)
         if _wants_json():
@@ -62,7 +62,7 @@ def init_app(app: Flask) -> None:
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):
         if _openai():
-            from app.openai_api import error_response
+            from app.openai.errors import error_response
 
             response = error_response(exc.code or 500, exc.description or exc.name)
             if exc.code == 405 and exc.valid_methods:
@@ -82,7 +82,7 @@ def init_app(app: Flask) -> None:
             return http_error(exc)
         message = InternalServerError.description
         if _openai():
-            from app.openai_api import error_response
+            from app.openai.errors import error_response
 
             return error_response(500, "internal error")
         if _wants_json():

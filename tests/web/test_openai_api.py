@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
 
-from app.openai_api import CHAT_ROLES
+from app.openai.requests import CHAT_ROLES
 from models.db import make_session_factory, utcnow
 from models.jobs import Job
 from models.tokens import create_token
@@ -382,7 +382,7 @@ def test_a_failed_job_is_an_error(app, db_url, session, api_token):
 def test_leaving_never_cancels_a_job_that_finished_since_the_read(
     db_url, session, monkeypatch, status
 ):
-    from app.openai_api import _cancel
+    from app.openai.waiting import cancel_job
 
     job_id = gen_job(session, status=status).id
     with make_session_factory(db_url)() as reader:
@@ -394,7 +394,7 @@ def test_leaving_never_cancels_a_job_that_finished_since_the_read(
             return loaded
 
         monkeypatch.setattr(reader, "get", get_then_finish)
-        _cancel(reader, job_id)
+        cancel_job(reader, job_id)
     session.expire_all()
     stored = session.get(Job, job_id)
     assert (stored.status, stored.cancel_requested) == ("done", False)

@@ -1,0 +1,170 @@
+"""The JSON of an answer: a whole completion, a stream's chunks, usage and log-probabilities."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+from app.openai.requests import Completion
+from app.replies import job_target, speaks_harmony
+from models.jobs import Job
+from specpipe import __version__
+from specpipe.core.stopping import GenerationText
+from specpipe.transformer.harmony import split_reply
+
+
+def finish_reason(job: Job, target=None) -> str:
+    """`length` when the token budget ended the job, else `stop` (EOS or a stop string)."""
+    ids = list(job.output_ids or [])
+    if len(ids) < job.max_new_tokens:
+        return "stop"
+    if target is not None and (
+        ids[-1] in target.eos_ids
+        or GenerationText(target.decode, target.eos_ids, job.stop or []).cut(ids)[1]
+    ):
+        return "stop"
+    return "length"
+
+
+def fingerprint(job: Job) -> str:
+    """The model and the ring's software versions (as its stages reported them) in 12 digits."""
+    versions = sorted(
+        {
+            s.software_version
+            for s in (job.run.node_snapshots if job.run else [])
+            if s.software_version
+        }
+        or {__version__}
+    )
+    return "fp_" + hashlib.sha256(f"{job.model}|{'+'.join(versions)}".encode()).hexdigest()[:12]
+
+
+def usage(job: Job) -> dict:
+    """The tokens of the prompt and of the completion."""
+    prompt, completion = job.prompt_tokens or 0, len(job.output_ids or [])
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _extension(job: Job) -> dict:
+    return {
+        "job_id": job.id,
+        "seed": job.seed,
+        "seed_was_random": job.seed_was_random,
+        "draft_k": job.draft_k,
+        "rounds": job.rounds,
+        "tok_s": job.tok_s,
+    }
+
+
+def _token_text(target, token: int) -> str:
+    return target.decode([token]) if target is not None else ""
+
+
+def _chat_logprobs(entries: list, ids: list[int], target) -> dict:
+    def one(token: int, logprob: float) -> dict:
+        text = _token_text(target, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for token, (logprob, top) in zip(ids, entries, strict=False):
+        content.append({**one(token, logprob), "top_logprobs": [one(i, lp) for i, lp in top]})
+    return {"content": content}
+
+
+def _completion_logprobs(entries: list, ids: list[int], target, offset: int) -> dict:
+    tokens, logprobs, tops, offsets = [], [], [], []
+    for token, (logprob, top) in zip(ids, entries, strict=False):
+        text = _token_text(target, token)
+        offsets.append(offset)
+        offset += len(text)
+        tokens.append(text)
+        logprobs.append(logprob)
+        tops.append({_token_text(target, i): lp for i, lp in top})
+    return {
+        "tokens": tokens,
+        "token_logprobs": logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def logprobs_of(completion: Completion, job: Job, start: int, end: int, target, offset: int):
+    """The log-probabilities of output tokens `start` to `end`, in the shape of the endpoint;
+    None when not asked for."""
+    if completion.logprobs is None:
+        return None
+    ids = list(job.output_ids or [])[start:end]
+    entries = list(job.output_logprobs or [])[start:end]
+    if completion.chat:
+        return _chat_logprobs(entries, ids, target)
+    return _completion_logprobs(entries, ids, target, offset)
+
+
+def head(completion: Completion, job: Job, chunk: bool) -> dict:
+    """The fields every answer and chunk starts with."""
+    if completion.chat:
+        kind = "chat.completion.chunk" if chunk else "chat.completion"
+        prefix = "chatcmpl"
+    else:
+        kind, prefix = "text_completion", "cmpl"
+    created = int(job.created_at.timestamp()) if job.created_at else int(time.time())
+    return {
+        "id": f"{prefix}-{job.id}",
+        "object": kind,
+        "created": created,
+        "model": job.model,
+        "system_fingerprint": fingerprint(job),
+    }
+
+
+def whole_answer(completion: Completion, job: Job) -> dict:
+    """The non-streamed response for a finished job."""
+    target = job_target(job)
+    text = job.output_text or ""
+    logprobs = logprobs_of(completion, job, 0, len(job.output_ids or []), target, 0)
+    choice: dict = {"index": 0, "finish_reason": finish_reason(job, target), "logprobs": logprobs}
+    if completion.chat and speaks_harmony(target):
+        reply = split_reply(text)
+        choice["message"] = {
+            "role": "assistant",
+            "content": reply.content,
+            "reasoning_content": reply.reasoning,
+            "refusal": None,
+        }
+    elif completion.chat:
+        choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+    else:
+        choice["text"] = text
+    return {
+        **head(completion, job, False),
+        "choices": [choice],
+        "usage": usage(job),
+        "specpipe": _extension(job),
+    }
+
+
+def stream_chunk(
+    completion: Completion,
+    job: Job,
+    text: str | None,
+    logprobs,
+    finish: str | None,
+    first: bool = False,
+    reasoning: str | None = None,
+) -> dict:
+    """One chunk of a stream: new text (a chat's reasoning apart), or the finish."""
+    choice: dict = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+    if completion.chat:
+        delta: dict = {"role": "assistant", "content": ""} if first else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if text:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    return {**head(completion, job, True), "choices": [choice], "specpipe": _extension(job)}
