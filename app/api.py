@@ -20,7 +20,8 @@ from models.db import utcnow
 from models.jobs import Job
 from models.nodes import ring_nodes
 from models.records import run_record
-from workers.submission import FIELDS, JobRequestError, QueueUnavailable, TooManyActiveJobs
+from workers.job_request import FIELDS, JobRequestError
+from workers.submission import QueueUnavailable, TooManyActiveJobs
 
 bp = Blueprint("api", __name__, url_prefix="/api/v1")
 MAX_PER_PAGE = 100

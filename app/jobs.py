@@ -32,13 +32,8 @@ from models.jobs import JOB_STATUSES, Job
 from specpipe.core.sampling import MAX_SEED_TEXT, SAMPLERS
 from specpipe.settings import JOB_DEFAULTS
 from specpipe.swarm.kvbudget import waiting_for_room
-from workers.submission import (
-    FIELDS,
-    JobRequestError,
-    QueueUnavailable,
-    TooManyActiveJobs,
-    rerun_params,
-)
+from workers.job_request import FIELDS, JobRequestError
+from workers.submission import QueueUnavailable, TooManyActiveJobs, rerun_params
 from workers.turns import queue_place
 
 bp = Blueprint("jobs", __name__)

@@ -16,7 +16,7 @@ from specpipe import __version__
 from specpipe.core.sampling import MAX_SEED, SAMPLERS
 from specpipe.settings import JobLimits
 from specpipe.swarm.kvbudget import WAITING_FIELDS
-from workers.submission import MAX_TEMP, MAX_TOP_K
+from workers.job_request import MAX_TEMP, MAX_TOP_K
 
 _NO_NUL = "[^\\u0000]"
 # White space to Python's str.strip that an ECMA pattern's \s does not cover.

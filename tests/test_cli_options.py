@@ -11,7 +11,7 @@ from app.openapi import document
 from specpipe.cli import cli
 from specpipe.core.sampling import MAX_SEED, check_seed, offset_seed
 from specpipe.settings import JobLimits
-from workers.submission import JobRequestError, parse_job_request
+from workers.job_request import JobRequestError, parse_job_request
 
 
 def every_option(group: click.Group, path: str = "specpipe"):

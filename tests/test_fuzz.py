@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from specpipe.settings import JobLimits
 from specpipe.swarm import inventory, wire
 from workers.broker import MalformedEntry, message_job_id
+from workers.job_request import FIELDS, JobRequestError, parse_job_request
 from workers.names import GENERATE_TASK
-from workers.submission import FIELDS, JobRequestError, parse_job_request
 
 SWARM, KEY = "fuzz", b"k" * 32
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -10,7 +10,7 @@ from flask import request
 from app.openai.errors import OpenAIError
 from app.submitting import submitter
 from specpipe.core.sampling import MAX_TOP_LOGPROBS
-from workers.submission import JobRequestError
+from workers.job_request import JobRequestError
 
 CHAT_ROLES = ("system", "user", "assistant")
 # Our job fields by the OpenAI names that set them.

@@ -481,7 +481,7 @@ def checked_request(request: dict, check=None) -> dict:
     """The request checked against the job limits the web app and the API apply (or by
     `check`, a submitter's further check of checked values)."""
     from specpipe.settings import job_limits
-    from workers.submission import JobRequestError, parse_job_request
+    from workers.job_request import JobRequestError, parse_job_request
 
     try:
         if check is not None:
