@@ -32,7 +32,7 @@ from models.jobs import JOB_STATUSES, Job
 from specpipe.core.sampling import MAX_SEED_TEXT, SAMPLERS
 from specpipe.settings import JOB_DEFAULTS
 from specpipe.swarm.kvbudget import waiting_for_room
-from workers.job_request import FIELDS, JobRequestError
+from workers.job_request import FIELDS, JobRequestError, number_bounds
 from workers.submission import QueueUnavailable, TooManyActiveJobs, rerun_params
 from workers.turns import queue_place
 
@@ -71,6 +71,7 @@ def render_form(
         errors=errors,
         refusal=refusal,
         limits=submitter().limits,
+        bounds=number_bounds(submitter().limits),
         samplers=SAMPLERS,
         max_seed=MAX_SEED_TEXT,
     ), status

@@ -1,8 +1,9 @@
 """The OpenAPI 3.0 document of `/api/v1`, served at `/api/v1/openapi.json`.
 
 Written by hand next to the API it describes, but for a node's schema, read from the store's
-columns; the test suite drives every operation with Schemathesis against it (no 5xx, every
-response matching its schema), so the two cannot drift apart unnoticed.
+columns, and a job request's, from its fields (`workers.job_request`); the test suite drives
+every operation with Schemathesis against it (no 5xx, every response matching its schema), so
+the two cannot drift apart unnoticed.
 """
 
 from __future__ import annotations
@@ -16,11 +17,8 @@ from specpipe import __version__
 from specpipe.core.sampling import MAX_SEED, SAMPLERS
 from specpipe.settings import JobLimits
 from specpipe.swarm.kvbudget import WAITING_FIELDS
-from workers.job_request import MAX_TEMP, MAX_TOP_K
+from workers.job_request import json_schema as job_request_schema
 
-_NO_NUL = "[^\\u0000]"
-# White space to Python's str.strip that an ECMA pattern's \s does not cover.
-_PY_SPACE = "\\u001c-\\u001f\\u0085"
 _NULLABLE_INT = {"type": "integer", "nullable": True}
 _NULLABLE_NUMBER = {"type": "number", "nullable": True}
 _NULLABLE_TEXT = {"type": "string", "nullable": True}
@@ -36,47 +34,6 @@ def _json(schema: dict, description: str) -> dict:
 
 def _error(description: str) -> dict:
     return _json(_ref("Error"), description)
-
-
-def _job_request(limits: JobLimits) -> dict:
-    # No NUL anywhere; a prompt also needs something besides white space.
-    stop_string = {
-        "type": "string",
-        "minLength": 1,
-        "maxLength": limits.max_stop_chars,
-        "pattern": f"^{_NO_NUL}+$",
-    }
-    return {
-        "type": "object",
-        "required": ["prompt"],
-        "additionalProperties": False,
-        "properties": {
-            "prompt": {
-                "type": "string",
-                "minLength": 1,
-                "maxLength": limits.max_prompt_chars,
-                "pattern": f"^{_NO_NUL}*[^\\s\\u0000{_PY_SPACE}]{_NO_NUL}*$",
-            },
-            "max_new_tokens": {
-                "type": "integer",
-                "minimum": 1,
-                "maximum": limits.max_new_tokens,
-            },
-            "temp": {"type": "number", "minimum": 0, "maximum": MAX_TEMP},
-            "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1},
-            "top_k": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_K},
-            "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED, "nullable": True},
-            "draft_k": {"type": "integer", "minimum": 0, "maximum": limits.max_draft_k},
-            "sampler": {"type": "string", "enum": list(SAMPLERS)},
-            "stop": {
-                "nullable": True,
-                "oneOf": [
-                    stop_string,
-                    {"type": "array", "items": stop_string, "maxItems": limits.max_stop_strings},
-                ],
-            },
-        },
-    }
 
 
 _JOB = {
@@ -312,7 +269,7 @@ def document(limits: JobLimits) -> dict:
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": {
-                "JobRequest": _job_request(limits),
+                "JobRequest": job_request_schema(limits),
                 "Job": _JOB,
                 "Node": _NODE,
                 "Error": _ERROR,

@@ -1,6 +1,7 @@
-"""The job request: the fields every front door takes (the web form, the JSON API, the
-OpenAI-compatible API and the CLI), their bounds and defaults, and the check of a request
-against them, every problem reported at once, keyed by field name.
+"""The job request: the one schema of the fields every front door takes (the web form, the JSON
+API, the OpenAI-compatible API and the CLI), with their bounds, defaults, error messages and
+names in OpenAI's API, and the check of a request against it, every problem reported at once,
+keyed by field name.
 
 Temperature 0 means greedy; a negative temperature is refused rather than silently treated as
 greedy. A missing or blank seed means random (drawn when the job is stored).
@@ -12,25 +13,20 @@ import copy
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from specpipe.core.sampling import MAX_SEED, MAX_SEED_TEXT, SAMPLERS
 from specpipe.core.stopping import check_stop_strings
 from specpipe.settings import JOB_DEFAULTS, JobLimits
 
-FIELDS = (
-    "prompt",
-    "max_new_tokens",
-    "temp",
-    "top_p",
-    "top_k",
-    "seed",
-    "draft_k",
-    "stop",
-    "sampler",
-)
 MAX_TEMP = 100.0
 MAX_TOP_K = 2**31 - 1
 _INTEGER_TEXT = re.compile(r"[+-]?\d{1,30}")
+# JSON Schema patterns (ECMA): no NUL anywhere, and the white space Python's str.strip removes
+# that an ECMA pattern's \s does not cover.
+_NO_NUL = "[^\\u0000]"
+_PY_SPACE = "\\u001c-\\u001f\\u0085"
 
 
 class JobRequestError(ValueError):
@@ -41,6 +37,175 @@ class JobRequestError(ValueError):
         self.errors = errors
 
 
+@dataclass(frozen=True)
+class Number:
+    """A whole or real number from `low` to `high`, or to the `JobLimits` field named `limit`;
+    `reason` tells a value outside them so, with `{high}` filled in."""
+
+    whole: bool
+    low: float
+    reason: str
+    high: float | None = None
+    limit: str | None = None
+    above_low: bool = False  # `low` itself is refused
+    nullable: bool = False  # null, or a blank form field, means none
+
+    def top(self, limits: JobLimits) -> float:
+        """The highest value allowed under `limits`."""
+        return getattr(limits, self.limit) if self.limit else self.high
+
+    def clean(self, value: object, limits: JobLimits, from_text: bool) -> float | None:
+        """The number `value` holds, or ValueError saying what is wrong with it."""
+        if self.nullable and (value is None or (from_text and _blank(value))):
+            return None
+        number = _integer(value, from_text) if self.whole else _number(value, from_text)
+        high = self.top(limits)
+        above = self.low < number if self.above_low else self.low <= number
+        if not (above and number <= high):
+            raise ValueError(self.reason.format(high=high))
+        return number
+
+    def json_schema(self, limits: JobLimits) -> dict:
+        """The field in JSON Schema (OpenAPI 3.0)."""
+        schema: dict = {"type": "integer" if self.whole else "number"}
+        if self.above_low:
+            schema["exclusiveMinimum"] = True
+        schema.update(minimum=self.low, maximum=self.top(limits))
+        if self.nullable:
+            schema["nullable"] = True
+        return schema
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The prompt: text with something besides white space, within `max_prompt_chars`."""
+
+    def clean(self, value: object, limits: JobLimits, from_text: bool) -> str:
+        """The prompt, or ValueError saying what is wrong with it."""
+        return check_prompt(value, limits.max_prompt_chars)
+
+    def json_schema(self, limits: JobLimits) -> dict:
+        """The field in JSON Schema (OpenAPI 3.0)."""
+        return {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": limits.max_prompt_chars,
+            "pattern": f"^{_NO_NUL}*[^\\s\\u0000{_PY_SPACE}]{_NO_NUL}*$",
+        }
+
+
+@dataclass(frozen=True)
+class StopStrings:
+    """Stop strings: JSON gives a list, one string or null; the form one string a line."""
+
+    def clean(self, value: object, limits: JobLimits, from_text: bool) -> list[str]:
+        """The stop strings, or ValueError saying what is wrong with them."""
+        return _stop_strings(value, from_text)
+
+    def json_schema(self, limits: JobLimits) -> dict:
+        """The field in JSON Schema (OpenAPI 3.0)."""
+        one = {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": limits.max_stop_chars,
+            "pattern": f"^{_NO_NUL}+$",
+        }
+        many = {"type": "array", "items": one, "maxItems": limits.max_stop_strings}
+        return {"nullable": True, "oneOf": [one, many]}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of `options`; a blank form field is `default`."""
+
+    options: tuple[str, ...]
+    default: str
+
+    def clean(self, value: object, limits: JobLimits, from_text: bool) -> str:
+        """The option chosen, or ValueError listing them."""
+        if from_text and value == "":
+            return self.default
+        if not isinstance(value, str) or value not in self.options:
+            raise ValueError(f"must be one of {', '.join(self.options)}")
+        return value
+
+    def json_schema(self, limits: JobLimits) -> dict:
+        """The field in JSON Schema (OpenAPI 3.0)."""
+        return {"type": "string", "enum": list(self.options)}
+
+
+@dataclass(frozen=True)
+class JobField:
+    """One field of a job request: its rule, and where OpenAI's API differs, its name there and
+    the default OpenAI documents for it."""
+
+    name: str
+    rule: Number | Prompt | StopStrings | Choice
+    openai_name: str | None = None
+    # OpenAI documents temperature 1 and top_p 1: a client that leaves them out samples here as
+    # it would anywhere else. Fields without one take the job default there too.
+    openai_default: object = None
+
+    @property
+    def required(self) -> bool:
+        """Whether a request must give it: it has no job default."""
+        return self.name not in JOB_DEFAULTS
+
+    @property
+    def openai_param(self) -> str:
+        """The name OpenAI's API gives it."""
+        return self.openai_name or self.name
+
+
+JOB_FIELDS = (
+    JobField("prompt", Prompt()),
+    JobField(
+        "max_new_tokens",
+        Number(True, 1, "must be between 1 and {high}", limit="max_new_tokens"),
+        openai_name="max_tokens",
+    ),
+    JobField(
+        "temp",
+        Number(False, 0, "must be between 0 (greedy) and {high:g}", MAX_TEMP),
+        openai_name="temperature",
+        openai_default=1.0,
+    ),
+    JobField(
+        "top_p",
+        Number(False, 0, "must be above 0 and at most 1", 1, above_low=True),
+        openai_default=1.0,
+    ),
+    JobField("top_k", Number(True, 0, "must be 0 (off) or a positive whole number", MAX_TOP_K)),
+    JobField(
+        "seed", Number(True, 0, f"must be between 0 and {MAX_SEED_TEXT}", MAX_SEED, nullable=True)
+    ),
+    JobField(
+        "draft_k",
+        Number(True, 0, "must be between 0 (no speculation) and {high}", limit="max_draft_k"),
+    ),
+    JobField("stop", StopStrings()),
+    JobField("sampler", Choice(SAMPLERS, JOB_DEFAULTS["sampler"])),
+)
+FIELDS = tuple(field.name for field in JOB_FIELDS)
+FIELD_BY_NAME = {field.name: field for field in JOB_FIELDS}
+
+
+class Bounds(NamedTuple):
+    """The lowest and highest value of a number field."""
+
+    low: float
+    high: float
+
+
+def number_bounds(limits: JobLimits) -> dict[str, Bounds]:
+    """Each number field's bounds under `limits`, by field name (the form's min and max)."""
+    return {
+        field.name: Bounds(field.rule.low, field.rule.top(limits))
+        for field in JOB_FIELDS
+        if isinstance(field.rule, Number)
+    }
+
+
 def parse_job_request(raw: Mapping[str, object], limits: JobLimits, from_text: bool) -> dict:
     """Check `raw` and return clean values; raises JobRequestError listing every bad field.
 
@@ -49,48 +214,30 @@ def parse_job_request(raw: Mapping[str, object], limits: JobLimits, from_text: b
     """
     errors: dict[str, str] = {}
     clean: dict[str, object] = {}
-    max_tokens, max_k = limits.max_new_tokens, limits.max_draft_k
-    checks = {
-        "prompt": lambda v: check_prompt(v, limits.max_prompt_chars),
-        "max_new_tokens": lambda v: _in_range(
-            _integer(v, from_text), 1, max_tokens, f"must be between 1 and {max_tokens}"
-        ),
-        "temp": lambda v: _in_range(
-            _number(v, from_text), 0.0, MAX_TEMP, f"must be between 0 (greedy) and {MAX_TEMP:g}"
-        ),
-        "top_p": lambda v: _top_p(_number(v, from_text)),
-        "top_k": lambda v: _in_range(
-            _integer(v, from_text), 0, MAX_TOP_K, "must be 0 (off) or a positive whole number"
-        ),
-        "seed": lambda v: _seed(v, from_text),
-        "draft_k": lambda v: _in_range(
-            _integer(v, from_text), 0, max_k, f"must be between 0 (no speculation) and {max_k}"
-        ),
-        "stop": lambda v: _stop_strings(v, from_text),
-        "sampler": lambda v: _sampler(v, from_text),
-    }
-    for name, check in checks.items():
-        if name not in raw:
-            if name == "prompt":
-                errors[name] = "is required"
+    for field in JOB_FIELDS:
+        if field.name not in raw:
+            if field.required:
+                errors[field.name] = "is required"
             else:
-                clean[name] = copy.copy(JOB_DEFAULTS[name])
+                clean[field.name] = copy.copy(JOB_DEFAULTS[field.name])
             continue
         try:
-            clean[name] = check(raw[name])
+            clean[field.name] = field.rule.clean(raw[field.name], limits, from_text)
         except ValueError as exc:
-            errors[name] = str(exc)
+            errors[field.name] = str(exc)
     if errors:
         raise JobRequestError(errors)
     return clean
 
 
-def _sampler(value: object, from_text: bool) -> str:
-    if from_text and value == "":  # the form's default
-        return JOB_DEFAULTS["sampler"]
-    if not isinstance(value, str) or value not in SAMPLERS:
-        raise ValueError(f"must be one of {', '.join(SAMPLERS)}")
-    return value
+def json_schema(limits: JobLimits) -> dict:
+    """A job request in JSON Schema (OpenAPI 3.0): the JSON API's request body."""
+    return {
+        "type": "object",
+        "required": [field.name for field in JOB_FIELDS if field.required],
+        "additionalProperties": False,
+        "properties": {field.name: field.rule.json_schema(limits) for field in JOB_FIELDS},
+    }
 
 
 def check_prompt(value: object, max_chars: int) -> str:
@@ -108,6 +255,10 @@ def check_prompt(value: object, max_chars: int) -> str:
     if len(value) > max_chars:
         raise ValueError(f"is longer than {max_chars} characters")
     return value
+
+
+def _blank(value: object) -> bool:
+    return isinstance(value, str) and not value.strip()
 
 
 def _filled(text: str) -> str:
@@ -142,26 +293,6 @@ def _number(value: object, from_text: bool) -> float:
     if not math.isfinite(number):
         raise ValueError("must be a finite number")
     return number
-
-
-def _in_range(value, low, high, what: str):
-    if not low <= value <= high:
-        raise ValueError(what)
-    return value
-
-
-def _top_p(value: float) -> float:
-    if not 0.0 < value <= 1.0:
-        raise ValueError("must be above 0 and at most 1")
-    return value
-
-
-def _seed(value: object, from_text: bool) -> int | None:
-    if value is None or (from_text and isinstance(value, str) and not value.strip()):
-        return None
-    return _in_range(
-        _integer(value, from_text), 0, MAX_SEED, f"must be between 0 and {MAX_SEED_TEXT}"
-    )
 
 
 def _stop_strings(value: object, from_text: bool) -> list[str]:

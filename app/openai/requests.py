@@ -10,15 +10,9 @@ from flask import request
 from app.openai.errors import OpenAIError
 from app.submitting import submitter
 from specpipe.core.sampling import MAX_TOP_LOGPROBS
-from workers.job_request import JobRequestError
+from workers.job_request import FIELD_BY_NAME, JOB_FIELDS, JobRequestError
 
 CHAT_ROLES = ("system", "user", "assistant")
-# Our job fields by the OpenAI names that set them.
-OPENAI_NAMES = {"max_new_tokens": "max_tokens", "temp": "temperature"}
-# The defaults OpenAI's API documents for its own fields (temperature 1, top_p 1): a client that
-# leaves them out samples here as it would anywhere else. Every other field a request leaves out
-# takes the job defaults (`JOB_DEFAULTS`), as on the form and the JSON API.
-OPENAI_DEFAULTS = {"temp": 1.0, "top_p": 1.0}
 # Known fields this server cannot honour, with the value that asks for nothing.
 UNSUPPORTED = {
     "echo": False,
@@ -157,46 +151,72 @@ def parse_request(chat: bool) -> Completion:
     """Check an OpenAI request; raises OpenAIError naming the first bad field."""
     body = _body()
     check_model(body.get("model"))
+    _refuse_unsupported(body)
+    stream, include_usage = _streaming(body)
+    _optional(body, "user", (str,), "text")
+    max_tokens, max_tokens_name = _max_tokens(body)
+    raw = _job_fields(body, max_tokens)
+    raw["prompt"], prompt_form = _prompt_and_form(body, chat)
+    logprobs = _logprobs(body, chat)
+    try:
+        params = submitter().check(raw, prompt_form=prompt_form)
+    except JobRequestError as exc:
+        name, reason = next(iter(exc.errors.items()))
+        param = _param(name, chat, max_tokens_name)
+        raise OpenAIError(400, f"{param} {reason}", param=param) from None
+    return Completion(chat, {**params, "logprobs": logprobs}, stream, include_usage, logprobs)
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """OpenAIError for a feature this server does not have (`n` above 1, `echo`, ...)."""
     n = _optional(body, "n", (int,), "a whole number")
     if n is not None and n != 1:
         raise OpenAIError(400, "n must be 1: this server makes one choice per request", param="n")
     for name, nothing in UNSUPPORTED.items():
         if body.get(name) not in (None, nothing, {}, []):
             raise OpenAIError(400, f"{name} is not supported by this server", param=name)
+
+
+def _streaming(body: dict) -> tuple[bool, bool]:
+    """Whether to stream, and whether a stream ends with the usage."""
     stream = _optional(body, "stream", (bool,), "true or false") or False
     options = _optional(body, "stream_options", (dict,), "an object") or {}
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise OpenAIError(400, "include_usage must be true or false", param="stream_options")
-    _optional(body, "user", (str,), "text")
-    max_tokens, max_tokens_name = _max_tokens(body)
-    raw = {
-        "max_new_tokens": max_tokens,
-        "temp": body.get("temperature"),
-        "top_p": body.get("top_p"),
-        "top_k": body.get("top_k"),
-        "seed": body.get("seed"),
-        "draft_k": body.get("draft_k"),
-        "stop": body.get("stop"),
-        "sampler": body.get("sampler"),
-    }
-    raw = {**OPENAI_DEFAULTS, **{name: value for name, value in raw.items() if value is not None}}
-    extra: dict = {"raw_prompt": not chat, "messages": None}
-    if chat:
-        messages = _messages(body)
-        if len(messages) == 1 and messages[0]["role"] == "user":
-            raw["prompt"] = messages[0]["content"]  # a plain job: as `specpipe generate` runs it
-        else:
-            raw["prompt"] = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages)
-            extra["messages"] = messages
-    else:
-        raw["prompt"] = _prompt(body)
-    logprobs = _logprobs(body, chat)
-    try:
-        params = submitter().check(raw, prompt_form=extra)
-    except JobRequestError as exc:
-        name, reason = next(iter(exc.errors.items()))
-        names = {**OPENAI_NAMES, "max_new_tokens": max_tokens_name}
-        param = names.get(name, "messages" if chat and name == "prompt" else name)
-        raise OpenAIError(400, f"{param} {reason}", param=param) from None
-    return Completion(chat, {**params, "logprobs": logprobs}, stream, include_usage, logprobs)
+    return stream, include_usage
+
+
+def _job_fields(body: dict, max_tokens: object) -> dict:
+    """The job fields besides the prompt, by their OpenAI names (`workers.job_request`), else
+    the defaults OpenAI documents; a field left out of both takes the job default."""
+    raw: dict = {}
+    for field in JOB_FIELDS:
+        if field.name == "prompt":
+            continue
+        value = max_tokens if field.name == "max_new_tokens" else body.get(field.openai_param)
+        value = field.openai_default if value is None else value
+        if value is not None:
+            raw[field.name] = value
+    return raw
+
+
+def _prompt_and_form(body: dict, chat: bool) -> tuple[str, dict]:
+    """The job's prompt, and how it is fed (`raw_prompt`, `messages`: see `models.jobs`)."""
+    if not chat:
+        return _prompt(body), {"raw_prompt": True, "messages": None}
+    messages = _messages(body)
+    form: dict = {"raw_prompt": False, "messages": None}
+    if len(messages) == 1 and messages[0]["role"] == "user":
+        return messages[0]["content"], form  # a plain job: as `specpipe generate` runs it
+    transcript = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    return transcript, {**form, "messages": messages}
+
+
+def _param(field: str, chat: bool, max_tokens_name: str) -> str:
+    """The request's name for a job field, as an error names it."""
+    if field == "max_new_tokens":
+        return max_tokens_name
+    if field == "prompt" and chat:
+        return "messages"
+    return FIELD_BY_NAME[field].openai_param
