@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 from flask import Flask
 from sqlalchemy.orm import Session
@@ -38,9 +39,8 @@ def stream_answer(app: Flask, completion: Completion, job_id: int) -> Iterator[s
     session: Session = app.extensions["specpipe.sessions"]()
     poll_s, wait_s = app.config["OPENAI_POLL_S"], app.config["OPENAI_WAIT_S"]
     done = False
+    sent = _Sent(completion)
     try:
-        sent_text, sent_ids, first, target, opened = "", 0, True, None, False
-        sent = Reply("", "")  # with harmony: what of each channel was sent
         for job in job_updates(session, job_id, poll_s, wait_s, idle_s=KEEP_ALIVE_S):
             if job is None:  # nothing new for a while: a comment shows whether anyone listens
                 yield ": waiting\n\n"
@@ -50,31 +50,11 @@ def stream_answer(app: Flask, completion: Completion, job_id: int) -> Iterator[s
                 done = True
                 return
             text = stable_text(job)
-            if not text.startswith(sent_text):
+            if not text.startswith(sent.text):
                 continue  # a rare decoder whose text changed behind the shown part: wait
-            n_ids = len(job.output_ids or [])
-            if not opened and (completion.chat or completion.logprobs is not None or job.finished):
-                target, opened = job_target(job), True  # once: a model that cannot open stays so
-            logprobs = logprobs_of(completion, job, sent_ids, n_ids, target, len(sent_text))
-            if text != sent_text or first or logprobs:
-                if completion.chat and speaks_harmony(target):
-                    reply = split_reply(text)
-                    new_text = reply.content[len(sent.content) :]
-                    reasoning = reply.reasoning[len(sent.reasoning) :]
-                    sent = reply
-                else:
-                    new_text, reasoning = text[len(sent_text) :], None
-                if new_text or reasoning or first or logprobs:  # markers alone show nothing
-                    part = stream_chunk(completion, job, new_text, logprobs, None, first, reasoning)
-                    yield _event(part)
-                sent_text, sent_ids, first = text, n_ids, False
+            yield from sent.news(job, text)
             if job.finished:
-                yield _event(stream_chunk(completion, job, None, None, finish_reason(job, target)))
-                if completion.include_usage:
-                    yield _event(
-                        {**head(completion, job, True), "choices": [], "usage": usage(job)}
-                    )
-                yield _event("[DONE]")
+                yield from _ending(completion, job, sent.target)
                 done = True
                 return
     except TimeoutError as exc:
@@ -83,6 +63,54 @@ def stream_answer(app: Flask, completion: Completion, job_id: int) -> Iterator[s
         if not done:  # the client went away, or the wait ran out: the job is not wanted
             cancel_job(session, job_id)
         session.close()
+
+
+@dataclass
+class _Sent:
+    """What a stream has sent of its job's text and tokens, and the model that reads them."""
+
+    completion: Completion
+    text: str = ""
+    ids: int = 0
+    first: bool = True
+    target: object = None
+    opened: bool = False
+    reply: Reply = field(default_factory=lambda: Reply("", ""))  # with harmony: each channel
+
+    def news(self, job: Job, text: str) -> Iterator[str]:
+        """A chunk for what of `text`, the job's stable text, and its tokens was not sent yet."""
+        completion = self.completion
+        n_ids = len(job.output_ids or [])
+        # The model is opened once: one that cannot open stays so.
+        if not self.opened and (completion.chat or completion.logprobs is not None or job.finished):
+            self.target, self.opened = job_target(job), True
+        logprobs = logprobs_of(completion, job, self.ids, n_ids, self.target, len(self.text))
+        if text == self.text and not self.first and not logprobs:
+            return
+        new_text, reasoning = self._new_parts(text)
+        if new_text or reasoning or self.first or logprobs:  # markers alone show nothing
+            yield _event(
+                stream_chunk(completion, job, new_text, logprobs, None, self.first, reasoning)
+            )
+        self.text, self.ids, self.first = text, n_ids, False
+
+    def _new_parts(self, text: str) -> tuple[str, str | None]:
+        """The answer's new text and, with harmony, the reasoning's."""
+        if not (self.completion.chat and speaks_harmony(self.target)):
+            return text[len(self.text) :], None
+        reply = split_reply(text)
+        new_text = reply.content[len(self.reply.content) :]
+        reasoning = reply.reasoning[len(self.reply.reasoning) :]
+        self.reply = reply
+        return new_text, reasoning
+
+
+def _ending(completion: Completion, job: Job, target) -> Iterator[str]:
+    """The finish chunk, the usage when asked for, and the end of the stream."""
+    yield _event(stream_chunk(completion, job, None, None, finish_reason(job, target)))
+    if completion.include_usage:
+        yield _event({**head(completion, job, True), "choices": [], "usage": usage(job)})
+    yield _event("[DONE]")
 
 
 def closing(events: Iterator[str], close: Callable[[], None]) -> Iterator[str]:
