@@ -161,30 +161,47 @@ JOB_FIELDS = (
     JobField("prompt", Prompt()),
     JobField(
         "max_new_tokens",
-        Number(True, 1, "must be between 1 and {high}", limit="max_new_tokens"),
+        Number(whole=True, low=1, limit="max_new_tokens", reason="must be between 1 and {high}"),
         openai_name="max_tokens",
     ),
     JobField(
         "temp",
-        Number(False, 0, "must be between 0 (greedy) and {high:g}", MAX_TEMP),
+        Number(whole=False, low=0, high=MAX_TEMP, reason="must be between 0 (greedy) and {high:g}"),
         openai_name="temperature",
         openai_default=1.0,
     ),
     JobField(
         "top_p",
-        Number(False, 0, "must be above 0 and at most 1", 1, above_low=True),
+        Number(whole=False, low=0, above_low=True, high=1, reason="must be above 0 and at most 1"),
         openai_default=1.0,
     ),
-    JobField("top_k", Number(True, 0, "must be 0 (off) or a positive whole number", MAX_TOP_K)),
     JobField(
-        "seed", Number(True, 0, f"must be between 0 and {MAX_SEED_TEXT}", MAX_SEED, nullable=True)
+        "top_k",
+        Number(
+            whole=True, low=0, high=MAX_TOP_K, reason="must be 0 (off) or a positive whole number"
+        ),
+    ),
+    JobField(
+        "seed",
+        Number(
+            whole=True,
+            low=0,
+            high=MAX_SEED,
+            nullable=True,
+            reason=f"must be between 0 and {MAX_SEED_TEXT}",
+        ),
     ),
     JobField(
         "draft_k",
-        Number(True, 0, "must be between 0 (no speculation) and {high}", limit="max_draft_k"),
+        Number(
+            whole=True,
+            low=0,
+            limit="max_draft_k",
+            reason="must be between 0 (no speculation) and {high}",
+        ),
     ),
     JobField("stop", StopStrings()),
-    JobField("sampler", Choice(SAMPLERS, JOB_DEFAULTS["sampler"])),
+    JobField("sampler", Choice(SAMPLERS, default=JOB_DEFAULTS["sampler"])),
 )
 FIELDS = tuple(field.name for field in JOB_FIELDS)
 FIELD_BY_NAME = {field.name: field for field in JOB_FIELDS}
