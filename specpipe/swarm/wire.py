@@ -325,6 +325,22 @@ def encode(message: Message, swarm: str, keys: Keyring | bytes | str) -> bytes:
     keys = keyring(keys)
     if message.kind not in KINDS:
         raise WireError(f"unknown message kind {message.kind!r}")
+    header = _header(message, swarm)
+    tensor_fields, payload = _payload(message.tensor)
+    header.update(tensor_fields)
+    head = msgpack.packb(header, use_bin_type=True)
+    if len(head) > MAX_HEADER_BYTES:
+        raise WireError(f"header of {len(head)} bytes is over the {MAX_HEADER_BYTES} limit")
+    size = PREFIX.size + HEAD_LEN.size + len(head) + len(payload) + SIGNATURE_BYTES + TAG_BYTES
+    if size > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {size} bytes is over the {MAX_MESSAGE_BYTES} limit")
+    signature = _signature(keys, message.sender, swarm, head, payload)
+    return seal(HEAD_LEN.pack(len(head)) + head + payload + signature, keys)
+
+
+def _header(message: Message, swarm: str) -> dict:
+    """The header's fields in their order on the wire: those every message carries, then the
+    optional ones, each only where it is set."""
     header: dict = {
         "swarm": swarm,
         "to": message.to,
@@ -351,41 +367,52 @@ def encode(message: Message, swarm: str, keys: Keyring | bytes | str) -> bytes:
         header["head_k"] = message.head_k
     if message.drafts:
         header["drafts"] = list(message.drafts)
-    if message.parents is not None:  # the tree fields, only where there is a tree
-        header["parents"] = list(message.parents)
-    for name in ("keep", "path", "draft_parents", "ranks"):
-        if getattr(message, name):
-            header[name] = list(getattr(message, name))
-    if message.head_shape:
-        header["head_shape"] = [list(slot) for slot in message.head_shape]
+    header.update(_tree_header(message))
     if message.batch:
         header["batch"] = message.batch
     if message.taps:  # only where a drafter reads them: other rounds pay nothing
         header["taps"] = list(message.taps)
-    payload: bytes | memoryview = b""
-    if message.tensor is not None:
-        tensor = message.tensor.detach()
-        if tensor.dtype not in DTYPE_NAMES:
-            raise WireError(f"dtype {tensor.dtype} cannot be sent")
-        if tensor.dim() > MAX_DIMS:
-            raise WireError(f"a tensor of {tensor.dim()} dims cannot be sent")
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            tensor = tensor.cpu().contiguous()
-        header["dtype"] = DTYPE_NAMES[tensor.dtype]
-        header["shape"] = list(tensor.shape)
-        payload = _as_bytes(tensor)
-    head = msgpack.packb(header, use_bin_type=True)
-    if len(head) > MAX_HEADER_BYTES:
-        raise WireError(f"header of {len(head)} bytes is over the {MAX_HEADER_BYTES} limit")
-    size = PREFIX.size + HEAD_LEN.size + len(head) + len(payload) + SIGNATURE_BYTES + TAG_BYTES
-    if size > MAX_MESSAGE_BYTES:
-        raise WireError(f"message of {size} bytes is over the {MAX_MESSAGE_BYTES} limit")
-    signature = NO_SIGNATURE
-    if keys.signer is not None:
-        if keys.signer.name != message.sender:
-            raise WireError(f"{keys.signer.name!r} cannot sign as {message.sender!r}")
-        signature = keys.signer.sign(_signed(swarm, head, payload))
-    return seal(HEAD_LEN.pack(len(head)) + head + payload + signature, keys)
+    return header
+
+
+def _tree_header(message: Message) -> dict:
+    """The draft-tree fields of a round or a result, only where there is a tree."""
+    fields: dict = {}
+    if message.parents is not None:
+        fields["parents"] = list(message.parents)
+    for name in ("keep", "path", "draft_parents", "ranks"):
+        if getattr(message, name):
+            fields[name] = list(getattr(message, name))
+    if message.head_shape:
+        fields["head_shape"] = [list(slot) for slot in message.head_shape]
+    return fields
+
+
+def _payload(tensor: torch.Tensor | None) -> tuple[dict, bytes | memoryview]:
+    """The header's fields of a tensor (its dtype and shape) and its bytes; none without one."""
+    if tensor is None:
+        return {}, b""
+    tensor = tensor.detach()
+    if tensor.dtype not in DTYPE_NAMES:
+        raise WireError(f"dtype {tensor.dtype} cannot be sent")
+    if tensor.dim() > MAX_DIMS:
+        raise WireError(f"a tensor of {tensor.dim()} dims cannot be sent")
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        tensor = tensor.cpu().contiguous()
+    fields = {"dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape)}
+    return fields, _as_bytes(tensor)
+
+
+def _signature(
+    keys: Keyring, sender: str, swarm: str, head: bytes, payload: bytes | memoryview
+) -> bytes:
+    """The keyring's signer's signature of the message (zeros where it has no signer); it signs
+    only as itself."""
+    if keys.signer is None:
+        return NO_SIGNATURE
+    if keys.signer.name != sender:
+        raise WireError(f"{keys.signer.name!r} cannot sign as {sender!r}")
+    return keys.signer.sign(_signed(swarm, head, payload))
 
 
 def _signed(swarm: str, head: bytes | memoryview, payload: bytes | memoryview) -> bytes:
@@ -415,6 +442,27 @@ def decode(
     With `to`, the message must be addressed to that stream: a sealed message copied into
     another stream is refused."""
     keys = keyring(keys)
+    plaintext = _unseal(_sized(data, max_bytes), keys)
+    # Sealed by a key holder from here on; still parse defensively.
+    (head_len,) = HEAD_LEN.unpack_from(plaintext)
+    body_end = len(plaintext) - SIGNATURE_BYTES
+    if head_len > MAX_HEADER_BYTES or HEAD_LEN.size + head_len > body_end:
+        raise WireError("header length is out of bounds")
+    head = plaintext[HEAD_LEN.size : HEAD_LEN.size + head_len]
+    payload = memoryview(plaintext)[HEAD_LEN.size + head_len : body_end]
+    signature = plaintext[body_end:]
+    header = _parse_header(head)
+    if header.get("swarm") != swarm:
+        raise WireError(f"message for swarm {header.get('swarm')!r}, not {swarm!r}")
+    if to is not None and header.get("to") != to:
+        raise WireError(f"message for stream {header.get('to')!r}, not {to!r}")
+    if keys.coordinator is not None:
+        _check_signature(keys, header.get("from"), signature, _signed(swarm, head, payload))
+    return _message(header, _tensor(header, payload))
+
+
+def _sized(data: bytes, max_bytes: int) -> memoryview:
+    """`data` as bytes, checked to be no larger than `max_bytes` and long enough for a prefix."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise WireError("message is not bytes")
     view = memoryview(data).cast("B")
@@ -422,6 +470,12 @@ def decode(
         raise WireError(f"message of {len(view)} bytes is over the {max_bytes} limit")
     if len(view) < PREFIX.size:
         raise WireError(f"message of {len(view)} bytes is too short")
+    return view
+
+
+def _unseal(view: memoryview, keys: Keyring) -> bytes:
+    """The plaintext of a sealed message: its magic and its length checked, its key found by
+    its id, its tag checked as it is opened."""
     magic, kid, nonce = PREFIX.unpack_from(view)
     if magic in OLD_MAGICS:
         raise WireError(f"wire format {magic.decode()} of an older version: upgrade the sender")
@@ -433,30 +487,20 @@ def decode(
     if key is None:
         raise UnknownKeyError(f"sealed under an unknown key (id {kid.hex()})")
     try:
-        plaintext = _cipher(key).decrypt(nonce, view[PREFIX.size :], view[: PREFIX.size])
+        return _cipher(key).decrypt(nonce, view[PREFIX.size :], view[: PREFIX.size])
     except InvalidTag:
         raise WireError("bad tag: altered, or not sealed under the key its id names") from None
-    # Sealed by a key holder from here on; still parse defensively.
-    (head_len,) = HEAD_LEN.unpack_from(plaintext)
-    body_end = len(plaintext) - SIGNATURE_BYTES
-    if head_len > MAX_HEADER_BYTES or HEAD_LEN.size + head_len > body_end:
-        raise WireError("header length is out of bounds")
-    head = plaintext[HEAD_LEN.size : HEAD_LEN.size + head_len]
-    payload = memoryview(plaintext)[HEAD_LEN.size + head_len : body_end]
-    signature = plaintext[body_end:]
+
+
+def _parse_header(head: bytes) -> dict:
+    """The header's msgpack map."""
     try:
         header = msgpack.unpackb(head, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
         raise WireError(f"header is not msgpack: {exc}") from None
     if not isinstance(header, dict):
         raise WireError("header is not a map")
-    if header.get("swarm") != swarm:
-        raise WireError(f"message for swarm {header.get('swarm')!r}, not {swarm!r}")
-    if to is not None and header.get("to") != to:
-        raise WireError(f"message for stream {header.get('to')!r}, not {to!r}")
-    if keys.coordinator is not None:
-        _check_signature(keys, header.get("from"), signature, _signed(swarm, head, payload))
-    return _message(header, _tensor(header, payload))
+    return header
 
 
 def _check_signature(keys: Keyring, sender, signature: bytes, signed: bytes) -> None:
@@ -479,25 +523,75 @@ def _field(header: dict, name: str, kind: type, default):
 
 
 def _message(header: dict, tensor: torch.Tensor | None) -> Message:
+    """The message a header (and its payload's tensor) describes, every field checked in turn."""
+    kind = _kind(header)
+    tokens = _token_ids(header)
+    route = _route(_field(header, "route", list, []))
+    params = _params(header)
+    place = _place(header, len(route))
+    head_k, drafts = _head_drafts(header)
+    tree = _tree_fields(header, len(tokens), place["n_draft"], len(drafts))
+    batch = _field(header, "batch", int, 0)
+    if not 0 <= batch <= MAX_BATCH:
+        raise WireError(f"batch is out of range (0 to {MAX_BATCH})")
+    taps = _taps(header)
+    return Message(
+        kind=kind,
+        session=_field(header, "session", str, ""),
+        round_id=_field(header, "round", str, ""),
+        to=_field(header, "to", str, ""),
+        sender=_field(header, "from", str, ""),
+        tokens=tuple(tokens),
+        tensor=tensor,
+        route=route,
+        params=params,
+        reason=_field(header, "reason", str, ""),
+        logprobs=_logprobs(_field(header, "logprobs", list, []), len(tokens)),
+        head_k=head_k,
+        drafts=tuple(drafts),
+        batch=batch,
+        taps=tuple(taps),
+        **place,
+        **tree,
+    )
+
+
+def _kind(header: dict) -> str:
+    """The message's kind, which must travel in its own direction."""
     kind = _field(header, "kind", str, "")
     if kind not in KINDS:
         raise WireError(f"unknown message kind {kind!r}")
     direction = "reply" if kind in REPLY_KINDS else "stage"
     if header.get("dir") != direction:
         raise WireError(f"a {kind!r} message must travel as {direction!r}")
+    return kind
+
+
+def _token_ids(header: dict) -> list:
+    """The token ids, each a 32-bit integer (the result vector's -1 included)."""
     tokens = _field(header, "tokens", list, [])
     if not all(
         isinstance(t, int) and not isinstance(t, bool) and -TOKEN_LIMIT <= t < TOKEN_LIMIT
         for t in tokens
     ):
         raise WireError("token ids must be 32-bit integers")
-    route = _route(_field(header, "route", list, []))
+    return tokens
+
+
+def _params(header: dict) -> dict:
+    """A reset's or reseed's parameters: names to numbers."""
     params = _field(header, "params", dict, {})
     if not all(
         isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
         for k, v in params.items()
     ):
         raise WireError("params must map names to numbers")
+    return params
+
+
+def _place(header: dict, route_length: int) -> dict[str, int]:
+    """Where the message stands: its positions, its hop on a route of `route_length`, its
+    sequence number and how long its sender waits for it."""
     start_pos = _field(header, "start_pos", int, 0)
     n_draft = _field(header, "n_draft", int, 0)
     hop = _field(header, "hop", int, 0)
@@ -509,8 +603,13 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
     wait_ms = _field(header, "wait_ms", int, 0)
     if not 0 <= wait_ms <= MAX_WAIT_MS:
         raise WireError(f"wait_ms is out of range (0 to {MAX_WAIT_MS})")
-    if route and hop >= len(route):
+    if route_length and hop >= route_length:
         raise WireError("hop is beyond the route")
+    return {"start_pos": start_pos, "n_draft": n_draft, "hop": hop, "seq": seq, "wait_ms": wait_ms}
+
+
+def _head_drafts(header: dict) -> tuple[int, list]:
+    """How many drafts a round asks of the tail's draft head, and those a result proposes."""
     head_k = _field(header, "head_k", int, 0)
     drafts = _field(header, "drafts", list, [])
     if not 0 <= head_k <= MAX_HEAD_DRAFTS or len(drafts) > MAX_HEAD_DRAFTS:
@@ -519,10 +618,11 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < TOKEN_LIMIT for t in drafts
     ):
         raise WireError("draft ids must be 32-bit non-negative integers")
-    tree = _tree_fields(header, len(tokens), n_draft, len(drafts))
-    batch = _field(header, "batch", int, 0)
-    if not 0 <= batch <= MAX_BATCH:
-        raise WireError(f"batch is out of range (0 to {MAX_BATCH})")
+    return head_k, drafts
+
+
+def _taps(header: dict) -> list:
+    """The layers a round taps for the tail's drafter, in increasing order."""
     taps = _field(header, "taps", list, [])
     if (
         len(taps) > MAX_TAPS
@@ -531,29 +631,7 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
         or list(taps) != sorted(set(taps))
     ):
         raise WireError(f"taps must be at most {MAX_TAPS} layer numbers in increasing order")
-    return Message(
-        kind=kind,
-        session=_field(header, "session", str, ""),
-        round_id=_field(header, "round", str, ""),
-        seq=seq,
-        to=_field(header, "to", str, ""),
-        sender=_field(header, "from", str, ""),
-        start_pos=start_pos,
-        n_draft=n_draft,
-        tokens=tuple(tokens),
-        tensor=tensor,
-        hop=hop,
-        route=route,
-        params=params,
-        reason=_field(header, "reason", str, ""),
-        logprobs=_logprobs(_field(header, "logprobs", list, []), len(tokens)),
-        head_k=head_k,
-        drafts=tuple(drafts),
-        wait_ms=wait_ms,
-        batch=batch,
-        taps=tuple(taps),
-        **tree,
-    )
+    return taps
 
 
 def _rows(header: dict, name: str, limit: int, low: int = 0) -> tuple[int, ...]:
