@@ -25,6 +25,9 @@ from specpipe.transformer.linear import MIN_ROWS, Linear
 from specpipe.transformer.rope import Rotary
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# One session's rows in a forward of several: (P rows, T tokens of them, cos, sin, its start
+# position, its draft tree's paths or None), what each layer's `Segment` is made of.
+_SessionRows = tuple[int, int, torch.Tensor, torch.Tensor, int, tuple[tuple[int, ...], ...] | None]
 
 
 class StageModel(nn.Module):
@@ -108,6 +111,35 @@ class StageModel(nn.Module):
         Every product runs on the rows of all of them at once and attention within each, so a
         session's numbers are the ones it gets alone (row stability)."""
         outs: list[torch.Tensor | Exception | None] = [None] * len(requests)
+        rows, caches, xs = self._prepare_many(requests, outs)
+        if not rows:
+            return outs
+        # Only the products need `pad_rows`, and they run on every session's rows at once: the
+        # last session's rows are padded when all of them together are fewer.
+        tokens = [x.shape[0] for x in xs]
+        deficit = self.pad_rows - sum(tokens)
+        if deficit > 0:
+            xs[-1] = F.pad(xs[-1], (0, 0, 0, deficit))  # [P, D]: rows from T on are padding
+        segments = [
+            self._segment(requests[i], x.shape[0], T)
+            for i, x, T in zip(rows, xs, tokens, strict=True)
+        ]
+        x = xs[0] if len(xs) == 1 else torch.cat(xs)  # [sum of P, D]
+        # The hidden state entering each layer any of these rounds taps, every session's rows.
+        wanted = sorted({k for i in rows for k in self.taps_here(requests[i].taps)})
+        x, snaps = self._layers_many(x, segments, caches, wanted)
+        kept = self._keep_rows(requests, rows, caches, segments, x, snaps)
+        if not self.last:
+            for i, h in zip(rows, kept, strict=True):
+                outs[i] = h  # [T, D]
+            return outs
+        return self._head_many(requests, rows, kept, outs)
+
+    def _prepare_many(
+        self, requests: Sequence[Request], outs: list
+    ) -> tuple[list[int], list[SessionCache], list[torch.Tensor]]:
+        """The requests that can run (their indexes), their caches and their input rows [T, D];
+        each of the others gets its error in `outs`."""
         rows, caches, xs = [], [], []
         for i, req in enumerate(requests):
             try:
@@ -118,29 +150,29 @@ class StageModel(nn.Module):
             rows.append(i)
             caches.append(cache)
             xs.append(x)
-        if not rows:
-            return outs
-        # Only the products need `pad_rows`, and they run on every session's rows at once: the
-        # last session's rows are padded when all of them together are fewer.
-        tokens = [x.shape[0] for x in xs]
-        deficit = self.pad_rows - sum(tokens)
-        if deficit > 0:
-            xs[-1] = F.pad(xs[-1], (0, 0, 0, deficit))  # [P, D]: rows from T on are padding
-        segments = []
-        for i, x, T in zip(rows, xs, tokens, strict=True):
-            req, P = requests[i], x.shape[0]
-            if req.parents is None:
-                cos, sin = self.rotary(req.start_pos, P, self.dtype)
-                paths = None
-            else:  # a draft tree: row r turns as the token at start_pos + its depth
-                paths = ancestor_paths(req.parents)
-                depths = [len(path) - 1 for path in paths] + [0] * (P - T)  # padding: the root's
-                cos, sin = self.rotary(req.start_pos, max(depths) + 1, self.dtype)
-                cos, sin = cos[depths], sin[depths]
-            segments.append((P, T, cos, sin, req.start_pos, paths))
-        x = xs[0] if len(xs) == 1 else torch.cat(xs)  # [sum of P, D]
-        # The hidden state entering each layer any of these rounds taps, every session's rows.
-        wanted = sorted({k for i in rows for k in self.taps_here(requests[i].taps)})
+        return rows, caches, xs
+
+    def _segment(self, req: Request, P: int, T: int) -> _SessionRows:
+        """A session's P rows, T of them its tokens, with their rotations and its tree's paths."""
+        if req.parents is None:
+            cos, sin = self.rotary(req.start_pos, P, self.dtype)
+            paths = None
+        else:  # a draft tree: row r turns as the token at start_pos + its depth
+            paths = ancestor_paths(req.parents)
+            depths = [len(path) - 1 for path in paths] + [0] * (P - T)  # padding: the root's
+            cos, sin = self.rotary(req.start_pos, max(depths) + 1, self.dtype)
+            cos, sin = cos[depths], sin[depths]
+        return (P, T, cos, sin, req.start_pos, paths)
+
+    def _layers_many(
+        self,
+        x: torch.Tensor,
+        segments: list[_SessionRows],
+        caches: list[SessionCache],
+        wanted: list[int],
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Every session's rows [sum of P, D] through this stage's layers, each attending within
+        its own; and the states entering each `wanted` layer (leaving the last: `end`)."""
         snaps: dict[int, torch.Tensor] = {}
         for layer_index, layer in enumerate(self.layers):
             if self.start + layer_index in wanted:
@@ -152,6 +184,19 @@ class StageModel(nn.Module):
             x = layer.forward_many(x, parts)
         if self.end in wanted:  # the last layer's output (the tail's only)
             snaps[self.end] = x
+        return x, snaps
+
+    def _keep_rows(
+        self,
+        requests: Sequence[Request],
+        rows: list[int],
+        caches: list[SessionCache],
+        segments: list[_SessionRows],
+        x: torch.Tensor,
+        snaps: dict[int, torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Each session's rows of the output, without padding (on the tail, only the last rows
+        it asks for), its taps kept and its cache's length set."""
         start, kept = 0, []
         for i, cache, (P, T, _, _, pos, paths) in zip(rows, caches, segments, strict=True):
             h = x[start : start + T]
@@ -166,10 +211,17 @@ class StageModel(nn.Module):
             cache.tree = paths
             last_rows = requests[i].last_rows if self.last else None
             kept.append(h if last_rows is None else h[-last_rows:])
-        if not self.last:
-            for i, h in zip(rows, kept, strict=True):
-                outs[i] = h  # [T, D]
-            return outs
+        return kept
+
+    def _head_many(
+        self,
+        requests: Sequence[Request],
+        rows: list[int],
+        kept: list[torch.Tensor],
+        outs: list,
+    ) -> list:
+        """The tail's outputs: each session's logits [rows kept, V] in `outs` (and its features
+        kept, for a draft head)."""
         if self.keep_features:
             for i, h in zip(rows, kept, strict=True):
                 self.features[requests[i].session] = h  # [rows kept, D]
