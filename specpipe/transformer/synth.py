@@ -204,14 +204,7 @@ def synthesize(
     range (a tail with a draft head reads it). With `n_layers`, the model is `like` cut to its
     first n layers (its config says so), with its embedding, norm and head. ModelError for an
     unknown model or a bad range."""
-    if like not in LIKE:
-        raise ModelError(f"unknown model {like!r}: one of {', '.join(sorted(LIKE))}")
-    config = LIKE[like]
-    if n_layers is not None:
-        if not 1 <= n_layers <= config["num_hidden_layers"]:
-            raise ModelError(f"{like} has {config['num_hidden_layers']} layers, not {n_layers}")
-        types = config["layer_types"][:n_layers]
-        config = {**config, "num_hidden_layers": n_layers, "layer_types": types}
+    config = _hf_config(like, n_layers)
     cfg = ModelConfig.from_hf(config)
     start, end = layers or (0, cfg.n_layers)
     if not 0 <= start < end <= cfg.n_layers:
@@ -220,6 +213,38 @@ def synthesize(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ModelError(f"{out} exists and is not an empty directory")
     specs = list(tensor_specs(cfg, start, end, embedding))
+    shards = _shards(specs, shard_bytes)
+    total = sum(spec.nbytes for spec in specs)
+    # Written beside `out` and renamed at the end: a run that fails leaves nothing half made.
+    partial = out.parent / f".{out.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        _write_checkpoint(partial, config, shards, seed, total)
+        if out.exists():
+            out.rmdir()
+        partial.rename(out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return Synthesized(out, (start, end), len(specs), total, len(shards))
+
+
+def _hf_config(like: str, n_layers: int | None) -> dict:
+    """The config.json of `like`, cut to its first `n_layers` (None: all of them)."""
+    if like not in LIKE:
+        raise ModelError(f"unknown model {like!r}: one of {', '.join(sorted(LIKE))}")
+    config = LIKE[like]
+    if n_layers is not None:
+        if not 1 <= n_layers <= config["num_hidden_layers"]:
+            raise ModelError(f"{like} has {config['num_hidden_layers']} layers, not {n_layers}")
+        types = config["layer_types"][:n_layers]
+        config = {**config, "num_hidden_layers": n_layers, "layer_types": types}
+    return config
+
+
+def _shards(specs: list[Spec], shard_bytes: int) -> list[list[Spec]]:
+    """The tensors in order, cut into shards of at most `shard_bytes` (one tensor: any size)."""
     shards: list[list[Spec]] = [[]]
     size = 0
     for spec in specs:
@@ -228,26 +253,20 @@ def synthesize(
             size = 0
         shards[-1].append(spec)
         size += spec.nbytes
-    # Written beside `out` and renamed at the end: a run that fails leaves nothing half made.
-    partial = out.parent / f".{out.name}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
-        weight_map = {}
-        for n, shard in enumerate(shards, start=1):
-            file = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-            tensors = {spec.name: make_tensor(spec, seed) for spec in shard}
-            save_file(tensors, partial / file, metadata={"format": "pt"})
-            del tensors
-            weight_map.update(dict.fromkeys((spec.name for spec in shard), file))
-        total = sum(spec.nbytes for spec in specs)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        (partial / "config.json").write_text(json.dumps(config, indent=2))
-        if out.exists():
-            out.rmdir()
-        partial.rename(out)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    return Synthesized(out, (start, end), len(specs), total, len(shards))
+    return shards
+
+
+def _write_checkpoint(
+    folder: Path, config: dict, shards: list[list[Spec]], seed: int, total: int
+) -> None:
+    """The shards' tensors made and saved one shard at a time, the index and the config."""
+    weight_map = {}
+    for n, shard in enumerate(shards, start=1):
+        file = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {spec.name: make_tensor(spec, seed) for spec in shard}
+        save_file(tensors, folder / file, metadata={"format": "pt"})
+        del tensors
+        weight_map.update(dict.fromkeys((spec.name for spec in shard), file))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
