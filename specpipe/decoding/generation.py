@@ -141,55 +141,7 @@ class Generation:
         cached = 0  # positions [0, cached) hold committed tokens in every stage's cache
         try:
             while not self.finished and len(self.generated) < self.max_new_tokens:
-                budget = self.max_new_tokens - len(self.generated)
-                proposal, source = self._propose(min(self.draft_k, budget - 1))
-                from_tail = source is not None and source.at_tail
-                parents = None
-                if not proposal.is_chain:
-                    drafts, parents = list(proposal.tokens), proposal.parents  # a tree round
-                else:
-                    drafts = proposal.main_branch()
-                    if (
-                        source
-                        and self.draft_length is not None
-                        and not (from_tail and self.tree_size)
-                    ):
-                        drafts = drafts[: self.draft_length.choose(len(drafts), source.name)]
-                replays = self.stats.replays
-                round_started = time.perf_counter()
-                shape, head_k = self._ask_tail(source if drafts else None)
-                result, sent = self._round(cached, drafts, head_k, parents, shape)
-                if parents is None:
-                    committed = committed_tokens(drafts, result)
-                else:
-                    committed = [int(t) for t in result if t >= 0]
-                    self.keep = tuple(result.path)
-                    self.stats.tree_rounds += 1
-                if self.tree_size is not None:
-                    self.tree_size.observe(result.ranks)
-                    self.tree_size.observe_batch(result.batch)
-                if self.draft_length is not None:
-                    seconds = time.perf_counter() - round_started
-                    steady = sent == len(drafts) + 1 and self.stats.replays == replays
-                    self._observe_cost(proposal, parents, drafts, committed, seconds, steady)
-                cached = len(self.tokens) + len(committed) - 1
-                for i, token in enumerate(committed):
-                    if token in self.eos_ids:
-                        committed, self.finished = committed[: i + 1], True
-                        break
-                self.tokens += committed
-                self.logprobs += result.logprobs[: len(committed)]
-                for each in self.sources:
-                    each.learn(committed, result)
-                if self.should_stop is not None and self.should_stop(self.generated):
-                    self.finished = True
-                self.stats.rounds += 1
-                self.stats.head_rounds += bool(drafts) and from_tail
-                self.stats.drafted += len(drafts)
-                self.stats.accepted += (
-                    len(committed) - 1 if parents else _leading_matches(committed, drafts)
-                )
-                self.stats.generated += len(committed)
+                committed, cached = self._step(cached)
                 self.stats.seconds = time.perf_counter() - started
                 yield committed
         finally:
@@ -197,6 +149,86 @@ class Generation:
             if self.finished or len(self.generated) >= self.max_new_tokens:
                 for source in self.sources:
                     source.forget()
+
+    def _step(self, cached: int) -> tuple[list[int], int]:
+        """One round: draft, verify through the ring, commit. The tokens it committed, and the
+        positions every stage's cache now holds committed tokens for (its new `cached`)."""
+        budget = self.max_new_tokens - len(self.generated)
+        proposal, source = self._propose(min(self.draft_k, budget - 1))
+        from_tail = source is not None and source.at_tail
+        drafts, parents = self._to_send(proposal, source, from_tail)
+        replays = self.stats.replays
+        round_started = time.perf_counter()
+        shape, head_k = self._ask_tail(source if drafts else None)
+        result, sent = self._round(cached, drafts, head_k, parents, shape)
+        committed = self._verified(result, drafts, parents)
+        if self.tree_size is not None:
+            self.tree_size.observe(result.ranks)
+            self.tree_size.observe_batch(result.batch)
+        if self.draft_length is not None:
+            seconds = time.perf_counter() - round_started
+            steady = sent == len(drafts) + 1 and self.stats.replays == replays
+            self._observe_cost(proposal, parents, drafts, committed, seconds, steady)
+        cached = len(self.tokens) + len(committed) - 1
+        committed = self._commit(committed, result)
+        self._count(committed, drafts, parents, from_tail)
+        return committed, cached
+
+    def _to_send(
+        self, proposal: DraftTree, source: DraftSource | None, from_tail: bool
+    ) -> tuple[list[int], tuple[int, ...] | None]:
+        """The drafts this round sends of `proposal`, and their parents when they are a tree: a
+        tree whole; a chain as long as the draft length chooses (a chain of the tail's drafter
+        whole where trees are on: the tree size chose its length)."""
+        if not proposal.is_chain:
+            return list(proposal.tokens), proposal.parents  # a tree round
+        drafts = proposal.main_branch()
+        if source and self.draft_length is not None and not (from_tail and self.tree_size):
+            drafts = drafts[: self.draft_length.choose(len(drafts), source.name)]
+        return drafts, None
+
+    def _verified(
+        self, result: RoundResult, drafts: list[int], parents: tuple[int, ...] | None
+    ) -> list[int]:
+        """The tokens a round's result commits; after a tree, the rows it walked are kept for
+        the next round to name."""
+        if parents is None:
+            return committed_tokens(drafts, result)
+        committed = [int(t) for t in result if t >= 0]
+        self.keep = tuple(result.path)
+        self.stats.tree_rounds += 1
+        return committed
+
+    def _commit(self, committed: list[int], result: RoundResult) -> list[int]:
+        """Commit a round's tokens, up to the first EOS, and let every draft source learn them;
+        the generation is finished at an EOS or where `should_stop` says so."""
+        for i, token in enumerate(committed):
+            if token in self.eos_ids:
+                committed, self.finished = committed[: i + 1], True
+                break
+        self.tokens += committed
+        self.logprobs += result.logprobs[: len(committed)]
+        for each in self.sources:
+            each.learn(committed, result)
+        if self.should_stop is not None and self.should_stop(self.generated):
+            self.finished = True
+        return committed
+
+    def _count(
+        self,
+        committed: list[int],
+        drafts: list[int],
+        parents: tuple[int, ...] | None,
+        from_tail: bool,
+    ) -> None:
+        """Add a round to the stats: its drafts, and how many of them were accepted."""
+        self.stats.rounds += 1
+        self.stats.head_rounds += bool(drafts) and from_tail
+        self.stats.drafted += len(drafts)
+        self.stats.accepted += (
+            len(committed) - 1 if parents else _leading_matches(committed, drafts)
+        )
+        self.stats.generated += len(committed)
 
     def _observe_cost(
         self,
