@@ -107,13 +107,9 @@ def run_job(
     if job is None:
         return outcome
     attempt = Attempt.seen(job)
-    if job.cancel_requested:
-        return finish(session, attempt, "cancelled")
-    if job.starts_since_progress >= MAX_ATTEMPTS:
-        reason = (
-            f"gave up after {job.starts_since_progress} attempts: its coordinator stopped each time"
-        )
-        return finish(session, attempt, "failed", reason)
+    refusal = _refusal(job)
+    if refusal is not None:
+        return finish(session, attempt, *refusal)
 
     # A name of its own per attempt: rounds a dead coordinator left in flight may still reach
     # the stages after this attempt's reset, and must not write into this attempt's caches.
@@ -128,14 +124,9 @@ def run_job(
         reason = context_error_of(codec, len(prompt_ids), job.max_new_tokens)
         if reason is not None:
             return finish(session, attempt, "failed", reason)
-        if admit is not None:
-            release = admit(job, ring, len(prompt_ids) + job.max_new_tokens)
-            took.mark("room")
-            if release is None:  # cancelled while it waited, or another coordinator has it
-                session.refresh(job, ["cancel_requested", "status"])
-                if job.cancel_requested:
-                    return finish(session, attempt, "cancelled")
-                return job.status
+        admitted, release = _take_room(admit, job, ring, len(prompt_ids), took)
+        if not admitted:  # cancelled while it waited, or another coordinator has it
+            return _not_admitted(session, job, attempt)
         if keep_alive is not None and not keep_alive():
             # Its lock lapsed while it got ready, and another coordinator took the job: that
             # one runs it. Starting here too would only race it.
@@ -143,16 +134,8 @@ def run_job(
                 "job %s: lost its lock before it started; another coordinator runs it", job.id
             )
             return job.status
-        # The lock's holder starts the job over whichever attempt started it since it was read:
-        # one that lost the lock meanwhile stops at its next write, instead of this one.
-        session.refresh(job, ["attempts"])
-        attempt = Attempt.seen(job).start(session, len(prompt_ids))
-        took.mark("store")
-        took.report(job.id)
-        # What this attempt resumes from: the row as it was when no older attempt could write.
-        session.refresh(job)
-        if job.run is None:
-            attempt.run_started(session, _start_run(session, job, ring))
+        attempt = _start_attempt(session, job, len(prompt_ids), took)
+        _open_run(session, job, attempt, ring)
         return _generate(
             session, job, attempt, ring, ring_session, prompt_ids, codec, eos, keep_alive
         )
@@ -172,10 +155,72 @@ def run_job(
         session.rollback()  # a failed flush or commit leaves the session unusable until then
         return finish(session, attempt, "failed", exc)
     finally:
-        if ring is not None:
-            drop_quietly(ring, ring_session)
-        if release is not None:
-            release_quietly(release)
+        _let_go(ring, ring_session, release)
+
+
+def _refusal(job: Job) -> tuple[str, str | None] | None:
+    """The status (and the reason) a job ends with before it starts: cancelled, or started
+    too often without progress; None when it may start."""
+    if job.cancel_requested:
+        return "cancelled", None
+    if job.starts_since_progress >= MAX_ATTEMPTS:
+        reason = (
+            f"gave up after {job.starts_since_progress} attempts: its coordinator stopped each time"
+        )
+        return "failed", reason
+    return None
+
+
+def _take_room(
+    admit: Callable[[Job, R, int], Callable[[], None] | None] | None,
+    job: Job,
+    ring: R,
+    prompt_tokens: int,
+    took: StartTimes,
+) -> tuple[bool, Callable[[], None] | None]:
+    """Wait until the job's stages have room for its cache (`admit`; None: no room to wait
+    for): whether it got it, and what gives it back."""
+    if admit is None:
+        return True, None
+    release = admit(job, ring, prompt_tokens + job.max_new_tokens)
+    took.mark("room")
+    return release is not None, release
+
+
+def _not_admitted(session: Session, job: Job, attempt: Attempt) -> str | None:
+    """The status of a job that got no room: cancelled if it was while it waited; else
+    another coordinator has it, and it is left as it is."""
+    session.refresh(job, ["cancel_requested", "status"])
+    if job.cancel_requested:
+        return finish(session, attempt, "cancelled")
+    return job.status
+
+
+def _start_attempt(session: Session, job: Job, prompt_tokens: int, took: StartTimes) -> Attempt:
+    """This attempt, started as the job's latest (its start reported when it was slow)."""
+    # The lock's holder starts the job over whichever attempt started it since it was read:
+    # one that lost the lock meanwhile stops at its next write, instead of this one.
+    session.refresh(job, ["attempts"])
+    attempt = Attempt.seen(job).start(session, prompt_tokens)
+    took.mark("store")
+    took.report(job.id)
+    return attempt
+
+
+def _open_run(session: Session, job: Job, attempt: Attempt, ring: Ring) -> None:
+    """Read the job as this attempt resumes it, and record its generation run if it has none."""
+    # What this attempt resumes from: the row as it was when no older attempt could write.
+    session.refresh(job)
+    if job.run is None:
+        attempt.run_started(session, _start_run(session, job, ring))
+
+
+def _let_go(ring: Ring | None, ring_session: str, release: Callable[[], None] | None) -> None:
+    """End the attempt's session on its ring and give its room back, whichever it got to."""
+    if ring is not None:
+        drop_quietly(ring, ring_session)
+    if release is not None:
+        release_quietly(release)
 
 
 class StartTimes:
