@@ -19,7 +19,13 @@ import click
 
 from specpipe.cli.checkpoints import ModelInputError
 from specpipe.cli.options import compute_options, layer_range
-from specpipe.cli.worker import check_reachable, configure_logging, serve_stage, swarm_keyring
+from specpipe.cli.worker import (
+    check_reachable,
+    configure_logging,
+    serve_stage,
+    slow_link,
+    swarm_keyring,
+)
 
 if TYPE_CHECKING:
     from specpipe.ops.redis_server import TlsFiles
@@ -329,8 +335,8 @@ def join(
             dtype=dtype,
             device=device,
             threads=threads,
-            link_delay_ms=link_delay_ms,
             config=config,
+            wrap_sender=slow_link(link_delay_ms),
         )
     finally:
         if server is not None:

@@ -3,6 +3,7 @@ lane, or beat)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import click
@@ -14,6 +15,7 @@ from specpipe.settings import DEFAULT_HEARTBEAT_S
 if TYPE_CHECKING:
     from specpipe.settings import Settings
     from specpipe.swarm.stage.samplers import TailSampling
+    from specpipe.swarm.stage.sending import Link, Sender
     from specpipe.swarm.wire import Keyring
 
 
@@ -121,8 +123,8 @@ def worker_stage(
         threads=threads,
         heartbeat_s=heartbeat_s,
         session_idle_s=session_idle_s,
-        link_delay_ms=link_delay_ms,
         draft_head=draft_head,
+        wrap_sender=slow_link(link_delay_ms),
     )
 
 
@@ -140,12 +142,13 @@ def serve_stage(
     threads: int | None = None,
     heartbeat_s: float = DEFAULT_HEARTBEAT_S,
     session_idle_s: float = 600.0,
-    link_delay_ms: float = 0.0,
     config: Settings | None = None,
     draft_head: str | None = None,
+    wrap_sender: Callable[[Sender], Link] | None = None,
 ) -> None:
     """Load layers `layers` of `model_name`, register as `host` and serve until SIGINT or
-    SIGTERM (what `worker stage` and `join` run). One-line ClickExceptions for what is wrong."""
+    SIGTERM (what `worker stage` and `join` run), sending through what `wrap_sender` wraps the
+    stage's `Sender` in, if given. One-line ClickExceptions for what is wrong."""
     import torch
 
     from specpipe import settings
@@ -204,7 +207,7 @@ def serve_stage(
             registry_url=registry_url,
             heartbeat_s=heartbeat_s,
             session_idle_s=session_idle_s,
-            link_delay_s=link_delay_ms / 1000,
+            wrap_sender=wrap_sender,
             tail_sampling=tail_sampling(),
             redis_password=config.redis_password,
             tls_ca=config.tls_ca,
@@ -367,3 +370,12 @@ def _reloaded_keyring(config: Settings, host: str) -> Keyring:
     fresh = settings.Settings.from_env()
     keys = replace(config, swarm_key=fresh.swarm_key, old_swarm_keys=fresh.old_swarm_keys)
     return trust.keyring(keys, host)
+
+
+def slow_link(link_delay_ms: float) -> Callable[[Sender], Link] | None:
+    """What puts a stage's `Sender` behind a link `link_delay_ms` slower; None without a delay."""
+    from specpipe.swarm.stage.delayed_link import DelayedLink
+
+    if link_delay_ms <= 0:
+        return None
+    return lambda sender: DelayedLink(sender, link_delay_ms / 1000)

@@ -648,9 +648,15 @@ def test_a_read_of_more_than_a_group_runs_as_two_forwards(swarm, key, redis_url,
     assert (tail.counters["processed"], tail.counters["forwards"]) == (4, 2)
 
 
-def test_a_slow_link_is_installed_only_when_a_delay_is_configured(make, swarm, key, redis_url):
-    assert type(make("a", 0, 2).outbox.link) is Sender  # no delay: written at once
-    config = WorkerConfig(host="a", swarm=swarm, keys=key, redis_url=redis_url, link_delay_s=0.2)
+def test_a_stage_sends_through_the_link_its_config_wraps_its_sender_in(make, swarm, key, redis_url):
+    assert type(make("a", 0, 2).outbox.link) is Sender  # nothing wrapped: written at once
+    config = WorkerConfig(
+        host="a",
+        swarm=swarm,
+        keys=key,
+        redis_url=redis_url,
+        wrap_sender=lambda sender: DelayedLink(sender, 0.2),
+    )
     slow = StageWorker(ToyStage(ToyConfig(), 0, 2), config)
     assert isinstance(slow.outbox.link, DelayedLink)
     listed(redis_url, swarm, key, "b")

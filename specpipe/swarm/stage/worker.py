@@ -50,7 +50,6 @@ from specpipe.swarm.stage.activity import Activity
 from specpipe.swarm.stage.admission import Admission
 from specpipe.swarm.stage.batching import MAX_BATCH, Batcher
 from specpipe.swarm.stage.counters import StageStats
-from specpipe.swarm.stage.delayed_link import DelayedLink
 from specpipe.swarm.stage.directory import Directory
 from specpipe.swarm.stage.forward import Forward
 from specpipe.swarm.stage.heartbeat import Heartbeat
@@ -90,7 +89,9 @@ class WorkerConfig:
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     claim_idle_ms: int = 30_000
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
-    link_delay_s: float = 0.0  # simulated latency of this host's outgoing link (benchmarks)
+    # How a batch's messages leave, given the stage's `Sender`: through it at once, unless the
+    # process wraps it in a link of its own.
+    wrap_sender: Callable[[Sender], Link] | None = None
     session_idle_s: float = 600.0  # a session untouched this long is dropped
     # Where a new keyring comes from after `specpipe key rotate`: asked at each heartbeat and
     # when a message names a key this stage does not hold.
@@ -188,7 +189,6 @@ class StageWorker:
                 sampler=config.tail_sampling.name,
                 kv_budget_tokens=self.kv_budget_tokens,
                 heartbeat_s=config.heartbeat_s,
-                link_delay_ms=config.link_delay_s * 1000,
                 incarnation=secrets.token_hex(8),
                 draft_taps=inventory.taps_text(head.taps if head is not None else ()),
             )
@@ -209,11 +209,10 @@ class StageWorker:
         self.heap = heap.Trimmer(HEAP_TRIM_S)
 
     def _link(self, replies: Replies) -> Link:
-        """How a batch's messages leave: written at once, or behind a simulated slow link."""
+        """How a batch's messages leave: through the `Sender`, or what the config wraps it in."""
         sender = Sender(self.config.host, self.connections, self.config.maxlen, replies, self.stats)
-        if self.config.link_delay_s > 0:
-            return DelayedLink(sender, self.config.link_delay_s)
-        return sender
+        wrap = self.config.wrap_sender
+        return sender if wrap is None else wrap(sender)
 
     @property
     def keys(self) -> wire.Keyring:
