@@ -374,7 +374,7 @@ def _reloaded_keyring(config: Settings, host: str) -> Keyring:
 
 def slow_link(link_delay_ms: float) -> Callable[[Sender], Link] | None:
     """What puts a stage's `Sender` behind a link `link_delay_ms` slower; None without a delay."""
-    from specpipe.swarm.stage.delayed_link import DelayedLink
+    from specpipe.ops.link_delay import DelayedLink
 
     if link_delay_ms <= 0:
         return None

@@ -9,9 +9,9 @@ import pytest
 import redis
 import torch
 
+from specpipe.ops.link_delay import DelayedLink
 from specpipe.swarm import gathering, inventory, streams, wire
 from specpipe.swarm.stage import activity, routing
-from specpipe.swarm.stage.delayed_link import DelayedLink
 from specpipe.swarm.stage.sending import Sender
 from specpipe.swarm.stage.worker import StageWorker, WorkerConfig
 from tests.swarm.handling import handle
