@@ -116,9 +116,7 @@ class LocalSwarm:
                 argv = [
                     sys.executable,
                     "-m",
-                    "specpipe",
-                    "worker",
-                    "stage",
+                    "specpipe.cli.delayed_stage",
                     "--host",
                     f"s{i}",
                     "--layers",

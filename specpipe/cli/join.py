@@ -19,13 +19,7 @@ import click
 
 from specpipe.cli.checkpoints import ModelInputError
 from specpipe.cli.options import compute_options, layer_range
-from specpipe.cli.worker import (
-    check_reachable,
-    configure_logging,
-    serve_stage,
-    slow_link,
-    swarm_keyring,
-)
+from specpipe.cli.worker import check_reachable, configure_logging, serve_stage, swarm_keyring
 
 if TYPE_CHECKING:
     from specpipe.ops.redis_server import TlsFiles
@@ -183,12 +177,6 @@ def check_link(redis_url: str | None, tls: TlsFiles | None, address: str, port: 
 )
 @click.option("--geo", default="", help="Location label to record (e.g. WA).")
 @compute_options
-@click.option(
-    "--link-delay-ms",
-    type=click.FloatRange(min=0),
-    default=0.0,
-    help="Simulate a slow outgoing link (benchmarks).",
-)
 def join(
     registry_url: str | None,
     layers: tuple[int, int] | None,
@@ -205,7 +193,6 @@ def join(
     threads: int | None,
     dtype: str,
     device: str,
-    link_delay_ms: float,
 ) -> None:
     """Join the swarm whose registry is REGISTRY as a stage, and serve until stopped.
 
@@ -336,7 +323,6 @@ def join(
             device=device,
             threads=threads,
             config=config,
-            wrap_sender=slow_link(link_delay_ms),
         )
     finally:
         if server is not None:

@@ -71,12 +71,6 @@ def worker() -> None:
     help="Free a session's caches after this long without a message.",
 )
 @click.option(
-    "--link-delay-ms",
-    type=click.FloatRange(min=0),
-    default=0.0,
-    help="Simulate a slow link: wait this long before each send onward (benchmarks).",
-)
-@click.option(
     "--draft-head",
     default=None,
     metavar="PATH|none",
@@ -96,7 +90,6 @@ def worker_stage(
     threads: int | None,
     heartbeat_s: float,
     session_idle_s: float,
-    link_delay_ms: float,
     draft_head: str | None,
 ) -> None:
     """Serve one layer range of the model from this host's Redis stream.
@@ -124,7 +117,6 @@ def worker_stage(
         heartbeat_s=heartbeat_s,
         session_idle_s=session_idle_s,
         draft_head=draft_head,
-        wrap_sender=slow_link(link_delay_ms),
     )
 
 
@@ -370,12 +362,3 @@ def _reloaded_keyring(config: Settings, host: str) -> Keyring:
     fresh = settings.Settings.from_env()
     keys = replace(config, swarm_key=fresh.swarm_key, old_swarm_keys=fresh.old_swarm_keys)
     return trust.keyring(keys, host)
-
-
-def slow_link(link_delay_ms: float) -> Callable[[Sender], Link] | None:
-    """What puts a stage's `Sender` behind a link `link_delay_ms` slower; None without a delay."""
-    from specpipe.ops.link_delay import DelayedLink
-
-    if link_delay_ms <= 0:
-        return None
-    return lambda sender: DelayedLink(sender, link_delay_ms / 1000)

@@ -11,9 +11,11 @@ user, whose password only that host's processes are given, and the peer user, wh
 is the swarm's one data-plane password, which each process adds to the other hosts' addresses
 it dials. Host 0 also runs the swarm's registry and broker (its Redis, which the other hosts
 reach as `specpipe-remote`), the coordinator, beat and the web app, with a SQLite store in the
-lab's folder. The kernel here has no netem: a link's latency is the sending
-stage's own `--link-delay-ms`. Hosts beyond the serving ones (`idle`) get a namespace and
-nothing else: a place to run `specpipe join`, which starts the host's Redis itself.
+lab's folder. The kernel here has no netem: a link's latency is the sending stage's own
+(`specpipe.ops.link_delay`: the lab starts its stages with `python -m
+specpipe.cli.delayed_stage --link-delay-ms`). Hosts beyond the serving ones (`idle`) get a
+namespace and nothing else: a place to run `specpipe join`, which starts the host's Redis
+itself (its stage's link undelayed).
 
 The lab's folder is an instance folder (`SPECPIPE_HOME`): the swarm key, `swarm.json` and the
 store live there, so `SPECPIPE_HOME=<lab> specpipe generate …` submits to the lab from this
@@ -275,6 +277,7 @@ class Lab:
         hosts = self.hosts()
         registry = self.state["registry_url"]
         python = [sys.executable, "-m", "specpipe"]
+        delayed_stage = [sys.executable, "-m", "specpipe.cli.delayed_stage"]
         # The lab is host 0's operator: the serving hosts' keys (in its folder) are admitted.
         serving = [h.name for h in hosts[: len(self.state["layers"])]]
         client = redis.Redis.from_url(registry, socket_connect_timeout=5, socket_timeout=5)
@@ -285,9 +288,7 @@ class Lab:
         plan = zip(hosts, self.state["layers"], self.state["link_delays_ms"], strict=False)
         for host, (start, end), delay in plan:
             argv = [
-                *python,
-                "worker",
-                "stage",
+                *delayed_stage,
                 "--host",
                 host.name,
                 "--layers",

@@ -1,5 +1,6 @@
-"""A simulated slow outgoing link (`specpipe worker stage --link-delay-ms`, for benchmarks),
-installed in front of a stage's `Sender` only when a delay is asked for."""
+"""The simulated link delay of the lab and the benchmarks, a test double for a WAN on one
+machine: `DelayedLink`, a slow outgoing link that the stages they start
+(`python -m specpipe.cli.delayed_stage --link-delay-ms`) put around their `Sender`."""
 
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ def join_argv(host, model, layers: str) -> list[str]:
     return [
         *("ip", "netns", "exec", host.namespace, sys.executable, "-m", "specpipe", "join"),
         *("--layers", layers, "--model", str(model), "--host", host.name),
-        *("--threads", "1", "--link-delay-ms", "2"),
+        *("--threads", "1"),
     ]
 
 
