@@ -6,8 +6,8 @@ and back: one way 11, 8, 3.4 and 19 ms). The ring is built from the lab's invent
 coordinator builds it; for each prompt (input-grounded, open-ended) and temperature it runs the
 same generation plain and speculative and reports tok/s, tokens per round, and the latency
 ceilings the stages measured, with the ratio of the measured tok/s to each: the ring's
-(tokens per round over the ring's time: every link one way, from the stages' PINGs and
-delays, and every stage's forward and handling, read right after that mode's generation) and
+(tokens per round over the ring's time: every link one way, from the stages' PINGs and the
+lab's delays, and every stage's forward and handling, read right after that mode's generation) and
 the links' alone (tokens per round over the links' time: what a round allows when compute is
 free: the target on fast hardware). Speculative and plain must give the same tokens (the
 same seed).
@@ -16,7 +16,7 @@ same seed).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 import redis
@@ -50,8 +50,11 @@ def lab_settings(lab: Lab) -> Settings:
     )
 
 
-def ring_latency_now(settings: Settings) -> inventory.RingLatency | None:
-    """The latency the lab's stages measured, with their timings from their own Redis."""
+def ring_latency_now(
+    settings: Settings, link_delays_ms: Mapping[str, float]
+) -> inventory.RingLatency | None:
+    """The latency the lab's stages measured, with their timings from their own Redis and the
+    delay each adds to its link (`link_delays_ms`, by host), which no PING sees."""
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=5)
     try:
         found = inventory.read(client, settings.swarm, trust.keyring(settings))
@@ -63,7 +66,19 @@ def ring_latency_now(settings: Settings) -> inventory.RingLatency | None:
     stats = streams.read_stages_stats(
         [(n.host, n.redis_url) for n in ring], settings.swarm, 5.0, Dialer.for_settings(settings)
     )
-    return inventory.ring_latency(ring, stats)
+    return with_link_delays(inventory.ring_latency(ring, stats), link_delays_ms)
+
+
+def with_link_delays(
+    latency: inventory.RingLatency, link_delays_ms: Mapping[str, float]
+) -> inventory.RingLatency:
+    """`latency` with each hop's link slower by the delay its host adds (`link_delays_ms`)."""
+    return inventory.RingLatency(
+        [
+            replace(hop, link_ms=hop.link_ms + link_delays_ms.get(hop.host, 0.0))
+            for hop in latency.hops
+        ]
+    )
 
 
 def run(
@@ -74,9 +89,11 @@ def run(
     temps: Sequence[float],
     seed: int,
     draft_k: int,
+    link_delays_ms: Mapping[str, float],
     log: Callable[[str], None],
 ) -> dict:
-    """Every (prompt, temperature), plain then speculative, on the lab's ring; the rows."""
+    """Every (prompt, temperature), plain then speculative, on the lab's ring (its hosts
+    adding `link_delays_ms` to their links); the rows."""
     target = open_target(model)
     ring = RedisRing.from_inventory(settings, target.name, target.n_layers)
     rows = []
@@ -91,10 +108,10 @@ def run(
                 # ring time is read right after its own generation.
                 plain = timed_generation(ring, ids, params, 0, tokens)
                 time.sleep(MEASURE_S)
-                plain_latency = ring_latency_now(settings)
+                plain_latency = ring_latency_now(settings, link_delays_ms)
                 spec = timed_generation(ring, ids, params, draft_k, tokens)
                 time.sleep(MEASURE_S)
-                spec_latency = ring_latency_now(settings)
+                spec_latency = ring_latency_now(settings, link_delays_ms)
                 rows.append(_row(name, temp, (plain, plain_latency), (spec, spec_latency)))
                 log(_line(rows[-1]))
     finally:

@@ -900,6 +900,7 @@ def bench_wan(model, delays, tokens, temps, seed, draft_k, home, json_path):
                 temps=temps,
                 seed=seed,
                 draft_k=draft_k,
+                link_delays_ms=the_lab.link_delays_ms(),
                 log=click.echo,
             )
         finally:

@@ -42,8 +42,8 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     means of its forward, of what the hop adds around it and of the rounds per forward
     (`forward_ms`, `hop_ms`, `batch_size`); null where that Redis cannot be reached. Once the
     ring has carried rounds, `ring` gives its latency: per hop the forward, the handling and
-    the link to the next hop (half the PING round trip each stage measures at its heartbeats,
-    plus any simulated delay), the ring's time per round and the latency ceiling in tok/s at
+    the link to the next hop (half the PING round trip each stage measures at its
+    heartbeats), the ring's time per round and the latency ceiling in tok/s at
     one token per round (multiply by a job's tokens per round); the text output ends with the
     same.
 

@@ -387,6 +387,11 @@ class Lab:
         shutil.copyfile(authority.cert, here / authority.cert.name)
         return authority
 
+    def link_delays_ms(self) -> dict[str, float]:
+        """The one-way delay each serving host's stage adds to its outgoing link, by host."""
+        state = self.state or self.load()
+        return dict(zip((h.name for h in self.hosts()), state["link_delays_ms"], strict=False))
+
     def data_password(self) -> str:
         """The swarm's data-plane password: what every host's Redis takes for its peer user."""
         return (self.home / REDIS_PASSWORD_FILE).read_text().strip()

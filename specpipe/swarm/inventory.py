@@ -120,11 +120,9 @@ class NodeInfo:
     last_heartbeat: float = 0.0
     heartbeat_s: float = 10.0  # the beat the node promises; older records beat every 10 s
     # The ring's latency as this stage sees it: the host its rounds go on to (or "coordinator"
-    # from the tail), the round trip of a PING to that hop's Redis, measured at a heartbeat,
-    # and the one-way delay the stage adds to that link itself (`--link-delay-ms`, benchmarks).
+    # from the tail), and the round trip of a PING to that hop's Redis, measured at a heartbeat.
     next_hop: str = ""
     next_hop_rtt_ms: float = 0.0
-    link_delay_ms: float = 0.0
     kv_budget_tokens: int = (
         0  # tokens of KV cache across sessions (specpipe/swarm/kvbudget.py); 0: none
     )
@@ -514,11 +512,10 @@ def with_roles(nodes: list[NodeInfo]) -> list[NodeInfo]:
 
 
 def _link(node: NodeInfo) -> str:
-    """The link to the next hop: its PING round trip, and the delay the stage adds to it."""
+    """The link to the next hop: its PING round trip."""
     if not node.next_hop:
         return "-"
-    delay = f" +{node.link_delay_ms:g} ms" if node.link_delay_ms else ""
-    return f"rtt {node.next_hop_rtt_ms:.2f} ms{delay}"
+    return f"rtt {node.next_hop_rtt_ms:.2f} ms"
 
 
 def _clock(node: NodeInfo) -> str:
@@ -652,7 +649,7 @@ class HopLatency:
     next_hop: str
     forward_ms: float  # the stage's forward (running mean)
     handling_ms: float  # checking, decoding, encoding, sending on (running mean)
-    link_ms: float  # one way to the next hop: half the PING round trip plus the set delay
+    link_ms: float  # one way to the next hop: half the PING round trip
 
     @property
     def total_ms(self) -> float:
@@ -710,7 +707,7 @@ def ring_latency(ring: list[NodeInfo], stats: dict[str, dict | None]) -> RingLat
                 next_hop=node.next_hop or "?",
                 forward_ms=float(timings.get("forward_ms", 0.0)),
                 handling_ms=float(timings.get("hop_ms", 0.0)),
-                link_ms=node.next_hop_rtt_ms / 2 + node.link_delay_ms,
+                link_ms=node.next_hop_rtt_ms / 2,
             )
         )
     return RingLatency(hops)

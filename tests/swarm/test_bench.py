@@ -9,7 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from specpipe.bench import ring_hops as ringbench
+from specpipe.bench import wan as wanbench
 from specpipe.cli import cli
+from specpipe.swarm import inventory
 from tests.swarmprocs import write_tiny_model
 
 
@@ -41,6 +43,14 @@ def test_bench_exact_passes_on_real_stage_processes(tiny, tmp_path):
     doc = json.loads(out.read_text())
     assert doc["verdict"] == "PASS" and doc["pairs"] == 3
     assert doc["spec_vs_plain_mismatches"] == [] and doc["greedy_ring_vs_local_mismatches"] == []
+
+
+def test_the_wan_bench_adds_the_delay_each_lab_host_adds_to_its_measured_link():
+    hop = inventory.HopLatency("h0", "h1", forward_ms=2.0, handling_ms=0.5, link_ms=0.25)
+    tail = inventory.HopLatency("h1", "coordinator", forward_ms=2.0, handling_ms=0.5, link_ms=0.5)
+    latency = wanbench.with_link_delays(inventory.RingLatency([hop, tail]), {"h0": 11.0})
+    assert [h.link_ms for h in latency.hops] == [11.25, 0.5]
+    assert latency.ring_ms == pytest.approx(2.5 + 11.25 + 2.5 + 0.5)
 
 
 @pytest.mark.slow

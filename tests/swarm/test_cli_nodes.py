@@ -145,16 +145,16 @@ def test_nodes_that_sample_exactly_warn_of_nothing(swarm, redis_url, key):
 
 
 def test_the_ring_latency_adds_every_stage_and_link_and_gives_the_ceiling():
-    wa = NodeInfo("wa", 0, 2, "redis://wa", next_hop="nj", next_hop_rtt_ms=2.0, link_delay_ms=11)
+    wa = NodeInfo("wa", 0, 2, "redis://wa", next_hop="nj", next_hop_rtt_ms=3.0)
     nj = NodeInfo("nj", 2, 4, "redis://nj", next_hop="coordinator", next_hop_rtt_ms=1.0)
     ring = [wa, nj]
     stats = {"wa": {"forward_ms": 3.0, "hop_ms": 0.5}, "nj": None}
     latency = inventory.ring_latency(ring, stats)
-    assert [h.link_ms for h in latency.hops] == [12.0, 0.5]
-    assert latency.ring_ms == pytest.approx(3.0 + 0.5 + 12.0 + 0.5)
-    assert latency.ceiling_tok_s(2.0) == pytest.approx(2000 / 16.0)
-    assert latency.as_dict()["ceiling_tok_s"] == pytest.approx(62.5)
-    assert inventory.latency_lines(latency)[-1].endswith("62.5 tok/s per token per round")
+    assert [h.link_ms for h in latency.hops] == [1.5, 0.5]
+    assert latency.ring_ms == pytest.approx(3.0 + 0.5 + 1.5 + 0.5)
+    assert latency.ceiling_tok_s(2.0) == pytest.approx(2000 / 5.5)
+    assert latency.as_dict()["ceiling_tok_s"] == pytest.approx(181.82)
+    assert inventory.latency_lines(latency)[-1].endswith("181.8 tok/s per token per round")
 
 
 def test_nodes_show_each_hops_measured_link_once_the_ring_has_carried_rounds(

@@ -43,9 +43,7 @@ def test_nodes_page_shows_the_rings_latency_once_measured(app, client, session, 
     url = app.config["REDIS_URL"]
     registry = redis.Redis.from_url(url)
     try:
-        wa = inventory.NodeInfo(
-            "wa", 0, 2, url, next_hop="nj", next_hop_rtt_ms=1.0, link_delay_ms=11
-        )
+        wa = inventory.NodeInfo("wa", 0, 2, url, next_hop="nj", next_hop_rtt_ms=9.0)
         nj = inventory.NodeInfo("nj", 2, 4, url)  # has not carried a round yet
         for node in (wa, nj):
             inventory.publish(registry, swarm, node, "the swarm key")
@@ -57,9 +55,9 @@ def test_nodes_page_shows_the_rings_latency_once_measured(app, client, session, 
     finally:
         registry.delete(inventory.nodes_key(swarm), streams.stats_key(swarm, "wa"))
         registry.close()
-    # 2 + 0.5 + (0.5 + 11) at wa, 1.5 at nj: 15.5 ms a round, 64.5 tok/s a token a round.
-    assert html.split('id="ring-time">', 1)[1].startswith("15.5 ms per round")
-    assert html.split('id="latency-ceiling">', 1)[1].startswith("64.5 tok/s")
+    # 2 + 0.5 + 4.5 at wa, 1.5 at nj: 8.5 ms a round, 117.6 tok/s a token a round.
+    assert html.split('id="ring-time">', 1)[1].startswith("8.5 ms per round")
+    assert html.split('id="latency-ceiling">', 1)[1].startswith("117.6 tok/s")
     assert "wa → nj" in html and "nj → coordinator" in html
 
 
