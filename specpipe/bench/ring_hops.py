@@ -41,6 +41,7 @@ from specpipe.decoding.generation import Generation
 from specpipe.decoding.local_ring import LocalRing
 from specpipe.decoding.target import open_target
 from specpipe.ops import roster
+from specpipe.ops.link_delay import DelayedRing
 from specpipe.ops.redis_server import RedisServer
 from specpipe.ops.supervisor import terminate_all
 from specpipe.settings import COORDINATOR_PUB_FILE, Settings
@@ -172,13 +173,14 @@ class LocalSwarm:
         return replace(found, home=self.home)
 
     def ring(self) -> RedisRing:
-        return RedisRing.from_inventory(
+        """A coordinator's ring over the stages, its link to stage 0 as slow as theirs."""
+        return DelayedRing.from_inventory(
             self.settings(),
             self.model_label,
             self.n_layers,
             reply_url=self.data_url,
             timeout_s=120,
-            link_delay_s=self.link_delay_ms / 1000,
+            delay_s=self.link_delay_ms / 1000,
         )
 
     def __exit__(self, *exc) -> None:

@@ -1,6 +1,7 @@
 """The simulated link delay of the lab and the benchmarks, a test double for a WAN on one
 machine: `DelayedLink`, a slow outgoing link that the stages they start
-(`python -m specpipe.cli.delayed_stage --link-delay-ms`) put around their `Sender`."""
+(`python -m specpipe.cli.delayed_stage --link-delay-ms`) put around their `Sender`, and
+`DelayedRing`, a coordinator's ring whose link to stage 0 is as slow."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import queue
 import threading
 import time
 
+from specpipe.swarm import wire
+from specpipe.swarm.redis_ring import RedisRing
 from specpipe.swarm.stage.sending import Outgoing, Sender, by_destination
 
 log = logging.getLogger("specpipe.stage")
@@ -45,3 +48,29 @@ class DelayedLink:
                 self.send(self.sender.write(url, items))
             except Exception:  # a bad send must not end the link
                 log.exception("%s: a delayed send failed", self.sender.host)
+
+
+class DelayedRing(RedisRing):
+    """A `RedisRing` whose link to stage 0 is `delay_s` slower: each round waits that long before
+    it goes out (the stages delay their own links), and waits for its reply the longer by the
+    delay of every link of the ring. Its twins are as slow."""
+
+    def __init__(self, *args, delay_s: float = 0.0, **options) -> None:
+        super().__init__(*args, **options)
+        self.delay_s = delay_s
+
+    def send_round(
+        self, session: str, send: tuple, round_ids: set[str], wait_s: float
+    ) -> wire.Message | None:
+        if self.delay_s > 0:
+            time.sleep(self.delay_s)
+        return super().send_round(session, send, round_ids, wait_s)
+
+    def round_wait_s(self, n_tokens: int) -> float:
+        hops = len(self.route) + 1
+        return super().round_wait_s(n_tokens) + hops * self.delay_s
+
+    def twin(self) -> DelayedRing:
+        twin = super().twin()
+        twin.delay_s = self.delay_s
+        return twin

@@ -117,7 +117,6 @@ class RedisRing:
         timeout_s: float = ROUND_TIMEOUT_S,
         retries: int = 2,
         maxlen: int = streams.DEFAULT_MAXLEN,
-        link_delay_s: float = 0.0,
         per_token_s: float = PER_TOKEN_S,
         watchdog: Callable[[], str | None] | None = None,
         watch_after_s: float = WATCH_AFTER_S,
@@ -145,7 +144,6 @@ class RedisRing:
         dial = self.connections.dialer.url
         # One write can carry a round and the read of its reply when they share a Redis.
         self._first_is_reply = dial(self.route[0].redis_url) == dial(reply_url)
-        self.link_delay_s = link_delay_s  # simulated latency of the link to stage 0 (benchmarks)
         self._params: dict[str, SamplingParams] = {}
         self._cursor: dict[str, bytes | str] = {}  # last reply entry id read, per session
         self._seq = 0  # the last sequence number sent, for any session
@@ -278,8 +276,7 @@ class RedisRing:
                 else tuple(zip(shape.parents, shape.ranks, strict=True)),
             )
         self._refresh_roster()
-        first = self.route[0]
-        stream = streams.stage_key(self.swarm, first.host)
+        stream = streams.stage_key(self.swarm, self.route[0].host)
         message = replace(message, to=stream, sender=wire.COORDINATOR)
         wait_s = self.round_wait_s(len(tokens))
         problem = f"no reply in {wait_s:g} s"
@@ -301,15 +298,8 @@ class RedisRing:
             send = streams.stage_send_commands(
                 stream, wire.encode(sent, self.swarm, self.keys), self.maxlen
             )
-            if self.link_delay_s > 0:
-                time.sleep(self.link_delay_s)
             try:
-                if self._first_is_reply:
-                    # One write carries the round and the read that waits for its reply.
-                    reply = self._wait(session, round_ids, wait_s, send)
-                else:
-                    self.connections.link(first.redis_url).call(*send, resend=True)
-                    reply = self._wait(session, round_ids, wait_s)
+                reply = self.send_round(session, send, round_ids, wait_s)
             except PASSING as exc:
                 problem = f"Redis unavailable: {exc}"
                 self._watch()
@@ -356,6 +346,17 @@ class RedisRing:
         waited = time.monotonic() - started
         raise RingError(f"round failed after {waited:.1f} s ({problem}; route {route})")
 
+    def send_round(
+        self, session: str, send: tuple, round_ids: set[str], wait_s: float
+    ) -> wire.Message | None:
+        """Send a round (`send`, the commands that add it to stage 0's stream) and wait up to
+        `wait_s` for the reply to one of `round_ids`; None if none came."""
+        if self._first_is_reply:
+            # One write carries the round and the read that waits for its reply.
+            return self._wait(session, round_ids, wait_s, send)
+        self.connections.link(self.route[0].redis_url).call(*send, resend=True)
+        return self._wait(session, round_ids, wait_s)
+
     def writes_reach(self, host: str) -> bool:
         """Whether this process can write to the Redis of `host` (a hop of the route) itself:
         it rings the stage's bell, which costs the stage one idle wake. How a stage's word that
@@ -379,9 +380,8 @@ class RedisRing:
 
     def round_wait_s(self, n_tokens: int) -> float:
         """How long a round of `n_tokens` tokens waits for its reply before it is sent again:
-        the base timeout, the tokens' share of work, and the links' simulated delay."""
-        hops = len(self.route) + 1
-        return self.timeout_s + n_tokens * self.per_token_s + hops * self.link_delay_s
+        the base timeout and the tokens' share of work."""
+        return self.timeout_s + n_tokens * self.per_token_s
 
     def drop(self, session: str, skip: Collection[str] = ()) -> None:
         """Forget the session on every stage (but the hosts in `skip`, gone ones) and delete
@@ -392,9 +392,10 @@ class RedisRing:
         self._cursor.pop(session, None)
 
     def twin(self) -> RedisRing:
-        """A ring over the same route, keys and settings with connections of its own, for a
-        second thread: a ring is used by one thread at a time. It shares no session."""
-        return RedisRing(
+        """A ring of this one's kind over the same route, keys and settings with connections of
+        its own, for a second thread: a ring is used by one thread at a time. It shares no
+        session."""
+        return type(self)(
             self.route,
             self.swarm,
             self.keys,
@@ -402,7 +403,6 @@ class RedisRing:
             timeout_s=self.timeout_s,
             retries=self.retries,
             maxlen=self.maxlen,
-            link_delay_s=self.link_delay_s,
             per_token_s=self.per_token_s,
             watchdog=self.watchdog,
             watch_after_s=self.watch_after_s,

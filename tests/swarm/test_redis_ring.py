@@ -15,6 +15,7 @@ from specpipe.core.ring import GapError
 from specpipe.core.sampling import SamplingParams, committed_tokens
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.local_ring import LocalRing
+from specpipe.ops.link_delay import DelayedRing
 from specpipe.swarm import inventory, streams, wire
 from specpipe.swarm.inventory import NodeInfo, RouteError
 from specpipe.swarm.redis_ring import HopUnreachableError, RedisRing, RingError, StaleRouteError
@@ -619,15 +620,23 @@ def test_a_rounds_wait_grows_with_the_tokens_it_carries(redis_url, swarm, key):
     ring = RedisRing(nodes(("a", redis_url, "0:4")), swarm, key, redis_url, timeout_s=30)
     assert ring.round_wait_s(1) == pytest.approx(30 + 0.05)
     assert ring.round_wait_s(4096) == pytest.approx(30 + 4096 * 0.05)  # a long prefill or replay
-    delayed = RedisRing(
+    ring.close()
+
+
+def test_a_delayed_ring_and_its_twins_wait_longer_by_every_links_delay(redis_url, swarm, key):
+    delayed = DelayedRing(
         nodes(("a", redis_url, "0:2"), ("b", redis_url, "2:4")),
         swarm,
         key,
         redis_url,
         timeout_s=30,
-        link_delay_s=0.025,
+        delay_s=0.025,
     )
     assert delayed.round_wait_s(1) == pytest.approx(30 + 0.05 + 3 * 0.025)
+    twin = delayed.twin()
+    assert isinstance(twin, DelayedRing) and twin.round_wait_s(1) == delayed.round_wait_s(1)
+    for ring in (delayed, twin):
+        ring.close()
 
 
 @pytest.mark.slow
