@@ -22,8 +22,10 @@ from specpipe.cli.options import compute_options, layer_range
 from specpipe.cli.worker import check_reachable, configure_logging, serve_stage, swarm_keyring
 
 if TYPE_CHECKING:
-    from specpipe.ops.redis_server import TlsFiles
+    from specpipe.ops.redis_server import RedisServer, TlsFiles
     from specpipe.settings import Settings
+    from specpipe.swarm.inventory import Inventory
+    from specpipe.swarm.wire import Keyring
 
 log = logging.getLogger("specpipe.join")
 
@@ -211,17 +213,8 @@ def join(
 
         SPECPIPE_HOME=/var/lib/specpipe specpipe join --layers auto
     """
-    from dataclasses import replace
-
-    import redis
-
     from specpipe import settings
-    from specpipe.ops.redis_server import RedisServer, RedisUnavailable
-    from specpipe.swarm import inventory, streams
-    from specpipe.swarm.dialing import Dialer
     from specpipe.swarm.redact import redact_url
-    from specpipe.transformer.errors import ModelError
-    from specpipe.transformer.resolve import model_label, open_checkpoint
 
     model_name = model_name or settings.default_model()
     config = settings.Settings.from_env()
@@ -233,55 +226,21 @@ def join(
     if not registry_url:
         raise click.ClickException("no registry: pass --registry URL or set SPECPIPE_REGISTRY_URL")
     redis_url = redis_url or settings.configured_redis_url()
-    folder = tls_dir.resolve() if tls_dir else settings.tls_dir()
-    config = replace(
-        config,
-        tls_dir=folder,
-        insecure_shared_key=config.insecure_shared_key or insecure_shared_key,
-    )
-    if tls_dir is not None:  # this host verifies the others against the CA copy there
-        ca_copy = folder / settings.CA_CERT_FILE
-        config = replace(config, tls_ca=str(ca_copy) if ca_copy.is_file() else None)
-        pin = folder / settings.COORDINATOR_PUB_FILE  # and pins the coordinator key there
-        if pin.is_file():
-            config = replace(config, coordinator_public_key=pin.read_text().strip())
+    config, folder = with_tls_folder(config, tls_dir, insecure_shared_key)
     tls = None
     if redis_url is None and not insecure_no_tls:
         tls = tls_files(folder)
     configure_logging()
     check_pinned(config)
     check_reachable(registry_url, "the registry")
-    try:
-        n_layers = open_checkpoint(model_name).config.n_layers
-        label = model_label(model_name)
-    except ModelError as exc:
-        raise ModelInputError(str(exc)) from None
+    n_layers, label = model_layers(model_name)
     host_name = host_name or socket.gethostname().split(".")[0]
     keys = swarm_keyring(config, host_name)  # this host's own key, made on first use
-    client = redis.Redis.from_url(registry_url, socket_connect_timeout=5, socket_timeout=5)
-    try:
-        found = inventory.read(client, config.swarm, keys)
-    except redis.RedisError as exc:
-        raise click.ClickException(f"cannot read the inventory: {exc}") from None
-    finally:
-        client.close()
-    nodes, now = found.nodes, found.now
+    found = read_inventory(registry_url, config.swarm, keys)
     check_admitted(host_name, keys, found.roster)
-    # A name whose heartbeat lapsed (that host died) may be taken again.
-    taken = [n for n in nodes if n.host == host_name and not n.lapsed(now)]
-    if taken:
-        raise click.ClickException(
-            f"a host named {host_name!r} already serves layers {taken[0].layers}: pass --host"
-        )
+    check_name_free(host_name, found)
     if layers is None:
-        # Rounds each stage has processed, from its own Redis.
-        found = streams.read_stages_stats(
-            [(n.host, n.redis_url) for n in nodes],
-            config.swarm,
-            dialer=Dialer.for_settings(config, registry_url),
-        )
-        load = {host: int(stats.get("processed", 0)) for host, stats in found.items() if stats}
-        start, end, why = inventory.choose_layers(nodes, n_layers, label, load, now)
+        start, end, why = auto_layers(found, n_layers, label, config, registry_url)
     else:
         start, end = layers
         if end > n_layers:
@@ -291,21 +250,8 @@ def join(
     server = None
     check_link(redis_url, tls, address, port)
     if redis_url is None:
-        # Its own user's password stays here; the other hosts dial it with the data-plane one.
-        server = RedisServer(
-            port=port,
-            host=address,
-            password=settings.ensure_local_redis_password(),
-            data_dir=settings.instance_dir() / "redis",
-            maxmemory=settings.redis_maxmemory(),
-            tls=tls,
-            accept_backported=accept_backported_redis or settings.accept_backported_redis(),
-            peer_password=settings.ensure_redis_password(),
-        )
-        try:
-            redis_url = server.start()
-        except RedisUnavailable as exc:
-            raise click.ClickException(str(exc)) from None
+        server = own_redis(address, port, tls, accept_backported_redis)
+        redis_url = start_redis(server)
     click.echo(
         f"joining swarm {config.swarm!r} as {host_name}: layers {start}:{end} ({why}), "
         f"Redis {redact_url(redis_url)}"
@@ -327,6 +273,117 @@ def join(
     finally:
         if server is not None:
             server.stop()
+
+
+def with_tls_folder(
+    config: Settings, tls_dir: Path | None, insecure_shared_key: bool
+) -> tuple[Settings, Path]:
+    """`config` with this host's TLS folder (`tls_dir`, else the default) and the operator's
+    opt-out; the folder. A `tls_dir` given also holds the CA copy this host verifies the others
+    against and the coordinator key it pins, where they are there."""
+    from dataclasses import replace
+
+    from specpipe import settings
+
+    folder = tls_dir.resolve() if tls_dir else settings.tls_dir()
+    config = replace(
+        config,
+        tls_dir=folder,
+        insecure_shared_key=config.insecure_shared_key or insecure_shared_key,
+    )
+    if tls_dir is not None:  # this host verifies the others against the CA copy there
+        ca_copy = folder / settings.CA_CERT_FILE
+        config = replace(config, tls_ca=str(ca_copy) if ca_copy.is_file() else None)
+        pin = folder / settings.COORDINATOR_PUB_FILE  # and pins the coordinator key there
+        if pin.is_file():
+            config = replace(config, coordinator_public_key=pin.read_text().strip())
+    return config, folder
+
+
+def model_layers(model_name: str) -> tuple[int, str]:
+    """The number of layers of `model_name` and its label; a one-line error if it cannot be
+    opened."""
+    from specpipe.transformer.errors import ModelError
+    from specpipe.transformer.resolve import model_label, open_checkpoint
+
+    try:
+        return open_checkpoint(model_name).config.n_layers, model_label(model_name)
+    except ModelError as exc:
+        raise ModelInputError(str(exc)) from None
+
+
+def read_inventory(registry_url: str, swarm: str, keys: Keyring) -> Inventory:
+    """The swarm's inventory as the registry at `registry_url` holds it; a one-line
+    ClickException if it cannot be read."""
+    import redis
+
+    from specpipe.swarm import inventory
+
+    client = redis.Redis.from_url(registry_url, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        return inventory.read(client, swarm, keys)
+    except redis.RedisError as exc:
+        raise click.ClickException(f"cannot read the inventory: {exc}") from None
+    finally:
+        client.close()
+
+
+def check_name_free(host_name: str, found: Inventory) -> None:
+    """A one-line ClickException when a live host already serves under `host_name`; a name
+    whose heartbeat lapsed (that host died) may be taken again."""
+    taken = [n for n in found.nodes if n.host == host_name and not n.lapsed(found.now)]
+    if taken:
+        raise click.ClickException(
+            f"a host named {host_name!r} already serves layers {taken[0].layers}: pass --host"
+        )
+
+
+def auto_layers(
+    found: Inventory, n_layers: int, label: str, config: Settings, registry_url: str
+) -> tuple[int, int, str]:
+    """The layer range to serve when asked for `auto`, and why (`inventory.choose_layers`,
+    weighing the rounds each stage has processed, from its own Redis)."""
+    from specpipe.swarm import inventory, streams
+    from specpipe.swarm.dialing import Dialer
+
+    stats = streams.read_stages_stats(
+        [(n.host, n.redis_url) for n in found.nodes],
+        config.swarm,
+        dialer=Dialer.for_settings(config, registry_url),
+    )
+    load = {host: int(stat.get("processed", 0)) for host, stat in stats.items() if stat}
+    return inventory.choose_layers(found.nodes, n_layers, label, load, found.now)
+
+
+def own_redis(
+    address: str, port: int, tls: TlsFiles | None, accept_backported: bool
+) -> RedisServer:
+    """The Redis this host starts on `address`:`port`: its own user's password stays here; the
+    other hosts dial it with the data-plane one."""
+    from specpipe import settings
+    from specpipe.ops.redis_server import RedisServer
+
+    return RedisServer(
+        port=port,
+        host=address,
+        password=settings.ensure_local_redis_password(),
+        data_dir=settings.instance_dir() / "redis",
+        maxmemory=settings.redis_maxmemory(),
+        tls=tls,
+        accept_backported=accept_backported or settings.accept_backported_redis(),
+        peer_password=settings.ensure_redis_password(),
+    )
+
+
+def start_redis(server: RedisServer) -> str:
+    """Start `server`; the URL this host's processes reach it at. A one-line ClickException if
+    it cannot start."""
+    from specpipe.ops.redis_server import RedisUnavailable
+
+    try:
+        return server.start()
+    except RedisUnavailable as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def check_pinned(config: Settings) -> None:
