@@ -255,29 +255,8 @@ class RedisRing:
             raise RingError(f"session {session!r} was not reset on this ring")
         if not tokens or not 0 <= n_draft < len(tokens):
             raise ValueError(f"a round needs more tokens ({len(tokens)}) than drafts ({n_draft})")
-        message = wire.Message(
-            kind="round",
-            session=session,
-            start_pos=start_pos,
-            n_draft=n_draft,
-            tokens=tuple(int(t) for t in tokens),
-            route=self._hops_on_wire,
-            head_k=min(int(head_k), wire.MAX_HEAD_DRAFTS),
-            taps=self.taps,
-        )
-        if branches is not None:
-            shape = branches.shape
-            message = replace(
-                message,
-                parents=None if branches.parents is None else tuple(branches.parents),
-                keep=tuple(branches.keep),
-                head_shape=()
-                if shape is None
-                else tuple(zip(shape.parents, shape.ranks, strict=True)),
-            )
+        message = self._round_message(session, tokens, start_pos, n_draft, head_k, branches)
         self._refresh_roster()
-        stream = streams.stage_key(self.swarm, self.route[0].host)
-        message = replace(message, to=stream, sender=wire.COORDINATOR)
         wait_s = self.round_wait_s(len(tokens))
         problem = f"no reply in {wait_s:g} s"
         # Each send has an id of its own, and a reply to any of them is the round's result: a
@@ -296,7 +275,7 @@ class RedisRing:
             left_ms = int(max(give_up_at - time.monotonic(), 0.0) * 1000)
             sent = replace(message, round_id=round_id, seq=self._next_seq(), wait_ms=left_ms)
             send = streams.stage_send_commands(
-                stream, wire.encode(sent, self.swarm, self.keys), self.maxlen
+                message.to, wire.encode(sent, self.swarm, self.keys), self.maxlen
             )
             try:
                 reply = self.send_round(session, send, round_ids, wait_s)
@@ -309,42 +288,85 @@ class RedisRing:
                 tries -= 1
                 problem = f"no reply in {wait_s:g} s"
                 continue
-            if reply.kind == "result":
-                if len(reply.tokens) != n_draft + 1:
-                    raise RingError(f"result of {len(reply.tokens)} ids for {n_draft} drafts")
-                logprobs = [
-                    TokenLogprob(token, lp, top)
-                    for token, (lp, top) in zip(reply.tokens, reply.logprobs, strict=False)
-                ]
-                wanted = len(branches.shape) if branches and branches.shape else head_k
-                return RoundResult(
-                    reply.tokens,
-                    logprobs,
-                    reply.drafts[:wanted],
-                    path=reply.path,
-                    draft_parents=reply.draft_parents[:wanted],
-                    ranks=reply.ranks,
-                    batch=reply.batch or 1,
-                )
-            if reply.kind == "gap":
-                self._until_reachable(
-                    lambda: self._control(session, "reset", self._params[session])
-                )
-                raise GapError(reply.reason or "a stage lost the session's cache")
-            if reply.kind == "misrouted":
-                raise StaleRouteError(f"round refused: {reply.reason}", reply.sender)
-            if reply.kind == "unreachable":
-                hosts = [hop.host for hop in self.route]
-                after = hosts.index(reply.sender) + 1 if reply.sender in hosts else len(hosts)
-                unreachable = hosts[after] if after < len(hosts) else ""
-                confirmed = not unreachable or not self.writes_reach(unreachable)
-                raise HopUnreachableError(
-                    f"round failed: {reply.reason}", unreachable, reply.sender, confirmed
-                )
-            raise RingError(f"round failed: {reply.reason or reply.kind}")
+            wanted = len(branches.shape) if branches and branches.shape else head_k
+            return self._answered(session, reply, n_draft, wanted)
         route = " -> ".join(h.host for h in self.route)
         waited = time.monotonic() - started
         raise RingError(f"round failed after {waited:.1f} s ({problem}; route {route})")
+
+    def _round_message(
+        self,
+        session: str,
+        tokens: Sequence[int],
+        start_pos: int,
+        n_draft: int,
+        head_k: int,
+        branches: Branches | None,
+    ) -> wire.Message:
+        """The round as it goes to stage 0's stream, but for what each send stamps (its id,
+        sequence number and wait)."""
+        message = wire.Message(
+            kind="round",
+            session=session,
+            start_pos=start_pos,
+            n_draft=n_draft,
+            tokens=tuple(int(t) for t in tokens),
+            route=self._hops_on_wire,
+            head_k=min(int(head_k), wire.MAX_HEAD_DRAFTS),
+            taps=self.taps,
+            to=streams.stage_key(self.swarm, self.route[0].host),
+            sender=wire.COORDINATOR,
+        )
+        if branches is None:
+            return message
+        shape = branches.shape
+        return replace(
+            message,
+            parents=None if branches.parents is None else tuple(branches.parents),
+            keep=tuple(branches.keep),
+            head_shape=() if shape is None else tuple(zip(shape.parents, shape.ranks, strict=True)),
+        )
+
+    def _answered(
+        self, session: str, reply: wire.Message, n_draft: int, wanted: int
+    ) -> RoundResult:
+        """The round's result from the tail's `reply` (with up to `wanted` of its drafts); for
+        any other reply, the error it stands for."""
+        if reply.kind == "result":
+            if len(reply.tokens) != n_draft + 1:
+                raise RingError(f"result of {len(reply.tokens)} ids for {n_draft} drafts")
+            logprobs = [
+                TokenLogprob(token, lp, top)
+                for token, (lp, top) in zip(reply.tokens, reply.logprobs, strict=False)
+            ]
+            return RoundResult(
+                reply.tokens,
+                logprobs,
+                reply.drafts[:wanted],
+                path=reply.path,
+                draft_parents=reply.draft_parents[:wanted],
+                ranks=reply.ranks,
+                batch=reply.batch or 1,
+            )
+        if reply.kind == "gap":
+            self._until_reachable(lambda: self._control(session, "reset", self._params[session]))
+            raise GapError(reply.reason or "a stage lost the session's cache")
+        if reply.kind == "misrouted":
+            raise StaleRouteError(f"round refused: {reply.reason}", reply.sender)
+        if reply.kind == "unreachable":
+            raise self._unreachable(reply)
+        raise RingError(f"round failed: {reply.reason or reply.kind}")
+
+    def _unreachable(self, reply: wire.Message) -> HopUnreachableError:
+        """A stage's word that it could not pass the round on: the hop after it, and whether
+        this process cannot write there either."""
+        hosts = [hop.host for hop in self.route]
+        after = hosts.index(reply.sender) + 1 if reply.sender in hosts else len(hosts)
+        unreachable = hosts[after] if after < len(hosts) else ""
+        confirmed = not unreachable or not self.writes_reach(unreachable)
+        return HopUnreachableError(
+            f"round failed: {reply.reason}", unreachable, reply.sender, confirmed
+        )
 
     def send_round(
         self, session: str, send: tuple, round_ids: set[str], wait_s: float
