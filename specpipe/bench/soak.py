@@ -103,7 +103,8 @@ import redis
 
 from specpipe.bench import api_load
 from specpipe.bench.wan import REFERENCE_DELAYS_MS
-from specpipe.ops.lab_hosts import PREFIX, Host, Lab
+from specpipe.ops.lab_hosts import Host, Lab
+from specpipe.ops.lab_network import PREFIX
 from specpipe.ops.redis_server import answers
 from specpipe.ops.supervisor import process_alive
 from specpipe.settings import DEFAULT_HEARTBEAT_S

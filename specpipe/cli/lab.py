@@ -115,7 +115,8 @@ def bring_up(home: Path, hosts: int, idle: int, model_name: str, delays: list[fl
     """Bring up a lab in `home` serving `model_name` on `hosts` hosts, its store migrated;
     (the Lab, the layer ranges). One-line ClickExceptions, with nothing left up, on failure."""
     from models import migrate as migrations
-    from specpipe.ops.lab_hosts import Lab, LabError, check_can_run
+    from specpipe.ops.lab_hosts import Lab
+    from specpipe.ops.lab_network import LabError, check_can_run
     from specpipe.ops.redis_server import RedisUnavailable
     from specpipe.transformer.errors import ModelError
     from specpipe.transformer.resolve import even_split, open_checkpoint
@@ -153,7 +154,8 @@ def lab_down(home: Path | None) -> None:
 
         specpipe lab down
     """
-    from specpipe.ops.lab_hosts import Lab, LabError, check_can_run
+    from specpipe.ops.lab_hosts import Lab
+    from specpipe.ops.lab_network import LabError, check_can_run
     from specpipe.ops.redis_server import RedisUnavailable
 
     try:

@@ -43,7 +43,17 @@ from pathlib import Path
 import redis
 
 from specpipe.ops import certificates, roster
-from specpipe.ops.redis_server import RedisServer, TlsFiles, answers, find_binary
+from specpipe.ops.lab_network import PREFIX, LabError, _free_subnet, _ip, _links, check_can_run
+from specpipe.ops.lab_trust import (
+    ADMIN_PASSWORD_FILE,
+    ADMIN_USER,
+    LAB_CA_DAYS,
+    LAB_CA_DIR,
+    REMOTE_PASSWORD_FILE,
+    _private,
+    make_certificates,
+)
+from specpipe.ops.redis_server import RedisServer, answers
 from specpipe.ops.supervisor import process_alive
 from specpipe.settings import LOCAL_REDIS_PASSWORD_FILE, REDIS_PASSWORD_FILE, TLS_DIR
 from specpipe.swarm import inventory, trust
@@ -54,20 +64,6 @@ SWARM = "lab"
 REDIS_PORT = 6379  # every host has a network stack of its own: the same port on each
 WEB_PORT = 8000
 TLS_HOST = 1  # the host whose Redis speaks only TLS (when the lab has one)
-SUBNET_PREFIX = "10.231"  # hosts at 10.231.N.1…, the bridge at 10.231.N.254
-PREFIX = "splab"  # of every namespace and link a lab makes
-# A user of every host's Redis allowed every command (CONFIG too), for what disturbs the lab
-# on purpose; its password is in the lab's folder only, no swarm process has it.
-ADMIN_USER = "lab-admin"
-ADMIN_PASSWORD_FILE = "redis_admin_password"
-# The password of host 0's `specpipe-remote`: the registry's user for the other hosts.
-REMOTE_PASSWORD_FILE = "redis_remote_password"
-LAB_CA_DIR = "ca"  # the lab's swarm CA, made afresh by each `up`
-LAB_CA_DAYS = 30
-
-
-class LabError(RuntimeError):
-    """The lab cannot be brought up (or down) here; the message says why in one line."""
 
 
 @dataclass(frozen=True)
@@ -83,43 +79,6 @@ class Host:
     @property
     def name(self) -> str:
         return f"h{self.index}"
-
-
-def check_can_run() -> None:
-    """LabError unless this process is root and `ip netns` and redis-server are there."""
-    if os.geteuid() != 0:
-        raise LabError("the lab needs root: network namespaces cannot be made otherwise")
-    if shutil.which("ip") is None:
-        raise LabError("the lab needs the `ip` command (iproute2)")
-    try:
-        subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, timeout=10)
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-        raise LabError(f"`ip netns` does not work here: {exc}") from None
-    find_binary()
-
-
-def _ip(*args: str, namespace: str | None = None, check: bool = True) -> str:
-    argv = ["ip", *(["-n", namespace] if namespace else []), *args]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    if check and done.returncode != 0:
-        raise LabError(f"`{' '.join(argv)}` failed: {done.stderr.strip() or done.returncode}")
-    return done.stdout
-
-
-def _private(path: Path, text: str) -> None:
-    """Write `text` to `path`, readable by its owner only."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-
-
-def make_certificates(directory: Path, address: str, authority: certificates.Authority) -> TlsFiles:
-    """A host's TLS folder `directory`: a certificate `authority` signed for `address`, its
-    key and a copy of the CA's certificate (what `specpipe ca issue` writes)."""
-    try:
-        return certificates.issue(authority, [address], directory, days=LAB_CA_DAYS, overwrite=True)
-    except (certificates.CaError, OSError) as exc:
-        raise LabError(f"cannot make {address}'s certificate in {directory}: {exc}") from None
 
 
 class Lab:
@@ -556,24 +515,6 @@ def _per_host(delays: Sequence[float], n: int) -> list[float]:
     if len(delays) != n:
         raise LabError(f"{len(delays)} link delays for {n} serving hosts: give one or {n}")
     return [float(d) for d in delays]
-
-
-def _free_subnet() -> str:
-    """A 10.231.N prefix no interface of this machine uses."""
-    used = _ip("-4", "-o", "addr", check=False)
-    for n in range(1, 255):
-        if f" {SUBNET_PREFIX}.{n}." not in used:
-            return f"{SUBNET_PREFIX}.{n}"
-    raise LabError(f"every {SUBNET_PREFIX}.N.0/24 subnet is taken")
-
-
-def _links() -> list[str]:
-    names = []
-    for line in _ip("-o", "link", check=False).splitlines():
-        parts = line.split(":", 2)
-        if len(parts) > 1:
-            names.append(parts[1].strip().split("@")[0])
-    return names
 
 
 def _stop(pids: set[int], timeout_s: float) -> None:

@@ -13,7 +13,8 @@ import pytest
 
 from models.db import make_session_factory
 from models.runs import Run
-from specpipe.ops.lab_hosts import PREFIX, Lab
+from specpipe.ops.lab_hosts import Lab
+from specpipe.ops.lab_network import PREFIX
 from tests.lab.conftest import need_lab, run
 from tests.lab.test_join import ARGS, PROMPT, admit, join_argv, lab_env, latest_job, nodes
 from tests.waiting import wait_until

@@ -146,7 +146,7 @@ def bench_soak(
 
     from specpipe.bench import soak as soakbench
     from specpipe.cli.lab import link_delays
-    from specpipe.ops.lab_hosts import LabError, check_can_run
+    from specpipe.ops.lab_network import LabError, check_can_run
 
     ms = link_delays(None, None, delays)
     if len(ms) != soakbench.STAGES:
