@@ -1,12 +1,11 @@
 """A multi-host lab on one machine: each host a network namespace of its own on a bridge.
 
-`Lab.up` makes a bridge with an address in the root namespace (so this machine reaches every
-host), and per host a namespace joined to it by a veth pair, with its own address, its own
-Redis (host 1's speaks TLS only) and, on the hosts that serve, its own stage worker. The lab
-has a swarm CA of its own (`specpipe.ops.certificates`), and every host a TLS folder with a
-certificate for its address and a copy of the CA, as `specpipe ca issue` makes them: every process
-verifies host 1's Redis against its host's copy, and a `join` on a bare host starts a TLS
-Redis with its host's files. Each Redis has its host's own
+`Lab` puts the lab together from its network (`specpipe.ops.lab_network`: the bridge, and per
+host a namespace with its own address) and its trust (`specpipe.ops.lab_trust`: the lab's own
+swarm CA, every host's TLS folder, the secrets and passwords in the lab's folder), and runs
+its processes itself: per host its own Redis (host 1's speaks TLS only: every process verifies
+it against its host's copy of the CA, and a `join` on a bare host starts a TLS Redis with its
+host's files) and, on the hosts that serve, its own stage worker. Each Redis has its host's own
 user, whose password only that host's processes are given, and the peer user, whose password
 is the swarm's one data-plane password, which each process adds to the other hosts' addresses
 it dials. Host 0 also runs the swarm's registry and broker (its Redis, which the other hosts
@@ -26,7 +25,6 @@ the lab's namespaces. Root only: namespaces need it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import secrets
@@ -42,20 +40,12 @@ from pathlib import Path
 
 import redis
 
-from specpipe.ops import certificates, roster
-from specpipe.ops.lab_network import PREFIX, LabError, _free_subnet, _ip, _links, check_can_run
-from specpipe.ops.lab_trust import (
-    ADMIN_PASSWORD_FILE,
-    ADMIN_USER,
-    LAB_CA_DAYS,
-    LAB_CA_DIR,
-    REMOTE_PASSWORD_FILE,
-    _private,
-    make_certificates,
-)
+from specpipe.ops import certificates, lab_network, roster
+from specpipe.ops.lab_network import LabError, LabNetwork, check_can_run
+from specpipe.ops.lab_trust import ADMIN_USER, LabTrust, make_certificates, write_private
 from specpipe.ops.redis_server import RedisServer, answers
 from specpipe.ops.supervisor import process_alive
-from specpipe.settings import LOCAL_REDIS_PASSWORD_FILE, REDIS_PASSWORD_FILE, TLS_DIR
+from specpipe.settings import TLS_DIR
 from specpipe.swarm import inventory, trust
 
 LAB_FILE = "lab.json"
@@ -88,6 +78,7 @@ class Lab:
         self.home = Path(home).resolve()
         self.state_path = self.home / LAB_FILE
         self.state: dict = {}
+        self.trust = LabTrust(self.home)
 
     # --- state ---------------------------------------------------------------------------
 
@@ -101,7 +92,7 @@ class Lab:
 
     def _save(self) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
-        _private(self.state_path, json.dumps(self.state, indent=2) + "\n")
+        write_private(self.state_path, json.dumps(self.state, indent=2) + "\n")
 
     def _record(self, kind: str, value) -> None:
         """Note a resource in the state file before it is made."""
@@ -112,7 +103,7 @@ class Lab:
         """Whether a lab recorded here still has a namespace."""
         if not self.load():
             return False
-        existing = set(_ip("netns", "list", check=False).split())
+        existing = lab_network.namespace_names()
         return any(ns in existing for ns in self.state.get("namespaces", []))
 
     def hosts(self) -> list[Host]:
@@ -160,11 +151,15 @@ class Lab:
     def tls_dir(self, host: Host | None = None) -> Path:
         """`host`'s TLS folder (this machine's without one): its certificate and key, and its
         copy of the lab's CA."""
-        return (self.home / host.name if host else self.home) / TLS_DIR
+        return self.trust.tls_dir(host.name if host else None)
 
     def ca_cert(self) -> Path:
         """The lab's CA's certificate, which every host's TLS folder holds a copy of."""
-        return certificates.Authority.in_dir(self.home / LAB_CA_DIR).cert
+        return self.trust.ca_cert()
+
+    def network(self) -> LabNetwork:
+        """The network of the lab recorded in `state`."""
+        return LabNetwork(self.state["id"], self.state["subnet"], self._record)
 
     # --- up ------------------------------------------------------------------------------
 
@@ -191,15 +186,15 @@ class Lab:
             shutil.rmtree(data, ignore_errors=True)
         (self.home / LAB_STORE).unlink(missing_ok=True)
         lab_id = secrets.token_hex(2)
-        subnet = _free_subnet()
+        network = LabNetwork(lab_id, lab_network.free_subnet(), self._record)
         n_hosts = len(layers) + idle
         delays = _per_host(link_delays_ms, len(layers))
         self.state = {
             "id": lab_id,
             "swarm": SWARM,
             "model": model,
-            "bridge": f"{PREFIX}{lab_id}",
-            "subnet": subnet,
+            "bridge": network.bridge,
+            "subnet": network.subnet,
             "layers": [list(r) for r in layers],
             "link_delays_ms": delays,
             "database_url": database_url or f"sqlite:///{self.home / LAB_STORE}",
@@ -210,9 +205,9 @@ class Lab:
         }
         self._save()
         try:
-            self._network(n_hosts)
-            self._secrets()
-            authority = self._make_ca()
+            network.make(n_hosts)
+            self.trust.make_secrets()
+            authority = self.trust.make_ca()
             for index in range(n_hosts):
                 if index < len(layers):
                     self._start_redis(index, authority)
@@ -285,66 +280,12 @@ class Lab:
             "stages": len(serving),
             "database_url": self.state["database_url"],
         }
-        _private(self.home / "swarm.json", json.dumps(swarm_file, indent=2) + "\n")
+        write_private(self.home / "swarm.json", json.dumps(swarm_file, indent=2) + "\n")
         return self.state
-
-    def _network(self, n_hosts: int) -> None:
-        bridge, subnet = self.state["bridge"], self.state["subnet"]
-        self._record("links", bridge)
-        _ip("link", "add", "name", bridge, "type", "bridge")
-        _ip("addr", "add", f"{subnet}.254/24", "dev", bridge)
-        _ip("link", "set", bridge, "up")
-        for index in range(n_hosts):
-            self.add_namespace(index)
 
     def add_namespace(self, index: int) -> str:
         """Host `index`'s namespace on the bridge, with its address; return its name."""
-        lab_id, subnet = self.state["id"], self.state["subnet"]
-        namespace, veth, peer = (
-            f"{PREFIX}-{lab_id}-h{index}",
-            f"{PREFIX}{lab_id}v{index}",
-            f"{PREFIX}{lab_id}p{index}",
-        )
-        self._record("namespaces", namespace)
-        _ip("netns", "add", namespace)
-        self._record("links", veth)
-        _ip("link", "add", veth, "type", "veth", "peer", "name", peer)
-        _ip("link", "set", peer, "netns", namespace)
-        _ip("link", "set", peer, "name", "eth0", namespace=namespace)
-        _ip("addr", "add", f"{subnet}.{index + 1}/24", "dev", "eth0", namespace=namespace)
-        _ip("link", "set", "eth0", "up", namespace=namespace)
-        _ip("link", "set", "lo", "up", namespace=namespace)
-        _ip("link", "set", veth, "master", self.state["bridge"])
-        _ip("link", "set", veth, "up")
-        return namespace
-
-    def _secrets(self) -> None:
-        key = self.home / "swarm_key"
-        if not key.exists():
-            _private(key, secrets.token_hex(32) + "\n")
-        secret = self.home / "secret_key"
-        if not secret.exists():
-            _private(secret, secrets.token_hex(32) + "\n")
-        # The swarm's data-plane password: every host's Redis takes it for its peer user, and
-        # every process of the lab (its SPECPIPE_HOME is this folder) dials the others'
-        # addresses with it.
-        for name in (REDIS_PASSWORD_FILE, REMOTE_PASSWORD_FILE, ADMIN_PASSWORD_FILE):
-            if not (self.home / name).exists():
-                _private(self.home / name, secrets.token_hex(16) + "\n")
-
-    def _make_ca(self) -> certificates.Authority:
-        """The lab's CA, made afresh, and a copy of its certificate in this machine's TLS
-        folder (for the commands run here with the lab's folder as SPECPIPE_HOME)."""
-        try:
-            authority = certificates.make_ca(
-                self.home / LAB_CA_DIR, name="specpipe lab CA", days=LAB_CA_DAYS, overwrite=True
-            )
-        except (certificates.CaError, OSError) as exc:
-            raise LabError(f"cannot make the lab's CA: {exc}") from None
-        here = self.tls_dir()
-        here.mkdir(mode=0o700, exist_ok=True)
-        shutil.copyfile(authority.cert, here / authority.cert.name)
-        return authority
+        return self.network().add_namespace(index)
 
     def link_delays_ms(self) -> dict[str, float]:
         """The one-way delay each serving host's stage adds to its outgoing link, by host."""
@@ -353,16 +294,7 @@ class Lab:
 
     def data_password(self) -> str:
         """The swarm's data-plane password: what every host's Redis takes for its peer user."""
-        return (self.home / REDIS_PASSWORD_FILE).read_text().strip()
-
-    def _own_password(self, directory: Path) -> str:
-        """The password of the `specpipe` user of the host whose folder is `directory`: made
-        once, kept there (mode 0600), handed to that host's processes only."""
-        path = directory / LOCAL_REDIS_PASSWORD_FILE
-        if not path.exists():
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _private(path, secrets.token_hex(16) + "\n")
-        return path.read_text().strip()
+        return self.trust.data_password()
 
     def admin_redis(self, host: Host) -> redis.Redis:
         """A client of `host`'s Redis as the lab's admin user (every command), over its unix
@@ -370,32 +302,27 @@ class Lab:
         return redis.Redis(
             unix_socket_path=str(self.home / host.name / "redis" / "redis.sock"),
             username=ADMIN_USER,
-            password=(self.home / ADMIN_PASSWORD_FILE).read_text().strip(),
+            password=self.trust.admin_password(),
             socket_timeout=10,
         )
 
     def _start_redis(self, index: int, authority: certificates.Authority) -> Host:
-        namespace = f"{PREFIX}-{self.state['id']}-h{index}"
-        address = f"{self.state['subnet']}.{index + 1}"
+        network = self.network()
+        namespace, address = network.namespace(index), network.address(index)
         directory = self.home / f"h{index}"
         files = make_certificates(directory / TLS_DIR, address, authority)
         tls = files if index == TLS_HOST else None
         server = RedisServer(
             port=REDIS_PORT,
             data_dir=directory / "redis",
-            password=self._own_password(directory),
+            password=self.trust.own_password(directory),
             host=address,
             tls=tls,
-            peer_password=self.data_password(),
-            remote_password=(
-                (self.home / REMOTE_PASSWORD_FILE).read_text().strip() if index == 0 else None
-            ),
+            peer_password=self.trust.data_password(),
+            remote_password=self.trust.remote_password() if index == 0 else None,
         )
-        digest = hashlib.sha256(
-            (self.home / ADMIN_PASSWORD_FILE).read_text().strip().encode()
-        ).hexdigest()
         with open(server.config_path, "a") as acl:
-            acl.write(f"user {ADMIN_USER} on #{digest} ~* &* +@all\n")
+            acl.write(self.trust.admin_acl())
         host = Host(index, namespace, address, server.url, tls is not None)
         self.state["hosts"].append(host.__dict__)
         if index == 0:
@@ -407,10 +334,11 @@ class Lab:
         return host
 
     def _add_idle(self, index: int, authority: certificates.Authority) -> Host:
-        address = f"{self.state['subnet']}.{index + 1}"
+        network = self.network()
+        address = network.address(index)
         # Nothing runs there yet; a `join` there starts its Redis with these.
         make_certificates(self.home / f"h{index}" / TLS_DIR, address, authority)
-        host = Host(index, f"{PREFIX}-{self.state['id']}-h{index}", address, "", False)
+        host = Host(index, network.namespace(index), address, "", False)
         self.state["hosts"].append(host.__dict__)
         self._save()
         return host
@@ -480,24 +408,14 @@ class Lab:
         namespaces = set(state.get("namespaces", []))
         links = set(state.get("links", []))
         if lab_id:  # anything made under the lab's names that the state did not get to record
-            prefix = f"{PREFIX}-{lab_id}-"
-            namespaces |= {
-                ns for ns in _ip("netns", "list", check=False).split() if ns.startswith(prefix)
-            }
-            links |= {name for name in _links() if name.startswith(f"{PREFIX}{lab_id}")}
-        existing = set(_ip("netns", "list", check=False).split())
+            made_namespaces, made_links = lab_network.leftovers(lab_id)
+            namespaces |= made_namespaces
+            links |= made_links
         pids = {pid for pid in state.get("processes", {}).values() if process_alive(pid)}
-        for namespace in namespaces & existing:
-            pids |= {int(p) for p in _ip("netns", "pids", namespace, check=False).split()}
+        for namespace in namespaces & lab_network.namespace_names():
+            pids |= lab_network.namespace_pids(namespace)
         _stop(pids, timeout_s)
-        removed = []
-        for namespace in sorted(namespaces & existing):
-            _ip("netns", "del", namespace, check=False)
-            removed.append(f"namespace {namespace}")
-        present = set(_links())
-        for link in sorted(links & present):
-            _ip("link", "del", link, check=False)
-            removed.append(f"link {link}")
+        removed = lab_network.remove(namespaces, links)
         if pids:
             removed.append(f"{len(pids)} processes")
         self.state_path.unlink(missing_ok=True)

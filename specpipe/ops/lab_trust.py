@@ -10,12 +10,16 @@ admin password; each host's folder keeps the password of its own Redis user.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import secrets
+import shutil
 from pathlib import Path
 
 from specpipe.ops import certificates
 from specpipe.ops.lab_network import LabError
 from specpipe.ops.redis_server import TlsFiles
+from specpipe.settings import LOCAL_REDIS_PASSWORD_FILE, REDIS_PASSWORD_FILE, TLS_DIR
 
 # A user of every host's Redis allowed every command (CONFIG too), for what disturbs the lab
 # on purpose; its password is in the lab's folder only, no swarm process has it.
@@ -27,7 +31,7 @@ LAB_CA_DIR = "ca"  # the lab's swarm CA, made afresh by each `up`
 LAB_CA_DAYS = 30
 
 
-def _private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     """Write `text` to `path`, readable by its owner only."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
@@ -41,3 +45,74 @@ def make_certificates(directory: Path, address: str, authority: certificates.Aut
         return certificates.issue(authority, [address], directory, days=LAB_CA_DAYS, overwrite=True)
     except (certificates.CaError, OSError) as exc:
         raise LabError(f"cannot make {address}'s certificate in {directory}: {exc}") from None
+
+
+class LabTrust:
+    """The CA and the secrets of the lab whose folder is `home`."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+
+    def make_secrets(self) -> None:
+        """The swarm key, the web app's secret key and the lab's Redis passwords, each made
+        once and kept."""
+        key = self.home / "swarm_key"
+        if not key.exists():
+            write_private(key, secrets.token_hex(32) + "\n")
+        secret = self.home / "secret_key"
+        if not secret.exists():
+            write_private(secret, secrets.token_hex(32) + "\n")
+        # The swarm's data-plane password: every host's Redis takes it for its peer user, and
+        # every process of the lab (its SPECPIPE_HOME is this folder) dials the others'
+        # addresses with it.
+        for name in (REDIS_PASSWORD_FILE, REMOTE_PASSWORD_FILE, ADMIN_PASSWORD_FILE):
+            if not (self.home / name).exists():
+                write_private(self.home / name, secrets.token_hex(16) + "\n")
+
+    def make_ca(self) -> certificates.Authority:
+        """The lab's CA, made afresh, and a copy of its certificate in this machine's TLS
+        folder (for the commands run here with the lab's folder as SPECPIPE_HOME)."""
+        try:
+            authority = certificates.make_ca(
+                self.home / LAB_CA_DIR, name="specpipe lab CA", days=LAB_CA_DAYS, overwrite=True
+            )
+        except (certificates.CaError, OSError) as exc:
+            raise LabError(f"cannot make the lab's CA: {exc}") from None
+        here = self.tls_dir()
+        here.mkdir(mode=0o700, exist_ok=True)
+        shutil.copyfile(authority.cert, here / authority.cert.name)
+        return authority
+
+    def tls_dir(self, host_name: str | None = None) -> Path:
+        """The TLS folder of the host named `host_name` (this machine's without one)."""
+        return (self.home / host_name if host_name else self.home) / TLS_DIR
+
+    def ca_cert(self) -> Path:
+        """The lab's CA's certificate, which every host's TLS folder holds a copy of."""
+        return certificates.Authority.in_dir(self.home / LAB_CA_DIR).cert
+
+    def data_password(self) -> str:
+        """The swarm's data-plane password: what every host's Redis takes for its peer user."""
+        return (self.home / REDIS_PASSWORD_FILE).read_text().strip()
+
+    def remote_password(self) -> str:
+        """The password of host 0's `specpipe-remote`, the registry's user for other hosts."""
+        return (self.home / REMOTE_PASSWORD_FILE).read_text().strip()
+
+    def admin_password(self) -> str:
+        """The password of the lab's admin user of every host's Redis."""
+        return (self.home / ADMIN_PASSWORD_FILE).read_text().strip()
+
+    def admin_acl(self) -> str:
+        """The ACL line of the lab's admin user, allowed every command."""
+        digest = hashlib.sha256(self.admin_password().encode()).hexdigest()
+        return f"user {ADMIN_USER} on #{digest} ~* &* +@all\n"
+
+    def own_password(self, directory: Path) -> str:
+        """The password of the `specpipe` user of the host whose folder is `directory`: made
+        once, kept there (mode 0600), handed to that host's processes only."""
+        path = directory / LOCAL_REDIS_PASSWORD_FILE
+        if not path.exists():
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            write_private(path, secrets.token_hex(16) + "\n")
+        return path.read_text().strip()
