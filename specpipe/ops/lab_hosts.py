@@ -42,10 +42,10 @@ import redis
 
 from specpipe.ops import certificates, lab_network, roster
 from specpipe.ops.lab_network import LabError, LabNetwork, check_can_run
-from specpipe.ops.lab_trust import ADMIN_USER, LabTrust, make_certificates, write_private
+from specpipe.ops.lab_trust import ADMIN_USER, LabTrust, make_certificates
 from specpipe.ops.redis_server import RedisServer, answers
 from specpipe.ops.supervisor import process_alive
-from specpipe.settings import TLS_DIR
+from specpipe.settings import TLS_DIR, write_private
 from specpipe.swarm import inventory, trust
 
 LAB_FILE = "lab.json"

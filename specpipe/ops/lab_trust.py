@@ -11,7 +11,6 @@ admin password; each host's folder keeps the password of its own Redis user.
 from __future__ import annotations
 
 import hashlib
-import os
 import secrets
 import shutil
 from pathlib import Path
@@ -19,7 +18,12 @@ from pathlib import Path
 from specpipe.ops import certificates
 from specpipe.ops.lab_network import LabError
 from specpipe.ops.redis_server import TlsFiles
-from specpipe.settings import LOCAL_REDIS_PASSWORD_FILE, REDIS_PASSWORD_FILE, TLS_DIR
+from specpipe.settings import (
+    LOCAL_REDIS_PASSWORD_FILE,
+    REDIS_PASSWORD_FILE,
+    TLS_DIR,
+    write_private,
+)
 
 # A user of every host's Redis allowed every command (CONFIG too), for what disturbs the lab
 # on purpose; its password is in the lab's folder only, no swarm process has it.
@@ -29,13 +33,6 @@ ADMIN_PASSWORD_FILE = "redis_admin_password"
 REMOTE_PASSWORD_FILE = "redis_remote_password"
 LAB_CA_DIR = "ca"  # the lab's swarm CA, made afresh by each `up`
 LAB_CA_DAYS = 30
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write `text` to `path`, readable by its owner only."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
 
 
 def make_certificates(directory: Path, address: str, authority: certificates.Authority) -> TlsFiles:

@@ -101,22 +101,20 @@ class Admission:
             self.stats.drop(f"a {message.kind!r} from {message.sender!r}, expected {expected!r}")
             return False
         last = self.last_seq.get(message.session, 0)
-        now = self.clock.now()
-        if message.seq <= last or not wire.is_fresh(message, now):
-            self.stats.count("replayed")
-            why = (
-                f"not after the session's last ({message.seq} <= {last})"
-                if message.seq <= last
-                else f"dated {now - message.seq / 1_000_000:+.3f} s ago, "
-                f"waited for {message.wait_ms} ms"
-            )
-            log.warning(
-                "%s: dropped a replayed or stale %r of session %s: %s",
-                self.host,
-                message.kind,
-                message.session,
-                why,
-            )
-            return False
-        remember(self.last_seq, message.session, message.seq, MAX_SEQUENCES)
-        return True
+        if message.seq <= last:
+            why = f"not after the session's last ({message.seq} <= {last})"
+        elif not wire.is_fresh(message, now := self.clock.now()):
+            age_s = now - message.seq / 1_000_000
+            why = f"dated {age_s:+.3f} s ago, waited for {message.wait_ms} ms"
+        else:
+            remember(self.last_seq, message.session, message.seq, MAX_SEQUENCES)
+            return True
+        self.stats.count("replayed")
+        log.warning(
+            "%s: dropped a replayed or stale %r of session %s: %s",
+            self.host,
+            message.kind,
+            message.session,
+            why,
+        )
+        return False
