@@ -231,6 +231,7 @@ def test_a_send_wakes_a_reader_waiting_on_the_bell(swarm, redis_url):
     while not got and time.monotonic() - started < 8:
         got = consumer.read(block_ms=8000)
     waited = time.monotonic() - started
+    sender.join()  # its send may still be reading Redis's answer on the shared client
     assert [d for _, d in got] == [b"ring"]
     assert waited < 4, f"the reader slept {waited:.1f} s through the bell"
     assert client.llen(streams.bell_key(key)) <= 1
