@@ -223,11 +223,18 @@ def test_generate_default_streams_and_reports():
 
 
 @pytest.mark.parametrize(
-    "option", [["--temp", "-1"], ["--top-p", "0"], ["--top-k", "-2"], ["--draft-k", "-1"]]
+    ("option", "message"),
+    [
+        (["--temp", "-1"], "Invalid value"),
+        (["--top-p", "0"], "Invalid value"),
+        (["--top-k", "-2"], "Invalid value"),
+        (["--draft-k", "-1"], "--draft-k must be between 0 (no speculation) and 32"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be between 1 and 4096"),
+    ],
 )
-def test_generate_refuses_bad_sampling_options(option):
+def test_generate_refuses_bad_sampling_options(option, message):
     result = CliRunner().invoke(cli, ["generate", "--local", "hi", *option])
-    assert result.exit_code == 2 and "Invalid value" in result.output
+    assert result.exit_code == 2 and message in result.output
 
 
 def test_generate_local_stop_cuts_the_text_streamed_and_in_json(checkpoints, tmp_path):
