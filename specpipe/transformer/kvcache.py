@@ -70,6 +70,19 @@ class LayerCache:
         self.append(k[:, index], v[:, index], pos)
         self.pending = None
 
+    def copy(self, end: int) -> LayerCache:
+        """A cache of its own holding this one's positions before `end` (none once a sliding
+        window forgot them: continuing at `end` is then a gap)."""
+        n = max(min(end, self.end) - self.first, 0)
+        n_kv, _, head_dim = self.k.shape
+        copied = LayerCache(
+            n_kv, head_dim, self.k.dtype, self.k.device, self.window, max(n, 1), self.first
+        )
+        copied.k[:, :n] = self.k[:, :n]
+        copied.v[:, :n] = self.v[:, :n]
+        copied.end = self.first + n
+        return copied
+
     def check(self, pos: int) -> None:
         """Raise GapError unless this layer can continue from `pos`."""
         if pos > self.end:
@@ -115,6 +128,13 @@ class SessionCache:
             raise GapError(f"start_pos {start_pos} is beyond the cache (length {self.length})")
         for layer in self.layers:
             layer.check(start_pos)
+
+    def copy(self, length: int) -> SessionCache:
+        """A session cache of its own holding this one's first `length` positions (at most
+        what it holds); a pending draft tree is not copied."""
+        copied = SessionCache([layer.copy(length) for layer in self.layers])
+        copied.length = min(length, self.length)
+        return copied
 
     def nbytes(self) -> int:
         return sum(c.k.numel() * c.k.element_size() * 2 for c in self.layers)

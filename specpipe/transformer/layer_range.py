@@ -48,6 +48,9 @@ class StageModel(nn.Module):
         self.head = Linear(cfg.dim, cfg.vocab_size, bias=False) if self.last else None
         self.rotary = Rotary(cfg)
         self.sessions: dict[str, SessionCache] = {}
+        # Caches kept after their sessions ended, by name, for later sessions whose tokens
+        # start with theirs (`keep_prefix`, `start_from_prefix`).
+        self.kept: dict[str, SessionCache] = {}
         # A tail with a draft head keeps each session's last kept rows before the final norm
         # (the features the head drafts from), until its next round replaces them.
         self.keep_features = False
@@ -340,6 +343,40 @@ class StageModel(nn.Module):
     def held_tokens(self) -> dict[str, int]:
         """The positions each session's cache holds now."""
         return {name: cache.length for name, cache in self.sessions.items()}
+
+    def keep_prefix(self, session: str, name: str, length: int) -> int:
+        """End a session, keeping its cache's first `length` positions (at most what it holds)
+        as the prefix `name`; how many it kept (0: the session had no cache here)."""
+        cache = self.sessions.get(session)
+        self.drop(session)
+        if cache is None or min(length, cache.length) <= 0:
+            return 0
+        cache.tree = None
+        for layer in cache.layers:
+            layer.pending = None
+        cache.length = min(length, cache.length)
+        self.kept[name] = cache
+        return cache.length
+
+    def start_from_prefix(self, session: str, name: str, length: int) -> bool:
+        """Start `session` over from the first `length` positions of the kept prefix `name`, a
+        copy of them; False, the session started empty, when no prefix of that name holds
+        them. The copy is the cache a prefill of the same tokens builds, bit for bit (row
+        stability), so a round from `length` on computes what it would after that prefill."""
+        self.drop(session)
+        kept = self.kept.get(name)
+        if kept is None or kept.length < length:
+            return False
+        self.sessions[session] = kept.copy(length)
+        return True
+
+    def forget_prefix(self, name: str) -> None:
+        """Let go of a kept prefix."""
+        self.kept.pop(name, None)
+
+    def kept_tokens(self) -> dict[str, int]:
+        """The positions each kept prefix holds."""
+        return {name: cache.length for name, cache in self.kept.items()}
 
     def kv_bytes_per_token(self) -> int:
         """What one position of one session's cache takes across this stage's layers."""
