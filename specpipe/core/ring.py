@@ -187,6 +187,28 @@ class TappedStage(BatchedStage, Protocol):
         ...
 
 
+@runtime_checkable
+class PrefixStage(Stage, Protocol):
+    """A stage that keeps an ended session's cache as a named prefix, for later sessions whose
+    tokens start with the same ones (see `StageModel.keep_prefix`)."""
+
+    def keep_prefix(self, session: str, name: str, length: int) -> int:
+        """End `session`, keeping its first `length` positions as `name`; how many it kept."""
+        ...
+
+    def start_from_prefix(self, session: str, name: str, length: int) -> bool:
+        """Start `session` from a copy of `name`'s first `length` positions; whether it could."""
+        ...
+
+    def forget_prefix(self, name: str) -> None:
+        """Let go of a kept prefix."""
+        ...
+
+    def kept_tokens(self) -> dict[str, int]:
+        """The positions each kept prefix holds."""
+        ...
+
+
 class Hop(Protocol):
     """One stage on a route: its host, the Redis holding its input stream, what it is routed
     for (layers `layer_start:layer_end` of `model`), which it checks at every round, and the

@@ -95,7 +95,7 @@ MAX_BATCH = 4096  # rounds a result may say its tail ran together
 MAX_TAPS = 8  # layers a round may ask the stages to tap for the tail's drafter
 LAYER_LIMIT = 4096  # a tapped layer's number is below this
 MAX_LAYER = 2**16  # of a route entry's layer range
-MAX_NAME = 256  # characters of a route entry's host or model
+MAX_NAME = 256  # characters of a route entry's host or model, or of a prefix's name
 
 # Kinds of message, by direction: what a stage's input stream carries (a round travelling
 # through the stages and the per-session controls) and what a coordinator's reply stream does
@@ -223,6 +223,9 @@ class Message:
     taps: tuple[int, ...] = ()
     # how long after `seq`'s date the sender still waits for this message to be served
     wait_ms: int = 0
+    # reset: the kept prefix whose first `start_pos` positions the session starts from; drop:
+    # the name to keep the session's first `start_pos` positions under ("": none)
+    prefix: str = ""
 
     @property
     def direction(self) -> str:
@@ -372,6 +375,8 @@ def _header(message: Message, swarm: str) -> dict:
         header["batch"] = message.batch
     if message.taps:  # only where a drafter reads them: other rounds pay nothing
         header["taps"] = list(message.taps)
+    if message.prefix:
+        header["prefix"] = message.prefix
     return header
 
 
@@ -535,6 +540,9 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
     if not 0 <= batch <= MAX_BATCH:
         raise WireError(f"batch is out of range (0 to {MAX_BATCH})")
     taps = _taps(header)
+    prefix = _field(header, "prefix", str, "")
+    if len(prefix) > MAX_NAME:
+        raise WireError(f"a prefix's name has at most {MAX_NAME} characters")
     return Message(
         kind=kind,
         session=_field(header, "session", str, ""),
@@ -551,6 +559,7 @@ def _message(header: dict, tensor: torch.Tensor | None) -> Message:
         drafts=tuple(drafts),
         batch=batch,
         taps=tuple(taps),
+        prefix=prefix,
         **place,
         **tree,
     )

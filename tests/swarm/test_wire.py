@@ -137,6 +137,15 @@ def test_message_without_tensor_and_with_params():
     assert got.tensor is None and got.params == {"temp": 0.7, "top_k": 40}
 
 
+def test_a_reset_or_drop_names_its_prefix_only_where_it_has_one():
+    sent = wire.Message(kind="drop", session="s", prefix="prefix-1", start_pos=48)
+    got = wire.decode(wire.encode(sent, SWARM, KEY), SWARM, KEY)
+    assert (got.prefix, got.start_pos) == ("prefix-1", 48)
+    plain = wire.Message(kind="drop", session="s")
+    assert wire.decode(wire.encode(plain, SWARM, KEY), SWARM, KEY).prefix == ""
+    assert len(wire.encode(plain, SWARM, KEY)) < len(wire.encode(sent, SWARM, KEY))
+
+
 def test_payload_is_raw_little_endian_bytes_inside_the_ciphertext():
     tensor = torch.tensor([[1.0, -2.0]], dtype=torch.float32)
     data = wire.encode(message(tensor), SWARM, KEY)
@@ -305,6 +314,8 @@ def test_the_matching_shape_is_accepted():
         {"kind": "round", "seq": -1},
         {"kind": "round", "seq": "1"},
         {"kind": "round", "to": 5},
+        {"kind": "drop", "prefix": 7},
+        {"kind": "reset", "prefix": "p" * 257},
     ],
 )
 def test_malformed_header_fields_are_refused(header):

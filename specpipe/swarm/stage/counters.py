@@ -16,8 +16,23 @@ TIMING_WEIGHT = 0.1  # of the latest round in the running means of round timings
 # `processed` counts rounds, `forwards` the forwards they ran in (a batch of rounds is one), so
 # processed / forwards over an interval is its mean batch size; `misrouted` counts rounds refused
 # for being routed here for layers or a model this stage does not serve (`stage.routing`), and
-# `trees` the rounds a tail verified as draft trees.
-COUNTERS = ("processed", "forwards", "dropped", "replayed", "gaps", "errors", "misrouted", "trees")
+# `trees` the rounds a tail verified as draft trees, `prefix_hits` and `prefix_misses` the
+# sessions started from a kept prefix and those whose prefix was not held here
+# (`stage.prefixes`).
+COUNTERS = (
+    "processed",
+    "forwards",
+    "dropped",
+    "replayed",
+    "gaps",
+    "errors",
+    "misrouted",
+    "trees",
+    "prefix_hits",
+    "prefix_misses",
+)
+# What the stage holds now rather than counts: its kept prefixes and their positions.
+GAUGES = ("kept_prefixes", "kept_tokens")
 
 
 class StageStats:
@@ -32,6 +47,7 @@ class StageStats:
         # Running means over processed rounds: the forward, and everything else in handling a
         # round here (checking, decoding, encoding, sending on): what this hop adds.
         self.timings = {"forward_ms": 0.0, "hop_ms": 0.0, "batch_size": 0.0}
+        self.gauges = dict.fromkeys(GAUGES, 0)
         # One writer at a time, so that the hash never goes back to an older count.
         self._lock = threading.Lock()
 
@@ -46,6 +62,12 @@ class StageStats:
         """A message dropped for `reason`: logged and counted."""
         log.warning("%s: dropped %s", self.host, reason)
         self.count("dropped")
+
+    def set_gauges(self, values: dict[str, int]) -> None:
+        """What the stage holds now, written at once."""
+        with self._lock:
+            self.gauges.update(values)
+            self._write(values)
 
     def note_batch(self, size: int) -> None:
         """A forward of `size` rounds ran."""
@@ -70,7 +92,7 @@ class StageStats:
 
     def _snapshot(self) -> dict[str, float]:
         timings = {name: round(value, 3) for name, value in self.timings.items()}
-        return {**self.counters, **timings}
+        return {**self.counters, **timings, **self.gauges}
 
     def _write(self, mapping: dict) -> None:
         try:

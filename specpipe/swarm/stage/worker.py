@@ -21,8 +21,9 @@ A session that sees no message for `session_idle_s` (its coordinator died, or we
 a drop) is forgotten at the next heartbeat: its caches are freed, and if its job comes back the
 coordinator gets a gap and replays. A stage whose caches hold more than its KV budget (its
 inventory record's `kv_budget_tokens`, `stage.budget`) forgets, at a heartbeat, the sessions
-idle longest among those idle for `OVER_BUDGET_IDLE_S`. One process per stage: nothing is
-forked.
+idle longest among those idle for `OVER_BUDGET_IDLE_S`, once its kept prefixes (a `drop` may
+keep the session's cache for a later one to start from: `stage.prefixes`) gave theirs. One
+process per stage: nothing is forked.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from specpipe.swarm.stage.forward import Forward
 from specpipe.swarm.stage.heartbeat import Heartbeat
 from specpipe.swarm.stage.keys import StageKeys
 from specpipe.swarm.stage.onward import Onward
+from specpipe.swarm.stage.prefixes import KeptPrefixes
 from specpipe.swarm.stage.routing import Serves
 from specpipe.swarm.stage.samplers import TailSamplers, TailSampling
 from specpipe.swarm.stage.sending import Link, Outbox, Replies, Sender
@@ -93,6 +95,7 @@ class WorkerConfig:
     # process wraps it in a link of its own.
     wrap_sender: Callable[[Sender], Link] | None = None
     session_idle_s: float = 600.0  # a session untouched this long is dropped
+    prefix_keep_s: float = 1800.0  # a kept prefix unused this long is forgotten
     # Where a new keyring comes from after `specpipe key rotate`: asked at each heartbeat and
     # when a message names a key this stage does not hold.
     reload_keys: Callable[[], wire.Keyring] | None = None
@@ -141,6 +144,7 @@ class StageWorker:
         self.stage_keys = StageKeys(config.keys, host, config.reload_keys)
         self.stats = StageStats(self.client, swarm, host)
         self.activity = Activity()
+        self.prefixes = KeptPrefixes(stage, self.stats, config.prefix_keep_s)
         # Swarm time, what heartbeats are dated and messages judged in.
         self.clock = SwarmClock(
             redis.Redis.from_url(
@@ -277,6 +281,7 @@ class StageWorker:
             return
         self._next_housekeeping = now + HOUSEKEEPING_S
         self.forget_idle_sessions(now)
+        self.prefixes.within(self.kv_budget_tokens, now)
         self.keep_within_budget(now)
         self.stage_keys.reload()
         self.heap.due(now)
@@ -335,8 +340,12 @@ class StageWorker:
         elif message.kind in ("reset", "reseed"):
             if message.kind == "reset":  # a reseed keeps the caches (many draws from one context)
                 self._drop_caches(message.session)
+                if message.prefix:
+                    self.prefixes.start(message)
             self.samplers.set_params(message)
         elif message.kind == "drop":
+            if message.prefix:
+                self.prefixes.keep(message)
             self._forget(message.session)
         else:
             self.stats.drop(f"a {message.kind!r} message does not belong on a stage stream")
