@@ -1,5 +1,6 @@
-"""Harmony, gpt-oss's chat format: a reply split into its channels, whole or as it is written,
-and a gpt-oss checkpoint whose tokenizer has the real layout is opened as a harmony model."""
+"""Harmony, gpt-oss's chat format: a reply split into its channels and its calls of functions,
+whole or as it is written, and a gpt-oss checkpoint whose tokenizer has the real layout is
+opened as a harmony model."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import datetime
 import pytest
 
 from specpipe.decoding.target import open_target
-from specpipe.transformer.harmony import Reply, speaks_harmony, split_reply
+from specpipe.transformer.harmony import Reply, ToolCall, speaks_harmony, split_reply
 from tests.harmony_checkpoint import write_checkpoint
 
 REPLY = (
@@ -37,7 +38,15 @@ def test_a_reply_gives_its_reasoning_and_its_answer_apart():
 def _cuts(text: str) -> list[int]:
     """Every place a tokenizer could cut `text`: between characters or whole markers (each
     marker is one token)."""
-    markers = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>")
+    markers = (
+        "<|channel|>",
+        "<|message|>",
+        "<|end|>",
+        "<|start|>",
+        "<|return|>",
+        "<|call|>",
+        "<|constrain|>",
+    )
     cuts, i = [], 0
     while i < len(text):
         marker = next((m for m in markers if text.startswith(m, i)), None)
@@ -60,6 +69,54 @@ def test_a_reply_being_written_only_grows_in_each_channel():
     assert split_reply(REPLY.split("<|start|>")[0] + "<|start|>assistant<|chan") == Reply(
         final.reasoning, ""
     )
+
+
+CALL = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    '{"city":"Paris"}<|call|>'
+)
+
+
+def test_a_call_of_a_function_is_given_apart_in_either_header():
+    weather = ToolCall("get_weather", '{"city":"Paris"}')
+    assert split_reply(CALL) == Reply("Need the weather.", "Checking.", (weather,))
+    # The recipient may come before the channel, and the reply may start with the call.
+    before = (
+        ' to=functions.get_weather<|channel|>commentary json<|message|>{"city":"Paris"}<|call|>'
+    )
+    assert split_reply(before) == Reply("", "", (weather,))
+    after = "<|channel|>analysis<|message|>a<|end|><|start|>assistant to=functions.now"
+    after += "<|channel|>commentary json<|message|>{}<|call|>"
+    assert split_reply(after) == Reply("a", "", (ToolCall("now", "{}"),))
+    # A call still being written; a message to anyone but a function is neither answer nor call.
+    open_call = CALL.removesuffix('"Paris"}<|call|>')
+    assert split_reply(open_call).calls == (ToolCall("get_weather", '{"city":', done=False),)
+    browse = "<|channel|>analysis to=browser.search <|constrain|>json<|message|>{}<|call|>"
+    assert split_reply(browse) == Reply("", "")
+
+
+@pytest.mark.parametrize(
+    "reply", [CALL, ' to=functions.get_weather<|channel|>commentary json<|message|>{"a":1}<|call|>']
+)
+def test_a_call_being_written_only_grows(reply):
+    """Streamed, a call's name is there from its first sight and its arguments only grow; the
+    answer never shows a header being written, even one that starts with its recipient."""
+    final = split_reply(reply)
+    seen = Reply("", "")
+    for cut in _cuts(reply):
+        now = split_reply(reply[:cut])
+        for field in ("reasoning", "content"):
+            assert getattr(now, field).startswith(getattr(seen, field))
+            assert getattr(final, field).startswith(getattr(now, field))
+        assert len(seen.calls) <= len(now.calls) <= len(final.calls)
+        for before, call, last in zip(seen.calls, now.calls, final.calls, strict=False):
+            assert call.name == before.name == last.name
+            assert last.arguments.startswith(call.arguments)
+            assert call.arguments.startswith(before.arguments)
+        seen = now
+    assert seen == final and all(call.done for call in final.calls)
 
 
 def test_a_gpt_oss_checkpoint_with_the_real_token_layout_is_a_harmony_model(tmp_path, monkeypatch):

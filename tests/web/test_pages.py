@@ -466,7 +466,11 @@ def test_a_gpt_oss_chat_job_shows_its_reasoning_and_its_answer_apart(
     assert re.search(r'id="job-output">Hello there\.</pre>', html)
     assert "<|" not in html.split('id="job-prompt"')[1].split("</section>")[0]
     state = client.get(f"/jobs/{chat.id}/progress").get_json()
-    assert state["reply"] == {"reasoning": "User says <b>hi</b>.", "content": "Hello there."}
+    assert state["reply"] == {
+        "reasoning": "User says <b>hi</b>.",
+        "content": "Hello there.",
+        "calls": [],
+    }
     assert state["output_text"] == generated  # the record keeps the text as generated
     assert api.get(f"/jobs/{chat.id}").get_json()["reply"] == state["reply"]
     assert "reply" not in api.get("/jobs").get_json()["jobs"][0]  # one job's reads only
