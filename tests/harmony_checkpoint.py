@@ -1,6 +1,7 @@
 """gpt-oss checkpoints at tiny sizes: the released layout with every size shrunk, and one whose
 tokenizer has the real layout: o200k's 201,088 ids with harmony's markers at their real ids, and
-a chat template in harmony's format.
+a chat template in harmony's format: the minimal one, or one that also renders function tools,
+an assistant's calls and the tools' results as harmony does (`TOOLS_TEMPLATE`).
 
 That vocabulary is not the real one (bytes, then filler tokens; no merges), which no test here
 needs: what matters is that the markers are single special tokens at the ids gpt-oss uses.
@@ -36,8 +37,91 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
 )
 
+SYSTEM = (
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    "Knowledge cutoff: 2024-06\nCurrent date: {{ strftime_now('%Y-%m-%d') }}\n\n"
+    "Reasoning: medium\n\n# Valid channels: analysis, commentary, final. "
+    "Channel must be included for every message."
+    "{% if tools %}{{ '\\n' }}Calls to these tools must go to the commentary channel: "
+    "'functions'.{% endif %}<|end|>"
+)
+# A JSON Schema's type as TypeScript: enums as their values, arrays of their items' type.
+TS_TYPE = """
+{%- macro ts_type(spec) -%}
+{%- if spec.enum is defined -%}{{ spec.enum | map('tojson') | join(' | ') }}
+{%- elif spec.type == 'string' -%}string
+{%- elif spec.type in ('integer', 'number') -%}number
+{%- elif spec.type == 'boolean' -%}boolean
+{%- elif spec.type == 'array' -%}{{ ts_type(spec['items'] or {}) }}[]
+{%- else -%}any
+{%- endif -%}
+{%- endmacro -%}
+"""
+# The functions as a TypeScript namespace, as harmony declares them in the developer message.
+NAMESPACE = """
+{%- macro namespace(tools) -%}
+{{- '# Tools\n\n## functions\n\nnamespace functions {\n\n' -}}
+{%- for tool in tools -%}
+{%- set f = tool.function -%}
+{%- set params = f.parameters or {} -%}
+{%- if f.description -%}{{ '// ' + f.description + '\n' }}{%- endif -%}
+{%- if params.properties -%}
+{{- 'type ' + f.name + ' = (_: {\n' -}}
+{%- for name, spec in params.properties.items() -%}
+{%- if spec.description -%}{{ '// ' + spec.description + '\n' }}{%- endif -%}
+{{- name -}}{%- if name not in (params.required or []) -%}?{%- endif -%}
+{{- ': ' + ts_type(spec) + ',\n' -}}
+{%- endfor -%}
+{{- '}) => any;\n\n' -}}
+{%- else -%}
+{{- 'type ' + f.name + ' = () => any;\n\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{{- '} // namespace functions' -}}
+{%- endmacro -%}
+"""
+# The conversation: a first system message becomes the developer's instructions, an assistant's
+# calls are commentary addressed to the function (after its reasoning, `thinking`), and a tool's
+# result comes from the function to the assistant.
+CONVERSATION = """
+{%- if messages[0].role == 'system' -%}
+{%- set instructions, rest = messages[0].content, messages[1:] -%}
+{%- else -%}
+{%- set instructions, rest = '', messages -%}
+{%- endif -%}
+{%- if instructions or tools -%}
+{{- '<|start|>developer<|message|>' -}}
+{%- if instructions -%}{{ '# Instructions\n\n' + instructions + '\n\n' }}{%- endif -%}
+{%- if tools -%}{{ namespace(tools) }}{%- endif -%}
+{{- '<|end|>' -}}
+{%- endif -%}
+{%- for m in rest -%}
+{%- if m.role == 'assistant' and m.tool_calls -%}
+{%- if m.thinking -%}
+{{- '<|start|>assistant<|channel|>analysis<|message|>' + m.thinking + '<|end|>' -}}
+{%- endif -%}
+{%- for call in m.tool_calls -%}
+{%- set args = call.function.arguments -%}
+{{- '<|start|>assistant<|channel|>commentary to=functions.' + call.function.name -}}
+{{- ' <|constrain|>json<|message|>' -}}
+{{- args if args is string else args | tojson -}}
+{{- '<|call|>' -}}
+{%- endfor -%}
+{%- elif m.role == 'assistant' -%}
+{{- '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|end|>' -}}
+{%- elif m.role == 'tool' -%}
+{{- '<|start|>functions.' + m.name + ' to=assistant<|channel|>commentary<|message|>' -}}
+{{- m.content + '<|end|>' -}}
+{%- else -%}
+{{- '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}
+"""
+TOOLS_TEMPLATE = TS_TYPE + NAMESPACE + SYSTEM + CONVERSATION
 
-def write_tokenizer(path: Path) -> None:
+
+def write_tokenizer(path: Path, template: str = TEMPLATE) -> None:
     """tokenizer.json (byte-level, the markers at their ids) and tokenizer_config.json."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -50,7 +134,7 @@ def write_tokenizer(path: Path) -> None:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS.values()])
     tokenizer.save(str(path / "tokenizer.json"))
-    config = {"chat_template": TEMPLATE, "eos_token": "<|return|>"}
+    config = {"chat_template": template, "eos_token": "<|return|>"}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
@@ -73,9 +157,10 @@ def tiny_like(n_layers: int = 4, vocab_size: int = 97) -> dict:
     return config
 
 
-def write_checkpoint(path: Path, monkeypatch) -> Path:
-    """gpt-oss's layout at tiny sizes (vocabulary 201,088) with the harmony tokenizer."""
+def write_checkpoint(path: Path, monkeypatch, template: str = TEMPLATE) -> Path:
+    """gpt-oss's layout at tiny sizes (vocabulary 201,088) with the harmony tokenizer, prompting
+    through `template`."""
     monkeypatch.setitem(synth.LIKE, "tiny-harmony", tiny_like(n_layers=2, vocab_size=VOCAB))
     synth.synthesize("tiny-harmony", path)
-    write_tokenizer(path)
+    write_tokenizer(path, template)
     return path

@@ -32,10 +32,12 @@ class Target:
     decode: Callable[[list[int]], str]
     eos_ids: tuple[int, ...] = ()
     quant: str = "none"
-    # a chat's messages through the chat template (ModelError when the model has none)
-    chat_ids: Callable[[list[dict]], list[int]] | None = None
+    # (messages, tools=None): a chat's messages, and the functions it may call, through the
+    # chat template (ModelError when the model has none)
+    chat_ids: Callable[..., list[int]] | None = None
     # its replies are harmony (gpt-oss): reasoning and answer in channels (`model.harmony`)
     harmony: bool = False
+    takes_tools: bool = False  # its chat template renders function tools
     context_length: int = 0  # positions the model attends over; 0 when unknown
     # (n_stages, **options) -> the model as n_stages stages in this process
     load_stages: Callable[..., Sequence[Stage]] | None = field(default=None, repr=False)
@@ -103,6 +105,7 @@ def _open_checkpoint(name: str) -> Target:
         decode=tokenizer.decode,
         eos_ids=tuple(sorted(eos)),
         harmony=harmony,
+        takes_tools=tokenizer.takes_tools,
         quant=_quant(checkpoint),
         context_length=int(checkpoint.config.max_position_embeddings or 0),
         load_stages=lambda n, **options: load_stages(name, n, **options),

@@ -61,31 +61,41 @@ class Tokenizer:
             return self.encode(prompt)
         return self.chat_ids([{"role": "user", "content": prompt}])
 
-    def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The ids to feed for a chat: its messages through the chat template."""
+    def chat_ids(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The ids to feed for a chat: its messages (and the functions it may call, `tools`)
+        through the chat template."""
         if not self.chat_template:
             raise ModelError(f"{self.source}: the model has no chat template")
-        return self.encode(self.render_chat(messages), False)
+        return self.encode(self.render_chat(messages, tools), False)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The chat template applied to `messages`, ending with the assistant's turn opened."""
-        from jinja2 import TemplateError
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the chat template renders function tools (it reads `tools`)."""
+        if not self.chat_template:
+            return False
+        from jinja2 import TemplateError, meta
 
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-        )
-        env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
-        env.globals["raise_exception"] = raise_exception
-        # gpt-oss's template dates its system message, as transformers lets templates do.
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
-            return env.from_string(self.chat_template).render(
+            parsed = _environment().parse(self.chat_template)
+        except TemplateError:
+            return False
+        return "tools" in meta.find_undeclared_variables(parsed)
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The chat template applied to `messages`, ending with the assistant's turn opened.
+        `tools`, the functions the assistant may call, go in as transformers passes them: a
+        list of `{"type": "function", "function": {name, description, parameters}}`, or None."""
+        from jinja2 import TemplateError
+
+        try:
+            template = _environment().from_string(self.chat_template)
+            return template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=True,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -100,6 +110,25 @@ class Tokenizer:
                 f"{self.source}: tokenizer has {self.vocab_size} tokens, "
                 f"the model only {vocab_size}"
             )
+
+
+def _environment():
+    """A Jinja environment as transformers renders chat templates in (sandboxed)."""
+    from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+    env.globals["raise_exception"] = raise_exception
+    # gpt-oss's template dates its system message, as transformers lets templates do.
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
 def from_hf_dir(path: str | Path) -> Tokenizer:

@@ -1,6 +1,7 @@
 """Harmony, gpt-oss's chat format: a reply split into its channels and its calls of functions,
-whole or as it is written, and a gpt-oss checkpoint whose tokenizer has the real layout is
-opened as a harmony model."""
+whole or as it is written; a gpt-oss checkpoint whose tokenizer has the real layout is opened as
+a harmony model; a chat template renders function tools, calls and their results as
+transformers renders them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from specpipe.decoding.target import open_target
 from specpipe.transformer.harmony import Reply, ToolCall, speaks_harmony, split_reply
-from tests.harmony_checkpoint import write_checkpoint
+from tests.harmony_checkpoint import TOOLS_TEMPLATE, write_checkpoint, write_tokenizer
 
 REPLY = (
     "<|channel|>analysis<|message|>The user greets. Answer briefly.<|end|>"
@@ -119,9 +120,89 @@ def test_a_call_being_written_only_grows(reply):
     assert seen == final and all(call.done for call in final.calls)
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Gets the weather.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "The city"},
+                "unit": {"type": "string", "enum": ["c", "f"]},
+                "days": {"type": "array", "items": {"type": "integer"}},
+            },
+            "required": ["city"],
+        },
+    },
+}
+NOW = {"type": "function", "function": {"name": "now", "description": "The time."}}
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "thinking": "Need the weather.",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": '{"c":20}'},
+]
+
+
+def test_a_harmony_template_renders_tools_calls_and_results_as_transformers_does(tmp_path):
+    import warnings
+
+    import transformers
+
+    from specpipe.transformer.tokenizer import from_hf_dir
+
+    write_tokenizer(tmp_path, TOOLS_TEMPLATE)
+    ours = from_hf_dir(tmp_path)
+    assert ours.takes_tools
+    text = ours.render_chat(HISTORY, [WEATHER, NOW])
+    developer = (
+        "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Tools\n\n"
+        "## functions\n\nnamespace functions {\n\n// Gets the weather.\n"
+        'type get_weather = (_: {\n// The city\ncity: string,\nunit?: "c" | "f",\n'
+        "days?: number[],\n}) => any;\n\n// The time.\ntype now = () => any;\n\n"
+        "} // namespace functions<|end|>"
+    )
+    assert (
+        "Calls to these tools must go to the commentary channel: 'functions'.<|end|>" + developer
+    ) in text
+    assert text.endswith(
+        "<|start|>user<|message|>Weather in Paris?<|end|>"
+        "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        '<|message|>{"city": "Paris"}<|call|>'
+        '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"c":20}'
+        "<|end|><|start|>assistant"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for tools in ([WEATHER, NOW], None):
+        assert ours.render_chat(HISTORY, tools) == theirs.apply_chat_template(
+            HISTORY, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+    # Without tools, no namespace and no word of them; the instructions stay.
+    bare = ours.render_chat(HISTORY)
+    assert "# Tools" not in bare and "Calls to these tools" not in bare
+    assert "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n<|end|>" in bare
+
+
 def test_a_gpt_oss_checkpoint_with_the_real_token_layout_is_a_harmony_model(tmp_path, monkeypatch):
     target = open_target(str(write_checkpoint(tmp_path / "oss", monkeypatch)))
-    assert target.harmony
+    assert target.harmony and not target.takes_tools  # its minimal template renders no tools
+    tools = open_target(str(write_checkpoint(tmp_path / "tools", monkeypatch, TOOLS_TEMPLATE)))
+    assert tools.harmony and tools.takes_tools
     assert {200002, 200012} <= set(target.eos_ids)  # <|return|> and <|call|> end a reply
     ids = target.prompt_ids("What is the capital of France?")
     text = target.decode(ids)
@@ -137,7 +218,7 @@ def test_a_gpt_oss_checkpoint_with_the_real_token_layout_is_a_harmony_model(tmp_
 
 def test_the_default_model_is_not_a_harmony_model():
     target = open_target("default")
-    assert not target.harmony
+    assert not target.harmony and not target.takes_tools
     from specpipe.transformer.resolve import load_tokenizer, open_checkpoint
 
     assert not speaks_harmony(load_tokenizer(open_checkpoint("default")).token_id)
