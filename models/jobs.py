@@ -2,7 +2,8 @@
 
 The prompt goes through the model's chat template as one user message, unless the job says
 otherwise: `raw_prompt` feeds it as it is (OpenAI's completions), `messages` holds a whole chat
-(OpenAI's chat completions), and `prompt` is then that chat as readable text. `logprobs` asks
+(OpenAI's chat completions), and `prompt` is then that chat as readable text; `tools`, the
+functions a chat's assistant may call, go through the template with its messages. `logprobs` asks
 for the committed tokens' log-probabilities (with that many alternatives, 0 … 5), stored in
 `output_logprobs` one entry per output id: `[logprob, [[id, logprob], ...]]`.
 """
@@ -94,7 +95,12 @@ class Job(Base):
     # Up to 4 strings; the output text ends before the first of them that appears.
     stop: Mapped[list] = mapped_column(default=list, server_default=text("'[]'"))
     raw_prompt: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
-    messages: Mapped[list | None] = mapped_column()  # [{"role", "content"}, ...] of a chat
+    # [{"role", "content"}, ...] of a chat, as the chat template takes them (an assistant's
+    # `tool_calls`, a tool's result with the `name` of the function that gave it)
+    messages: Mapped[list | None] = mapped_column()
+    # [{"type": "function", "function": {name, description, parameters}}, ...]: the functions
+    # rendered into a chat's prompt; None: none
+    tools: Mapped[list | None] = mapped_column()
     logprobs: Mapped[int | None] = mapped_column(Integer)  # None: not asked for
     # How tokens are drawn (`specpipe.core.sampling.SAMPLERS`): a re-run keeps it, since the two
     # draw different tokens for one seed. Jobs from before it was recorded drew by inverse CDF.
@@ -162,7 +168,12 @@ class Job(Base):
 
     def prompt_form(self) -> dict:
         """How the prompt is fed and what else the output carries: what a re-run must keep."""
-        return {"raw_prompt": self.raw_prompt, "messages": self.messages, "logprobs": self.logprobs}
+        return {
+            "raw_prompt": self.raw_prompt,
+            "messages": self.messages,
+            "tools": self.tools,
+            "logprobs": self.logprobs,
+        }
 
     def request_cancel(self) -> bool:
         """Ask for a cooperative stop: a queued job ends now, a running one at its next round.

@@ -31,6 +31,7 @@ BEFORE_NUL_SAFE_TEXT = "3c7e1d52a9f0"  # the revision before output text was sto
 BEFORE_USERS = "5d1f0c2b7e4a"  # the revision before users, and owners of jobs and tokens
 BEFORE_STARTS_SINCE_PROGRESS = "e6a2c4d8f1b3"  # the revision before jobs counted those starts
 BEFORE_DISABLED_AT = "a8c4e6f0b2d3"  # the revision before users could be disabled
+BEFORE_TOOLS = "c1e6a8b2d4f5"  # the revision before jobs kept the functions a chat offered
 TABLES = {"jobs", "runs", "proofs", "proof_cases", "nodes", "run_nodes", "api_tokens", "users"}
 
 
@@ -563,6 +564,28 @@ def test_users_from_before_disabled_at_are_enabled(fresh_database_url):
     downgrade(url, BEFORE_DISABLED_AT)
     columns = {c["name"] for c in inspect(get_engine(url)).get_columns("users")}
     assert not {"disabled_at", "session_epoch"} & columns and "password_hash" in columns
+
+
+def test_jobs_from_before_tools_offered_none(fresh_database_url):
+    url = fresh_database_url
+    upgrade(url, BEFORE_TOOLS)
+    engine = get_engine(url)
+    jobs = Table("jobs", MetaData(), autoload_with=engine)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    with engine.begin() as conn:
+        admin = conn.execute(select(Table("users", MetaData(), autoload_with=engine).c.id))
+        row = old_job_row(accepted_drafts=[0], user_id=admin.scalar_one(), messages=chat)
+        conn.execute(jobs.insert().values(**row))
+    upgrade(url)
+    with make_session_factory(url)() as session:
+        job = session.scalars(select(Job)).one()
+        assert job.messages == chat and job.tools is None
+        job.tools = [{"type": "function", "function": {"name": "now", "description": ""}}]
+        session.commit()
+        session.expire_all()
+        assert job.prompt_form()["tools"][0]["function"]["name"] == "now"
+    downgrade(url, BEFORE_TOOLS)
+    assert "tools" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
 
 
 def test_users_passwords_and_deletion(db_session):

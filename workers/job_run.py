@@ -76,8 +76,9 @@ R = TypeVar("R", bound=Ring)
 class Codec(Protocol):
     """Text to token ids and back: what a job's run needs of a tokenizer."""
 
-    # A chat's messages through the chat template; None for a model without one.
-    chat_ids: Callable[[list[dict]], list[int]] | None
+    # (messages, tools=None): a chat's messages, and the functions it may call, through the
+    # chat template; None for a model without one.
+    chat_ids: Callable[..., list[int]] | None
 
     def prompt_ids(self, prompt: str, raw: bool = False) -> list[int]: ...
 
@@ -346,12 +347,14 @@ def context_error_of(codec: Codec, prompt_tokens: int, max_new_tokens: int) -> s
 
 
 def job_prompt_ids(codec: Codec, job: Job) -> list[int]:
-    """The ids the job's prompt is fed as: its chat's messages through the chat template, its
-    prompt as it is (raw), or its prompt as one user message."""
+    """The ids the job's prompt is fed as: its chat's messages (with its tools) through the chat
+    template, its prompt as it is (raw), or its prompt as one user message."""
     if job.messages:
         if codec.chat_ids is None:
             raise ValueError(f"model {job.model!r} cannot take a chat's messages")
         try:
+            if job.tools:
+                return codec.chat_ids(job.messages, tools=job.tools)
             return codec.chat_ids(job.messages)
         except Exception as exc:  # a template that refuses the messages: one line on the job
             raise ValueError(f"the chat template refused the messages: {exc}") from None

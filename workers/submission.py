@@ -103,24 +103,28 @@ class Submitter:
         return self.check_context({**params, **(prompt_form or {})})
 
     def check_context(self, params: dict) -> dict:
-        """`params` when the prompt's tokens (fed as `raw_prompt` says) and `max_new_tokens`
-        fit the model's context; else JobRequestError on `max_new_tokens`."""
-        target = _target_here(self.model)
+        """`params` when the prompt's tokens (fed as `raw_prompt` and `messages` say, with the
+        chat's `tools`) and `max_new_tokens` fit the model's context; else JobRequestError on
+        `max_new_tokens`, or on `prompt` for a chat the chat template refuses."""
+        target = self.target()
         if target is not None:
-            prompt_ids = target.prompt_ids(
-                params["prompt"], raw=bool(params.get("raw_prompt", False))
-            )
+            prompt_ids = _prompt_ids(target, params)
             reason = context_error(target, len(prompt_ids), params["max_new_tokens"])
             if reason is not None:
                 raise JobRequestError({"max_new_tokens": reason})
         return params
+
+    def target(self) -> Target | None:
+        """The served model's tokenizer and context length in this process; None where it
+        cannot be opened here."""
+        return _target_here(self.model)
 
     def submit(
         self, session: Session, params: Mapping[str, object], owner: User | None = None
     ) -> Job:
         """Store a queued job for checked `params`, owned by `owner` (else the built-in admin),
         and enqueue it. Besides the checked fields, `params` may say how the prompt is fed
-        (`raw_prompt`, `messages`) and ask for `logprobs` (see `models.jobs`).
+        (`raw_prompt`, `messages`, `tools`) and ask for `logprobs` (see `models.jobs`).
 
         Raises TooManyActiveJobs, storing nothing, when the owner is at the active-jobs cap, and
         QueueUnavailable, with the job marked failed, when the broker cannot be reached.
@@ -143,6 +147,7 @@ class Submitter:
             sampler=params.get("sampler") or JOB_DEFAULTS["sampler"],
             raw_prompt=bool(params.get("raw_prompt", False)),
             messages=params.get("messages"),
+            tools=params.get("tools") or None,
             logprobs=params.get("logprobs"),
             status="queued",
         )
@@ -206,6 +211,19 @@ def _target_here(model: str) -> Target | None:
                 log.info("cannot open model %r to check prompts' length here: %s", model, exc)
                 _TARGETS[model] = None
         return _TARGETS[model]
+
+
+def _prompt_ids(target: Target, params: Mapping[str, object]) -> list[int]:
+    """The ids a job of `params` is fed, as the coordinator feeds them
+    (`workers.job_run.job_prompt_ids`)."""
+    messages, tools = params.get("messages"), params.get("tools")
+    if not messages or target.chat_ids is None:
+        return target.prompt_ids(params["prompt"], raw=bool(params.get("raw_prompt", False)))
+    try:
+        return target.chat_ids(messages, tools=tools) if tools else target.chat_ids(messages)
+    except Exception as exc:  # a template that refuses the messages fails in many ways
+        reason = f"the chat template refused the messages: {exc}"
+        raise JobRequestError({"prompt": reason}) from None
 
 
 def rerun_params(job: Job) -> dict:

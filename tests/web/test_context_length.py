@@ -89,3 +89,28 @@ def test_the_cli_refuses_it_in_one_line(tiny, fits, monkeypatch, db_url):
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "--max-new-tokens the prompt is" in lines[0]
     assert "beyond the model's context of 256 tokens" in lines[0]
+
+
+def test_a_chat_is_counted_as_its_messages_through_the_template(make_app, tiny, api_token, session):
+    """Several messages are fed through the chat template, not as the readable transcript the
+    job keeps as its prompt: that is what must fit."""
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": PROMPT},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": PROMPT},
+    ]
+    target = open_target(str(tiny))
+    room = target.context_length - len(target.chat_ids(messages))
+    client = make_app(MODEL=str(tiny), OPENAI_WAIT_S=0.0).test_client()
+    headers = {"Authorization": f"Bearer {api_token}"}
+    body = {"model": str(tiny), "messages": messages, "max_tokens": room + 1}
+    refused = client.post("/v1/chat/completions", json=body, headers=headers)
+    assert refused.status_code == 400 and refused.get_json()["error"]["param"] == "max_tokens"
+    assert (
+        f"the job needs {target.context_length + 1} positions"
+        in refused.get_json()["error"]["message"]
+    )
+    assert count_jobs(session) == 0
+    taken = client.post("/v1/chat/completions", json={**body, "max_tokens": room}, headers=headers)
+    assert taken.status_code == 504 and count_jobs(session) == 1  # stored; nobody runs it here
