@@ -61,8 +61,25 @@ _JOB = {
         "reply": {
             "type": ["object", "null"],
             "description": "One job's reads only: a chat on a model that writes harmony's "
-            "channels (gpt-oss), its reasoning and its answer apart; null for any other job.",
-            "properties": {"reasoning": {"type": "string"}, "content": {"type": "string"}},
+            "channels (gpt-oss), its reasoning, its answer and its calls of the chat's functions "
+            "(each with its arguments' JSON text as written, and whether its message ended) "
+            "apart; null for any other job.",
+            "properties": {
+                "reasoning": {"type": "string"},
+                "content": {"type": "string"},
+                "calls": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["name", "arguments", "done"],
+                        "properties": {
+                            "name": {"type": "string"},
+                            "arguments": {"type": "string"},
+                            "done": {"type": "boolean"},
+                        },
+                    },
+                },
+            },
         },
         "output_ids": {"type": "array", "items": {"type": "integer"}},
         "prompt_tokens": _NULLABLE_INT,

@@ -68,6 +68,12 @@
     if (job.reply) {  // gpt-oss: its reasoning and its answer apart
       setText("job-reasoning", job.reply.reasoning);
       setText("job-output", job.reply.content);
+      var calls = document.getElementById("job-calls");  // its calls of the chat's functions
+      if (calls) {
+        var lines = (job.reply.calls || []).map(function (c) { return c.name + "(" + c.arguments + ")"; });
+        calls.hidden = lines.length === 0;
+        setText("job-calls-text", lines.join("\n"));
+      }
     } else {
       setText("job-output", job.output_text || "");
     }

@@ -475,6 +475,21 @@ def test_a_gpt_oss_chat_job_shows_its_reasoning_and_its_answer_apart(
     assert api.get(f"/jobs/{chat.id}").get_json()["reply"] == state["reply"]
     assert "reply" not in api.get("/jobs").get_json()["jobs"][0]  # one job's reads only
 
+    assert re.search(r'<div id="job-calls" hidden>', html)
+    # A reply that calls a function shows the call apart.
+    calling = (
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city":"Paris"}<|call|>'
+    )
+    called = gen_job(session, model=model, status="done", output_text=calling)
+    html = client.get(f"/jobs/{called.id}").get_data(as_text=True)
+    assert 'id="job-calls-text">get_weather({&#34;city&#34;:&#34;Paris&#34;})</pre>' in html
+    assert re.search(r'id="job-output"></pre>', html)
+    state = client.get(f"/jobs/{called.id}/progress").get_json()
+    assert state["reply"]["calls"] == [
+        {"name": "get_weather", "arguments": '{"city":"Paris"}', "done": True}
+    ]
+
     raw = gen_job(session, model=model, status="done", output_text=generated, raw_prompt=True)
     other = gen_job(session, status="done", output_text=generated)  # a model that cannot open
     for job in (raw, other):
