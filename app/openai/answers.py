@@ -6,11 +6,12 @@ import hashlib
 import time
 
 from app.openai.requests import Completion
+from app.openai.tools import answer_calls
 from app.replies import job_target, speaks_harmony
 from models.jobs import Job
 from specpipe import __version__
 from specpipe.core.stopping import GenerationText
-from specpipe.transformer.harmony import split_reply
+from specpipe.transformer.harmony import Reply, split_reply
 
 
 def finish_reason(job: Job, target=None) -> str:
@@ -24,6 +25,15 @@ def finish_reason(job: Job, target=None) -> str:
     ):
         return "stop"
     return "length"
+
+
+def chat_finish_reason(completion: Completion, job: Job, target, reply: Reply | None) -> str:
+    """`tool_calls` when the reply of a chat that offered tools holds a call and ended on its
+    own (not at the token budget), else `finish_reason`."""
+    reason = finish_reason(job, target)
+    if reason == "stop" and completion.tools_offered and reply is not None and reply.calls:
+        return "tool_calls"
+    return reason
 
 
 def fingerprint(job: Job) -> str:
@@ -129,12 +139,8 @@ def whole_answer(completion: Completion, job: Job) -> dict:
     choice: dict = {"index": 0, "finish_reason": finish_reason(job, target), "logprobs": logprobs}
     if completion.chat and speaks_harmony(target):
         reply = split_reply(text)
-        choice["message"] = {
-            "role": "assistant",
-            "content": reply.content,
-            "reasoning_content": reply.reasoning,
-            "refusal": None,
-        }
+        choice["message"] = _harmony_message(completion, reply)
+        choice["finish_reason"] = chat_finish_reason(completion, job, target, reply)
     elif completion.chat:
         choice["message"] = {"role": "assistant", "content": text, "refusal": None}
     else:
@@ -147,6 +153,21 @@ def whole_answer(completion: Completion, job: Job) -> dict:
     }
 
 
+def _harmony_message(completion: Completion, reply: Reply) -> dict:
+    """A harmony reply as the answer's message: its reasoning, its answer and, where tools were
+    offered, its calls (the content then null unless the reply also said something)."""
+    message = {
+        "role": "assistant",
+        "content": reply.content,
+        "reasoning_content": reply.reasoning,
+        "refusal": None,
+    }
+    if completion.tools_offered and reply.calls:
+        message["tool_calls"] = answer_calls(reply.calls)
+        message["content"] = reply.content or None
+    return message
+
+
 def stream_chunk(
     completion: Completion,
     job: Job,
@@ -155,8 +176,9 @@ def stream_chunk(
     finish: str | None,
     first: bool = False,
     reasoning: str | None = None,
+    tool_calls: list[dict] | None = None,
 ) -> dict:
-    """One chunk of a stream: new text (a chat's reasoning apart), or the finish."""
+    """One chunk of a stream: new text (a chat's reasoning and calls apart), or the finish."""
     choice: dict = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
     if completion.chat:
         delta: dict = {"role": "assistant", "content": ""} if first else {}
@@ -164,6 +186,8 @@ def stream_chunk(
             delta["reasoning_content"] = reasoning
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice["delta"] = delta
     else:
         choice["text"] = text or ""

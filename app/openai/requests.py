@@ -7,12 +7,13 @@ from dataclasses import dataclass
 
 from flask import request
 
+from app.openai import tools as tooling
 from app.openai.errors import OpenAIError
 from app.submitting import submitter
 from specpipe.core.sampling import MAX_TOP_LOGPROBS
 from workers.job_request import FIELD_BY_NAME, JOB_FIELDS, JobRequestError
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Known fields this server cannot honour, with the value that asks for nothing.
 UNSUPPORTED = {
     "echo": False,
@@ -21,8 +22,8 @@ UNSUPPORTED = {
     "frequency_penalty": 0,
     "presence_penalty": 0,
     "logit_bias": None,
-    "tools": None,
     "functions": None,
+    "function_call": None,
 }
 
 
@@ -53,6 +54,7 @@ class Completion:
     stream: bool
     include_usage: bool
     logprobs: int | None
+    tools_offered: bool = False  # the answer gives the reply's calls of them apart
 
 
 def _body() -> dict:
@@ -93,10 +95,12 @@ def _content(message: dict, index: int) -> str:
 
 
 def _messages(body: dict) -> list[dict]:
+    """The chat's messages as the chat template takes them (`app.openai.tools` for an
+    assistant's calls and a tool's results)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise OpenAIError(400, "messages must be a non-empty list", param="messages")
-    clean = []
+    clean, calls = [], {}  # calls: each earlier call's id and function
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
             raise OpenAIError(
@@ -104,7 +108,13 @@ def _messages(body: dict) -> list[dict]:
                 f"each message needs a role: one of {', '.join(CHAT_ROLES)}",
                 param=f"messages[{i}].role",
             )
-        clean.append({"role": message["role"], "content": _content(message, i)})
+        role = message["role"]
+        checked = {"role": role, "content": _content(message, i)}
+        if role == "assistant":
+            checked.update(tooling.assistant_calls(message, f"messages[{i}]", calls))
+        elif role == "tool":
+            checked.update(tooling.tool_result(message, f"messages[{i}]", calls))
+        clean.append(checked)
     return clean
 
 
@@ -151,7 +161,7 @@ def parse_request(chat: bool) -> Completion:
     """Check an OpenAI request; raises OpenAIError naming the first bad field."""
     body = _body()
     check_model(body.get("model"))
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, chat)
     stream, include_usage = _streaming(body)
     _optional(body, "user", (str,), "text")
     max_tokens, max_tokens_name = _max_tokens(body)
@@ -164,15 +174,18 @@ def parse_request(chat: bool) -> Completion:
         name, reason = next(iter(exc.errors.items()))
         param = _param(name, chat, max_tokens_name)
         raise OpenAIError(400, f"{param} {reason}", param=param) from None
-    return Completion(chat, {**params, "logprobs": logprobs}, stream, include_usage, logprobs)
+    offered = bool(prompt_form.get("tools"))
+    params = {**params, "logprobs": logprobs}
+    return Completion(chat, params, stream, include_usage, logprobs, offered)
 
 
-def _refuse_unsupported(body: dict) -> None:
+def _refuse_unsupported(body: dict, chat: bool) -> None:
     """OpenAIError for a feature this server does not have (`n` above 1, `echo`, ...)."""
     n = _optional(body, "n", (int,), "a whole number")
     if n is not None and n != 1:
         raise OpenAIError(400, "n must be 1: this server makes one choice per request", param="n")
-    for name, nothing in UNSUPPORTED.items():
+    unsupported = UNSUPPORTED if chat else {**UNSUPPORTED, "tools": None, "tool_choice": None}
+    for name, nothing in unsupported.items():
         if body.get(name) not in (None, nothing, {}, []):
             raise OpenAIError(400, f"{name} is not supported by this server", param=name)
 
@@ -202,15 +215,44 @@ def _job_fields(body: dict, max_tokens: object) -> dict:
 
 
 def _prompt_and_form(body: dict, chat: bool) -> tuple[str, dict]:
-    """The job's prompt, and how it is fed (`raw_prompt`, `messages`: see `models.jobs`)."""
+    """The job's prompt, and how it is fed (`raw_prompt`, `messages`, `tools`: see
+    `models.jobs`)."""
     if not chat:
         return _prompt(body), {"raw_prompt": True, "messages": None}
     messages = _messages(body)
-    form: dict = {"raw_prompt": False, "messages": None}
-    if len(messages) == 1 and messages[0]["role"] == "user":
+    tools = _tools(body, messages)
+    form: dict = {"raw_prompt": False, "messages": None, "tools": tools or None}
+    if len(messages) == 1 and messages[0]["role"] == "user" and not tools:
         return messages[0]["content"], form  # a plain job: as `specpipe generate` runs it
-    transcript = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    transcript = "\n\n".join(_transcript_line(m) for m in messages)
     return transcript, {**form, "messages": messages}
+
+
+def _tools(body: dict, messages: list[dict]) -> list[dict]:
+    """The tools rendered into the chat's prompt (`tool_choice` says which); a 400 where the
+    request offers tools, or its messages hold calls, and the model does not take them."""
+    _optional(body, "parallel_tool_calls", (bool,), "true or false")
+    tools = tooling.check_tools(body.get("tools"))
+    used = next(
+        (
+            f"messages[{i}]"
+            for i, m in enumerate(messages)
+            if m["role"] == "tool" or m.get("tool_calls")
+        ),
+        None,
+    )
+    if (tools or used) and not tooling.takes_tools(submitter().target()):
+        raise tooling.refuse_tools("tools" if tools else used)
+    return tooling.offered(tools, body.get("tool_choice"))
+
+
+def _transcript_line(message: dict) -> str:
+    """A message as the job's readable prompt shows it."""
+    role, content = message["role"], message["content"]
+    if role == "tool":
+        return f"tool {message['name']}: {content}"
+    calls = "".join(f"\n-> {tooling.call_text(call)}" for call in message.get("tool_calls", []))
+    return f"{role}: {content}{calls}" if content else f"{role}:{calls}"
 
 
 def _param(field: str, chat: bool, max_tokens_name: str) -> str:

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from flask import Flask
 from sqlalchemy.orm import Session
 
-from app.openai.answers import finish_reason, head, logprobs_of, stream_chunk, usage
+from app.openai.answers import chat_finish_reason, head, logprobs_of, stream_chunk, usage
 from app.openai.errors import OpenAIError
 from app.openai.requests import Completion
+from app.openai.tools import call_deltas
 from app.openai.waiting import KEEP_ALIVE_S, cancel_job, failure, job_updates
 from app.replies import job_target, speaks_harmony
 from models.jobs import Job
@@ -54,7 +55,7 @@ def stream_answer(app: Flask, completion: Completion, job_id: int) -> Iterator[s
                 continue  # a rare decoder whose text changed behind the shown part: wait
             yield from sent.news(job, text)
             if job.finished:
-                yield from _ending(completion, job, sent.target)
+                yield from _ending(completion, job, sent)
                 done = True
                 return
     except TimeoutError as exc:
@@ -76,6 +77,7 @@ class _Sent:
     target: object = None
     opened: bool = False
     reply: Reply = field(default_factory=lambda: Reply("", ""))  # with harmony: each channel
+    call_ids: list[str] = field(default_factory=list)  # the id of each call sent
 
     def news(self, job: Job, text: str) -> Iterator[str]:
         """A chunk for what of `text`, the job's stable text, and its tokens was not sent yet."""
@@ -87,27 +89,37 @@ class _Sent:
         logprobs = logprobs_of(completion, job, self.ids, n_ids, self.target, len(self.text))
         if text == self.text and not self.first and not logprobs:
             return
-        new_text, reasoning = self._new_parts(text)
-        if new_text or reasoning or self.first or logprobs:  # markers alone show nothing
-            yield _event(
-                stream_chunk(completion, job, new_text, logprobs, None, self.first, reasoning)
+        new_text, reasoning, calls = self._new_parts(text)
+        if new_text or reasoning or calls or self.first or logprobs:  # markers alone show nothing
+            chunk = stream_chunk(
+                completion, job, new_text, logprobs, None, self.first, reasoning, calls
             )
+            yield _event(chunk)
         self.text, self.ids, self.first = text, n_ids, False
 
-    def _new_parts(self, text: str) -> tuple[str, str | None]:
-        """The answer's new text and, with harmony, the reasoning's."""
+    def _new_parts(self, text: str) -> tuple[str, str | None, list[dict]]:
+        """The answer's new text and, with harmony, the reasoning's and the calls' (where tools
+        were offered)."""
         if not (self.completion.chat and speaks_harmony(self.target)):
-            return text[len(self.text) :], None
+            return text[len(self.text) :], None, []
         reply = split_reply(text)
         new_text = reply.content[len(self.reply.content) :]
         reasoning = reply.reasoning[len(self.reply.reasoning) :]
+        calls = []
+        if self.completion.tools_offered:
+            calls = call_deltas(self.reply.calls, reply.calls, self.call_ids)
         self.reply = reply
-        return new_text, reasoning
+        return new_text, reasoning, calls
+
+    def finish_reason(self, job: Job) -> str:
+        """The finish of the stream's job: `tool_calls` when its calls were sent."""
+        reply = self.reply if speaks_harmony(self.target) else None
+        return chat_finish_reason(self.completion, job, self.target, reply)
 
 
-def _ending(completion: Completion, job: Job, target) -> Iterator[str]:
+def _ending(completion: Completion, job: Job, sent: _Sent) -> Iterator[str]:
     """The finish chunk, the usage when asked for, and the end of the stream."""
-    yield _event(stream_chunk(completion, job, None, None, finish_reason(job, target)))
+    yield _event(stream_chunk(completion, job, None, None, sent.finish_reason(job)))
     if completion.include_usage:
         yield _event({**head(completion, job, True), "choices": [], "usage": usage(job)})
     yield _event("[DONE]")

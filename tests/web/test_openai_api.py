@@ -23,6 +23,7 @@ from models.tokens import create_token
 from models.users import create_user
 from specpipe.settings import JOB_DEFAULTS
 from tests.factories import finish_elsewhere, gen_job
+from workers.job_run import job_prompt_ids
 
 MODEL = "tiny-test"  # the test app's model (tests/web/conftest.py)
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "temperature": 0}
@@ -31,11 +32,14 @@ RAW = {"model": MODEL, "prompt": "Once upon a", "max_tokens": 4, "seed": 9}
 
 class FakeCoordinator:
     """Runs every queued job of the store by writing `rounds` (cumulative (ids, text)) into it,
-    one every `pause_s`, then marks it done; records what it saw of the jobs."""
+    one every `pause_s`, then marks it done. With a `codec` (the model's `Target`), it first
+    feeds each job's prompt through it as the coordinator does (`job_prompt_ids`), keeping the
+    text fed in `prompts` by job id and its length as the job's prompt tokens."""
 
-    def __init__(self, db_url: str, rounds, pause_s: float = 0.05) -> None:
+    def __init__(self, db_url: str, rounds, pause_s: float = 0.05, codec=None) -> None:
         self.factory = make_session_factory(db_url)
-        self.rounds, self.pause_s = rounds, pause_s
+        self.rounds, self.pause_s, self.codec = rounds, pause_s, codec
+        self.prompts: dict[int, str] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
 
@@ -55,7 +59,8 @@ class FakeCoordinator:
                 if job is None:
                     time.sleep(0.02)
                     continue
-                job.status, job.started_at, job.prompt_tokens = "running", utcnow(), 3
+                job.status, job.started_at = "running", utcnow()
+                job.prompt_tokens = self.prompt_tokens(job)
                 session.commit()
                 for ids, text in self.rounds:
                     time.sleep(self.pause_s)
@@ -70,6 +75,14 @@ class FakeCoordinator:
                     job.status = "done"
                 job.finished_at = utcnow()
                 session.commit()
+
+    def prompt_tokens(self, job: Job) -> int:
+        """The job's prompt as fed to the model: its tokens (3 without a codec)."""
+        if self.codec is None:
+            return 3
+        ids = job_prompt_ids(self.codec, job)
+        self.prompts[job.id] = self.codec.decode(ids)
+        return len(ids)
 
 
 def job_count(session) -> int:
