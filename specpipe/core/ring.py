@@ -1,21 +1,12 @@
 """The ring interface: one verify round through every stage, in one process or across hosts.
 
-A *round* sends tokens at absolute positions `start_pos … start_pos+len(tokens)-1` through the
-stages; the last `n_draft` of them are drafts. The tail samples the doctored result vector for
-the `n_draft + 1` positions that follow the last non-draft token (see `Sampler.accept`) and the
-ring returns it. A stage whose cache ends before `start_pos` (it restarted) raises `GapError`;
-the caller then replays the committed prefix as one round from position 0.
-
-When the session asked for log-probabilities (`SamplingParams.logprobs`), the result is a
-`RoundResult`: still the list of ids, with the committed tokens' `TokenLogprob`s beside it.
-
-A round may carry a draft tree instead of a chain (`Branches.parents`, see `core.tree`): its
-tokens are the root (the last committed token) and the drafts, each under a parent row. Every
-stage runs the tree's rows in one forward and the tail walks it; the result holds the committed
-tokens and the rows walked (`RoundResult.path`). The stages keep those rows in their caches when
-the session's next round tells them which they were (`Branches.keep`), so a tree costs no trip
-and no forward of its own: a stage that is told nothing forgets the tree, and a round that then
-starts past its cache gets a gap, as after a restart.
+A *round* (`Round`: a session's tokens from an absolute position, the last of them drafts, a
+chain or a draft tree) passes every stage; the tail verifies its drafts and the ring returns the
+doctored result vector, a `RoundResult`: the list of ids, with the committed tokens'
+`TokenLogprob`s beside it when the session asked for log-probabilities
+(`SamplingParams.logprobs`), and the tail's draft head's proposal for the next round when the
+round asked for one. A stage whose cache ends before the round's start (it restarted) raises
+`GapError`; the caller then replays the committed prefix as one round from position 0.
 
 `LocalRing` (`specpipe.decoding.local_ring`) runs the stages in this process; `RedisRing`
 (`specpipe.swarm.redis_ring`) sends each hop over Redis Streams. Both offer the same calls, so
@@ -95,6 +86,49 @@ class Branches:
     parents: tuple[int, ...] | None = None
     keep: tuple[int, ...] = ()
     shape: TreeShape | None = None
+
+
+@dataclass(frozen=True)
+class Round:
+    """One session's verify round: `tokens` at absolute positions `start_pos …
+    start_pos+len(tokens)-1`, the last `n_draft` of them drafts. The tail samples the doctored
+    result vector for the `n_draft + 1` positions that follow the last non-draft token (see
+    `Sampler.accept`): n_draft + 1 ids, -1 padded.
+
+    `head_k`: up to that many drafts for the next round from the tail's draft head, if it has
+    one (`RoundResult.drafts`). `branches` (see `Branches`): what the round says of draft trees.
+    With `parents`, its drafts form a tree instead of a chain (`core.tree`): its tokens are the
+    root (the last committed token) and the drafts, each under a parent row. Every stage runs
+    the tree's rows in one forward and the tail walks it; the result holds the committed tokens
+    and the rows walked (`RoundResult.path`). The stages keep those rows in their caches when
+    the session's next round tells them which they were (`keep`), so a tree costs no trip and
+    no forward of its own: a stage that is told nothing forgets the tree, and a round that then
+    starts past its cache gets a gap, as after a restart. With `shape`, the head proposes that
+    tree for the next round instead of `head_k` drafts in a chain.
+
+    ValueError unless the round has tokens, more of them than drafts."""
+
+    session: str
+    tokens: tuple[int, ...]
+    start_pos: int
+    n_draft: int = 0
+    head_k: int = 0
+    branches: Branches | None = None
+
+    def __post_init__(self) -> None:
+        tokens = tuple(int(t) for t in self.tokens)
+        object.__setattr__(self, "tokens", tokens)
+        if not tokens or not 0 <= self.n_draft < len(tokens):
+            raise ValueError(
+                f"a round needs more tokens ({len(tokens)}) than drafts ({self.n_draft})"
+            )
+
+    @property
+    def wanted(self) -> int:
+        """How many drafts the tail's head is asked for: the tree's of `branches.shape`, else
+        `head_k`."""
+        branches = self.branches
+        return len(branches.shape) if branches and branches.shape else self.head_k
 
 
 @dataclass(frozen=True)
