@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from specpipe.core.ring import Round
 from specpipe.core.sampling import SamplingParams
 from specpipe.core.tree import TreeShape
 
@@ -63,7 +64,7 @@ class DraftingRound:
     def __init__(self, ring, prompt: Sequence[int], params: SamplingParams) -> None:
         self.ring, self.params, self.session = ring, params, "bench-drafting"
         ring.reset(self.session, params)
-        result = ring.round(self.session, list(prompt), 0, 0, head_k=1)
+        result = ring.round(Round(self.session, prompt, 0, head_k=1))
         self.token, self.token_pos = int(result[0]), len(prompt)
         self.feature = ring.stages[-1].features[self.session][-1]
 

@@ -279,18 +279,9 @@ class Ring(Protocol):
         draw many times from one context)."""
         ...
 
-    def round(
-        self,
-        session: str,
-        tokens: Sequence[int],
-        start_pos: int,
-        n_draft: int,
-        head_k: int = 0,
-        branches: Branches | None = None,
-    ) -> RoundResult:
-        """Run one round; return the doctored result vector (n_draft + 1 ids, -1 padded), with
-        up to `head_k` drafts for the next round from the tail's draft head, if it has one (or
-        the tree of `branches.shape`). `branches`: a draft tree, the rows to keep of the last."""
+    def round(self, r: Round) -> RoundResult:
+        """Run one round; return the doctored result vector (`r.n_draft + 1` ids, -1 padded),
+        with the tail's draft head's proposal for the next round when `r` asks for one."""
         ...
 
     def drop(self, session: str) -> None:

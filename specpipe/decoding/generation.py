@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from specpipe.core.ring import Branches, GapError, Ring, RoundResult
+from specpipe.core.ring import Branches, GapError, Ring, Round, RoundResult
 from specpipe.core.sampling import SamplingParams, TokenLogprob, committed_tokens
 from specpipe.core.tree import DraftTree, TreeShape
 from specpipe.drafting.length import DraftLength
@@ -366,10 +366,8 @@ class Generation:
     ) -> RoundResult:
         """One round through the ring, carrying the rows to keep of the last tree round."""
         keep, self.keep = self.keep, ()
-        if parents is None and not keep and shape is None:
-            return self.ring.round(self.session, tokens, start_pos, n_draft, head_k)
         branches = Branches(parents, keep, shape)
-        return self.ring.round(self.session, tokens, start_pos, n_draft, head_k, branches)
+        return self.ring.round(Round(self.session, tokens, start_pos, n_draft, head_k, branches))
 
     def run(self) -> list[int]:
         """Generate to the end; return the new tokens."""

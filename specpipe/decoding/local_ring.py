@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from specpipe.core.coupling import sampler_for
-from specpipe.core.ring import Branches, Request, RoundResult, Stage
+from specpipe.core.ring import Request, Round, RoundResult, Stage
 from specpipe.core.sampling import Sampler, SamplingParams
 from specpipe.decoding.tail import finish_round
 from specpipe.drafting.sources import TailDrafter
@@ -37,19 +37,12 @@ class LocalRing:
     def reseed(self, session: str, params: SamplingParams) -> None:
         self.samplers[session] = sampler_for(params)
 
-    def round(
-        self,
-        session: str,
-        tokens: Sequence[int],
-        start_pos: int,
-        n_draft: int,
-        head_k: int = 0,
-        branches: Branches | None = None,
-    ) -> RoundResult:
-        sampler = self.samplers.get(session)
+    def round(self, r: Round) -> RoundResult:
+        sampler = self.samplers.get(r.session)
         if sampler is None:
-            raise KeyError(f"session {session!r} was never reset")
-        x = torch.tensor(list(tokens), dtype=torch.long)
+            raise KeyError(f"session {r.session!r} was never reset")
+        session, start_pos, branches = r.session, r.start_pos, r.branches
+        x = torch.tensor(r.tokens, dtype=torch.long)
         tail = self.stages[-1]
         taps = None  # the round's taps so far, every stage's beside the earlier ones'
         # A tree's rows, or rows to keep of the last one, go as `forward_many` takes them; a
@@ -58,7 +51,7 @@ class LocalRing:
         if tree or self.taps:
             parents, keep = (branches.parents, branches.keep) if tree else (None, ())
             for stage in self.stages:
-                last_rows = n_draft + 1 if stage is tail else None
+                last_rows = r.n_draft + 1 if stage is tail else None
                 request = Request(session, x, start_pos, last_rows, parents, keep, self.taps)
                 (x,) = stage.forward_many([request])
                 if isinstance(x, BaseException):
@@ -69,11 +62,20 @@ class LocalRing:
         else:
             for stage in self.stages[:-1]:
                 x = stage.forward(session, x, start_pos)
-            logits = tail.forward(session, x, start_pos, last_rows=n_draft + 1)
+            logits = tail.forward(session, x, start_pos, last_rows=r.n_draft + 1)
         if taps is not None:
             tail.features[session] = taps  # what the drafter drafts from: every row's taps
         return finish_round(
-            tail, session, logits, tokens, start_pos, n_draft, sampler, self.head, head_k, branches
+            tail,
+            session,
+            logits,
+            r.tokens,
+            start_pos,
+            r.n_draft,
+            sampler,
+            self.head,
+            r.head_k,
+            branches,
         )
 
     def drop(self, session: str) -> None:

@@ -53,7 +53,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from specpipe.core.ring import Branches, Ring, RoundResult
+from specpipe.core.ring import Branches, Ring, Round, RoundResult
 from specpipe.core.sampling import SamplingParams, check_sampler, committed_tokens, offset_seed
 from specpipe.core.tree import DraftTree, TreeShape
 from specpipe.decoding.generation import Generation
@@ -119,7 +119,7 @@ class StopDrawer:
         self.ring, self.context, self.cfg = ring, list(context), cfg
         self.session = f"proof-{uuid.uuid4().hex[:12]}"
         ring.reset(self.session, cfg.params(cfg.seed))
-        ring.round(self.session, self.context, 0, 0)  # fills every cache up to the stop
+        ring.round(Round(self.session, self.context, 0))  # fills every cache up to the stop
 
     def draw(
         self,
@@ -136,8 +136,10 @@ class StopDrawer:
         tokens = [self.context[-1], *drafts]
         start, n = len(self.context) - 1, len(drafts)
         if shape is None:
-            return self.ring.round(self.session, tokens, start, n, head_k)
-        return self.ring.round(self.session, tokens, start, n, 0, Branches(shape=shape))
+            return self.ring.round(Round(self.session, tokens, start, n, head_k))
+        return self.ring.round(
+            Round(self.session, tokens, start, n, branches=Branches(shape=shape))
+        )
 
     def follow(
         self,
@@ -153,10 +155,8 @@ class StopDrawer:
         if params is not None:
             self.ring.reseed(self.session, params)
         sent, start = [*tokens, *drafts], len(self.context)
-        if parents is None:
-            return self.ring.round(self.session, sent, start, len(drafts))
-        branches = Branches(parents=tuple(parents))
-        return self.ring.round(self.session, sent, start, len(drafts), 0, branches)
+        branches = None if parents is None else Branches(parents=tuple(parents))
+        return self.ring.round(Round(self.session, sent, start, len(drafts), branches=branches))
 
     def plain_run(self, seed: int, n: int, after: Sequence[int] = ()) -> list[int]:
         """n tokens drawn plainly under `seed`, one round each: from the stop on, or after the

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import redis
 
-from specpipe.core.ring import Branches, GapError, Hop, Ring, RoundResult, WatchedRing
+from specpipe.core.ring import GapError, Hop, Ring, Round, RoundResult, WatchedRing
 from specpipe.core.sampling import SamplingParams
 from specpipe.settings import Settings
 from specpipe.swarm import inventory, trust
@@ -115,68 +115,52 @@ class CheckedRing:
         self.ring.reseed(session, params)
         self._params[session] = params
 
-    def round(
-        self,
-        session: str,
-        tokens,
-        start_pos: int,
-        n_draft: int,
-        head_k: int = 0,
-        branches: Branches | None = None,
-    ) -> RoundResult:
+    def round(self, r: Round) -> RoundResult:
         refused_since = None  # when a next hop with no way around it first refused the round
         while True:
             try:
-                result = self._round(session, tokens, start_pos, n_draft, head_k, branches)
+                result = self._round(r)
             except HopUnreachableError as exc:
                 now = time.monotonic()
                 refused_since = refused_since or now
                 if now - refused_since >= ROUND_TIMEOUT_S:
                     raise
                 log.warning(
-                    "session %s: %s; sending the round again", session, one_line_reason(exc)
+                    "session %s: %s; sending the round again", r.session, one_line_reason(exc)
                 )
                 time.sleep(UNREACHABLE_PAUSE_S)
                 continue
             except StaleRouteError as exc:
-                self._reroute_stale(session, exc)
-                params = self._params.get(session)
-                if start_pos > 0 or params is None:
+                self._reroute_stale(r.session, exc)
+                params = self._params.get(r.session)
+                if r.start_pos > 0 or params is None:
                     raise GapError(f"re-routed after a refused round: {exc}") from None
-                self.ring.reset(session, params)  # and the round from position 0 again
+                self.ring.reset(r.session, params)  # and the round from position 0 again
                 continue
             self.refusals = 0
             return result
 
-    def _round(
-        self,
-        session: str,
-        tokens,
-        start_pos: int,
-        n_draft: int,
-        head_k: int,
-        branches: Branches | None,
-    ) -> RoundResult:
+    def _round(self, r: Round) -> RoundResult:
         try:
-            return self.ring.round(session, tokens, start_pos, n_draft, head_k, branches)
+            return self.ring.round(r)
         except StaleRouteError:
             raise
         except HopLostError as exc:
-            raise GapError(f"{self._around_lost(session, str(exc))}: {exc}") from None
+            raise GapError(f"{self._around_lost(r.session, str(exc))}: {exc}") from None
         except GapError:
             if self._route_changed():
-                self._rebuild(session, "a stage serves other layers now")
+                self._rebuild(r.session, "a stage serves other layers now")
             raise
         except HopUnreachableError as exc:
             # Its host may still heartbeat (its Redis full, or cut off from this hop only): go
             # around it at once where the inventory has a route without it, and without the
             # stage that said so too when this coordinator can write to that host's Redis.
-            if exc.host and self._fail_over_if_routed(session, exc.blamed, str(exc)):
+            if exc.host and self._fail_over_if_routed(r.session, exc.blamed, str(exc)):
                 raise GapError(f"re-routed around an unreachable stage: {exc}") from None
-            self._fail_over_once_lost(session, exc)
+            self._fail_over_once_lost(r.session, exc)
             raise GapError(f"re-routed around a lost stage: {exc}") from None
         except RingError as exc:
-            self._fail_over_once_lost(session, exc)
+            self._fail_over_once_lost(r.session, exc)
             raise GapError(f"re-routed around a lost stage: {exc}") from None
 
     def _fail_over_once_lost(self, session: str, exc: RingError) -> None:

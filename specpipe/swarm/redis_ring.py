@@ -36,7 +36,7 @@ from dataclasses import replace
 import redis
 
 from specpipe.core.coupling import sampler_for
-from specpipe.core.ring import Branches, GapError, RoundResult
+from specpipe.core.ring import GapError, Round, RoundResult
 from specpipe.core.sampling import SamplingParams, TokenLogprob
 from specpipe.settings import Settings
 from specpipe.swarm import identity, inventory, mending, streams, trust, wire
@@ -238,26 +238,15 @@ class RedisRing:
             lambda: self._control(session, "reseed", params, hops=self.route[-1:])
         )
 
-    def round(
-        self,
-        session: str,
-        tokens: Sequence[int],
-        start_pos: int,
-        n_draft: int,
-        head_k: int = 0,
-        branches: Branches | None = None,
-    ) -> RoundResult:
+    def round(self, r: Round) -> RoundResult:
         """Send one round, wait for the tail's result vector; GapError or RingError otherwise.
-        With `head_k`, the tail's draft head (if it has one) proposes that many drafts for the
-        next round, which come back on the result (`RoundResult.drafts`); with `branches`, the
-        round carries a draft tree, the rows to keep of the last, or the tree to propose."""
-        if session not in self._params:
-            raise RingError(f"session {session!r} was not reset on this ring")
-        if not tokens or not 0 <= n_draft < len(tokens):
-            raise ValueError(f"a round needs more tokens ({len(tokens)}) than drafts ({n_draft})")
-        message = self._round_message(session, tokens, start_pos, n_draft, head_k, branches)
+        The drafts the tail's draft head (if it has one) proposes for the next round, when `r`
+        asks for them, come back on the result (`RoundResult.drafts`)."""
+        if r.session not in self._params:
+            raise RingError(f"session {r.session!r} was not reset on this ring")
+        message = self._round_message(r)
         self._refresh_roster()
-        wait_s = self.round_wait_s(len(tokens))
+        wait_s = self.round_wait_s(len(r.tokens))
         problem = f"no reply in {wait_s:g} s"
         # Each send has an id of its own, and a reply to any of them is the round's result: a
         # stage that was only slow still answers the first, while one whose message was lost
@@ -278,7 +267,7 @@ class RedisRing:
                 message.to, wire.encode(sent, self.swarm, self.keys), self.maxlen
             )
             try:
-                reply = self.send_round(session, send, round_ids, wait_s)
+                reply = self.send_round(r.session, send, round_ids, wait_s)
             except PASSING as exc:
                 problem = f"Redis unavailable: {exc}"
                 self._watch()
@@ -288,35 +277,27 @@ class RedisRing:
                 tries -= 1
                 problem = f"no reply in {wait_s:g} s"
                 continue
-            wanted = len(branches.shape) if branches and branches.shape else head_k
-            return self._answered(session, reply, n_draft, wanted)
+            return self._answered(r, reply)
         route = " -> ".join(h.host for h in self.route)
         waited = time.monotonic() - started
         raise RingError(f"round failed after {waited:.1f} s ({problem}; route {route})")
 
-    def _round_message(
-        self,
-        session: str,
-        tokens: Sequence[int],
-        start_pos: int,
-        n_draft: int,
-        head_k: int,
-        branches: Branches | None,
-    ) -> wire.Message:
+    def _round_message(self, r: Round) -> wire.Message:
         """The round as it goes to stage 0's stream, but for what each send stamps (its id,
         sequence number and wait)."""
         message = wire.Message(
             kind="round",
-            session=session,
-            start_pos=start_pos,
-            n_draft=n_draft,
-            tokens=tuple(int(t) for t in tokens),
+            session=r.session,
+            start_pos=r.start_pos,
+            n_draft=r.n_draft,
+            tokens=r.tokens,
             route=self._hops_on_wire,
-            head_k=min(int(head_k), wire.MAX_HEAD_DRAFTS),
+            head_k=min(int(r.head_k), wire.MAX_HEAD_DRAFTS),
             taps=self.taps,
             to=streams.stage_key(self.swarm, self.route[0].host),
             sender=wire.COORDINATOR,
         )
+        branches = r.branches
         if branches is None:
             return message
         shape = branches.shape
@@ -327,14 +308,12 @@ class RedisRing:
             head_shape=() if shape is None else tuple(zip(shape.parents, shape.ranks, strict=True)),
         )
 
-    def _answered(
-        self, session: str, reply: wire.Message, n_draft: int, wanted: int
-    ) -> RoundResult:
-        """The round's result from the tail's `reply` (with up to `wanted` of its drafts); for
+    def _answered(self, r: Round, reply: wire.Message) -> RoundResult:
+        """Round `r`'s result from the tail's `reply` (with up to the drafts it wanted); for
         any other reply, the error it stands for."""
         if reply.kind == "result":
-            if len(reply.tokens) != n_draft + 1:
-                raise RingError(f"result of {len(reply.tokens)} ids for {n_draft} drafts")
+            if len(reply.tokens) != r.n_draft + 1:
+                raise RingError(f"result of {len(reply.tokens)} ids for {r.n_draft} drafts")
             logprobs = [
                 TokenLogprob(token, lp, top)
                 for token, (lp, top) in zip(reply.tokens, reply.logprobs, strict=False)
@@ -342,12 +321,13 @@ class RedisRing:
             return RoundResult(
                 reply.tokens,
                 logprobs,
-                reply.drafts[:wanted],
+                reply.drafts[: r.wanted],
                 path=reply.path,
-                draft_parents=reply.draft_parents[:wanted],
+                draft_parents=reply.draft_parents[: r.wanted],
                 ranks=reply.ranks,
                 batch=reply.batch or 1,
             )
+        session = r.session
         if reply.kind == "gap":
             self._until_reachable(lambda: self._control(session, "reset", self._params[session]))
             raise GapError(reply.reason or "a stage lost the session's cache")

@@ -100,9 +100,9 @@ def test_prefill_and_replay_rounds_do_not_count_as_costs():
 class SlowRing(LocalRing):
     """A ring whose round costs a fixed time plus a lot per draft row: drafting does not pay."""
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
-        time.sleep(0.002 + 0.002 * n_draft)
-        return super().round(session, tokens, start_pos, n_draft, head_k, branches)
+    def round(self, r):
+        time.sleep(0.002 + 0.002 * r.n_draft)
+        return super().round(r)
 
 
 @pytest.mark.parametrize("seed", range(4))

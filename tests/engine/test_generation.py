@@ -1,9 +1,11 @@
 """The generation loop over a LocalRing: speculative output equals plain output, token for
 token, greedy and sampled; stops, gaps and resumes change nothing."""
 
+from dataclasses import replace
+
 import pytest
 
-from specpipe.core.ring import GapError, RoundResult
+from specpipe.core.ring import GapError, Round, RoundResult
 from specpipe.core.sampling import SamplingParams
 from specpipe.core.tree import DraftTree
 from specpipe.decoding.generation import Generation
@@ -106,9 +108,9 @@ def test_a_stage_never_skips_positions():
     first, tail = toy_stages()
     ring = LocalRing([first, tail])
     ring.reset("s", SamplingParams())
-    ring.round("s", [1, 2, 3], 0, 0)
+    ring.round(Round("s", [1, 2, 3], 0))
     with pytest.raises(GapError):
-        ring.round("s", [4], 5, 0)
+        ring.round(Round("s", [4], 5))
 
 
 def test_resuming_from_persisted_tokens_reproduces_the_run():
@@ -136,10 +138,10 @@ class HeadRing(LocalRing):
         super().__init__(stages)
         self.token, self.calls = token, []  # (drafts sent, head_k asked)
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
-        self.calls.append((list(tokens)[len(tokens) - n_draft :], head_k))
-        result = super().round(session, tokens, start_pos, n_draft)
-        return RoundResult(result, result.logprobs, [self.token] * head_k)
+    def round(self, r):
+        self.calls.append((list(r.tokens[len(r.tokens) - r.n_draft :]), r.head_k))
+        result = super().round(replace(r, head_k=0, branches=None))
+        return RoundResult(result, result.logprobs, [self.token] * r.head_k)
 
 
 @pytest.mark.parametrize("source", ["head", "both"])
@@ -190,9 +192,9 @@ class RecordingRing:
     def reseed(self, session, params):
         self.ring.reseed(session, params)
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
-        self.sent.append(len(tokens) - n_draft)
-        return self.ring.round(session, tokens, start_pos, n_draft, head_k, branches)
+    def round(self, r):
+        self.sent.append(len(r.tokens) - r.n_draft)
+        return self.ring.round(r)
 
     def drop(self, session):
         self.ring.drop(session)

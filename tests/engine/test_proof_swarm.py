@@ -23,10 +23,10 @@ WITH_HEAD = SwarmProofConfig(
 class LossyRing(LocalRing):
     """A tail that accepts every draft it verifies (and adds the target's first token): lossy."""
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
-        result = super().round(session, tokens, start_pos, n_draft, head_k, branches)
-        if n_draft:
-            return RoundResult(list(tokens[len(tokens) - n_draft :]) + [result[0]])
+    def round(self, r):
+        result = super().round(r)
+        if r.n_draft:
+            return RoundResult(list(r.tokens[len(r.tokens) - r.n_draft :]) + [result[0]])
         return result
 
 

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from specpipe.cli import cli
+from specpipe.core.ring import Round
 from specpipe.core.sampling import SamplingParams
 from specpipe.core.tree import MAX_RANK, TreeShape
 from specpipe.decoding.generation import Generation
@@ -84,7 +85,7 @@ def test_the_stages_keep_the_states_entering_the_tapped_layers(model):
     ring = ring_with(stages, head_for(stages))
     assert isinstance(ring.head, TailDrafter)
     ring.reset("s", GREEDY)
-    ring.round("s", PROMPT, 0, 0)
+    ring.round(Round("s", PROMPT, 0))
     taps = stages[-1].features["s"]  # [T, 3 x D]
     D = stages[-1].cfg.dim
     assert taps.shape == (len(PROMPT), 3 * D)
@@ -101,7 +102,7 @@ def test_the_stages_keep_the_states_entering_the_tapped_layers(model):
     # Nothing is kept where no drafter reads taps.
     plain = LocalRing(load_stages(model, 2, pack=False))
     plain.reset("s", GREEDY)
-    plain.round("s", PROMPT, 0, 0)
+    plain.round(Round("s", PROMPT, 0))
     assert all(not stage.tapped for stage in plain.stages)
 
 
@@ -140,7 +141,7 @@ def test_the_sessions_cache_after_its_rounds_is_the_one_built_at_once(model):
     fresh = load_stages(model, 2, pack=False)
     once = ring_with(fresh, head)
     once.reset("o", SAMPLED)
-    once.round("o", tokens, 0, 0)
+    once.round(Round("o", tokens, 0))
     taps = fresh[-1].features["o"]
     n = len(tokens)
     built = Eagle3Drafter(head, once.head.parts)
@@ -162,7 +163,7 @@ def primed(model, seed: int, params: SamplingParams):
     head = head_for(stages, seed=seed, draft_vocab=40)
     ring = ring_with(stages, head)
     ring.reset("s", params)
-    ring.round("s", PROMPT, 0, 0)
+    ring.round(Round("s", PROMPT, 0))
     taps, n = stages[-1].features["s"], len(PROMPT)
     ring.head.remember("s", taps[: n - 2], PROMPT[1 : n - 1], 1)
     return head, ring.head, taps, n

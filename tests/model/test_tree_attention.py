@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpipe.core.ring import GapError, Request
+from specpipe.core.ring import GapError, Request, Round
 from specpipe.transformer.checkpoint import SafetensorsCheckpoint
 from tests.model.helpers import load_split
 
@@ -136,13 +136,13 @@ def test_tree_rounds_through_two_stages_commit_plain_samplings_tokens(checkpoint
     params = SamplingParams(temp=0.9, top_p=0.95, seed=41, sampler=sampler)
     prompt, n = list(range(3, 15)), 24
     ring.reset("plain", params)
-    plain = [ring.round("plain", prompt, 0, 0)[0]]
+    plain = [ring.round(Round("plain", prompt, 0))[0]]
     while len(plain) < n:
-        plain.append(ring.round("plain", [plain[-1]], len(prompt) + len(plain) - 1, 0)[0])
+        plain.append(ring.round(Round("plain", [plain[-1]], len(prompt) + len(plain) - 1))[0])
 
     rng = np.random.default_rng(3)
     ring.reset("tree", params)
-    out = [ring.round("tree", prompt, 0, 0)[0]]
+    out = [ring.round(Round("tree", prompt, 0))[0]]
     accepted, keep = 0, ()
     while len(out) < n:
         # Two branches: one that follows plain decoding for a while (then strays), one random.
@@ -159,7 +159,9 @@ def test_tree_rounds_through_two_stages_commit_plain_samplings_tokens(checkpoint
         tree = DraftTree(tuple(tokens), tuple(parents))
         root_pos = len(prompt) + len(out) - 1
         branches = Branches(tree.parents, keep)  # the last tree's walked rows ride along
-        result = ring.round("tree", [out[-1], *tree.tokens], root_pos, len(tokens), 0, branches)
+        result = ring.round(
+            Round("tree", [out[-1], *tree.tokens], root_pos, len(tokens), branches=branches)
+        )
         keep = tuple(result.path)
         accepted += len(keep) - 1
         out += [t for t in result if t >= 0]

@@ -114,13 +114,13 @@ class DyingRing:
     def reseed(self, session, params):
         self.ring.reseed(session, params)
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
+    def round(self, r):
         if self.on_round is not None:
             self.on_round()
         if self.left == 0:
             raise SystemExit("coordinator killed")
         self.left -= 1
-        return self.ring.round(session, tokens, start_pos, n_draft, head_k, branches)
+        return self.ring.round(r)
 
     def drop(self, session):
         self.ring.drop(session)
@@ -315,11 +315,11 @@ class FailingRing:
     def reseed(self, session, params):
         self.ring.reseed(session, params)
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
+    def round(self, r):
         if self.left == 0:
             raise self.error
         self.left -= 1
-        return self.ring.round(session, tokens, start_pos, n_draft, head_k, branches)
+        return self.ring.round(r)
 
     def drop(self, session):
         self.ring.drop(session)
@@ -664,13 +664,13 @@ class GappyRing:
     def reseed(self, session, params):
         self.ring.reseed(session, params)
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
+    def round(self, r):
         from specpipe.core.ring import GapError
 
         self.rounds += 1
         if self.rounds == self.gap_at:
             raise GapError("h1: lost the session's cache")
-        return self.ring.round(session, tokens, start_pos, n_draft, head_k, branches)
+        return self.ring.round(r)
 
     def drop(self, session, skip=()):
         self.ring.drop(session)
@@ -733,7 +733,7 @@ class LosingRing(GappyRing):
         super().__init__(route)
         self.lose_at, self.error, self.dropped_on = lose_at, error, None
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
+    def round(self, r):
         from specpipe.swarm.redis_ring import HopLostError, RingError
 
         self.rounds += 1
@@ -741,7 +741,7 @@ class LosingRing(GappyRing):
             if self.error:
                 raise RingError("round failed: h0: cannot pass the round to h1")
             raise HopLostError(self.watchdog() or "the watchdog saw nothing")
-        return self.ring.round(session, tokens, start_pos, n_draft, head_k, branches)
+        return self.ring.round(r)
 
     def drop(self, session, skip=()):
         self.dropped_on = [hop.host for hop in self.route if hop.host not in skip]
@@ -830,13 +830,13 @@ class UnreachableRing(LosingRing):
         super().__init__(route, lose_at)
         self.refusals, self.refused = refusals, 0
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
+    def round(self, r):
         from specpipe.swarm.redis_ring import HopUnreachableError
 
         if self.rounds + 1 == self.lose_at and self.refused < self.refusals:
             self.refused += 1
             raise HopUnreachableError("round failed: h0: cannot pass the round to h1: OOM", "h1")
-        return super().round(session, tokens, start_pos, n_draft, head_k, branches)
+        return super().round(r)
 
 
 def without_a_spare(ring):
@@ -930,16 +930,16 @@ class RefusingRing(GappyRing):
         super().__init__(route, gap_at)
         self.refuse_at, self.inventory, self.starts = set(refuse_at), inventory, []
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
+    def round(self, r):
         from specpipe.swarm.redis_ring import StaleRouteError
 
-        self.starts.append(start_pos)
+        self.starts.append(r.start_pos)
         if self.rounds + 1 in self.refuse_at:
             self.rounds += 1
             if self.inventory is not None:
                 self.inventory.update(RESPLIT)
             raise StaleRouteError("round refused: h1 serves layers 1:4 of toy, not 2:4", "h1")
-        return super().round(session, tokens, start_pos, n_draft, head_k, branches)
+        return super().round(r)
 
 
 @pytest.mark.parametrize(

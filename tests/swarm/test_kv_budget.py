@@ -143,13 +143,13 @@ class RouteRing:
     def reseed(self, session, params):
         self.ring.reseed(session, params)
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
+    def round(self, r):
         self.rounds += 1
         if self.gate is not None:
             assert self.gate.wait(30)
         if self.fail is not None:
             raise self.fail
-        return self.ring.round(session, tokens, start_pos, n_draft, head_k, branches)
+        return self.ring.round(r)
 
     def drop(self, session):
         self.ring.drop(session)
@@ -249,7 +249,7 @@ def test_no_room_is_left_reserved_however_a_job_ends(db_url, client, swarm, hold
     budget = PROMPT_TOKENS + 40
 
     class Ending(RouteRing):
-        def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
+        def round(self, r):
             assert rooms.used("s1") == budget  # the room is held while the job runs
             if self.rounds == 2 and ending == "failed":
                 raise ValueError("a stage broke")
@@ -257,7 +257,7 @@ def test_no_room_is_left_reserved_however_a_job_ends(db_url, client, swarm, hold
                 with make_session_factory(db_url)() as other:
                     other.get(Job, job_id).request_cancel()
                     other.commit()
-            return super().round(session, tokens, start_pos, n_draft, head_k, branches)
+            return super().round(r)
 
     thread, out = start_job(db_url, job_id, Ending(budget), client, swarm, holders("1"))
     thread.join(30)
@@ -369,10 +369,10 @@ class Watched(LosingRing):
         super().__init__(route)
         self.look, self.seen = look, None
 
-    def round(self, session, tokens, start_pos, n_draft, head_k=0, branches=None):
+    def round(self, r):
         if self.seen is None:
             self.seen = self.look()
-        return super().round(session, tokens, start_pos, n_draft, head_k, branches)
+        return super().round(r)
 
 
 NEED = PROMPT_TOKENS + 30  # the room of a job of add_job(max_new_tokens=30)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from specpipe.core.ring import Round
 from specpipe.core.sampling import SamplingParams
 from specpipe.decoding.generation import Generation
 from specpipe.ops.redis_server import RedisServer
@@ -117,7 +118,7 @@ def test_no_password_in_any_message_record_dead_letter_log_or_file(tmp_path, mon
         # An error on the way back: a token outside the vocabulary.
         ring.reset("e", greedy)
         with pytest.raises(RingError) as refused:
-            ring.round("e", [1, 10_000], 0, 1)
+            ring.round(Round("e", [1, 10_000], 0, 1))
         errors = [str(refused.value)]
         ring.drop("s")
         ring.drop("e")

@@ -18,6 +18,7 @@ import redis
 from click.testing import CliRunner
 
 from specpipe.cli import cli
+from specpipe.core.ring import Round
 from specpipe.core.sampling import committed_tokens
 from specpipe.ops import certificates, redis_server
 from specpipe.ops.redis_server import (
@@ -483,7 +484,7 @@ def plain_runs(tokens: list[int], run: int = 4) -> set[bytes]:
 def generate(ring, session: str, prompt: list[int], rounds: int, k: int) -> list[int]:
     ring.reset(session, PARAMS)
     committed = list(prompt)
-    committed += committed_tokens([], ring.round(session, committed, 0, 0))
+    committed += committed_tokens([], ring.round(Round(session, committed, 0)))
     return drive(ring, session, rounds=rounds, k=k, committed=committed)[0]
 
 

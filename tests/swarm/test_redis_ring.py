@@ -11,7 +11,7 @@ import pytest
 import redis
 import torch
 
-from specpipe.core.ring import GapError
+from specpipe.core.ring import GapError, Round
 from specpipe.core.sampling import SamplingParams, committed_tokens
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.local_ring import LocalRing
@@ -41,13 +41,13 @@ def drive(ring, session, rounds: int, k: int, committed=None, log=None):
     log = [] if log is None else log
     if committed is None:
         committed = list(PROMPT)
-        result = ring.round(session, committed, 0, 0)
+        result = ring.round(Round(session, committed, 0))
         log.append(result)
         committed += committed_tokens([], result)
     for _ in range(rounds):
         drafts = drafts_for(committed, k)
         start = len(committed) - 1
-        result = ring.round(session, [committed[-1], *drafts], start, len(drafts))
+        result = ring.round(Round(session, [committed[-1], *drafts], start, len(drafts)))
         log.append(result)
         committed += committed_tokens(drafts, result)
     return committed, log
@@ -187,7 +187,7 @@ def test_a_route_from_a_stale_record_is_refused_with_a_stale_route_error(
         ring = RedisRing(stale, swarm, key, redis_url, timeout_s=20)
         ring.reset("s", PARAMS)
         with pytest.raises(StaleRouteError, match=f"{host} serves .* of toy, not {why}") as caught:
-            ring.round("s", PROMPT, 0, 0)
+            ring.round(Round("s", PROMPT, 0))
         assert caught.value.host == host and isinstance(caught.value, RingError)
         ring.close()
     assert stats(redis_url, swarm, "h0").get("misrouted") == 1
@@ -247,7 +247,7 @@ def test_bad_messages_are_dropped_and_counted_while_serving_goes_on(stages, swar
 
     # A signed round the model cannot run is an error reply, not a dead stage.
     with pytest.raises(RingError, match="h0: .*index"):
-        ring.round("s", [committed[-1], 10_000], len(committed) - 1, 1)
+        ring.round(Round("s", [committed[-1], 10_000], len(committed) - 1, 1))
 
     # The stage kept serving: the session continues exactly as the reference does.
     got = drive(ring, "s", rounds=3, k=2, committed=committed)
@@ -292,7 +292,7 @@ def test_a_round_sent_three_times_runs_once(stages, swarm, key, redis_url):
     reply = wire.decode(replies[0][1][streams.FIELD], swarm, key)
     expected = ReferenceRing([(0, 2), (2, 4)])
     expected.reset("s", PARAMS)
-    assert reply.kind == "result" and list(reply.tokens) == expected.round("s", PROMPT, 0, 0)
+    assert reply.kind == "result" and list(reply.tokens) == expected.round(Round("s", PROMPT, 0))
     two_heartbeats_later(redis_url, swarm, key, "h1")  # its processed count is in Redis by then
     assert stats(redis_url, swarm, "h1").get("processed") == 1
     client.close()
@@ -320,16 +320,16 @@ def test_killed_stage_answers_gap_and_a_replay_restores_the_same_output(
     stages.restart("h1")
     drafts = drafts_for(committed, 2)
     with pytest.raises(GapError, match="h1"):
-        ring.round("s", [committed[-1], *drafts], len(committed) - 1, 2)
+        ring.round(Round("s", [committed[-1], *drafts], len(committed) - 1, 2))
     # Replay the committed prefix as one round, as the generation loop does, and go on.
-    result = ring.round("s", committed, 0, 0)
+    result = ring.round(Round("s", committed, 0))
     committed.append(committed_tokens([], result)[0])
     got, _ = drive(ring, "s", rounds=3, k=2, committed=committed)
 
     ref = ReferenceRing(bounds)
     ref.reset("r", PARAMS)
     expected, _ = drive(ref, "r", rounds=3, k=2)
-    result = ref.round("r", expected, 0, 0)
+    result = ref.round(Round("r", expected, 0))
     expected.append(committed_tokens([], result)[0])
     expected, _ = drive(ref, "r", rounds=3, k=2, committed=expected)
     assert got == expected
@@ -368,14 +368,14 @@ def test_a_round_taken_by_a_stage_killed_mid_round_is_finished_by_its_restart(
     killer = threading.Thread(target=kill_when_taken)
     started = time.monotonic()
     killer.start()
-    result = ring.round("s", PROMPT, 0, 0)  # a prefill: a fresh stage can run it
+    result = ring.round(Round("s", PROMPT, 0))  # a prefill: a fresh stage can run it
     killer.join()
     # No re-send happened (retries=0, well inside the timeout): the restarted h1 re-read the
     # entry it had left pending, ran it and sent the result on.
     assert time.monotonic() - started < 50
     ref = ReferenceRing([(0, 1), (1, 3), (3, 4)])
     ref.reset("r", PARAMS)
-    assert result == ref.round("r", PROMPT, 0, 0)
+    assert result == ref.round(Round("r", PROMPT, 0))
     wait_until(
         lambda: client.xpending(streams.stage_key(swarm, "h1"), streams.GROUP)["pending"] == 0,
         10,
@@ -397,12 +397,12 @@ def test_killed_tail_lost_its_parameters_and_gets_them_back(stages, swarm, key, 
     stages.kill9("h1")
     stages.restart("h1")
     with pytest.raises(GapError):
-        ring.round("s", [committed[-1]], len(committed) - 1, 0)
-    result = ring.round("s", committed, 0, 0)  # replay: the tail has its parameters again
+        ring.round(Round("s", [committed[-1]], len(committed) - 1))
+    result = ring.round(Round("s", committed, 0))  # replay: the tail has its parameters again
     ref = ReferenceRing([(0, 2), (2, 4)])
     ref.reset("r", PARAMS)
     expected, _ = drive(ref, "r", rounds=2, k=1)
-    assert result == ref.round("r", expected, 0, 0)
+    assert result == ref.round(Round("r", expected, 0))
     ring.close()
 
 
@@ -418,7 +418,7 @@ def test_a_round_nobody_answers_is_resent_then_fails(swarm, key, redis_url):
     ring.reset("s", PARAMS)
     # Two tokens add 2 × 50 ms to the 0.2 s wait.
     with pytest.raises(RingError, match=r"after \d+\.\d s \(no reply in 0.3 s; route nobody\)"):
-        ring.round("s", [1, 2], 0, 1)
+        ring.round(Round("s", [1, 2], 0, 1))
     client = redis.Redis.from_url(redis_url)
     entries = client.xrange(streams.stage_key(swarm, "nobody"))
     rounds = [wire.decode(f[streams.FIELD], swarm, key) for _, f in entries]
@@ -487,7 +487,7 @@ def test_an_unreachable_first_stage_is_a_clear_ring_error(swarm, key, redis_url)
         ring.reset("s", PARAMS)
     ring._params["s"] = PARAMS  # as if h's Redis went away after the reset
     with pytest.raises(RingError, match=r"after \d+\.\d s \(Redis unavailable"):
-        ring.round("s", [1], 0, 0)
+        ring.round(Round("s", [1], 0))
     ring.close()
 
 
@@ -516,12 +516,12 @@ def test_a_reset_stops_waiting_for_a_hops_redis_once_the_watchdog_says_it_is_gon
 def test_ring_refuses_bad_rounds_and_parameters(swarm, key, redis_url):
     ring = RedisRing([wire.Hop("h", redis_url, 0, 4, "toy")], swarm, key, redis_url)
     with pytest.raises(RingError, match="not reset"):
-        ring.round("s", [1], 0, 0)
+        ring.round(Round("s", [1], 0))
     with pytest.raises(ValueError, match="top_p"):
         ring.reset("s", SamplingParams(temp=1.0, top_p=1.5))
     ring.reset("s", PARAMS)
     with pytest.raises(ValueError, match="drafts"):
-        ring.round("s", [1, 2], 0, 2)
+        ring.round(Round("s", [1, 2], 0, 2))
     ring.close()
 
 
@@ -608,11 +608,11 @@ def test_a_round_waits_as_long_as_its_ring_says_not_a_sockets_five_seconds(
     )
     ring.reset("s", PARAMS)
     started = time.monotonic()
-    result = ring.round("s", PROMPT, 0, 0)
+    result = ring.round(Round("s", PROMPT, 0))
     assert time.monotonic() - started >= 6.5
     want = ReferenceRing([(0, 4)])
     want.reset("ref", PARAMS)
-    assert result == want.round("ref", PROMPT, 0, 0)
+    assert result == want.round(Round("ref", PROMPT, 0))
     ring.close()
 
 
@@ -692,7 +692,7 @@ def test_a_next_hop_a_stage_cannot_reach_is_named_to_the_ring(stages, swarm, key
     )
     ring.reset("s", PARAMS)
     with pytest.raises(HopUnreachableError, match="cannot pass the round to gone") as refused:
-        ring.round("s", PROMPT, 0, 0)
+        ring.round(Round("s", PROMPT, 0))
     assert refused.value.host == "gone"  # the hop after the stage that could not pass it on
     ring.close()
 
