@@ -65,18 +65,7 @@ class LocalRing:
             logits = tail.forward(session, x, start_pos, last_rows=r.n_draft + 1)
         if taps is not None:
             tail.features[session] = taps  # what the drafter drafts from: every row's taps
-        return finish_round(
-            tail,
-            session,
-            logits,
-            r.tokens,
-            start_pos,
-            r.n_draft,
-            sampler,
-            self.head,
-            r.head_k,
-            branches,
-        )
+        return finish_round(tail, r, logits, sampler, self.head)
 
     def drop(self, session: str) -> None:
         for stage in self.stages:

@@ -4,12 +4,11 @@ log-probabilities), then let the draft head propose the next round's drafts."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from specpipe.core.ring import Branches, RoundResult, Stage
+from specpipe.core.ring import Round, RoundResult, Stage
 from specpipe.core.sampling import Sampler
 from specpipe.core.tree import DraftTree
 
@@ -19,29 +18,26 @@ if TYPE_CHECKING:
 
 def finish_round(
     tail: Stage,
-    session: str,
+    r: Round,
     logits: torch.Tensor,
-    tokens: Sequence[int],
-    start_pos: int,
-    n_draft: int,
     sampler: Sampler,
     head: TailDrafter | None = None,
-    head_k: int = 0,
-    branches: Branches | None = None,
 ) -> RoundResult:
-    """The round's result from the tail stage's `logits` (at least its last `n_draft + 1` rows)
-    for `tokens` at `start_pos`, whose last `n_draft` are drafts (a tree under the token before
-    them when `branches.parents` says so); with the next round's drafts from `head`, which
-    drafts from `tail.features[session]`: up to `head_k` in a chain, or the tree of
-    `branches.shape`. ValueError when the drafts or the logits cannot be verified (a draft id
-    outside the vocabulary, a malformed tree, NaN)."""
+    """The result of round `r` from the tail stage's `logits` (at least its last
+    `r.n_draft + 1` rows), its drafts verified (a tree under the token before them when
+    `r.branches.parents` says so); with the next round's drafts from `head`, which drafts from
+    `tail.features[r.session]`: up to `r.head_k` in a chain, or the tree of `r.branches.shape`.
+    ValueError when the drafts or the logits cannot be verified (a draft id outside the
+    vocabulary, a malformed tree, NaN)."""
+    session, tokens, start_pos, n_draft = r.session, r.tokens, r.start_pos, r.n_draft
+    branches = r.branches
     rows = logits[-(n_draft + 1) :]
     root_pos = start_pos + len(tokens) - n_draft - 1  # the position of the last committed token
     path: list[int] = []
     if branches is not None and branches.parents is not None:
         if len(tokens) != n_draft + 1:
             raise ValueError("a tree round carries its root and its drafts only")
-        tree = DraftTree(tuple(int(t) for t in tokens[1:]), tuple(branches.parents))
+        tree = DraftTree(tokens[1:], tuple(branches.parents))
         committed, path = sampler.accept_tree(rows, tree, root_pos + 1)
         result = committed + [-1] * (n_draft + 1 - len(committed))
         logprobs = sampler.result_logprobs(rows[path], result)
@@ -70,7 +66,7 @@ def finish_round(
     root = int(tokens[len(tokens) - n_draft - 1])
     found.ranks = head.ranks_of(session, root_pos, root, committed)
     shape = branches.shape if branches is not None else None
-    if (shape is None and head_k <= 0) or kept is None:
+    if (shape is None and r.head_k <= 0) or kept is None:
         return found  # nothing asked, or nothing to draft from (a round without its taps)
     # The last committed token was drawn from `feature_row`, whose feature sits one position
     # before that token's.
@@ -81,6 +77,6 @@ def finish_round(
         found.drafts, found.draft_parents = list(tree.tokens), list(tree.parents)
     else:
         found.drafts = head.drafts_after(
-            session, features, committed[-1], token_pos, head_k, sampler.params
+            session, features, committed[-1], token_pos, r.head_k, sampler.params
         )
     return found

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from specpipe.core.ring import Branches
+from specpipe.core.ring import Branches, Round
 from specpipe.core.sampling import Sampler
 from specpipe.core.tree import DraftTree, TreeShape
 from specpipe.decoding.tail import finish_round
@@ -52,7 +52,7 @@ def peaked(*argmaxes: int) -> torch.Tensor:
 
 def test_drafts_are_verified_up_to_the_first_mismatch():
     # Tokens (1, 4, 6) at position 10, the last two drafts: row 0 confirms 4, row 1 wants 3.
-    result = finish_round(Tail({}), "s", peaked(4, 3, 7), (1, 4, 6), 10, 2, Sampler(temp=0))
+    result = finish_round(Tail({}), Round("s", (1, 4, 6), 10, 2), peaked(4, 3, 7), Sampler(temp=0))
     assert list(result) == [4, 3, -1]
     assert result.logprobs == [] and result.drafts == []  # neither was asked for
 
@@ -60,14 +60,14 @@ def test_drafts_are_verified_up_to_the_first_mismatch():
 def test_only_the_last_rows_are_verified():
     """Logits of the whole round may come back: the step reads the last n_draft + 1 rows."""
     logits = torch.cat([torch.full((3, VOCAB), float("nan")), peaked(2, 5)])
-    result = finish_round(Tail({}), "s", logits, (0, 0, 0, 0, 2), 0, 1, Sampler(temp=0))
+    result = finish_round(Tail({}), Round("s", (0, 0, 0, 0, 2), 0, 1), logits, Sampler(temp=0))
     assert list(result) == [2, 5]
 
 
 def test_the_committed_tokens_carry_their_logprobs_when_asked():
     sampler = Sampler(temp=0, logprobs=1)
     logits = peaked(4, 3, 7)
-    result = finish_round(Tail({}), "s", logits, (1, 4, 6), 10, 2, sampler)
+    result = finish_round(Tail({}), Round("s", (1, 4, 6), 10, 2), logits, sampler)
     assert [lp.token for lp in result.logprobs] == [4, 3]
     expected = torch.log_softmax(logits, dim=-1)
     for j, lp in enumerate(result.logprobs):
@@ -79,7 +79,7 @@ def test_the_head_drafts_from_the_tail_features_after_the_result():
     features = torch.arange(6.0).reshape(3, 2)
     head, sampler = RecordingHead(), Sampler(temp=0, seed=3)
     result = finish_round(
-        Tail({"s": features}), "s", peaked(4, 3, 7), (1, 4, 6), 10, 2, sampler, head, 3
+        Tail({"s": features}), Round("s", (1, 4, 6), 10, 2, 3), peaked(4, 3, 7), sampler, head
     )
     # 4 (position 11) and 3 (position 12) committed; 3 was drawn from row 1.
     assert result.drafts == [12, 13, 14]
@@ -102,7 +102,11 @@ def test_a_tree_round_commits_the_walk_and_the_head_drafts_after_its_last_row():
     shape = TreeShape((0, 0), (0, 1))
     branches = Branches(parents=(0, 0, 2), shape=shape)
     result = finish_round(
-        Tail({"s": features}), "s", logits, (1, 5, 4, 6), 10, 3, sampler, head, 0, branches
+        Tail({"s": features}),
+        Round("s", (1, 5, 4, 6), 10, 3, branches=branches),
+        logits,
+        sampler,
+        head,
     )
     assert list(result) == [4, 6, 2, -1] and result.path == [0, 2, 3]
     ((seen, token, token_pos, asked, _),) = head.calls
@@ -117,29 +121,23 @@ def test_a_malformed_tree_is_refused():
     bad = Branches(parents=(0, 0))  # two children of the root holding one token
     with pytest.raises(ValueError):
         finish_round(
-            Tail({}), "s", peaked(4, 0, 6), (1, 5, 5), 10, 2, Sampler(temp=0), None, 0, bad
+            Tail({}), Round("s", (1, 5, 5), 10, 2, branches=bad), peaked(4, 0, 6), Sampler(temp=0)
         )
     with pytest.raises(ValueError):  # a tree's round is its root and drafts alone
         finish_round(
             Tail({}),
-            "s",
+            Round("s", (7, 1, 5, 4), 9, 2, branches=Branches(parents=(0, 0))),
             peaked(7, 4, 0, 6),
-            (7, 1, 5, 4),
-            9,
-            2,
             Sampler(temp=0),
-            None,
-            0,
-            Branches(parents=(0, 0)),
         )
 
 
 def test_a_head_is_not_asked_for_zero_drafts_and_needs_no_features_then():
     head = RecordingHead()
-    result = finish_round(Tail({}), "s", peaked(2), (2,), 0, 0, Sampler(temp=0), head, 0)
+    result = finish_round(Tail({}), Round("s", (2,), 0), peaked(2), Sampler(temp=0), head)
     assert list(result) == [2] and result.drafts == [] and head.calls == []
 
 
 def test_a_draft_outside_the_vocabulary_is_a_value_error():
     with pytest.raises(ValueError, match="draft ids"):
-        finish_round(Tail({}), "s", peaked(1, 2), (0, VOCAB + 1), 0, 1, Sampler(temp=0))
+        finish_round(Tail({}), Round("s", (0, VOCAB + 1), 0, 1), peaked(1, 2), Sampler(temp=0))

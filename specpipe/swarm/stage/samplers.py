@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specpipe.core import coupling
-from specpipe.core.ring import Branches, Stage
+from specpipe.core.ring import Branches, Round, Stage
 from specpipe.core.sampling import Sampler, SamplingParams
 from specpipe.core.tree import TreeShape
 from specpipe.decoding.tail import finish_round
@@ -90,18 +90,15 @@ class TailSamplers:
             self.stats.count("gaps")
             return "gap", {"reason": f"{host}: no sampling parameters"}
         try:
-            result = finish_round(
-                self.stage,
+            r = Round(
                 message.session,
-                logits,
                 message.tokens,
                 message.start_pos,
                 message.n_draft,
-                sampler,
-                self.head,
                 message.head_k,
                 branches_of(message),
             )
+            result = finish_round(self.stage, r, logits, sampler, self.head)
         except ValueError as exc:  # e.g. a draft id outside the vocabulary, NaN logits
             self.stats.count("errors")
             return "error", {"reason": f"{host}: {exc}"}
