@@ -25,6 +25,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import redis
@@ -41,7 +42,7 @@ from specpipe.core.sampling import TokenLogprob
 from specpipe.core.stopping import GenerationText
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.target import Target, context_error, open_target
-from specpipe.settings import Settings
+from specpipe.settings import Settings, prefix_reuse
 from specpipe.swarm.failover import (
     CheckedRing,
     drop_quietly,
@@ -51,12 +52,14 @@ from specpipe.swarm.failover import (
 )
 from specpipe.swarm.inventory import RouteError
 from specpipe.swarm.kvbudget import Reservations
+from specpipe.swarm.prefix_directory import PrefixDirectory
 from specpipe.swarm.redact import one_line_reason
 from specpipe.swarm.redis_ring import ROUND_TIMEOUT_S, RedisRing, RingError
 from workers.attempt import Attempt, Superseded
 from workers.job_lock import lock_key
 from workers.locks import LockKeeper
 from workers.node_sync import sync_inventory
+from workers.prefix_reuse import PrefixReuse
 from workers.room import release_quietly, room_keeper
 
 log = logging.getLogger("specpipe.coordinator")
@@ -93,6 +96,7 @@ def run_job(
     eos_ids: Iterable[int] = (),
     keep_alive: Callable[[], bool] | None = None,
     admit: Callable[[Job, R, int], Callable[[], None] | None] | None = None,
+    prefixes: PrefixReuse | None = None,
 ) -> str | None:
     """Run (or resume) one job to its end and return its status; None when there is no job.
 
@@ -102,7 +106,9 @@ def run_job(
     (`workers.attempt`): an attempt that a newer one superseded (its lock lost in a registry
     outage) stops at its next write without making it, and returns the job's status as it is
     then. `admit` (see `workers.room.Admit`) waits, the job still queued, until
-    its stages have room for its cache; the room goes back when the job ends, however it ends."""
+    its stages have room for its cache; the room goes back when the job ends, however it ends.
+    With `prefixes`, the job starts from a cache an earlier job kept where its tokens start with
+    that job's, and keeps its own when it ends (`workers.prefix_reuse`)."""
     eos = set(eos_ids)
     job, outcome = pending(session, job_id)
     if job is None:
@@ -118,6 +124,7 @@ def run_job(
     ring = None
     release: Callable[[], None] | None = None
     took = StartTimes()
+    leaving = Leaving(prefixes)
     try:
         ring = make_ring(job)
         took.mark("ring")
@@ -138,7 +145,7 @@ def run_job(
         attempt = _start_attempt(session, job, len(prompt_ids), took)
         _open_run(session, job, attempt, ring)
         return _generate(
-            session, job, attempt, ring, ring_session, prompt_ids, codec, eos, keep_alive
+            session, job, attempt, ring, ring_session, prompt_ids, codec, eos, keep_alive, leaving
         )
     except Superseded:
         return superseded(session, attempt)
@@ -156,7 +163,7 @@ def run_job(
         session.rollback()  # a failed flush or commit leaves the session unusable until then
         return finish(session, attempt, "failed", exc)
     finally:
-        _let_go(ring, ring_session, release)
+        _let_go(ring, ring_session, release, leaving)
 
 
 def _refusal(job: Job) -> tuple[str, str | None] | None:
@@ -216,10 +223,43 @@ def _open_run(session: Session, job: Job, attempt: Attempt, ring: Ring) -> None:
         attempt.run_started(session, _start_run(session, job, ring))
 
 
-def _let_go(ring: Ring | None, ring_session: str, release: Callable[[], None] | None) -> None:
-    """End the attempt's session on its ring and give its room back, whichever it got to."""
+@dataclass
+class Leaving:
+    """What an attempt's session leaves on its stages: nothing, or (with prefix reuse, once its
+    rounds ended as they should) its committed tokens' cache, kept as a prefix for later jobs."""
+
+    prefixes: PrefixReuse | None
+    dropped: bool = False  # the session was ended (its cache kept) already
+
+    def ended(self, job: Job, generation: Generation, ring: Ring, ring_session: str) -> None:
+        """The generation's rounds ended (done or cancelled): end its session, keeping what its
+        caches hold, and record it, before the job's end is stored and a next turn can come."""
+        keep = None if self.prefixes is None else self.prefixes.keep(job, generation.cached)
+        if keep is None:
+            return
+        try:
+            ring.drop(ring_session, keep=keep)
+        except Exception as exc:  # a cache not kept costs a later job its prefill only
+            log.warning("job %s: could not keep its cache: %s", job.id, exc)
+            return
+        self.dropped = True
+        route = [hop.host for hop in ring.route]
+        self.prefixes.kept(job, generation.tokens, keep, route)
+
+
+def _let_go(
+    ring: Ring | None,
+    ring_session: str,
+    release: Callable[[], None] | None,
+    leaving: Leaving,
+) -> None:
+    """End the attempt's session on its ring, unless its end kept its cache already, and give
+    its room back, whichever it got to."""
     if ring is not None:
-        drop_quietly(ring, ring_session)
+        if leaving.dropped:
+            ring.close()
+        else:
+            drop_quietly(ring, ring_session)
     if release is not None:
         release_quietly(release)
 
@@ -256,6 +296,7 @@ def _generate(
     codec: Codec,
     eos: set[int],
     keep_alive: Callable[[], bool] | None,
+    leaving: Leaving,
 ) -> str | None:
     """The job's rounds, each stored as it ends, until it is done, cancelled or taken over."""
     params = sampling_params(job)
@@ -266,11 +307,16 @@ def _generate(
     spent_s = len(resume) / job.tok_s if resume and job.tok_s else 0.0
     output = GenerationText(codec.decode, eos, job.stop or [])
 
+    start = None
+    if leaving.prefixes is not None:
+        route = [hop.host for hop in ring.route]
+        start = leaving.prefixes.start(job, prompt_ids + resume, route)
     generation = Generation(
         ring,
         ring_session,
         prompt_ids,
         params,
+        prefix=start,  # the cache an earlier job kept of the same first tokens, if any
         max_new_tokens=job.max_new_tokens,
         draft_k=job.draft_k,  # the most a round sends: each round's K is chosen
         adaptive=True,
@@ -296,6 +342,7 @@ def _generate(
         if keep_alive is not None and not keep_alive():
             log.warning("job %s: lost its lock to another coordinator; stopping", job.id)
             return job.status
+    leaving.ended(job, generation, ring, ring_session)
     return finish(session, attempt, status)
 
 
@@ -304,6 +351,7 @@ def run_on_swarm(session: Session, job: Job, settings: Settings, keeper: LockKee
     stages have room for it: a `CheckedRing` of `RedisRing`s, its KV room kept by `room_keeper`."""
     try:
         target = open_target(job.model)
+        reuse = prefix_reuse()
     except ValueError as exc:
         return finish(session, Attempt.seen(job), "failed", str(exc))
     except Exception as exc:  # a model that breaks its reader: still one line on the job
@@ -333,8 +381,11 @@ def run_on_swarm(session: Session, job: Job, settings: Settings, keeper: LockKee
         lock_key(settings.swarm, job.id),
         keeper.owned,
     )
+    prefixes = PrefixReuse(PrefixDirectory(client, settings.swarm), reuse)
     try:
-        return run_job(session, job.id, make_ring, target, target.eos_ids, keeper.owned, admit)
+        return run_job(
+            session, job.id, make_ring, target, target.eos_ids, keeper.owned, admit, prefixes
+        )
     finally:
         client.close()
 

@@ -221,6 +221,15 @@ class TappedStage(BatchedStage, Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Prefix:
+    """A prefix the stages keep: its name there, and the positions of it a session starts from
+    (`Ring.reset`) or a session's end keeps (`Ring.drop`)."""
+
+    name: str
+    length: int
+
+
 @runtime_checkable
 class PrefixStage(Stage, Protocol):
     """A stage that keeps an ended session's cache as a named prefix, for later sessions whose
@@ -270,8 +279,10 @@ class Hop(Protocol):
 class Ring(Protocol):
     """A path through every stage, ending in the tail's sampler."""
 
-    def reset(self, session: str, params: SamplingParams) -> None:
-        """Start (or restart) a session: clear caches, set the tail's sampling parameters."""
+    def reset(self, session: str, params: SamplingParams, prefix: Prefix | None = None) -> None:
+        """Start (or restart) a session: clear caches, set the tail's sampling parameters. With
+        `prefix`, each stage that keeps it starts the session from its first `prefix.length`
+        positions (one that does not starts it empty: the first round then gets a gap)."""
         ...
 
     def reseed(self, session: str, params: SamplingParams) -> None:
@@ -284,8 +295,9 @@ class Ring(Protocol):
         with the tail's draft head's proposal for the next round when `r` asks for one."""
         ...
 
-    def drop(self, session: str) -> None:
-        """End a session everywhere."""
+    def drop(self, session: str, keep: Prefix | None = None) -> None:
+        """End a session everywhere; with `keep`, every stage keeps the first `keep.length`
+        positions of its cache as the prefix `keep.name`."""
         ...
 
     def close(self) -> None:
@@ -305,7 +317,7 @@ class WatchedRing(Ring, Protocol):
 
     watchdog: Callable[[], str | None] | None
 
-    def drop(self, session: str, skip: Collection[str] = ()) -> None:
+    def drop(self, session: str, keep: Prefix | None = None, skip: Collection[str] = ()) -> None:
         """End a session on every stage but those of the hosts in `skip` (gone ones)."""
         ...
 

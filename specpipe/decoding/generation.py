@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from specpipe.core.ring import Branches, GapError, Ring, Round, RoundResult
+from specpipe.core.ring import Branches, GapError, Prefix, Ring, Round, RoundResult
 from specpipe.core.sampling import SamplingParams, TokenLogprob, committed_tokens
 from specpipe.core.tree import DraftTree, TreeShape
 from specpipe.drafting.length import DraftLength
@@ -56,6 +56,7 @@ class GenerationStats:
     accepted: int = 0  # of those, how many were committed
     generated: int = 0  # new tokens committed
     replays: int = 0  # prefix replays after a gap
+    reused: int = 0  # positions started from a kept prefix rather than prefilled
     head_rounds: int = 0  # rounds whose drafts the tail's drafter proposed
     tree_rounds: int = 0  # rounds that carried a draft tree (more than one branch)
     seconds: float = 0.0
@@ -94,6 +95,7 @@ class Generation:
         prefill_chunk: int = PREFILL_CHUNK,
         trees: bool = False,
         tree_drafts: int = 0,
+        prefix: Prefix | None = None,
     ):
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
@@ -105,6 +107,10 @@ class Generation:
         self.prefill_chunk = prefill_chunk  # 0: a prefix goes in one round, however long
         self.tokens = list(prompt_ids) + list(resume)  # everything committed, prompt included
         self.n_prompt = len(prompt_ids)
+        # A prefix of `tokens` the stages keep from an earlier session: the first round starts
+        # after it (the last token is always sent: a round samples after it).
+        self.prefix = prefix
+        self.cached = 0  # positions [0, cached) hold committed tokens in every stage's cache
         # By default the n-gram's drafts, and the tail's drafter's where its drafts can agree.
         self.sources = list(named_sources("both", params) if sources is None else sources)
         for source in self.sources:
@@ -136,12 +142,13 @@ class Generation:
     def rounds(self) -> Iterator[list[int]]:
         """Run rounds until EOS, `should_stop` or the token budget; yield each round's tokens."""
         started = time.perf_counter()
-        self.ring.reset(self.session, self.params)
+        self.ring.reset(self.session, self.params, self.prefix)
         self.keep = ()
-        cached = 0  # positions [0, cached) hold committed tokens in every stage's cache
+        self.cached = self.stats.reused = self._reusable()
         try:
             while not self.finished and len(self.generated) < self.max_new_tokens:
-                committed, cached = self._step(cached)
+                committed, cached = self._step(self.cached)
+                self.cached = min(cached, len(self.tokens))  # none past an EOS cut
                 self.stats.seconds = time.perf_counter() - started
                 yield committed
         finally:
@@ -149,6 +156,12 @@ class Generation:
             if self.finished or len(self.generated) >= self.max_new_tokens:
                 for source in self.sources:
                     source.forget()
+
+    def _reusable(self) -> int:
+        """The positions the kept prefix gives the session, short of the last token."""
+        if self.prefix is None:
+            return 0
+        return max(0, min(self.prefix.length, len(self.tokens) - 1))
 
     def _step(self, cached: int) -> tuple[list[int], int]:
         """One round: draft, verify through the ring, commit. The tokens it committed, and the
@@ -329,6 +342,7 @@ class Generation:
                 # prefix's replay is several rounds, and another stage may go (or the ring be
                 # re-routed) while they pass, so a round may replay more than once, boundedly.
                 self.stats.replays += 1
+                self.stats.reused = 0
                 self.ring.reset(self.session, self.params)
                 self.keep = ()
                 cached = 0

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from specpipe.core.coupling import sampler_for
-from specpipe.core.ring import Request, Round, RoundResult, Stage
+from specpipe.core.ring import Prefix, PrefixStage, Request, Round, RoundResult, Stage
 from specpipe.core.sampling import Sampler, SamplingParams
 from specpipe.decoding.tail import finish_round
 from specpipe.drafting.sources import TailDrafter
@@ -29,9 +29,11 @@ class LocalRing:
         self.taps = tuple(head.taps) if head is not None else ()
         self.samplers: dict[str, Sampler] = {}
 
-    def reset(self, session: str, params: SamplingParams) -> None:
+    def reset(self, session: str, params: SamplingParams, prefix: Prefix | None = None) -> None:
         for stage in self.stages:
             stage.drop(session)
+            if prefix is not None and isinstance(stage, PrefixStage):
+                stage.start_from_prefix(session, prefix.name, prefix.length)
         self.reseed(session, params)
 
     def reseed(self, session: str, params: SamplingParams) -> None:
@@ -67,8 +69,10 @@ class LocalRing:
             tail.features[session] = taps  # what the drafter drafts from: every row's taps
         return finish_round(tail, r, logits, sampler, self.head)
 
-    def drop(self, session: str) -> None:
+    def drop(self, session: str, keep: Prefix | None = None) -> None:
         for stage in self.stages:
+            if keep is not None and isinstance(stage, PrefixStage):
+                stage.keep_prefix(session, keep.name, keep.length)
             stage.drop(session)
         self.samplers.pop(session, None)
         if self.head is not None:

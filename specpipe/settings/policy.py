@@ -97,6 +97,20 @@ def job_limits() -> JobLimits:
     )
 
 
+PREFIX_REUSE = ("user", "shared", "off")
+
+
+def prefix_reuse() -> str:
+    """`SPECPIPE_PREFIX_REUSE`: which earlier jobs' kept caches a job may start from, where its
+    tokens start with theirs. `user` (the default): the same user's only, since a cache shared
+    between users lets one time whether another sent a prompt; `shared`: every user's (a long
+    system prompt is then prefilled once for all); `off`: none, and nothing is kept."""
+    value = (os.environ.get("SPECPIPE_PREFIX_REUSE") or "user").strip().lower()
+    if value not in PREFIX_REUSE:
+        raise ValueError(f"SPECPIPE_PREFIX_REUSE must be user, shared or off, got {value!r}")
+    return value
+
+
 def swarm_timezone() -> ZoneInfo:
     """`SPECPIPE_TIMEZONE` (UTC): the swarm's time zone, an IANA name such as Europe/Berlin.
     Beat fires the nightly at `SPECPIPE_NIGHTLY` there, and a night's key is its date there."""

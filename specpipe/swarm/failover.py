@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import redis
 
-from specpipe.core.ring import GapError, Hop, Ring, Round, RoundResult, WatchedRing
+from specpipe.core.ring import GapError, Hop, Prefix, Ring, Round, RoundResult, WatchedRing
 from specpipe.core.sampling import SamplingParams
 from specpipe.settings import Settings
 from specpipe.swarm import inventory, trust
@@ -97,18 +97,18 @@ class CheckedRing:
     def route(self) -> tuple:
         return tuple(self.ring.route) if self.ring is not None else ()
 
-    def reset(self, session: str, params: SamplingParams) -> None:
-        """Reset the session on every hop; a hop lost while its Redis does not answer (a job
-        starting, or replaying, as a stage's link goes down) is gone around as a round's is,
-        and the session reset on the new ring."""
+    def reset(self, session: str, params: SamplingParams, prefix: Prefix | None = None) -> None:
+        """Reset the session on every hop (from `prefix` where a stage keeps it); a hop lost
+        while its Redis does not answer (a job starting, or replaying, as a stage's link goes
+        down) is gone around as a round's is, and the session reset on the new ring."""
         try:
-            self.ring.reset(session, params)
+            self.ring.reset(session, params, prefix)
         except HopLostError as exc:
             self._around_lost(session, str(exc))
-            self.ring.reset(session, params)
+            self.ring.reset(session, params, prefix)
         except RingError as exc:
             self._fail_over_once_lost(session, exc)
-            self.ring.reset(session, params)
+            self.ring.reset(session, params, prefix)
         self._params[session] = params
 
     def reseed(self, session: str, params: SamplingParams) -> None:
@@ -182,10 +182,10 @@ class CheckedRing:
         self._fail_over(session, lost, why)
         return "re-routed around a lost stage"
 
-    def drop(self, session: str) -> None:
+    def drop(self, session: str, keep: Prefix | None = None) -> None:
         self._params.pop(session, None)
         if self.ring is not None:
-            self.ring.drop(session)
+            self.ring.drop(session, keep)
 
     def close(self) -> None:
         if self.ring is not None:

@@ -25,21 +25,13 @@ import hashlib
 import json
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import redis
 
+from specpipe.core.ring import Prefix
+
 BLOCK_TOKENS = 16  # the tokens a prefix is matched in: a match ends on a block's last token
 KEEP_S = 1800  # how long an entry lives: as long as a stage keeps a prefix nobody uses
-
-
-@dataclass(frozen=True)
-class KeptPrefix:
-    """A prefix kept on a route's stages: its name there and how many positions to use."""
-
-    name: str
-    length: int
-    route: tuple[str, ...]  # the hosts that keep it, in ring order
 
 
 def block_hashes(namespace: str, tokens: Sequence[int]) -> list[str]:
@@ -66,19 +58,19 @@ class PrefixDirectory:
     def _key(self, block: str) -> str:
         return f"specpipe:{self.swarm}:prefix:{block}"
 
-    def record(self, namespace: str, tokens: Sequence[int], kept: KeptPrefix) -> None:
-        """The route keeps `tokens`' first `kept.length` positions as `kept.name`: each full
-        block of them now names it."""
+    def record(
+        self, namespace: str, tokens: Sequence[int], kept: Prefix, route: Sequence[str]
+    ) -> None:
+        """`route`'s stages (their hosts, in ring order) keep `tokens`' first `kept.length`
+        positions as `kept.name`: each full block of them now names it."""
         blocks = block_hashes(namespace, tokens[: kept.length])
         pipe = self.client.pipeline(transaction=False)
         for i, block in enumerate(blocks):
-            entry = {"name": kept.name, "length": (i + 1) * BLOCK_TOKENS, "route": kept.route}
+            entry = {"name": kept.name, "length": (i + 1) * BLOCK_TOKENS, "route": list(route)}
             pipe.set(self._key(block), json.dumps(entry), ex=self.keep_s)
         pipe.execute()
 
-    def longest(
-        self, namespace: str, tokens: Sequence[int], route: Sequence[str]
-    ) -> KeptPrefix | None:
+    def longest(self, namespace: str, tokens: Sequence[int], route: Sequence[str]) -> Prefix | None:
         """The longest kept prefix of `tokens` (short of their last, which a round must send)
         that `route` keeps; None when there is none."""
         blocks = block_hashes(namespace, tokens[: len(tokens) - 1])
@@ -87,17 +79,18 @@ class PrefixDirectory:
         found = self.client.mget([self._key(b) for b in blocks])
         for raw in reversed(found):
             entry = _entry(raw)
-            if entry is not None and entry.route == tuple(route):
-                return entry
+            if entry is not None and entry[1] == list(route):
+                return entry[0]
         return None
 
 
-def _entry(raw: bytes | None) -> KeptPrefix | None:
-    """A directory entry as read, None when there is none or it is not one."""
+def _entry(raw: bytes | None) -> tuple[Prefix, list] | None:
+    """A directory entry as read (the prefix, the route keeping it), None when there is none
+    or it is not one."""
     if raw is None:
         return None
     try:
         entry = json.loads(raw)
-        return KeptPrefix(str(entry["name"]), int(entry["length"]), tuple(entry["route"]))
+        return Prefix(str(entry["name"]), int(entry["length"])), list(entry["route"])
     except (ValueError, KeyError, TypeError):
         return None

@@ -36,7 +36,7 @@ from dataclasses import replace
 import redis
 
 from specpipe.core.coupling import sampler_for
-from specpipe.core.ring import GapError, Round, RoundResult
+from specpipe.core.ring import GapError, Prefix, Round, RoundResult
 from specpipe.core.sampling import SamplingParams, TokenLogprob
 from specpipe.settings import Settings
 from specpipe.swarm import identity, inventory, mending, streams, trust, wire
@@ -210,8 +210,9 @@ class RedisRing:
             route, settings.swarm, keys, reply, dialer=dialer, registry_url=registry, **options
         )
 
-    def reset(self, session: str, params: SamplingParams) -> None:
-        """Clear every stage's cache for the session and give the tail its sampling parameters."""
+    def reset(self, session: str, params: SamplingParams, prefix: Prefix | None = None) -> None:
+        """Clear every stage's cache for the session (or start it from the kept `prefix`, on the
+        stages that keep it) and give the tail its sampling parameters."""
         sampler_for(params)  # ValueError if invalid
 
         def reset() -> None:
@@ -221,7 +222,7 @@ class RedisRing:
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 where = f"the reply Redis at {redact_url(self.reply_url)}"
                 raise redis.ConnectionError(f"cannot reach {where}: {exc}") from None
-            self._control(session, "reset", params)
+            self._control(session, "reset", params, prefix=prefix)
 
         self._until_reachable(reset)
         self._cursor[session] = "0-0"
@@ -385,10 +386,12 @@ class RedisRing:
         the base timeout and the tokens' share of work."""
         return self.timeout_s + n_tokens * self.per_token_s
 
-    def drop(self, session: str, skip: Collection[str] = ()) -> None:
-        """Forget the session on every stage (but the hosts in `skip`, gone ones) and delete
-        its reply stream."""
-        self._control(session, "drop", None, [hop for hop in self.route if hop.host not in skip])
+    def drop(self, session: str, keep: Prefix | None = None, skip: Collection[str] = ()) -> None:
+        """Forget the session on every stage (but the hosts in `skip`, gone ones), each keeping
+        its cache's first positions as the prefix `keep` if given, and delete its reply
+        stream."""
+        hops = [hop for hop in self.route if hop.host not in skip]
+        self._control(session, "drop", None, hops, prefix=keep)
         self.connections.get(self.reply_url).delete(streams.reply_key(self.swarm, session))
         self._params.pop(session, None)
         self._cursor.pop(session, None)
@@ -433,7 +436,10 @@ class RedisRing:
         kind: str,
         params: SamplingParams | None,
         hops: Sequence[wire.Hop] | None = None,
+        prefix: Prefix | None = None,
     ) -> None:
+        """Send a reset, reseed or drop to each of `hops` (default: the route); `prefix`: the
+        kept prefix a reset starts from or a drop keeps."""
         fields = {} if params is None else params.to_fields()
         message = wire.Message(
             kind=kind,
@@ -443,6 +449,8 @@ class RedisRing:
             sender=wire.COORDINATOR,
             params=fields,
             wait_ms=int(self.round_wait_s(0) * 1000),
+            prefix=prefix.name if prefix else "",
+            start_pos=prefix.length if prefix else 0,
         )
         for hop in self.route if hops is None else hops:
             to = streams.stage_key(self.swarm, hop.host)

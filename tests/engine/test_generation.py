@@ -186,8 +186,8 @@ class RecordingRing:
         self.ring, self.sent = ring, []
         self.route = ring.route
 
-    def reset(self, session, params):
-        self.ring.reset(session, params)
+    def reset(self, session, params, prefix=None):
+        self.ring.reset(session, params, prefix)
 
     def reseed(self, session, params):
         self.ring.reseed(session, params)
@@ -196,8 +196,8 @@ class RecordingRing:
         self.sent.append(len(r.tokens) - r.n_draft)
         return self.ring.round(r)
 
-    def drop(self, session):
-        self.ring.drop(session)
+    def drop(self, session, keep=None):
+        self.ring.drop(session, keep)
 
     def close(self):
         self.ring.close()

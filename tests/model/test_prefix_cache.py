@@ -98,3 +98,42 @@ def test_a_sliding_window_that_forgot_the_prefix_gives_a_gap(checkpoints, monkey
         stage.forward("b", tokens[10:12], 10)
     assert stage.start_from_prefix("c", "p", 59)  # near the end, the window is held
     stage.forward("c", tokens[59:60], 59)
+
+
+def generation(ring, session, prompt, draft_k=4, prefix=None):
+    from specpipe.core.sampling import SamplingParams
+    from specpipe.decoding.generation import Generation
+
+    params = SamplingParams(temp=0.9, top_p=0.95, seed=11)
+    return Generation(
+        ring, session, prompt, params, max_new_tokens=24, draft_k=draft_k, prefix=prefix
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "gptoss"])
+def test_a_next_turn_from_the_last_ones_kept_cache_commits_the_same_tokens(checkpoints, family):
+    """A conversation's next turn starts from the cache the last one kept: the same tokens as a
+    cold start, with speculation and without, and only the new tokens go through the ring."""
+    from specpipe.core.ring import Prefix
+    from specpipe.decoding.local_ring import LocalRing
+
+    def ring():
+        stages = load_split(lambda: SafetensorsCheckpoint(checkpoints[family]), [1, 3])
+        return LocalRing(stages)
+
+    warm = ring()
+    first = generation(warm, "turn-1", ids(40, 5).tolist())
+    first.run()
+    kept = Prefix("turn-1", first.cached)
+    assert first.cached == len(first.tokens) - 1  # all but the last committed token
+    warm.drop("turn-1", keep=kept)
+    second_prompt = first.tokens + ids(9, 6).tolist()
+
+    cold = generation(ring(), "cold", second_prompt).run()
+    for draft_k in (4, 0):  # speculative, then plain
+        turn = generation(warm, f"turn-2-{draft_k}", second_prompt, draft_k, prefix=kept)
+        assert turn.run() == cold
+        assert turn.stats.reused == kept.length and turn.stats.replays == 0
+    # A prefix the stages do not keep: a gap at the first round, a full prefill, the same tokens.
+    lost = generation(warm, "lost", second_prompt, prefix=Prefix("nowhere", kept.length))
+    assert lost.run() == cold and lost.stats.replays == 1 and lost.stats.reused == 0

@@ -108,8 +108,8 @@ class DyingRing:
     def __init__(self, ring, rounds: int, on_round=None) -> None:
         self.ring, self.left, self.on_round = ring, rounds, on_round
 
-    def reset(self, session, params):
-        self.ring.reset(session, params)
+    def reset(self, session, params, prefix=None):
+        self.ring.reset(session, params, prefix)
 
     def reseed(self, session, params):
         self.ring.reseed(session, params)
@@ -122,8 +122,8 @@ class DyingRing:
         self.left -= 1
         return self.ring.round(r)
 
-    def drop(self, session):
-        self.ring.drop(session)
+    def drop(self, session, keep=None):
+        self.ring.drop(session, keep)
 
     def close(self):
         self.ring.close()
@@ -309,8 +309,8 @@ class FailingRing:
     def __init__(self, error: BaseException, rounds: int = 2) -> None:
         self.ring, self.error, self.left = local_ring(), error, rounds
 
-    def reset(self, session, params):
-        self.ring.reset(session, params)
+    def reset(self, session, params, prefix=None):
+        self.ring.reset(session, params, prefix)
 
     def reseed(self, session, params):
         self.ring.reseed(session, params)
@@ -321,8 +321,8 @@ class FailingRing:
         self.left -= 1
         return self.ring.round(r)
 
-    def drop(self, session):
-        self.ring.drop(session)
+    def drop(self, session, keep=None):
+        self.ring.drop(session, keep)
 
     def close(self):
         self.ring.close()
@@ -658,8 +658,8 @@ class GappyRing:
         self.route, self.ring, self.gap_at, self.rounds = route, local_ring(), gap_at, 0
         self.watchdog = None
 
-    def reset(self, session, params):
-        self.ring.reset(session, params)
+    def reset(self, session, params, prefix=None):
+        self.ring.reset(session, params, prefix)
 
     def reseed(self, session, params):
         self.ring.reseed(session, params)
@@ -672,8 +672,8 @@ class GappyRing:
             raise GapError("h1: lost the session's cache")
         return self.ring.round(r)
 
-    def drop(self, session, skip=()):
-        self.ring.drop(session)
+    def drop(self, session, keep=None, skip=()):
+        self.ring.drop(session, keep)
 
     def close(self):
         self.ring.close()
@@ -743,16 +743,16 @@ class LosingRing(GappyRing):
             raise HopLostError(self.watchdog() or "the watchdog saw nothing")
         return self.ring.round(r)
 
-    def drop(self, session, skip=()):
+    def drop(self, session, keep=None, skip=()):
         self.dropped_on = [hop.host for hop in self.route if hop.host not in skip]
-        self.ring.drop(session)
+        self.ring.drop(session, keep)
 
 
 class CutAtReset(LosingRing):
     """A routed toy ring whose h1 is cut off as a job starts: the reset finds h1's Redis not
     answering, and the watchdog says h1 is gone (with `error`, the reset's wait runs out)."""
 
-    def reset(self, session, params):
+    def reset(self, session, params, prefix=None):
         from specpipe.swarm.redis_ring import HopLostError, RingError
 
         if self.error:

@@ -137,8 +137,8 @@ class RouteRing:
         self.rounds = 0
         self.on_reroute = None  # its route never changes
 
-    def reset(self, session, params):
-        self.ring.reset(session, params)
+    def reset(self, session, params, prefix=None):
+        self.ring.reset(session, params, prefix)
 
     def reseed(self, session, params):
         self.ring.reseed(session, params)
@@ -151,8 +151,8 @@ class RouteRing:
             raise self.fail
         return self.ring.round(r)
 
-    def drop(self, session):
-        self.ring.drop(session)
+    def drop(self, session, keep=None):
+        self.ring.drop(session, keep)
 
     def close(self):
         self.ring.close()

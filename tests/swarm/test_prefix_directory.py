@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import redis
 
-from specpipe.swarm.prefix_directory import (
-    BLOCK_TOKENS,
-    KeptPrefix,
-    PrefixDirectory,
-    block_hashes,
-)
+from specpipe.core.ring import Prefix
+from specpipe.swarm.prefix_directory import BLOCK_TOKENS, PrefixDirectory, block_hashes
 
 ROUTE = ("a", "b")
 
@@ -32,10 +28,10 @@ def test_block_names_chain_every_token_before_them():
 def test_a_prompt_starts_from_the_longest_kept_prefix_its_route_keeps(redis_url, swarm):
     found = directory(redis_url, swarm)
     first_turn = list(range(100, 100 + 5 * BLOCK_TOKENS + 3))
-    found.record("user:1", first_turn, KeptPrefix("p1", len(first_turn), ROUTE))
+    found.record("user:1", first_turn, Prefix("p1", len(first_turn)), ROUTE)
     # The next turn: the first turn, then more.
     next_turn = first_turn + [7] * 40
-    assert found.longest("user:1", next_turn, ROUTE) == KeptPrefix("p1", 5 * BLOCK_TOKENS, ROUTE)
+    assert found.longest("user:1", next_turn, ROUTE) == Prefix("p1", 5 * BLOCK_TOKENS)
     # Diverging in the third block: the first two blocks match.
     diverged = first_turn[: 2 * BLOCK_TOKENS + 3] + [1] * 50
     assert found.longest("user:1", diverged, ROUTE).length == 2 * BLOCK_TOKENS
@@ -51,7 +47,7 @@ def test_a_prompt_starts_from_the_longest_kept_prefix_its_route_keeps(redis_url,
 def test_an_entry_that_is_not_one_is_no_match(redis_url, swarm):
     found = directory(redis_url, swarm)
     tokens = list(range(2 * BLOCK_TOKENS + 1))
-    found.record("u", tokens, KeptPrefix("p", len(tokens), ROUTE))
+    found.record("u", tokens, Prefix("p", len(tokens)), ROUTE)
     found.client.set(found._key(block_hashes("u", tokens)[1]), b"not json")
     assert found.longest("u", tokens, ROUTE).length == BLOCK_TOKENS
     assert 0 < found.client.ttl(found._key(block_hashes("u", tokens)[0])) <= found.keep_s

@@ -361,3 +361,54 @@ def test_no_swarm_running_is_one_line(monkeypatch, db_url, private_redis):
     client = redis.Redis.from_url(private_redis)
     assert client.llen(COORDINATOR_QUEUE) == 0
     client.close()
+
+
+def prefix_hits(swarm) -> dict[str, int]:
+    """Each stage's count of sessions started from a prefix it kept."""
+    from specpipe.swarm import streams
+
+    client = redis.Redis.from_url(swarm.redis_url)
+    try:
+        return {
+            host: int(client.hget(streams.stats_key(swarm.swarm, host), "prefix_hits") or 0)
+            for host in ("s0", "s1")
+        }
+    finally:
+        client.close()
+
+
+def ask(prompt: str, *args: str) -> dict:
+    result = CliRunner().invoke(cli, ["generate", prompt, "--raw", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_a_next_turn_starts_from_the_cache_its_last_turn_kept(tiny, env, swarm):
+    """The stages keep a job's cache; the same user's next job, whose prompt starts with that
+    job's prompt and output, starts from it with the same tokens as a cold run. Another user's
+    job with the same prompt does not (prefixes are per user unless shared)."""
+    words = " ".join(f"w{10 + i % 70}" for i in range(60))  # three blocks and more
+    first = ask(words, *options(tiny, temp=0.9, seed=4, max_new_tokens=20))
+    next_turn = f"{words} {first['text']} w20 w21 w22"
+    before = prefix_hits(swarm)
+    second = ask(next_turn, *options(tiny, temp=0.9, seed=5, max_new_tokens=20))
+    assert prefix_hits(swarm) == {h: n + 1 for h, n in before.items()}
+    cold = ask(
+        next_turn, "--local", "--stages", "2", *options(tiny, temp=0.9, seed=5, max_new_tokens=20)
+    )
+    assert second["tokens"] == cold["tokens"] and cold["tokens"]
+
+    # Another user sends the same next turn: no kept prefix of theirs, so a full prefill.
+    from tests.factories import gen_user
+
+    before = prefix_hits(swarm)
+    sessions = make_session_factory(env)
+    with sessions() as session:
+        other = gen_user(session, f"other-{uuid.uuid4().hex[:6]}")
+        submitter = Submitter.connect(swarm.redis_url, str(tiny), job_limits())
+        params = dict(prompt=next_turn, raw_prompt=True, temp=0.9, seed=5, max_new_tokens=20)
+        params.update(top_p=1.0, top_k=0, draft_k=4, stop=[], sampler="gumbel")
+        job_id = submitter.submit(session, params, owner=other).id
+    job = watch(env, lambda j: j.id == job_id and j.status == "done", "the other user's job")
+    assert job.output_ids == cold["tokens"]
+    assert prefix_hits(swarm) == before
