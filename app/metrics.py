@@ -162,7 +162,7 @@ class StageCollector(Collector):
         stats = self._stats()
         by_host = {
             name: {h: s[name] for h, s in stats.items() if name in s}
-            for name in ("processed", "forwards")
+            for name in ("processed", "forwards", "prefix_hits", "prefix_misses", "kept_tokens")
         }
         # A mean over no forward yet is no number at all, not 0.
         for name in ("batch_size", "forward_ms"):
@@ -192,6 +192,29 @@ class StageCollector(Collector):
             "Running mean of a stage's forward.",
             "host",
             by_host["forward_ms"],
+        )
+        yield from self._prefixes(by_host)
+
+    @staticmethod
+    def _prefixes(by_host: dict[str, dict[str, float]]) -> Iterator[Metric]:
+        """What the stages keep of ended jobs for later ones, and how often it served."""
+        yield labelled_gauge(
+            "specpipe_stage_kept_prefix_tokens",
+            "Positions of cache a stage keeps of ended jobs, for later jobs that start alike.",
+            "host",
+            by_host["kept_tokens"],
+        )
+        yield labelled_counter(
+            "specpipe_stage_prefix_hits_total",
+            "Jobs that started from a prefix a stage kept.",
+            "host",
+            by_host["prefix_hits"],
+        )
+        yield labelled_counter(
+            "specpipe_stage_prefix_misses_total",
+            "Jobs whose kept prefix a stage no longer held (they prefilled in full).",
+            "host",
+            by_host["prefix_misses"],
         )
 
     @staticmethod

@@ -40,7 +40,9 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     `stats`, read from its own Redis: rounds processed, the forwards they ran in (several
     sessions' rounds batched are one), messages dropped, replayed, gaps, errors, and running
     means of its forward, of what the hop adds around it and of the rounds per forward
-    (`forward_ms`, `hop_ms`, `batch_size`); null where that Redis cannot be reached. Once the
+    (`forward_ms`, `hop_ms`, `batch_size`), the prefixes of ended jobs it keeps for later
+    ones (`kept_prefixes`, `kept_tokens`) and the jobs that started from one or found theirs
+    gone (`prefix_hits`, `prefix_misses`); null where that Redis cannot be reached. Once the
     ring has carried rounds, `ring` gives its latency: per hop the forward, the handling and
     the link to the next hop (half the PING round trip each stage measures at its
     heartbeats), the ring's time per round and the latency ceiling in tok/s at
@@ -69,7 +71,8 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     if warning := inventory.inexact_warning(found.nodes):
         click.echo(f"warning: {warning}", err=True)
     records = _records(found.nodes, swarm, found.now)
-    latency = _latency(found.nodes, {r["host"]: r["stats"] for r in records}, found.now)
+    stats = {r["host"]: r["stats"] for r in records}
+    latency = _latency(found.nodes, stats, found.now)
     if as_json:
         ring = latency.as_dict() if latency else None
         click.echo(
@@ -79,7 +82,7 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
             )
         )
         return
-    for line in _text(found, swarm, latency):
+    for line in _text(found, swarm, latency, stats):
         click.echo(line)
 
 
@@ -111,8 +114,9 @@ def _verified_inventory(redis_url: str, swarm: str):
         client.close()
 
 
-def _text(found, swarm: str, latency) -> list[str]:
-    """The table of nodes, the ring's latency under it, and the count of ignored records."""
+def _text(found, swarm: str, latency, stats: dict) -> list[str]:
+    """The table of nodes, the ring's latency under it, what the stages keep of ended jobs,
+    and the count of ignored records."""
     from specpipe.swarm import inventory
 
     lines = (
@@ -120,9 +124,25 @@ def _text(found, swarm: str, latency) -> list[str]:
     )
     if latency:
         lines += inventory.latency_lines(latency)
+    lines += _kept_lines(stats)
     if found.ignored:
         lines.append(inventory.ignored_note(found.ignored))
     return lines
+
+
+def _kept_lines(stats: dict) -> list[str]:
+    """Per stage that kept any: the prefixes of ended jobs it keeps for later ones, and how
+    often a job found its prefix there or not."""
+    lines = []
+    for host, counts in stats.items():
+        if counts and (counts.get("kept_prefixes") or counts.get("prefix_hits")):
+            lines.append(
+                f"  {host}: keeps {int(counts.get('kept_prefixes', 0))} prefix(es), "
+                f"{int(counts.get('kept_tokens', 0))} tokens; started from one "
+                f"{int(counts.get('prefix_hits', 0))} time(s), missed "
+                f"{int(counts.get('prefix_misses', 0))}"
+            )
+    return ["kept prefixes:", *lines] if lines else []
 
 
 def _latency(found: list, stats: dict, now: float):

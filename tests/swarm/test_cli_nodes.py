@@ -34,6 +34,23 @@ def test_nodes_prints_the_inventory_in_ring_order(swarm, redis_url, key):
     assert lines[2].split()[:4] == ["nj", "tail", "2:4", "online"]
 
 
+def test_nodes_say_what_each_stage_keeps_of_ended_jobs(swarm, redis_url, key):
+    client = redis.Redis.from_url(redis_url)
+    inventory.publish(client, swarm, NodeInfo("wa", 0, 2, redis_url), key)
+    inventory.publish(client, swarm, NodeInfo("nj", 2, 4, redis_url), key)
+    kept = {"kept_prefixes": 2, "kept_tokens": 1234, "prefix_hits": 5, "prefix_misses": 1}
+    client.hset(streams.stats_key(swarm, "nj"), mapping=kept)
+    client.hset(streams.stats_key(swarm, "wa"), mapping={"processed": 3, "kept_prefixes": 0})
+    client.close()
+    result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    at = lines.index("kept prefixes:")
+    assert lines[at + 1 :] == [
+        "  nj: keeps 2 prefix(es), 1234 tokens; started from one 5 time(s), missed 1"
+    ]
+
+
 def test_nodes_with_an_empty_swarm(swarm, redis_url):
     result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm])
     assert result.exit_code == 0 and f"no nodes in swarm '{swarm}'" in result.output

@@ -389,6 +389,9 @@ def test_metrics_parse_as_prometheus_text(app, client, session):
         "specpipe_stage_forwards": ("counter", {}),
         "specpipe_stage_batch_size": ("gauge", {}),
         "specpipe_stage_forward_ms": ("gauge", {}),
+        "specpipe_stage_kept_prefix_tokens": ("gauge", {}),
+        "specpipe_stage_prefix_hits": ("counter", {}),
+        "specpipe_stage_prefix_misses": ("counter", {}),
     }
     # Each app has its own registry: a second app on the same store reads the same numbers.
     other = create_app({**app.config, "TESTING": True})
@@ -412,6 +415,7 @@ def test_metrics_give_each_verified_stage_its_counters_and_batch_size(app, clien
         down = inventory.NodeInfo("mn", 0, 2, f"redis://127.0.0.1:{free_port()}/0")
         inventory.publish(registry, swarm, down, key)
         stats = {"processed": 12, "forwards": 4, "batch_size": 2.5, "forward_ms": 3.25}
+        stats.update(kept_tokens=640, prefix_hits=3, prefix_misses=1)
         registry.hset(streams.stats_key(swarm, "nj"), mapping=stats)
         registry.hset(streams.stats_key(swarm, "tx"), mapping=stats)
         idle = {"processed": 0, "forwards": 0, "batch_size": 0.0, "forward_ms": 0.0}
@@ -435,6 +439,15 @@ def test_metrics_give_each_verified_stage_its_counters_and_batch_size(app, clien
     }
     assert metrics["specpipe_stage_forward_ms"][1] == {
         ("specpipe_stage_forward_ms", (("host", "nj"),)): 3.25
+    }
+    assert metrics["specpipe_stage_kept_prefix_tokens"][1] == {
+        ("specpipe_stage_kept_prefix_tokens", (("host", "nj"),)): 640.0
+    }
+    assert metrics["specpipe_stage_prefix_hits"][1] == {
+        ("specpipe_stage_prefix_hits_total", (("host", "nj"),)): 3.0
+    }
+    assert metrics["specpipe_stage_prefix_misses"][1] == {
+        ("specpipe_stage_prefix_misses_total", (("host", "nj"),)): 1.0
     }
 
 
