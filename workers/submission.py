@@ -10,7 +10,9 @@ A missing or blank seed is drawn at random and recorded, so every job can be run
 
 Every job has an owner: the user who submitted it (the built-in admin when none is given, as for
 `specpipe generate`). A user with `JobLimits.max_active_jobs` jobs queued or running gets
-TooManyActiveJobs instead of another.
+TooManyActiveJobs instead of another. Several jobs asked for together (an OpenAI request's `n`
+choices) are submitted all or none: counted against that cap together, stored in one commit,
+and failed together when one of them cannot be handed over.
 
 A job whose prompt tokens plus `max_new_tokens` pass the model's context length is refused
 (a `max_new_tokens` field error). Counting the prompt's tokens needs the model's tokenizer,
@@ -23,11 +25,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from celery import Celery
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from models.db import utcnow
@@ -47,20 +49,26 @@ class TooManyActiveJobs(RuntimeError):
 
     retry_after_s = 10  # a hint: jobs finish, or can be cancelled, meanwhile
 
-    def __init__(self, limit: int):
-        super().__init__(
-            f"you already have {limit} jobs queued or running, the most allowed: "
-            "wait for some to finish (or cancel some) and submit again"
-        )
+    def __init__(self, limit: int, active: int | None = None, wanted: int = 1):
+        if wanted == 1:
+            held = f"you already have {limit} jobs queued or running, the most allowed"
+        else:
+            held = (
+                f"you have {active} jobs queued or running and asked for {wanted} more, "
+                f"but at most {limit} are allowed"
+            )
+        super().__init__(f"{held}: wait for some to finish (or cancel some) and submit again")
         self.limit = limit
 
 
 class QueueUnavailable(RuntimeError):
-    """The job was stored but could not be handed to the coordinator."""
+    """The job was stored but could not be handed to the coordinator; `jobs` are all those
+    submitted together (the first is `job`), every one of them failed."""
 
-    def __init__(self, job: Job, reason: str):
+    def __init__(self, job: Job, reason: str, jobs: list[Job] | None = None):
         super().__init__(reason)
         self.job = job
+        self.jobs = jobs or [job]
 
 
 def make_client(broker_url: str) -> Celery:
@@ -129,10 +137,41 @@ class Submitter:
         Raises TooManyActiveJobs, storing nothing, when the owner is at the active-jobs cap, and
         QueueUnavailable, with the job marked failed, when the broker cannot be reached.
         """
+        return self.submit_all(session, [params], owner)[0]
+
+    def submit_all(
+        self,
+        session: Session,
+        requests: Sequence[Mapping[str, object]],
+        owner: User | None = None,
+    ) -> list[Job]:
+        """Store a queued job for each of `requests` (checked params, as `submit` takes them)
+        in one commit, and enqueue them in order: all or none.
+
+        Raises TooManyActiveJobs, storing nothing, when the owner has no room for all of them,
+        and QueueUnavailable when one cannot be handed over: then every one of them is failed,
+        or cancelled where a coordinator took it meanwhile (it takes queued jobs in turn,
+        whichever message it was handed)."""
         owner = owner or builtin_admin(session)
-        self.check_active(session, owner)
+        self.check_active(session, owner, len(requests))
+        jobs = [self._queued_job(owner, params) for params in requests]
+        session.add_all(jobs)
+        session.commit()
+        try:
+            for job in jobs:
+                job.task_id = self.enqueue(job.id)
+        except Exception as exc:  # kombu and redis raise several types; all mean the same here
+            log.warning("could not enqueue job %s: %s", job.id, exc)
+            reason = f"could not reach the job queue: {exc}"
+            _fail_all(session, jobs, reason)
+            raise QueueUnavailable(jobs[0], reason, jobs) from exc
+        session.commit()
+        return jobs
+
+    def _queued_job(self, owner: User, params: Mapping[str, object]) -> Job:
+        """A queued job of `owner` for checked `params`, its seed drawn where none was given."""
         seed = params.get("seed")
-        job = Job(
+        return Job(
             user_id=owner.id,
             prompt=params["prompt"],
             model=self.model,
@@ -151,22 +190,9 @@ class Submitter:
             logprobs=params.get("logprobs"),
             status="queued",
         )
-        session.add(job)
-        session.commit()
-        try:
-            job.task_id = self.enqueue(job.id)
-        except Exception as exc:  # kombu and redis raise several types; all mean the same here
-            log.warning("could not enqueue job %s: %s", job.id, exc)
-            job.status = "failed"
-            job.error = f"could not reach the job queue: {exc}"
-            job.finished_at = utcnow()
-            session.commit()
-            raise QueueUnavailable(job, job.error) from exc
-        session.commit()
-        return job
 
-    def check_active(self, session: Session, owner: User) -> None:
-        """Raise TooManyActiveJobs when `owner` has no room for another job.
+    def check_active(self, session: Session, owner: User, wanted: int = 1) -> None:
+        """Raise TooManyActiveJobs when `owner` has no room for `wanted` more jobs.
 
         The owner's row is locked until the caller commits (on PostgreSQL), so two submissions
         racing each other are counted one after the other."""
@@ -176,9 +202,9 @@ class Submitter:
             .select_from(Job)
             .where(Job.user_id == owner.id, Job.status.in_(ACTIVE_STATUSES))
         )
-        if active >= self.limits.max_active_jobs:
+        if active + wanted > self.limits.max_active_jobs:
             session.rollback()
-            raise TooManyActiveJobs(self.limits.max_active_jobs)
+            raise TooManyActiveJobs(self.limits.max_active_jobs, active, wanted)
 
     def enqueue(self, job_id: int) -> str:
         """Publish the generate task for `job_id`; returns the task id, raises when unreachable."""
@@ -211,6 +237,25 @@ def _target_here(model: str) -> Target | None:
                 log.info("cannot open model %r to check prompts' length here: %s", model, exc)
                 _TARGETS[model] = None
         return _TARGETS[model]
+
+
+def _fail_all(session: Session, jobs: list[Job], reason: str) -> None:
+    """Fail the jobs of a submission that could not all be handed over. A job still queued
+    fails at once, whether or not its own message went out (a coordinator skips a finished
+    job); one a coordinator started meanwhile is asked to stop at its next round."""
+    session.rollback()
+    ids = [job.id for job in jobs]
+    session.execute(
+        update(Job)
+        .where(Job.id.in_(ids), Job.status == "queued")
+        .values(status="failed", error=reason, finished_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+    for job in jobs:
+        session.refresh(job)
+        if job.status in ACTIVE_STATUSES and job.request_cancel():
+            session.commit()
 
 
 def _prompt_ids(target: Target, params: Mapping[str, object]) -> list[int]:
