@@ -1,13 +1,14 @@
 """Rate limits (Flask-Limiter), counted in the swarm's Redis so every web process shares them.
 
 Job submissions per user (`SUBMIT_RATE`: the form, a re-run, the API and the OpenAI-compatible
-completions draw on one allowance), and failed logins twice over, both at the client's address:
-per address (`LOGIN_RATE`), whatever the names posted, and per account name posted from that
-address (`LOGIN_ACCOUNT_RATE`). Neither counts one account's failures across addresses: then a
-stranger posting wrong passwords for a name would lock its owner out everywhere. Behind a
-trusted proxy the client address is the forwarded one (`app.proxy`). A request over a limit is
-answered 429 with `Retry-After` (`app.errors`). The cap on a user's queued and running jobs is
-not a rate: the submission path checks it (`workers.submission`).
+completions draw on one allowance, a completion one job for each choice it asks for), and failed
+logins twice over, both at the client's address: per address (`LOGIN_RATE`), whatever the names
+posted, and per account name posted from that address (`LOGIN_ACCOUNT_RATE`). Neither counts one
+account's failures across addresses: then a stranger posting wrong passwords for a name would
+lock its owner out everywhere. Behind a trusted proxy the client address is the forwarded one
+(`app.proxy`). A request over a limit is answered 429 with `Retry-After` (`app.errors`). The cap
+on a user's queued and running jobs is not a rate: the submission path checks it
+(`workers.submission`).
 
 Each app has its own `Limiter` (as it has its own metrics registry), which wraps the limited
 views once the blueprints are registered, so several apps in one process never share state.
@@ -21,6 +22,8 @@ import time
 from flask import Flask, Response, current_app, g, request
 from flask_limiter import Limiter
 from flask_limiter.util import get_remote_address
+
+from app.openai.requests import choices_asked
 
 SUBMISSION_ENDPOINTS = (
     "jobs.submit",
@@ -41,6 +44,12 @@ def storage_uri(redis_url: str) -> str:
 
 def _user_key() -> str:
     return f"user-{g.user.id}"
+
+
+def _jobs_asked() -> int:
+    """What a submission costs of the allowance: the jobs it asks for, one unless it is an
+    OpenAI completion asking for several choices."""
+    return choices_asked() if request.blueprint == "openai" else 1
 
 
 def _account_at_address_key() -> str:
@@ -75,7 +84,11 @@ def init_app(app: Flask) -> None:
         swallow_errors=True,
     )
     submissions = limiter.shared_limit(
-        lambda: app.config["SUBMIT_RATE"], scope="submit", key_func=_user_key, methods=["POST"]
+        lambda: app.config["SUBMIT_RATE"],
+        scope="submit",
+        key_func=_user_key,
+        methods=["POST"],
+        cost=_jobs_asked,
     )
     for endpoint in SUBMISSION_ENDPOINTS:
         app.view_functions[endpoint] = submissions(app.view_functions[endpoint])

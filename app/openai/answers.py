@@ -1,9 +1,15 @@
-"""The JSON of an answer: a whole completion, a stream's chunks, usage and log-probabilities."""
+"""The JSON of an answer: a whole completion, a stream's chunks, usage and log-probabilities.
+
+A request's answer has a choice per job (`n` of them), in index order; its id and creation time
+are its first job's.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from app.openai.requests import Completion
 from app.openai.tools import answer_calls
@@ -49,9 +55,26 @@ def fingerprint(job: Job) -> str:
     return "fp_" + hashlib.sha256(f"{job.model}|{'+'.join(versions)}".encode()).hexdigest()[:12]
 
 
-def usage(job: Job) -> dict:
-    """The tokens of the prompt and of the completion."""
-    prompt, completion = job.prompt_tokens or 0, len(job.output_ids or [])
+@dataclass(frozen=True)
+class Answer:
+    """The jobs that answer one request, a choice each, in index order."""
+
+    job_ids: tuple[int, ...]
+    created: int  # the first job's, in seconds
+
+    @classmethod
+    def of(cls, jobs: Sequence[Job]) -> Answer:
+        """The answer of `jobs`, the first choice's first."""
+        first = jobs[0]
+        created = int(first.created_at.timestamp()) if first.created_at else int(time.time())
+        return cls(tuple(job.id for job in jobs), created)
+
+
+def usage(jobs: Sequence[Job]) -> dict:
+    """The tokens of the prompt, counted once as every choice is fed the same, and of the
+    completions of all choices together."""
+    prompt = max(job.prompt_tokens or 0 for job in jobs)
+    completion = sum(len(job.output_ids or []) for job in jobs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -68,6 +91,15 @@ def _extension(job: Job) -> dict:
         "rounds": job.rounds,
         "tok_s": job.tok_s,
     }
+
+
+def _extensions(jobs: Sequence[Job]) -> dict:
+    """The answer's extension object: the first choice's, and with several choices each
+    choice's in `choices`, in index order."""
+    first = _extension(jobs[0])
+    if len(jobs) == 1:
+        return first
+    return {**first, "choices": [_extension(job) for job in jobs]}
 
 
 def _token_text(target, token: int) -> str:
@@ -114,29 +146,42 @@ def logprobs_of(completion: Completion, job: Job, start: int, end: int, target, 
     return _completion_logprobs(entries, ids, target, offset)
 
 
-def head(completion: Completion, job: Job, chunk: bool) -> dict:
-    """The fields every answer and chunk starts with."""
+def head(completion: Completion, answer: Answer, job: Job, chunk: bool) -> dict:
+    """The fields every answer and chunk starts with; `job` the one it tells of."""
     if completion.chat:
         kind = "chat.completion.chunk" if chunk else "chat.completion"
         prefix = "chatcmpl"
     else:
         kind, prefix = "text_completion", "cmpl"
-    created = int(job.created_at.timestamp()) if job.created_at else int(time.time())
     return {
-        "id": f"{prefix}-{job.id}",
+        "id": f"{prefix}-{answer.job_ids[0]}",
         "object": kind,
-        "created": created,
+        "created": answer.created,
         "model": job.model,
         "system_fingerprint": fingerprint(job),
     }
 
 
-def whole_answer(completion: Completion, job: Job) -> dict:
-    """The non-streamed response for a finished job."""
+def whole_answer(completion: Completion, jobs: Sequence[Job]) -> dict:
+    """The non-streamed response for finished jobs, a choice each."""
+    return {
+        **head(completion, Answer.of(jobs), jobs[0], False),
+        "choices": [_choice(completion, job, index) for index, job in enumerate(jobs)],
+        "usage": usage(jobs),
+        "specpipe": _extensions(jobs),
+    }
+
+
+def _choice(completion: Completion, job: Job, index: int) -> dict:
+    """A whole answer's choice: the output of its finished job."""
     target = job_target(job)
     text = job.output_text or ""
     logprobs = logprobs_of(completion, job, 0, len(job.output_ids or []), target, 0)
-    choice: dict = {"index": 0, "finish_reason": finish_reason(job, target), "logprobs": logprobs}
+    choice: dict = {
+        "index": index,
+        "finish_reason": finish_reason(job, target),
+        "logprobs": logprobs,
+    }
     if completion.chat and speaks_harmony(target):
         reply = split_reply(text)
         choice["message"] = _harmony_message(completion, reply)
@@ -145,12 +190,7 @@ def whole_answer(completion: Completion, job: Job) -> dict:
         choice["message"] = {"role": "assistant", "content": text, "refusal": None}
     else:
         choice["text"] = text
-    return {
-        **head(completion, job, False),
-        "choices": [choice],
-        "usage": usage(job),
-        "specpipe": _extension(job),
-    }
+    return choice
 
 
 def _harmony_message(completion: Completion, reply: Reply) -> dict:
@@ -168,9 +208,14 @@ def _harmony_message(completion: Completion, reply: Reply) -> dict:
     return message
 
 
-def stream_chunk(
+def stream_chunk(completion: Completion, answer: Answer, job: Job, choice: dict) -> dict:
+    """One chunk of a stream, of the choice whose job is `job` (`chunk_choice`)."""
+    return {**head(completion, answer, job, True), "choices": [choice], "specpipe": _extension(job)}
+
+
+def chunk_choice(
     completion: Completion,
-    job: Job,
+    index: int,
     text: str | None,
     logprobs,
     finish: str | None,
@@ -178,8 +223,8 @@ def stream_chunk(
     reasoning: str | None = None,
     tool_calls: list[dict] | None = None,
 ) -> dict:
-    """One chunk of a stream: new text (a chat's reasoning and calls apart), or the finish."""
-    choice: dict = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+    """A chunk's choice: new text (a chat's reasoning and calls apart), or the finish."""
+    choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": finish}
     if completion.chat:
         delta: dict = {"role": "assistant", "content": ""} if first else {}
         if reasoning:
@@ -191,4 +236,4 @@ def stream_chunk(
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
-    return {**head(completion, job, True), "choices": [choice], "specpipe": _extension(job)}
+    return choice

@@ -10,10 +10,13 @@ from flask import request
 from app.openai import tools as tooling
 from app.openai.errors import OpenAIError
 from app.submitting import submitter
-from specpipe.core.sampling import MAX_TOP_LOGPROBS
+from specpipe.core.sampling import MAX_SEED, MAX_TOP_LOGPROBS
 from workers.job_request import FIELD_BY_NAME, JOB_FIELDS, JobRequestError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# The most choices (`n`) one request may ask for: each is a job of its own, and all of them
+# count against the user's active jobs (`JobLimits.max_active_jobs`) together.
+MAX_CHOICES = 8
 # Known fields this server cannot honour, with the value that asks for nothing.
 UNSUPPORTED = {
     "echo": False,
@@ -55,6 +58,13 @@ class Completion:
     include_usage: bool
     logprobs: int | None
     tools_offered: bool = False  # the answer gives the reply's calls of them apart
+    n: int = 1  # choices: a job each
+
+    def choice_params(self) -> list[dict]:
+        """Each choice's job parameters, in index order: seeds seed, seed+1, ... where the
+        request gave one, else each job draws its own."""
+        seed = self.params.get("seed")
+        return [{**self.params, "seed": None if seed is None else seed + i} for i in range(self.n)]
 
 
 def _body() -> dict:
@@ -162,6 +172,7 @@ def parse_request(chat: bool) -> Completion:
     body = _body()
     check_model(body.get("model"))
     _refuse_unsupported(body, chat)
+    n = _choices(body)
     stream, include_usage = _streaming(body)
     _optional(body, "user", (str,), "text")
     max_tokens, max_tokens_name = _max_tokens(body)
@@ -174,16 +185,43 @@ def parse_request(chat: bool) -> Completion:
         name, reason = next(iter(exc.errors.items()))
         param = _param(name, chat, max_tokens_name)
         raise OpenAIError(400, f"{param} {reason}", param=param) from None
+    _check_seeds(params["seed"], n)
     offered = bool(prompt_form.get("tools"))
     params = {**params, "logprobs": logprobs}
-    return Completion(chat, params, stream, include_usage, logprobs, offered)
+    return Completion(chat, params, stream, include_usage, logprobs, offered, n)
+
+
+def _choices(body: dict) -> int:
+    """`n`, the choices asked for: 1 to `MAX_CHOICES`, and no more than a user may have jobs
+    queued or running (more could never be taken)."""
+    n = _optional(body, "n", (int,), "a whole number")
+    most = min(MAX_CHOICES, submitter().limits.max_active_jobs)
+    if n is not None and not 1 <= n <= most:
+        raise OpenAIError(400, f"n must be between 1 and {most}", param="n")
+    return 1 if n is None else n
+
+
+def choices_asked() -> int:
+    """The `n` of the request being served where it is one this server takes, else 1: what
+    the request costs of its user's submission rate (`app.limits`), a job per choice."""
+    body = request.get_json(silent=True)
+    n = body.get("n") if isinstance(body, dict) else None
+    return n if type(n) is int and 1 <= n <= MAX_CHOICES else 1
+
+
+def _check_seeds(seed: int | None, n: int) -> None:
+    """A 400 where the choices' seeds, seed to seed+n-1, would pass the largest seed."""
+    if seed is not None and seed + n - 1 > MAX_SEED:
+        raise OpenAIError(
+            400,
+            f"seed must be at most {MAX_SEED - n + 1} with n={n}: "
+            "the choices take the seeds seed, seed+1, ..., seed+n-1",
+            param="seed",
+        )
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
-    """OpenAIError for a feature this server does not have (`n` above 1, `echo`, ...)."""
-    n = _optional(body, "n", (int,), "a whole number")
-    if n is not None and n != 1:
-        raise OpenAIError(400, "n must be 1: this server makes one choice per request", param="n")
+    """OpenAIError for a feature this server does not have (`echo`, `best_of`, ...)."""
     unsupported = UNSUPPORTED if chat else {**UNSUPPORTED, "tools": None, "tool_choice": None}
     for name, nothing in unsupported.items():
         if body.get(name) not in (None, nothing, {}, []):

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 
 from flask import Blueprint, Response, current_app, g, jsonify, request
 from werkzeug.exceptions import ClientDisconnected
 
 from app.auth import current_user, user_from_token
 from app.db import get_session
-from app.openai.answers import whole_answer
+from app.openai.answers import Answer, whole_answer
 from app.openai.errors import OpenAIError, too_many
 from app.openai.requests import Completion, check_model, parse_request, served_model
 from app.openai.streaming import closing, stream_answer
-from app.openai.waiting import KEEP_ALIVE_S, cancel_job, failure, job_updates
+from app.openai.waiting import KEEP_ALIVE_S, cancel_jobs, failure, job_updates
 from app.submitting import submitter
 from app.waits import TooManyOpen, open_completions
 from models.db import utcnow
@@ -77,15 +78,16 @@ def get_model(model: str):
     return jsonify(_model_entry())
 
 
-def _submit(completion: Completion) -> Job:
+def _submit(completion: Completion) -> list[Job]:
+    """A job per choice, submitted together: all or none."""
     try:
-        return submitter().submit(get_session(), completion.params, current_user())
+        return submitter().submit_all(get_session(), completion.choice_params(), current_user())
     except TooManyActiveJobs as exc:
         raise too_many(str(exc), exc.retry_after_s) from None
     except QueueUnavailable as exc:
-        raise OpenAIError(
-            503, f"job {exc.job.id} could not be queued: {exc}", kind="server_error"
-        ) from None
+        ids = ", ".join(str(job.id) for job in exc.jobs)
+        which = f"job {ids}" if len(exc.jobs) == 1 else f"jobs {ids}"
+        raise OpenAIError(503, f"{which} could not be queued: {exc}", kind="server_error") from None
 
 
 def _open(user_id: int) -> Callable[[], None]:
@@ -100,46 +102,50 @@ def _answer(chat: bool):
     completion = parse_request(chat)
     close = _open(current_user().id)
     try:
-        job = _submit(completion)
+        answer = Answer.of(_submit(completion))
     except BaseException:
         close()
         raise
     if completion.stream:
-        job_id = job.id
         app = current_app._get_current_object()
-        events = closing(stream_answer(app, completion, job_id), close)
+        events = closing(stream_answer(app, completion, answer), close)
         response = Response(events, mimetype="text/event-stream")
         response.headers["Cache-Control"] = "no-cache"
         response.headers["X-Accel-Buffering"] = "no"
         response.call_on_close(close)  # also for a stream the server closes before it starts
         return response
     try:
-        return _whole(completion, job.id)
+        return jsonify(whole_answer(completion, _finished(answer.job_ids)))
     finally:
         close()
 
 
-def _whole(completion: Completion, job_id: int) -> Response:
-    """Wait for the job, then answer with all of it; a client gone meanwhile cancels it."""
+def _finished(job_ids: Sequence[int]) -> list[Job]:
+    """Wait for the jobs, then give them in order, all done. A job that did not finish well
+    answers its error, and a client gone meanwhile or a wait run out ends the wait: the jobs
+    still running are cancelled then."""
     session, config = get_session(), current_app.config
     poll_s, wait_s = config["OPENAI_POLL_S"], config["OPENAI_WAIT_S"]
     # waitress says when the client hung up (with `channel_request_lookahead`, as `specpipe
     # web` serves); elsewhere the wait runs its course.
     gone = request.environ.get("waitress.client_disconnected", lambda: False)
-    job = None
+    ended: dict[int, Job] = {}
+    look_at = time.monotonic() + KEEP_ALIVE_S  # when to look whether the client is there
     try:
-        for update in job_updates(session, job_id, poll_s, wait_s, idle_s=KEEP_ALIVE_S):
-            if update is not None:
-                job = update
-            elif gone():
-                cancel_job(session, job_id)
-                raise ClientDisconnected()
+        for job in job_updates(session, job_ids, poll_s, wait_s, idle_s=KEEP_ALIVE_S):
+            if job is not None and job.finished:
+                ended[job.id] = job
+                if job.status != "done":
+                    raise failure(job)
+            if time.monotonic() >= look_at:
+                look_at = time.monotonic() + KEEP_ALIVE_S
+                if gone():
+                    raise ClientDisconnected()
     except TimeoutError as exc:
-        cancel_job(session, job_id)
         raise OpenAIError(504, str(exc), kind="timeout") from None
-    if job.status != "done":
-        raise failure(job)
-    return jsonify(whole_answer(completion, job))
+    finally:
+        cancel_jobs(session, [i for i in job_ids if i not in ended])
+    return [ended[i] for i in job_ids]
 
 
 @bp.post("/chat/completions")

@@ -1,4 +1,5 @@
-"""A streamed answer: the job's new text as Server-Sent Events while it runs."""
+"""A streamed answer: its jobs' new text as Server-Sent Events while they run, the chunks of
+its choices (a job each) interleaved as they come, each naming its choice's index."""
 
 from __future__ import annotations
 
@@ -9,11 +10,19 @@ from dataclasses import dataclass, field
 from flask import Flask
 from sqlalchemy.orm import Session
 
-from app.openai.answers import chat_finish_reason, head, logprobs_of, stream_chunk, usage
+from app.openai.answers import (
+    Answer,
+    chat_finish_reason,
+    chunk_choice,
+    head,
+    logprobs_of,
+    stream_chunk,
+    usage,
+)
 from app.openai.errors import OpenAIError
 from app.openai.requests import Completion
 from app.openai.tools import call_deltas
-from app.openai.waiting import KEEP_ALIVE_S, cancel_job, failure, job_updates
+from app.openai.waiting import KEEP_ALIVE_S, cancel_jobs, failure, job_updates
 from app.replies import job_target, speaks_harmony
 from models.jobs import Job
 from specpipe.core.stopping import hold_back_stop_prefix
@@ -35,42 +44,80 @@ def stable_text(job: Job) -> str:
     return text.rstrip("\ufffd")
 
 
-def stream_answer(app: Flask, completion: Completion, job_id: int) -> Iterator[str]:
-    """The Server-Sent Events of a streamed answer; cancels the job if the client goes away."""
+def stream_answer(app: Flask, completion: Completion, answer: Answer) -> Iterator[str]:
+    """The Server-Sent Events of a streamed answer; cancels the jobs still running if the client
+    goes away, the wait runs out or one of them fails."""
     session: Session = app.extensions["specpipe.sessions"]()
     poll_s, wait_s = app.config["OPENAI_POLL_S"], app.config["OPENAI_WAIT_S"]
-    done = False
-    sent = _Sent(completion)
+    stream = _Stream(completion, answer)
     try:
-        for job in job_updates(session, job_id, poll_s, wait_s, idle_s=KEEP_ALIVE_S):
-            if job is None:  # nothing new for a while: a comment shows whether anyone listens
-                yield ": waiting\n\n"
-                continue
-            if job.finished and job.status != "done":
-                yield _event({"error": failure(job).body()})
-                done = True
-                return
-            text = stable_text(job)
-            if not text.startswith(sent.text):
-                continue  # a rare decoder whose text changed behind the shown part: wait
-            yield from sent.news(job, text)
-            if job.finished:
-                yield from _ending(completion, job, sent)
-                done = True
+        for job in job_updates(session, answer.job_ids, poll_s, wait_s, idle_s=KEEP_ALIVE_S):
+            yield from stream.update(job)
+            if stream.over:
                 return
     except TimeoutError as exc:
         yield _event({"error": OpenAIError(504, str(exc), kind="timeout").body()})
     finally:
-        if not done:  # the client went away, or the wait ran out: the job is not wanted
-            cancel_job(session, job_id)
+        cancel_jobs(session, stream.unfinished())  # none once the stream has ended well
         session.close()
 
 
 @dataclass
-class _Sent:
-    """What a stream has sent of its job's text and tokens, and the model that reads them."""
+class _Stream:
+    """What a stream has sent of each of its choices, and which of their jobs have finished."""
 
     completion: Completion
+    answer: Answer
+    sent: dict[int, _Sent] = field(default_factory=dict)  # by job id
+    ended: dict[int, Job] = field(default_factory=dict)  # the jobs finished, by id
+    over: bool = False  # the stream has sent its end, or an error
+
+    def __post_init__(self) -> None:
+        for index, job_id in enumerate(self.answer.job_ids):
+            self.sent[job_id] = _Sent(self.completion, self.answer, index)
+
+    def update(self, job: Job | None) -> Iterator[str]:
+        """The events for a job's news (None: nothing new for a while), the end once every
+        job has finished, or an error event for a job that did not finish well."""
+        if job is None:  # nothing new for a while: a comment shows whether anyone listens
+            yield ": waiting\n\n"
+            return
+        if job.finished and job.status != "done":
+            self.ended[job.id], self.over = job, True
+            yield _event({"error": failure(job).body()})
+            return
+        sent = self.sent[job.id]
+        text = stable_text(job)
+        if not text.startswith(sent.text):
+            return  # a rare decoder whose text changed behind the shown part: wait
+        yield from sent.news(job, text)
+        if job.finished:
+            self.ended[job.id] = job
+            yield _event(sent.finish_chunk(job))
+            if len(self.ended) == len(self.answer.job_ids):
+                yield from self._ending(job)
+                self.over = True
+
+    def _ending(self, last: Job) -> Iterator[str]:
+        """The usage when asked for, and the end of the stream."""
+        if self.completion.include_usage:
+            jobs = [self.ended[job_id] for job_id in self.answer.job_ids]
+            chunk = {**head(self.completion, self.answer, last, True), "choices": []}
+            yield _event({**chunk, "usage": usage(jobs)})
+        yield _event("[DONE]")
+
+    def unfinished(self) -> list[int]:
+        """The jobs not seen to finish."""
+        return [job_id for job_id in self.answer.job_ids if job_id not in self.ended]
+
+
+@dataclass
+class _Sent:
+    """What a stream has sent of one choice's text and tokens, and the model that reads them."""
+
+    completion: Completion
+    answer: Answer
+    index: int
     text: str = ""
     ids: int = 0
     first: bool = True
@@ -91,10 +138,10 @@ class _Sent:
             return
         new_text, reasoning, calls = self._new_parts(text)
         if new_text or reasoning or calls or self.first or logprobs:  # markers alone show nothing
-            chunk = stream_chunk(
-                completion, job, new_text, logprobs, None, self.first, reasoning, calls
+            choice = chunk_choice(
+                completion, self.index, new_text, logprobs, None, self.first, reasoning, calls
             )
-            yield _event(chunk)
+            yield _event(stream_chunk(completion, self.answer, job, choice))
         self.text, self.ids, self.first = text, n_ids, False
 
     def _new_parts(self, text: str) -> tuple[str, str | None, list[dict]]:
@@ -111,18 +158,12 @@ class _Sent:
         self.reply = reply
         return new_text, reasoning, calls
 
-    def finish_reason(self, job: Job) -> str:
-        """The finish of the stream's job: `tool_calls` when its calls were sent."""
+    def finish_chunk(self, job: Job) -> dict:
+        """The chunk that ends the choice: its finish, `tool_calls` when its calls were sent."""
         reply = self.reply if speaks_harmony(self.target) else None
-        return chat_finish_reason(self.completion, job, self.target, reply)
-
-
-def _ending(completion: Completion, job: Job, sent: _Sent) -> Iterator[str]:
-    """The finish chunk, the usage when asked for, and the end of the stream."""
-    yield _event(stream_chunk(completion, job, None, None, sent.finish_reason(job)))
-    if completion.include_usage:
-        yield _event({**head(completion, job, True), "choices": [], "usage": usage(job)})
-    yield _event("[DONE]")
+        reason = chat_finish_reason(self.completion, job, self.target, reply)
+        choice = chunk_choice(self.completion, self.index, None, None, reason)
+        return stream_chunk(self.completion, self.answer, job, choice)
 
 
 def closing(events: Iterator[str], close: Callable[[], None]) -> Iterator[str]:

@@ -267,8 +267,8 @@ def test_errors_arrive_as_typed_exceptions(tiny, stack, client):
         openai.OpenAI(base_url=stack["url"] + "/v1", api_key="wrong", max_retries=0).models.list()
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4o", prompt=PROMPT)
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client.completions.create(model=str(tiny), prompt=PROMPT, n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be between 1 and 8"):
+        client.completions.create(model=str(tiny), prompt=PROMPT, n=9)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=str(tiny), messages=[], max_tokens=3)
     models = client.models.list()
