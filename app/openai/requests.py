@@ -17,6 +17,9 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 # The most choices (`n`) one request may ask for: each is a job of its own, and all of them
 # count against the user's active jobs (`JobLimits.max_active_jobs`) together.
 MAX_CHOICES = 8
+# `response_format` types that ask for output held to JSON: this server has no constrained
+# decoding to honour them with.
+CONSTRAINED_FORMATS = ("json_object", "json_schema")
 # Known fields this server cannot honour, with the value that asks for nothing.
 UNSUPPORTED = {
     "echo": False,
@@ -172,6 +175,7 @@ def parse_request(chat: bool) -> Completion:
     body = _body()
     check_model(body.get("model"))
     _refuse_unsupported(body, chat)
+    _check_response_format(body.get("response_format"))
     n = _choices(body)
     stream, include_usage = _streaming(body)
     _optional(body, "user", (str,), "text")
@@ -218,6 +222,24 @@ def _check_seeds(seed: int | None, n: int) -> None:
             "the choices take the seeds seed, seed+1, ..., seed+n-1",
             param="seed",
         )
+
+
+def _check_response_format(response_format: object) -> None:
+    """`response_format`: only text, the default; output held to JSON (`json_object`,
+    `json_schema`) needs constrained decoding, which this server does not offer."""
+    if response_format is None:
+        return
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind in CONSTRAINED_FORMATS:
+        raise OpenAIError(
+            400,
+            f"response_format {kind!r} is not supported: this server does not offer "
+            'constrained decoding, so it cannot hold the output to JSON; use {"type": "text"} '
+            "and ask for JSON in the prompt",
+            param="response_format",
+        )
+    if kind != "text" or set(response_format) != {"type"}:
+        raise OpenAIError(400, 'response_format must be {"type": "text"}', param="response_format")
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
