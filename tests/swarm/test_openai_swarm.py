@@ -5,8 +5,9 @@ served over HTTP.
 Greedy chat and raw completions give what `specpipe generate --local` gives; a streamed answer
 is the whole answer in pieces; a seeded sample repeats exactly; log-probabilities are the
 target distribution at each position, computed here again from the model's own logits, and the
-same with drafts as without; errors arrive as the client's typed exceptions; a client that
-leaves a stream cancels its job.
+same with drafts as without; n choices with a seed are the single requests of seed, seed+1, ...,
+whole and streamed; errors arrive as the client's typed exceptions; a client that leaves a
+stream cancels its job.
 """
 
 from __future__ import annotations
@@ -260,6 +261,31 @@ def test_logprobs_are_the_target_distribution_with_drafts_or_without(tiny, stack
     assert len(content) == chat.usage.completion_tokens and all(c.logprob <= 0 for c in content)
     # Greedy: the token committed is the most likely one.
     assert all(c.top_logprobs[0].logprob == c.logprob for c in content)
+
+
+def test_n_choices_are_the_single_requests_of_their_seeds(tiny, stack, client):
+    request = dict(model=str(tiny), prompt=PROMPT, temperature=1.0, max_tokens=20)
+    both = client.completions.create(**request, seed=11, n=2)
+    singles = [client.completions.create(**request, seed=seed) for seed in (11, 12)]
+    assert [c.index for c in both.choices] == [0, 1]
+    assert [c.text for c in both.choices] == [s.choices[0].text for s in singles]
+    assert singles[0].choices[0].text != singles[1].choices[0].text  # two seeds, two samples
+    assert [c.finish_reason for c in both.choices] == [s.choices[0].finish_reason for s in singles]
+    assert both.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert both.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    choices = both.model_extra["specpipe"]["choices"]
+    jobs = [stored(stack, choice["job_id"]) for choice in choices]
+    alone = [stored(stack, s.model_extra["specpipe"]["job_id"]) for s in singles]
+    assert [j.seed for j in jobs] == [11, 12] and all(j.status == "done" for j in jobs)
+    assert [j.output_ids for j in jobs] == [j.output_ids for j in alone]
+    # Streamed, the chunks of both choices put together by index are the same texts.
+    chunks = list(client.completions.create(**request, seed=11, n=2, stream=True))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in (0, 1)]
+    assert texts == [s.choices[0].text for s in singles]
+    finishes = [
+        [c.choices[0].finish_reason for c in chunks if c.choices[0].index == i] for i in (0, 1)
+    ]
+    assert [f[-1] for f in finishes] == [c.finish_reason for c in both.choices]
 
 
 def test_errors_arrive_as_typed_exceptions(tiny, stack, client):

@@ -14,7 +14,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from app.openai.requests import CHAT_ROLES
 from models.db import make_session_factory, utcnow
@@ -32,37 +32,55 @@ RAW = {"model": MODEL, "prompt": "Once upon a", "max_tokens": 4, "seed": 9}
 
 class FakeCoordinator:
     """Runs every queued job of the store by writing `rounds` (cumulative (ids, text)) into it,
-    one every `pause_s`, then marks it done. With a `codec` (the model's `Target`), it first
-    feeds each job's prompt through it as the coordinator does (`job_prompt_ids`), keeping the
-    text fed in `prompts` by job id and its length as the job's prompt tokens."""
+    one every `pause_s`, then marks it done; `rounds` may be a function of the job, giving its
+    own. With a `codec` (the model's `Target`), it first feeds each job's prompt through it as
+    the coordinator does (`job_prompt_ids`), keeping the text fed in `prompts` by job id and its
+    length as the job's prompt tokens. `workers` jobs run at once, each taken by one of them."""
 
-    def __init__(self, db_url: str, rounds, pause_s: float = 0.05, codec=None) -> None:
+    def __init__(
+        self, db_url: str, rounds, pause_s: float = 0.05, codec=None, workers: int = 1
+    ) -> None:
         self.factory = make_session_factory(db_url)
         self.rounds, self.pause_s, self.codec = rounds, pause_s, codec
         self.prompts: dict[int, str] = {}
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.threads = [threading.Thread(target=self.run, daemon=True) for _ in range(workers)]
 
     def __enter__(self) -> FakeCoordinator:
-        self.thread.start()
+        for thread in self.threads:
+            thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop.set()
-        self.thread.join(timeout=10)
+        for thread in self.threads:
+            thread.join(timeout=10)
+
+    def take(self, session) -> Job | None:
+        """The oldest queued job, made running by this worker alone; None when there is none."""
+        session.rollback()
+        job_id = session.scalar(select(Job.id).where(Job.status == "queued").order_by(Job.id))
+        if job_id is None:
+            return None
+        taken = session.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.status == "queued")
+            .values(status="running", started_at=utcnow())
+        ).rowcount
+        session.commit()
+        return session.get(Job, job_id, populate_existing=True) if taken else None
 
     def run(self) -> None:
         with self.factory() as session:
             while not self.stop.is_set():
-                session.rollback()
-                job = session.scalars(select(Job).where(Job.status == "queued")).first()
+                job = self.take(session)
                 if job is None:
                     time.sleep(0.02)
                     continue
-                job.status, job.started_at = "running", utcnow()
                 job.prompt_tokens = self.prompt_tokens(job)
                 session.commit()
-                for ids, text in self.rounds:
+                rounds = self.rounds(job) if callable(self.rounds) else self.rounds
+                for ids, text in rounds:
                     time.sleep(self.pause_s)
                     session.refresh(job)
                     if job.cancel_requested:
@@ -455,7 +473,8 @@ VALID = {
     "top_k": st.integers(0, 50),
     "seed": st.none() | st.integers(0, 2**64 - 1),
     "stop": st.none() | WORDS | st.lists(WORDS, max_size=4),
-    "n": st.just(1),
+    "n": st.integers(1, 3),
+    "response_format": st.just({"type": "text"}),
     "stream": st.booleans(),
     "draft_k": st.integers(0, 8),
     "user": WORDS,
@@ -479,8 +498,8 @@ def test_any_body_is_answered_in_openai_shape_and_refusals_change_nothing(
     make_app, session, api_token
 ):
     """Generated bodies, valid and not: a refusal is a 400 or 404 in OpenAI's shape that makes
-    no job; an accepted request is a job (here never run, so its wait ends at once: 504, and
-    the job is cancelled). Nothing answers 500."""
+    no job; an accepted request is a job per choice (here never run, so the wait ends at once:
+    504, and the jobs are cancelled). Nothing answers 500."""
     client = make_app(OPENAI_WAIT_S=0.0, SUBMIT_RATE="100000/minute").test_client()
 
     @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
@@ -489,13 +508,15 @@ def test_any_body_is_answered_in_openai_shape_and_refusals_change_nothing(
         before = job_count(session)
         response = post(client, path, api_token, body)
         event(f"answered {response.status_code}")
+        taken = response.status_code in (200, 504)
+        made = (body.get("n") or 1) if taken else 0  # a job per choice of a request taken
         if response.status_code == 200:  # a stream: its wait ends in an error event
             assert response.mimetype == "text/event-stream" and body.get("stream") is True
-            assert "error" in events(response)[-1] and job_count(session) == before + 1
+            assert "error" in events(response)[-1] and job_count(session) == before + made
             return
         error = assert_openai_error(response, response.status_code)
         assert response.status_code in (400, 404, 504), error
-        assert job_count(session) == before + (response.status_code == 504)
+        assert job_count(session) == before + made
 
     answers()
     assert not session.scalars(select(Job).where(Job.status.in_(("queued", "running")))).all()

@@ -351,3 +351,32 @@ def test_tool_calls_in_the_stream_match_the_whole_answer(make_app, model, db_url
     assert pieces[0]["id"] != calls[0]["id"]  # each answer draws its own ids
     assert json.loads(streamed) == {"city": "Paris"}
     assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls" and chunks[-1] == "[DONE]"
+
+
+def test_each_choice_gives_its_own_calls_whole_and_streamed(served, model, db_url):
+    """With n=2, seeded 7 and 8: the first choice's job calls the function, the second's
+    answers in words; each choice comes with its own calls and finish."""
+
+    def by_seed(job: Job) -> list:
+        return CALLING if job.seed == 7 else ANSWERING
+
+    request = dict(model=model, messages=ASK, tools=[WEATHER], temperature=0.7, seed=7, n=2)
+    with FakeCoordinator(db_url, by_seed, pause_s=0.05, codec=open_target(model), workers=2):
+        whole = served.chat.completions.create(**request)
+        chunks = list(served.chat.completions.create(**request, stream=True))
+    calling, answering = whole.choices
+    assert (calling.index, answering.index) == (0, 1)
+    assert calling.finish_reason == "tool_calls" and calling.message.content is None
+    assert calling.message.tool_calls[0].function.arguments == '{"city":"Paris"}'
+    assert answering.finish_reason == "stop" and answering.message.tool_calls is None
+    assert answering.message.content == "21 °C in Paris."
+    for index, finish in ((0, "tool_calls"), (1, "stop")):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        pieces = [tool for c in mine for tool in c.delta.tool_calls or []]
+        assert [c.finish_reason for c in mine][-1] == finish
+        if index == 0:
+            assert pieces[0].id.startswith("call_") and pieces[0].function.name == "get_weather"
+            assert "".join(p.function.arguments for p in pieces) == '{"city":"Paris"}'
+        else:
+            assert not pieces
+            assert "".join(c.delta.content or "" for c in mine) == "21 °C in Paris."
