@@ -3,7 +3,7 @@ rows from before offered none.
 
 Revision ID: d2f7b9c3e5a6
 Revises: c1e6a8b2d4f5
-Create Date: 2026-12-08 12:00:00.000000
+Create Date: 2026-12-07 12:00:00.000000
 """
 
 from collections.abc import Sequence
