@@ -6,6 +6,7 @@ from __future__ import annotations
 import click
 
 from specpipe.cli.bench.adaptive_k import bench_adaptive_k
+from specpipe.cli.bench.conversation import bench_conversation
 from specpipe.cli.bench.draft import bench_draft
 from specpipe.cli.bench.draft_head import bench_draft_head
 from specpipe.cli.bench.drafting import bench_drafting
@@ -39,6 +40,7 @@ for command in (
     bench_faults,
     bench_soak,
     bench_long_prompt,
+    bench_conversation,
     bench_load_api,
     bench_wan,
     bench_draft_head,
