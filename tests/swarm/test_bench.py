@@ -286,3 +286,26 @@ def test_bench_trees_compares_chains_and_trees_on_real_stages(tiny, tmp_path, mo
     monkeypatch.setattr("specpipe.bench.draft_trees.run_job", wrong_with_trees)
     result = CliRunner().invoke(cli, [*args, "--at-once", "0"])
     assert result.exit_code != 0 and "differ from plain decoding's" in result.output
+
+
+def test_bench_conversation_reuses_each_turns_cache_with_the_same_tokens(tiny, tmp_path):
+    out = tmp_path / "conversation.json"
+    args = ["bench", "conversation", "--model", str(tiny), "--stages", "2", "--hop-delay-ms", "0"]
+    args += ["--turns", "3", "--context-tokens", "48", "--tokens", "8", "--json", str(out)]
+    # A tiny model prefills in no time, so reuse saves it nothing: its time is not checked here.
+    result = CliRunner().invoke(cli, [*args, "--target-ratio", "1000"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    (run,) = doc["runs"]
+    turns = run["turns"]
+    assert [row["turn"] for row in turns] == [1, 2, 3]
+    assert turns[0]["context_tokens"] >= 48 and turns[0]["reused"] == 0
+    assert all(row["identical"] for row in turns) and doc["identical"]
+    # Each later turn starts from the last one's cache: its whole context, to a 16-token block.
+    for before, row in zip(turns, turns[1:], strict=False):
+        assert before["context_tokens"] - 16 < row["reused"] < row["context_tokens"]
+        assert row["warm_replays"] == 0
+    assert doc["reused_every_later_turn"] and doc["verdict"] == "PASS"
+    rows = [line for line in result.output.splitlines() if line.lstrip()[:2] in ("1 ", "2 ", "3 ")]
+    assert len(rows) == 3 and all(line.endswith("yes") for line in rows)
+    assert "(target <= 1000): met" in result.output and "verdict PASS" in result.output
