@@ -88,6 +88,13 @@ def kv_budget_tokens() -> int | None:
     return value or None
 
 
+def kept_prefixes() -> int:
+    """`SPECPIPE_KEPT_PREFIXES` (16): the most ended jobs' caches a stage keeps for later jobs
+    that start with the same tokens (0: none), within its KV budget; the least recently used
+    goes first."""
+    return env_int("SPECPIPE_KEPT_PREFIXES", 16, 0)
+
+
 def stalled_after_s() -> float:
     """`SPECPIPE_STALLED_S` (10): the lifetime of a job's lock, refreshed while its coordinator
     lives; a running job without progress or lock for that long is resumed elsewhere."""

@@ -351,12 +351,9 @@ class StageModel(nn.Module):
         self.drop(session)
         if cache is None or min(length, cache.length) <= 0:
             return 0
-        cache.tree = None
-        for layer in cache.layers:
-            layer.pending = None
-        cache.length = min(length, cache.length)
-        self.kept[name] = cache
-        return cache.length
+        # A copy of just those positions: the session's buffers grew by doubling.
+        self.kept[name] = cache.copy(length)
+        return self.kept[name].length
 
     def start_from_prefix(self, session: str, name: str, length: int) -> bool:
         """Start `session` over from the first `length` positions of the kept prefix `name`, a

@@ -83,3 +83,18 @@ def test_kept_prefixes_give_their_room_first_and_go_when_unused(
     later = now + worker.config.prefix_keep_s + 1
     assert worker.prefixes.within(0, later) == ["kept-a"] and worker.stage.kept_tokens() == {}
     assert stats(worker)["kept_tokens"] == 0
+
+
+def test_a_stage_keeps_at_most_so_many_prefixes_the_least_used_going_first(
+    swarm, key, redis_url, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SPECPIPE_KEPT_PREFIXES", "2")
+    worker = tiny_worker(tmp_path, "t", swarm, key, redis_url)
+    for name in ("a", "b", "c"):
+        deliver(worker, wire.Message(kind="reset", session=name, params=RESET))
+        run_round(worker, name, (1, 2, 3))
+        if name == "c":  # "a" was started from since it was kept: "b" is the least used
+            deliver(worker, wire.Message(kind="reset", session="x", params=RESET, prefix="p-a"))
+        deliver(worker, wire.Message(kind="drop", session=name, prefix=f"p-{name}", start_pos=3))
+    assert set(worker.stage.kept_tokens()) == {"p-a", "p-c"}
+    assert stats(worker)["kept_prefixes"] == 2

@@ -4,12 +4,13 @@ with the same ones (a conversation's next turn, a shared system prompt).
 A `drop` that names a prefix keeps the session's first `start_pos` positions under that name; a
 `reset` that names one starts the new session from a copy of its first `start_pos` positions.
 Which names to use, and which prompt matches which prefix, is the coordinator's to know
-(`specpipe.swarm.prefix_directory`): a stage only keeps and copies. Kept prefixes count against
-the KV budget like live sessions, but yield first: while the caches hold more than the budget,
-the least recently used prefix is forgotten, with no idle wait; and one unused for `keep_s` is
-forgotten anyway. A prefix forgotten, or never kept here (a restart, a spare that took over),
-costs the session only its prefill: the reset starts it empty, its first round gets a gap, and
-the coordinator replays from position 0.
+(`specpipe.swarm.prefix_directory`): a stage only keeps and copies. A stage keeps at most
+`SPECPIPE_KEPT_PREFIXES` of them (16), so what it holds levels off under any load; they count
+against the KV budget like live sessions, but yield first: while the caches hold more than the
+budget, or there are more prefixes than that, the least recently used is forgotten, with no
+idle wait; and one unused for `keep_s` is forgotten anyway. A prefix forgotten, or never kept
+here (a restart, a spare that took over), costs the session only its prefill: the reset starts
+it empty, its first round gets a gap, and the coordinator replays from position 0.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 
 from specpipe.core.ring import PrefixStage, Stage
+from specpipe.settings import kept_prefixes
 from specpipe.swarm import wire
 from specpipe.swarm.stage.activity import Activity
 from specpipe.swarm.stage.counters import StageStats
@@ -32,6 +34,7 @@ class KeptPrefixes:
         self.stage = stage if isinstance(stage, PrefixStage) else None
         self.stats = stats
         self.keep_s = keep_s
+        self.most = kept_prefixes()  # prefixes kept at once
         self.used = Activity()  # when each kept prefix was kept or last started from
 
     def keep(self, message: wire.Message) -> None:
@@ -40,6 +43,7 @@ class KeptPrefixes:
             return
         if self.stage.keep_prefix(message.session, message.prefix, message.start_pos):
             self.used.touch(message.prefix)
+        self._forget(self._least_used(len(self.stage.kept_tokens()) - self.most))
         self._publish()
 
     def start(self, message: wire.Message) -> None:
@@ -54,27 +58,36 @@ class KeptPrefixes:
 
     def within(self, budget_tokens: int, now: float | None = None) -> list[str]:
         """Forget the prefixes unused for `keep_s`, then, while live sessions and kept prefixes
-        together hold more than `budget_tokens` (0: no budget), the least recently used."""
+        together hold more than `budget_tokens` (0: no budget), the least recently used; return
+        their names."""
         if self.stage is None:
             return []
-        forgotten = self.used.idle(self.keep_s, now)
+        unused = self.used.idle(self.keep_s, now)
+        self._forget(unused)
         kept = self.stage.kept_tokens()
-        if budget_tokens:
-            total = sum(self.stage.held_tokens().values()) + sum(kept.values())
-            total -= sum(kept.get(name, 0) for name in forgotten)
-            for name in sorted(kept, key=lambda n: self.used.last_used.get(n, 0.0)):
-                if total <= budget_tokens:
-                    break
-                if name not in forgotten:
-                    forgotten.append(name)
-                    total -= kept[name]
-        for name in forgotten:
+        over = sum(self.stage.held_tokens().values()) + sum(kept.values()) - budget_tokens
+        for_room = []
+        for name in self._least_used(len(kept)) if budget_tokens else ():
+            if over <= 0:
+                break
+            for_room.append(name)
+            over -= kept[name]
+        self._forget(for_room)
+        return unused + for_room
+
+    def _least_used(self, n: int) -> list[str]:
+        """The `n` kept prefixes used longest ago (none for n <= 0)."""
+        kept = self.stage.kept_tokens()
+        ranked = sorted(kept, key=lambda name: self.used.last_used.get(name, 0.0))
+        return ranked[: max(n, 0)]
+
+    def _forget(self, names: list[str]) -> None:
+        for name in names:
             self.stage.forget_prefix(name)
             self.used.forget(name)
-        if forgotten:
-            log.info("%s: forgot %d kept prefix(es)", self.stats.host, len(forgotten))
+        if names:
+            log.info("%s: forgot %d kept prefix(es)", self.stats.host, len(names))
             self._publish()
-        return forgotten
 
     def _publish(self) -> None:
         """What the kept prefixes hold now, for `specpipe nodes` and the metrics."""

@@ -281,7 +281,8 @@ class StageWorker:
             return
         self._next_housekeeping = now + HOUSEKEEPING_S
         self.forget_idle_sessions(now)
-        self.prefixes.within(self.kv_budget_tokens, now)
+        if self.prefixes.within(self.kv_budget_tokens, now):
+            self.heap.freed()
         self.keep_within_budget(now)
         self.stage_keys.reload()
         self.heap.due(now)
