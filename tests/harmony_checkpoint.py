@@ -1,15 +1,19 @@
-"""gpt-oss checkpoints at tiny sizes: the released layout with every size shrunk, and one whose
-tokenizer has the real layout: o200k's 201,088 ids with harmony's markers at their real ids, and
-a chat template in harmony's format: the minimal one, or one that also renders function tools,
-an assistant's calls and the tools' results as harmony does (`TOOLS_TEMPLATE`).
+"""gpt-oss checkpoints at tiny sizes: the released layout with every size shrunk, and one with
+gpt-oss's real tokenizer (o200k_harmony: o200k_base's 199,998 ranks and pre-tokenizer pattern,
+then special tokens up to 201,087, harmony's markers at their ids) and a chat template in
+harmony's format: the minimal one, or one that also renders function tools, an assistant's
+calls and the tools' results as harmony does (`TOOLS_TEMPLATE`).
 
-That vocabulary is not the real one (bytes, then filler tokens; no merges), which no test here
-needs: what matters is that the markers are single special tokens at the ids gpt-oss uses.
+The ranks and the pattern are the ones the bpe-openai package ships (a test-only dependency);
+transformers' own tiktoken converter makes tokenizer.json of them, as gpt-oss's was made. Nothing
+is downloaded.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
+from functools import lru_cache
 from pathlib import Path
 
 from specpipe.transformer import synth
@@ -121,19 +125,45 @@ CONVERSATION = """
 TOOLS_TEMPLATE = TS_TYPE + NAMESPACE + SYSTEM + CONVERSATION
 
 
-def write_tokenizer(path: Path, template: str = TEMPLATE) -> None:
-    """tokenizer.json (byte-level, the markers at their ids) and tokenizer_config.json."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+def o200k_base() -> dict:
+    """o200k_base as bpe-openai ships it: its ranks ("mergeable_ranks", bytes to rank) and its
+    pre-tokenizer pattern ("pat_str")."""
+    with warnings.catch_warnings():  # on import it reads its data with a deprecated call
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from bpe_openai import registry
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
-    for i in range(len(alphabet), VOCAB):
-        vocab[SPECIALS.get(i, f"<|reserved_{i}|>")] = i
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS.values()])
-    tokenizer.save(str(path / "tokenizer.json"))
+        return registry.o200k_base()
+
+
+@lru_cache(maxsize=1)
+def o200k_harmony() -> str:
+    """gpt-oss's tokenizer as tokenizer.json text: o200k_base through transformers' tiktoken
+    converter, then every id from the ranks' end to VOCAB a special token (harmony's markers at
+    their ids, `<|reserved_N|>` at the others, as o200k_harmony names them). Built once a
+    process: it takes a few seconds."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    class GivenRanks(TikTokenConverter):
+        """The converter handed the ranks themselves: reading a ranks file takes tiktoken."""
+
+        load_tiktoken_bpe = staticmethod(lambda ranks: ranks)
+
+    base = o200k_base()
+    ranks = base["mergeable_ranks"]
+    assert sorted(ranks.values()) == list(range(len(ranks)))  # the specials follow at once
+    # Added in id order, each special token takes the next id: its own.
+    specials = {SPECIALS.get(i, f"<|reserved_{i}|>"): i for i in range(len(ranks), VOCAB)}
+    assert base["special_tokens"].items() <= specials.items()  # o200k_base's two agree
+    converter = GivenRanks(ranks, pattern=base["pat_str"], extra_special_tokens=specials)
+    tokenizer = converter.converted()
+    assert all(tokenizer.token_to_id(token) == i for token, i in specials.items())
+    assert tokenizer.get_vocab_size(with_added_tokens=True) == VOCAB
+    return tokenizer.to_str()
+
+
+def write_tokenizer(path: Path, template: str = TEMPLATE) -> None:
+    """tokenizer.json (gpt-oss's) and tokenizer_config.json (`template`, and <|return|> ends)."""
+    (path / "tokenizer.json").write_text(o200k_harmony(), encoding="utf-8")
     config = {"chat_template": template, "eos_token": "<|return|>"}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
 

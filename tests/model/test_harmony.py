@@ -212,7 +212,8 @@ def test_a_gpt_oss_checkpoint_with_the_real_token_layout_is_a_harmony_model(tmp_
         "<|start|>user<|message|>What is the capital of France?<|end|><|start|>assistant"
     )
     # Markers are single tokens at their ids: the prompt ends <|start|> then "assistant".
-    assert ids[-10] == 200006 and target.decode(ids[-9:]) == "assistant"
+    assistant = target.prompt_ids("assistant", raw=True)
+    assert ids[-len(assistant) - 1 :] == [200006, *assistant]
     assert {200006, 200007, 200008} <= set(ids)
 
 
