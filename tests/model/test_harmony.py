@@ -1,7 +1,7 @@
 """Harmony, gpt-oss's chat format: a reply split into its channels and its calls of functions,
-whole or as it is written; a gpt-oss checkpoint whose tokenizer has the real layout is opened as
-a harmony model; a chat template renders function tools, calls and their results as
-transformers renders them."""
+whole or as it is written; the test checkpoint's tokenizer is gpt-oss's own (o200k, checked
+against its ranks by brute force), and the checkpoint opens as a harmony model; a chat template
+renders function tools, calls and their results as transformers renders them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ import pytest
 
 from specpipe.decoding.target import open_target
 from specpipe.transformer.harmony import Reply, ToolCall, speaks_harmony, split_reply
-from tests.harmony_checkpoint import TOOLS_TEMPLATE, write_checkpoint, write_tokenizer
+from tests.harmony_checkpoint import (
+    SPECIALS,
+    TOOLS_TEMPLATE,
+    VOCAB,
+    o200k_base,
+    write_checkpoint,
+    write_tokenizer,
+)
 
 REPLY = (
     "<|channel|>analysis<|message|>The user greets. Answer briefly.<|end|>"
@@ -215,6 +222,85 @@ def test_a_gpt_oss_checkpoint_with_the_real_token_layout_is_a_harmony_model(tmp_
     assistant = target.prompt_ids("assistant", raw=True)
     assert ids[-len(assistant) - 1 :] == [200006, *assistant]
     assert {200006, 200007, 200008} <= set(ids)
+
+
+def _o200k_ranks() -> dict[bytes, int]:
+    """o200k_base's ranks, read from bpe-openai's data file: each line a token's bytes in base64,
+    then its rank."""
+    import base64
+    import gzip
+    from importlib.resources import files
+
+    with (files("bpe_openai.data") / "o200k_base.tiktoken.gz").open("rb") as raw:
+        lines = gzip.decompress(raw.read()).decode().splitlines()
+    ranks = {}
+    for line in lines:
+        token, rank = line.split()
+        ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def _o200k_encode(text: str, ranks: dict[bytes, int]) -> list[int]:
+    """o200k by brute force, as tiktoken defines it: the pattern cuts the text into pieces; a
+    piece that is a token is its rank; any other is joined up from its bytes, always the
+    adjacent pair whose join ranks lowest, until no join is a token."""
+    from itertools import pairwise
+
+    import regex
+
+    ids = []
+    for piece in regex.findall(o200k_base()["pat_str"], text):
+        whole = piece.encode()
+        parts = [whole] if whole in ranks else [bytes([b]) for b in whole]
+        while True:
+            pairs = enumerate(pairwise(parts))
+            joins = [(ranks[a + b], i) for i, (a, b) in pairs if a + b in ranks]
+            if not joins:
+                break
+            i = min(joins)[1]
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
+        ids += [ranks[part] for part in parts]
+    return ids
+
+
+# Words, several scripts, digits, runs of spaces and newlines, contractions, JSON.
+SAMPLES = [
+    "Hello, world!",
+    "The capital of France is Paris.",
+    "naïve café, 東京タワー, Ünïcödé and 🙂",
+    "1234567 + 89 = 1234656",
+    "  indented\n\n\tline's end\r\n",
+    "I'M HERE, they'll SEE",
+    '{"city": "Paris", "days": [1, 2]}',
+]
+
+
+def test_the_checkpoint_tokenizer_is_o200k_with_harmony_markers(tmp_path):
+    """Text encodes to the ids o200k_base's ranks give it, and ids decode to their bytes; every id
+    after the ranks is one special token, harmony's markers at their ids, 201,088 in all."""
+    from specpipe.transformer.tokenizer import from_hf_dir
+
+    write_tokenizer(tmp_path)
+    ours = from_hf_dir(tmp_path)
+    ranks = _o200k_ranks()
+    assert ours.encode("hello") == [ranks[b"hello"]]
+    assert ours.encode(" world") == [ranks[b" world"]]
+    for text in SAMPLES:
+        assert ours.encode(text) == _o200k_encode(text, ranks), text
+        assert ours.decode(ours.encode(text)) == text
+    for token, rank in list(ranks.items())[::101]:
+        if token.decode(errors="ignore").encode() == token:  # whole UTF-8 on its own
+            assert ours.decode([rank]) == token.decode()
+    assert ours.vocab_size == VOCAB and len(ranks) == min(SPECIALS)  # specials follow the ranks
+    for i, marker in SPECIALS.items():
+        assert ours.token_id(marker) == i and ours.encode(marker) == [i]
+        assert ours.decode([i]) == marker
+    for i in (200000, 200019, VOCAB - 1):
+        assert ours.token_id(f"<|reserved_{i}|>") == i
+    # In text a marker stays one token, and the text between markers is o200k's.
+    text = "<|start|>assistant<|channel|>final<|message|>Hi there!<|end|>"
+    words = [_o200k_encode(word, ranks) for word in ("assistant", "final", "Hi there!")]
+    assert ours.encode(text) == [200006, *words[0], 200005, *words[1], 200008, *words[2], 200007]
 
 
 def test_the_default_model_is_not_a_harmony_model():
