@@ -21,6 +21,7 @@ each round (0 … draft_k); tokens committed per round are those plus the target
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import time
@@ -234,17 +235,10 @@ class Leaving:
     def ended(self, job: Job, generation: Generation, ring: Ring, ring_session: str) -> None:
         """The generation's rounds ended (done or cancelled): end its session, keeping what its
         caches hold, and record it, before the job's end is stored and a next turn can come."""
-        keep = None if self.prefixes is None else self.prefixes.keep(job, generation.cached)
-        if keep is None:
-            return
-        try:
-            ring.drop(ring_session, keep=keep)
-        except Exception as exc:  # a cache not kept costs a later job its prefill only
-            log.warning("job %s: could not keep its cache: %s", job.id, exc)
-            return
-        self.dropped = True
-        route = [hop.host for hop in ring.route]
-        self.prefixes.kept(job, generation.tokens, keep, route)
+        if self.prefixes is not None:
+            self.dropped = self.prefixes.keep(
+                job, ring, ring_session, generation.tokens, generation.cached
+            )
 
 
 def _let_go(
@@ -358,9 +352,17 @@ def run_on_swarm(session: Session, job: Job, settings: Settings, keeper: LockKee
         reason = f"cannot open model {job.model!r}: {exc}"
         return finish(session, Attempt.seen(job), "failed", reason)
 
-    def build_ring(avoid: frozenset[str] = frozenset()) -> RedisRing:
+    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=5)
+    prefixes = PrefixReuse(PrefixDirectory(client, settings.swarm), reuse)
+
+    def build_ring(prefer: list[str], avoid: frozenset[str] = frozenset()) -> RedisRing:
         ring = RedisRing.from_inventory(
-            settings, target.name, target.n_layers, avoid=avoid, outage_s=ROUND_TIMEOUT_S
+            settings,
+            target.name,
+            target.n_layers,
+            avoid=avoid,
+            prefer=prefer,
+            outage_s=ROUND_TIMEOUT_S,
         )
         sync_inventory(session, list(ring.route))  # the run's snapshot is the ring as it is now
         # At once: a write left open until the round after the replay would hold SQLite's
@@ -368,20 +370,25 @@ def run_on_swarm(session: Session, job: Job, settings: Settings, keeper: LockKee
         session.commit()
         return ring
 
-    def make_ring(_job: Job) -> CheckedRing:
+    def make_ring(job: Job) -> CheckedRing:
+        # The hosts keeping the job's longest kept prefix, if any: its ring prefers them, so a
+        # conversation's next turn finds its cache where the last turn left it. (The prompt is
+        # tokenized again by run_job: a few milliseconds beside a ring's build.)
+        prefer = prefixes.keeper(job, job_prompt_ids(target, job) + list(job.output_ids or []))
         lost = lost_with_spare(settings, target.name, target.n_layers)
         return CheckedRing(
-            build_ring, lambda: served_layers(settings), lost, restarted_stages(settings)
+            functools.partial(build_ring, prefer),
+            lambda: served_layers(settings),
+            lost,
+            restarted_stages(settings),
         )
 
-    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=5)
     admit = room_keeper(
         session,
         Reservations(client, settings.swarm),
         lock_key(settings.swarm, job.id),
         keeper.owned,
     )
-    prefixes = PrefixReuse(PrefixDirectory(client, settings.swarm), reuse)
     try:
         return run_job(
             session, job.id, make_ring, target, target.eos_ids, keeper.owned, admit, prefixes

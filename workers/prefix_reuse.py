@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import redis
 
 from models import Job
-from specpipe.core.ring import Prefix
-from specpipe.swarm.prefix_directory import PrefixDirectory, new_name
+from specpipe.core.ring import Prefix, Ring
+from specpipe.swarm.prefix_directory import PrefixDirectory
 
 log = logging.getLogger("specpipe.coordinator")
 
@@ -33,6 +33,17 @@ class PrefixReuse:
         """The job user's own namespace, or everyone's when prefixes are shared."""
         return "shared" if self.mode == "shared" else f"user:{job.user_id}"
 
+    def keeper(self, job: Job, tokens: Sequence[int]) -> list[str]:
+        """The hosts keeping the longest kept prefix of the job's `tokens` (its ring prefers
+        them), [] when none does or the directory cannot be read."""
+        if self.mode == "off":
+            return []
+        try:
+            return self.directory.keeper(self.namespace(job), tokens)
+        except redis.RedisError as exc:
+            log.warning("job %s: the prefix directory did not answer (%s); no reuse", job.id, exc)
+            return []
+
     def start(self, job: Job, tokens: Sequence[int], route: Sequence[str]) -> Prefix | None:
         """The kept prefix the job's `tokens` may start from on `route`, if any. A directory
         that cannot be read means no reuse, not a failed job."""
@@ -44,16 +55,16 @@ class PrefixReuse:
             log.warning("job %s: the prefix directory did not answer (%s); no reuse", job.id, exc)
             return None
 
-    def keep(self, job: Job, length: int) -> Prefix | None:
-        """A fresh prefix for the job's ending session to keep its first `length` positions
-        under (its drop carries it), None when nothing is to be kept."""
+    def keep(self, job: Job, ring: Ring, session: str, tokens: Sequence[int], length: int) -> bool:
+        """End the job's `session` on `ring`, its stages keeping the first `length` positions
+        of `tokens`, and record them: whether the session was ended. Not when reuse is off or
+        nothing is cached, nor when the drop failed (logged: a cache not kept costs a later
+        job its prefill only)."""
         if self.mode == "off" or length <= 0:
-            return None
-        return Prefix(new_name(), length)
-
-    def kept(self, job: Job, tokens: Sequence[int], kept: Prefix, route: Sequence[str]) -> None:
-        """The stages of `route` were told to keep `kept` of `tokens`: record it."""
+            return False
         try:
-            self.directory.record(self.namespace(job), tokens, kept, route)
-        except redis.RedisError as exc:
-            log.warning("job %s: could not record its kept prefix (%s)", job.id, exc)
+            self.directory.keep(ring, session, self.namespace(job), tokens, length)
+        except Exception as exc:  # whatever the ring raised, the job's tokens are stored
+            log.warning("job %s: could not keep its cache: %s", job.id, exc)
+            return False
+        return True

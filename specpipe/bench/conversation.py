@@ -37,7 +37,7 @@ from specpipe.core.ring import Prefix, Ring
 from specpipe.core.sampling import SamplingParams, offset_seed
 from specpipe.decoding.generation import Generation
 from specpipe.decoding.target import Target, context_error, open_target
-from specpipe.swarm.prefix_directory import PrefixDirectory, new_name
+from specpipe.swarm.prefix_directory import PrefixDirectory
 
 Log = Callable[[str], None]
 
@@ -153,9 +153,9 @@ class Reuse:
         if generation.cached <= 0:
             ring.drop(generation.session)
             return
-        kept = Prefix(new_name(), generation.cached)
-        ring.drop(generation.session, keep=kept)
-        self.directory.record(self.namespace, generation.tokens, kept, self.route)
+        self.directory.keep(
+            ring, generation.session, self.namespace, generation.tokens, generation.cached
+        )
 
 
 def run_turn(

@@ -447,13 +447,15 @@ def route(
     model: str | None = None,
     now: float | None = None,
     avoid: Collection[str] = (),
+    prefer: Collection[str] = (),
 ) -> list[NodeInfo]:
     """The ring: online stages covering layers 0:n_layers exactly once, in order, none of the
     hosts in `avoid`.
 
-    Where several hosts serve the same range, one whose heartbeat has not lapsed wins, the
-    first by host name among those (never the freshest record: a host dates its own). Raises
-    RouteError naming the first layers no online stage serves."""
+    Where several hosts serve the same range, one whose heartbeat has not lapsed wins, then
+    one of the hosts in `prefer` (those keeping a job's prefix), then the first by host name
+    (never the freshest record: a host dates its own). Raises RouteError naming the first
+    layers no online stage serves."""
     if n_layers <= 0:
         raise RouteError(f"a model needs at least one layer, got {n_layers}")
     now = time.time() if now is None else now
@@ -467,7 +469,7 @@ def route(
         and n.host not in avoid
     ]
     by_start: dict[int, list[NodeInfo]] = {}
-    for node in sorted(usable, key=lambda n: (n.lapsed(now), n.host)):
+    for node in sorted(usable, key=lambda n: (n.lapsed(now), n.host not in prefer, n.host)):
         by_start.setdefault(node.layer_start, []).append(node)
 
     # Depth-first over layer boundaries; `dead` remembers boundaries no route can finish from.

@@ -7,7 +7,8 @@ prefix cache), so two equal names mean the same tokens from position 0 on. When 
 stages keep its cache under a fresh name, and the directory records, for each full block of
 what they keep, that name, the positions up to the block's end and the route that keeps it
 (`specpipe:{swarm}:prefix:{hash}`, living as long as a stage keeps an unused prefix). A new
-job looks its prompt's block hashes up and starts from the longest one its route keeps.
+job looks its prompt's block hashes up: its ring prefers the hosts keeping the longest match
+(`keeper`), and it starts from the longest one its route keeps (`longest`).
 
 A namespace is a user's own by default: a cache shared between users lets one time another's
 prompts (a known side channel), so a user's prompt matches only that user's earlier jobs. An
@@ -23,12 +24,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import secrets
 from collections.abc import Sequence
 
 import redis
 
-from specpipe.core.ring import Prefix
+from specpipe.core.ring import Prefix, Ring
+
+log = logging.getLogger("specpipe.prefixes")
 
 BLOCK_TOKENS = 16  # the tokens a prefix is matched in: a match ends on a block's last token
 KEEP_S = 1800  # how long an entry lives: as long as a stage keeps a prefix nobody uses
@@ -70,18 +74,44 @@ class PrefixDirectory:
             pipe.set(self._key(block), json.dumps(entry), ex=self.keep_s)
         pipe.execute()
 
+    def keep(
+        self, ring: Ring, session: str, namespace: str, tokens: Sequence[int], length: int
+    ) -> Prefix:
+        """End `session` on `ring`, its stages keeping its first `length` positions (of
+        `tokens`) under a fresh name, and record them in `namespace`. A drop that fails raises
+        (the session was not ended); a record that fails is only logged: the stages keep a
+        prefix nobody finds, which costs later jobs their prefill, never their tokens."""
+        kept = Prefix(new_name(), length)
+        ring.drop(session, keep=kept)
+        try:
+            self.record(namespace, tokens, kept, [hop.host for hop in ring.route])
+        except redis.RedisError as exc:
+            log.warning("%s: could not record its kept prefix (%s)", session, exc)
+        return kept
+
     def longest(self, namespace: str, tokens: Sequence[int], route: Sequence[str]) -> Prefix | None:
         """The longest kept prefix of `tokens` (short of their last, which a round must send)
         that `route` keeps; None when there is none."""
+        for prefix, keeping in self._kept(namespace, tokens):
+            if keeping == list(route):
+                return prefix
+        return None
+
+    def keeper(self, namespace: str, tokens: Sequence[int]) -> list[str]:
+        """The route (its hosts, in ring order) that keeps the longest kept prefix of `tokens`,
+        on whichever route; [] when none is kept."""
+        for _, keeping in self._kept(namespace, tokens):
+            return keeping
+        return []
+
+    def _kept(self, namespace: str, tokens: Sequence[int]) -> list[tuple[Prefix, list]]:
+        """Every kept prefix of `tokens` short of their last, with the route keeping it,
+        longest first."""
         blocks = block_hashes(namespace, tokens[: len(tokens) - 1])
         if not blocks:
-            return None
+            return []
         found = self.client.mget([self._key(b) for b in blocks])
-        for raw in reversed(found):
-            entry = _entry(raw)
-            if entry is not None and entry[1] == list(route):
-                return entry[0]
-        return None
+        return [entry for entry in map(_entry, reversed(found)) if entry is not None]
 
 
 def _entry(raw: bytes | None) -> tuple[Prefix, list] | None:

@@ -174,6 +174,7 @@ class RedisRing:
         registry_url: str | None = None,
         reply_url: str | None = None,
         avoid: Collection[str] = (),
+        prefer: Collection[str] = (),
         outage_s: float = 0.0,
         **options,
     ) -> RedisRing:
@@ -183,7 +184,8 @@ class RedisRing:
         The registry is `settings.redis_url` unless `registry_url` is given, and replies come
         back there unless `reply_url` is given. Raises RingError when the swarm has no key or
         the registry cannot be read, RouteError when the online stages leave layers uncovered.
-        The hosts in `avoid` are left out (a failover around them). An unreachable registry
+        The hosts in `avoid` are left out (a failover around them); among replicas of a range,
+        those in `prefer` are chosen first (they keep the job's prefix). An unreachable registry
         is read again for up to `outage_s` (a job's ring waits out a restarting Redis as its
         rounds do; a command asked once answers at once).
         """
@@ -200,7 +202,7 @@ class RedisRing:
             registry,
             outage_s,
             lambda found: inventory.route(
-                found.nodes, n_layers, model=model, now=found.now, avoid=avoid
+                found.nodes, n_layers, model=model, now=found.now, avoid=avoid, prefer=prefer
             ),
         )
         keys = keys.with_roster(found.roster)

@@ -102,6 +102,18 @@ def test_a_lapsed_replica_loses_to_a_healthy_one_even_a_less_fresh_one():
     assert [n.host for n in route(nodes[::2], 4, now=NOW)] == ["h", "fast"]
 
 
+def test_among_live_replicas_a_route_prefers_the_hosts_keeping_a_prefix():
+    nodes = [node("a", 0, 2), node("b", 0, 2), node("t1", 2, 4), node("t2", 2, 4)]
+    assert [n.host for n in route(nodes, 4, now=NOW)] == ["a", "t1"]
+    assert [n.host for n in route(nodes, 4, now=NOW, prefer={"b", "t2"})] == ["b", "t2"]
+    # Only where it keeps a range: the other range is chosen by name as ever.
+    assert [n.host for n in route(nodes, 4, now=NOW, prefer={"b"})] == ["b", "t1"]
+    # A preferred host whose heartbeat lapsed loses to a live one; avoided, it is not routed.
+    lapsed = [node("a", 0, 2), node("b", 0, 2, age=2, heartbeat_s=0.5), node("t1", 2, 4)]
+    assert [n.host for n in route(lapsed, 4, now=NOW, prefer={"b"})] == ["a", "t1"]
+    assert [n.host for n in route(nodes, 4, now=NOW, prefer={"b"}, avoid={"b"})] == ["a", "t1"]
+
+
 def test_a_route_avoids_the_hosts_it_is_told_to_or_names_what_is_left_uncovered():
     nodes = [node("a", 0, 2), node("t1", 2, 4, age=2), node("t2", 2, 4, age=1)]
     assert [n.host for n in route(nodes, 4, now=NOW)] == ["a", "t1"]

@@ -3,6 +3,7 @@ namespace that its route keeps, matched in whole blocks, never its last token.""
 
 from __future__ import annotations
 
+import pytest
 import redis
 
 from specpipe.core.ring import Prefix
@@ -51,3 +52,56 @@ def test_an_entry_that_is_not_one_is_no_match(redis_url, swarm):
     found.client.set(found._key(block_hashes("u", tokens)[1]), b"not json")
     assert found.longest("u", tokens, ROUTE).length == BLOCK_TOKENS
     assert 0 < found.client.ttl(found._key(block_hashes("u", tokens)[0])) <= found.keep_s
+
+
+def test_the_keeper_is_the_route_keeping_the_longest_prefix_on_any_route(redis_url, swarm):
+    found = directory(redis_url, swarm)
+    tokens = list(range(4 * BLOCK_TOKENS + 1))
+    assert found.keeper("u", tokens) == []
+    found.record("u", tokens, Prefix("long", 4 * BLOCK_TOKENS), ("c", "b"))
+    found.record("u", tokens, Prefix("short", 2 * BLOCK_TOKENS), ("a", "b"))  # its 2 blocks
+    assert found.keeper("u", tokens) == ["c", "b"]
+    assert found.keeper("u", tokens[: 3 * BLOCK_TOKENS]) == ["a", "b"]
+    assert found.keeper("v", tokens) == []  # another namespace keeps nothing
+
+
+class Hop:
+    def __init__(self, host):
+        self.host = host
+
+
+class DroppingRing:
+    """A ring that records the drops it is asked for, or fails them."""
+
+    def __init__(self, fail=False):
+        self.route, self.fail, self.drops = [Hop("a"), Hop("b")], fail, []
+
+    def drop(self, session, keep=None):
+        if self.fail:
+            raise ConnectionError("the tail did not answer")
+        self.drops.append((session, keep))
+
+
+def test_keep_ends_the_session_keeping_its_cache_and_records_it(redis_url, swarm):
+    found = directory(redis_url, swarm)
+    tokens = list(range(3 * BLOCK_TOKENS))
+    ring = DroppingRing()
+    kept = found.keep(ring, "s1", "u", tokens, 2 * BLOCK_TOKENS + 5)
+    assert ring.drops == [("s1", kept)] and kept.length == 2 * BLOCK_TOKENS + 5
+    assert found.longest("u", tokens + [1], ROUTE) == Prefix(kept.name, 2 * BLOCK_TOKENS)
+
+
+def test_a_failed_drop_records_nothing_and_a_failed_record_ends_the_session(
+    redis_url, swarm, caplog
+):
+    found = directory(redis_url, swarm)
+    tokens = list(range(2 * BLOCK_TOKENS + 1))
+    with pytest.raises(ConnectionError):
+        found.keep(DroppingRing(fail=True), "s1", "u", tokens, len(tokens))
+    assert found.keeper("u", tokens) == []
+    # The registry gone after the drop: the session ended all the same, the failure logged.
+    unreachable = PrefixDirectory(redis.Redis(port=1, socket_connect_timeout=0.2), swarm)
+    ring = DroppingRing()
+    kept = unreachable.keep(ring, "s2", "u", tokens, len(tokens))
+    assert ring.drops == [("s2", kept)]
+    assert "could not record its kept prefix" in caplog.text

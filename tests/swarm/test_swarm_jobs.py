@@ -412,3 +412,33 @@ def test_a_next_turn_starts_from_the_cache_its_last_turn_kept(tiny, env, swarm):
     job = watch(env, lambda j: j.id == job_id and j.status == "done", "the other user's job")
     assert job.output_ids == cold["tokens"]
     assert prefix_hits(swarm) == before
+
+
+def latest_topology(db_url) -> str:
+    """The route the latest job ran on, as its run records it."""
+    with make_session_factory(db_url)() as session:
+        job = session.query(Job).order_by(Job.id.desc()).first()
+        return session.get(Run, job.run_id).topology
+
+
+def test_a_next_turn_is_routed_to_the_stages_keeping_its_prefix(tiny, env, swarm):
+    """A replica of s1's layers whose name comes first joins after a first turn: by name it
+    would take every later job's rounds, but the next turn goes through s1, which keeps the
+    first turn's cache, and starts from it."""
+    words = " ".join(f"v{20 + i % 60}" for i in range(60))
+    first = ask(words, *options(tiny, temp=0.7, seed=8, max_new_tokens=12))
+    assert latest_topology(env) == "s0 -> s1"
+    swarm.start_stage("r1", "2:4")
+    try:
+        swarm.wait_stages(["r1"])
+        before = prefix_hits(swarm)
+        ask(f"{words} {first['text']} v30", *options(tiny, temp=0.7, seed=9, max_new_tokens=12))
+        assert latest_topology(env) == "s0 -> s1"
+        assert prefix_hits(swarm) == {h: n + 1 for h, n in before.items()}
+        # A job with nothing kept is routed by name: through the replica.
+        ask("u1 u2 u3 u4", *options(tiny, temp=0.7, seed=9, max_new_tokens=4))
+        assert latest_topology(env) == "s0 -> r1"
+    finally:
+        proc = swarm.procs.pop("r1")
+        proc.terminate()
+        proc.wait(20)
