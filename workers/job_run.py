@@ -53,14 +53,14 @@ from specpipe.swarm.failover import (
 )
 from specpipe.swarm.inventory import RouteError
 from specpipe.swarm.kvbudget import Reservations
-from specpipe.swarm.prefix_directory import PrefixDirectory
+from specpipe.swarm.prefix_directory import Prefilling, PrefixDirectory
 from specpipe.swarm.redact import one_line_reason
 from specpipe.swarm.redis_ring import ROUND_TIMEOUT_S, RedisRing, RingError
 from workers.attempt import Attempt, Superseded
 from workers.job_lock import lock_key
 from workers.locks import LockKeeper
 from workers.node_sync import sync_inventory
-from workers.prefix_reuse import PrefixReuse
+from workers.prefix_reuse import PrefixReuse, let_go_quietly
 from workers.room import release_quietly, room_keeper
 
 log = logging.getLogger("specpipe.coordinator")
@@ -230,7 +230,17 @@ class Leaving:
     rounds ended as they should) its committed tokens' cache, kept as a prefix for later jobs."""
 
     prefixes: PrefixReuse | None
+    prefilling: Prefilling | None = None  # jobs with the same first tokens wait on its prefill
     dropped: bool = False  # the session was ended (its cache kept) already
+
+    def prefilled(self, job: Job, generation: Generation, ring: Ring, ring_session: str) -> None:
+        """The generation's first round is done, so its prompt is in the caches: share it with
+        the jobs waiting on its prefill, if it claimed one."""
+        if self.prefixes is not None and self.prefilling is not None:
+            prefilling, self.prefilling = self.prefilling, None
+            self.prefixes.shared(
+                job, prefilling, ring, ring_session, generation.tokens, generation.cached
+            )
 
     def ended(self, job: Job, generation: Generation, ring: Ring, ring_session: str) -> None:
         """The generation's rounds ended (done or cancelled): end its session, keeping what its
@@ -256,6 +266,8 @@ def _let_go(
             drop_quietly(ring, ring_session)
     if release is not None:
         release_quietly(release)
+    if leaving.prefilling is not None:  # ended before its prefill did: the waiting go on
+        let_go_quietly(leaving.prefilling)
 
 
 class StartTimes:
@@ -304,7 +316,7 @@ def _generate(
     start = None
     if leaving.prefixes is not None:
         route = [hop.host for hop in ring.route]
-        start = leaving.prefixes.start(job, prompt_ids + resume, route)
+        start, leaving.prefilling = leaving.prefixes.start(job, prompt_ids + resume, route)
     generation = Generation(
         ring,
         ring_session,
@@ -321,6 +333,7 @@ def _generate(
     )
     status, counted = "done", 0
     for _ in generation.rounds():
+        leaving.prefilled(job, generation, ring, ring_session)
         accepted.append(generation.stats.accepted - counted)
         counted = generation.stats.accepted
         ids = generation.generated

@@ -18,7 +18,7 @@ import redis
 
 from models import Job
 from specpipe.core.ring import Prefix, Ring
-from specpipe.swarm.prefix_directory import PrefixDirectory
+from specpipe.swarm.prefix_directory import BLOCK_TOKENS, Prefilling, PrefixDirectory
 
 log = logging.getLogger("specpipe.coordinator")
 
@@ -44,16 +44,49 @@ class PrefixReuse:
             log.warning("job %s: the prefix directory did not answer (%s); no reuse", job.id, exc)
             return []
 
-    def start(self, job: Job, tokens: Sequence[int], route: Sequence[str]) -> Prefix | None:
-        """The kept prefix the job's `tokens` may start from on `route`, if any. A directory
-        that cannot be read means no reuse, not a failed job."""
+    def start(
+        self, job: Job, tokens: Sequence[int], route: Sequence[str]
+    ) -> tuple[Prefix | None, Prefilling | None]:
+        """The kept prefix the job's `tokens` may start from on `route`, if any, and the claim
+        on prefilling them when this job prefills them for others (`shared` once it has).
+
+        When another job is prefilling the same tokens (another choice of the same request),
+        this one waits for it, then starts from what it kept. A directory that cannot be read
+        means no reuse, not a failed job."""
         if self.mode == "off" or not route:
-            return None
+            return None, None
+        namespace = self.namespace(job)
         try:
-            return self.directory.longest(self.namespace(job), tokens, route)
+            found = self.directory.longest(namespace, tokens, route)
+            prefilling = self.directory.prefilling(namespace, tokens)
+            whole = BLOCK_TOKENS * ((len(tokens) - 1) // BLOCK_TOKENS)  # the most a prefix gives
+            if prefilling is None or (found is not None and found.length >= whole):
+                return found, None
+            if prefilling.claim():
+                return found, prefilling
+            prefilling.wait()
+            return self.directory.longest(namespace, tokens, route), None
         except redis.RedisError as exc:
             log.warning("job %s: the prefix directory did not answer (%s); no reuse", job.id, exc)
-            return None
+            return None, None
+
+    def shared(
+        self,
+        job: Job,
+        prefilling: Prefilling,
+        ring: Ring,
+        session: str,
+        tokens: Sequence[int],
+        length: int,
+    ) -> None:
+        """The job's prefill is done: its stages keep a copy of its first `length` positions
+        for the jobs waiting on it, if any; then they go on."""
+        namespace = self.namespace(job)
+        try:
+            prefilling.end(lambda: self.directory.share(ring, session, namespace, tokens, length))
+        except Exception as exc:  # the waiting jobs prefill themselves: slower, not different
+            log.warning("job %s: could not share its prefill: %s", job.id, exc)
+            let_go_quietly(prefilling)
 
     def keep(self, job: Job, ring: Ring, session: str, tokens: Sequence[int], length: int) -> bool:
         """End the job's `session` on `ring`, its stages keeping the first `length` positions
@@ -68,3 +101,11 @@ class PrefixReuse:
             log.warning("job %s: could not keep its cache: %s", job.id, exc)
             return False
         return True
+
+
+def let_go_quietly(prefilling: Prefilling) -> None:
+    """Let a claim on a prefill go; one that cannot be let go lapses by itself."""
+    try:
+        prefilling.release()
+    except redis.RedisError as exc:
+        log.warning("could not let a prefill's claim go (%s); it lapses", exc)

@@ -232,11 +232,11 @@ class Prefix:
 
 @runtime_checkable
 class PrefixStage(Stage, Protocol):
-    """A stage that keeps an ended session's cache as a named prefix, for later sessions whose
-    tokens start with the same ones (see `StageModel.keep_prefix`)."""
+    """A stage that keeps a session's cache as a named prefix, for later sessions whose tokens
+    start with the same ones (see `StageModel.keep_prefix`)."""
 
     def keep_prefix(self, session: str, name: str, length: int) -> int:
-        """End `session`, keeping its first `length` positions as `name`; how many it kept."""
+        """Keep a copy of `session`'s first `length` positions as `name`; how many it kept."""
         ...
 
     def start_from_prefix(self, session: str, name: str, length: int) -> bool:
@@ -298,6 +298,12 @@ class Ring(Protocol):
     def drop(self, session: str, keep: Prefix | None = None) -> None:
         """End a session everywhere; with `keep`, every stage keeps the first `keep.length`
         positions of its cache as the prefix `keep.name`."""
+        ...
+
+    def keep(self, session: str, prefix: Prefix) -> None:
+        """Every stage keeps the first `prefix.length` positions of the session's cache as the
+        prefix `prefix.name`, the session going on (jobs with the same first tokens that wait
+        for its prefill start from it)."""
         ...
 
     def close(self) -> None:

@@ -70,13 +70,18 @@ class LocalRing:
         return finish_round(tail, r, logits, sampler, self.head)
 
     def drop(self, session: str, keep: Prefix | None = None) -> None:
+        if keep is not None:
+            self.keep(session, keep)
         for stage in self.stages:
-            if keep is not None and isinstance(stage, PrefixStage):
-                stage.keep_prefix(session, keep.name, keep.length)
             stage.drop(session)
         self.samplers.pop(session, None)
         if self.head is not None:
             self.head.forget(session)
+
+    def keep(self, session: str, prefix: Prefix) -> None:
+        for stage in self.stages:
+            if isinstance(stage, PrefixStage):
+                stage.keep_prefix(session, prefix.name, prefix.length)
 
     def close(self) -> None:
         """Nothing to let go of: the stages belong to whoever made them."""

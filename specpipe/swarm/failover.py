@@ -187,6 +187,10 @@ class CheckedRing:
         if self.ring is not None:
             self.ring.drop(session, keep)
 
+    def keep(self, session: str, prefix: Prefix) -> None:
+        if self.ring is not None:
+            self.ring.keep(session, prefix)
+
     def close(self) -> None:
         if self.ring is not None:
             self.ring.close()

@@ -26,7 +26,8 @@ import hashlib
 import json
 import logging
 import secrets
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import redis
 
@@ -83,11 +84,34 @@ class PrefixDirectory:
         prefix nobody finds, which costs later jobs their prefill, never their tokens."""
         kept = Prefix(new_name(), length)
         ring.drop(session, keep=kept)
+        self._record_kept(ring, session, namespace, tokens, kept)
+        return kept
+
+    def share(
+        self, ring: Ring, session: str, namespace: str, tokens: Sequence[int], length: int
+    ) -> Prefix:
+        """As `keep`, the session going on: its stages keep a copy of its first `length`
+        positions now (its prefill done, for jobs waiting on it: `Prefilling`)."""
+        kept = Prefix(new_name(), length)
+        ring.keep(session, kept)
+        self._record_kept(ring, session, namespace, tokens, kept)
+        return kept
+
+    def _record_kept(
+        self, ring: Ring, session: str, namespace: str, tokens: Sequence[int], kept: Prefix
+    ) -> None:
         try:
             self.record(namespace, tokens, kept, [hop.host for hop in ring.route])
         except redis.RedisError as exc:
             log.warning("%s: could not record its kept prefix (%s)", session, exc)
-        return kept
+
+    def prefilling(self, namespace: str, tokens: Sequence[int]) -> Prefilling | None:
+        """The claim on prefilling `tokens`' whole blocks (short of their last token) that jobs
+        with the same tokens share; None when they fill no block."""
+        blocks = block_hashes(namespace, tokens[: len(tokens) - 1])
+        if not blocks:
+            return None
+        return Prefilling(self.client, f"specpipe:{self.swarm}:prefilling:{blocks[-1]}")
 
     def longest(self, namespace: str, tokens: Sequence[int], route: Sequence[str]) -> Prefix | None:
         """The longest kept prefix of `tokens` (short of their last, which a round must send)
@@ -112,6 +136,43 @@ class PrefixDirectory:
             return []
         found = self.client.mget([self._key(b) for b in blocks])
         return [entry for entry in map(_entry, reversed(found)) if entry is not None]
+
+
+class Prefilling:
+    """Jobs whose tokens start the same (a request's choices, one prompt sent twice at once)
+    prefill them once: the first to `claim` them prefills, and when done (`end`) its stages
+    keep a copy (`PrefixDirectory.share`) if anyone `wait`ed; the others wait, then start from
+    it. A claim lapses after `WAIT_S` (its job died, or prefills slowly): a job that waited
+    that long prefills itself, slower, never different."""
+
+    WAIT_S = 60.0
+    POLL_S = 0.05
+
+    def __init__(self, client: redis.Redis, key: str) -> None:
+        self.client, self.key, self.waiting = client, key, f"{key}:waiting"
+
+    def claim(self) -> bool:
+        """Whether this job prefills the tokens (no other job is prefilling them now)."""
+        return bool(self.client.set(self.key, "1", nx=True, px=int(self.WAIT_S * 1000)))
+
+    def wait(self, clock: Callable[[], float] = time.monotonic) -> None:
+        """Wait, counted among the waiters, while another job prefills the tokens (its claim
+        ends or lapses)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.incr(self.waiting).pexpire(self.waiting, int(self.WAIT_S * 1000)).execute()
+        give_up_at = clock() + self.WAIT_S
+        while self.client.exists(self.key) and clock() < give_up_at:
+            time.sleep(self.POLL_S)
+
+    def end(self, share: Callable[[], object]) -> None:
+        """The claimed prefill is done: `share` it when a job waits for it, then let them go."""
+        if int(self.client.get(self.waiting) or 0) > 0:
+            share()
+        self.release()
+
+    def release(self) -> None:
+        """Let the claim go (its job ended before its prefill did, or after sharing it)."""
+        self.client.delete(self.key, self.waiting)
 
 
 def _entry(raw: bytes | None) -> tuple[Prefix, list] | None:

@@ -398,6 +398,12 @@ class RedisRing:
         self._params.pop(session, None)
         self._cursor.pop(session, None)
 
+    def keep(self, session: str, prefix: Prefix) -> None:
+        """Every stage keeps the session's first `prefix.length` positions as `prefix.name`;
+        the session goes on. Like every control, it goes into each stage's stream behind the
+        session's rounds, and ahead of any reset sent after it."""
+        self._control(session, "keep", None, prefix=prefix)
+
     def twin(self) -> RedisRing:
         """A ring of this one's kind over the same route, keys and settings with connections of
         its own, for a second thread: a ring is used by one thread at a time. It shares no
@@ -440,8 +446,8 @@ class RedisRing:
         hops: Sequence[wire.Hop] | None = None,
         prefix: Prefix | None = None,
     ) -> None:
-        """Send a reset, reseed or drop to each of `hops` (default: the route); `prefix`: the
-        kept prefix a reset starts from or a drop keeps."""
+        """Send a reset, reseed, keep or drop to each of `hops` (default: the route); `prefix`:
+        the kept prefix a reset starts from, or a keep or drop keeps."""
         fields = {} if params is None else params.to_fields()
         message = wire.Message(
             kind=kind,

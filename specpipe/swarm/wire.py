@@ -102,7 +102,7 @@ MAX_NAME = 256  # characters of a route entry's host or model, or of a prefix's 
 # (the tail's result, and the replies a stage sends when it cannot go on: `misrouted` when the
 # route has it for other layers or another model than it serves, `unreachable` when it could
 # not pass the round on to its next hop).
-STAGE_KINDS = frozenset({"round", "reset", "reseed", "drop"})
+STAGE_KINDS = frozenset({"round", "reset", "reseed", "keep", "drop"})
 REPLY_KINDS = frozenset({"result", "gap", "error", "misrouted", "unreachable"})
 KINDS = STAGE_KINDS | REPLY_KINDS
 COORDINATOR = identity.COORDINATOR  # the sender of what a coordinator sends; a stage: its host
@@ -223,8 +223,8 @@ class Message:
     taps: tuple[int, ...] = ()
     # how long after `seq`'s date the sender still waits for this message to be served
     wait_ms: int = 0
-    # reset: the kept prefix whose first `start_pos` positions the session starts from; drop:
-    # the name to keep the session's first `start_pos` positions under ("": none)
+    # reset: the kept prefix whose first `start_pos` positions the session starts from; keep,
+    # drop: the name to keep the session's first `start_pos` positions under ("": none)
     prefix: str = ""
 
     @property

@@ -345,10 +345,10 @@ class StageModel(nn.Module):
         return {name: cache.length for name, cache in self.sessions.items()}
 
     def keep_prefix(self, session: str, name: str, length: int) -> int:
-        """End a session, keeping its cache's first `length` positions (at most what it holds)
-        as the prefix `name`; how many it kept (0: the session had no cache here)."""
+        """Keep a copy of a session's first `length` positions (at most what it holds) as the
+        prefix `name`, the session going on or ending as it will; how many it kept (0: the
+        session had no cache here)."""
         cache = self.sessions.get(session)
-        self.drop(session)
         if cache is None or min(length, cache.length) <= 0:
             return 0
         # A copy of just those positions: the session's buffers grew by doubling.

@@ -3,11 +3,20 @@ namespace that its route keeps, matched in whole blocks, never its last token.""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import redis
 
 from specpipe.core.ring import Prefix
-from specpipe.swarm.prefix_directory import BLOCK_TOKENS, PrefixDirectory, block_hashes
+from specpipe.swarm.prefix_directory import (
+    BLOCK_TOKENS,
+    Prefilling,
+    PrefixDirectory,
+    block_hashes,
+)
+from tests.waiting import wait_until
 
 ROUTE = ("a", "b")
 
@@ -74,7 +83,10 @@ class DroppingRing:
     """A ring that records the drops it is asked for, or fails them."""
 
     def __init__(self, fail=False):
-        self.route, self.fail, self.drops = [Hop("a"), Hop("b")], fail, []
+        self.route, self.fail, self.drops, self.kept = [Hop("a"), Hop("b")], fail, [], []
+
+    def keep(self, session, prefix):
+        self.kept.append(prefix)
 
     def drop(self, session, keep=None):
         if self.fail:
@@ -105,3 +117,45 @@ def test_a_failed_drop_records_nothing_and_a_failed_record_ends_the_session(
     kept = unreachable.keep(ring, "s2", "u", tokens, len(tokens))
     assert ring.drops == [("s2", kept)]
     assert "could not record its kept prefix" in caplog.text
+
+
+def test_jobs_with_the_same_tokens_wait_for_the_one_prefilling_them(redis_url, swarm):
+    found = directory(redis_url, swarm)
+    tokens = list(range(3 * BLOCK_TOKENS + 2))
+    assert found.prefilling("u", tokens[:BLOCK_TOKENS]) is None  # no whole block: no claim
+    first, second = found.prefilling("u", tokens), found.prefilling("u", tokens)
+    assert first.key == second.key != found.prefilling("v", tokens).key
+    assert first.claim() and not second.claim()
+
+    ring, shared = DroppingRing(), []
+    waited = threading.Event()
+
+    def wait():
+        second.wait()
+        waited.set()
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    wait_until(lambda: found.client.get(first.waiting) == b"1", 5, "the waiter to count itself")
+    assert not waited.is_set()
+    first.end(lambda: shared.append(found.share(ring, "s1", "u", tokens, len(tokens) - 1)))
+    waiter.join(5)
+    assert waited.is_set() and not found.client.exists(first.key, first.waiting)
+    # What the waiter finds: the prefix kept while the session went on (no drop).
+    assert ring.kept == shared and ring.drops == []
+    assert found.longest("u", tokens, ROUTE) == Prefix(shared[0].name, 3 * BLOCK_TOKENS)
+
+
+def test_a_prefill_nobody_waits_for_is_not_shared_and_a_claim_lapses(redis_url, swarm, monkeypatch):
+    found = directory(redis_url, swarm)
+    tokens = list(range(2 * BLOCK_TOKENS + 1))
+    claim = found.prefilling("u", tokens)
+    assert claim.claim()
+    claim.end(lambda: pytest.fail("shared with nobody waiting"))
+    assert not found.client.exists(claim.key) and claim.claim()  # free again
+    # A claim whose job died lapses: a waiter waits no longer than WAIT_S.
+    monkeypatch.setattr(Prefilling, "WAIT_S", 0.3)
+    later = found.prefilling("u", tokens)
+    started = time.monotonic()
+    later.wait()
+    assert 0.25 <= time.monotonic() - started < 3

@@ -442,3 +442,32 @@ def test_a_next_turn_is_routed_to_the_stages_keeping_its_prefix(tiny, env, swarm
         proc = swarm.procs.pop("r1")
         proc.terminate()
         proc.wait(20)
+
+
+def test_the_choices_of_a_request_prefill_their_prompt_once(tiny, env, swarm):
+    """A request's choices are jobs of one prompt submitted together: one prefills it, the
+    others wait for that and start from the copy its stages keep, each with its own seed's
+    tokens as it would get them alone."""
+    words = " ".join(f"c{30 + i % 50}" for i in range(70))
+    seeds = (31, 32, 33)
+    alone = [
+        ask(words, "--local", "--stages", "2", *options(tiny, temp=0.9, seed=s, max_new_tokens=60))
+        for s in seeds
+    ]
+    before = prefix_hits(swarm)
+    submitter = Submitter.connect(swarm.redis_url, str(tiny), job_limits())
+    with make_session_factory(env)() as session:
+        params = dict(prompt=words, raw_prompt=True, temp=0.9, max_new_tokens=60)
+        params.update(top_p=1.0, top_k=0, draft_k=4, stop=[], sampler="gumbel")
+        jobs = submitter.submit_all(session, [dict(params, seed=s) for s in seeds])
+        ids = [job.id for job in jobs]
+
+    def finished() -> list[Job] | None:
+        with make_session_factory(env)() as session:
+            found = [session.get(Job, job_id) for job_id in ids]
+        return found if all(job.finished for job in found) else None
+
+    done = wait_until(finished, 120, "the three choices to finish")
+    assert [job.output_ids for job in done] == [run["tokens"] for run in alone]
+    # Two of the three started from the first one's prefill, on every stage.
+    assert prefix_hits(swarm) == {h: n + 2 for h, n in before.items()}

@@ -1,7 +1,8 @@
-"""The prefixes a stage keeps after their sessions end, for later sessions whose tokens start
-with the same ones (a conversation's next turn, a shared system prompt).
+"""The prefixes a stage keeps of its sessions, for later sessions whose tokens start with the
+same ones (a conversation's next turn, a shared system prompt, the other choices of a request).
 
-A `drop` that names a prefix keeps the session's first `start_pos` positions under that name; a
+A `drop` that names a prefix keeps the session's first `start_pos` positions under that name as
+the session ends, a `keep` while it goes on (its prefill done, for jobs waiting on it); a
 `reset` that names one starts the new session from a copy of its first `start_pos` positions.
 Which names to use, and which prompt matches which prefix, is the coordinator's to know
 (`specpipe.swarm.prefix_directory`): a stage only keeps and copies. A stage keeps at most
@@ -38,8 +39,9 @@ class KeptPrefixes:
         self.used = Activity()  # when each kept prefix was kept or last started from
 
     def keep(self, message: wire.Message) -> None:
-        """The drop `message` names a prefix: keep the session's first `start_pos` positions."""
-        if self.stage is None:
+        """The keep or drop `message` names a prefix: keep the session's first `start_pos`
+        positions under it."""
+        if self.stage is None or not message.prefix:
             return
         if self.stage.keep_prefix(message.session, message.prefix, message.start_pos):
             self.used.touch(message.prefix)

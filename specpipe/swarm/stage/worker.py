@@ -344,6 +344,8 @@ class StageWorker:
                 if message.prefix:
                     self.prefixes.start(message)
             self.samplers.set_params(message)
+        elif message.kind == "keep":
+            self.prefixes.keep(message)
         elif message.kind == "drop":
             if message.prefix:
                 self.prefixes.keep(message)
