@@ -2,7 +2,8 @@
 gpt-oss's real tokenizer (o200k_harmony: o200k_base's 199,998 ranks and pre-tokenizer pattern,
 then special tokens up to 201,087, harmony's markers at their ids) and a chat template in
 harmony's format: the minimal one, or one that also renders function tools, an assistant's
-calls and the tools' results as harmony does (`TOOLS_TEMPLATE`).
+calls and the tools' results as harmony does (`TOOLS_TEMPLATE`: token for token what OpenAI's
+harmony library renders, tests/model/test_harmony_reference.py).
 
 The ranks and the pattern are the ones the bpe-openai package ships (a test-only dependency);
 transformers' own tiktoken converter makes tokenizer.json of them, as gpt-oss's was made. Nothing
@@ -95,7 +96,8 @@ CONVERSATION = """
 {%- endif -%}
 {%- if instructions or tools -%}
 {{- '<|start|>developer<|message|>' -}}
-{%- if instructions -%}{{ '# Instructions\n\n' + instructions + '\n\n' }}{%- endif -%}
+{%- if instructions -%}{{ '# Instructions\n\n' + instructions }}{%- endif -%}
+{%- if instructions and tools -%}{{ '\n\n' }}{%- endif -%}
 {%- if tools -%}{{ namespace(tools) }}{%- endif -%}
 {{- '<|end|>' -}}
 {%- endif -%}
@@ -106,8 +108,8 @@ CONVERSATION = """
 {%- endif -%}
 {%- for call in m.tool_calls -%}
 {%- set args = call.function.arguments -%}
-{{- '<|start|>assistant<|channel|>commentary to=functions.' + call.function.name -}}
-{{- ' <|constrain|>json<|message|>' -}}
+{{- '<|start|>assistant to=functions.' + call.function.name -}}
+{{- '<|channel|>commentary <|constrain|>json<|message|>' -}}
 {{- args if args is string else args | tojson -}}
 {{- '<|call|>' -}}
 {%- endfor -%}

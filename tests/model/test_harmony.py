@@ -1,7 +1,8 @@
 """Harmony, gpt-oss's chat format: a reply split into its channels and its calls of functions,
 whole or as it is written; the test checkpoint's tokenizer is gpt-oss's own (o200k, checked
 against its ranks by brute force), and the checkpoint opens as a harmony model; a chat template
-renders function tools, calls and their results as transformers renders them."""
+renders function tools, calls and their results as transformers renders them (and as OpenAI's
+harmony library does: test_harmony_reference)."""
 
 from __future__ import annotations
 
@@ -187,7 +188,7 @@ def test_a_harmony_template_renders_tools_calls_and_results_as_transformers_does
     assert text.endswith(
         "<|start|>user<|message|>Weather in Paris?<|end|>"
         "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>"
-        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
         '<|message|>{"city": "Paris"}<|call|>'
         '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"c":20}'
         "<|end|><|start|>assistant"
@@ -202,7 +203,7 @@ def test_a_harmony_template_renders_tools_calls_and_results_as_transformers_does
     # Without tools, no namespace and no word of them; the instructions stay.
     bare = ours.render_chat(HISTORY)
     assert "# Tools" not in bare and "Calls to these tools" not in bare
-    assert "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n<|end|>" in bare
+    assert "<|start|>developer<|message|># Instructions\n\nBe brief.<|end|>" in bare
 
 
 def test_a_gpt_oss_checkpoint_with_the_real_token_layout_is_a_harmony_model(tmp_path, monkeypatch):

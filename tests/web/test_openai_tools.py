@@ -135,7 +135,9 @@ def test_a_call_goes_round_to_the_next_request_with_the_official_client(
     assert fed.endswith(
         DECLARED + "<|start|>user<|message|>What is the weather in Paris?<|end|>"
         "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>"
-        "<|start|>assistant" + HEADER + '{"city": "Paris"}<|call|>'
+        # The call as harmony renders it (recipient first), whichever header the model wrote.
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
+        '<|message|>{"city": "Paris"}<|call|>'
         '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"c":21}'
         "<|end|><|start|>assistant"
     )
