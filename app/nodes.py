@@ -84,7 +84,7 @@ def live_inventory(keys: Keyring) -> tuple[int | None, inventory.RingLatency | N
         return None, None
     finally:
         client.close()
-    ring = inventory.measured_ring(found.nodes, found.now)
+    ring = inventory.measured_ring(found.nodes, found.now, found.latency_ms)
     if ring is None:
         return found.ignored, None
     stats = streams.read_stages_stats(

@@ -1,5 +1,6 @@
 """Copying the live node inventory (heartbeats in Redis) into the store's nodes table, so the
-web app, the metrics and each run's node snapshot see the ring as it is."""
+web app, the metrics and each run's node snapshot see the ring as it is; and measuring, from
+here, how far each stage host is (`swarm.latency`), which routing chooses replicas by."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from sqlalchemy.orm import Session
 
 from models.nodes import NODE_FIELDS, upsert_node
 from specpipe.settings import Settings
-from specpipe.swarm import inventory, mending, trust
+from specpipe.swarm import inventory, latency, mending, trust
+from specpipe.swarm.dialing import Dialer
 from specpipe.swarm.redact import redact_url
 from workers.names import SYNC_NODES_TASK
 
@@ -33,13 +35,16 @@ def sync_inventory(session: Session, nodes: list[inventory.NodeInfo]) -> int:
 
 @shared_task(name=SYNC_NODES_TASK, bind=True)
 def sync(self) -> int:
-    """Celery beat task: put the registry's keys right (`mending.repair`), then read the
-    inventory from the swarm's Redis and store it."""
+    """Celery beat task: put the registry's keys right (`mending.repair`), read the inventory
+    from the swarm's Redis and store it, and measure how far each online stage host is."""
     settings = Settings.from_env()
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3)
     try:
         mending.repair(client, settings.swarm, settings.home)
-        nodes = inventory.load(client, settings.swarm, trust.keyring(settings))
+        found = inventory.read(client, settings.swarm, trust.keyring(settings))
+        nodes = found.nodes
+        online = [node for node in nodes if node.status(found.now) == "online"]
+        latency.refresh(client, settings.swarm, online, Dialer.for_settings(settings))
     finally:
         client.close()
     count = sync_inventory(self.session, nodes)

@@ -60,7 +60,7 @@ def ring_latency_now(
         found = inventory.read(client, settings.swarm, trust.keyring(settings))
     finally:
         client.close()
-    ring = inventory.measured_ring(found.nodes, found.now)
+    ring = inventory.measured_ring(found.nodes, found.now, found.latency_ms)
     if ring is None:
         return None
     stats = streams.read_stages_stats(

@@ -36,6 +36,10 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     keeps); unsigned, forged, malformed or future-dated ones are left out and counted. Passwords
     in Redis URLs are shown as ***.
 
+    Among live replicas of a range, routing takes the one nearest host 0 as host 0 measures it
+    (a PING to its Redis from the coordinator's beat, every 10 s); `host0_rtt_ms` in JSON, and
+    a "from host 0" section in the text, give those figures.
+
     With --json the output is {"swarm", "nodes", "ignored_records"}, and each node also carries
     `stats`, read from its own Redis: rounds processed, the forwards they ran in (several
     sessions' rounds batched are one), messages dropped, replayed, gaps, errors, and running
@@ -72,15 +76,11 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
         click.echo(f"warning: {warning}", err=True)
     records = _records(found.nodes, swarm, found.now)
     stats = {r["host"]: r["stats"] for r in records}
-    latency = _latency(found.nodes, stats, found.now)
+    latency = _latency(found, stats)
     if as_json:
         ring = latency.as_dict() if latency else None
-        click.echo(
-            json.dumps(
-                {"swarm": swarm, "nodes": records, "ring": ring, "ignored_records": found.ignored},
-                indent=2,
-            )
-        )
+        out = {"swarm": swarm, "nodes": records, "ring": ring, "host0_rtt_ms": found.latency_ms}
+        click.echo(json.dumps({**out, "ignored_records": found.ignored}, indent=2))
         return
     for line in _text(found, swarm, latency, stats):
         click.echo(line)
@@ -124,6 +124,9 @@ def _text(found, swarm: str, latency, stats: dict) -> list[str]:
     )
     if latency:
         lines += inventory.latency_lines(latency)
+    if found.latency_ms:
+        lines.append("from host 0 (PING round trip; replicas are chosen by it):")
+        lines += [f"  {host}: {ms:.2f} ms" for host, ms in sorted(found.latency_ms.items())]
     lines += _kept_lines(stats)
     if found.ignored:
         lines.append(inventory.ignored_note(found.ignored))
@@ -145,12 +148,12 @@ def _kept_lines(stats: dict) -> list[str]:
     return ["kept prefixes:", *lines] if lines else []
 
 
-def _latency(found: list, stats: dict, now: float):
-    """The latency of the ring routing builds at `now` (swarm time; None before its stages
-    measured it)."""
+def _latency(found, stats: dict):
+    """The latency of the ring routing builds from the inventory `found` (None before its
+    stages measured it)."""
     from specpipe.swarm import inventory
 
-    ring = inventory.measured_ring(found, now)
+    ring = inventory.measured_ring(found.nodes, found.now, found.latency_ms)
     return inventory.ring_latency(ring, stats) if ring else None
 
 

@@ -47,14 +47,14 @@ import json
 import math
 import platform
 import time
-from collections.abc import Collection, Sequence
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import redis
 
 from specpipe import __version__
-from specpipe.swarm import identity
+from specpipe.swarm import identity, latency
 from specpipe.swarm.clock import SwarmClock
 from specpipe.swarm.redact import has_credentials, redact_url
 from specpipe.swarm.wire import Keyring
@@ -381,6 +381,7 @@ class Inventory:
     ignored: int  # unsigned, forged, not admitted, malformed or future-dated records
     roster: identity.Roster | None = None  # the admitted hosts, with host identities
     now: float = 0.0
+    latency_ms: dict[str, float] = field(default_factory=dict)  # host 0's figures (`latency`)
 
 
 def read(client: redis.Redis, swarm: str, keys: Keys | None, now: float | None = None) -> Inventory:
@@ -405,7 +406,7 @@ def read(client: redis.Redis, swarm: str, keys: Keys | None, now: float | None =
             continue
         nodes.append(replace(node, last_heartbeat=_observed(swarm, name, value, node, now)))
     ordered = sorted(nodes, key=lambda n: (n.layer_start, n.layer_end, n.host))
-    return Inventory(ordered, ignored, roster, now)
+    return Inventory(ordered, ignored, roster, now, latency.read(client, swarm, now))
 
 
 # What this process last saw of each host's record: a digest of the stored value, and when
@@ -448,14 +449,16 @@ def route(
     now: float | None = None,
     avoid: Collection[str] = (),
     prefer: Collection[str] = (),
+    latency_ms: Mapping[str, float] | None = None,
 ) -> list[NodeInfo]:
     """The ring: online stages covering layers 0:n_layers exactly once, in order, none of the
     hosts in `avoid`.
 
     Where several hosts serve the same range, one whose heartbeat has not lapsed wins, then
-    one of the hosts in `prefer` (those keeping a job's prefix), then the first by host name
-    (never the freshest record: a host dates its own). Raises RouteError naming the first
-    layers no online stage serves."""
+    one of the hosts in `prefer` (those keeping a job's prefix), then the nearest as host 0
+    measured them (`latency_ms`, `swarm.latency`), then the first by host name (never the
+    freshest record: a host dates its own). Raises RouteError naming the first layers no online
+    stage serves."""
     if n_layers <= 0:
         raise RouteError(f"a model needs at least one layer, got {n_layers}")
     now = time.time() if now is None else now
@@ -469,7 +472,12 @@ def route(
         and n.host not in avoid
     ]
     by_start: dict[int, list[NodeInfo]] = {}
-    for node in sorted(usable, key=lambda n: (n.lapsed(now), n.host not in prefer, n.host)):
+    near = latency_ms or {}
+
+    def choice(n: NodeInfo) -> tuple:
+        return n.lapsed(now), n.host not in prefer, latency.rank(near, n.host), n.host
+
+    for node in sorted(usable, key=choice):
         by_start.setdefault(node.layer_start, []).append(node)
 
     # Depth-first over layer boundaries; `dead` remembers boundaries no route can finish from.
@@ -682,16 +690,18 @@ class RingLatency:
         }
 
 
-def measured_ring(nodes: list[NodeInfo], now: float | None = None) -> list[NodeInfo] | None:
-    """A ring routing can build from the online `nodes` that have measured their link onward
-    (from their first round on); None when they form none (a spare that has not carried a
-    round yet is left out)."""
+def measured_ring(
+    nodes: list[NodeInfo], now: float | None = None, latency_ms: Mapping[str, float] | None = None
+) -> list[NodeInfo] | None:
+    """A ring routing can build (with host 0's figures, `latency_ms`) from the online `nodes`
+    that have measured their link onward (from their first round on); None when they form none
+    (a spare that has not carried a round yet is left out)."""
     online = [n for n in nodes if n.status(now) == "online"]
     measured = [n for n in online if n.next_hop]
     if not measured:
         return None
     try:
-        ring = route(measured, max(n.layer_end for n in online), now=now)
+        ring = route(measured, max(n.layer_end for n in online), now=now, latency_ms=latency_ms)
     except RouteError:
         return None
     return ring

@@ -202,7 +202,13 @@ class RedisRing:
             registry,
             outage_s,
             lambda found: inventory.route(
-                found.nodes, n_layers, model=model, now=found.now, avoid=avoid, prefer=prefer
+                found.nodes,
+                n_layers,
+                model=model,
+                now=found.now,
+                avoid=avoid,
+                prefer=prefer,
+                latency_ms=found.latency_ms,
             ),
         )
         keys = keys.with_roster(found.roster)

@@ -97,6 +97,7 @@ def test_nodes_json_of_an_empty_swarm_is_an_empty_list(swarm, redis_url):
         "swarm": swarm,
         "nodes": [],
         "ring": None,
+        "host0_rtt_ms": {},
         "ignored_records": 0,
     }
 
