@@ -108,6 +108,47 @@ class HeadCache:
         return HeadCache(self.k[:, :n], self.v[:, :n])
 
 
+SESSION_BLOCK = 4096  # a session's rows attended in one block: bounds the scores' memory
+
+Block = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # keys, values, mask
+
+
+def attend(q: torch.Tensor, blocks: list[Block]) -> torch.Tensor:
+    """Softmax attention of q [nkv, group·T, hd] (row g·T + t: query head g of the group, row
+    t) over blocks of keys and values, one softmax across all of them without joining them:
+    each block is k, v [nkv, S, hd] and which keys each row t sees, a mask [T, S] bool (None:
+    all); every row sees a key of the first block. The blocks merge as flash attention's do:
+    a running maximum of the scores, the sums so far rescaled whenever it rises."""
+    nkv, rows, hd = q.shape
+    top = total = out = None  # [nkv, group·T, 1], [nkv, group·T, 1], [nkv, group·T, hd]
+    for k, v, mask in blocks:
+        s = (q @ k.transpose(1, 2)) * hd**-0.5  # [nkv, group·T, S]
+        if mask is not None:
+            T, S = mask.shape
+            s = s.view(nkv, rows // T, T, S).masked_fill(~mask, float("-inf")).view(nkv, rows, S)
+        block_top = s.amax(dim=-1, keepdim=True)
+        new_top = block_top if top is None else torch.maximum(top, block_top)
+        w = (s - new_top).exp_()  # [nkv, group·T, S]
+        if top is None:
+            total, out = w.sum(dim=-1, keepdim=True), w @ v
+        else:
+            rescale = (top - new_top).exp_()
+            total = total * rescale + w.sum(dim=-1, keepdim=True)
+            out = out * rescale + w @ v
+        top = new_top
+    return out / total
+
+
+def session_blocks(past: HeadCache | None) -> list[Block]:
+    """A session's rows as blocks of `attend`, every row visible, read where they lie."""
+    if past is None:
+        return []
+    return [
+        (past.k[:, i : i + SESSION_BLOCK], past.v[:, i : i + SESSION_BLOCK], None)
+        for i in range(0, past.length, SESSION_BLOCK)
+    ]
+
+
 class Eagle3Head(nn.Module):
     """The head's weights and its forward pass; names follow the published checkpoints."""
 
@@ -160,12 +201,11 @@ class Eagle3Head(nn.Module):
         and the cache with these rows appended. Row i attends to `past` and rows 0 … i."""
         T = g.shape[0]
         h, q, k, v = self._project(g, embeds, *self.rotary(start_pos, T, g.dtype))
+        causal = torch.ones(T, T, dtype=torch.bool, device=g.device).tril()
+        out = self._attend_and_mix(g, h, q, [*session_blocks(past), (k, v, causal)])
         if past is not None:
             k, v = torch.cat([past.k, k], dim=1), torch.cat([past.v, v], dim=1)
-        S = k.shape[1]  # rows attended to: the past's, then these
-        # Row i (absolute S - T + i) sees every key up to its own.
-        mask = torch.ones(T, S, dtype=torch.bool, device=g.device).tril(S - T)
-        return self._attend_and_mix(g, h, q, k, v, mask), HeadCache(k, v)
+        return out, HeadCache(k, v)
 
     def rows(self, g: torch.Tensor, embeds: torch.Tensor, start_pos: int) -> HeadCache:
         """The keys and values `forward` gives T rows at positions start_pos …, without the rest
@@ -179,23 +219,23 @@ class Eagle3Head(nn.Module):
         g: torch.Tensor,
         embeds: torch.Tensor,
         position: int,
-        context: HeadCache | None,
+        past: HeadCache | None,
+        tree: HeadCache | None,
         visible: torch.Tensor,
     ) -> tuple[torch.Tensor, HeadCache]:
         """One depth of a draft tree in one pass: N nodes, all at `position`, with features
         g [N, H] and their tokens' embeddings [N, H] -> the layer's output [N, H] and the
-        nodes' own rows [kv_heads, N, head_dim]. `context` holds the S rows a node may attend
-        (the session's, then the tree's so far); node i sees row j where visible[i, j]
-        ([N, S] bool), and itself, not its siblings."""
+        nodes' own rows [kv_heads, N, head_dim]. Every node attends all of `past` (the
+        session's rows, read where they lie), row j of `tree` (the R rows of the tree's
+        shallower nodes) where visible[i, j] ([N, R] bool), and itself, not its siblings."""
         N = g.shape[0]
         h, q, k, v = self._project(g, embeds, *self.rotary(position, 1, g.dtype))
         own = torch.eye(N, dtype=torch.bool, device=g.device)
-        keys, values, mask = k, v, own
-        if context is not None:
-            keys = torch.cat([context.k, k], dim=1)
-            values = torch.cat([context.v, v], dim=1)
-            mask = torch.cat([visible, own], dim=1)  # [N, S + N]
-        return self._attend_and_mix(g, h, q, keys, values, mask), HeadCache(k, v)
+        if tree is not None:  # the tree's rows are few: joining them to the nodes' is cheap
+            k, v = torch.cat([tree.k, k], dim=1), torch.cat([tree.v, v], dim=1)
+            own = torch.cat([visible, own], dim=1)  # [N, R + N]
+        out = self._attend_and_mix(g, h, q, [*session_blocks(past), (k, v, own)])
+        return out, HeadCache(k[:, -N:], v[:, -N:])
 
     def _project(
         self, g: torch.Tensor, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -215,19 +255,16 @@ class Eagle3Head(nn.Module):
         g: torch.Tensor,
         h: torch.Tensor,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor,
+        blocks: list[Block],
     ) -> torch.Tensor:
-        """The rest of the layer: attention of q over the keys `mask` [T, S] allows, o_proj,
-        the residual, the MLP -> out [T, H]."""
+        """The rest of the layer: attention of q over the blocks of keys and values (`attend`),
+        o_proj, the residual, the MLP -> out [T, H]."""
         cfg, T = self.cfg, g.shape[0]
         group = cfg.heads // cfg.kv_heads
         # Query head i reads KV head i // group: the group's queries go as one KV head's rows
         # [nkv, group·T, hd], so the keys are read where they are instead of copied per head.
         q = q.reshape(cfg.kv_heads, group * T, cfg.head_dim)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(group, 1))
-        attn = attn.view(cfg.heads, T, cfg.head_dim)  # [nh, T, hd]
+        attn = attend(q, blocks).view(cfg.heads, T, cfg.head_dim)  # [nh, T, hd]
         a = self.o_proj(attn.transpose(0, 1).reshape(T, cfg.heads * cfg.head_dim))
         r = (h if cfg.norm_before_residual else g) + a
         m = self.post_attention_layernorm(r)

@@ -46,45 +46,40 @@ MAX_RANKED_SESSIONS = 4096  # sessions whose last tree's candidates it remembers
 
 
 class TreeRows:
-    """The rows a tree's nodes may attend while it grows: the session's, then the nodes' own,
-    in the order they stepped (a node's path is the indices of its ancestors' rows and its own
-    among the latter). The session's rows are copied once, into a buffer with room for the
-    tree's `capacity` rows, and each depth's rows are written after them."""
+    """The rows of a tree's nodes while it grows, in the order they stepped (a node's path is
+    the indices of its ancestors' rows and its own among them), in a buffer with room for the
+    tree's `capacity` rows. The session's rows are not copied here: every node attends them
+    where they lie, as a block of their own (`Eagle3Head.tree_step`)."""
 
-    def __init__(self, past: HeadCache | None, capacity: int, device: torch.device) -> None:
-        self.past, self.capacity, self.device = past, capacity, device
-        self.n_past = self.filled = 0 if past is None else past.length
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.capacity, self.device, self.filled = capacity, device, 0
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
     @property
     def context(self) -> HeadCache | None:
-        """Every row so far: [kv_heads, rows, head_dim] keys and values."""
+        """The tree's rows so far: [kv_heads, rows, head_dim] keys and values (None: none)."""
         if self.k is None:
-            return self.past
+            return None
         return HeadCache(self.k[:, : self.filled], self.v[:, : self.filled])
 
     def visible(self, paths: list[tuple[int, ...]]) -> torch.Tensor:
-        """[N, rows so far] bool: each node sees the session's rows and its own path's."""
+        """[N, rows so far] bool: each node sees the rows of its own path."""
         mask = torch.zeros(len(paths), self.filled, dtype=torch.bool, device=self.device)
-        mask[:, : self.n_past] = True
         for i, path in enumerate(paths):
-            mask[i, [self.n_past + j for j in path]] = True
+            mask[i, list(path)] = True
         return mask
 
     def add(self, own: HeadCache) -> int:
         """Write a depth's rows after the others; the tree index of the first."""
         if self.k is None:
             kv_heads, _, head_dim = own.k.shape
-            self.k = own.k.new_empty(kv_heads, self.n_past + self.capacity, head_dim)
+            self.k = own.k.new_empty(kv_heads, self.capacity, head_dim)
             self.v = torch.empty_like(self.k)
-            if self.past is not None:
-                self.k[:, : self.n_past], self.v[:, : self.n_past] = self.past.k, self.past.v
-        first, n = self.filled - self.n_past, own.length
+        first, n = self.filled, own.length
         if first + n > self.capacity:
             raise ValueError(f"a tree of {self.capacity} rows has no room for {first + n}")
-        self.k[:, self.filled : self.filled + n] = own.k
-        self.v[:, self.filled : self.filled + n] = own.v
+        self.k[:, first : first + n], self.v[:, first : first + n] = own.k, own.v
         self.filled += n
         return first
 
@@ -193,13 +188,14 @@ class Eagle3Drafter:
         (`Eagle3Head.tree_step`): each attends the session's rows and the rows of its own path,
         which is a node's state beside the features it is fed."""
         past = self.past_before(session, token_pos - 1)
-        rows = TreeRows(past, len(shape.parents) + 1, feature.device)
+        rows = TreeRows(len(shape.parents) + 1, feature.device)
 
         def step(states: list, ids: list[int], depth: int):
             g = torch.stack([features for features, _ in states])  # [N, H]
             paths = [path for _, path in states]
+            position, visible = token_pos - 1 + depth, rows.visible(paths)
             out, own = self.head.tree_step(
-                g, self.embed(ids), token_pos - 1 + depth, rows.context, rows.visible(paths)
+                g, self.embed(ids), position, past, rows.context, visible
             )
             first = rows.add(own)
             fed = self.head.feed_back(out)

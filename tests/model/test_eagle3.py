@@ -23,7 +23,8 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from specpipe.cli import cli
-from specpipe.drafting.eagle3 import Eagle3Config, HeadCache, default_taps
+from specpipe.drafting import eagle3
+from specpipe.drafting.eagle3 import Eagle3Config, HeadCache, attend, default_taps
 from specpipe.drafting.eagle3_format import load_eagle3
 from specpipe.drafting.eagle3_synth import head_config, head_tensors
 from specpipe.drafting.head import DraftHeadError
@@ -138,6 +139,33 @@ def test_a_deeper_step_feeds_the_output_back_at_the_next_position(tmp_path):
     again, _ = head(g, embed[torch.cat([tokens, torch.tensor([drafted])])], 0)
     assert torch.allclose(again[-1:], deeper, atol=1e-5)
     assert HeadCache(longer.k, longer.v).upto(5).length == 5
+
+
+@pytest.mark.parametrize("block", [4096, 5, 1])
+def test_attention_over_blocks_is_one_softmax_over_the_joined_keys(monkeypatch, block):
+    """A session's rows (in blocks of `block`) and a tree's masked rows, attended without
+    joining them: the same as one softmax over all the keys, a query seeing a masked key of
+    the tree's never. The session's scores are made large so that a block whose maximum is
+    not rescaled into the others' shows."""
+    monkeypatch.setattr(eagle3, "SESSION_BLOCK", block)
+    torch.manual_seed(3)
+    nkv, group, T, S, R, hd = 2, 3, 4, 13, 6, 16
+    q = torch.randn(nkv, group * T, hd) * 4
+    past = HeadCache(torch.randn(nkv, S, hd) * 3, torch.randn(nkv, S, hd))
+    k, v = torch.randn(nkv, R, hd), torch.randn(nkv, R, hd)
+    visible = torch.rand(T, R) < 0.5
+    visible[:, 0] = True
+    got = attend(q, [*eagle3.session_blocks(past), (k, v, visible)])
+    mask = torch.cat([torch.ones(T, S, dtype=torch.bool), visible], dim=1).repeat(group, 1)
+    keys, values = torch.cat([past.k, k], dim=1), torch.cat([past.v, v], dim=1)
+    want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    # Without the session's rows: the tree's alone, under its mask.
+    alone = attend(q, [(k, v, visible)])
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=visible.repeat(group, 1)
+    )
+    assert torch.allclose(alone, want, atol=1e-5)
 
 
 def test_draft_columns_map_to_the_models_tokens_through_d2t(tmp_path):

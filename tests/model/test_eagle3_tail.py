@@ -219,15 +219,16 @@ def test_a_depth_of_a_tree_in_one_pass_is_each_nodes_path_a_row_at_a_time(model)
     embed = torch.randn(5, H)  # the root's token, a and b (depth 1), a's child and b's
     with torch.no_grad():
         _, past = head(head.fuse(taps[:P]), torch.randn(P, H), 0)  # the session's rows
-        rows = TreeRows(past, 5, torch.device("cpu"))
+        rows = TreeRows(5, torch.device("cpu"))
         root = head.fuse(taps[P:])
-        out0, own = head.tree_step(root, embed[:1], P, rows.context, rows.visible([()]))
+        out0, own = head.tree_step(root, embed[:1], P, past, rows.context, rows.visible([()]))
         rows.add(own)
         g1 = out0.repeat(2, 1)
-        out1, own = head.tree_step(g1, embed[1:3], P + 1, rows.context, rows.visible([(0,)] * 2))
+        visible = rows.visible([(0,)] * 2)
+        out1, own = head.tree_step(g1, embed[1:3], P + 1, past, rows.context, visible)
         rows.add(own)
         visible = rows.visible([(0, 1), (0, 2)])
-        out2, _ = head.tree_step(out1, embed[3:5], P + 2, rows.context, visible)
+        out2, _ = head.tree_step(out1, embed[3:5], P + 2, past, rows.context, visible)
         for branch in (0, 1):
             g, cache, outs = root, past, []
             for depth, row in enumerate((0, 1 + branch, 3 + branch)):
