@@ -35,6 +35,7 @@ from torch import nn
 
 from specpipe.transformer.config import ModelConfig
 from specpipe.transformer.layers import RMSNorm
+from specpipe.transformer.linear import Linear
 from specpipe.transformer.rope import Rotary, apply_rope
 
 
@@ -42,6 +43,15 @@ def default_taps(n_layers: int) -> tuple[int, int, int]:
     """The layers EAGLE-3 taps when a head does not say: the states entering layers 2, L//2
     and L-3 (gpt-oss-120b: 2, 18, 33)."""
     return (2, n_layers // 2, n_layers - 3)
+
+
+def linear(n_in: int, n_out: int) -> Linear:
+    """A linear layer without bias, which `Eagle3Head.pack` may pack for oneDNN. A draft need
+    not be row-stable (the verify commits the target's own tokens whatever it drafts), so its
+    products run the rows they are given, one as one."""
+    layer = Linear(n_in, n_out, bias=False)
+    layer.row_stable = False
+    return layer
 
 
 @dataclass(frozen=True)
@@ -163,21 +173,28 @@ class Eagle3Head(nn.Module):
         self.fc_norm = nn.ModuleList(
             [RMSNorm(cfg.tap_width, cfg.norm_eps) for _ in cfg.taps] if cfg.fc_norm else []
         )
-        self.fc = nn.Linear(fused, H, bias=False)
+        self.fc = linear(fused, H)
         self.input_layernorm = RMSNorm(H, cfg.norm_eps)  # on the token's embedding
         self.hidden_norm = RMSNorm(H, cfg.norm_eps)  # on the features
-        self.q_proj = nn.Linear(2 * H, cfg.heads * hd, bias=False)
-        self.k_proj = nn.Linear(2 * H, cfg.kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(2 * H, cfg.kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(cfg.heads * hd, H, bias=False)
+        self.q_proj = linear(2 * H, cfg.heads * hd)
+        self.k_proj = linear(2 * H, cfg.kv_heads * hd)
+        self.v_proj = linear(2 * H, cfg.kv_heads * hd)
+        self.o_proj = linear(cfg.heads * hd, H)
         self.post_attention_layernorm = RMSNorm(H, cfg.norm_eps)
-        self.gate_proj = nn.Linear(H, cfg.intermediate, bias=False)
-        self.up_proj = nn.Linear(H, cfg.intermediate, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate, H, bias=False)
+        self.gate_proj = linear(H, cfg.intermediate)
+        self.up_proj = linear(H, cfg.intermediate)
+        self.down_proj = linear(cfg.intermediate, H)
         self.norm = RMSNorm(H, cfg.norm_eps)
-        self.lm_head = nn.Linear(H, cfg.draft_vocab, bias=False) if cfg.has_lm_head else None
+        self.lm_head = linear(H, cfg.draft_vocab) if cfg.has_lm_head else None
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab, dtype=torch.long))
         self.rotary = Rotary(cfg.layer_config())
+
+    def pack(self) -> int:
+        """Hold the linear weights packed in oneDNN's blocked layout where it is available (the
+        CPU), as a stage's are: the few rows of a tree's depth then cost about what one row
+        does, where a plain product of the lm_head costs about twice as much for two rows as
+        for one. The plain weights are let go; how many were packed."""
+        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """The target's taps [T, 3·Ht] (concatenated in `cfg.taps` order) -> features [T, H]."""

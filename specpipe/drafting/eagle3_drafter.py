@@ -98,14 +98,21 @@ class Eagle3Drafter:
 
     @classmethod
     def for_stage(
-        cls, stage, path: str | Path, embed_weight: torch.Tensor | None = None
+        cls,
+        stage,
+        path: str | Path,
+        embed_weight: torch.Tensor | None = None,
+        pack: bool = False,
     ) -> Eagle3Drafter:
         """The released head in folder `path` on `stage`, a tail whose weights are not packed
-        yet (`embed_weight`: the embedding table, unless the tail holds it); DraftHeadError, in
-        one line, for a head that does not fit the model."""
+        yet (`embed_weight`: the embedding table, unless the tail holds it), its own weights
+        packed when `pack` (`Eagle3Head.pack`); DraftHeadError, in one line, for a head that
+        does not fit the model."""
         cfg = stage.cfg
-        head = load_eagle3(path, cfg.dim, cfg.vocab_size, cfg.n_layers)
-        return cls(head.to(stage.device), TargetParts.from_stage(stage, embed_weight))
+        head = load_eagle3(path, cfg.dim, cfg.vocab_size, cfg.n_layers).to(stage.device)
+        if pack:
+            head.pack()
+        return cls(head, TargetParts.from_stage(stage, embed_weight))
 
     @property
     def taps(self) -> tuple[int, ...]:

@@ -295,9 +295,10 @@ def load_with_head(
     `label` if there is one; None too when no stage is the tail.
 
     The head takes the tail's plain head weight, so with a head the stages load unpacked
-    (`pack=False`) and are packed after it is attached (`pack=False`: never, as on a GPU). A
-    tail whose head is not tied to the embedding borrows stage 0's embedding table when it was
-    loaded too, else reads the table from `checkpoint`."""
+    (`pack=False`) and are packed after it is attached (`pack=False`: never, as on a GPU), an
+    EAGLE-3 head's own weights with them. A tail whose head is not tied to the embedding
+    borrows stage 0's embedding table when it was loaded too, else reads the table from
+    `checkpoint`."""
     if path == "none" or (path is None and not shipped_head(label).exists()):
         return list(load() if pack else load(pack=False)), None
     stages, head = list(load(pack=False)), None
@@ -309,7 +310,7 @@ def load_with_head(
         if path is not None and Path(path).is_dir():
             from specpipe.drafting.eagle3_drafter import Eagle3Drafter
 
-            head = Eagle3Drafter.for_stage(tail, path, embed_weight)
+            head = Eagle3Drafter.for_stage(tail, path, embed_weight, pack)
         else:
             head = TailHead.for_stage(tail, path, label, embed_weight)
     for stage in stages:

@@ -3,6 +3,7 @@ its tapped layers, the head drafts from them, and the committed tokens stay plai
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -120,6 +121,27 @@ def test_spec_equals_plain_whatever_a_random_head_drafts(model, params, trees, d
     if draft_vocab:
         drafted = ring.head.ids
         assert set(drafted.tolist()) == set(range(0, 2 * draft_vocab, 2))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "gumbel"])
+def test_a_packed_head_drafts_as_its_plain_copy_and_changes_no_token(model, params):
+    stages = load_stages(model, 2, pack=False)
+    head = head_for(stages, seed=3, draft_vocab=40)
+    packed = copy.deepcopy(head)
+    assert packed.pack() == 9  # fc, q, k, v, o, gate, up, down, lm_head
+    assert packed.lm_head.weight is None and packed.lm_head.packed is not None
+    torch.manual_seed(2)
+    g, embeds = torch.randn(6, head.cfg.hidden), torch.randn(6, head.cfg.hidden)
+    with torch.no_grad():
+        for rows in (1, 2, 6):  # one row, a tree's few, a prompt's
+            want, _ = head(g[:rows], embeds[:rows], 0)
+            got, _ = packed(g[:rows], embeds[:rows], 0)
+            assert torch.allclose(packed.logits(got), head.logits(want), atol=1e-5), rows
+    ring = ring_with(stages, packed)
+    plain, _ = run(ring, params, draft_k=0)
+    spec, stats = run(ring, params, trees=True)
+    assert spec == plain and stats.tree_rounds > 0
 
 
 def test_the_sessions_cache_after_its_rounds_is_the_one_built_at_once(model):
@@ -272,6 +294,9 @@ def test_a_released_head_folder_drafts_on_a_local_ring(model, tmp_path, fmt):
     save_file(head_tensors(config, fmt, seed=2), folder / "model.safetensors")
     ring = open_target(str(model)).local_ring(2, draft_head=str(folder))
     assert isinstance(ring.head, Eagle3Drafter)
+    # Packed with the stages, as a stage worker holds it (where oneDNN is there to pack).
+    lm_head = ring.head.head.lm_head
+    assert (lm_head.packed is not None) == torch.backends.mkldnn.is_available()
     # An EAGLE-format head whose first tap is 1 counts layers' outputs (SpecForge's heads).
     assert ring.head.taps == ((2, 3, 4) if fmt == "eagle" else (1, 2, 3))
     for params in (GREEDY, SAMPLED):
