@@ -54,6 +54,7 @@ def finish_round(
     # Each committed token with the feature of the row that drew it: the head's past. Where
     # the tail kept more rows than the verify's (every row's taps, for an EAGLE-3 head), the
     # rows before the root drew the round's own tokens after them.
+    head.starts_round(session, int(tokens[0]), start_pos)
     kept = tail.features.get(session)
     if kept is not None:
         before = kept.shape[0] - (n_draft + 1)

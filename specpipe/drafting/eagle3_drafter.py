@@ -18,10 +18,11 @@ are its draft vocabulary: column c drafts target token c + d2t[c] (`Eagle3Head.t
 Whatever it drafts, the tail's verify commits the target's own draw, so the committed tokens are
 plain sampling's.
 
-One row of a prompt longer than a prefill chunk is paired with the token the chunk's round
-sampled and dropped, not the prompt's next token, as the tail cannot tell such a round from one
-whose token is kept; the head then sees one wrong pair per 512 prompt tokens, which costs
-acceptance only.
+A prompt longer than a prefill chunk goes in rounds whose sampled token the loop drops, and
+the tail cannot tell such a round from one whose token is kept: the chunk's last row is paired
+with that token. The drafter keeps each session's last row's features, and when the next round
+starts from another token there (the prompt's own), pairs the row again with it
+(`starts_round`), so the cache holds the session's own pairs only.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ class Eagle3Drafter:
         self.head, self.parts = head, parts
         self.ids = head.token_ids()
         self._rows: OrderedDict[str, LayerCache] = OrderedDict()  # from each one's first
+        # Each session's last row: its position, its features [H], the token it is paired with.
+        self._last: dict[str, tuple[int, torch.Tensor, int]] = {}
         self.ranked = RankedTrees(MAX_RANKED_SESSIONS)
 
     @classmethod
@@ -134,10 +137,25 @@ class Eagle3Drafter:
     ) -> None:
         """Tokens the session committed at first_pos …, each with the taps [m, 3·Ht] of the row
         before it: their rows join the session's cache, anything at or after them cut."""
-        if not len(tokens):
+        if len(tokens):
+            self._append(session, self.head.fuse(features.float()), tokens, first_pos - 1)
+
+    @torch.inference_mode()
+    def starts_round(self, session: str, token: int, token_pos: int) -> None:
+        """A round of the session starts from `token` at `token_pos`. The row before it was
+        paired with the token the last round committed there, which the loop dropped if that
+        round was a prefill chunk's (it sends the prompt's next token instead): the row's
+        features, kept, are paired again with this one."""
+        last = self._last.get(session)
+        if last is None:
             return
-        position = first_pos - 1  # the first row's own position
-        g = self.head.fuse(features.float())  # [m, H]
+        position, g, paired = last
+        if position == token_pos - 1 and paired != int(token):
+            self._append(session, g[None], [token], position)
+
+    def _append(self, session: str, g: torch.Tensor, tokens: Sequence[int], position: int) -> None:
+        """The rows of features g [m, H] paired with `tokens`, at `position` …, into the
+        session's cache (anything at or after them cut); the last row's features kept."""
         new = self.head.rows(g, self.embed(tokens), position)
         rows = self._rows.get(session)
         if rows is None or not rows.first <= position <= rows.end:  # a gap: start again there
@@ -145,9 +163,11 @@ class Eagle3Drafter:
             rows = LayerCache(kv_heads, head_dim, new.k.dtype, new.k.device, first=position)
         rows.append(new.k, new.v, position)  # what was at or after `position` is cut
         self._rows[session] = rows
+        self._last[session] = (position + len(tokens) - 1, g[-1].clone(), int(tokens[-1]))
         self._rows.move_to_end(session)
         while len(self._rows) > MAX_SESSIONS:
-            self._rows.popitem(last=False)
+            gone, _ = self._rows.popitem(last=False)
+            self._last.pop(gone, None)
 
     def past_before(self, session: str, position: int) -> HeadCache | None:
         """The session's rows at positions before `position` (None: none)."""
@@ -223,4 +243,5 @@ class Eagle3Drafter:
     def forget(self, session: str) -> None:
         """Let go of what the head keeps of a session."""
         self._rows.pop(session, None)
+        self._last.pop(session, None)
         self.ranked.forget(session)

@@ -377,6 +377,11 @@ class TailHead:
         while len(self._past) > MAX_PAST_SESSIONS:
             self._past.popitem(last=False)
 
+    def starts_round(self, session: str, token: int, token_pos: int) -> None:
+        """Nothing: the head's past keeps its pairs as they came, so a prefill chunk's last
+        row stays paired with the token its round sampled and the loop dropped, one of the
+        head's last pairs until as many more came (its acceptance was measured so)."""
+
     def _past_before(self, session: str, token_pos: int) -> SessionPast | None:
         past = self._past.get(session)
         return None if past is None else past.before(token_pos)

@@ -135,6 +135,12 @@ class TailDrafter(Protocol):
         row that sampled it."""
         ...
 
+    def starts_round(self, session: str, token: int, token_pos: int) -> None:
+        """A round of the session starts from `token` at `token_pos`, before it remembers the
+        round's tokens: the token the row before it drew, unless the loop dropped that one (a
+        prefill chunk's round samples a token it does not keep)."""
+        ...
+
     def ranks_of(
         self, session: str, root_pos: int, root: int, committed: Sequence[int]
     ) -> list[int]:

@@ -26,9 +26,16 @@ class RecordingHead:
     def __init__(self) -> None:
         self.calls = []
         self.remembered = []
+        self.started = []
+        self.order = []
 
     def remember(self, session, features, tokens, first_pos):
         self.remembered.append((session, features, list(tokens), first_pos))
+        self.order.append("remember")
+
+    def starts_round(self, session, token, token_pos):
+        self.started.append((session, token, token_pos))
+        self.order.append("starts_round")
 
     def drafts_after(self, session, feature, token, token_pos, k, params):
         self.calls.append((feature, token, token_pos, k, params))
@@ -91,6 +98,24 @@ def test_the_head_drafts_from_the_tail_features_after_the_result():
     ((session, drew, tokens, first_pos),) = head.remembered
     assert session == "s" and torch.equal(drew, features[:2])
     assert (tokens, first_pos) == ([4, 3], 11)
+    assert head.started == [("s", 1, 10)]  # told first which token the round starts from
+
+
+def test_a_prompt_rounds_head_is_told_its_first_token_before_its_rows():
+    """A round of a prompt's tokens 1, 2, 3 at position 5 (a prefill chunk's, say): the head
+    hears that it starts from 1 (the row before it, of an earlier round, may have been paired
+    with a token the loop dropped), then the rows before the last paired with 2 and 3, then
+    the last row with the token it sampled."""
+    features = torch.arange(6.0).reshape(3, 2)
+    head = RecordingHead()
+    finish_round(
+        Tail({"s": features}), Round("s", (1, 2, 3), 5), peaked(0, 0, 7), Sampler(temp=0), head
+    )
+    assert head.started == [("s", 1, 5)]
+    assert head.order == ["starts_round", "remember", "remember"]
+    (_, rows, tokens, first_pos), (_, last, sampled, at) = head.remembered
+    assert torch.equal(rows, features[:2]) and (tokens, first_pos) == ([2, 3], 6)
+    assert torch.equal(last, features[2:]) and (sampled, at) == ([7], 8)
 
 
 def test_a_tree_round_commits_the_walk_and_the_head_drafts_after_its_last_row():

@@ -178,6 +178,41 @@ def test_the_sessions_cache_after_its_rounds_is_the_one_built_at_once(model):
     assert after == built.drafts_after("o", taps[n - 2], tokens[-1], n - 1, 4, SAMPLED)
 
 
+@pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
+def test_a_chunked_prefill_leaves_the_cache_of_the_prompts_own_pairs(model, monkeypatch, trees):
+    """A prompt longer than a prefill chunk goes in rounds whose sampled token the loop drops:
+    each chunk's last row is paired again with the prompt's next token when the next round
+    starts from it, so the cache ends as the committed tokens' own pairs, built in one go."""
+    stages = load_stages(model, 2, pack=False)
+    head = head_for(stages, seed=5)
+    ring = ring_with(stages, head)
+    generation = head_generation(ring, "s", PROMPT, SAMPLED, 12, 3, tree=WIDE if trees else None)
+    generation.prefill_chunk = 3
+    chunks, send = [], ring.round
+
+    def round_(r: Round):
+        if r.n_draft == 0 and r.wanted == 0:  # a chunk's round: its sampled token is dropped
+            chunks.append(r.start_pos + len(r.tokens))  # where the prompt's own token goes
+        return send(r)
+
+    monkeypatch.setattr(ring, "round", round_)
+    generation.run()
+    assert len(chunks) >= 3
+    tokens = PROMPT + generation.generated
+    fresh = load_stages(model, 2, pack=False)
+    once = ring_with(fresh, head)
+    once.reset("o", SAMPLED)
+    once.round(Round("o", tokens, 0))
+    taps, n = fresh[-1].features["o"], len(tokens)
+    built = Eagle3Drafter(head, once.head.parts)
+    built.remember("o", taps[: n - 2], tokens[1 : n - 1], 1)  # rows 0 … n-3
+    cut, whole = ring.head.past_before("s", n - 2), built.past_before("o", n - 2)
+    assert cut.length == whole.length == n - 2
+    for k, want in ((cut.k, whole.k), (cut.v, whole.v)):
+        wrong = [i for i in range(n - 2) if not torch.allclose(k[:, i], want[:, i], atol=1e-4)]
+        assert wrong == [], f"rows paired wrongly at {wrong}; chunks ended at {chunks}"
+
+
 def primed(model, seed: int, params: SamplingParams):
     """A head (draft vocabulary of 40) on a ring that ran PROMPT in session "s", its drafter
     remembering the prompt's committed rows but the last: (head, drafter, taps, len(PROMPT))."""
