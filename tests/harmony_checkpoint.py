@@ -126,6 +126,44 @@ CONVERSATION = """
 """
 TOOLS_TEMPLATE = TS_TYPE + NAMESPACE + SYSTEM + CONVERSATION
 
+# Two functions a chat may offer: one with parameters of each kind the namespace renders, one
+# without any.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Gets the weather.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "The city"},
+                "unit": {"type": "string", "enum": ["c", "f"]},
+                "days": {"type": "array", "items": {"type": "integer"}},
+            },
+            "required": ["city"],
+        },
+    },
+}
+NOW = {"type": "function", "function": {"name": "now", "description": "The time."}}
+# A chat with instructions, a question, the assistant's reasoning and call, and the result.
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "thinking": "Need the weather.",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": '{"c":20}'},
+]
+
 
 def o200k_base() -> dict:
     """o200k_base as bpe-openai ships it: its ranks ("mergeable_ranks", bytes to rank) and its

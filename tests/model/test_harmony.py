@@ -13,9 +13,12 @@ import pytest
 from specpipe.decoding.target import open_target
 from specpipe.transformer.harmony import Reply, ToolCall, speaks_harmony, split_reply
 from tests.harmony_checkpoint import (
+    HISTORY,
+    NOW,
     SPECIALS,
     TOOLS_TEMPLATE,
     VOCAB,
+    WEATHER,
     o200k_base,
     write_checkpoint,
     write_tokenizer,
@@ -126,42 +129,6 @@ def test_a_call_being_written_only_grows(reply):
             assert call.arguments.startswith(before.arguments)
         seen = now
     assert seen == final and all(call.done for call in final.calls)
-
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Gets the weather.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "description": "The city"},
-                "unit": {"type": "string", "enum": ["c", "f"]},
-                "days": {"type": "array", "items": {"type": "integer"}},
-            },
-            "required": ["city"],
-        },
-    },
-}
-NOW = {"type": "function", "function": {"name": "now", "description": "The time."}}
-HISTORY = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "Weather in Paris?"},
-    {
-        "role": "assistant",
-        "content": "",
-        "thinking": "Need the weather.",
-        "tool_calls": [
-            {
-                "id": "call_1",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": '{"c":20}'},
-]
 
 
 def test_a_harmony_template_renders_tools_calls_and_results_as_transformers_does(tmp_path):

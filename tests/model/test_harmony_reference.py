@@ -18,28 +18,17 @@ import pytest
 
 from specpipe.transformer.harmony import split_reply
 from specpipe.transformer.tokenizer import from_hf_dir
-from tests.harmony_checkpoint import TOOLS_TEMPLATE, o200k_base, write_tokenizer
+from tests.harmony_checkpoint import (
+    HISTORY,
+    NOW,
+    TOOLS_TEMPLATE,
+    WEATHER,
+    o200k_base,
+    write_tokenizer,
+)
 
 # The SHA-256 of o200k_base.tiktoken as OpenAI publishes it (the library checks it too).
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Gets the weather.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "description": "The city"},
-                "unit": {"type": "string", "enum": ["c", "f"]},
-                "days": {"type": "array", "items": {"type": "integer"}},
-            },
-            "required": ["city"],
-        },
-    },
-}
-NOW = {"type": "function", "function": {"name": "now", "description": "The time."}}
 
 
 @pytest.fixture(scope="module")
@@ -114,20 +103,6 @@ def result(name: str, text: str) -> oh.Message:
     return message.with_recipient("assistant").with_channel("commentary")
 
 
-ASKED = {"role": "user", "content": "Weather in Paris?"}
-CALLED = {
-    "role": "assistant",
-    "content": "",
-    "thinking": "Need the weather.",
-    "tool_calls": [
-        {
-            "id": "call_1",
-            "type": "function",
-            "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}},
-        }
-    ],
-}
-ANSWERED = {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": '{"c":20}'}
 CASES = {
     "a user alone": ([{"role": "user", "content": "Hi there"}], None, [user("Hi there")]),
     "instructions": (
@@ -136,20 +111,25 @@ CASES = {
         [developer("Be brief.", []), user("Hi")],
     ),
     "instructions and tools": (
-        [{"role": "system", "content": "Be brief."}, ASKED],
+        HISTORY[:2],
         [WEATHER, NOW],
         [developer("Be brief.", [WEATHER, NOW]), user("Weather in Paris?")],
     ),
     "a call and its result": (
-        [ASKED, CALLED, ANSWERED],
+        HISTORY,
         [WEATHER],
         [
-            developer(None, [WEATHER]),
+            developer("Be brief.", [WEATHER]),
             user("Weather in Paris?"),
             assistant("Need the weather.", "analysis"),
-            call("get_weather", {"city": "Paris", "days": [1, 2]}),
+            call("get_weather", {"city": "Paris"}),
             result("get_weather", '{"c":20}'),
         ],
+    ),
+    "tools without instructions": (
+        HISTORY[1:2],
+        [NOW],
+        [developer(None, [NOW]), user("Weather in Paris?")],
     ),
     "an earlier answer": (
         [
