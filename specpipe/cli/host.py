@@ -34,49 +34,82 @@ def host_init() -> None:
 @host.command(name="key")
 @click.option("--host", "host_name", required=True, help="This host's name in the swarm.")
 def host_key(host_name: str) -> None:
-    """Print this host's public key (made on first use, mode 0600), for host 0 to admit.
+    """Print this host's public keys, for host 0 to admit: the signing key, then the sealing key
+    that its copies of the data keys are sealed to (both made on first use, mode 0600).
 
     Example:
 
         specpipe host key --host mn
     """
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
     from specpipe import settings
     from specpipe.swarm import identity
 
     try:
         identity.check_host_name(host_name)
-        key = identity.ensure_private(settings.host_key_path(host_name))
+        path = settings.host_key_path(host_name)
+        key = identity.ensure_private(path)
+        sealing = identity.ensure_private(settings.sealing_key_path(path), X25519PrivateKey)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(identity.public_hex(key))
+    click.echo(f"{identity.public_hex(key)} {identity.sealing_public_hex(sealing)}")
+
+
+GRACE = click.option(
+    "--grace-s",
+    default=300.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="How long the data key sealing until now stays accepted, for the rounds in flight.",
+)
 
 
 @host.command(name="admit")
 @click.argument("name")
 @click.argument("public_key")
-def host_admit(name: str, public_key: str) -> None:
-    """On host 0: admit host NAME under PUBLIC_KEY (what `specpipe host key` printed there).
+@click.argument("sealing_key", required=False)
+def host_admit(name: str, public_key: str, sealing_key: str | None) -> None:
+    """On host 0: admit host NAME under PUBLIC_KEY and SEALING_KEY (the two keys `specpipe host
+    key` printed there).
 
-    The roster is published on the registry (REDIS_URL) at once; a host already admitted
-    gets the new key. Example:
+    The roster is published on the registry (REDIS_URL) at once, with the host's copies of the
+    data keys; a host already admitted gets its new keys (and the data keys are rotated).
+    Example:
 
-        specpipe host admit mn 3b6a27bc...e1f2
+        specpipe host admit mn 3b6a27bc...e1f2 9c04d1aa...07b3
     """
     from specpipe.ops import roster
 
-    _on_registry(lambda client, swarm: roster.admit(client, swarm, name, public_key))
+    _on_registry(lambda client, swarm: roster.admit(client, swarm, name, public_key, sealing_key))
     click.echo(f"admitted {name}")
 
 
 @host.command(name="revoke")
 @click.argument("name")
-def host_revoke(name: str) -> None:
+@GRACE
+def host_revoke(name: str, grace_s: float) -> None:
     """On host 0: revoke host NAME. From the next read of the roster (within a heartbeat) its
-    records are ignored, its messages refused, and jobs route around it."""
+    records are ignored, its messages refused, and jobs route around it; the data keys are
+    rotated, the new one sealed to the remaining hosts only."""
     from specpipe.ops import roster
 
-    _on_registry(lambda client, swarm: roster.revoke(client, swarm, name))
+    _on_registry(lambda client, swarm: roster.revoke(client, swarm, name, grace_s=grace_s))
     click.echo(f"revoked {name}")
+
+
+@host.command(name="rotate")
+@GRACE
+def host_rotate(grace_s: float) -> None:
+    """On host 0: a new data key, sealed to every admitted host (run it on a schedule, from
+    cron say); the one before stays accepted for --grace-s."""
+    from specpipe.ops import roster
+
+    def rotate(client, swarm):
+        epoch = roster.rotate(client, swarm, grace_s=grace_s).epoch
+        click.echo(f"data key epoch {epoch.number}")
+
+    _on_registry(rotate)
 
 
 @host.command(name="list")
@@ -86,9 +119,10 @@ def host_list() -> None:
 
     def show(client, swarm):
         current = roster.current(client, swarm, roster.coordinator())
-        click.echo(f"roster of swarm {swarm!r}, version {current.version}")
+        epoch = f", data key epoch {current.epoch.number}" if current.epoch else ""
+        click.echo(f"roster of swarm {swarm!r}, version {current.version}{epoch}")
         for name, key in sorted(current.hosts.items()):
-            click.echo(f"{name}  {key}")
+            click.echo(f"{name}  {key} {current.sealing.get(name, '')}".rstrip())
 
     _on_registry(show)
 

@@ -403,9 +403,18 @@ def check_admitted(host_name: str, keys, roster) -> None:
     to run there, if not); nothing to check on a host that pins no coordinator key."""
     if keys.coordinator is None:
         return
+    from specpipe.swarm import identity
+
     mine = keys.signer.public_hex
-    if roster is None or roster.hosts.get(host_name) != mine:
+    sealing = identity.sealing_public_hex(keys.signer.sealing)
+    admitted = roster.sealing.get(host_name) if roster is not None else None
+    if (
+        roster is None
+        or roster.hosts.get(host_name) != mine
+        or admitted not in (None, sealing)
+        or (admitted is None and roster.epoch is not None)  # data keys seal: it needs a copy
+    ):
         raise click.ClickException(
-            f"host {host_name!r} is not admitted under this host's key: on host 0 run "
-            f"`specpipe host admit {host_name} {mine}`"
+            f"host {host_name!r} is not admitted under this host's keys: on host 0 run "
+            f"`specpipe host admit {host_name} {mine} {sealing}`"
         )

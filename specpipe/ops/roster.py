@@ -11,20 +11,23 @@ back to an older one.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import redis
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from specpipe import settings
-from specpipe.swarm import identity
+from specpipe.swarm import datakeys, identity
 from specpipe.swarm.identity import Roster, Signer
 
 
 def init_coordinator(home: Path | None = None) -> Signer:
     """The coordinator's key in `home` (this process's instance folder by default), made when
-    there is none, with its public half beside it in `coordinator.pub` (what hosts pin)."""
-    key = identity.ensure_private(settings.coordinator_key_path(home))
-    signer = Signer(identity.COORDINATOR, key)
+    there is none, with its public half beside it in `coordinator.pub` (what hosts pin), and
+    its sealing key (made too)."""
+    identity.ensure_private(settings.coordinator_key_path(home))
+    signer = coordinator(home)
     pin = (home or settings.instance_dir()) / settings.COORDINATOR_PUB_FILE
     if not pin.is_file() or pin.read_text().strip() != signer.public_hex:
         pin.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -33,13 +36,15 @@ def init_coordinator(home: Path | None = None) -> Signer:
 
 
 def coordinator(home: Path | None = None) -> Signer:
-    """The coordinator's key, which must be there (IdentityError naming the file otherwise)."""
+    """The coordinator's key, which must be there (IdentityError naming the file otherwise),
+    with its sealing key (made when there is none: host 0 from before data keys)."""
     path = settings.coordinator_key_path(home)
     if not path.exists():
         raise identity.IdentityError(
             f"no coordinator key at {path}: run `specpipe host init` on host 0 first"
         )
-    return Signer(identity.COORDINATOR, identity.load_private(path))
+    sealing = identity.ensure_private(settings.sealing_key_path(path), X25519PrivateKey)
+    return Signer(identity.COORDINATOR, identity.load_private(path), sealing)
 
 
 def current(client: redis.Redis, swarm: str, signer: Signer, home: Path | None = None) -> Roster:
@@ -63,19 +68,67 @@ def store(client: redis.Redis, roster: Roster, signer: Signer, home: Path | None
 
 
 def admit(
-    client: redis.Redis, swarm: str, host: str, key_hex: str, home: Path | None = None
+    client: redis.Redis,
+    swarm: str,
+    host: str,
+    key_hex: str,
+    sealing_hex: str | None = None,
+    home: Path | None = None,
 ) -> Roster:
-    """Admit `host` under the public key `key_hex` (replacing its old one, if any)."""
+    """Admit `host` under the public key `key_hex` and the sealing key `sealing_hex` (replacing
+    its old ones, if any), with its copies of the data keys. A host admitted again under other
+    keys rotates the data keys (its old keys may be someone else's now). IdentityError without
+    a sealing key where the swarm's messages are sealed with data keys."""
     signer = coordinator(home)
-    roster = current(client, swarm, signer, home).admitting(host, key_hex)
+    before = current(client, swarm, signer, home)
+    if sealing_hex is None and datakeys.uses_data_keys(before):
+        raise identity.IdentityError(
+            f"swarm {swarm!r} seals with data keys: admit {host} with both keys that "
+            "`specpipe host key` prints there"
+        )
+    roster = before.admitting(host, key_hex, sealing_hex)
+    rekeyed = host in before.hosts and (
+        before.hosts[host] != roster.hosts[host]
+        or before.sealing.get(host) != roster.sealing.get(host)
+    )
+    if rekeyed and datakeys.uses_data_keys(before):
+        roster = datakeys.rotated(roster.revoking(host), signer.sealing, datakeys.DEFAULT_GRACE_S)
+        roster = roster.admitting(host, key_hex, sealing_hex)
+    store(client, datakeys.sealed_for_new_hosts(roster, signer.sealing), signer, home)
+    return current(client, swarm, signer, home)
+
+
+def revoke(
+    client: redis.Redis,
+    swarm: str,
+    host: str,
+    home: Path | None = None,
+    grace_s: float = datakeys.DEFAULT_GRACE_S,
+) -> Roster:
+    """Take `host` out of the roster: from the next read of it, nothing it signs is believed;
+    where data keys seal, a new epoch sealed to the remaining hosts only, the previous one
+    accepted `grace_s` more seconds (for the rounds in flight)."""
+    signer = coordinator(home)
+    roster = current(client, swarm, signer, home).revoking(host)
+    if datakeys.uses_data_keys(roster):
+        roster = datakeys.rotated(roster, signer.sealing, grace_s)
+    else:  # the first epoch, if it was the last host without a sealing key
+        roster = datakeys.sealed_for_new_hosts(roster, signer.sealing)
     store(client, roster, signer, home)
     return roster
 
 
-def revoke(client: redis.Redis, swarm: str, host: str, home: Path | None = None) -> Roster:
-    """Take `host` out of the roster: from the next read of it, nothing it signs is believed."""
+def rotate(
+    client: redis.Redis,
+    swarm: str,
+    home: Path | None = None,
+    grace_s: float = datakeys.DEFAULT_GRACE_S,
+) -> Roster:
+    """A new data key epoch, sealed to the admitted hosts (the previous one accepted `grace_s`
+    more seconds); IdentityError when an admitted host has no sealing key."""
     signer = coordinator(home)
-    roster = current(client, swarm, signer, home).revoking(host)
+    roster = current(client, swarm, signer, home)
+    roster = datakeys.rotated(replace(roster, version=roster.version + 1), signer.sealing, grace_s)
     store(client, roster, signer, home)
     return roster
 
@@ -84,15 +137,21 @@ def admit_own_hosts(
     client: redis.Redis, swarm: str, hosts: Iterable[str], home: Path | None = None
 ) -> Roster:
     """For a swarm whose hosts keep their keys in this instance folder (`specpipe up`'s, the
-    lab's): the coordinator's key and each host's made where missing, every host admitted under
-    its key, and the roster published (again: a Redis started afresh has none)."""
+    lab's): the coordinator's keys and each host's made where missing, every host admitted under
+    its keys with its copies of the data keys, and the roster published (again: a Redis started
+    afresh has none)."""
     signer = init_coordinator(home)
     roster = current(client, swarm, signer, home)
-    wanted = dict(roster.hosts)
+    updated = roster
     for host in hosts:
-        key = identity.ensure_private(settings.host_key_path(host, home))
-        wanted[host] = identity.public_hex(key)
-    if wanted != roster.hosts:
-        roster = Roster(swarm, roster.version + 1, wanted)
-    store(client, roster, signer, home)
-    return roster
+        path = settings.host_key_path(host, home)
+        key = identity.public_hex(identity.ensure_private(path))
+        opener = identity.ensure_private(settings.sealing_key_path(path), X25519PrivateKey)
+        sealing = identity.sealing_public_hex(opener)
+        if (roster.hosts.get(host), roster.sealing.get(host)) != (key, sealing):
+            updated = updated.admitting(host, key, sealing)
+    sealed = datakeys.sealed_for_new_hosts(updated, signer.sealing)
+    if sealed != roster:
+        sealed = replace(sealed, version=roster.version + 1)
+    store(client, sealed, signer, home)
+    return sealed

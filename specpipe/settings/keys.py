@@ -214,6 +214,13 @@ def host_key_path(host: str, home: Path | None = None) -> Path:
     return (home or instance_dir()) / HOST_KEYS_DIR / f"{host}.key"
 
 
+def sealing_key_path(signing_key: Path) -> Path:
+    """Where the X25519 key that data keys are sealed to lives, beside the signing key at
+    `signing_key` (a host's, or the coordinator's): `host_keys/HOST.sealing`,
+    `coordinator_key.sealing`."""
+    return signing_key.with_name(signing_key.stem + ".sealing")
+
+
 def coordinator_key_path(home: Path | None = None) -> Path:
     """Where host 0 keeps the coordinator's signing key: `SPECPIPE_COORDINATOR_KEY_FILE`, else
     `coordinator_key` in the instance folder (`home`, else this process's)."""

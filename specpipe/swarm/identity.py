@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import redis
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 SIGNATURE_BYTES = 64
 PUBLIC_KEY_HEX = 64  # an Ed25519 public key is 32 bytes
@@ -51,10 +52,12 @@ class IdentityError(ValueError):
 
 @dataclass(frozen=True)
 class Signer:
-    """A name and the private key it signs with: a stage host, or the coordinator."""
+    """A name and the private key it signs with: a stage host, or the coordinator; with the
+    X25519 key its copies of the data keys are sealed to (`specpipe.swarm.datakeys`), if any."""
 
     name: str
     key: Ed25519PrivateKey = field(repr=False)
+    sealing: X25519PrivateKey | None = field(default=None, repr=False, compare=False)
 
     def sign(self, data: bytes) -> bytes:
         return self.key.sign(data)
@@ -89,9 +92,27 @@ def verifies(key: Ed25519PublicKey, signature: bytes, data: bytes) -> bool:
     return True
 
 
-def load_private(path: Path) -> Ed25519PrivateKey:
-    """The Ed25519 key in the PEM file `path`; IdentityError (naming the file, never its
-    contents) when it is missing or holds something else."""
+def sealing_public_hex(key: X25519PrivateKey) -> str:
+    """The public half of a sealing key, as the 64 hex digits a roster holds."""
+    raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return raw.hex()
+
+
+def sealing_public_key(text: str) -> X25519PublicKey:
+    """A sealing (X25519) public key from its 64 hex digits; IdentityError for anything else."""
+    text = text.strip()
+    if len(text) != PUBLIC_KEY_HEX:
+        raise IdentityError("a sealing key is 64 hex digits")
+    try:
+        return X25519PublicKey.from_public_bytes(bytes.fromhex(text))
+    except ValueError:
+        raise IdentityError("a sealing key is 64 hex digits") from None
+
+
+def load_private(path: Path, kind: type = Ed25519PrivateKey):
+    """The private key of type `kind` (Ed25519, or X25519 for a sealing key) in the PEM file
+    `path`; IdentityError (naming the file, never its contents) when it is missing or holds
+    something else."""
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -100,18 +121,19 @@ def load_private(path: Path) -> Ed25519PrivateKey:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError):
         raise IdentityError(f"{path} holds no readable private key") from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise IdentityError(f"{path} holds a key of another kind than Ed25519")
+    if not isinstance(key, kind):
+        name = "X25519" if kind is X25519PrivateKey else "Ed25519"
+        raise IdentityError(f"{path} holds a key of another kind than {name}")
     return key
 
 
-def ensure_private(path: Path) -> Ed25519PrivateKey:
-    """The key in `path`, made there (mode 0600) when there is none."""
+def ensure_private(path: Path, kind: type = Ed25519PrivateKey):
+    """The key of type `kind` in `path`, made there (mode 0600) when there is none."""
     from specpipe.settings import write_private
 
     if path.exists():
-        return load_private(path)
-    key = Ed25519PrivateKey.generate()
+        return load_private(path, kind)
+    key = kind.generate()
     pem = key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
@@ -126,12 +148,34 @@ def roster_key(swarm: str) -> str:
 
 
 @dataclass(frozen=True)
+class Epoch:
+    """One data key of the swarm's, as the roster carries it: its number, and a copy sealed to
+    each host (and to the coordinator) that may read what it seals (`specpipe.swarm.datakeys`);
+    `until`, on the epoch before the current one, is when it stops being accepted."""
+
+    number: int
+    copies: dict[str, str]  # name: the sealed copy, hex
+    until: float | None = None
+
+    def to_json(self) -> dict:
+        body: dict = {"epoch": self.number, "copies": self.copies}
+        if self.until is not None:
+            body["until"] = self.until
+        return body
+
+
+@dataclass(frozen=True)
 class Roster:
-    """The hosts the coordinator admitted to `swarm`, each with its public key (hex)."""
+    """The hosts the coordinator admitted to `swarm`, each with its public key (hex); with the
+    sealing keys (X25519, hex) of those that have one, and the data key epochs: the current one
+    that seals, and the one before it while it is still accepted."""
 
     swarm: str
     version: int
     hosts: dict[str, str]
+    sealing: dict[str, str] = field(default_factory=dict)
+    epoch: Epoch | None = None
+    previous: Epoch | None = None
 
     def key_of(self, host: str) -> Ed25519PublicKey | None:
         """`host`'s public key; None when it is not admitted."""
@@ -140,21 +184,46 @@ class Roster:
 
     def to_json(self) -> str:
         """The one canonical encoding, which is what the coordinator signs."""
-        body = {"swarm": self.swarm, "version": self.version, "hosts": self.hosts}
+        body: dict = {"swarm": self.swarm, "version": self.version, "hosts": self.hosts}
+        if self.sealing:
+            body["sealing"] = self.sealing
+        if self.epoch is not None:
+            body["data_key"] = self.epoch.to_json()
+        if self.previous is not None:
+            body["previous_data_key"] = self.previous.to_json()
         return json.dumps(body, sort_keys=True, separators=(",", ":"))
 
-    def admitting(self, host: str, key_hex: str) -> Roster:
-        """The next version, with `host` admitted under `key_hex` (its old key replaced)."""
+    def admitting(self, host: str, key_hex: str, sealing_hex: str | None = None) -> Roster:
+        """The next version, with `host` admitted under `key_hex` (its old key replaced), and
+        under the sealing key `sealing_hex` when given."""
         check_host_name(host)
         public_key(key_hex)  # IdentityError if it is none
-        return Roster(self.swarm, self.version + 1, {**self.hosts, host: key_hex.strip().lower()})
+        sealing = {h: k for h, k in self.sealing.items() if h != host}
+        if sealing_hex is not None:
+            sealing_public_key(sealing_hex)
+            sealing[host] = sealing_hex.strip().lower()
+        hosts = {**self.hosts, host: key_hex.strip().lower()}
+        admitted = replace(self, version=self.version + 1, hosts=hosts, sealing=sealing)
+        if sealing.get(host) == self.sealing.get(host):
+            return admitted
+        # Copies sealed to a key the host no longer has open nothing: `datakeys` seals new ones.
+        return replace(
+            admitted, epoch=_without(self.epoch, host), previous=_without(self.previous, host)
+        )
 
     def revoking(self, host: str) -> Roster:
-        """The next version, without `host`; IdentityError when it is not admitted."""
+        """The next version, without `host` (its copies of the data keys too: the data keys
+        must still be rotated, `datakeys.rotated`, since it holds them); IdentityError when it
+        is not admitted."""
         if host not in self.hosts:
             raise IdentityError(f"{host!r} is not admitted")
-        return Roster(
-            self.swarm, self.version + 1, {h: k for h, k in self.hosts.items() if h != host}
+        return replace(
+            self,
+            version=self.version + 1,
+            hosts={h: k for h, k in self.hosts.items() if h != host},
+            sealing={h: k for h, k in self.sealing.items() if h != host},
+            epoch=_without(self.epoch, host),
+            previous=_without(self.previous, host),
         )
 
     def signed(self, coordinator: Signer) -> str:
@@ -190,6 +259,13 @@ class Roster:
         return cls(swarm, 0, {})
 
 
+def _without(epoch: Epoch | None, name: str) -> Epoch | None:
+    """`epoch` without `name`'s copy."""
+    if epoch is None:
+        return None
+    return replace(epoch, copies={n: c for n, c in epoch.copies.items() if n != name})
+
+
 def _roster_message(record: bytes) -> bytes:
     return ROSTER_CONTEXT + record
 
@@ -198,18 +274,51 @@ def _roster_of(body) -> Roster:
     if not (
         isinstance(body, dict)
         and isinstance(body.get("swarm"), str)
-        and isinstance(body.get("version"), int)
-        and not isinstance(body.get("version"), bool)
+        and _is_int(body.get("version"))
         and isinstance(body.get("hosts"), dict)
+        and isinstance(body.get("sealing", {}), dict)
     ):
         raise IdentityError("the roster is malformed")
-    hosts = body["hosts"]
+    hosts, sealing = body["hosts"], body.get("sealing", {})
     for host, key in hosts.items():
         check_host_name(host)
         if not isinstance(key, str):
             raise IdentityError("the roster is malformed")
         public_key(key)
-    return Roster(body["swarm"], body["version"], dict(hosts))
+    for host, key in sealing.items():
+        if host not in hosts or not isinstance(key, str):
+            raise IdentityError("the roster is malformed")
+        sealing_public_key(key)
+    return Roster(
+        body["swarm"],
+        body["version"],
+        dict(hosts),
+        dict(sealing),
+        _epoch_of(body.get("data_key"), current=True),
+        _epoch_of(body.get("previous_data_key"), current=False),
+    )
+
+
+def _epoch_of(body, current: bool) -> Epoch | None:
+    """A data key epoch of a roster: the current one has no `until`, the previous one has."""
+    if body is None:
+        return None
+    if not (
+        isinstance(body, dict)
+        and _is_int(body.get("epoch"))
+        and body["epoch"] > 0
+        and isinstance(body.get("copies"), dict)
+        and all(isinstance(n, str) and isinstance(c, str) for n, c in body["copies"].items())
+    ):
+        raise IdentityError("the roster's data keys are malformed")
+    until = body.get("until")
+    if current != (until is None) or not (until is None or isinstance(until, int | float)):
+        raise IdentityError("the roster's data keys are malformed")
+    return Epoch(body["epoch"], dict(body["copies"]), until)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_host_name(host: str) -> None:

@@ -61,6 +61,7 @@ WATCH_EVERY_S = 0.25  # …and again this often while it waits
 # With host identities, a ring reads the roster again at most this often (a host admitted just
 # now is believed within it).
 ROSTER_EVERY_S = 0.5
+ROSTER_FORCED_S = 0.1  # a reply under an unknown key reads the roster at most this often
 # How long checking a stage's word that its next hop's Redis is unreachable may take: a cut-off
 # host is as gone to this check as to the stage.
 PROBE_TIMEOUT_S = 1.0
@@ -157,6 +158,7 @@ class RedisRing:
         # believed no longer, so its replies are dropped and the job goes around it.
         self.registry_url = registry_url
         self._roster_due = time.monotonic() + ROSTER_EVERY_S
+        self._roster_forced = 0.0  # when a reply under an unknown key last read it
         # The layers every round asks the stages to tap for the tail's drafter: what its record
         # says it reads (an EAGLE-3 head's), unless given.
         tail = self.route[-1]
@@ -495,6 +497,25 @@ class RedisRing:
             except redis.RedisError as exc:
                 raise RingError(f"Redis refused: {redact_text(str(exc))}") from None
 
+    def _decoded(self, data: bytes | None, key: str) -> wire.Message | None:
+        """The reply in `data`, None when it does not open. One sealed under a key this ring
+        does not hold reads the roster first (a rotation's new data key comes with it), at most
+        every ROSTER_FORCED_S."""
+        try:
+            return wire.decode(data, self.swarm, self.keys, to=key)
+        except wire.UnknownKeyError:
+            if time.monotonic() < self._roster_forced + ROSTER_FORCED_S:
+                return None
+        except wire.WireError:
+            return None
+        self._roster_forced = time.monotonic()
+        self._roster_due = 0.0
+        self._refresh_roster()
+        try:
+            return wire.decode(data, self.swarm, self.keys, to=key)
+        except wire.WireError:
+            return None
+
     def _refresh_roster(self) -> None:
         """The roster read again, at most every ROSTER_EVERY_S (see `registry_url`)."""
         due = self.keys.coordinator is not None and self.registry_url is not None
@@ -506,7 +527,8 @@ class RedisRing:
             roster, _ = identity.read_roster(client, self.swarm, self.keys.coordinator)
         except redis.RedisError:  # the roster it has holds until the registry answers
             return
-        self.keys = self.keys.with_roster(roster)
+        if roster != self.keys.roster:  # a new one may bring a new data key epoch
+            self.keys = self.keys.with_roster(roster)
 
     def _watch(self) -> None:
         """HopLostError when the watchdog says a hop of the route is gone."""
@@ -566,10 +588,7 @@ class RedisRing:
         same: its round was already answered. Only the tail verifies, so a `result` from any
         other stage of the route is a forgery (with host identities its sender is proven, and
         a middle stage could otherwise answer rounds it never passed on)."""
-        try:
-            reply = wire.decode(data, self.swarm, self.keys, to=key)
-        except wire.WireError:
-            reply = None
+        reply = self._decoded(data, key)
         if (
             reply is None
             or reply.session != session

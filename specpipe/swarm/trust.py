@@ -15,6 +15,8 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
 from specpipe import settings as settings_module
 from specpipe.settings import Settings
 from specpipe.swarm import identity, wire
@@ -91,9 +93,12 @@ def _signer(name: str | None, home: Path) -> identity.Signer | None:
                 f"this host pins a coordinator key but holds none at {path}: the coordinator's "
                 "processes run on host 0 (`specpipe host init` makes its key)"
             )
-        return identity.Signer(name, identity.load_private(path))
+        sealing = settings_module.sealing_key_path(path)
+        opener = identity.load_private(sealing, X25519PrivateKey) if sealing.exists() else None
+        return identity.Signer(name, identity.load_private(path), opener)
     path = settings_module.host_key_path(name, home)
-    return identity.Signer(name, identity.ensure_private(path))
+    sealing = identity.ensure_private(settings_module.sealing_key_path(path), X25519PrivateKey)
+    return identity.Signer(name, identity.ensure_private(path), sealing)
 
 
 def reading_keyring() -> wire.Keyring:

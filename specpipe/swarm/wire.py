@@ -5,18 +5,21 @@ A message on the wire is
     MAGIC (4 bytes) | key id (4 bytes) | nonce (12 bytes) | ciphertext | tag (16 bytes)
 
 where the ciphertext is `header length (u32 LE) | header (msgpack) | payload | signature (64
-bytes)`, sealed with AES-256-GCM-SIV under the data key of the swarm key the key id names,
-MAGIC, key id and nonce being the associated data. The signature is the sender's own
+bytes)`, sealed with AES-256-GCM-SIV under the key the key id names, MAGIC, key id and nonce
+being the associated data. That key is, on a swarm whose roster carries data keys
+(`specpipe.swarm.datakeys`), the current epoch's data key, which the coordinator seals to each
+admitted host and rotates when it revokes one (the previous epoch's is accepted until the
+deadline the roster gives); else the swarm key's data key. Either way the AEAD key is derived
+from it with HKDF-SHA256 under a fixed label. The signature is the sender's own
 (`specpipe.swarm.identity`): Ed25519 over the swarm's name, the header and the payload's
 SHA-256, by the coordinator's key or the sending stage host's. A keyring that pins the
 coordinator's key (`Keyring.coordinator`) believes a message only when the key its sender's
 name has there, the coordinator's or the roster's for that host, made that signature: holding
-the swarm key, a host can still seal a message, but not one as the coordinator or another
+the data key, a host can still seal a message, but not one as the coordinator or another
 host. Without such a pin (every holder of the swarm key trusted alike) the field is zeros and
-not read. A `Keyring` holds the key that seals and the older ones still
-accepted while a new key spreads; each swarm key's data key is derived from it with
-HKDF-SHA256 under a fixed label. A Redis (its streams, its append-only file) holds no swarm
-key, so all it shows of a message is its size, its stream and the id of its key.
+not read. A `Keyring` holds the key that seals and the older ones still accepted while a new
+key spreads. A Redis (its streams, its append-only file) holds no such key, so all it shows
+of a message is its size, its stream and the id of its key.
 
 Why AES-GCM-SIV: the nonce is 96 random bits per message, and every host of a swarm seals
 under the same key for as long as the key lives. AES-GCM with a repeated nonce gives away the
@@ -65,7 +68,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCMSIV
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from specpipe.core.tree import TreeShape, ancestor_paths
-from specpipe.swarm import identity
+from specpipe.swarm import datakeys, identity
 
 # SPW2 carried each hop's Redis URL, password included, and the reply's; SPW3 named each hop
 # by host only, so a hop could not tell it was routed for layers it does not serve; SPW4 was
@@ -261,7 +264,10 @@ class Keyring:
     swarm, `specpipe key rotate`, hosts seal with it and still accept the old one until its
     grace period ends). With identities (`specpipe.swarm.identity`): `signer`, the key this
     process signs as (its host, or the coordinator), `coordinator`, the coordinator's public key
-    it pins, and `roster`, the admitted hosts' keys as last read from the registry."""
+    it pins, and `roster`, the admitted hosts' keys as last read from the registry. A roster
+    with data keys (`specpipe.swarm.datakeys`) replaces the swarm keys for messages: the signer
+    opens its own copies, seals with the current epoch's key and accepts the previous one
+    until its deadline; a signer without a copy seals nothing and opens nothing."""
 
     def __init__(
         self,
@@ -274,13 +280,20 @@ class Keyring:
         encoded = [k.encode() if isinstance(k, str) else bytes(k) for k in keys]
         if not encoded or not all(encoded):
             raise WireError("no swarm key: set SPECPIPE_SWARM_KEY")
-        self.current = encoded[0]
-        self.current_id = key_id(self.current)
+        self.current = encoded[0]  # the swarm key (it signs records without identities)
         self.accepted = tuple(encoded)  # the sealing key first, then the old ones
-        self._by_id = {key_id(k): k for k in reversed(encoded)}
         self.signer = signer
         self.coordinator = coordinator
         self.roster = roster
+        # What seals and opens messages: (key, deadline or None), the sealing one first.
+        sealing: tuple[tuple[bytes, float | None], ...] = tuple((k, None) for k in encoded)
+        self.epoch = 0  # the data key epoch that seals (0: the swarm key does)
+        if coordinator is not None and datakeys.uses_data_keys(roster):
+            self.epoch = roster.epoch.number
+            sealing = _opened(roster, signer)
+        self.sealing_key = sealing[0][0] if sealing else None
+        self.sealing_id = key_id(self.sealing_key) if sealing else b""
+        self._by_id = {key_id(k): (k, until) for k, until in reversed(sealing)}
 
     def with_roster(self, roster: identity.Roster | None) -> Keyring:
         """This keyring with `roster` as the admitted hosts."""
@@ -295,12 +308,25 @@ class Keyring:
             return self.coordinator
         return self.roster.key_of(sender) if self.roster is not None else None
 
-    def get(self, kid: bytes) -> bytes | None:
-        """The key with id `kid`, None if this keyring does not hold it."""
-        return self._by_id.get(bytes(kid))
+    def get(self, kid: bytes, now: float | None = None) -> bytes | None:
+        """The key with id `kid`, None if this keyring does not hold it or its deadline passed."""
+        key, until = self._by_id.get(bytes(kid), (None, None))
+        if until is not None and until <= (time.time() if now is None else now):
+            return None
+        return key
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+
+def _opened(roster: identity.Roster, signer: identity.Signer | None):
+    """The data keys `signer` opens from `roster`, none when it has no copy (or no signer)."""
+    if signer is None:
+        return ()
+    try:
+        return datakeys.open_epochs(roster, signer.name, signer.sealing)
+    except identity.IdentityError:  # a copy not sealed to this key: as good as none
+        return ()
 
 
 def keyring(keys: Keyring | bytes | str) -> Keyring:
@@ -317,10 +343,12 @@ def _cipher(key: bytes) -> AESGCMSIV:
 
 def seal(plaintext: bytes, keys: Keyring | bytes | str) -> bytes:
     """`plaintext` (header length, header, payload) as a message sealed under the keyring's
-    current key, with a fresh random nonce."""
+    sealing key (the current data key epoch's, else the swarm key), with a fresh random nonce."""
     keys = keyring(keys)
-    prefix = PREFIX.pack(MAGIC, keys.current_id, os.urandom(NONCE_BYTES))
-    return prefix + _cipher(keys.current).encrypt(prefix[-NONCE_BYTES:], plaintext, prefix)
+    if keys.sealing_key is None:
+        raise WireError(f"no copy of data key epoch {keys.epoch} for this process's sealing key")
+    prefix = PREFIX.pack(MAGIC, keys.sealing_id, os.urandom(NONCE_BYTES))
+    return prefix + _cipher(keys.sealing_key).encrypt(prefix[-NONCE_BYTES:], plaintext, prefix)
 
 
 def encode(message: Message, swarm: str, keys: Keyring | bytes | str) -> bytes:

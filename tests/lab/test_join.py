@@ -45,12 +45,12 @@ def nodes(lab) -> list[inventory.NodeInfo]:
 
 
 def admit(lab, host: str) -> str:
-    """As the operator does: `specpipe host key` where the host's key is (the lab's folder),
-    `specpipe host admit` on host 0; the host's public key."""
-    key = run("host", "key", "--host", host, env=lab_env(lab)).output.strip()
-    admitted = run("host", "admit", host, key, env=lab_env(lab))
+    """As the operator does: `specpipe host key` where the host's keys are (the lab's folder),
+    `specpipe host admit` on host 0; the host's public keys, signing and sealing."""
+    keys = run("host", "key", "--host", host, env=lab_env(lab)).output.strip()
+    admitted = run("host", "admit", host, *keys.split(), env=lab_env(lab))
     assert admitted.exit_code == 0, admitted.output
-    return key
+    return keys
 
 
 def join_argv(host, model, layers: str) -> list[str]:
@@ -90,7 +90,7 @@ def test_a_bare_host_joins_as_a_spare_and_takes_over_when_the_stage_dies(lab, ti
     assert refused.returncode == 1, refused.stdout + refused.stderr
     key = admit(lab, bare.name)
     assert refused.stderr.strip().splitlines()[-1] == (
-        f"Error: host {bare.name!r} is not admitted under this host's key: on host 0 run "
+        f"Error: host {bare.name!r} is not admitted under this host's keys: on host 0 run "
         f"`specpipe host admit {bare.name} {key}`"
     )
     joined = subprocess.Popen(

@@ -18,7 +18,7 @@ from specpipe.ops import roster
 from specpipe.ops.redis_server import RedisServer
 from specpipe.ops.supervisor import terminate_all
 from specpipe.settings import COORDINATOR_PUB_FILE, Settings
-from specpipe.swarm import trust
+from specpipe.swarm import identity, trust, wire
 from tests.swarmprocs import wait_heartbeats
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,3 +168,16 @@ def identified(tmp_path, swarm, key, redis_url, ring_settings):
     group = Stages(swarm, key, redis_url, env=env, keys=trust.keyring(settings), pinned=True)
     yield group, settings, home
     group.stop()
+
+
+def host_keyring(settings: Settings, host: str) -> wire.Keyring:
+    """What host `host`'s stage process seals, signs and believes with: its own keys from the
+    instance folder `settings.home` (the `identified` fixture's), and the roster on the registry
+    with the copies of the data keys it opens."""
+    keys = trust.keyring(settings, host)
+    client = redis.Redis.from_url(settings.redis_url)
+    try:
+        found, _ = identity.read_roster(client, settings.swarm, keys.coordinator)
+    finally:
+        client.close()
+    return keys.with_roster(found)

@@ -42,33 +42,46 @@ def test_admitting_and_revoking_hosts_publishes_a_roster_only_the_coordinator_si
     assert stat.S_IMODE((home / "coordinator_key").stat().st_mode) == 0o600
     assert host("init", env=env).output.strip().splitlines()[-1] == public  # made once
 
-    key = host("key", "--host", "mn", env=env).output.strip()
-    assert len(key) == 64 and bytes.fromhex(key)
-    assert stat.S_IMODE((home / "host_keys" / "mn.key").stat().st_mode) == 0o600
-    assert host("key", "--host", "mn", env=env).output.strip() == key  # the same key again
+    printed = host("key", "--host", "mn", env=env).output.strip()
+    key, sealing = printed.split()  # the signing key, the sealing key
+    assert len(key) == len(sealing) == 64 and bytes.fromhex(key) and bytes.fromhex(sealing)
+    for name in ("mn.key", "mn.sealing"):
+        assert stat.S_IMODE((home / "host_keys" / name).stat().st_mode) == 0o600
+    assert host("key", "--host", "mn", env=env).output.strip() == printed  # the same keys again
 
-    for bad in (["nj", "not a key"], ["coordinator", key], ["", key]):
+    for bad in (["nj", "not a key"], ["coordinator", key], ["", key], ["mn", key, "not a key"]):
         result = host("admit", *bad, env=env)
         assert result.exit_code == 1 and result.output.startswith("Error: "), result.output
         assert len(result.output.strip().splitlines()) == 1
-    assert host("admit", "mn", key, env=env).output.strip() == "admitted mn"
+    assert host("admit", "mn", key, sealing, env=env).output.strip() == "admitted mn"
     listed = host("list", env=env).output.splitlines()
-    assert listed == [f"roster of swarm {swarm!r}, version 1", f"mn  {key}"]
+    # Every admitted host has a sealing key: the first data key epoch is made.
+    assert listed == [
+        f"roster of swarm {swarm!r}, version 1, data key epoch 1",
+        f"mn  {key} {sealing}",
+    ]
 
     client = redis.Redis.from_url(redis_url)
     try:
         pin = identity.public_key(public)
         roster, believed = identity.read_roster(client, swarm, pin)
-        assert believed and roster.hosts == {"mn": key}
+        assert believed and roster.hosts == {"mn": key} and roster.sealing == {"mn": sealing}
+        assert set(roster.epoch.copies) == {"coordinator", "mn"}
         revoked = host("revoke", "nj", env=env)
         assert revoked.exit_code == 1 and "'nj' is not admitted" in revoked.output
         assert host("revoke", "mn", env=env).output.strip() == "revoked mn"
         roster, believed = identity.read_roster(client, swarm, pin)
         assert believed and roster.version == 2 and roster.hosts == {}
+        assert roster.epoch.number == 2 and set(roster.epoch.copies) == {"coordinator"}
+        assert set(roster.previous.copies) == {"coordinator"}  # mn's copy is gone
+        # Data keys seal now: a host needs its sealing key to be admitted.
+        unsealed = host("admit", "mn", key, env=env)
+        assert unsealed.exit_code == 1 and "admit mn with both keys" in unsealed.output
+        assert host("rotate", env=env).output.strip() == "data key epoch 3"
         # A Redis that lost the roster gets host 0's copy back with the next change.
         client.delete(identity.roster_key(swarm))
-        assert host("admit", "mn", key, env=env).exit_code == 0
-        assert identity.read_roster(client, swarm, pin)[0].version == 3
+        assert host("admit", "mn", key, sealing, env=env).exit_code == 0
+        assert identity.read_roster(client, swarm, pin)[0].version == 4
     finally:
         client.delete(identity.roster_key(swarm))
         client.close()

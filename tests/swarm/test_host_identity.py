@@ -7,6 +7,7 @@ the shared swarm key alone (before host identities) every one of them went throu
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import replace
 
@@ -19,6 +20,7 @@ from specpipe.swarm import identity, inventory, streams, trust, wire
 from specpipe.swarm.identity import COORDINATOR, Roster, Signer
 from specpipe.swarm.inventory import NodeInfo
 from specpipe.swarm.redis_ring import ROSTER_EVERY_S, RedisRing
+from tests.swarm.conftest import host_keyring
 from tests.swarm.test_redis_ring import PARAMS, drive, reference
 from tests.waiting import wait_until
 
@@ -186,10 +188,10 @@ def test_on_stage_processes_a_revoked_host_drops_out_of_routing_and_a_forged_con
     committed, _ = drive(ring, "s1", rounds=6, k=3)
     assert committed == reference([(0, 2), (2, 4)], rounds=6, k=3)[0]
 
-    # Stage a's keys (the swarm key and its own key) try to drop the session as the
+    # Stage a's keys (the data key it opens and its own key) try to drop the session as the
     # coordinator on b: b drops the message, and the session goes on untouched.
-    a_key = identity.load_private(home / "host_keys" / "a.key")
-    liar = wire.Keyring([settings.swarm_key], signer=Signer(COORDINATOR, a_key))
+    liar = copy.copy(host_keyring(settings, "a"))  # what a can make of its own code
+    liar.signer = Signer(COORDINATOR, liar.signer.key)
     to_b = streams.stage_key(swarm, "b")
     drop = wire.Message(
         kind="drop", session="s1", seq=wire.next_seq(0), to=to_b, sender=COORDINATOR, wait_ms=1000

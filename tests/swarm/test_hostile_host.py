@@ -9,6 +9,7 @@ import logging
 import threading
 
 import redis
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from specpipe.core.ring import GapError
 from specpipe.ops import roster
@@ -16,6 +17,7 @@ from specpipe.settings import COORDINATOR_PUB_FILE
 from specpipe.swarm import failover, identity, inventory, mending, streams, trust, wire
 from specpipe.swarm.identity import Signer
 from specpipe.swarm.redis_ring import RedisRing
+from tests.swarm.conftest import host_keyring
 from tests.swarm.test_attacks import Tap
 from tests.swarm.test_failover import checked_ring
 from tests.swarm.test_redis_ring import PARAMS, drive, reference
@@ -26,9 +28,7 @@ BOUNDS = [(0, 2), (2, 4)]
 
 def forge_reply(swarm, home, settings, passed: wire.Message, **fields) -> bytes:
     """A reply to the round `passed` as stage a signs it, with `fields`."""
-    a_key = identity.load_private(home / "host_keys" / "a.key")
-    pin = identity.public_key((home / COORDINATOR_PUB_FILE).read_text())
-    as_a = wire.Keyring([settings.swarm_key], signer=Signer("a", a_key), coordinator=pin)
+    as_a = host_keyring(settings, "a")  # its own keys, and the data keys it holds
     reply = wire.Message(
         session=passed.session,
         round_id=passed.round_id,
@@ -50,8 +50,7 @@ def lie_during_a_round(ring, swarm, home, settings, redis_url, committed, read, 
     """Drive one round of `ring` while a, its first stage, answers it with the reply `lie`
     before it passes the round on; the round's outcome (committed ids, or the exception) once
     `read()` says the ring read the lie."""
-    pin = identity.public_key((home / COORDINATOR_PUB_FILE).read_text())
-    reader = wire.Keyring([settings.swarm_key], coordinator=pin)
+    reader = host_keyring(settings, "a")
     first = ring.route[0].host
     tap = Tap(redis_url, streams.stage_key(swarm, first))
     outcome: list = []
@@ -194,7 +193,8 @@ def test_registry_keys_of_the_wrong_type_stop_no_job(identified, swarm, redis_ur
     assert fresh and {"a", "b"} <= set(believed.hosts)
     retyped(client, roster_key)
     newcomer = Signer("c", identity.Ed25519PrivateKey.generate())
-    assert "c" in roster.admit(client, swarm, "c", newcomer.public_hex, home).hosts
+    sealing = identity.sealing_public_hex(X25519PrivateKey.generate())
+    assert "c" in roster.admit(client, swarm, "c", newcomer.public_hex, sealing, home).hosts
     assert identity.read_roster(client, swarm, pin)[0].hosts.keys() >= {"a", "b", "c"}
     client.close()
 

@@ -77,9 +77,10 @@ class Admission:
         except (wire.UnknownKeyError, wire.UnknownSenderError) as exc:
             reason = exc
             if self.keys.reload_due():
-                # The key may be a rotation's new one, the sender a host admitted since.
+                # The key may be a rotation's new one (a data key's comes with the roster), the
+                # sender a host admitted since.
                 self.keys.reload()
-                if isinstance(exc, wire.UnknownSenderError) and self.refresh_roster is not None:
+                if self.refresh_roster is not None:
                     self.refresh_roster()
                 try:
                     return decode()
