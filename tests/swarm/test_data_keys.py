@@ -13,6 +13,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from specpipe import settings as settings_module
 from specpipe.ops import roster
+from specpipe.settings import DEFAULT_HEARTBEAT_S as HEARTBEAT_S
 from specpipe.swarm import datakeys, identity, streams, wire
 from specpipe.swarm.identity import COORDINATOR, IdentityError
 from tests.swarm.conftest import host_keyring
@@ -251,3 +252,54 @@ def trust_ring(settings):
     from specpipe.swarm.redis_ring import RedisRing
 
     return RedisRing.from_inventory(settings, "toy", 4, timeout_s=20)
+
+
+def test_a_rotation_mid_job_loses_no_round(identified, swarm, redis_url):
+    """Two rotations while a job runs: after the first the coordinator seals a round under the
+    previous epoch (still accepted) and meets the new one in its reply, after the second it is
+    ahead of the stages (each takes the new epoch when it meets it). The job ends with the
+    tokens of an undisturbed run, and no round waits for a resend."""
+    from specpipe.decoding.generation import Generation
+    from tests.swarm.test_redis_ring import PROMPT, ReferenceRing
+
+    stages, settings, home = identified
+    for host, layers in (("a", "0:2"), ("b", "2:4")):
+        stages.start(host, layers, redis_url, wait=False)
+    stages.wait_ready(["a", "b"])
+    options = dict(max_new_tokens=40, draft_k=3)
+    expected = Generation(ReferenceRing([(0, 2), (2, 4)]), "l", PROMPT * 2, PARAMS, **options).run()
+    ring = trust_ring(settings)
+    first = ring.keys.epoch
+    client = redis.Redis.from_url(redis_url)
+    run = Generation(ring, "s", PROMPT * 2, PARAMS, **options)
+    slowest, last, epochs = 0.0, time.monotonic(), []
+    for i, _ in enumerate(run.rounds()):
+        slowest = max(slowest, time.monotonic() - last)
+        epochs.append(ring.keys.epoch)
+        if i == 2:  # the stages take the new epoch, the ring seals on under the previous one
+            roster.rotate(client, swarm, home)
+            ring._roster_due = time.monotonic() + 60
+            time.sleep(4 * HEARTBEAT_S)
+        if i == 6:  # the ring takes the next one at once, before the stages beat
+            roster.rotate(client, swarm, home)
+            ring._roster_due = 0.0
+        last = time.monotonic()
+    client.close()
+    ring.close()
+    assert run.generated == expected
+    # Round 3 went out under the previous epoch; the tail's result, under the new one, had the
+    # ring read the roster at once.
+    assert epochs[2:4] == [first, first + 1] and epochs[-1] == first + 2
+    assert slowest < 1.0, slowest  # a round that waited for a resend takes seconds
+
+
+def test_a_stage_meeting_an_unknown_key_reloads_whatever_its_housekeeping_did():
+    """On main the housekeeping's reload (every 0.5 s) held off the one an unknown key asks for
+    (1 s), so a stage running with `reload_keys` dropped every round sealed under a data key
+    newer than its roster until its next heartbeat."""
+    from specpipe.swarm.stage.keys import StageKeys
+
+    keys = StageKeys(KEY, "a", reload_keys=lambda: wire.Keyring([KEY]))
+    keys.reload()  # the housekeeping's
+    assert keys.reload_due()  # the first unknown key reloads at once
+    assert not keys.reload_due()  # the next within KEY_RELOAD_S does not

@@ -34,7 +34,6 @@ class StageKeys:
         """Take the keyring `reload_keys` gives now (a rotation may have changed it)."""
         if self._reload_keys is None:
             return
-        self._next_reload = time.monotonic() + KEY_RELOAD_S
         try:
             self.ring = self._reload_keys().with_roster(self.ring.roster)
         except (OSError, ValueError) as exc:  # keep the keys we have
@@ -46,5 +45,12 @@ class StageKeys:
             self.ring = self.ring.with_roster(roster)
 
     def reload_due(self) -> bool:
-        """Whether an unknown key id may reload the keyring now (at most every KEY_RELOAD_S)."""
-        return time.monotonic() >= self._next_reload
+        """Whether a message under an unknown key (or from an unknown sender) may reload the
+        keyring and the roster now: at most every KEY_RELOAD_S, whatever the heartbeats and the
+        housekeeping reload meanwhile (a message sealed under a new data key must not wait for
+        them, nor be dropped)."""
+        now = time.monotonic()
+        if now < self._next_reload:
+            return False
+        self._next_reload = now + KEY_RELOAD_S
+        return True
