@@ -12,6 +12,8 @@ from celery import shared_task
 from sqlalchemy.orm import Session
 
 from models.nodes import NODE_FIELDS, upsert_node
+from specpipe import settings as settings_module
+from specpipe.ops import roster
 from specpipe.settings import Settings
 from specpipe.swarm import inventory, latency, mending, trust
 from specpipe.swarm.dialing import Dialer
@@ -33,6 +35,22 @@ def sync_inventory(session: Session, nodes: list[inventory.NodeInfo]) -> int:
     return len(nodes)
 
 
+def rotate_when_due(client: redis.Redis, settings: Settings) -> None:
+    """On host 0 (where the coordinator's key is), a new data key once the current one is
+    `SPECPIPE_DATA_KEY_EPOCH_S` old (`specpipe host rotate`); a failure is logged, and the
+    inventory is read all the same."""
+    every_s = settings_module.data_key_epoch_s()
+    if not every_s or not settings_module.coordinator_key_path(settings.home).exists():
+        return
+    try:
+        rotated = roster.rotate(client, settings.swarm, settings.home, every_s=every_s)
+    except ValueError as exc:  # a host admitted without a sealing key, a key file unreadable
+        log.warning("cannot rotate the data keys: %s", exc)
+        return
+    if rotated is not None:
+        log.info("data key epoch %d, after %g s", rotated.epoch.number, every_s)
+
+
 @shared_task(name=SYNC_NODES_TASK, bind=True)
 def sync(self) -> int:
     """Celery beat task: put the registry's keys right (`mending.repair`), read the inventory
@@ -41,6 +59,7 @@ def sync(self) -> int:
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3)
     try:
         mending.repair(client, settings.swarm, settings.home)
+        rotate_when_due(client, settings)
         found = inventory.read(client, settings.swarm, trust.keyring(settings))
         nodes = found.nodes
         online = [node for node in nodes if node.status(found.now) == "online"]

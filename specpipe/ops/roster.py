@@ -10,7 +10,10 @@ back to an older one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import fcntl
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -61,6 +64,22 @@ def current(client: redis.Redis, swarm: str, signer: Signer, home: Path | None =
     return published if published.version > kept.version else kept
 
 
+@contextmanager
+def changing(swarm: str, home: Path | None = None) -> Iterator[None]:
+    """Held while one change of the roster reads it and stores the next version: a change made
+    meanwhile by another process on host 0 (`host revoke` while the beat rotates) would
+    otherwise be lost, a revoked host admitted again."""
+    kept = settings.roster_path(swarm, home)
+    path = kept.with_name(kept.name + ".lock")
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # and the lock with it
+
+
 def store(client: redis.Redis, roster: Roster, signer: Signer, home: Path | None = None) -> None:
     """Keep `roster` in host 0's copy, then put it on the registry."""
     identity.save_roster_file(settings.roster_path(roster.swarm, home), roster, signer)
@@ -80,22 +99,25 @@ def admit(
     keys rotates the data keys (its old keys may be someone else's now). IdentityError without
     a sealing key where the swarm's messages are sealed with data keys."""
     signer = coordinator(home)
-    before = current(client, swarm, signer, home)
-    if sealing_hex is None and datakeys.uses_data_keys(before):
-        raise identity.IdentityError(
-            f"swarm {swarm!r} seals with data keys: admit {host} with both keys that "
-            "`specpipe host key` prints there"
+    with changing(swarm, home):
+        before = current(client, swarm, signer, home)
+        if sealing_hex is None and datakeys.uses_data_keys(before):
+            raise identity.IdentityError(
+                f"swarm {swarm!r} seals with data keys: admit {host} with both keys that "
+                "`specpipe host key` prints there"
+            )
+        roster = before.admitting(host, key_hex, sealing_hex)
+        rekeyed = host in before.hosts and (
+            before.hosts[host] != roster.hosts[host]
+            or before.sealing.get(host) != roster.sealing.get(host)
         )
-    roster = before.admitting(host, key_hex, sealing_hex)
-    rekeyed = host in before.hosts and (
-        before.hosts[host] != roster.hosts[host]
-        or before.sealing.get(host) != roster.sealing.get(host)
-    )
-    if rekeyed and datakeys.uses_data_keys(before):
-        roster = datakeys.rotated(roster.revoking(host), signer.sealing, datakeys.DEFAULT_GRACE_S)
-        roster = roster.admitting(host, key_hex, sealing_hex)
-    store(client, datakeys.sealed_for_new_hosts(roster, signer.sealing), signer, home)
-    return current(client, swarm, signer, home)
+        if rekeyed and datakeys.uses_data_keys(before):
+            grace_s = datakeys.DEFAULT_GRACE_S
+            roster = datakeys.rotated(roster.revoking(host), signer.sealing, grace_s)
+            roster = roster.admitting(host, key_hex, sealing_hex)
+        roster = datakeys.sealed_for_new_hosts(roster, signer.sealing)
+        store(client, roster, signer, home)
+    return roster
 
 
 def revoke(
@@ -109,12 +131,13 @@ def revoke(
     where data keys seal, a new epoch sealed to the remaining hosts only, the previous one
     accepted `grace_s` more seconds (for the rounds in flight)."""
     signer = coordinator(home)
-    roster = current(client, swarm, signer, home).revoking(host)
-    if datakeys.uses_data_keys(roster):
-        roster = datakeys.rotated(roster, signer.sealing, grace_s)
-    else:  # the first epoch, if it was the last host without a sealing key
-        roster = datakeys.sealed_for_new_hosts(roster, signer.sealing)
-    store(client, roster, signer, home)
+    with changing(swarm, home):
+        roster = current(client, swarm, signer, home).revoking(host)
+        if datakeys.uses_data_keys(roster):
+            roster = datakeys.rotated(roster, signer.sealing, grace_s)
+        else:  # the first epoch, if it was the last host without a sealing key
+            roster = datakeys.sealed_for_new_hosts(roster, signer.sealing)
+        store(client, roster, signer, home)
     return roster
 
 
@@ -123,13 +146,20 @@ def rotate(
     swarm: str,
     home: Path | None = None,
     grace_s: float = datakeys.DEFAULT_GRACE_S,
-) -> Roster:
+    every_s: float = 0.0,
+) -> Roster | None:
     """A new data key epoch, sealed to the admitted hosts (the previous one accepted `grace_s`
-    more seconds); IdentityError when an admitted host has no sealing key."""
+    more seconds); IdentityError when an admitted host has no sealing key. With `every_s`,
+    only when the current epoch is that old (host 0's beat): None when it is not, or when the
+    swarm has no data keys yet."""
     signer = coordinator(home)
-    roster = current(client, swarm, signer, home)
-    roster = datakeys.rotated(replace(roster, version=roster.version + 1), signer.sealing, grace_s)
-    store(client, roster, signer, home)
+    with changing(swarm, home):
+        roster = current(client, swarm, signer, home)
+        if every_s and not datakeys.due(roster, every_s):
+            return None
+        roster = replace(roster, version=roster.version + 1)
+        roster = datakeys.rotated(roster, signer.sealing, grace_s)
+        store(client, roster, signer, home)
     return roster
 
 
@@ -141,17 +171,18 @@ def admit_own_hosts(
     its keys with its copies of the data keys, and the roster published (again: a Redis started
     afresh has none)."""
     signer = init_coordinator(home)
-    roster = current(client, swarm, signer, home)
-    updated = roster
-    for host in hosts:
-        path = settings.host_key_path(host, home)
-        key = identity.public_hex(identity.ensure_private(path))
-        opener = identity.ensure_private(settings.sealing_key_path(path), X25519PrivateKey)
-        sealing = identity.sealing_public_hex(opener)
-        if (roster.hosts.get(host), roster.sealing.get(host)) != (key, sealing):
-            updated = updated.admitting(host, key, sealing)
-    sealed = datakeys.sealed_for_new_hosts(updated, signer.sealing)
-    if sealed != roster:
-        sealed = replace(sealed, version=roster.version + 1)
-    store(client, sealed, signer, home)
+    with changing(swarm, home):
+        roster = current(client, swarm, signer, home)
+        updated = roster
+        for host in hosts:
+            path = settings.host_key_path(host, home)
+            key = identity.public_hex(identity.ensure_private(path))
+            opener = identity.ensure_private(settings.sealing_key_path(path), X25519PrivateKey)
+            sealing = identity.sealing_public_hex(opener)
+            if (roster.hosts.get(host), roster.sealing.get(host)) != (key, sealing):
+                updated = updated.admitting(host, key, sealing)
+        sealed = datakeys.sealed_for_new_hosts(updated, signer.sealing)
+        if sealed != roster:
+            sealed = replace(sealed, version=roster.version + 1)
+        store(client, sealed, signer, home)
     return sealed

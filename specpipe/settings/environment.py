@@ -101,6 +101,12 @@ def stalled_after_s() -> float:
     return float(os.environ.get("SPECPIPE_STALLED_S") or 10)
 
 
+def data_key_epoch_s() -> float:
+    """`SPECPIPE_DATA_KEY_EPOCH_S` (86400): how old the data key may grow before host 0's beat
+    rotates it (`specpipe host rotate`); 0: only revocations and the command rotate it."""
+    return float(os.environ.get("SPECPIPE_DATA_KEY_EPOCH_S") or 86400)
+
+
 def redis_maxmemory() -> str:
     """`SPECPIPE_REDIS_MAXMEMORY` (2gb): the memory limit of the Redis `specpipe up` runs, in
     Redis's units (bytes, or a number with kb, mb or gb). Past it writes are refused; nothing

@@ -142,8 +142,14 @@ def rotated(roster: Roster, coordinator: X25519PrivateKey, grace_s: float) -> Ro
     previous = None
     if roster.epoch is not None and grace_s > 0:
         kept = {n: c for n, c in roster.epoch.copies.items() if n == COORDINATOR or n in copies}
-        previous = Epoch(roster.epoch.number, kept, time.time() + grace_s)
-    return replace(roster, epoch=Epoch(number, copies), previous=previous)
+        previous = replace(roster.epoch, copies=kept, until=time.time() + grace_s)
+    return replace(roster, epoch=Epoch(number, time.time(), copies), previous=previous)
+
+
+def due(roster: Roster, every_s: float, now: float | None = None) -> bool:
+    """Whether the current epoch is `every_s` old or older (0: never due)."""
+    now = time.time() if now is None else now
+    return every_s > 0 and roster.epoch is not None and now - roster.epoch.made >= every_s
 
 
 def sealed_for_new_hosts(roster: Roster, coordinator: X25519PrivateKey) -> Roster:

@@ -149,16 +149,18 @@ def roster_key(swarm: str) -> str:
 
 @dataclass(frozen=True)
 class Epoch:
-    """One data key of the swarm's, as the roster carries it: its number, and a copy sealed to
-    each host (and to the coordinator) that may read what it seals (`specpipe.swarm.datakeys`);
-    `until`, on the epoch before the current one, is when it stops being accepted."""
+    """One data key of the swarm's, as the roster carries it: its number, when it was made, and
+    a copy sealed to each host (and to the coordinator) that may read what it seals
+    (`specpipe.swarm.datakeys`); `until`, on the epoch before the current one, is when it stops
+    being accepted."""
 
     number: int
+    made: float
     copies: dict[str, str]  # name: the sealed copy, hex
     until: float | None = None
 
     def to_json(self) -> dict:
-        body: dict = {"epoch": self.number, "copies": self.copies}
+        body: dict = {"epoch": self.number, "made": self.made, "copies": self.copies}
         if self.until is not None:
             body["until"] = self.until
         return body
@@ -307,18 +309,23 @@ def _epoch_of(body, current: bool) -> Epoch | None:
         isinstance(body, dict)
         and _is_int(body.get("epoch"))
         and body["epoch"] > 0
+        and _is_number(body.get("made"))
         and isinstance(body.get("copies"), dict)
         and all(isinstance(n, str) and isinstance(c, str) for n, c in body["copies"].items())
     ):
         raise IdentityError("the roster's data keys are malformed")
     until = body.get("until")
-    if current != (until is None) or not (until is None or isinstance(until, int | float)):
+    if current != (until is None) or not (until is None or _is_number(until)):
         raise IdentityError("the roster's data keys are malformed")
-    return Epoch(body["epoch"], dict(body["copies"]), until)
+    return Epoch(body["epoch"], body["made"], dict(body["copies"]), until)
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def check_host_name(host: str) -> None:

@@ -303,3 +303,48 @@ def test_a_stage_meeting_an_unknown_key_reloads_whatever_its_housekeeping_did():
     keys.reload()  # the housekeeping's
     assert keys.reload_due()  # the first unknown key reloads at once
     assert not keys.reload_due()  # the next within KEY_RELOAD_S does not
+
+
+def test_host_0s_beat_rotates_once_the_epoch_is_old_enough(tmp_path, redis_url, swarm, monkeypatch):
+    from workers.node_sync import rotate_when_due
+
+    home, config = host_0(tmp_path, redis_url, swarm)
+    client = redis.Redis.from_url(redis_url)
+    pin = identity.public_key((home / settings_module.COORDINATOR_PUB_FILE).read_text())
+    made = identity.read_roster(client, swarm, pin)[0].epoch
+    assert not datakeys.due(identity.read_roster(client, swarm, pin)[0], 60, now=made.made + 59)
+    rotate_when_due(client, config)  # a day by default: not yet
+    assert identity.read_roster(client, swarm, pin)[0].epoch == made
+    monkeypatch.setenv("SPECPIPE_DATA_KEY_EPOCH_S", "0.001")
+    time.sleep(0.01)
+    rotate_when_due(client, config)
+    rotated = identity.read_roster(client, swarm, pin)[0]
+    assert rotated.epoch.number == made.number + 1 and rotated.previous.number == made.number
+    assert set(rotated.epoch.copies) == {COORDINATOR, "a", "b", "c"}
+    monkeypatch.setenv("SPECPIPE_DATA_KEY_EPOCH_S", "0")  # never
+    rotate_when_due(client, config)
+    assert identity.read_roster(client, swarm, pin)[0] == rotated
+    client.close()
+
+
+def test_changes_of_the_roster_on_host_0_wait_for_each_other(tmp_path, redis_url, swarm):
+    """The beat's rotation and an operator's `host revoke` at once: each reads the roster and
+    stores the next version, so without the lock one would undo the other (a revoked host
+    admitted again, with the next epoch's key)."""
+    import threading
+
+    home, config = host_0(tmp_path, redis_url, swarm)
+    done = threading.Event()
+
+    def revoke_c():
+        client = redis.Redis.from_url(redis_url)
+        roster.revoke(client, swarm, "c", home)
+        client.close()
+        done.set()
+
+    with roster.changing(swarm, home):
+        revoking = threading.Thread(target=revoke_c)
+        revoking.start()
+        assert not done.wait(0.3)  # it waits for the change under way
+    revoking.join(10)
+    assert done.is_set() and "c" not in host_keyring(config, COORDINATOR).roster.hosts
