@@ -348,3 +348,32 @@ def test_changes_of_the_roster_on_host_0_wait_for_each_other(tmp_path, redis_url
         assert not done.wait(0.3)  # it waits for the change under way
     revoking.join(10)
     assert done.is_set() and "c" not in host_keyring(config, COORDINATOR).roster.hosts
+
+
+def test_of_what_each_host_holds_only_the_epochs_data_key_is_held_by_another(
+    tmp_path, redis_url, swarm
+):
+    """Every key each host holds for the data plane (its key files, the data keys it opens from
+    the roster, all it could take from the registry): the admitted hosts share the current
+    epoch's data key (and the previous one's while it is accepted), which a ring needs, and
+    nothing else; the revoked host shares nothing it can get now. (The swarm key and the two
+    Redis passwords are still common to all hosts: docs/security.md says so.)"""
+    home, config = host_0(tmp_path, redis_url, swarm)
+    client = redis.Redis.from_url(redis_url)
+    roster.revoke(client, swarm, "c", home)
+    client.close()
+
+    def held(name: str) -> set[bytes]:
+        path = settings_module.host_key_path(name, home)
+        files = {path.read_bytes(), settings_module.sealing_key_path(path).read_bytes()}
+        keys = host_keyring(config, name)
+        opened = datakeys.open_epochs(keys.roster, name, keys.signer.sealing)
+        return files | {key for key, _ in opened}
+
+    a, b, c = held("a"), held("b"), held("c")
+    coordinator = host_keyring(config, COORDINATOR)
+    signer = coordinator.signer
+    epochs = {k for k, _ in datakeys.open_epochs(coordinator.roster, COORDINATOR, signer.sealing)}
+    assert len(epochs) == 2 and len(a) == len(b) == 4  # two key files, two epochs' data keys
+    assert a & b == epochs
+    assert not (c & a) and not (c & b) and len(c) == 2  # its own key files, nothing else
