@@ -98,8 +98,8 @@ def open_copy(copy: str, key: X25519PrivateKey, swarm: str, name: str, epoch: in
 
 def open_epochs(roster: Roster, name: str, key: X25519PrivateKey | None, now: float | None = None):
     """The data keys `name` (a host, or the coordinator) opens with its sealing key `key`, as
-    (data key, until) pairs: the current epoch's first (until None), then the previous one's
-    while it is accepted. () when the roster has no epoch for it, or it has no sealing key."""
+    (data key, until) pairs: the current epoch's (until None), then the previous one's while it
+    is accepted; each only where the roster has a copy for `name` that opens with `key`."""
     now = time.time() if now is None else now
     opened = []
     for epoch in (roster.epoch, roster.previous):
@@ -107,7 +107,10 @@ def open_epochs(roster: Roster, name: str, key: X25519PrivateKey | None, now: fl
             continue
         if epoch.until is not None and epoch.until <= now:
             continue
-        data_key = open_copy(epoch.copies[name], key, roster.swarm, name, epoch.number)
+        try:
+            data_key = open_copy(epoch.copies[name], key, roster.swarm, name, epoch.number)
+        except IdentityError:  # sealed to a key it no longer has: as good as none
+            continue
         opened.append((data_key, epoch.until))
     return tuple(opened)
 

@@ -291,8 +291,9 @@ class Keyring:
         if coordinator is not None and datakeys.uses_data_keys(roster):
             self.epoch = roster.epoch.number
             sealing = _opened(roster, signer)
-        self.sealing_key = sealing[0][0] if sealing else None
-        self.sealing_id = key_id(self.sealing_key) if sealing else b""
+        # Only the current epoch's key (or the swarm key) seals, never a previous one.
+        self.sealing_key = next((k for k, until in sealing if until is None), None)
+        self.sealing_id = key_id(self.sealing_key) if self.sealing_key is not None else b""
         self._by_id = {key_id(k): (k, until) for k, until in reversed(sealing)}
 
     def with_roster(self, roster: identity.Roster | None) -> Keyring:
@@ -323,10 +324,7 @@ def _opened(roster: identity.Roster, signer: identity.Signer | None):
     """The data keys `signer` opens from `roster`, none when it has no copy (or no signer)."""
     if signer is None:
         return ()
-    try:
-        return datakeys.open_epochs(roster, signer.name, signer.sealing)
-    except identity.IdentityError:  # a copy not sealed to this key: as good as none
-        return ()
+    return datakeys.open_epochs(roster, signer.name, signer.sealing)
 
 
 def keyring(keys: Keyring | bytes | str) -> Keyring:

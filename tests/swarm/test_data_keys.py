@@ -83,6 +83,10 @@ def test_messages_are_sealed_under_the_epochs_key_not_the_swarm_key(swarm_keys):
         wire.encode(round_for("b", "a", hop=1), "s", outsider)
     with pytest.raises(wire.UnknownKeyError):
         wire.decode(data, "s", outsider)
+    # Only the current epoch's key seals: a copy of the previous one's alone opens, never seals.
+    rotated = datakeys.rotated(admitted, signers[COORDINATOR].sealing, grace_s=60)
+    behind = ring(signers, replace(rotated, epoch=replace(rotated.epoch, copies={})), "b")
+    assert behind.sealing_key is None and wire.decode(data, "s", behind).sender == "a"
 
 
 def test_a_revoked_host_opens_nothing_sealed_after_the_rotation(swarm_keys):
