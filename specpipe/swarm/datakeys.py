@@ -158,8 +158,9 @@ def due(roster: Roster, every_s: float, now: float | None = None) -> bool:
 def sealed_for_new_hosts(roster: Roster, coordinator: X25519PrivateKey) -> Roster:
     """`roster` with copies of its current (and previous) data key for each admitted host that
     has a sealing key but no copy yet (a host just admitted): the coordinator opens its own
-    copy and seals it again. The first epoch is made once every admitted host has a sealing
-    key; until then the roster stays as it is (the swarm key seals)."""
+    copy and seals it again; where it cannot (its sealing key made again), a new epoch. The
+    first epoch is made once every admitted host has a sealing key; until then the roster
+    stays as it is (the swarm key seals)."""
     if roster.epoch is None:
         if roster.hosts and set(roster.hosts) <= set(roster.sealing):
             return rotated(roster, coordinator, grace_s=0)
@@ -169,9 +170,19 @@ def sealed_for_new_hosts(roster: Roster, coordinator: X25519PrivateKey) -> Roste
         if epoch is None or (epoch.until is not None and epoch.until <= time.time()):
             epochs.append(None)
             continue
-        data_key = open_copy(
-            epoch.copies[COORDINATOR], coordinator, roster.swarm, COORDINATOR, epoch.number
-        )
+        try:
+            data_key = open_copy(
+                epoch.copies.get(COORDINATOR, ""),
+                coordinator,
+                roster.swarm,
+                COORDINATOR,
+                epoch.number,
+            )
+        except IdentityError:
+            if epoch is roster.epoch:
+                return rotated(roster, coordinator, DEFAULT_GRACE_S)
+            epochs.append(None)  # the previous one is dropped, with its rounds in flight
+            continue
         copies = dict(epoch.copies)
         for host, sealing in roster.sealing.items():
             if host not in copies:

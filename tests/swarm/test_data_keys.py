@@ -177,6 +177,22 @@ def test_the_swarm_key_seals_until_every_admitted_host_has_a_sealing_key(swarm_k
         datakeys.rotated(older, coordinator, grace_s=0)
 
 
+def test_a_coordinator_whose_sealing_key_was_made_again_starts_a_new_epoch(swarm_keys):
+    signers, admitted = swarm_keys
+    d = X25519PrivateKey.generate()
+    joined = admitted.admitting("d", signers["a"].public_hex, identity.sealing_public_hex(d))
+    made_again = X25519PrivateKey.generate()  # its old copies no longer open
+    sealed = datakeys.sealed_for_new_hosts(joined, made_again)
+    assert sealed.epoch.number == 2 and set(sealed.epoch.copies) == {
+        COORDINATOR,
+        "a",
+        "b",
+        "c",
+        "d",
+    }
+    assert datakeys.open_epochs(sealed, COORDINATOR, made_again)
+
+
 def host_0(tmp_path, redis_url, swarm):
     """Host 0's instance folder with hosts a, b and c admitted (their keys in it too), and the
     settings of this swarm's processes there."""
