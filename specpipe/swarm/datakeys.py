@@ -13,7 +13,8 @@ flight when a rotation spreads are not lost. `specpipe host revoke` rotates: the
 sealed to the remaining hosts only, and the revoked host's copies of the previous one are gone
 from the roster. So a revoked host can open nothing sealed once the senders have taken the new
 roster (a stage at its next heartbeat, a coordinator at its next roster read); what it held
-before, it keeps. `specpipe host rotate` rotates on a schedule (from cron, say).
+before, it keeps. Host 0's beat rotates once the current epoch is `SPECPIPE_DATA_KEY_EPOCH_S`
+old (`due`), `specpipe host rotate` at once.
 
 A copy is sealed as ECIES: an ephemeral X25519 key, its shared secret with the host's key
 through HKDF-SHA256 (salted with both public keys), and ChaCha20-Poly1305 with the swarm, the
@@ -53,11 +54,8 @@ def _raw(key: X25519PublicKey) -> bytes:
 
 def _associated(swarm: str, name: str, epoch: int) -> bytes:
     parts = [swarm.encode(), name.encode()]
-    return (
-        COPY_CONTEXT
-        + b"".join(len(p).to_bytes(4, "big") + p for p in parts)
-        + (epoch.to_bytes(8, "big"))
-    )
+    sized = b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+    return COPY_CONTEXT + sized + epoch.to_bytes(8, "big")
 
 
 def _copy_cipher(shared: bytes, ephemeral: bytes, recipient: bytes) -> ChaCha20Poly1305:
