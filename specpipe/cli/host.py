@@ -101,8 +101,9 @@ def host_revoke(name: str, grace_s: float) -> None:
 @host.command(name="rotate")
 @GRACE
 def host_rotate(grace_s: float) -> None:
-    """On host 0: a new data key, sealed to every admitted host (run it on a schedule, from
-    cron say); the one before stays accepted for --grace-s."""
+    """On host 0: a new data key now, sealed to every admitted host; the one before stays
+    accepted for --grace-s. (Host 0's beat makes one when the current one is
+    SPECPIPE_DATA_KEY_EPOCH_S old, a day by default.)"""
     from specpipe.ops import roster
 
     def rotate(client, swarm):
