@@ -425,18 +425,18 @@ def test_a_next_turn_is_routed_to_the_stages_keeping_its_prefix(tiny, env, swarm
     """A replica of s1's layers whose name comes first joins after a first turn: by name it
     would take every later job's rounds, but the next turn goes through s1, which keeps the
     first turn's cache, and starts from it."""
-    words = " ".join(f"v{20 + i % 60}" for i in range(60))
+    words = " ".join(f"w{(7 * i + 3) % 80}" for i in range(60))  # the tokenizer's words
     first = ask(words, *options(tiny, temp=0.7, seed=8, max_new_tokens=12))
     assert latest_topology(env) == "s0 -> s1"
     swarm.start_stage("r1", "2:4")
     try:
         swarm.wait_stages(["r1"])
         before = prefix_hits(swarm)
-        ask(f"{words} {first['text']} v30", *options(tiny, temp=0.7, seed=9, max_new_tokens=12))
+        ask(f"{words} {first['text']} w30", *options(tiny, temp=0.7, seed=9, max_new_tokens=12))
         assert latest_topology(env) == "s0 -> s1"
         assert prefix_hits(swarm) == {h: n + 1 for h, n in before.items()}
         # A job with nothing kept is routed by name: through the replica.
-        ask("u1 u2 u3 u4", *options(tiny, temp=0.7, seed=9, max_new_tokens=4))
+        ask("w1 w2 w3 w4", *options(tiny, temp=0.7, seed=9, max_new_tokens=4))
         assert latest_topology(env) == "s0 -> r1"
     finally:
         proc = swarm.procs.pop("r1")
@@ -448,7 +448,7 @@ def test_the_choices_of_a_request_prefill_their_prompt_once(tiny, env, swarm):
     """A request's choices are jobs of one prompt submitted together: one prefills it, the
     others wait for that and start from the copy its stages keep, each with its own seed's
     tokens as it would get them alone."""
-    words = " ".join(f"c{30 + i % 50}" for i in range(70))
+    words = " ".join(f"w{(11 * i + 5) % 80}" for i in range(70))  # no other test's first block
     seeds = (31, 32, 33)
     alone = [
         ask(words, "--local", "--stages", "2", *options(tiny, temp=0.9, seed=s, max_new_tokens=60))
