@@ -51,15 +51,29 @@ def rotate_when_due(client: redis.Redis, settings: Settings) -> None:
         log.info("data key epoch %d, after %g s", rotated.epoch.number, every_s)
 
 
+def keep_registry_users(client: redis.Redis, settings: Settings) -> None:
+    """On host 0, each admitted host's registry user made (again, after a restart of the
+    registry) and any other's deleted, and a host over its quota shut out
+    (`roster.keep_users`); a failure is logged, and the inventory is read all the same."""
+    if not settings_module.coordinator_key_path(settings.home).exists():
+        return
+    try:
+        roster.keep_users(client, settings.swarm, settings.home, settings_module.host_quota_bytes())
+    except (ValueError, redis.ResponseError) as exc:
+        log.warning("cannot keep the registry's host users: %s", exc)
+
+
 @shared_task(name=SYNC_NODES_TASK, bind=True)
 def sync(self) -> int:
-    """Celery beat task: put the registry's keys right (`mending.repair`), read the inventory
+    """Celery beat task: put the registry's keys right (`mending.repair`) and its host users
+    (`keep_registry_users`), read the inventory
     from the swarm's Redis and store it, and measure how far each online stage host is."""
     settings = Settings.from_env()
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3)
     try:
         mending.repair(client, settings.swarm, settings.home)
         rotate_when_due(client, settings)
+        keep_registry_users(client, settings)
         found = inventory.read(client, settings.swarm, trust.keyring(settings))
         nodes = found.nodes
         online = [node for node in nodes if node.status(found.now) == "online"]

@@ -20,6 +20,7 @@ def host_init() -> None:
     """
     from specpipe import settings
     from specpipe.ops import roster
+    from specpipe.swarm import identity
     from specpipe.swarm.identity import IdentityError
 
     try:
@@ -28,7 +29,7 @@ def host_init() -> None:
         raise click.ClickException(str(exc)) from None
     pin = settings.instance_dir() / settings.COORDINATOR_PUB_FILE
     click.echo(f"coordinator key in {settings.coordinator_key_path()}; public key in {pin}:")
-    click.echo(signer.public_hex)
+    click.echo(identity.pin_text(signer))
 
 
 @host.command(name="key")
@@ -53,7 +54,7 @@ def host_key(host_name: str) -> None:
         sealing = identity.ensure_private(settings.sealing_key_path(path), X25519PrivateKey)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"{identity.public_hex(key)} {identity.sealing_public_hex(sealing)}")
+    click.echo(f"{identity.public_hex(key)} {identity.public_hex(sealing)}")
 
 
 GRACE = click.option(

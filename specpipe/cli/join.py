@@ -214,6 +214,7 @@ def join(
         SPECPIPE_HOME=/var/lib/specpipe specpipe join --layers auto
     """
     from specpipe import settings
+    from specpipe.swarm import trust
     from specpipe.swarm.redact import redact_url
 
     model_name = model_name or settings.default_model()
@@ -232,10 +233,13 @@ def join(
         tls = tls_files(folder)
     configure_logging()
     check_pinned(config)
-    check_reachable(registry_url, "the registry")
-    n_layers, label = model_layers(model_name)
     host_name = host_name or socket.gethostname().split(".")[0]
     keys = swarm_keyring(config, host_name)  # this host's own key, made on first use
+    given, registry_url = registry_url, trust.registry_url(config, host_name, registry_url)
+    if registry_url != given and not registry_admits(registry_url):
+        check_admitted(host_name, keys, None)  # host 0 made it no user there: not admitted
+    check_reachable(registry_url, "the registry")
+    n_layers, label = model_layers(model_name)
     found = read_inventory(registry_url, config.swarm, keys)
     check_admitted(host_name, keys, found.roster)
     check_name_free(host_name, found)
@@ -398,6 +402,23 @@ def check_pinned(config: Settings) -> None:
         raise click.ClickException(str(exc)) from None
 
 
+def registry_admits(url: str) -> bool:
+    """Whether the registry at `url` takes the user and password it names (False only when it
+    refuses them: one that cannot be reached is `check_reachable`'s to say)."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=3)
+    try:
+        client.ping()
+    except redis.AuthenticationError:
+        return False
+    except redis.RedisError:
+        return True
+    finally:
+        client.close()
+    return True
+
+
 def check_admitted(host_name: str, keys, roster) -> None:
     """A one-line ClickException unless host 0 admitted `host_name` under this host's key (what
     to run there, if not); nothing to check on a host that pins no coordinator key."""
@@ -406,7 +427,7 @@ def check_admitted(host_name: str, keys, roster) -> None:
     from specpipe.swarm import identity
 
     mine = keys.signer.public_hex
-    sealing = identity.sealing_public_hex(keys.signer.sealing)
+    sealing = identity.public_hex(keys.signer.sealing)
     admitted = roster.sealing.get(host_name) if roster is not None else None
     if (
         roster is None

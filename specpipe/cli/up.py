@@ -281,12 +281,14 @@ def _supervise(specs: list[ProcessSpec], state: dict, status_every: float) -> No
 
 
 def _coordinator_pin() -> str:
-    """The public key of the coordinator key `up` keeps in its instance folder (made there on
-    first start, with `coordinator.pub` beside it); a file that cannot be read is one line."""
+    """The public keys of the coordinator `up` keeps in its instance folder (made there on
+    first start, with `coordinator.pub` beside it), as that file holds them; a file that cannot
+    be read is one line."""
     from specpipe.ops import roster
+    from specpipe.swarm import identity
 
     try:
-        return roster.init_coordinator().public_hex
+        return identity.pin_text(roster.init_coordinator())
     except ValueError as exc:  # names the file, never what it holds
         raise click.ClickException(f"cannot read the coordinator's key: {exc}") from None
 

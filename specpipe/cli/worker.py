@@ -145,7 +145,7 @@ def serve_stage(
 
     from specpipe import settings
     from specpipe.drafting.head import DraftHeadError, load_with_head
-    from specpipe.swarm import inventory
+    from specpipe.swarm import inventory, trust
     from specpipe.swarm.stage.worker import WorkerConfig, run
     from specpipe.transformer.errors import ModelError
     from specpipe.transformer.layer_range import load_stage
@@ -162,6 +162,8 @@ def serve_stage(
         raise click.ClickException(str(exc)) from None
     configure_logging()
     keys = swarm_keyring(config, host)  # refused here, before anything is loaded or started
+    if registry_url:  # another host's registry, dialled as this host's own user there
+        registry_url = trust.registry_url(config, host, registry_url)
     for url in {redis_url, registry_url or redis_url}:
         check_reachable(url, "Redis")
     if threads:

@@ -9,12 +9,12 @@ host's files) and, on the hosts that serve, its own stage worker. Each Redis has
 user, whose password only that host's processes are given, and the peer user, whose password
 is the swarm's one data-plane password, which each process adds to the other hosts' addresses
 it dials. Host 0 also runs the swarm's registry and broker (its Redis, which the other hosts
-reach as `specpipe-remote`), the coordinator, beat and the web app, with a SQLite store in the
-lab's folder. The kernel here has no netem: a link's latency is the sending stage's own
-(`specpipe.ops.link_delay`: the lab starts its stages with `python -m
-specpipe.cli.delayed_stage --link-delay-ms`). Hosts beyond the serving ones (`idle`) get a
-namespace and nothing else: a place to run `specpipe join`, which starts the host's Redis
-itself (its stage's link undelayed).
+reach each as a user of its own, `specpipe.swarm.credentials`), the coordinator, beat and
+the web app, with a SQLite store in the lab's folder. The kernel here has no netem: a link's
+latency is the sending stage's own (`specpipe.ops.link_delay`: the lab starts its stages with
+`python -m specpipe.cli.delayed_stage --link-delay-ms`). Hosts beyond the serving ones
+(`idle`) get a namespace and nothing else: a place to run `specpipe join`, which starts the
+host's Redis itself (its stage's link undelayed).
 
 The lab's folder is an instance folder (`SPECPIPE_HOME`): the swarm key, `swarm.json` and the
 store live there, so `SPECPIPE_HOME=<lab> specpipe generate …` submits to the lab from this
@@ -47,6 +47,7 @@ from specpipe.ops.redis_server import RedisServer, answers
 from specpipe.ops.supervisor import process_alive
 from specpipe.settings import TLS_DIR, write_private
 from specpipe.swarm import inventory, trust
+from specpipe.swarm.redact import without_credentials
 
 LAB_FILE = "lab.json"
 LAB_STORE = "lab.sqlite3"  # the lab's own store, made afresh by each `up`
@@ -319,7 +320,6 @@ class Lab:
             host=address,
             tls=tls,
             peer_password=self.trust.data_password(),
-            remote_password=self.trust.remote_password() if index == 0 else None,
         )
         with open(server.config_path, "a") as acl:
             acl.write(self.trust.admin_acl())
@@ -327,7 +327,8 @@ class Lab:
         self.state["hosts"].append(host.__dict__)
         if index == 0:
             self.state["registry_url"] = server.url
-            self.state["remote_registry_url"] = server.remote_url
+            # Other hosts dial it as their own registry users (`swarm.credentials`).
+            self.state["remote_registry_url"] = without_credentials(server.url)
         self._save()
         self.spawn(host, "redis", server.argv())
         self._wait(lambda: answers(server.url), 20, f"{host.name}'s Redis")

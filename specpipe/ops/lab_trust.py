@@ -4,8 +4,9 @@ The lab has a swarm CA of its own (`specpipe.ops.certificates`), made afresh by 
 every host a TLS folder with a certificate for its address and a copy of the CA, as `specpipe
 ca issue` makes them. The lab's folder keeps the swarm key, the web app's secret key and the
 Redis passwords, each readable by its owner only: the swarm's data-plane password (every
-host's Redis takes it for its peer user), host 0's `specpipe-remote` password, and the lab's
-admin password; each host's folder keeps the password of its own Redis user.
+host's Redis takes it for its peer user) and the lab's admin password; each host's folder keeps
+the password of its own Redis user. (Each host's registry password is derived, never kept:
+`specpipe.swarm.credentials`.)
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ from specpipe.settings import (
 # on purpose; its password is in the lab's folder only, no swarm process has it.
 ADMIN_USER = "lab-admin"
 ADMIN_PASSWORD_FILE = "redis_admin_password"
-# The password of host 0's `specpipe-remote`: the registry's user for the other hosts.
-REMOTE_PASSWORD_FILE = "redis_remote_password"
 LAB_CA_DIR = "ca"  # the lab's swarm CA, made afresh by each `up`
 LAB_CA_DAYS = 30
 
@@ -62,7 +61,7 @@ class LabTrust:
         # The swarm's data-plane password: every host's Redis takes it for its peer user, and
         # every process of the lab (its SPECPIPE_HOME is this folder) dials the others'
         # addresses with it.
-        for name in (REDIS_PASSWORD_FILE, REMOTE_PASSWORD_FILE, ADMIN_PASSWORD_FILE):
+        for name in (REDIS_PASSWORD_FILE, ADMIN_PASSWORD_FILE):
             if not (self.home / name).exists():
                 write_private(self.home / name, secrets.token_hex(16) + "\n")
 
@@ -91,10 +90,6 @@ class LabTrust:
     def data_password(self) -> str:
         """The swarm's data-plane password: what every host's Redis takes for its peer user."""
         return (self.home / REDIS_PASSWORD_FILE).read_text().strip()
-
-    def remote_password(self) -> str:
-        """The password of host 0's `specpipe-remote`, the registry's user for other hosts."""
-        return (self.home / REMOTE_PASSWORD_FILE).read_text().strip()
 
     def admin_password(self) -> str:
         """The password of the lab's admin user of every host's Redis."""

@@ -24,8 +24,8 @@ there is: only this host's processes reach it. The credentials other hosts hold 
 Lua at all (`SCRIPT_COMMANDS`): on a stage host the swarm's data-plane password is that of
 `specpipe-peer` (`acl_rules`' `peer_password`), which reaches only what another host does
 there: a stage's input stream and its bell, and the stage's counters to read (`PEER_KEYS`); on
-the registry `specpipe-remote` (`remote_password`) reaches only what a stage does there: the
-inventory, the reply streams and the roster (`REMOTE_KEYS`).
+the registry each stage host has a user of its own, made from the roster, that writes only its
+own record and reply streams (`specpipe.swarm.credentials`).
 """
 
 from __future__ import annotations
@@ -354,7 +354,6 @@ SWARM_COMMANDS = (
 # own stream (`streams.READ_SCRIPT`), the coordinator's KV reservations, redis-py's Lock (job
 # and nightly locks), the web app's rate limits. Nothing another host does runs a script.
 SCRIPT_COMMANDS = ("eval", "evalsha", "script|load", "script|exists")
-REMOTE_USER = "specpipe-remote"  # the user whose password other hosts hold on the registry
 # What any client needs to connect and stay connected: redis-py's handshake and health checks.
 CONNECTION_COMMANDS = (
     "ping",
@@ -366,29 +365,10 @@ CONNECTION_COMMANDS = (
     "client|getname",
     "client|id",
 )
-# What another host's stage does on the registry, and nothing more: its node record in the
-# inventory (publish, read, remove), its replies to the coordinators' reply streams, and the
-# registry's clock, which every host's times are judged on (`swarm.clock`).
-REMOTE_COMMANDS = (
-    *CONNECTION_COMMANDS,
-    "time",
-    "hset",
-    "hget",
-    "hmget",
-    "hgetall",
-    "hkeys",
-    "hvals",
-    "hlen",
-    "hexists",
-    "hdel",
-    "xadd",
-    "expire",
-    "get",
-)
-# The keys those are allowed on: every swarm's inventory hash, reply streams and roster of
-# admitted hosts (read: the coordinator signs it). Not the Celery queues, the job locks, the
-# rate limits, the KV reservations or the nightly's keys.
-REMOTE_KEYS = ("specpipe:*:nodes", "specpipe:*:reply:*", "specpipe:*:roster")
+# What host 0's processes do beyond the rest on the registry: keep a user for each stage host
+# there (`specpipe.swarm.credentials.sync`) and measure what each host's keys take (`police`).
+# On a stage host's own server, nothing uses them; they are its own host's all the same.
+REGISTRY_ADMIN_COMMANDS = ("acl|setuser", "acl|deluser", "acl|users", "scan", "memory|usage")
 # What another host does on a stage host's Redis, and nothing more: a previous hop or a
 # coordinator appends to a stage's input stream and rings its bell (`streams.stage_send_commands`),
 # a stage times a PING to its next hop, and `specpipe nodes` (the nodes page, `/metrics`,
@@ -406,24 +386,20 @@ PEER_COMMANDS = (
 PEER_KEYS = (stage_key("*", "*"), stats_key("*", "*"))
 
 
-def acl_rules(
-    password: str, remote_password: str | None = None, peer_password: str | None = None
-) -> list[str]:
+def acl_rules(password: str, peer_password: str | None = None) -> list[str]:
     """The `user` lines of a locked-down server: a default user nobody can log in as
-    (`_loader`), `specpipe` with the
-    password (stored as its SHA-256; this host's own, kept on it) on every key and channel,
-    allowed SWARM_COMMANDS and SCRIPT_COMMANDS only. With `peer_password` (the swarm's
-    data-plane password), also `specpipe-peer`, for what every other host holds: PEER_COMMANDS
-    on PEER_KEYS. With `remote_password`, also `specpipe-remote`, for the credentials other
-    hosts hold on the registry: REMOTE_COMMANDS on REMOTE_KEYS. Neither has channels or Lua."""
+    (`_loader`), `specpipe` with the password (stored as its SHA-256; this host's own, kept on
+    it) on every key and channel, allowed SWARM_COMMANDS, SCRIPT_COMMANDS and
+    REGISTRY_ADMIN_COMMANDS only. With `peer_password` (the swarm's data-plane password), also
+    `specpipe-peer`, for what every other host holds: PEER_COMMANDS on PEER_KEYS, no channels,
+    no Lua. Other hosts' users of the registry are made at run time, from the roster
+    (`specpipe.swarm.credentials`)."""
     rules = [
         _loader(SWARM_COMMANDS + SCRIPT_COMMANDS),
-        _user(USER, password, SWARM_COMMANDS + SCRIPT_COMMANDS),
+        _user(USER, password, SWARM_COMMANDS + SCRIPT_COMMANDS + REGISTRY_ADMIN_COMMANDS),
     ]
     if peer_password is not None:
         rules.append(_user(PEER_USER, peer_password, PEER_COMMANDS, PEER_KEYS, ()))
-    if remote_password is not None:
-        rules.append(_user(REMOTE_USER, remote_password, REMOTE_COMMANDS, REMOTE_KEYS, ()))
     return rules
 
 
@@ -534,10 +510,9 @@ class RedisServer:
     With `password` (this host's own, which never leaves it) the server is locked down (see the
     module's docstring) and both URLs carry the user and password. With `peer_password` (the
     swarm's data-plane password) it also takes the peer user, with which other hosts' stages
-    and coordinators reach its stages' streams (`peer_url`); with `remote_password`, the
-    registry's user for other hosts (`remote_url`); neither may run Lua. Its ACL goes into a
-    config file, mode 0600 in the owner-only directory, holding only the passwords' SHA-256:
-    none appears on a command line.
+    and coordinators reach its stages' streams (`peer_url`), which may not run Lua. Its ACL
+    goes into a config file, mode 0600 in the owner-only directory, holding only the
+    passwords' SHA-256: none appears on a command line.
 
     On an address other than loopback, `start` refuses a build with the Lua bugs unless
     `accept_backported` (see the module's docstring). With `tls`, a build without TLS is
@@ -554,7 +529,6 @@ class RedisServer:
         host: str = "127.0.0.1",
         tls: TlsFiles | None = None,
         accept_backported: bool = False,
-        remote_password: str | None = None,
         peer_password: str | None = None,
     ) -> None:
         self.binary = binary or find_binary()
@@ -567,10 +541,6 @@ class RedisServer:
         self.host, self.tls = host, tls
         auth = f"{USER}:{quote(password, safe='')}@" if password else ""
         self.url = self._tcp_url(auth)
-        # The URL for other hosts: the user without Lua, when the server has one.
-        self.remote_url = self.url
-        if password and remote_password:
-            self.remote_url = self._tcp_url(f"{REMOTE_USER}:{quote(remote_password, safe='')}@")
         # The URL a peer dials: the user with what every other host holds, when there is one.
         self.peer_url = self.url
         if password and peer_password:
@@ -595,7 +565,7 @@ class RedisServer:
             self.config_path = directory / "acl.conf"
             fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as handle:
-                rules = acl_rules(password, remote_password, peer_password)
+                rules = acl_rules(password, peer_password)
                 handle.write("\n".join(rules) + "\n")
 
     def _tcp_url(self, auth: str) -> str:

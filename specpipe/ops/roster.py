@@ -21,7 +21,8 @@ import redis
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from specpipe import settings
-from specpipe.swarm import datakeys, identity
+from specpipe.swarm import credentials, datakeys, identity
+from specpipe.swarm.clock import SwarmClock
 from specpipe.swarm.identity import Roster, Signer
 
 
@@ -32,9 +33,10 @@ def init_coordinator(home: Path | None = None) -> Signer:
     identity.ensure_private(settings.coordinator_key_path(home))
     signer = coordinator(home)
     pin = (home or settings.instance_dir()) / settings.COORDINATOR_PUB_FILE
-    if not pin.is_file() or pin.read_text().strip() != signer.public_hex:
+    text = identity.pin_text(signer)
+    if not pin.is_file() or pin.read_text().strip() != text:
         pin.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        pin.write_text(signer.public_hex + "\n")
+        pin.write_text(text + "\n")
     return signer
 
 
@@ -81,9 +83,25 @@ def changing(swarm: str, home: Path | None = None) -> Iterator[None]:
 
 
 def store(client: redis.Redis, roster: Roster, signer: Signer, home: Path | None = None) -> None:
-    """Keep `roster` in host 0's copy, then put it on the registry."""
+    """Keep `roster` in host 0's copy, put it on the registry, and make the registry's host
+    users those of the hosts it admits (a revoked host's connections closed at once)."""
     identity.save_roster_file(settings.roster_path(roster.swarm, home), roster, signer)
     identity.publish_roster(client, roster, signer)
+    credentials.sync(client, roster, signer.sealing, SwarmClock(client).now())
+
+
+def keep_users(
+    client: redis.Redis,
+    swarm: str,
+    home: Path | None = None,
+    quota_bytes: int = credentials.DEFAULT_QUOTA_BYTES,
+) -> list[str]:
+    """Host 0's beat: a host whose keys take over `quota_bytes` of the registry shut out, and
+    the registry's host users in step with the roster (again after a restart of the registry,
+    which keeps none). The hosts shut out now."""
+    signer = coordinator(home)
+    roster = current(client, swarm, signer, home)
+    return credentials.police(client, roster, signer.sealing, SwarmClock(client).now(), quota_bytes)
 
 
 def admit(
@@ -178,7 +196,7 @@ def admit_own_hosts(
             path = settings.host_key_path(host, home)
             key = identity.public_hex(identity.ensure_private(path))
             opener = identity.ensure_private(settings.sealing_key_path(path), X25519PrivateKey)
-            sealing = identity.sealing_public_hex(opener)
+            sealing = identity.public_hex(opener)
             if (roster.hosts.get(host), roster.sealing.get(host)) != (key, sealing):
                 updated = updated.admitting(host, key, sealing)
         sealed = datakeys.sealed_for_new_hosts(updated, signer.sealing)

@@ -107,6 +107,17 @@ def data_key_epoch_s() -> float:
     return float(os.environ.get("SPECPIPE_DATA_KEY_EPOCH_S") or 86400)
 
 
+def host_quota_bytes() -> int:
+    """`SPECPIPE_HOST_QUOTA_MB` (64): what one stage host's keys (its record and reply
+    streams) may take on the registry before host 0's beat shuts it out for a while."""
+    value = os.environ.get("SPECPIPE_HOST_QUOTA_MB") or "64"
+    try:
+        megabytes = float(value)
+    except ValueError:
+        raise ValueError(f"SPECPIPE_HOST_QUOTA_MB must be a number, got {value!r}") from None
+    return int(megabytes * 1024 * 1024)
+
+
 def redis_maxmemory() -> str:
     """`SPECPIPE_REDIS_MAXMEMORY` (2gb): the memory limit of the Redis `specpipe up` runs, in
     Redis's units (bytes, or a number with kb, mb or gb). Past it writes are refused; nothing

@@ -229,7 +229,8 @@ def coordinator_key_path(home: Path | None = None) -> Path:
 
 
 def coordinator_public_key() -> str | None:
-    """The coordinator's public key this host pins (64 hex digits): `SPECPIPE_COORDINATOR_PUB`,
+    """The coordinator's public key this host pins (64 hex digits, then its sealing key's after a
+    space, `identity.pinned`): `SPECPIPE_COORDINATOR_PUB`,
     else `coordinator.pub` in the TLS folder or the instance folder; None when there is none."""
     value = os.environ.get("SPECPIPE_COORDINATOR_PUB")
     if value:

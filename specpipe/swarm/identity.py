@@ -67,21 +67,44 @@ class Signer:
         return public_hex(self.key)
 
 
-def public_hex(key: Ed25519PrivateKey) -> str:
-    """The public half of `key`, as the 64 hex digits a roster and `coordinator.pub` hold."""
+def public_hex(key: Ed25519PrivateKey | X25519PrivateKey) -> str:
+    """The public half of a signing or sealing key, as the 64 hex digits a roster and
+    `coordinator.pub` hold."""
     raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     return raw.hex()
 
 
 def public_key(text: str) -> Ed25519PublicKey:
     """A public key from its 64 hex digits; IdentityError for anything else."""
+    return _public(text, Ed25519PublicKey, "a public key")
+
+
+def _public(text: str, kind: type, what: str):
     text = text.strip()
     if len(text) != PUBLIC_KEY_HEX:
-        raise IdentityError("a public key is 64 hex digits")
+        raise IdentityError(f"{what} is 64 hex digits")
     try:
-        return Ed25519PublicKey.from_public_bytes(bytes.fromhex(text))
+        return kind.from_public_bytes(bytes.fromhex(text))
     except ValueError:
-        raise IdentityError("a public key is 64 hex digits") from None
+        raise IdentityError(f"{what} is 64 hex digits") from None
+
+
+def pin_text(coordinator: Signer) -> str:
+    """What `coordinator.pub` holds: the coordinator's public signing key, and its public
+    sealing key after a space (what stage hosts derive their registry passwords with)."""
+    if coordinator.sealing is None:
+        return coordinator.public_hex
+    return f"{coordinator.public_hex} {public_hex(coordinator.sealing)}"
+
+
+def pinned(text: str) -> tuple[Ed25519PublicKey, X25519PublicKey | None]:
+    """The coordinator's public signing key and, when the pin has one, its sealing key, from
+    what `coordinator.pub` holds; IdentityError for anything else."""
+    fields = text.split()
+    if len(fields) not in (1, 2):
+        raise IdentityError("a coordinator pin is one or two keys of 64 hex digits")
+    sealing = sealing_public_key(fields[1]) if len(fields) == 2 else None
+    return public_key(fields[0]), sealing
 
 
 def verifies(key: Ed25519PublicKey, signature: bytes, data: bytes) -> bool:
@@ -92,21 +115,9 @@ def verifies(key: Ed25519PublicKey, signature: bytes, data: bytes) -> bool:
     return True
 
 
-def sealing_public_hex(key: X25519PrivateKey) -> str:
-    """The public half of a sealing key, as the 64 hex digits a roster holds."""
-    raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return raw.hex()
-
-
 def sealing_public_key(text: str) -> X25519PublicKey:
     """A sealing (X25519) public key from its 64 hex digits; IdentityError for anything else."""
-    text = text.strip()
-    if len(text) != PUBLIC_KEY_HEX:
-        raise IdentityError("a sealing key is 64 hex digits")
-    try:
-        return X25519PublicKey.from_public_bytes(bytes.fromhex(text))
-    except ValueError:
-        raise IdentityError("a sealing key is 64 hex digits") from None
+    return _public(text, X25519PublicKey, "a sealing key")
 
 
 def load_private(path: Path, kind: type = Ed25519PrivateKey):

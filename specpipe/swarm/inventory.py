@@ -4,10 +4,12 @@ A record gives its host's Redis as an address without user or password: whoever 
 credentials of its own (`specpipe.swarm.dialing`), so no record carries a secret, and one that
 does is neither published nor believed.
 
-Every stage worker publishes a `NodeInfo` as JSON into the hash `specpipe:{swarm}:nodes` on the
-swarm's registry Redis and refreshes it (its heartbeat) while it runs. A node is *online* when
-its last heartbeat is at most 30 s old, *stale* up to 120 s, *offline* after that. `route`
-builds a ring from the online nodes: stages that cover every layer exactly once, in order.
+Every stage worker publishes a `NodeInfo` as JSON into its own key `specpipe:{swarm}:node:{host}`
+on the swarm's registry Redis (the only key its registry user may write,
+`specpipe.swarm.credentials`) and refreshes it (its heartbeat) while it runs. A node is
+*online* when its last heartbeat is at most 30 s old, *stale* up to 120 s, *offline* after
+that. `route` builds a ring from the online nodes: stages that cover every layer exactly
+once, in order.
 Several hosts may serve the same range (spares): the route takes one whose heartbeat has not
 *lapsed* (missed `LAPSE_BEATS` of the beats it promised, `heartbeat_s`), the first of those by
 host name; a coordinator whose route has a lapsed hop re-routes around it. How fresh a record
@@ -86,9 +88,25 @@ def heartbeat_status(age_s: float) -> str:
     return "stale" if age_s <= STALE_S else "offline"
 
 
-def nodes_key(swarm: str) -> str:
-    """The hash holding one JSON record per host."""
-    return f"specpipe:{swarm}:nodes"
+def node_key(swarm: str, host: str) -> str:
+    """The key holding host `host`'s record (`host` "*": the pattern of every host's)."""
+    return f"specpipe:{swarm}:node:{host}"
+
+
+def record_keys(client: redis.Redis, swarm: str, roster: identity.Roster | None) -> list[str]:
+    """The keys of the records to read: every one on the registry where this process may list
+    keys (host 0's), else those of the hosts `roster` admits (a stage host's registry user reads
+    records by name only)."""
+    try:
+        return sorted(_text(k) for k in client.scan_iter(match=node_key(swarm, "*"), count=1000))
+    except redis.exceptions.NoPermissionError:
+        if roster is None:
+            raise
+        return [node_key(swarm, host) for host in sorted(roster.hosts)]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 class RouteError(RuntimeError):
@@ -363,13 +381,13 @@ def publish(
     if has_credentials(node.redis_url):
         raise ValueError(f"{node.host}'s record would carry its Redis credentials")
     node = replace(node, last_heartbeat=SwarmClock(client).now() if now is None else now)
-    client.hset(nodes_key(swarm), node.host, sign_record(node.to_json(), swarm, key))
+    client.set(node_key(swarm, node.host), sign_record(node.to_json(), swarm, key))
     return node
 
 
 def remove(client: redis.Redis, swarm: str, host: str) -> None:
     """Take a node out of the inventory (a clean shutdown)."""
-    client.hdel(nodes_key(swarm), host)
+    client.delete(node_key(swarm, host))
 
 
 @dataclass(frozen=True)
@@ -394,12 +412,16 @@ def read(client: redis.Redis, swarm: str, keys: Keys | None, now: float | None =
     roster = None
     if coordinator is not None:
         roster, _ = identity.read_roster(client, swarm, coordinator)
-    records = client.hgetall(nodes_key(swarm))
+    keys = record_keys(client, swarm, roster)
+    values = client.mget(keys) if keys else []
     now = SwarmClock(client).now() if now is None else now
     nodes, ignored = [], 0
-    for host, value in records.items():
+    prefix = len(node_key(swarm, ""))
+    for key, value in zip(keys, values, strict=True):
+        if value is None:  # gone since the listing, or not a string (which no host can write)
+            continue
+        name = key[prefix:]
         try:
-            name = host.decode(errors="replace")
             node = verify_record(name, value, swarm, accepted, now, roster)
         except (ValueError, TypeError):
             ignored += 1

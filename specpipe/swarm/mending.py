@@ -1,14 +1,15 @@
-"""A registry a stage host retyped, mended on host 0.
+"""A registry whose roster was retyped, mended on host 0.
 
-Every stage host may `EXPIRE` and `XADD` the registry's keys, so one can turn the inventory (a
-hash) or the roster (a string) into a stream, and every heartbeat and read then fails with
-WRONGTYPE. Whoever reads the registry on host 0 (a ring's build, `specpipe generate`, beat's
+No stage host's registry user may write the roster (`specpipe.swarm.credentials`), nor any key
+but its own record and reply streams, which no reader fails on whatever their type. What is left
+is the roster turned into a key of another type by anything else that writes host 0's Redis (an
+operator's mistake, a registry shared with older hosts), after which every read of it fails
+with WRONGTYPE. Whoever reads the registry on host 0 (a ring's build, `specpipe generate`, beat's
 sync) mends it the same way (`repair`): the key of the wrong type deleted, the roster published
 again from host 0's copy, and the registry marked mended for `MEND_WAIT_S`. While the mark
 lives, a reader on host 0 that finds layers uncovered (`read_mended`) reads again, as the stages
 beat back into the emptied inventory, whichever process did the mending. Only host 0's processes
-can write the mark: the stage hosts' registry user touches the inventory, reply and roster keys
-only (`redis_server.REMOTE_KEYS`).
+can write the mark.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ log = logging.getLogger("specpipe.registry")
 MEND_WAIT_S = 10.0
 MEND_PAUSE_S = 0.25  # between reads while the stages beat back in: about one beat
 
-# The registry's keys a stage host may write, and the type each must have.
-REGISTRY_TYPES = {"nodes": "hash", "roster": "string"}
+# The registry's keys every reader reads, and the type each must have.
+REGISTRY_TYPES = {"roster": "string"}
 
 Routed = TypeVar("Routed")
 
@@ -53,10 +54,13 @@ def repair(client: redis.Redis, swarm: str, home: Path | None = None) -> list[st
     """Put the registry's keys right: any of another type deleted, the registry marked mended
     when one was, and the roster published again from host 0's copy (in `home`) when the
     registry has none and this host holds the coordinator key. The keys deleted."""
-    keys = {"nodes": inventory.nodes_key(swarm), "roster": identity.roster_key(swarm)}
+    keys = {"roster": identity.roster_key(swarm)}
     deleted = []
     for name, key in keys.items():
-        found = client.type(key)
+        try:
+            found = client.type(key)
+        except redis.exceptions.NoPermissionError:  # not host 0's own user: not its to mend
+            return []
         found = found.decode() if isinstance(found, bytes) else found
         if found not in ("none", REGISTRY_TYPES[name]):
             client.delete(key)
@@ -100,7 +104,9 @@ def read_mended(
             found = inventory.read(client, swarm, keys)
             return found, route_of(found)
         except RouteError:
-            if waited() or not client.exists(mended_key(swarm)):
+            # Every read of a retyped roster finds none (`identity.stored_roster`): the layers
+            # look uncovered. Mended here, or by another process of host 0 a moment ago.
+            if waited() or not (repair(client, swarm, home) or client.exists(mended_key(swarm))):
                 raise
         except redis.ResponseError as exc:
             if not wrong_type(exc) or waited():

@@ -146,7 +146,8 @@ class RedisRing:
         # One write can carry a round and the read of its reply when they share a Redis.
         self._first_is_reply = dial(self.route[0].redis_url) == dial(reply_url)
         self._params: dict[str, SamplingParams] = {}
-        self._cursor: dict[str, bytes | str] = {}  # last reply entry id read, per session
+        # The last reply entry read, per session and reply stream (one per host of the route).
+        self._cursor: dict[str, dict[str, bytes | str]] = {}
         self._seq = 0  # the last sequence number sent, for any session
         # Swarm time, for sequence numbers: the reply Redis's clock (shared with twins).
         self.clock = clock or SwarmClock(self.connections.get(reply_url))
@@ -228,14 +229,14 @@ class RedisRing:
         def reset() -> None:
             try:
                 client = self.connections.get(self.reply_url)
-                client.delete(streams.reply_key(self.swarm, session))
+                client.delete(*self._reply_keys(session))
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 where = f"the reply Redis at {redact_url(self.reply_url)}"
                 raise redis.ConnectionError(f"cannot reach {where}: {exc}") from None
             self._control(session, "reset", params, prefix=prefix)
 
         self._until_reachable(reset)
-        self._cursor[session] = "0-0"
+        self._cursor[session] = {}
         self._params[session] = params
 
     def reseed(self, session: str, params: SamplingParams) -> None:
@@ -402,7 +403,7 @@ class RedisRing:
         stream."""
         hops = [hop for hop in self.route if hop.host not in skip]
         self._control(session, "drop", None, hops, prefix=keep)
-        self.connections.get(self.reply_url).delete(streams.reply_key(self.swarm, session))
+        self.connections.get(self.reply_url).delete(*self._reply_keys(session))
         self._params.pop(session, None)
         self._cursor.pop(session, None)
 
@@ -497,6 +498,10 @@ class RedisRing:
             except redis.RedisError as exc:
                 raise RingError(f"Redis refused: {redact_text(str(exc))}") from None
 
+    def _reply_keys(self, session: str) -> dict[str, str]:
+        """The session's reply streams, one per host of the route: stream -> host."""
+        return {streams.reply_key(self.swarm, session, hop.host): hop.host for hop in self.route}
+
     def _decoded(self, data: bytes | None, key: str) -> wire.Message | None:
         """The reply in `data`, None when it does not open. One sealed under a key this ring
         does not hold reads the roster first (a rotation's new data key comes with it), at most
@@ -546,7 +551,7 @@ class RedisRing:
         """The reply to one of `round_ids`, or None after `wait_s`. Other replies are stale.
         `send`, commands for the reply's Redis, go out in the same write as the first read."""
         link = self.connections.link(self.reply_url)
-        key = streams.reply_key(self.swarm, session)
+        keys = self._reply_keys(session)
         now = time.monotonic()
         deadline, watch_at = now + wait_s, now + self.watch_after_s
         while True:
@@ -557,28 +562,37 @@ class RedisRing:
             left_ms = int((deadline - now) * 1000)
             if left_ms <= 0:
                 return None
-            cursor = self._cursor.get(session, "0-0")
+            cursors = self._cursor.setdefault(session, {})
             block_ms = min(left_ms, streams.MAX_BLOCK_MS)
             if self.watchdog is not None:
                 block_ms = max(1, min(block_ms, int((watch_at - now) * 1000) + 1))
-            read = ("XREAD", "BLOCK", block_ms, "STREAMS", key, cursor)
+            read = (
+                "XREAD",
+                "BLOCK",
+                block_ms,
+                "STREAMS",
+                *keys,
+                *(cursors.get(k, "0-0") for k in keys),
+            )
             try:
                 entries = link.call(*send, read)[-1]
             except redis.ResponseError as exc:
                 if not mending.wrong_type(exc):
                     raise
                 # A key of another type where the session's replies go: the tail's could not
-                # be written. It is this coordinator's key: deleted, and the round sent again.
-                self.connections.get(self.reply_url).delete(key)
+                # be written. These are this coordinator's keys: deleted, the round sent again.
+                self.connections.get(self.reply_url).delete(*keys)
                 self._cursor.pop(session, None)
                 self.dropped_replies += 1
                 return None
             send = ()
-            for entry_id, data in streams.stream_entries(entries):
-                self._cursor[session] = entry_id
+            for key, entry_id, data in streams.keyed_entries(entries):
+                cursors[key] = entry_id
                 reply = self._accepted_reply(data, key, session, round_ids)
-                if reply is not None:
+                if reply is not None and reply.sender == keys.get(key):
                     return reply
+                if reply is not None:  # signed by one host, put in another's stream
+                    self.dropped_replies += 1
 
     def _accepted_reply(
         self, data: bytes | None, key: str, session: str, round_ids: set[str]

@@ -60,9 +60,10 @@ def dead_key(swarm: str, host: str) -> str:
     return f"specpipe:{swarm}:dead:{host}"
 
 
-def reply_key(swarm: str, session: str) -> str:
-    """The coordinator's reply stream for one session."""
-    return f"specpipe:{swarm}:reply:{session}"
+def reply_key(swarm: str, session: str, host: str) -> str:
+    """Where stage host `host` replies to the coordinator of one session: a stream of each
+    host's own, which only that host's registry user may append to (`swarm.credentials`)."""
+    return f"specpipe:{swarm}:reply:{session}@{host}"
 
 
 def stats_key(swarm: str, host: str) -> str:
@@ -169,16 +170,22 @@ def stage_send_commands(key: str, data: bytes, maxlen: int) -> tuple[tuple, ...]
 def stream_entries(reply) -> list[tuple[bytes, bytes | None]]:
     """(entry id, message) from a raw XREAD / XREADGROUP reply (RESP2 or RESP3); the message is
     None for an entry without one (trimmed while pending)."""
+    return [(entry_id, data) for _, entry_id, data in keyed_entries(reply)]
+
+
+def keyed_entries(reply) -> list[tuple[str, bytes, bytes | None]]:
+    """(stream, entry id, message) from a raw XREAD reply over several streams, as
+    `stream_entries`."""
     if not reply:
         return []
-    streams = reply.values() if isinstance(reply, dict) else (items for _, items in reply)
+    streams = reply.items() if isinstance(reply, dict) else reply
     out = []
-    for items in streams:
+    for key, items in streams:
         for entry_id, fields in items:
             fields = fields or {}
             if isinstance(fields, list):  # [field, value, field, value, …]
                 fields = dict(zip(fields[::2], fields[1::2], strict=True))
-            out.append((entry_id, fields.get(FIELD)))
+            out.append((_text(key), entry_id, fields.get(FIELD)))
     return out
 
 

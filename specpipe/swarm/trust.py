@@ -19,7 +19,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from specpipe import settings as settings_module
 from specpipe.settings import Settings
-from specpipe.swarm import identity, wire
+from specpipe.swarm import credentials, identity, wire
+from specpipe.swarm.dialing import carries_secrets_safely
 
 log = logging.getLogger("specpipe.trust")
 _warned = False  # the opt-out's warning is given once per process, not at every keyring
@@ -38,8 +39,28 @@ def keyring(settings: Settings, signer: str | None = None) -> wire.Keyring:
     return wire.Keyring(
         settings.accepted_swarm_keys,
         signer=_signer(signer, settings.home),
-        coordinator=identity.public_key(settings.coordinator_public_key),
+        coordinator=identity.pinned(settings.coordinator_public_key)[0],
     )
+
+
+def registry_url(settings: Settings, host: str, url: str) -> str:
+    """`url`, the registry's address, as stage host `host` dials it: with its own registry user
+    and the password it derives (`specpipe.swarm.credentials`) when the address names no user
+    and the pinned coordinator key has a sealing half, and never to travel in clear (plain
+    `redis://` to another machine, unless `SPECPIPE_INSECURE_CLEAR_PASSWORDS` says so); else as
+    it is."""
+    if settings.coordinator_public_key is None:
+        return url
+    _, coordinator_sealing = identity.pinned(settings.coordinator_public_key)
+    signer = _signer(host, settings.home)
+    if coordinator_sealing is None or signer is None or signer.sealing is None:
+        return url
+    if not settings_module.insecure_clear_passwords() and not carries_secrets_safely(url):
+        return url  # never sent in clear: the registry refuses the link, and says so
+    password = credentials.registry_password(
+        signer.sealing, coordinator_sealing, settings.swarm, host
+    )
+    return credentials.registry_url(url, settings.swarm, host, password)
 
 
 def check_pinned(settings: Settings) -> None:

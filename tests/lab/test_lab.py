@@ -14,7 +14,8 @@ import redis
 
 from specpipe.ops import certificates
 from specpipe.ops.lab_hosts import Lab
-from specpipe.swarm import streams
+from specpipe.settings import COORDINATOR_PUB_FILE, Settings
+from specpipe.swarm import inventory, streams, trust
 from specpipe.swarm.dialing import Dialer
 from specpipe.swarm.redact import without_credentials
 from tests.lab.conftest import need_lab, run
@@ -59,7 +60,9 @@ def test_every_host_has_its_own_namespace_address_and_redis(lab):
     assert f"{hosts[0].address}:6379" in here and "127.0.0.1:6379" not in here
 
 
-def test_what_other_hosts_hold_reaches_only_a_stages_stream_and_the_registrys_keys(lab):
+def test_what_other_hosts_hold_reaches_only_a_stages_stream_and_the_registrys_keys(
+    lab, monkeypatch
+):
     """Each host's own user's password is its own; with the data-plane password, as another
     host dials it, a host's Redis takes a message for its stage and shows none; the other hosts
     reach the registry as its user for them. On main the data-plane password was every host's
@@ -86,9 +89,25 @@ def test_what_other_hosts_hold_reaches_only_a_stages_stream_and_the_registrys_ke
         assert own.xlen(stream) == 1
         own.delete(stream, streams.bell_key(stream))
         own.close()
+    # The registry: no password handed out; each host reaches it as its own user, with a
+    # password it derives, that writes its own record only.
     registry = lab.env(hosts[1])["SPECPIPE_REGISTRY_URL"]
-    assert registry.startswith("redis://specpipe-remote:") and "@" + hosts[0].address in registry
+    assert "@" not in registry and f"//{hosts[0].address}:" in registry
     assert lab.env(hosts[0])["SPECPIPE_REGISTRY_URL"] == hosts[0].redis_url
+    pin = (lab.home / COORDINATOR_PUB_FILE).read_text().strip()
+    monkeypatch.setenv("SPECPIPE_INSECURE_CLEAR_PASSWORDS", "1")  # as the lab's processes do
+    config = replace(Settings.from_env(), home=lab.home).for_swarm(
+        registry, lab.state["swarm"], b"unused", coordinator_public_key=pin
+    )
+    urls = {h.name: trust.registry_url(config, h.name, registry) for h in hosts[:2]}
+    assert len(set(urls.values())) == 2
+    h1 = redis.Redis.from_url(urls["h1"], socket_timeout=10)
+    try:
+        assert h1.get(inventory.node_key(lab.state["swarm"], "h1"))  # its record, as it beats
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            h1.set(inventory.node_key(lab.state["swarm"], "h0"), "forged")
+    finally:
+        h1.close()
 
 
 @pytest.mark.parametrize(

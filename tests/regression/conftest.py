@@ -191,9 +191,10 @@ class Swarm:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        # The swarm's name is its own; the rest of its keys go with the server at the end of the
-        # session (its ACL, like `specpipe up`'s, lists no keys: no SCAN, no KEYS).
-        self.client.delete(inventory.nodes_key(self.name), "coordinator")
+        # The swarm's name is its own; its stages' records go now, the rest of its keys with the
+        # server at the end of the session.
+        records = (inventory.node_key(self.name, stage[0]) for stage in STAGES)
+        self.client.delete(*records, "coordinator")
         self.client.close()
 
 

@@ -98,7 +98,7 @@ def test_a_ring_with_a_stage_that_does_not_sample_exactly_is_a_warning_line(
         ring, _target, where = open_ring(None, None, None)
         ring.close()
     finally:
-        client.delete(inventory.nodes_key(swarm))
+        client.delete(*(inventory.node_key(swarm, host) for host in ("wa", "nj")))
         client.close()
     assert where == "wa → nj"
     err = capsys.readouterr().err

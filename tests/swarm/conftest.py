@@ -46,10 +46,14 @@ def second_redis() -> str:
 
 
 def clean(url: str, swarm: str) -> None:
+    """The swarm's keys deleted, and its hosts' registry users (`swarm.credentials`)."""
     client = redis.Redis.from_url(url)
     keys = list(client.scan_iter(f"specpipe:{swarm}:*"))
     if keys:
         client.delete(*keys)
+    for name in client.execute_command("ACL", "USERS"):
+        if name.decode().endswith(f"@{swarm}"):
+            client.execute_command("ACL", "DELUSER", name)
     client.close()
 
 

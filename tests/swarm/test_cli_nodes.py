@@ -108,7 +108,7 @@ def test_nodes_count_ignored_records_and_hide_passwords(swarm, redis_url, key):
     own = f"unix://specpipe:{secret}@/run/specpipe/redis.sock?db=0"
     inventory.publish(client, swarm, NodeInfo("wa", 0, 2, without_credentials(own)), key)
     inventory.publish(client, swarm, NodeInfo("evil", 0, 4, redis_url), b"not the swarm key")
-    client.hset(inventory.nodes_key(swarm), "junk", "{}")
+    client.set(inventory.node_key(swarm, "junk"), "{}")
     client.close()
     result = CliRunner().invoke(cli, ["nodes", "--redis", redis_url, "--swarm", swarm])
     assert result.exit_code == 0, result.output

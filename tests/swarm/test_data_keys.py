@@ -57,7 +57,7 @@ def swarm_keys():
     admitted = identity.Roster("s", 0, {})
     for name in names[1:]:
         me = signers[name]
-        admitted = admitted.admitting(name, me.public_hex, identity.sealing_public_hex(me.sealing))
+        admitted = admitted.admitting(name, me.public_hex, identity.public_hex(me.sealing))
     admitted = datakeys.sealed_for_new_hosts(admitted, signers[COORDINATOR].sealing)
     assert admitted.epoch.number == 1 and set(admitted.epoch.copies) == set(names)
     return signers, admitted
@@ -168,9 +168,7 @@ def test_the_swarm_key_seals_until_every_admitted_host_has_a_sealing_key(swarm_k
     signers, _ = swarm_keys
     coordinator = signers[COORDINATOR].sealing
     older = identity.Roster("s", 1, {"a": signers["a"].public_hex, "b": signers["b"].public_hex})
-    older = older.admitting(
-        "a", signers["a"].public_hex, identity.sealing_public_hex(signers["a"].sealing)
-    )
+    older = older.admitting("a", signers["a"].public_hex, identity.public_hex(signers["a"].sealing))
     assert datakeys.sealed_for_new_hosts(older, coordinator).epoch is None
     assert ring(signers, older, "a").sealing_key == KEY  # as before
     with pytest.raises(IdentityError, match="no sealing key for b"):
@@ -180,7 +178,7 @@ def test_the_swarm_key_seals_until_every_admitted_host_has_a_sealing_key(swarm_k
 def test_a_coordinator_whose_sealing_key_was_made_again_starts_a_new_epoch(swarm_keys):
     signers, admitted = swarm_keys
     d = X25519PrivateKey.generate()
-    joined = admitted.admitting("d", signers["a"].public_hex, identity.sealing_public_hex(d))
+    joined = admitted.admitting("d", signers["a"].public_hex, identity.public_hex(d))
     made_again = X25519PrivateKey.generate()  # its old copies no longer open
     sealed = datakeys.sealed_for_new_hosts(joined, made_again)
     assert sealed.epoch.number == 2 and set(sealed.epoch.copies) == {
@@ -229,7 +227,7 @@ def test_host_revoke_rotates_and_only_the_remaining_hosts_read_on(tmp_path, redi
     fresh = X25519PrivateKey.generate()
     client = redis.Redis.from_url(redis_url)
     signing = identity.public_hex(identity.load_private(settings_module.host_key_path("a", home)))
-    again = roster.admit(client, swarm, "a", signing, identity.sealing_public_hex(fresh), home)
+    again = roster.admit(client, swarm, "a", signing, identity.public_hex(fresh), home)
     client.close()
     assert again.epoch.number == a.epoch + 1 and "a" in again.epoch.copies
 
@@ -330,7 +328,7 @@ def test_host_0s_beat_rotates_once_the_epoch_is_old_enough(tmp_path, redis_url, 
 
     home, config = host_0(tmp_path, redis_url, swarm)
     client = redis.Redis.from_url(redis_url)
-    pin = identity.public_key((home / settings_module.COORDINATOR_PUB_FILE).read_text())
+    pin = identity.pinned((home / settings_module.COORDINATOR_PUB_FILE).read_text())[0]
     made = identity.read_roster(client, swarm, pin)[0].epoch
     assert not datakeys.due(identity.read_roster(client, swarm, pin)[0], 60, now=made.made + 59)
     rotate_when_due(client, config)  # a day by default: not yet

@@ -63,7 +63,7 @@ def test_admitting_and_revoking_hosts_publishes_a_roster_only_the_coordinator_si
 
     client = redis.Redis.from_url(redis_url)
     try:
-        pin = identity.public_key(public)
+        pin = identity.pinned(public)[0]
         roster, believed = identity.read_roster(client, swarm, pin)
         assert believed and roster.hosts == {"mn": key} and roster.sealing == {"mn": sealing}
         assert set(roster.epoch.copies) == {"coordinator", "mn"}

@@ -172,7 +172,8 @@ def test_a_host_cannot_write_another_hosts_record_and_a_revoked_one_is_ignored(h
         with pytest.raises(inventory.RouteError):
             inventory.route(found_now.nodes, 4)
     finally:
-        client.delete(inventory.nodes_key(swarm), identity.roster_key(swarm))
+        records = (inventory.node_key(swarm, host) for host in ("a", "b", "c"))
+        client.delete(*records, identity.roster_key(swarm))
         client.close()
 
 

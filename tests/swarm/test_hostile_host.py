@@ -1,20 +1,23 @@
 """One admitted host acting against the others: each attack it can make from where it stands
-(its own key, the swarm key, its place on a route, the registry's remote user), against real
+(its own key, the swarm key, its place on a route, its own registry user), against real
 stage processes on a real Redis. Every other session ends with exactly the tokens it would
 have had, and nothing is lost or stuck."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import secrets
 import threading
 
+import pytest
 import redis
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from specpipe.core.ring import GapError
 from specpipe.ops import roster
 from specpipe.settings import COORDINATOR_PUB_FILE
-from specpipe.swarm import failover, identity, inventory, mending, streams, trust, wire
+from specpipe.swarm import credentials, failover, identity, inventory, mending, streams, trust, wire
 from specpipe.swarm.identity import Signer
 from specpipe.swarm.redis_ring import RedisRing
 from tests.swarm.conftest import host_keyring
@@ -33,7 +36,7 @@ def forge_reply(swarm, home, settings, passed: wire.Message, **fields) -> bytes:
         session=passed.session,
         round_id=passed.round_id,
         seq=wire.next_seq(0),
-        to=streams.reply_key(swarm, passed.session),
+        to=streams.reply_key(swarm, passed.session, "a"),
         sender="a",
         wait_ms=5000,
         **fields,
@@ -67,8 +70,8 @@ def lie_during_a_round(ring, swarm, home, settings, redis_url, committed, read, 
         wait_until(lambda: tap.seen, 20, "the round to pass through the first stage")
         passed = wire.decode(tap.seen[0], swarm, reader, to=streams.stage_key(swarm, first))
         client = redis.Redis.from_url(redis_url)
-        client.xadd(
-            streams.reply_key(swarm, "s"),
+        client.xadd(  # into a's own reply stream: the only one its registry user may write
+            streams.reply_key(swarm, "s", "a"),
             {streams.FIELD: forge_reply(swarm, home, settings, passed, **lie)},
         )
         client.close()
@@ -134,17 +137,65 @@ def test_only_the_tail_ends_a_round(identified, swarm, redis_url):
 
 
 def retyped(client: redis.Redis, key: str) -> None:
-    """What any stage host's registry user could do on main: `EXPIRE key 0`, then `XADD`
-    under its name, so the key holds a stream where a hash or a string belongs."""
+    """What any stage host's registry user could do on main (`EXPIRE key 0`, then `XADD` under
+    its name), and what anything else that writes host 0's Redis still can: the key holds a
+    stream where a string belongs."""
     client.expire(key, 0)
     client.xadd(key, {"by": "a hostile host"})
+
+
+def registry_user(redis_url: str, swarm: str, host: str) -> tuple[str, redis.Redis]:
+    """A user on the registry with `host`'s registry rules (`credentials.rules`), and a client
+    logged in as it. Named for this test's swarm, not `host-NAME`: other tests' roster syncs on
+    the same Redis leave it alone."""
+    name, password = f"{swarm}-{host}", secrets.token_hex(16)
+    admin = redis.Redis.from_url(redis_url)
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    admin.execute_command("ACL", "SETUSER", name, *credentials.rules(swarm, host, digest))
+    admin.close()
+    return name, redis.Redis.from_url(redis_url, username=name, password=password)
+
+
+def test_a_host_cannot_retype_the_registrys_keys(swarm, redis_url):
+    """On main every stage host's registry user could `EXPIRE` and `XADD` the inventory and
+    the roster: it turned them into streams. Its own user may write no key but its own record
+    (a string, with `SET`) and its own reply streams."""
+    name, a = registry_user(redis_url, swarm, "a")
+    client = redis.Redis.from_url(redis_url)
+    try:
+        for host in ("a", "b"):
+            client.set(inventory.node_key(swarm, host), f"{host}'s record")
+        client.set(identity.roster_key(swarm), "the roster")
+        for key in (
+            identity.roster_key(swarm),
+            inventory.node_key(swarm, "b"),  # another's record
+            inventory.node_key(swarm, "a"),  # its own record
+        ):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                a.xadd(key, {"by": "a hostile host"})
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                a.expire(key, 0)
+            assert client.type(key) == b"string" and client.ttl(key) == -1
+        with pytest.raises(redis.exceptions.NoPermissionError):  # another host's replies
+            a.xadd(streams.reply_key(swarm, "s", "b"), {"by": "a hostile host"})
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            a.set(identity.roster_key(swarm), "forged")
+        assert client.get(identity.roster_key(swarm)) == b"the roster"
+        assert a.get(inventory.node_key(swarm, "b")) == b"b's record"  # read, as a stage does
+        a.xadd(streams.reply_key(swarm, "s", "a"), {"by": "a"})  # its own replies: allowed
+        assert client.type(streams.reply_key(swarm, "s", "a")) == b"stream"
+    finally:
+        a.close()
+        client.execute_command("ACL", "DELUSER", name)
+        client.close()
 
 
 def test_registry_keys_of_the_wrong_type_stop_no_job(identified, swarm, redis_url):
     """On main the inventory or the roster turned into a stream failed every heartbeat and
     every read with WRONGTYPE: every new job failed with a RingError, a session whose reply
     key was turned into a string failed at its next round, and `specpipe host admit` could
-    not mend the roster because it read it first."""
+    not mend the roster because it read it first. No stage host can retype them now (above),
+    but whatever else writes host 0's Redis still can."""
     from specpipe.decoding.generation import Generation
     from tests.swarm.test_redis_ring import PROMPT, ReferenceRing
 
@@ -155,29 +206,38 @@ def test_registry_keys_of_the_wrong_type_stop_no_job(identified, swarm, redis_ur
     options = dict(max_new_tokens=40, draft_k=3)
     expected = Generation(ReferenceRing(BOUNDS), "l", PROMPT * 2, PARAMS, **options).run()
     client = redis.Redis.from_url(redis_url)
-    nodes, roster_key = inventory.nodes_key(swarm), identity.roster_key(swarm)
+    record, roster_key = inventory.node_key(swarm, "b"), identity.roster_key(swarm)
 
     # Mid-job: the job goes on, on the addresses and the roster its processes hold.
     ring = checked_ring(settings, "toy", 4)
     run = Generation(ring, "s1", PROMPT * 2, PARAMS, **options)
     for i, _ in enumerate(run.rounds()):
         if i == 2:
-            retyped(client, nodes)
+            retyped(client, record)
             retyped(client, roster_key)
     ring.close()
     assert run.generated == expected
 
-    # A new job on the damaged registry, its reply key made a hash mid-job: the coordinator
-    # deletes what is not of its type and goes on (once the stages beat again, for the
-    # inventory; sending the round again, for the reply key).
-    retyped(client, nodes)
+    # A new job on the damaged registry: the coordinator goes on, with the newest roster it
+    # believed.
+    wait_until(lambda: client.type(record) == b"string", 20, "b to beat again")
+    assert client.type(roster_key) == b"stream"
     ring = checked_ring(settings, "toy", 4)
     assert [hop.host for hop in ring.route] == ["a", "b"]
-    assert client.type(nodes) == b"hash"
+
+    # A record of the wrong type is not read (no WRONGTYPE: the inventory is read with MGET),
+    # and its host's next heartbeat writes it again.
+    retyped(client, record)
+    keys = trust.keyring(settings)
+    assert "b" not in {node.host for node in inventory.read(client, swarm, keys).nodes}
+    wait_until(lambda: client.type(record) == b"string", 20, "b to beat again")
+
+    # Its reply key made a hash mid-job: the coordinator deletes what is not of its type and
+    # goes on, sending the round again.
     run = Generation(ring, "s2", PROMPT * 2, PARAMS, **options)
     for i, _ in enumerate(run.rounds()):
         if i == 2:
-            replies = streams.reply_key(swarm, "s2")
+            replies = streams.reply_key(swarm, "s2", "b")  # the tail's
             client.expire(replies, 0)
             client.hset(replies, "by", "a hostile host")
     assert run.generated == expected
@@ -188,12 +248,12 @@ def test_registry_keys_of_the_wrong_type_stop_no_job(identified, swarm, redis_ur
     # roster too.
     retyped(client, roster_key)
     assert mending.repair(client, swarm, home) == [roster_key]
-    pin = identity.public_key((home / COORDINATOR_PUB_FILE).read_text())
+    pin = identity.pinned((home / COORDINATOR_PUB_FILE).read_text())[0]
     believed, fresh = identity.read_roster(client, swarm, pin)
     assert fresh and {"a", "b"} <= set(believed.hosts)
     retyped(client, roster_key)
     newcomer = Signer("c", identity.Ed25519PrivateKey.generate())
-    sealing = identity.sealing_public_hex(X25519PrivateKey.generate())
+    sealing = identity.public_hex(X25519PrivateKey.generate())
     assert "c" in roster.admit(client, swarm, "c", newcomer.public_hex, sealing, home).hosts
     assert identity.read_roster(client, swarm, pin)[0].hosts.keys() >= {"a", "b", "c"}
     client.close()

@@ -193,7 +193,7 @@ def test_publish_load_and_remove_in_redis(swarm, redis_url, key):
         client, swarm, NodeInfo("b", 2, 4, redis_url, geo="MN", public_ip="10.0.0.2"), key
     )
     inventory.publish(client, swarm, NodeInfo("a", 0, 2, redis_url, geo="WA"), key)
-    client.hset(inventory.nodes_key(swarm), "junk", "{not json")
+    client.set(inventory.node_key(swarm, "junk"), "{not json")
     loaded = inventory.load(client, swarm, key)
     assert [(n.host, n.geo) for n in loaded] == [("a", "WA"), ("b", "MN")]
     assert loaded[1].public_ip == "10.0.0.2"

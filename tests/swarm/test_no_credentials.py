@@ -100,9 +100,10 @@ def test_no_password_in_any_message_record_dead_letter_log_or_file(tmp_path, mon
                     argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
                 )
         wait_heartbeats(registry, swarm, key, procs, ["h0", "h1"], 60)
+        replies = {s: [streams.reply_key(swarm, s, h) for h in ("h0", "h1")] for s in "se"}
         taps = [
-            Tap(registry, [streams.stage_key(swarm, "h0"), streams.reply_key(swarm, "s")]),
-            Tap(registry, [streams.reply_key(swarm, "e")]),
+            Tap(registry, [streams.stage_key(swarm, "h0"), *replies["s"]]),
+            Tap(registry, replies["e"]),
             Tap(h1_url, [streams.stage_key(swarm, "h1")]),
         ]
 
@@ -137,7 +138,7 @@ def test_no_password_in_any_message_record_dead_letter_log_or_file(tmp_path, mon
         letters = [v for _, fields in client.xrange(dead) for v in fields.values()]
         client.close()
         client = redis.Redis.from_url(registry)
-        records = list(client.hgetall(inventory.nodes_key(swarm)).values())
+        records = client.mget(list(client.scan_iter(match=inventory.node_key(swarm, "*"))))
         client.close()
         assert len(records) == 2 and letters
     finally:

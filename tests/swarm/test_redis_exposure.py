@@ -1,11 +1,13 @@
 """A Redis that is safe to expose: a build with the Lua code-execution bugs never serves other
 hosts unless the operator vouches for a backported fix, loopback servers run any build as
-before, and the credentials other hosts hold (the registry's `specpipe-remote`, every stage
-host's `specpipe-peer` with the data-plane password) cannot run Lua or reach more than what
-another host does there, while a ring still serves with them."""
+before, and the credentials other hosts hold (each stage host's own user on the registry,
+`specpipe.swarm.credentials`; every stage host's `specpipe-peer` with the data-plane password)
+cannot run Lua or reach more than what another host does there, while a ring still serves with
+them."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import socket
 import struct
@@ -23,14 +25,13 @@ from specpipe.core.sampling import committed_tokens
 from specpipe.ops import certificates, redis_server
 from specpipe.ops.redis_server import (
     PEER_USER,
-    REMOTE_USER,
     RedisServer,
     UnsafeRedis,
     find_binary,
     free_port,
 )
 from specpipe.settings import Settings
-from specpipe.swarm import streams, wire
+from specpipe.swarm import credentials, identity, inventory, streams, wire
 from specpipe.swarm.dialing import Dialer
 from specpipe.swarm.redact import without_credentials
 from specpipe.swarm.redis_ring import RedisRing
@@ -167,36 +168,53 @@ SCRIPTS = [
 ]
 
 
+HOST_PASSWORD = "host secret"  # a stage host's registry password (derived, in the swarm)
+
+
+def host_user(server: RedisServer, swarm: str, host: str) -> str:
+    """Make `host`'s registry user on `server` with its rules (`credentials.rules`), as host 0
+    does from the roster, with `server`'s own user; the URL `host`'s stage dials it with."""
+    own = redis.Redis.from_url(server.url)
+    digest = hashlib.sha256(HOST_PASSWORD.encode()).hexdigest()
+    rules = credentials.rules(swarm, host, digest)
+    own.execute_command("ACL", "SETUSER", credentials.user(swarm, host), *rules)
+    own.close()
+    return credentials.registry_url(without_credentials(server.url), swarm, host, HOST_PASSWORD)
+
+
 @pytest.fixture(scope="module")
-def two_users():
-    with RedisServer(password="local secret", remote_password="remote secret") as server:
+def registry():
+    """Host 0's registry, locked down: its own user's password, and stage hosts' users made in
+    the tests."""
+    with RedisServer(password="local secret") as server:
         yield server
 
 
 @pytest.mark.parametrize("command", SCRIPTS, ids=lambda c: " ".join(c[:2]))
-def test_the_credentials_for_other_hosts_run_no_lua(two_users, command):
-    remote = redis.Redis.from_url(two_users.remote_url)
-    assert two_users.remote_url.startswith(f"redis://{REMOTE_USER}:remote%20secret@")
+def test_the_credentials_for_other_hosts_run_no_lua(registry, command):
+    url = host_user(registry, "s", "h1")
+    assert url.startswith("redis://h1%40s:host%20secret@")
+    remote = redis.Redis.from_url(url)
     with pytest.raises(redis.ResponseError) as refused:
         remote.execute_command(*command)
     assert "no permissions" in str(refused.value) or "unknown command" in str(refused.value)
     remote.close()
-    local = redis.Redis.from_url(two_users.url)  # this host's own processes keep Lua
+    local = redis.Redis.from_url(registry.url)  # this host's own processes keep Lua
     assert local.eval("return 1", 0) == 1
     local.close()
 
 
-def test_a_stage_whose_registry_and_replies_run_without_lua_serves_exactly(two_users, swarm, key):
-    """A stage registers, heartbeats and replies with the credentials other hosts hold (the
-    coordinator, on the registry's host, reads the replies as its own user); only the stage's
-    own checked read of its stream runs a script, with its own host's user."""
+def test_a_stage_whose_registry_and_replies_run_without_lua_serves_exactly(registry, swarm, key):
+    """A stage registers, heartbeats and replies with its own registry user (the coordinator,
+    on the registry's host, reads the replies as its own user); only the stage's own checked
+    read of its stream runs a script, with its own host's user."""
     from tests.swarm.conftest import Stages
 
-    stages = Stages(swarm, key, two_users.remote_url)
+    stages = Stages(swarm, key, registry.url)  # host 0 reads the inventory as its own user
     try:
-        stages.start("h0", "0:4", two_users.url)
-        route = (wire.Hop("h0", two_users.url, 0, 4, "toy"),)
-        ring = RedisRing(route, swarm, key, two_users.url, timeout_s=20)  # host 0's coordinator
+        stages.start("h0", "0:4", registry.url, "--registry", host_user(registry, swarm, "h0"))
+        route = (wire.Hop("h0", registry.url, 0, 4, "toy"),)
+        ring = RedisRing(route, swarm, key, registry.url, timeout_s=20)  # host 0's coordinator
         try:
             ring.reset("s", PARAMS)
             got = drive(ring, "s", rounds=3, k=2)
@@ -207,24 +225,52 @@ def test_a_stage_whose_registry_and_replies_run_without_lua_serves_exactly(two_u
     assert got == reference([(0, 4)], rounds=3, k=2)
 
 
-# What another host's credentials must not reach on the registry, each with a command that
-# would do it: the Celery queues, the job locks, the rate limits, the KV reservations, the
-# nightly's keys, a stage's input stream, every key, and the pub/sub Celery's events use.
+# What a stage host's registry user (h1's, of swarm s) must not reach on the registry, each
+# with a command that would do it: the Celery queues, the job locks, the rate limits, the KV
+# reservations, the nightly's keys, a stage's input stream, a coordinator's replies (its own
+# to read or delete, another host's to write), another host's record, its own record with
+# anything but SET/GET/DEL, the roster to write, another swarm's keys, every key, Lua, and the
+# pub/sub Celery's events use.
 OFF_LIMITS = [
     ("LPUSH", "coordinator", "x"),  # queue a task for the coordinator
     ("LRANGE", "coordinator", "0", "-1"),  # read the queued tasks
     ("HGETALL", "unacked"),  # kombu's unacked deliveries
     ("SET", "specpipe:s:job-lock:1", "mine"),  # take over a job
     ("DEL", "specpipe:s:job-lock:1"),
+    ("GET", "specpipe:s:job-lock:1"),
     ("GET", "LIMITS:LIMITER/user/1"),  # read or reset someone's rate limit
     ("HSET", "specpipe:s:kv:h1", "job-1", "0"),  # KV reservations
     ("SET", "specpipe:s:nightly:lock:k", "1"),
     ("XRANGE", "specpipe:s:stage:h1", "-", "+"),  # read another stage's traffic
     ("XADD", "specpipe:s:stage:h1", "*", "m", "x"),
-    ("XRANGE", "specpipe:s:reply:job-1", "-", "+"),  # read a coordinator's replies
-    ("DEL", "specpipe:s:reply:job-1"),
+    ("XRANGE", "specpipe:s:reply:job-1@h1", "-", "+"),  # read a coordinator's replies
+    ("XREAD", "STREAMS", "specpipe:s:reply:job-1@h2", "0"),
+    ("DEL", "specpipe:s:reply:job-1@h1"),
+    ("XADD", "specpipe:s:reply:job-1@h2", "*", "m", "x"),  # write as another host
+    ("EXPIRE", "specpipe:s:reply:job-1@h2", "0"),
+    ("XADD", "specpipe:s:reply:job-1@h1x", "*", "m", "x"),
+    ("XADD", "specpipe:s:reply:job-1", "*", "m", "x"),
+    ("SET", "specpipe:s:node:h2", "forged"),  # another host's record
+    ("DEL", "specpipe:s:node:h2"),
+    ("EXPIRE", "specpipe:s:node:h2", "0"),
+    ("GETSET", "specpipe:s:node:h2", "forged"),
+    ("EXPIRE", "specpipe:s:node:h1", "0"),  # its own record, but for SET/GET/DEL
+    ("XADD", "specpipe:s:node:h1", "*", "m", "x"),
+    ("HSET", "specpipe:s:node:h1", "f", "v"),
+    ("APPEND", "specpipe:s:node:h1", "x"),
+    ("SET", "specpipe:s:roster", "forged"),  # the roster: read only
+    ("DEL", "specpipe:s:roster"),
+    ("EXPIRE", "specpipe:s:roster", "0"),
+    ("MGET", "specpipe:s:node:h2", "specpipe:s:job-lock:1"),  # a read beyond the records
+    ("SET", "specpipe:t:node:h1", "x"),  # its name in another swarm
+    ("GET", "specpipe:t:node:h2"),
+    ("XADD", "specpipe:t:reply:job-1@h1", "*", "m", "x"),
     ("KEYS", "*"),
     ("SCAN", "0"),
+    ("EVAL", "return 1", "0"),
+    ("ACL", "SETUSER", "h1@s", "+@all", "~*"),
+    ("ACL", "LIST"),
+    ("MEMORY", "USAGE", "specpipe:s:node:h1"),
     ("PUBLISH", "celeryev", "x"),
     ("SUBSCRIBE", "celeryev"),
     ("CONFIG", "GET", "*"),
@@ -233,27 +279,39 @@ OFF_LIMITS = [
 
 
 @pytest.mark.parametrize("command", OFF_LIMITS, ids=lambda c: " ".join(c[:2]))
-def test_the_credentials_for_other_hosts_reach_nothing_but_a_stages_keys(two_users, command):
-    remote = redis.Redis.from_url(two_users.remote_url)
+def test_the_credentials_for_other_hosts_reach_nothing_but_a_stages_keys(registry, command):
+    remote = redis.Redis.from_url(host_user(registry, "s", "h1"))
     with pytest.raises(redis.exceptions.NoPermissionError):
         remote.execute_command(*command)
     remote.close()
 
 
-def test_the_credentials_for_other_hosts_do_what_a_stage_does(two_users, swarm, key):
-    from specpipe.swarm import inventory, streams
-
-    remote = redis.Redis.from_url(two_users.remote_url)
+def test_the_credentials_for_other_hosts_do_what_a_stage_does(registry, swarm, key):
+    """A stage host's registry user writes, reads and removes its own record, reads the
+    others' and the roster (by name: it may not list keys), reads the registry's clock, and
+    appends its replies to the coordinators' reply streams with their lifetime."""
+    remote = redis.Redis.from_url(host_user(registry, swarm, "far"))
+    local = redis.Redis.from_url(registry.url)
     node = inventory.NodeInfo("far", 0, 4, "redis://203.0.113.7:6379/0")
     inventory.publish(remote, swarm, node, key)
-    assert [n.host for n in inventory.load(remote, swarm, key)] == ["far"]
+    inventory.publish(local, swarm, inventory.NodeInfo("near", 0, 2, "redis://h0:1/0"), key)
+    local.set(identity.roster_key(swarm), "the roster")
+    assert {n.host for n in inventory.load(local, swarm, key)} == {"far", "near"}
+    own, other = inventory.node_key(swarm, "far"), inventory.node_key(swarm, "near")
+    assert remote.get(own) == local.get(own)
+    assert remote.get(other) == local.get(other)
+    assert remote.mget([own, other, identity.roster_key(swarm)]) == [
+        local.get(own),
+        local.get(other),
+        b"the roster",
+    ]
     assert remote.time()[0] > 0  # the registry's clock, which every host's times are judged on
-    reply = streams.reply_key(swarm, "job-1-ab")
+    reply = streams.reply_key(swarm, "job-1-ab", "far")
     streams.send_all(streams.Link(remote), [(reply, b"result", True)])
     inventory.remove(remote, swarm, "far")
     remote.close()
-    local = redis.Redis.from_url(two_users.url)
-    assert local.xlen(reply) == 1 and inventory.load(local, swarm, key) == []
+    assert local.xlen(reply) == 1 and 0 < local.ttl(reply) <= streams.REPLY_TTL_S
+    assert [n.host for n in inventory.load(local, swarm, key)] == ["near"]
     local.close()
 
 
@@ -287,13 +345,13 @@ PEER_OFF_LIMITS = [
     ("XGROUP", "DESTROY", "specpipe:s:stage:h1", "stage"),
     ("DEL", "specpipe:s:stage:h1"),
     ("XRANGE", "specpipe:s:dead:h1", "-", "+"),
-    ("XADD", "specpipe:s:reply:job-1", "*", "m", "x"),
+    ("XADD", "specpipe:s:reply:job-1@h1", "*", "m", "x"),
     ("GET", "anything"),
     ("SET", "anything", "x"),
     ("DEL", "anything"),
     ("LPUSH", "coordinator", "x"),
-    ("HSET", "specpipe:s:nodes", "h1", "forged"),
-    ("HGETALL", "specpipe:s:nodes"),
+    ("SET", "specpipe:s:node:h1", "forged"),
+    ("GET", "specpipe:s:node:h1"),
     ("HSET", "specpipe:s:stats:h1", "processed", "0"),
     ("SET", "specpipe:s:job-lock:1", "mine"),
     ("EVAL", "return 1", "0"),
@@ -351,19 +409,20 @@ def test_the_data_plane_password_does_what_another_host_does(stage_host):
 def test_a_ring_over_two_hosts_redis_serves_with_what_other_hosts_hold(swarm, key, monkeypatch):
     """Host 0 runs the registry, a stage and the coordinator; host 1 a stage only. The stage on
     host 0 and the coordinator reach host 1's stream as its peer user, with the data-plane
-    password; host 1's stage registers and replies as the registry's `specpipe-remote`. Nobody
+    password; host 1's stage registers and replies as its own registry user, `host-far`. Nobody
     holds another host's own password."""
     from tests.swarm.conftest import Stages
 
     monkeypatch.setenv("SPECPIPE_REDIS_PASSWORD", DATA_PASSWORD)
-    host0 = RedisServer(password="h0 own", remote_password="h0 remote", peer_password=DATA_PASSWORD)
+    host0 = RedisServer(password="h0 own", peer_password=DATA_PASSWORD)
     host1 = RedisServer(password="h1 own", peer_password=DATA_PASSWORD)
     registry = host0.start()
     host1.start()
     stages = Stages(swarm, key, registry)
     try:
+        far_registry = host_user(host0, swarm, "far")
         stages.start("near", "0:2", registry, wait=False)
-        stages.start("far", "2:4", host1.url, "--registry", host0.remote_url, wait=False)
+        stages.start("far", "2:4", host1.url, "--registry", far_registry, wait=False)
         stages.wait_ready(["near", "far"])
         # No coordinator key pinned: the shared-key mode, opted into out loud.
         settings = Settings.from_env().for_swarm(registry, swarm, key, insecure_shared_key=True)
@@ -530,7 +589,8 @@ def test_neither_the_streams_nor_the_append_only_file_show_a_prompt(tmp_path, sw
     sent = [c[c.index(streams.FIELD, 2) + 1] for c in added]
     stage_streams = {streams.stage_key(swarm, h).encode() for h in ("h0", "h1")}
     assert sum(c[1] in stage_streams for c in added) >= 2 * 4  # four rounds through two stages
-    assert sum(c[1] == streams.reply_key(swarm, "secret").encode() for c in added) >= 4
+    replies = {streams.reply_key(swarm, "secret", h).encode() for h in ("h0", "h1")}
+    assert sum(c[1] in replies for c in added) >= 4
     assert set(left) <= set(sent) and all(wire.decode(m, swarm, key) for m in sent)
     for secret in plain_runs(SECRET_PROMPT):
         assert not any(secret in m for m in sent), secret

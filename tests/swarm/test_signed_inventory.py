@@ -41,7 +41,7 @@ def test_signed_records_load_and_route(swarm, redis_url):
 
 
 def _raw(client, swarm: str, host: str, value: str | bytes) -> None:
-    client.hset(inventory.nodes_key(swarm), host, value)
+    client.set(inventory.node_key(swarm, host), value)
 
 
 def test_unsigned_forged_malformed_and_future_records_are_ignored_and_counted(swarm, redis_url):
@@ -57,15 +57,15 @@ def test_unsigned_forged_malformed_and_future_records_are_ignored_and_counted(sw
     inventory.publish(client, swarm, good("k", 0, 4, evil), b"1" * 64)
     other = redis.Redis.from_url(redis_url)
     inventory.publish(other, swarm + "x", good("s", 0, 4, evil), KEY)
-    _raw(client, swarm, "s", client.hget(inventory.nodes_key(swarm + "x"), "s"))
-    client.delete(inventory.nodes_key(swarm + "x"))
+    _raw(client, swarm, "s", client.get(inventory.node_key(swarm + "x", "s")))
+    client.delete(inventory.node_key(swarm + "x", "s"))
     other.close()
     # A genuine record with its route altered after signing.
     inventory.publish(client, swarm, good("t", 0, 4, redis_url), KEY)
-    signed = client.hget(inventory.nodes_key(swarm), "t").decode()
+    signed = client.get(inventory.node_key(swarm, "t")).decode()
     _raw(client, swarm, "t", signed.replace(redis_url, evil))
     # A genuine record copied under another host's name.
-    _raw(client, swarm, "a2", client.hget(inventory.nodes_key(swarm), "a"))
+    _raw(client, swarm, "a2", client.get(inventory.node_key(swarm, "a")))
     # Malformed: junk, a bad tag, and a signed record with a string where an int goes.
     _raw(client, swarm, "j", "{not json")
     _raw(client, swarm, "j2", "zz " + "{}")
@@ -91,7 +91,7 @@ def test_a_record_with_credentials_is_neither_published_nor_believed(swarm, redi
     leaky = good("p", 0, 4, "redis://specpipe:secret@10.0.0.9:6379/0")
     with pytest.raises(ValueError, match="would carry its Redis credentials"):
         inventory.publish(client, swarm, leaky, KEY)
-    assert not client.hexists(inventory.nodes_key(swarm), "p")
+    assert not client.exists(inventory.node_key(swarm, "p"))
     # Signed by a key holder of an older version, which put the password in its record.
     record = json.dumps(
         asdict(leaky) | {"last_heartbeat": time.time()}, sort_keys=True, separators=(",", ":")
@@ -155,7 +155,7 @@ def test_the_ring_is_built_from_verified_records_only(swarm, redis_url, key):
     record = json.dumps(
         asdict(good("m", 0, 4, evil)) | {"layer_start": "0", "last_heartbeat": time.time()}
     )
-    client.hset(inventory.nodes_key(swarm), "m", inventory.sign_record(record, swarm, key))
+    client.set(inventory.node_key(swarm, "m"), inventory.sign_record(record, swarm, key))
     client.close()
     # No coordinator key pinned: the shared-key mode, opted into out loud.
     settings = Settings.from_env().for_swarm(redis_url, swarm, key, insecure_shared_key=True)

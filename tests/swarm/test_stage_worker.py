@@ -50,9 +50,14 @@ def deliver(worker: StageWorker, message: wire.Message, **fields) -> None:
 
 
 def replies(redis_url, swarm, key, session="s"):
+    """The replies to `session`'s coordinator, every stage host's reply stream together, in the
+    order they were written."""
     client = redis.Redis.from_url(redis_url)
-    entries = client.xrange(streams.reply_key(swarm, session))
+    entries = []
+    for stream in client.scan_iter(match=streams.reply_key(swarm, session, "*")):
+        entries += client.xrange(stream)
     client.close()
+    entries.sort(key=lambda entry: tuple(int(part) for part in entry[0].split(b"-")))
     return [wire.decode(f[streams.FIELD], swarm, key) for _, f in entries]
 
 

@@ -12,7 +12,7 @@ def entries(consumer, **kw):
 
 def test_keys_name_the_swarm_and_the_host():
     assert streams.stage_key("sw", "wa") == "specpipe:sw:stage:wa"
-    assert streams.reply_key("sw", "job-1") == "specpipe:sw:reply:job-1"
+    assert streams.reply_key("sw", "job-1", "wa") == "specpipe:sw:reply:job-1@wa"
 
 
 def test_unacked_entries_come_back_to_a_restarted_consumer_first(swarm, redis_url):
@@ -241,7 +241,7 @@ def test_a_send_wakes_a_reader_waiting_on_the_bell(swarm, redis_url):
 def test_send_all_writes_every_entry_before_ringing_each_bell_once(redis_url, swarm):
     client = redis.Redis.from_url(redis_url)
     key, other = streams.stage_key(swarm, "a"), streams.stage_key(swarm, "b")
-    reply = streams.reply_key(swarm, "job")
+    reply = streams.reply_key(swarm, "job", "a")
     writes = []
     link = streams.Link(client)
     call = link.call

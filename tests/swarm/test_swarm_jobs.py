@@ -189,16 +189,20 @@ def test_a_swarm_job_with_a_stop_string_equals_the_local_run(tiny, env):
 
 def test_a_job_is_submitted_over_a_registry_a_host_retyped(tiny, env, swarm):
     """On main `specpipe generate` answered "no swarm running" (WRONGTYPE) while a host had
-    turned the inventory into a stream, until beat mended it: it mends it itself now."""
+    turned the inventory into a stream, until beat mended it. No host's registry user can write
+    a record but its own (a string) now; a record key of another type, whoever put it there, is
+    read past (MGET), not a WRONGTYPE."""
     kw = dict(temp=0.0, max_new_tokens=12)
     want = generate("--local", "--stages", "2", *options(tiny, **kw))
     client = redis.Redis.from_url(swarm.redis_url)
-    nodes = inventory.nodes_key(swarm.swarm)
-    client.expire(nodes, 0)
-    client.xadd(nodes, {"by": "a hostile host"})
-    assert generate(*options(tiny, **kw))["tokens"] == want["tokens"]
-    assert client.type(nodes) == b"hash"
-    client.close()
+    stray = inventory.node_key(swarm.swarm, "intruder")
+    client.xadd(stray, {"by": "a hostile host"})
+    try:
+        assert generate(*options(tiny, **kw))["tokens"] == want["tokens"]
+        assert client.type(stray) == b"stream"  # there all along: the job ran beside it
+    finally:
+        client.delete(stray)
+        client.close()
 
 
 def watch(db_url, until, what: str, timeout_s: float = 60.0) -> Job:

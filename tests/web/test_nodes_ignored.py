@@ -24,10 +24,10 @@ def test_nodes_page_counts_records_that_do_not_verify(app, client, session, monk
         good = inventory.NodeInfo("a", 0, 4, "redis://a")
         inventory.publish(registry, swarm, good, "the swarm key")
         inventory.publish(registry, swarm, inventory.NodeInfo("b", 0, 4, "redis://b"), "forged")
-        registry.hset(inventory.nodes_key(swarm), "c", '{"host": "c"}')
+        registry.set(inventory.node_key(swarm, "c"), '{"host": "c"}')
         html = client.get("/nodes/").get_data(as_text=True)
     finally:
-        registry.delete(inventory.nodes_key(swarm))
+        registry.delete(*(inventory.node_key(swarm, host) for host in "abc"))
         registry.close()
     note = html.split('id="ignored-records">', 1)[1].split("</div>", 1)[0]
     assert note.startswith("2 inventory records ignored: unsigned, forged")
@@ -53,7 +53,8 @@ def test_nodes_page_shows_the_rings_latency_once_measured(app, client, session, 
         registry.hset(streams.stats_key(swarm, "wa"), mapping={"forward_ms": 2.0, "hop_ms": 0.5})
         html = client.get("/nodes/").get_data(as_text=True)
     finally:
-        registry.delete(inventory.nodes_key(swarm), streams.stats_key(swarm, "wa"))
+        nodes = (inventory.node_key(swarm, host) for host in ("wa", "nj"))
+        registry.delete(*nodes, streams.stats_key(swarm, "wa"))
         registry.close()
     # 2 + 0.5 + 4.5 at wa, 1.5 at nj: 8.5 ms a round, 117.6 tok/s a token a round.
     assert html.split('id="ring-time">', 1)[1].startswith("8.5 ms per round")

@@ -422,7 +422,7 @@ def test_metrics_give_each_verified_stage_its_counters_and_batch_size(app, clien
         registry.hset(streams.stats_key(swarm, "wa"), mapping=idle)
         metrics = scrape(client)
     finally:
-        registry.delete(inventory.nodes_key(swarm))
+        registry.delete(*(inventory.node_key(swarm, host) for host in ("wa", "nj", "tx", "mn")))
         for host in ("nj", "tx", "wa"):
             registry.delete(streams.stats_key(swarm, host))
         registry.close()

@@ -35,16 +35,16 @@ class Link(Protocol):
 
 
 class Replies:
-    """Encodes a stage's replies to the coordinators of the rounds it was sent. They go to the
-    session's reply stream on the stage's own registry (`url`, as configured), whatever a
-    message says."""
+    """Encodes a stage's replies to the coordinators of the rounds it was sent. They go to this
+    host's reply stream for the session on the stage's own registry (`url`, as configured),
+    whatever a message says."""
 
     def __init__(self, swarm: str, host: str, keys: StageKeys, url: str) -> None:
         self.swarm, self.host, self.keys, self.url = swarm, host, keys, url
 
     def to(self, message: wire.Message, kind: str, **fields) -> Outgoing:
         """The `kind` reply to `message`'s coordinator, encoded, to be sent."""
-        stream = streams.reply_key(self.swarm, message.session)
+        stream = streams.reply_key(self.swarm, message.session, self.host)
         reply = wire.Message(
             kind=kind,
             session=message.session,
