@@ -13,7 +13,8 @@ from sqlalchemy.orm import Session
 
 from models.nodes import NODE_FIELDS, upsert_node
 from specpipe import settings as settings_module
-from specpipe.ops import roster
+from specpipe.ops import certificates, invitations, roster
+from specpipe.ops.certificates import CA_FOLDER
 from specpipe.settings import Settings
 from specpipe.swarm import inventory, latency, mending, trust
 from specpipe.swarm.dialing import Dialer
@@ -63,6 +64,22 @@ def keep_registry_users(client: redis.Redis, settings: Settings) -> None:
         log.warning("cannot keep the registry's host users: %s", exc)
 
 
+def answer_invitations(client: redis.Redis, settings: Settings) -> None:
+    """On host 0 with a swarm CA, each invitation redeemed since the last beat answered
+    (`invitations.answer_pending`): the host admitted, its certificate signed, and what every
+    host still shares sealed to it. A failure is logged; the rest of the beat goes on."""
+    ca = certificates.Authority.in_dir(settings.home / CA_FOLDER)
+    if not ca.cert.exists() or not settings_module.coordinator_key_path(settings.home).exists():
+        return
+    shared = {settings_module.SWARM_KEY_FILE: settings.swarm_key}
+    if settings.redis_password:
+        shared[settings_module.REDIS_PASSWORD_FILE] = settings.redis_password
+    try:
+        invitations.answer_pending(client, settings.swarm, ca=ca, home=settings.home, shared=shared)
+    except (ValueError, OSError, redis.ResponseError) as exc:
+        log.warning("cannot answer the invitations: %s", exc)
+
+
 @shared_task(name=SYNC_NODES_TASK, bind=True)
 def sync(self) -> int:
     """Celery beat task: put the registry's keys right (`mending.repair`) and its host users
@@ -74,6 +91,7 @@ def sync(self) -> int:
         mending.repair(client, settings.swarm, settings.home)
         rotate_when_due(client, settings)
         keep_registry_users(client, settings)
+        answer_invitations(client, settings)
         found = inventory.read(client, settings.swarm, trust.keyring(settings))
         nodes = found.nodes
         online = [node for node in nodes if node.status(found.now) == "online"]

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import click
 
-CA_FOLDER = "ca"  # the instance folder's, on the operator's machine
 ISSUED_FOLDER = "issued"  # the instance folder's: one folder per host issued for
 _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,62}")
 
@@ -20,8 +19,9 @@ DIR_OPTION = click.option(
 )
 
 
-def _ca_dir(ca_dir: Path | None) -> Path:
+def ca_dir_or_default(ca_dir: Path | None) -> Path:
     from specpipe import settings
+    from specpipe.ops.certificates import CA_FOLDER
 
     return ca_dir or settings.instance_dir() / CA_FOLDER
 
@@ -54,7 +54,7 @@ def ca_init(ca_dir: Path | None, days: int | None, force: bool) -> None:
     """
     from specpipe.ops import certificates as authority
 
-    directory = _ca_dir(ca_dir)
+    directory = ca_dir_or_default(ca_dir)
     try:
         made = authority.make_ca(directory, days=days or authority.CA_DAYS, overwrite=force)
         until = authority.load_certificate(made.cert).not_valid_after_utc
@@ -131,7 +131,7 @@ def ca_issue(
             f"--name {name!r}: a host's name is letters, digits and . _ : - (at most 63)"
         )
     out = out_dir or settings.instance_dir() / ISSUED_FOLDER / name
-    directory = _ca_dir(ca_dir)
+    directory = ca_dir_or_default(ca_dir)
     try:
         files = authority.issue(
             authority.Authority.in_dir(directory),

@@ -3,6 +3,8 @@ key and the roster of admitted hosts (`specpipe.swarm.identity`, `specpipe.ops.r
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 
@@ -112,6 +114,79 @@ def host_rotate(grace_s: float) -> None:
         click.echo(f"data key epoch {epoch.number}")
 
     _on_registry(rotate)
+
+
+def _lifetime(ctx: click.Context, param: click.Parameter, value: str) -> float:
+    """`--expires` in seconds, or a one-line usage error."""
+    from models.tokens import parse_lifetime
+
+    try:
+        return parse_lifetime(value).total_seconds()
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@host.command(name="invite")
+@click.argument("name")
+@click.option("--layers", help="The layers it is to serve (A:B); default: it chooses (auto).")
+@click.option(
+    "--expires",
+    "expires_s",
+    default="1h",
+    show_default=True,
+    metavar="AGE",
+    callback=_lifetime,
+    help="How long the invitation can be used (once): minutes, hours or days (30m, 12h, 2d).",
+)
+@click.option(
+    "--registry",
+    "registry_url",
+    help="The registry's address as the other hosts reach it; default: REDIS_URL's, without "
+    "its user and password.",
+)
+@click.option(
+    "--ca-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The swarm CA's folder (`specpipe ca init`); default: the instance folder's `ca`.",
+)
+def host_invite(
+    name: str, layers: str | None, expires_s: float, registry_url: str | None, ca_dir: Path | None
+) -> None:
+    """On host 0: invite a new host NAME, and print one line for it to join with.
+
+    On the new host, `specpipe join TOKEN` makes its keys, is admitted, gets its certificate
+    and what the swarm's hosts share, and serves: host 0's beat answers it within a beat. The
+    line works once, until it expires. Example:
+
+        specpipe host invite mn --layers 9:18
+    """
+    from specpipe import settings
+    from specpipe.cli.ca import ca_dir_or_default
+    from specpipe.cli.options import layer_range
+    from specpipe.ops import certificates, invitations
+
+    if layers is not None:
+        layer_range(None, None, layers)  # a usage error for a malformed range
+    ca = certificates.Authority.in_dir(ca_dir_or_default(ca_dir))
+    if not ca.cert.exists():
+        raise click.ClickException(
+            f"no swarm CA in {ca.cert.parent}: `specpipe ca init` there first (or --ca-dir)"
+        )
+    registry = registry_url or settings.redis_url()
+
+    def make(client, swarm):
+        invitation = invitations.invite(
+            client,
+            swarm,
+            name,
+            registry=registry,
+            ca=ca,
+            expires_s=expires_s,
+            layers=layers,
+        )
+        click.echo(invitation.token())
+
+    _on_registry(make)
 
 
 @host.command(name="list")

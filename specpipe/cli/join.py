@@ -103,6 +103,7 @@ def check_link(redis_url: str | None, tls: TlsFiles | None, address: str, port: 
 
 
 @click.command(name="join")
+@click.argument("token", required=False)
 @click.option(
     "--registry",
     "registry_url",
@@ -180,6 +181,7 @@ def check_link(redis_url: str | None, tls: TlsFiles | None, address: str, port: 
 @click.option("--geo", default="", help="Location label to record (e.g. WA).")
 @compute_options
 def join(
+    token: str | None,
     registry_url: str | None,
     layers: tuple[int, int] | None,
     host_name: str | None,
@@ -208,15 +210,24 @@ def join(
     (coordinator.pub in the TLS folder); chooses a layer range (--layers, or auto); registers
     with the address the other hosts reach it at; Ctrl-C or SIGTERM leaves the swarm.
 
-    Example, in the environment docs/deploy.md sets up, with this host's TLS folder
+    With TOKEN (the line `specpipe host invite` printed on host 0), all of that comes with the
+    invitation: this host's keys are made and admitted, its certificate signed, and what the
+    swarm's hosts share kept in the instance folder, so that a later `specpipe join` without
+    it serves again. Example:
+
+        SPECPIPE_HOME=/var/lib/specpipe specpipe join specpipe-join-1:eyJjYSI6...
+
+    Or, in the environment docs/deploy.md sets up, with this host's TLS folder
     (/var/lib/specpipe/tls) as `specpipe ca issue` made it, and host 0's coordinator.pub:
 
         SPECPIPE_HOME=/var/lib/specpipe specpipe join --layers auto
     """
     from specpipe import settings
-    from specpipe.swarm import trust
     from specpipe.swarm.redact import redact_url
 
+    if token is not None:
+        host_name, address, invited = accept_invitation(token, host_name, address, tls_dir)
+        layers = layers or invited
     model_name = model_name or settings.default_model()
     config = settings.Settings.from_env()
     if not config.swarm_key:
@@ -235,10 +246,7 @@ def join(
     check_pinned(config)
     host_name = host_name or socket.gethostname().split(".")[0]
     keys = swarm_keyring(config, host_name)  # this host's own key, made on first use
-    given, registry_url = registry_url, trust.registry_url(config, host_name, registry_url)
-    if registry_url != given and not registry_admits(registry_url):
-        check_admitted(host_name, keys, None)  # host 0 made it no user there: not admitted
-    check_reachable(registry_url, "the registry")
+    registry_url = own_registry_url(config, host_name, keys, registry_url)
     n_layers, label = model_layers(model_name)
     found = read_inventory(registry_url, config.swarm, keys)
     check_admitted(host_name, keys, found.roster)
@@ -277,6 +285,42 @@ def join(
     finally:
         if server is not None:
             server.stop()
+
+
+def accept_invitation(
+    token: str, host_name: str | None, address: str | None, tls_dir: Path | None
+) -> tuple[str, str, tuple[int, int] | None]:
+    """Redeem the invitation `token` (`specpipe.ops.invitations`): this host's keys made, its
+    request answered by host 0, what came kept in the instance folder and the TLS folder. The
+    host's name and address (as its certificate names them), and the layers it was invited to
+    serve; a one-line ClickException for an invitation that does not work."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    from specpipe import settings
+    from specpipe.ops import invitations
+    from specpipe.swarm import identity
+
+    try:
+        invitation = invitations.parse(token)
+        if host_name not in (None, invitation.host):
+            raise invitations.InvitationError(
+                f"the invitation is for host {invitation.host!r}, not {host_name!r}"
+            )
+        path = settings.host_key_path(invitation.host)
+        key = identity.ensure_private(path)
+        sealing = identity.ensure_private(settings.sealing_key_path(path), X25519PrivateKey)
+        signer = identity.Signer(invitation.host, key, sealing)
+        address = address or address_towards(invitation.registry)
+        tls_key = ec.generate_private_key(ec.SECP256R1())
+        click.echo(f"redeeming the invitation of {invitation.host} at {invitation.registry}")
+        answer = invitations.redeem(invitation, signer, tls_key, address)
+        folder = tls_dir.resolve() if tls_dir else settings.tls_dir()
+        invitations.keep(invitation, answer, tls_key, settings.instance_dir(), folder)
+    except (ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    layers = _layers(None, None, answer.layers) if answer.layers else None
+    return invitation.host, address, layers
 
 
 def with_tls_folder(
@@ -400,6 +444,19 @@ def check_pinned(config: Settings) -> None:
         trust.check_pinned(config)
     except identity.IdentityError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def own_registry_url(config: Settings, host_name: str, keys: Keyring, url: str) -> str:
+    """`url`, the registry, as this host dials it: as its own user (`trust.registry_url`); a
+    one-line ClickException when it cannot be reached, or refuses that user (host 0 made it
+    none: this host is not admitted, and the line says what to run there)."""
+    from specpipe.swarm import trust
+
+    own = trust.registry_url(config, host_name, url)
+    if own != url and not registry_admits(own):
+        check_admitted(host_name, keys, None)
+    check_reachable(own, "the registry")
+    return own
 
 
 def registry_admits(url: str) -> bool:

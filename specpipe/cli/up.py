@@ -185,6 +185,7 @@ def _redis(home: Path) -> tuple[str, RedisServer | None]:
             password=settings.ensure_local_redis_password(),
             maxmemory=settings.redis_maxmemory(),
             peer_password=settings.ensure_redis_password(),
+            keeper_password=settings.ensure_keeper_password(),
         )
         return private_redis.url, private_redis
     except (RedisUnavailable, ValueError) as exc:

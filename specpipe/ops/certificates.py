@@ -40,6 +40,9 @@ BACKDATE = timedelta(minutes=5)
 _DNS_LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)")
 
 
+CA_FOLDER = "ca"  # the swarm CA's, in the instance folder of the machine that keeps it
+
+
 class CaError(ValueError):
     """Bad input to the CA, or host files that do not fit; the message is one line."""
 
@@ -121,7 +124,7 @@ def make_ca(
         .sign(key, hashes.SHA256())
     )
     _private_dir(Path(directory))
-    write_private(authority.key, _key_pem(key))
+    write_private(authority.key, key_pem(key))
     _write_public(authority.cert, cert.public_bytes(serialization.Encoding.PEM))
     return authority
 
@@ -141,16 +144,37 @@ def issue(
     `out_dir` (owner-only). Valid for `days`, and never past the CA's own end. Everything is
     checked before anything is written: CaError for a bad address or CA, CaExists when
     `out_dir` holds such files already, unless `overwrite`."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = certify(authority, key.public_key(), addresses, name=name, days=days)
+    ca_cert, _ = load_authority(authority)
+    files = host_files(out_dir)
+    if not overwrite and any(path.exists() for path in (files.cert, files.key, files.ca)):
+        raise CaExists(f"{Path(out_dir)} already holds a host's TLS files")
+    _private_dir(Path(out_dir))
+    write_private(files.key, key_pem(key))
+    _write_public(files.cert, cert)
+    _write_public(files.ca, ca_cert.public_bytes(serialization.Encoding.PEM))
+    return files
+
+
+def certify(
+    authority: Authority,
+    public_key: ec.EllipticCurvePublicKey,
+    addresses: Sequence[str],
+    *,
+    name: str | None = None,
+    days: int = HOST_DAYS,
+) -> bytes:
+    """A certificate (PEM) for the Redis of a host holding the private half of `public_key`,
+    reached at `addresses` (all in its subjectAltName), named `name` (default: the first
+    address), valid for `days` and never past the CA's own end; CaError for a bad address, a
+    bad number of days or a CA that cannot be read."""
     if not addresses:
         raise CaError("a certificate needs at least one address")
     if days < 1:
         raise CaError(f"a certificate must be valid for a day at least, not {days}")
     names = [parse_address(address) for address in addresses]
     ca_cert, ca_key = load_authority(authority)
-    files = host_files(out_dir)
-    if not overwrite and any(path.exists() for path in (files.cert, files.key, files.ca)):
-        raise CaExists(f"{Path(out_dir)} already holds a host's TLS files")
-    key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.now(UTC)
     ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name or addresses[0].strip())])
@@ -158,7 +182,7 @@ def issue(
         x509.CertificateBuilder()
         .subject_name(subject)
         .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
+        .public_key(public_key)
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - BACKDATE)
         .not_valid_after(min(now + timedelta(days=days), ca_cert.not_valid_after_utc))
@@ -166,17 +190,13 @@ def issue(
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(_key_usage(cert_sign=False), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False
         )
         .sign(ca_key, hashes.SHA256())
     )
-    _private_dir(Path(out_dir))
-    write_private(files.key, _key_pem(key))
-    _write_public(files.cert, cert.public_bytes(serialization.Encoding.PEM))
-    _write_public(files.ca, ca_cert.public_bytes(serialization.Encoding.PEM))
-    return files
+    return cert.public_bytes(serialization.Encoding.PEM)
 
 
 def load_authority(authority: Authority) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
@@ -258,7 +278,7 @@ def _key_usage(*, cert_sign: bool) -> x509.KeyUsage:
     )
 
 
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> str:
+def key_pem(key: ec.EllipticCurvePrivateKey) -> str:
     return key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,

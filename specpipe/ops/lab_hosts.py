@@ -320,6 +320,7 @@ class Lab:
             host=address,
             tls=tls,
             peer_password=self.trust.data_password(),
+            keeper_password=self.trust.keeper_password() if index == 0 else None,
         )
         with open(server.config_path, "a") as acl:
             acl.write(self.trust.admin_acl())

@@ -20,6 +20,7 @@ from specpipe.ops import certificates
 from specpipe.ops.lab_network import LabError
 from specpipe.ops.redis_server import TlsFiles
 from specpipe.settings import (
+    KEEPER_PASSWORD_FILE,
     LOCAL_REDIS_PASSWORD_FILE,
     REDIS_PASSWORD_FILE,
     TLS_DIR,
@@ -61,7 +62,9 @@ class LabTrust:
         # The swarm's data-plane password: every host's Redis takes it for its peer user, and
         # every process of the lab (its SPECPIPE_HOME is this folder) dials the others'
         # addresses with it.
-        for name in (REDIS_PASSWORD_FILE, ADMIN_PASSWORD_FILE):
+        # And host 0's keeper of the registry's users, which the lab's processes there (their
+        # SPECPIPE_HOME is this folder) log in as to admit, revoke and invite.
+        for name in (REDIS_PASSWORD_FILE, ADMIN_PASSWORD_FILE, KEEPER_PASSWORD_FILE):
             if not (self.home / name).exists():
                 write_private(self.home / name, secrets.token_hex(16) + "\n")
 
@@ -90,6 +93,10 @@ class LabTrust:
     def data_password(self) -> str:
         """The swarm's data-plane password: what every host's Redis takes for its peer user."""
         return (self.home / REDIS_PASSWORD_FILE).read_text().strip()
+
+    def keeper_password(self) -> str:
+        """The password of host 0's keeper of the registry's users (`KEEPER_USER`)."""
+        return (self.home / KEEPER_PASSWORD_FILE).read_text().strip()
 
     def admin_password(self) -> str:
         """The password of the lab's admin user of every host's Redis."""

@@ -250,7 +250,7 @@ BULK_HEADROOM_BYTES = 1024 * 1024
 # counted every command (INFO commandstats), with the close relatives of each (a read beside a
 # write) so that a path the tests missed does not fail in production. Not here: CONFIG, ACL,
 # MODULE, DEBUG, SAVE/BGSAVE/BGREWRITEAOF, SHUTDOWN, KEYS, FLUSHALL/FLUSHDB, REPLICAOF/SLAVEOF,
-# MIGRATE, MONITOR, CLIENT KILL/LIST, SCAN, and everything else.
+# MIGRATE, MONITOR, CLIENT KILL/LIST, and everything else.
 SWARM_COMMANDS = (
     # connections: redis-py's handshake and health checks, /healthz
     "ping",
@@ -324,6 +324,8 @@ SWARM_COMMANDS = (
     "pttl",
     "persist",
     "type",
+    # listing: the inventory's records, one key per host (`inventory.record_keys`)
+    "scan",
     # sets and sorted sets: kombu's bindings and its index of unacked messages
     "sadd",
     "srem",
@@ -365,10 +367,20 @@ CONNECTION_COMMANDS = (
     "client|getname",
     "client|id",
 )
-# What host 0's processes do beyond the rest on the registry: keep a user for each stage host
-# there (`specpipe.swarm.credentials.sync`) and measure what each host's keys take (`police`).
-# On a stage host's own server, nothing uses them; they are its own host's all the same.
-REGISTRY_ADMIN_COMMANDS = ("acl|setuser", "acl|deluser", "acl|users", "scan", "memory|usage")
+# The keeper of host 0's registry: what keeps a user for each stage host there
+# (`specpipe.swarm.credentials.sync`), one for each invitation (`specpipe.ops.invitations`),
+# and measures what each host's keys take (`police`), beside all `specpipe` does but Lua. A
+# user that may `ACL SETUSER` may make itself any user, so it is not `specpipe` (the web app
+# and every process of the host hold that one): only host 0's roster commands and its beat
+# log in as it, with a password of its own (`settings.keeper_password`).
+KEEPER_USER = "specpipe-keeper"
+KEEPER_COMMANDS = (
+    *SWARM_COMMANDS,
+    "acl|setuser",
+    "acl|deluser",
+    "acl|users",
+    "memory|usage",
+)
 # What another host does on a stage host's Redis, and nothing more: a previous hop or a
 # coordinator appends to a stage's input stream and rings its bell (`streams.stage_send_commands`),
 # a stage times a PING to its next hop, and `specpipe nodes` (the nodes page, `/metrics`,
@@ -386,20 +398,24 @@ PEER_COMMANDS = (
 PEER_KEYS = (stage_key("*", "*"), stats_key("*", "*"))
 
 
-def acl_rules(password: str, peer_password: str | None = None) -> list[str]:
+def acl_rules(
+    password: str, peer_password: str | None = None, keeper_password: str | None = None
+) -> list[str]:
     """The `user` lines of a locked-down server: a default user nobody can log in as
     (`_loader`), `specpipe` with the password (stored as its SHA-256; this host's own, kept on
-    it) on every key and channel, allowed SWARM_COMMANDS, SCRIPT_COMMANDS and
-    REGISTRY_ADMIN_COMMANDS only. With `peer_password` (the swarm's data-plane password), also
-    `specpipe-peer`, for what every other host holds: PEER_COMMANDS on PEER_KEYS, no channels,
-    no Lua. Other hosts' users of the registry are made at run time, from the roster
-    (`specpipe.swarm.credentials`)."""
+    it) on every key and channel, allowed SWARM_COMMANDS and SCRIPT_COMMANDS only. With
+    `peer_password` (the swarm's data-plane password), also `specpipe-peer`, for what every
+    other host holds: PEER_COMMANDS on PEER_KEYS, no channels, no Lua. With `keeper_password`
+    (host 0's), also `specpipe-keeper`: KEEPER_COMMANDS, no Lua. Other hosts' users of the
+    registry are made at run time, from the roster (`specpipe.swarm.credentials`)."""
     rules = [
         _loader(SWARM_COMMANDS + SCRIPT_COMMANDS),
-        _user(USER, password, SWARM_COMMANDS + SCRIPT_COMMANDS + REGISTRY_ADMIN_COMMANDS),
+        _user(USER, password, SWARM_COMMANDS + SCRIPT_COMMANDS),
     ]
     if peer_password is not None:
         rules.append(_user(PEER_USER, peer_password, PEER_COMMANDS, PEER_KEYS, ()))
+    if keeper_password is not None:
+        rules.append(_user(KEEPER_USER, keeper_password, KEEPER_COMMANDS))
     return rules
 
 
@@ -510,7 +526,8 @@ class RedisServer:
     With `password` (this host's own, which never leaves it) the server is locked down (see the
     module's docstring) and both URLs carry the user and password. With `peer_password` (the
     swarm's data-plane password) it also takes the peer user, with which other hosts' stages
-    and coordinators reach its stages' streams (`peer_url`), which may not run Lua. Its ACL
+    and coordinators reach its stages' streams (`peer_url`), which may not run Lua; with
+    `keeper_password`, host 0's keeper of the registry's users (`KEEPER_USER`). Its ACL
     goes into a config file, mode 0600 in the owner-only directory, holding only the
     passwords' SHA-256: none appears on a command line.
 
@@ -530,6 +547,7 @@ class RedisServer:
         tls: TlsFiles | None = None,
         accept_backported: bool = False,
         peer_password: str | None = None,
+        keeper_password: str | None = None,
     ) -> None:
         self.binary = binary or find_binary()
         if tls is not None:
@@ -565,7 +583,7 @@ class RedisServer:
             self.config_path = directory / "acl.conf"
             fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as handle:
-                rules = acl_rules(password, peer_password)
+                rules = acl_rules(password, peer_password, keeper_password)
                 handle.write("\n".join(rules) + "\n")
 
     def _tcp_url(self, auth: str) -> str:

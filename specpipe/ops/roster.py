@@ -21,6 +21,7 @@ import redis
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from specpipe import settings
+from specpipe.ops.redis_server import KEEPER_USER
 from specpipe.swarm import credentials, datakeys, identity
 from specpipe.swarm.clock import SwarmClock
 from specpipe.swarm.identity import Roster, Signer
@@ -82,12 +83,40 @@ def changing(swarm: str, home: Path | None = None) -> Iterator[None]:
         os.close(fd)  # and the lock with it
 
 
+@contextmanager
+def keeping(client: redis.Redis, home: Path | None = None) -> Iterator[redis.Redis]:
+    """`client`'s server as host 0's keeper of the registry's users (`KEEPER_USER`), where the
+    instance folder (`home`) holds its password; else `client` itself (a Redis whose users
+    are all allowed that, as a test's)."""
+    password = settings.keeper_password(home)
+    if password is None:
+        yield client
+        return
+    pool = client.connection_pool
+    options = {**pool.connection_kwargs, "username": KEEPER_USER, "password": password}
+    keeper = redis.Redis(
+        connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **options)
+    )
+    try:
+        yield keeper
+    finally:
+        keeper.close()
+
+
 def store(client: redis.Redis, roster: Roster, signer: Signer, home: Path | None = None) -> None:
     """Keep `roster` in host 0's copy, put it on the registry, and make the registry's host
     users those of the hosts it admits (a revoked host's connections closed at once)."""
     identity.save_roster_file(settings.roster_path(roster.swarm, home), roster, signer)
     identity.publish_roster(client, roster, signer)
-    credentials.sync(client, roster, signer.sealing, SwarmClock(client).now())
+    with keeping(client, home) as keeper:
+        try:
+            credentials.sync(keeper, roster, signer.sealing, SwarmClock(client).now())
+        except redis.exceptions.NoPermissionError:
+            raise identity.IdentityError(
+                "the roster is stored, but the registry's users cannot be kept: host 0's "
+                f"instance folder has no {settings.KEEPER_PASSWORD_FILE} of its Redis's "
+                "keeper (docs/deploy.md, \"Host 0's Redis\")"
+            ) from None
 
 
 def keep_users(
@@ -101,7 +130,9 @@ def keep_users(
     which keeps none). The hosts shut out now."""
     signer = coordinator(home)
     roster = current(client, swarm, signer, home)
-    return credentials.police(client, roster, signer.sealing, SwarmClock(client).now(), quota_bytes)
+    now = SwarmClock(client).now()
+    with keeping(client, home) as keeper:
+        return credentials.police(keeper, roster, signer.sealing, now, quota_bytes)
 
 
 def admit(

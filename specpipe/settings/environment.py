@@ -30,6 +30,7 @@ DEFAULT_SWARM = "default"
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_REDIS_MAXMEMORY = "2gb"
 SWARM_FILE = "swarm.json"
+JOINED_FILE = "joined.json"  # `join TOKEN`: the swarm and registry an invitation named
 PROCESSES_FILE = "processes.json"  # `up`: the pid of each process it supervises, by name
 # A host's TLS folder (`tls_dir`): what `specpipe ca issue` made for it.
 TLS_DIR = "tls"
@@ -41,11 +42,12 @@ CA_CERT_FILE = "ca.pem"  # its copy of the swarm CA's certificate
 DEFAULT_HEARTBEAT_S = 0.25
 
 
-def swarm_file() -> dict:
-    """What `specpipe up` wrote about the swarm it runs (redis_url, web_url, swarm, pid), or {}."""
+def swarm_file(name: str = SWARM_FILE) -> dict:
+    """What `specpipe up` wrote about the swarm it runs (redis_url, web_url, swarm, pid), or {};
+    with `name` JOINED_FILE, what `specpipe join TOKEN` kept (swarm, registry_url)."""
     import json
 
-    path = instance_dir() / SWARM_FILE
+    path = instance_dir() / name
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -65,14 +67,18 @@ def configured_redis_url() -> str | None:
 
 def registry_url() -> str | None:
     """`SPECPIPE_REGISTRY_URL`: the swarm's registry Redis, for a stage whose own Redis (its
-    `REDIS_URL`) is another; None when unset. Kept off command lines: it carries a password."""
-    return os.environ.get("SPECPIPE_REGISTRY_URL") or None
+    `REDIS_URL`) is another; else the one an invitation recorded (`specpipe join TOKEN`); None
+    when neither. Kept off command lines: it may carry a password."""
+    joined = swarm_file(JOINED_FILE).get("registry_url")
+    return os.environ.get("SPECPIPE_REGISTRY_URL") or joined or None
 
 
 def swarm_name(*, running: bool = True) -> str:
-    """`SPECPIPE_SWARM`, else (with `running`) the name `specpipe up` recorded, else "default"."""
+    """`SPECPIPE_SWARM`, else (with `running`) the name `specpipe up` recorded, else the one an
+    invitation named (`specpipe join TOKEN`), else "default"."""
     recorded = swarm_file().get("swarm") if running else None
-    return os.environ.get("SPECPIPE_SWARM") or recorded or DEFAULT_SWARM
+    joined = swarm_file(JOINED_FILE).get("swarm")
+    return os.environ.get("SPECPIPE_SWARM") or recorded or joined or DEFAULT_SWARM
 
 
 def max_sessions() -> int:

@@ -16,6 +16,7 @@ SECRET_KEY_FILE = "secret_key"
 SWARM_KEY_FILE = "swarm_key"
 REDIS_PASSWORD_FILE = "redis_password"
 LOCAL_REDIS_PASSWORD_FILE = "redis_local_password"
+KEEPER_PASSWORD_FILE = "redis_keeper_password"
 ADMIN_PASSWORD_FILE = "admin_password"
 # Host identities (`specpipe.swarm.identity`): each host's own signing key, the coordinator's
 # on host 0, the coordinator's public key every host pins, and host 0's copy of the roster.
@@ -191,6 +192,19 @@ def local_redis_password() -> str | None:
     on this host (every command it allows, Lua too), for this host's own processes only, so it
     never leaves the host: the instance folder's `redis_local_password`, else None."""
     return _secret_file(LOCAL_REDIS_PASSWORD_FILE)
+
+
+def keeper_password(home: Path | None = None) -> str | None:
+    """The password of host 0's registry keeper (`redis_server.KEEPER_USER`), which makes and
+    deletes the stage hosts' users there: the instance folder's `redis_keeper_password` (of
+    `home`, else this process's), else None (a registry without one: its own user keeps)."""
+    path = (home or instance_dir()) / KEEPER_PASSWORD_FILE
+    return (path.read_text().strip() or None) if path.is_file() else None
+
+
+def ensure_keeper_password() -> str:
+    """`keeper_password`, else a new one written into the instance folder (mode 0600)."""
+    return keeper_password() or _write_secret(KEEPER_PASSWORD_FILE)
 
 
 def ensure_local_redis_password() -> str:

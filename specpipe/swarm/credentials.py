@@ -125,7 +125,8 @@ def sync(
     for name, acl in wanted.items():
         client.execute_command("ACL", "SETUSER", name, *acl)
     ours = f"@{roster.swarm}"
-    deleted = sorted(n for n in existing if n.endswith(ours) and n not in wanted)
+    hosts = (n for n in existing if n.endswith(ours) and SAFE_NAME.fullmatch(n[: -len(ours)]))
+    deleted = sorted(n for n in hosts if n not in wanted)
     for name in deleted:
         client.execute_command("ACL", "DELUSER", name)
     return sorted(wanted), deleted
@@ -152,11 +153,13 @@ def police(
     shut_s: float = 600.0,
 ) -> list[str]:
     """Host 0's beat: any host whose keys take over `quota_bytes` is shut out for `shut_s`
-    (its user deleted, its connections closed, its reply streams deleted: the rounds they
-    answered are sent again), then the users synced with `roster`. The hosts shut out now."""
+    (its user deleted, its connections closed, then its reply streams deleted: the rounds they
+    answered are sent again); the users synced with `roster`. The hosts shut out now."""
     over = [h for h, n in usage(client, roster.swarm).items() if n > quota_bytes]
     for host in over:
         client.hset(shut_out_key(roster.swarm), host, now + shut_s)
+    sync(client, roster, coordinator, now)  # first: nothing more is written as it deletes
+    for host in over:
         for key in client.scan_iter(match=f"specpipe:{roster.swarm}:reply:*@{host}", count=1000):
             client.delete(key)
         log.error(
@@ -165,7 +168,6 @@ def police(
             quota_bytes // (1024 * 1024),
             shut_s,
         )
-    sync(client, roster, coordinator, now)
     return over
 
 

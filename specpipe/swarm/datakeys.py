@@ -58,9 +58,32 @@ def _associated(swarm: str, name: str, epoch: int) -> bytes:
     return COPY_CONTEXT + sized + epoch.to_bytes(8, "big")
 
 
-def _copy_cipher(shared: bytes, ephemeral: bytes, recipient: bytes) -> ChaCha20Poly1305:
-    hkdf = HKDF(hashes.SHA256(), length=32, salt=ephemeral + recipient, info=COPY_INFO)
+def _cipher(shared: bytes, ephemeral: bytes, recipient: bytes, info: bytes) -> ChaCha20Poly1305:
+    hkdf = HKDF(hashes.SHA256(), length=32, salt=ephemeral + recipient, info=info)
     return ChaCha20Poly1305(hkdf.derive(shared))
+
+
+def seal(data: bytes, recipient: X25519PublicKey, info: bytes, associated: bytes) -> bytes:
+    """`data` sealed to `recipient` alone (ECIES: an ephemeral X25519 key, HKDF-SHA256 with
+    `info`, ChaCha20-Poly1305 over `associated`): the ephemeral public key, then the
+    ciphertext. Each seal's key is used once, so its nonce is fixed."""
+    ephemeral = X25519PrivateKey.generate()
+    mine, theirs = _raw(ephemeral.public_key()), _raw(recipient)
+    cipher = _cipher(ephemeral.exchange(recipient), mine, theirs, info)
+    return mine + cipher.encrypt(ZERO_NONCE, data, associated)
+
+
+def open_sealed(blob: bytes, key: X25519PrivateKey, info: bytes, associated: bytes) -> bytes:
+    """What `seal` sealed to `key`'s public half; ValueError when it does not open."""
+    if len(blob) < 32 + 16:
+        raise ValueError("too short to be sealed")
+    ephemeral = blob[:32]
+    try:
+        shared = key.exchange(X25519PublicKey.from_public_bytes(ephemeral))
+        cipher = _cipher(shared, ephemeral, _raw(key.public_key()), info)
+        return cipher.decrypt(ZERO_NONCE, blob[32:], associated)
+    except InvalidTag:
+        raise ValueError("it was not sealed to this key, or was altered") from None
 
 
 def seal_copy(
@@ -68,10 +91,7 @@ def seal_copy(
 ) -> str:
     """`data_key` sealed to `recipient` (the sealing key of host `name`, or the coordinator's)
     for `swarm`'s epoch `epoch`, as hex."""
-    ephemeral = X25519PrivateKey.generate()
-    mine, theirs = _raw(ephemeral.public_key()), _raw(recipient)
-    cipher = _copy_cipher(ephemeral.exchange(recipient), mine, theirs)
-    return (mine + cipher.encrypt(ZERO_NONCE, data_key, _associated(swarm, name, epoch))).hex()
+    return seal(data_key, recipient, COPY_INFO, _associated(swarm, name, epoch)).hex()
 
 
 def open_copy(copy: str, key: X25519PrivateKey, swarm: str, name: str, epoch: int) -> bytes:
@@ -83,12 +103,9 @@ def open_copy(copy: str, key: X25519PrivateKey, swarm: str, name: str, epoch: in
         raise IdentityError("a data key copy is not hex") from None
     if len(blob) != COPY_BYTES:
         raise IdentityError("a data key copy has the wrong length")
-    ephemeral = blob[:32]
     try:
-        shared = key.exchange(X25519PublicKey.from_public_bytes(ephemeral))
-        cipher = _copy_cipher(shared, ephemeral, _raw(key.public_key()))
-        return cipher.decrypt(ZERO_NONCE, blob[32:], _associated(swarm, name, epoch))
-    except (InvalidTag, ValueError):
+        return open_sealed(blob, key, COPY_INFO, _associated(swarm, name, epoch))
+    except ValueError:
         raise IdentityError(
             f"the data key copy of epoch {epoch} does not open for {name!r}"
         ) from None

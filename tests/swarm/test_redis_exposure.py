@@ -173,8 +173,9 @@ HOST_PASSWORD = "host secret"  # a stage host's registry password (derived, in t
 
 def host_user(server: RedisServer, swarm: str, host: str) -> str:
     """Make `host`'s registry user on `server` with its rules (`credentials.rules`), as host 0
-    does from the roster, with `server`'s own user; the URL `host`'s stage dials it with."""
-    own = redis.Redis.from_url(server.url)
+    does from the roster, as `server`'s keeper; the URL `host`'s stage dials it with."""
+    bare = without_credentials(server.url)
+    own = redis.Redis.from_url(bare, username="specpipe-keeper", password="keeper")
     digest = hashlib.sha256(HOST_PASSWORD.encode()).hexdigest()
     rules = credentials.rules(swarm, host, digest)
     own.execute_command("ACL", "SETUSER", credentials.user(swarm, host), *rules)
@@ -186,7 +187,7 @@ def host_user(server: RedisServer, swarm: str, host: str) -> str:
 def registry():
     """Host 0's registry, locked down: its own user's password, and stage hosts' users made in
     the tests."""
-    with RedisServer(password="local secret") as server:
+    with RedisServer(password="local secret", keeper_password="keeper") as server:
         yield server
 
 
@@ -414,7 +415,7 @@ def test_a_ring_over_two_hosts_redis_serves_with_what_other_hosts_hold(swarm, ke
     from tests.swarm.conftest import Stages
 
     monkeypatch.setenv("SPECPIPE_REDIS_PASSWORD", DATA_PASSWORD)
-    host0 = RedisServer(password="h0 own", peer_password=DATA_PASSWORD)
+    host0 = RedisServer(password="h0 own", peer_password=DATA_PASSWORD, keeper_password="keeper")
     host1 = RedisServer(password="h1 own", peer_password=DATA_PASSWORD)
     registry = host0.start()
     host1.start()

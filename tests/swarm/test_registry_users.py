@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from specpipe.ops import roster
-from specpipe.ops.redis_server import RedisServer
-from specpipe.settings import COORDINATOR_PUB_FILE, Settings
+from specpipe.ops.redis_server import KEEPER_USER, USER, RedisServer
+from specpipe.settings import COORDINATOR_PUB_FILE, KEEPER_PASSWORD_FILE, Settings
 from specpipe.swarm import credentials, identity, inventory, streams, trust
 from specpipe.swarm.inventory import NodeInfo
 
@@ -24,8 +24,10 @@ HOSTS = ("a", "b")
 def registry(tmp_path):
     """Host 0's registry (its own user's URL), hosts a and b admitted by a coordinator whose
     folder is `tmp_path`, and the settings each host's processes would have."""
-    with RedisServer(password="own-password") as server:
-        client = redis.Redis.from_url(server.url)
+    (tmp_path / KEEPER_PASSWORD_FILE).write_text("keeper-password\n")
+    with RedisServer(password="own-password", keeper_password="keeper-password") as server:
+        # As host 0's keeper (what `host admit` and beat log in as): it may also list users.
+        client = redis.Redis.from_url(as_keeper(server.url))
         roster.admit_own_hosts(client, SWARM, HOSTS, tmp_path)
         pin = (tmp_path / COORDINATOR_PUB_FILE).read_text().strip()
         config = replace(
@@ -33,6 +35,18 @@ def registry(tmp_path):
         ).for_swarm(server.url, SWARM, b"k" * 32, coordinator_public_key=pin)
         yield server, client, config
         client.close()
+
+
+def as_keeper(url: str) -> str:
+    return url.replace(f"{USER}:own-password@", f"{KEEPER_USER}:keeper-password@")
+
+
+def test_only_the_keeper_makes_users_not_the_user_every_process_of_host_0_holds(registry):
+    server, _, _ = registry
+    own = redis.Redis.from_url(server.url)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        own.execute_command("ACL", "SETUSER", f"x@{SWARM}", "on", ">x", "+@all", "~*")
+    own.close()
 
 
 def bare(url: str) -> str:
