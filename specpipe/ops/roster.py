@@ -115,7 +115,7 @@ def store(client: redis.Redis, roster: Roster, signer: Signer, home: Path | None
             raise identity.IdentityError(
                 "the roster is stored, but the registry's users cannot be kept: host 0's "
                 f"instance folder has no {settings.KEEPER_PASSWORD_FILE} of its Redis's "
-                "keeper (docs/deploy.md, \"Host 0's Redis\")"
+                'keeper (docs/deploy.md, "Host 0\'s Redis")'
             ) from None
 
 
