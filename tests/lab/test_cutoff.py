@@ -16,7 +16,16 @@ from models.runs import Run
 from specpipe.ops.lab_hosts import Lab
 from specpipe.ops.lab_network import PREFIX
 from tests.lab.conftest import need_lab, run
-from tests.lab.test_join import ARGS, PROMPT, admit, join_argv, lab_env, latest_job, nodes
+from tests.lab.test_join import (
+    ARGS,
+    PROMPT,
+    admit,
+    join_argv,
+    lab_env,
+    latest_job,
+    nodes,
+    one_process_tokens,
+)
 from tests.waiting import wait_until
 
 
@@ -54,19 +63,7 @@ def test_a_cut_off_host_with_a_spare_is_routed_around(tiny, tmp_path):
             stderr=subprocess.STDOUT,
         )
         wait_until(lambda: any(n.host == bare.name for n in nodes(lab)), 60, "the spare")
-        local = run(
-            "generate",
-            PROMPT,
-            "--model",
-            str(tiny),
-            "--json",
-            "--local",
-            "--stages",
-            "2",
-            *ARGS,
-            env=lab_env(lab),
-        )
-        want = json.loads(local.output)["tokens"]
+        want = one_process_tokens(lab, tiny)
         out = {}
         thread = threading.Thread(
             target=lambda: out.update(

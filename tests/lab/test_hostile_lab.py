@@ -18,7 +18,7 @@ from specpipe.settings import COORDINATOR_PUB_FILE, Settings
 from specpipe.swarm import identity, inventory, streams, trust, wire
 from specpipe.swarm.clock import SwarmClock
 from tests.lab.conftest import run
-from tests.lab.test_join import ARGS, PROMPT, admit, join_argv, lab_env, nodes
+from tests.lab.test_join import ARGS, PROMPT, admit, join_argv, lab_env, nodes, one_process_tokens
 from tests.swarm.test_attacks import Tap
 from tests.waiting import wait_until
 
@@ -58,19 +58,7 @@ def test_a_hostile_host_harms_no_other_job_and_reads_nothing_after_its_revocatio
     )
     try:
         wait_until(lambda: any(n.host == "h2" for n in nodes(lab)), 90, "h2 to join")
-        local = run(
-            "generate",
-            PROMPT,
-            "--model",
-            str(tiny),
-            "--json",
-            "--local",
-            "--stages",
-            "2",
-            *ARGS,
-            env=lab_env(lab),
-        )
-        want = json.loads(local.output)["tokens"]
+        want = one_process_tokens(lab, tiny)
         assert generated(lab, tiny) == want
         hostile, config = as_host(lab, "h2", monkeypatch)
         node_key = inventory.node_key(SWARM, "h1")

@@ -15,7 +15,7 @@ import pytest
 
 from specpipe.swarm import credentials
 from tests.lab.conftest import run
-from tests.lab.test_join import ARGS, PROMPT, lab_env, nodes
+from tests.lab.test_join import ARGS, PROMPT, lab_env, nodes, one_process_tokens
 from tests.waiting import wait_until
 
 
@@ -89,18 +89,7 @@ def test_a_bare_host_joins_with_the_one_line_host_0_printed(lab, tiny, tmp_path)
             "Error: the registry refuses this invitation: it was used, expired or withdrawn"
         )
         # It serves: with its partner gone, a job goes through it, with the one-process tokens.
-        local = run(
-            "generate",
-            PROMPT,
-            "--model",
-            str(tiny),
-            "--json",
-            "--local",
-            "--stages",
-            "2",
-            *ARGS,
-            env=lab_env(lab),
-        )
+        want = one_process_tokens(lab, tiny)
         os.kill(lab.state["processes"]["h1-stage-h1"], signal.SIGKILL)
         wait_until(
             lambda: all(n.host != "h1" or n.status() != "online" for n in nodes(lab)),
@@ -109,7 +98,7 @@ def test_a_bare_host_joins_with_the_one_line_host_0_printed(lab, tiny, tmp_path)
         )
         result = run("generate", PROMPT, "--model", str(tiny), "--json", *ARGS, env=lab_env(lab))
         assert result.exit_code == 0, result.output
-        assert json.loads(result.stdout)["tokens"] == json.loads(local.output)["tokens"]
+        assert json.loads(result.stdout)["tokens"] == want
     finally:
         if joined.poll() is None:
             joined.terminate()

@@ -62,6 +62,25 @@ def join_argv(host, model, layers: str) -> list[str]:
     ]
 
 
+def one_process_tokens(lab, tiny) -> list[int]:
+    """The job's tokens from a one-process run of the same model split in two (the reference
+    every run through the lab must equal)."""
+    local = run(
+        "generate",
+        PROMPT,
+        "--model",
+        str(tiny),
+        "--json",
+        "--local",
+        "--stages",
+        "2",
+        *ARGS,
+        env=lab_env(lab),
+    )
+    assert local.exit_code == 0, local.output
+    return json.loads(local.output)["tokens"]
+
+
 def latest_job(lab) -> Job | None:
     with make_session_factory(lab.state["database_url"])() as session:
         return session.query(Job).order_by(Job.id.desc()).first()
@@ -122,19 +141,7 @@ def test_a_bare_host_joins_as_a_spare_and_takes_over_when_the_stage_dies(lab, ti
             n.host for n in nodes(lab) if n.layers == record.layers and n.host != bare.name
         )
 
-        local = run(
-            "generate",
-            PROMPT,
-            "--model",
-            str(tiny),
-            "--json",
-            "--local",
-            "--stages",
-            "2",
-            *ARGS,
-            env=lab_env(lab),
-        )
-        want = json.loads(local.output)["tokens"]
+        want = one_process_tokens(lab, tiny)
         out = {}
         thread = threading.Thread(
             target=lambda: out.update(
