@@ -13,7 +13,7 @@ write its own inventory record (`inventory.node_key`) and its own reply streams
 (`streams.reply_key` ends in its name), read the others' records, the roster and the registry's
 clock. No `EXPIRE` or `DEL` on anything but its own keys, no key of another type anywhere it
 does not own, no Lua, no channels. What it can still do is fill its own reply streams: host 0
-measures each host's keys on every beat (`over_quota`) and shuts out a host over its quota.
+measures each host's keys on every beat (`police`) and shuts out a host over its quota.
 """
 
 from __future__ import annotations

@@ -412,12 +412,12 @@ def read(client: redis.Redis, swarm: str, keys: Keys | None, now: float | None =
     roster = None
     if coordinator is not None:
         roster, _ = identity.read_roster(client, swarm, coordinator)
-    keys = record_keys(client, swarm, roster)
-    values = client.mget(keys) if keys else []
+    stored = record_keys(client, swarm, roster)
+    values = client.mget(stored) if stored else []
     now = SwarmClock(client).now() if now is None else now
     nodes, ignored = [], 0
     prefix = len(node_key(swarm, ""))
-    for key, value in zip(keys, values, strict=True):
+    for key, value in zip(stored, values, strict=True):
         if value is None:  # gone since the listing, or not a string (which no host can write)
             continue
         name = key[prefix:]
