@@ -93,12 +93,21 @@ def host_admit(name: str, public_key: str, sealing_key: str | None) -> None:
 @GRACE
 def host_revoke(name: str, grace_s: float) -> None:
     """On host 0: revoke host NAME. From the next read of the roster (within a heartbeat) its
-    records are ignored, its messages refused, and jobs route around it; the data keys are
-    rotated, the new one sealed to the remaining hosts only."""
-    from specpipe.ops import roster
+    records are ignored, its messages refused, and jobs route around it; its registry user is
+    deleted at once; the data keys are rotated, the new one sealed to the remaining hosts only.
+    An open invitation for NAME is withdrawn too."""
+    from specpipe.ops import invitations, roster
 
-    _on_registry(lambda client, swarm: roster.revoke(client, swarm, name, grace_s=grace_s))
-    click.echo(f"revoked {name}")
+    def revoke(client, swarm):
+        withdrawn = invitations.withdraw(client, swarm, name)
+        if withdrawn:
+            click.echo(f"withdrew the invitation of {name}")
+        if withdrawn and name not in roster.current(client, swarm, roster.coordinator()).hosts:
+            return
+        roster.revoke(client, swarm, name, grace_s=grace_s)
+        click.echo(f"revoked {name}")
+
+    _on_registry(revoke)
 
 
 @host.command(name="rotate")

@@ -303,6 +303,11 @@ def accept_invitation(
 
     try:
         invitation = invitations.parse(token)
+        if settings.swarm_name() not in (settings.DEFAULT_SWARM, invitation.swarm):
+            raise invitations.InvitationError(
+                f"the invitation is to swarm {invitation.swarm!r}, but SPECPIPE_SWARM (or this "
+                f"instance folder) names {settings.swarm_name()!r}"
+            )
         if host_name not in (None, invitation.host):
             raise invitations.InvitationError(
                 f"the invitation is for host {invitation.host!r}, not {host_name!r}"

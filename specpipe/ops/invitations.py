@@ -205,6 +205,16 @@ def _open(keeper: redis.Redis, swarm: str, host: str, expires_s: float, layers: 
     return secret
 
 
+def withdraw(client: redis.Redis, swarm: str, host: str, home: Path | None = None) -> bool:
+    """`host`'s open invitation withdrawn (its user, keys and secret deleted); whether there
+    was one."""
+    if not client.hexists(invitations_key(swarm), host):
+        return False
+    with roster.keeping(client, home) as keeper:
+        _drop(keeper, swarm, host)
+    return True
+
+
 def _drop(client: redis.Redis, swarm: str, host: str) -> None:
     """An invitation gone: its user (its connections closed), its keys, its secret."""
     client.execute_command("ACL", "DELUSER", user(swarm, host))

@@ -109,3 +109,30 @@ def test_up_says_in_one_line_when_its_roster_file_cannot_be_read(
         _admit_own_hosts(redis_url, swarm, ["a"])
     assert refused.value.message == "cannot admit the stages' keys: the roster is not signed"
     redis.Redis.from_url(redis_url).delete(identity.roster_key(swarm))
+
+
+def test_an_invitation_is_printed_on_one_line_and_revoking_the_name_withdraws_it(env):
+    from specpipe.ops import invitations
+
+    assert host("invite", "mn", env=env).output.strip().startswith("Error: no swarm CA in")
+    assert CliRunner().invoke(cli, ["ca", "init"], env=env).exit_code == 0
+    assert host("invite", "mn", env=env).output.strip().startswith("Error: no coordinator key")
+    assert host("init", env=env).exit_code == 0
+    for bad in (["--layers", "4:2"], ["--expires", "soon"]):
+        refused = host("invite", "mn", *bad, env=env)
+        assert refused.exit_code == 2 and "Invalid value" in refused.output
+    invited = host("invite", "mn", "--layers", "2:4", "--expires", "30m", env=env)
+    assert invited.exit_code == 0, invited.output
+    line = invited.output.strip()
+    invitation = invitations.parse(line)
+    assert invitation.host == "mn" and invitation.swarm == env["SPECPIPE_SWARM"]
+    client = redis.Redis.from_url(env["REDIS_URL"])
+    assert client.hexists(invitations.invitations_key(invitation.swarm), "mn")
+    withdrawn = host("revoke", "mn", env=env)
+    assert withdrawn.exit_code == 0, withdrawn.output
+    assert withdrawn.output.strip() == "withdrew the invitation of mn"  # it was never admitted
+    assert not client.hexists(invitations.invitations_key(invitation.swarm), "mn")
+    users = {u.decode() for u in client.execute_command("ACL", "USERS")}
+    assert invitations.user(invitation.swarm, "mn") not in users
+    client.close()
+    assert host("revoke", "mn", env=env).output.strip() == "Error: 'mn' is not admitted"

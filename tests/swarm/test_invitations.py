@@ -220,3 +220,26 @@ def test_host_0_refuses_a_name_no_host_may_have(host0):
     for name in ("coordinator", "a b", "x*"):
         with pytest.raises(InvitationError):
             make(host0, name)
+
+
+def test_join_refuses_in_one_line_a_damaged_line_and_one_to_another_swarm(tmp_path):
+    from click.testing import CliRunner
+
+    from specpipe.cli import cli
+
+    coordinator = Signer("coordinator", Ed25519PrivateKey.generate(), X25519PrivateKey.generate())
+    pin = identity.pin_text(coordinator)
+    line = invitations.Invitation("redis://127.0.0.1:1/0", "ab" * 32, pin, "s1", "mn", "00" * 32)
+    env = {"SPECPIPE_HOME": str(tmp_path), "SPECPIPE_SWARM": "s2"}
+    for token, said in (
+        (
+            line.token(),
+            "the invitation is to swarm 's1', but SPECPIPE_SWARM (or this instance "
+            "folder) names 's2'",
+        ),
+        (line.token()[:-9], "the invitation is damaged: copy the whole line again"),
+    ):
+        result = CliRunner().invoke(cli, ["join", token], env=env)
+        assert result.exit_code == 1
+        assert result.output.strip().splitlines()[-1] == f"Error: {said}"
+    assert not (tmp_path / "host_keys").exists()  # nothing made
