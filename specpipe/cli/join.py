@@ -19,7 +19,7 @@ import click
 
 from specpipe.cli.checkpoints import ModelInputError
 from specpipe.cli.options import compute_options, layer_range
-from specpipe.cli.worker import check_reachable, configure_logging, serve_stage, swarm_keyring
+from specpipe.cli.worker import configure_logging, serve_stage, swarm_keyring
 
 if TYPE_CHECKING:
     from specpipe.ops.redis_server import RedisServer, TlsFiles
@@ -455,30 +455,23 @@ def own_registry_url(config: Settings, host_name: str, keys: Keyring, url: str) 
     """`url`, the registry, as this host dials it: as its own user (`trust.registry_url`); a
     one-line ClickException when it cannot be reached, or refuses that user (host 0 made it
     none: this host is not admitted, and the line says what to run there)."""
-    from specpipe.swarm import trust
-
-    own = trust.registry_url(config, host_name, url)
-    if own != url and not registry_admits(own):
-        check_admitted(host_name, keys, None)
-    check_reachable(own, "the registry")
-    return own
-
-
-def registry_admits(url: str) -> bool:
-    """Whether the registry at `url` takes the user and password it names (False only when it
-    refuses them: one that cannot be reached is `check_reachable`'s to say)."""
     import redis
 
-    client = redis.Redis.from_url(url, socket_connect_timeout=3)
+    from specpipe.swarm import trust
+    from specpipe.swarm.redact import redact_url
+
+    own = trust.registry_url(config, host_name, url)
+    client = redis.Redis.from_url(own, socket_connect_timeout=3)
     try:
         client.ping()
-    except redis.AuthenticationError:
-        return False
-    except redis.RedisError:
-        return True
+    except redis.RedisError as exc:
+        if own != url and isinstance(exc, redis.AuthenticationError):
+            check_admitted(host_name, keys, None)
+        where = redact_url(own)
+        raise click.ClickException(f"cannot reach the registry at {where}: {exc}") from None
     finally:
         client.close()
-    return True
+    return own
 
 
 def check_admitted(host_name: str, keys, roster) -> None:

@@ -287,8 +287,7 @@ def _answer(
     if len(raw) > MAX_REQUEST_BYTES:
         raise InvitationError("over its size limit")
     body, _, tag = raw.rpartition(b" ")
-    expected = hmac.new(bytes.fromhex(record["secret"]), body, hashlib.sha256).hexdigest()
-    if not hmac.compare_digest(tag, expected.encode()):
+    if not hmac.compare_digest(tag, _tag(record["secret"], body)):
         raise InvitationError("not made with the invitation's secret")
     try:
         request = json.loads(body)
@@ -308,15 +307,10 @@ def _answer(
         "shared": shared,
     }
     sealed = datakeys.seal(
-        json.dumps(content).encode(), sealing_key, ANSWER_INFO, _associated(swarm, host)
+        json.dumps(content).encode(), sealing_key, ANSWER_INFO, credentials.scope(swarm, host)
     )
     signer = roster.coordinator(home)
-    return signer.sign(ANSWER_CONTEXT + _associated(swarm, host) + sealed) + sealed
-
-
-def _associated(swarm: str, host: str) -> bytes:
-    parts = [swarm.encode(), host.encode()]
-    return b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+    return signer.sign(ANSWER_CONTEXT + credentials.scope(swarm, host) + sealed) + sealed
 
 
 # The new host's side.
@@ -351,8 +345,12 @@ def request(
         },
         sort_keys=True,
     ).encode()
-    tag = hmac.new(bytes.fromhex(invitation.secret), body, hashlib.sha256).hexdigest()
-    return body + b" " + tag.encode()
+    return body + b" " + _tag(invitation.secret, body)
+
+
+def _tag(secret: str, body: bytes) -> bytes:
+    """A request's HMAC-SHA256 under the invitation's secret (hex)."""
+    return hmac.new(bytes.fromhex(secret), body, hashlib.sha256).hexdigest().encode()
 
 
 def redeem(
@@ -397,18 +395,15 @@ def redeem(
 def _bootstrap_url(invitation: Invitation) -> str:
     """The registry's address as the invitation's user. Over TLS, the server is not verified on
     this link (the CA comes with the answer): nothing on it is of use to another."""
-    auth = (
-        f"{quote(user(invitation.swarm, invitation.host), safe='')}:{password(invitation.secret)}@"
-    )
-    start = invitation.registry.index("//") + 2
-    url = invitation.registry[:start] + auth + invitation.registry[start:]
+    name = user(invitation.swarm, invitation.host)
+    url = credentials.with_user(invitation.registry, name, password(invitation.secret))
     return url + "?ssl_cert_reqs=none" if url.startswith("rediss://") else url
 
 
 def _opened(invitation: Invitation, sealing: X25519PrivateKey, raw: bytes) -> Answer:
     coordinator, _ = identity.pinned(invitation.pin)
     signature, sealed = raw[: identity.SIGNATURE_BYTES], raw[identity.SIGNATURE_BYTES :]
-    associated = _associated(invitation.swarm, invitation.host)
+    associated = credentials.scope(invitation.swarm, invitation.host)
     if not identity.verifies(coordinator, signature, ANSWER_CONTEXT + associated + sealed):
         raise InvitationError("the answer is not signed by the coordinator the invitation names")
     try:

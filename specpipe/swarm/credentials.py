@@ -52,11 +52,13 @@ def user(swarm: str, host: str) -> str:
 def registry_password(own: X25519PrivateKey, other: X25519PublicKey, swarm: str, host: str) -> str:
     """Host `host`'s password on `swarm`'s registry: the host computes it with its own sealing
     key and the coordinator's public one, host 0 with the coordinator's and the host's."""
-    hkdf = HKDF(hashes.SHA256(), length=32, salt=None, info=PASSWORD_INFO + _scope(swarm, host))
+    hkdf = HKDF(hashes.SHA256(), length=32, salt=None, info=PASSWORD_INFO + scope(swarm, host))
     return hkdf.derive(own.exchange(other)).hex()
 
 
-def _scope(swarm: str, host: str) -> bytes:
+def scope(swarm: str, host: str) -> bytes:
+    """The swarm's and the host's names, each length-prefixed: what binds a derived secret or a
+    sealed answer to them."""
     parts = [swarm.encode(), host.encode()]
     return b"".join(len(p).to_bytes(4, "big") + p for p in parts)
 
@@ -90,12 +92,15 @@ def rules(swarm: str, host: str, password_sha256: str) -> list[str]:
 def registry_url(url: str, swarm: str, host: str, password: str) -> str:
     """`url` (the registry's address) with the user and password of `swarm`'s host `host`; a
     URL that already names a user is left as it is (an operator's own)."""
-    parts = urlsplit(url)
-    if parts.username or "//" not in url:
+    return with_user(url, user(swarm, host), password)
+
+
+def with_user(url: str, name: str, password: str) -> str:
+    """`url` with the user `name` and `password`, unless it names a user already."""
+    if urlsplit(url).username or "//" not in url:
         return url
-    auth = f"{quote(user(swarm, host), safe='')}:{quote(password, safe='')}@"
     start = url.index("//") + 2
-    return url[:start] + auth + url[start:]
+    return f"{url[:start]}{quote(name, safe='')}:{quote(password, safe='')}@{url[start:]}"
 
 
 def shut_out_key(swarm: str) -> str:
