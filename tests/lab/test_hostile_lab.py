@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from specpipe.settings import COORDINATOR_PUB_FILE, Settings
-from specpipe.swarm import identity, inventory, streams, trust, wire
+from specpipe.swarm import credentials, identity, inventory, streams, trust, wire
 from specpipe.swarm.clock import SwarmClock
 from tests.lab.conftest import run
 from tests.lab.test_join import ARGS, PROMPT, admit, join_argv, lab_env, nodes, one_process_tokens
@@ -90,12 +90,16 @@ def test_a_hostile_host_harms_no_other_job_and_reads_nothing_after_its_revocatio
         except redis.RedisError:
             pass  # shut out while it wrote
         admin = lab.admin_redis(lab.hosts()[0])
+        # The beat deletes the user first, then the streams: wait for both.
         wait_until(
-            lambda: f"h2@{SWARM}".encode() not in admin.execute_command("ACL", "USERS"),
+            lambda: (
+                f"h2@{SWARM}".encode() not in admin.execute_command("ACL", "USERS")
+                and not list(admin.scan_iter(match=streams.reply_key(SWARM, "flood*", "h2")))
+            ),
             30,
-            "the beat to shut h2 out",
+            "the beat to shut h2 out and delete its streams",
         )
-        assert not list(admin.scan_iter(match=streams.reply_key(SWARM, "flood*", "h2")))
+        assert admin.hget(credentials.shut_out_key(SWARM), "h2") is not None
         with pytest.raises(redis.RedisError):
             as_host(lab, "h2", monkeypatch)[0].ping()
         assert generated(lab, tiny) == want
