@@ -228,12 +228,14 @@ class StageCollector(Collector):
             current_app.config["REDIS_URL"], socket_connect_timeout=1, socket_timeout=2
         )
         try:
-            nodes = inventory.read(client, swarm, keys).nodes
+            read = inventory.read(client, swarm, keys)
         except (redis.RedisError, ValueError):
             return {}
         finally:
             client.close()
-        found = streams.read_stages_stats([(n.host, n.redis_url) for n in nodes], swarm)
+        found = streams.read_stages_stats(
+            [(n.host, n.redis_url) for n in read.nodes], swarm, roster=read.roster
+        )
         return {host: stats for host, stats in found.items() if stats is not None}
 
 

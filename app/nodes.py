@@ -88,7 +88,10 @@ def live_inventory(keys: Keyring) -> tuple[int | None, inventory.RingLatency | N
     if ring is None:
         return found.ignored, None
     stats = streams.read_stages_stats(
-        [(n.host, n.redis_url) for n in ring], current_app.config["SWARM"], timeout_s=1.0
+        [(n.host, n.redis_url) for n in ring],
+        current_app.config["SWARM"],
+        timeout_s=1.0,
+        roster=found.roster,
     )
     return found.ignored, inventory.ring_latency(ring, stats)
 

@@ -16,7 +16,7 @@ from specpipe import settings as settings_module
 from specpipe.ops import certificates, invitations, roster
 from specpipe.ops.certificates import CA_FOLDER
 from specpipe.settings import Settings
-from specpipe.swarm import inventory, latency, mending, trust
+from specpipe.swarm import datakeys, inventory, latency, mending, trust
 from specpipe.swarm.dialing import Dialer
 from specpipe.swarm.redact import redact_url
 from workers.names import SYNC_NODES_TASK
@@ -66,15 +66,21 @@ def keep_registry_users(client: redis.Redis, settings: Settings) -> None:
 
 def answer_invitations(client: redis.Redis, settings: Settings) -> None:
     """On host 0 with a swarm CA, each invitation redeemed since the last beat answered
-    (`invitations.answer_pending`): the host admitted, its certificate signed, and what every
-    host still shares sealed to it. A failure is logged; the rest of the beat goes on."""
+    (`invitations.answer_pending`): the host admitted and its certificate signed. Nothing
+    shared goes with it where the roster's data keys seal (the host's own copies are in the
+    roster, and it derives its passwords); only a swarm still sealing with the swarm key (an
+    admitted host without a sealing key) hands that out, sealed to the new host. A failure is
+    logged; the rest of the beat goes on."""
     ca = certificates.Authority.in_dir(settings.home / CA_FOLDER)
     if not ca.cert.exists() or not settings_module.coordinator_key_path(settings.home).exists():
         return
-    shared = {settings_module.SWARM_KEY_FILE: settings.swarm_key}
-    if settings.redis_password:
-        shared[settings_module.REDIS_PASSWORD_FILE] = settings.redis_password
     try:
+        current = roster.current(
+            client, settings.swarm, roster.coordinator(settings.home), settings.home
+        )
+        shared = {}
+        if not datakeys.uses_data_keys(current) and settings.swarm_key:
+            shared[settings_module.SWARM_KEY_FILE] = settings.swarm_key
         invitations.answer_pending(client, settings.swarm, ca=ca, home=settings.home, shared=shared)
     except (ValueError, OSError, redis.ResponseError) as exc:
         log.warning("cannot answer the invitations: %s", exc)
@@ -95,7 +101,9 @@ def sync(self) -> int:
         found = inventory.read(client, settings.swarm, trust.keyring(settings))
         nodes = found.nodes
         online = [node for node in nodes if node.status(found.now) == "online"]
-        latency.refresh(client, settings.swarm, online, Dialer.for_settings(settings))
+        dialer = Dialer.for_settings(settings)
+        dialer.learn(found.roster)  # each host's key, to log in to its Redis as the coordinator
+        latency.refresh(client, settings.swarm, online, dialer)
     finally:
         client.close()
     count = sync_inventory(self.session, nodes)

@@ -37,17 +37,15 @@ MEASURE_S = 1.5  # long enough for every stage to beat (0.5 s) with its latest t
 
 def lab_settings(lab: Lab) -> Settings:
     """Settings pointing at `lab`: its registry, swarm, key and folder (the coordinator's key,
-    and the pin of it), the data-plane password its hosts' Redis servers take and the CA their
-    TLS servers verify against (this process is none of the lab's, so its own environment has
-    none of these)."""
+    and the pin of it: it logs in to the hosts' Redis as the coordinator) and the CA their TLS
+    servers verify against (this process is none of the lab's, so its own environment has none
+    of these)."""
     key = (lab.home / SWARM_KEY_FILE).read_text().strip()
     pin = (lab.home / COORDINATOR_PUB_FILE).read_text().strip()
     settings = Settings.from_env().for_swarm(
         lab.state["registry_url"], lab.state["swarm"], key, coordinator_public_key=pin
     )
-    return replace(
-        settings, home=lab.home, redis_password=lab.data_password(), tls_ca=str(lab.ca_cert())
-    )
+    return replace(settings, home=lab.home, redis_password=None, tls_ca=str(lab.ca_cert()))
 
 
 def ring_latency_now(
@@ -64,7 +62,11 @@ def ring_latency_now(
     if ring is None:
         return None
     stats = streams.read_stages_stats(
-        [(n.host, n.redis_url) for n in ring], settings.swarm, 5.0, Dialer.for_settings(settings)
+        [(n.host, n.redis_url) for n in ring],
+        settings.swarm,
+        5.0,
+        Dialer.for_settings(settings),
+        found.roster,
     )
     return with_link_delays(inventory.ring_latency(ring, stats), link_delays_ms)
 

@@ -230,15 +230,15 @@ def join(
         layers = layers or invited
     model_name = model_name or settings.default_model()
     config = settings.Settings.from_env()
-    if not config.swarm_key:
-        raise click.ClickException(
-            "no swarm key: set SPECPIPE_SWARM_KEY or SPECPIPE_SWARM_KEY_FILE"
-        )
     registry_url = registry_url or settings.registry_url()
     if not registry_url:
         raise click.ClickException("no registry: pass --registry URL or set SPECPIPE_REGISTRY_URL")
     redis_url = redis_url or settings.configured_redis_url()
     config, folder = with_tls_folder(config, tls_dir, insecure_shared_key)
+    if not config.swarm_key and config.coordinator_public_key is None:
+        raise click.ClickException(  # only a swarm without host identities seals with one
+            "no swarm key: set SPECPIPE_SWARM_KEY or SPECPIPE_SWARM_KEY_FILE"
+        )
     tls = None
     if redis_url is None and not insecure_no_tls:
         tls = tls_files(folder)
@@ -252,7 +252,7 @@ def join(
     check_admitted(host_name, keys, found.roster)
     check_name_free(host_name, found)
     if layers is None:
-        start, end, why = auto_layers(found, n_layers, label, config, registry_url)
+        start, end, why = auto_layers(found, n_layers, label, config, registry_url, host_name)
     else:
         start, end = layers
         if end > n_layers:
@@ -262,7 +262,8 @@ def join(
     server = None
     check_link(redis_url, tls, address, port)
     if redis_url is None:
-        server = own_redis(address, port, tls, accept_backported_redis)
+        shared = config.coordinator_public_key is None  # a swarm without host identities
+        server = own_redis(address, port, tls, accept_backported_redis, shared)
         redis_url = start_redis(server)
     click.echo(
         f"joining swarm {config.swarm!r} as {host_name}: layers {start}:{end} ({why}), "
@@ -392,7 +393,12 @@ def check_name_free(host_name: str, found: Inventory) -> None:
 
 
 def auto_layers(
-    found: Inventory, n_layers: int, label: str, config: Settings, registry_url: str
+    found: Inventory,
+    n_layers: int,
+    label: str,
+    config: Settings,
+    registry_url: str,
+    host_name: str | None = None,
 ) -> tuple[int, int, str]:
     """The layer range to serve when asked for `auto`, and why (`inventory.choose_layers`,
     weighing the rounds each stage has processed, from its own Redis)."""
@@ -402,17 +408,20 @@ def auto_layers(
     stats = streams.read_stages_stats(
         [(n.host, n.redis_url) for n in found.nodes],
         config.swarm,
-        dialer=Dialer.for_settings(config, registry_url),
+        dialer=Dialer.for_settings(config, registry_url, as_host=host_name),
+        roster=found.roster,
     )
     load = {host: int(stat.get("processed", 0)) for host, stat in stats.items() if stat}
     return inventory.choose_layers(found.nodes, n_layers, label, load, found.now)
 
 
 def own_redis(
-    address: str, port: int, tls: TlsFiles | None, accept_backported: bool
+    address: str, port: int, tls: TlsFiles | None, accept_backported: bool, shared: bool = False
 ) -> RedisServer:
-    """The Redis this host starts on `address`:`port`: its own user's password stays here; the
-    other hosts dial it with the data-plane one."""
+    """The Redis this host starts on `address`:`port`: its own user's password and its
+    keeper's stay here; the stage makes each other host a user of its own there
+    (`specpipe.swarm.peering`), or, in a swarm without host identities (`shared`), the other
+    hosts dial it with the swarm-wide data-plane password."""
     from specpipe import settings
     from specpipe.ops.redis_server import RedisServer
 
@@ -424,7 +433,8 @@ def own_redis(
         maxmemory=settings.redis_maxmemory(),
         tls=tls,
         accept_backported=accept_backported or settings.accept_backported_redis(),
-        peer_password=settings.ensure_redis_password(),
+        peer_password=settings.ensure_redis_password() if shared else None,
+        keeper_password=settings.ensure_keeper_password(),
     )
 
 

@@ -74,7 +74,7 @@ def nodes(redis_url: str | None, swarm: str | None, as_json: bool) -> None:
     found = _verified_inventory(redis_url, swarm)
     if warning := inventory.inexact_warning(found.nodes):
         click.echo(f"warning: {warning}", err=True)
-    records = _records(found.nodes, swarm, found.now)
+    records = _records(found.nodes, swarm, found.now, found.roster)
     stats = {r["host"]: r["stats"] for r in records}
     latency = _latency(found, stats)
     if as_json:
@@ -157,14 +157,14 @@ def _latency(found, stats: dict):
     return inventory.ring_latency(ring, stats) if ring else None
 
 
-def _records(found: list, swarm: str, now: float) -> list[dict]:
+def _records(found: list, swarm: str, now: float, roster=None) -> list[dict]:
     """The nodes in ring order as JSON-ready dicts, each with its status at `now` (swarm time)
     and stage stats."""
     from specpipe.swarm import inventory, streams
     from specpipe.swarm.redact import redact_url
 
     nodes = inventory.with_roles(found)
-    stats = streams.read_stages_stats([(n.host, n.redis_url) for n in nodes], swarm)
+    stats = streams.read_stages_stats([(n.host, n.redis_url) for n in nodes], swarm, roster=roster)
     return [
         {
             **asdict(node),

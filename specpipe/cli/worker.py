@@ -146,13 +146,14 @@ def serve_stage(
     from specpipe import settings
     from specpipe.drafting.head import DraftHeadError, load_with_head
     from specpipe.swarm import inventory, trust
+    from specpipe.swarm.dialing import own_peering
     from specpipe.swarm.stage.worker import WorkerConfig, run
     from specpipe.transformer.errors import ModelError
     from specpipe.transformer.layer_range import load_stage
     from specpipe.transformer.resolve import model_label, open_checkpoint
 
     config = config or settings.Settings.from_env()
-    if not config.swarm_key:
+    if not config.swarm_key and config.coordinator_public_key is None:
         raise click.ClickException(
             "no swarm key: set SPECPIPE_SWARM_KEY (or run `specpipe up`, which keeps one)"
         )
@@ -205,10 +206,28 @@ def serve_stage(
             tail_sampling=tail_sampling(),
             redis_password=config.redis_password,
             tls_ca=config.tls_ca,
+            peering=own_peering(config, host),
+            keeper_url=keeper_url(config, redis_url, registry_url),
         ),
         node,
         head,
     )
+
+
+def keeper_url(config: Settings, redis_url: str, registry_url: str | None) -> str | None:
+    """The stage's own Redis as its keeper, who makes the other hosts' users there: where this
+    host's instance folder holds a keeper password and the Redis is not the registry (whose
+    users host 0 keeps)."""
+    from specpipe import settings
+    from specpipe.ops.redis_server import KEEPER_USER
+    from specpipe.swarm.credentials import with_user
+    from specpipe.swarm.redact import without_credentials
+
+    password = settings.keeper_password(config.home)
+    bare = without_credentials(redis_url)
+    if not password or not registry_url or without_credentials(registry_url) == bare:
+        return None
+    return with_user(bare, KEEPER_USER, password)
 
 
 @worker.command(name="coordinator")

@@ -6,11 +6,12 @@ swarm CA, every host's TLS folder, the secrets and passwords in the lab's folder
 its processes itself: per host its own Redis (host 1's speaks TLS only: every process verifies
 it against its host's copy of the CA, and a `join` on a bare host starts a TLS Redis with its
 host's files) and, on the hosts that serve, its own stage worker. Each Redis has its host's own
-user, whose password only that host's processes are given, and the peer user, whose password
-is the swarm's one data-plane password, which each process adds to the other hosts' addresses
-it dials. Host 0 also runs the swarm's registry and broker (its Redis, which the other hosts
-reach each as a user of its own, `specpipe.swarm.credentials`), the coordinator, beat and
-the web app, with a SQLite store in the lab's folder. The kernel here has no netem: a link's
+user, whose password only that host's processes are given, its keeper, and a user for each
+other host that writes to it, which its stage makes from the roster with the password that
+pair derives (`specpipe.swarm.peering`). Host 0 also runs the swarm's registry and broker
+(its Redis, which the other hosts reach each as a user of its own,
+`specpipe.swarm.credentials`), the coordinator, beat and the web app, with a SQLite store in
+the lab's folder. The kernel here has no netem: a link's
 latency is the sending stage's own (`specpipe.ops.link_delay`: the lab starts its stages with
 `python -m specpipe.cli.delayed_stage --link-delay-ms`). Hosts beyond the serving ones
 (`idle`) get a namespace and nothing else: a place to run `specpipe join`, which starts the
@@ -293,10 +294,6 @@ class Lab:
         state = self.state or self.load()
         return dict(zip((h.name for h in self.hosts()), state["link_delays_ms"], strict=False))
 
-    def data_password(self) -> str:
-        """The swarm's data-plane password: what every host's Redis takes for its peer user."""
-        return self.trust.data_password()
-
     def admin_redis(self, host: Host) -> redis.Redis:
         """A client of `host`'s Redis as the lab's admin user (every command), over its unix
         socket: the same for a TLS-only server."""
@@ -319,8 +316,7 @@ class Lab:
             password=self.trust.own_password(directory),
             host=address,
             tls=tls,
-            peer_password=self.trust.data_password(),
-            keeper_password=self.trust.keeper_password() if index == 0 else None,
+            keeper_password=self.trust.keeper_password(),
         )
         with open(server.config_path, "a") as acl:
             acl.write(self.trust.admin_acl())

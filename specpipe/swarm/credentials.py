@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from specpipe.swarm.identity import Roster, sealing_public_key
+from specpipe.swarm.values import text
 
 PASSWORD_INFO = b"specpipe registry password v1\x00"
 # A name that can go into an ACL key pattern as it is: no glob characters, no spaces.
@@ -116,7 +117,7 @@ def sync(
     host shut out until after `now` (swarm time): each made afresh with its derived password,
     any other user of this swarm's deleted (Redis closes its connections). The users made and the
     users deleted."""
-    shut = {_text(h): float(u) for h, u in client.hgetall(shut_out_key(roster.swarm)).items()}
+    shut = {text(h): float(u) for h, u in client.hgetall(shut_out_key(roster.swarm)).items()}
     wanted = {}
     for host, sealing_hex in roster.sealing.items():
         if shut.get(host, 0.0) > now or not SAFE_NAME.fullmatch(host):
@@ -126,7 +127,7 @@ def sync(
         )
         digest = hashlib.sha256(password.encode()).hexdigest()
         wanted[user(roster.swarm, host)] = rules(roster.swarm, host, digest)
-    existing = {_text(name) for name in client.execute_command("ACL", "USERS")}
+    existing = {text(name) for name in client.execute_command("ACL", "USERS")}
     for name, acl in wanted.items():
         client.execute_command("ACL", "SETUSER", name, *acl)
     ours = f"@{roster.swarm}"
@@ -142,7 +143,7 @@ def usage(client: redis.Redis, swarm: str) -> dict[str, int]:
     host name, for the hosts that have any."""
     used: dict[str, int] = {}
     for key in client.scan_iter(match=f"specpipe:{swarm}:reply:*@*", count=1000):
-        host = _text(key).rpartition("@")[2]
+        host = text(key).rpartition("@")[2]
         used[host] = used.get(host, 0) + (client.memory_usage(key, samples=0) or 0)
     for host in list(used):
         used[host] += client.memory_usage(f"specpipe:{swarm}:node:{host}", samples=0) or 0
@@ -174,7 +175,3 @@ def police(
             shut_s,
         )
     return over
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -59,6 +59,7 @@ from specpipe import __version__
 from specpipe.swarm import identity, latency
 from specpipe.swarm.clock import SwarmClock
 from specpipe.swarm.redact import has_credentials, redact_url
+from specpipe.swarm.values import text
 from specpipe.swarm.wire import Keyring
 
 # How a stage whose tail samples with the product's lossless samplers says so in its record.
@@ -98,15 +99,11 @@ def record_keys(client: redis.Redis, swarm: str, roster: identity.Roster | None)
     keys (host 0's), else those of the hosts `roster` admits (a stage host's registry user reads
     records by name only)."""
     try:
-        return sorted(_text(k) for k in client.scan_iter(match=node_key(swarm, "*"), count=1000))
+        return sorted(text(k) for k in client.scan_iter(match=node_key(swarm, "*"), count=1000))
     except redis.exceptions.NoPermissionError:
         if roster is None:
             raise
         return [node_key(swarm, host) for host in sorted(roster.hosts)]
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 class RouteError(RuntimeError):

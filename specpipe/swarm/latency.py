@@ -57,7 +57,7 @@ def measure(addresses: Mapping[str, str], dialer: Dialer) -> dict[str, float]:
     this process dials it; hosts that did not answer are left out."""
     table = {}
     for host, address in addresses.items():
-        ms = ping_ms(dialer.url(address))
+        ms = ping_ms(dialer.url(address, host))
         if ms is not None:
             table[host] = round(ms, 3)
     return table

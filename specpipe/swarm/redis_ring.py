@@ -217,6 +217,7 @@ class RedisRing:
         keys = keys.with_roster(found.roster)
         reply = reply_url or registry
         dialer = Dialer.for_settings(settings, registry, reply)
+        dialer.learn(found.roster, found.nodes)  # whose each address is, to log in there
         return cls(
             route, settings.swarm, keys, reply, dialer=dialer, registry_url=registry, **options
         )

@@ -31,6 +31,8 @@ import redis
 from hiredis import pack_command
 
 from specpipe.swarm.dialing import Dialer
+from specpipe.swarm.identity import Roster
+from specpipe.swarm.values import text
 
 FIELD = b"m"  # the one field of every entry: the wire message
 GROUP = "stage"
@@ -83,19 +85,24 @@ def read_stages_stats(
     swarm: str,
     timeout_s: float = 2.0,
     dialer: Dialer | None = None,
+    roster: Roster | None = None,
 ) -> dict[str, dict[str, float] | None]:
     """Each stage's stats by host, read from its own Redis, for `(host, address)` pairs; None
     for a stage whose Redis does not answer within `timeout_s`. One client per Redis: the
     stages of a one-machine swarm share one. The addresses are dialled with `dialer`, by default
-    with the credentials this process's environment configures."""
+    with the credentials this process's environment configures, as each host's own user there
+    where `roster` gives its key."""
     dialer = dialer or Dialer.from_env()
+    dialer.learn(roster)
     clients: dict[str, redis.Redis] = {}
     found: dict[str, dict[str, float] | None] = {}
     try:
         for host, url in stages:
             if url not in clients:
                 clients[url] = redis.Redis.from_url(
-                    dialer.url(url), socket_connect_timeout=timeout_s / 2, socket_timeout=timeout_s
+                    dialer.url(url, host),
+                    socket_connect_timeout=timeout_s / 2,
+                    socket_timeout=timeout_s,
                 )
             try:
                 found[host] = read_stats(clients[url], swarm, host)
@@ -185,7 +192,7 @@ def keyed_entries(reply) -> list[tuple[str, bytes, bytes | None]]:
             fields = fields or {}
             if isinstance(fields, list):  # [field, value, field, value, …]
                 fields = dict(zip(fields[::2], fields[1::2], strict=True))
-            out.append((_text(key), entry_id, fields.get(FIELD)))
+            out.append((text(key), entry_id, fields.get(FIELD)))
     return out
 
 
@@ -429,9 +436,9 @@ class StreamConsumer:
         self._unacked.clear()
         entries = []
         for flat, dropped, _ in replies:
-            self.dropped.extend(_text(reason) for reason in dropped)
+            self.dropped.extend(text(reason) for reason in dropped)
             entries += zip(flat[::2], flat[1::2], strict=True)
-        return entries, _text(replies[0][2])
+        return entries, text(replies[0][2])
 
     def _autoclaim(self, count: int) -> bool:
         """Take over entries another consumer left idle; whether there were any."""
@@ -450,12 +457,8 @@ class StreamConsumer:
             "JUSTID",
         )
         reply = self.link.call(claim)[0]
-        self._claim_from = _text(reply[0])
+        self._claim_from = text(reply[0])
         return bool(reply[1])
 
 
 READ_BUDGET_ENTRIES = 2  # one read takes at most about this many largest messages' bytes
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

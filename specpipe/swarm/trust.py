@@ -28,10 +28,11 @@ _warned = False  # the opt-out's warning is given once per process, not at every
 
 def keyring(settings: Settings, signer: str | None = None) -> wire.Keyring:
     """`settings`' keyring, signing as `signer` (a host's name, or `identity.COORDINATOR`; None:
-    it only reads and verifies). WireError without a swarm key; IdentityError when no
-    coordinator key is pinned (`check_pinned`) or it cannot be read, or the coordinator signs on
-    a host without its key."""
-    if not settings.accepted_swarm_keys:
+    it only reads and verifies). WireError without a swarm key where no coordinator key is
+    pinned (with one, the roster's data keys seal: a stage host holds no swarm key);
+    IdentityError when no coordinator key is pinned (`check_pinned`) or it cannot be read, or
+    the coordinator signs on a host without its key."""
+    if not settings.accepted_swarm_keys and settings.coordinator_public_key is None:
         raise wire.WireError("no swarm key: set SPECPIPE_SWARM_KEY")
     check_pinned(settings)
     if settings.coordinator_public_key is None:  # the operator opted out

@@ -278,9 +278,10 @@ class Keyring:
         roster: identity.Roster | None = None,
     ) -> None:
         encoded = [k.encode() if isinstance(k, str) else bytes(k) for k in keys]
-        if not encoded or not all(encoded):
+        # With identities a host needs no swarm key: data keys seal, host keys sign.
+        if (not encoded and coordinator is None) or not all(encoded):
             raise WireError("no swarm key: set SPECPIPE_SWARM_KEY")
-        self.current = encoded[0]  # the swarm key (it signs records without identities)
+        self.current = encoded[0] if encoded else None  # signs records without identities
         self.accepted = tuple(encoded)  # the sealing key first, then the old ones
         self.signer = signer
         self.coordinator = coordinator

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -71,6 +72,11 @@ def test_a_bare_host_joins_with_the_one_line_host_0_printed(lab, tiny, tmp_path)
         ]
         users = {u.decode() for u in admin_users(lab)}
         assert credentials.user("lab", bare.name) in users
+        # What it holds is its own: no secret of host 0's (nor the swarm key, nor a
+        # data-plane password) in its folder, the CA's certificate and the pin aside.
+        held = credentials_in(home)
+        assert {"swarm_key", "redis_password"}.isdisjoint(p.name for p in home.iterdir())
+        assert held and not held & credentials_in(lab.home, skip={home})
         wait_until(  # spent: its user gone at host 0's next beat
             lambda: not [u for u in admin_users(lab) if u.startswith(b"invite/")],
             30,
@@ -103,6 +109,21 @@ def test_a_bare_host_joins_with_the_one_line_host_0_printed(lab, tiny, tmp_path)
         if joined.poll() is None:
             joined.terminate()
             joined.wait(20)
+
+
+PUBLIC = ("ca.pem", "coordinator.pub", "redis.pem")  # what any host may show anyone
+
+
+def credentials_in(folder, skip=()) -> set[str]:
+    """Every secret-looking value in the files under `folder` (but `skip`, and the public
+    ones): each key's PEM body, and each run of 32 or more hex digits or base64 signs."""
+    found = set()
+    for path in folder.rglob("*"):
+        if not path.is_file() or path.name in PUBLIC or any(s in path.parents for s in skip):
+            continue
+        text = path.read_bytes().decode("latin-1")
+        found |= set(re.findall(r"[A-Za-z0-9+/=]{32,}", text))
+    return found
 
 
 def admin_users(lab) -> list[bytes]:

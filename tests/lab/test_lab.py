@@ -15,8 +15,8 @@ import redis
 from specpipe.ops import certificates
 from specpipe.ops.lab_hosts import Lab
 from specpipe.settings import COORDINATOR_PUB_FILE, Settings
-from specpipe.swarm import inventory, streams, trust
-from specpipe.swarm.dialing import Dialer
+from specpipe.swarm import identity, inventory, streams, trust
+from specpipe.swarm.dialing import Dialer, own_peering
 from specpipe.swarm.redact import without_credentials
 from tests.lab.conftest import need_lab, run
 
@@ -63,21 +63,33 @@ def test_every_host_has_its_own_namespace_address_and_redis(lab):
 def test_what_other_hosts_hold_reaches_only_a_stages_stream_and_the_registrys_keys(
     lab, monkeypatch
 ):
-    """Each host's own user's password is its own; with the data-plane password, as another
-    host dials it, a host's Redis takes a message for its stage and shows none; the other hosts
-    reach the registry as its user for them. On main the data-plane password was every host's
-    `specpipe` password, and the registry's too."""
+    """Each host's own user's password is its own; another host (and the coordinator) dials a
+    stage host's Redis as its own user there, with the password that pair derives, which takes
+    a message for the stage and shows none, and which opens it as no other user; the
+    swarm-wide peer user is gone. The other hosts reach the registry as its user for them."""
     hosts = lab.hosts()
-    data = lab.data_password()
-    assert len({h.redis_url for h in hosts[:2]}) == 2
-    for host in hosts[:2]:
-        assert data not in host.redis_url
-        stream = streams.stage_key(lab.state["swarm"], f"{host.name}-probe")
-        # As the lab's hosts dial each other, plain links too (INSECURE_CLEAR_PASSWORDS).
-        dialer = replace(Dialer.configured([], data, str(lab.ca_cert())), clear=True)
-        peer = redis.Redis.from_url(
-            dialer.url(without_credentials(host.redis_url)), socket_timeout=10
+    swarm = lab.state["swarm"]
+    owner = hosts[1]  # a stage host (its Redis TLS only); host 0 runs the registry
+    monkeypatch.setenv("SPECPIPE_INSECURE_CLEAR_PASSWORDS", "1")  # as the lab's processes do
+    pin = (lab.home / COORDINATOR_PUB_FILE).read_text().strip()
+    config = replace(Settings.from_env(), home=lab.home).for_swarm(
+        hosts[0].redis_url, swarm, b"unused", coordinator_public_key=pin
+    )
+    admin = lab.admin_redis(hosts[0])
+    roster, _ = identity.read_roster(admin, swarm, trust.keyring(config).coordinator)
+    admin.close()
+    address = without_credentials(owner.redis_url)
+    stream = streams.stage_key(swarm, f"{owner.name}-probe")
+    urls = {}
+    for writer in (hosts[0].name, identity.COORDINATOR):
+        dialer = replace(
+            Dialer.configured([], None, str(lab.ca_cert()), own_peering(config, writer)),
+            clear=True,
         )
+        dialer.learn(roster, [(owner.name, address)])
+        urls[writer] = dialer.url(address)
+        assert f"//{writer}%40{swarm}:" in urls[writer]
+        peer = redis.Redis.from_url(urls[writer], socket_timeout=10)
         try:
             streams.send(peer, stream, b"sealed elsewhere")
             for command in (("XRANGE", stream, "-", "+"), ("EVAL", "return 1", "0"), ("INFO",)):
@@ -85,17 +97,30 @@ def test_what_other_hosts_hold_reaches_only_a_stages_stream_and_the_registrys_ke
                     peer.execute_command(*command)
         finally:
             peer.close()
-        own = redis.Redis.from_url(host.redis_url, socket_timeout=10)
-        assert own.xlen(stream) == 1
+    # Each writer's password is its own: the coordinator's does not open the Redis as host 0.
+    password = {w: url.split("//")[1].split("@")[0].split(":")[1] for w, url in urls.items()}
+    assert password[hosts[0].name] != password[identity.COORDINATOR]
+    swapped = urls[hosts[0].name].replace(password[hosts[0].name], password[identity.COORDINATOR])
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis.from_url(swapped, socket_timeout=10).ping()
+    own = redis.Redis.from_url(owner.redis_url, socket_timeout=10)
+    try:
+        assert own.xlen(stream) == 2
         own.delete(stream, streams.bell_key(stream))
+    finally:
         own.close()
+    keeper = lab.admin_redis(owner)
+    users = {u.decode() for u in keeper.execute_command("ACL", "USERS")}
+    keeper.close()
+    writers = {f"{h}@{swarm}" for h in roster.sealing if h != owner.name}
+    assert users == {"default", "specpipe", "specpipe-keeper", "lab-admin"} | writers | {
+        f"{identity.COORDINATOR}@{swarm}"
+    }
     # The registry: no password handed out; each host reaches it as its own user, with a
     # password it derives, that writes its own record only.
     registry = lab.env(hosts[1])["SPECPIPE_REGISTRY_URL"]
     assert "@" not in registry and f"//{hosts[0].address}:" in registry
     assert lab.env(hosts[0])["SPECPIPE_REGISTRY_URL"] == hosts[0].redis_url
-    pin = (lab.home / COORDINATOR_PUB_FILE).read_text().strip()
-    monkeypatch.setenv("SPECPIPE_INSECURE_CLEAR_PASSWORDS", "1")  # as the lab's processes do
     config = replace(Settings.from_env(), home=lab.home).for_swarm(
         registry, lab.state["swarm"], b"unused", coordinator_public_key=pin
     )

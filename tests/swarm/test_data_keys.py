@@ -374,8 +374,9 @@ def test_of_what_each_host_holds_only_the_epochs_data_key_is_held_by_another(
     """Every key each host holds for the data plane (its key files, the data keys it opens from
     the roster, all it could take from the registry): the admitted hosts share the current
     epoch's data key (and the previous one's while it is accepted), which a ring needs, and
-    nothing else; the revoked host shares nothing it can get now. (The swarm key and the
-    data-plane password are still common to all hosts: docs/security.md says so.)"""
+    nothing else; the revoked host shares nothing it can get now. (The passwords a host logs in
+    to the others' Redis with are derived per pair: tests/swarm/test_peering.py; a host that
+    joins by invitation holds no swarm key: tests/lab/test_invite.py.)"""
     home, config = host_0(tmp_path, redis_url, swarm)
     client = redis.Redis.from_url(redis_url)
     roster.revoke(client, swarm, "c", home)

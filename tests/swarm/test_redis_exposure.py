@@ -125,6 +125,12 @@ def test_a_patched_build_serves_other_hosts_and_a_vouched_backport_is_a_warning(
     with RedisServer(old, host=address, password="p", accept_backported=True) as server:
         assert server.answers()
     assert "predates the fixes for CVE-2025-49844" in caplog.text
+    # Lua fixed, but before Redis 7: no user per host that reaches only its keys, vouched or not.
+    for vouched in (False, True):
+        with pytest.raises(UnsafeRedis, match="ACL selectors came with Redis 7"):
+            RedisServer(
+                reporting(tmp_path, "6.2.20"), host=address, password="p", accept_backported=vouched
+            ).start()
 
 
 def test_join_refuses_to_start_an_unpatched_redis_for_other_hosts(tmp_path, monkeypatch, redis_url):

@@ -45,6 +45,7 @@ from specpipe.settings import DEFAULT_HEARTBEAT_S
 from specpipe.swarm import inventory, streams, wire
 from specpipe.swarm.clock import SwarmClock
 from specpipe.swarm.dialing import Dialer
+from specpipe.swarm.peering import Peering
 from specpipe.swarm.redact import without_credentials
 from specpipe.swarm.stage import budget
 from specpipe.swarm.stage.activity import Activity
@@ -102,8 +103,13 @@ class WorkerConfig:
     # The sampler a session's parameters get on the tail (the lossless one they name, unless
     # the process installs a test double).
     tail_sampling: TailSampling = TailSampling()
-    # The swarm's data-plane password: added to the address of every other host's Redis dialled.
+    # A swarm-wide data-plane password (only a swarm without host identities has one).
     redis_password: str | None = field(default=None, repr=False)
+    # This host's own users on the other hosts' Redis (`specpipe.swarm.peering`).
+    peering: Peering | None = None
+    # The stage's own Redis as its keeper, who makes the other hosts' users there (None: the
+    # registry's, whose users host 0 keeps, or a Redis without a keeper).
+    keeper_url: str | None = field(default=None, repr=False)
     # This host's copy of the swarm CA: every other host's TLS Redis is verified against it.
     tls_ca: str | None = None
 
@@ -129,7 +135,10 @@ class StageWorker:
         host, swarm = config.host, config.swarm
         self.stream = streams.stage_key(swarm, host)
         dialer = Dialer.configured(
-            (config.redis_url, config.registry), config.redis_password, config.tls_ca
+            (config.redis_url, config.registry),
+            config.redis_password,
+            config.tls_ca,
+            config.peering,
         )
         self.connections = streams.Connections(dialer)
         self.client = self.connections.get(config.redis_url)
@@ -166,8 +175,14 @@ class StageWorker:
         self.samplers = TailSamplers(stage, config.tail_sampling, self.stats, head)
         replies = Replies(swarm, host, self.stage_keys, config.registry)
         self.outbox = Outbox(self._link(replies))
+        keeper = redis.Redis.from_url(config.keeper_url) if config.keeper_url else None
         self.directory = Directory(
-            self.connections.get(config.registry), swarm, self.stage_keys, self.clock
+            self.connections.get(config.registry),
+            swarm,
+            self.stage_keys,
+            self.clock,
+            dialer,
+            keeper,
         )
         self.directory.refresh()  # the roster, before the first message is read
         self.admission.refresh_roster = self.directory.refresh
@@ -418,3 +433,5 @@ def run(
                 pass
         worker.connections.close()
         worker.clock.client.close()
+        if worker.directory.keeper is not None:
+            worker.directory.keeper.close()
