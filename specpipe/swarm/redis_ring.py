@@ -378,7 +378,7 @@ class RedisRing:
         it could not is checked before its next hop is left out."""
         hop = next(hop for hop in self.route if hop.host == host)
         client = redis.Redis.from_url(
-            self.connections.dialer.url(hop.redis_url),
+            self.connections.dialer.url(hop.redis_url, host),
             socket_timeout=PROBE_TIMEOUT_S,
             socket_connect_timeout=PROBE_TIMEOUT_S,
         )
